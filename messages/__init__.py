@@ -1,0 +1,82 @@
+"""zmqworker's wire contract: message types, the codec and the protocol version.
+
+Nothing here imports zmqworker: an engine can depend on this package alone.
+"""
+
+from messages.codec import INLINE_MAX_BYTES, Decoder, Encoder
+from messages.config import (
+    CacheConfig,
+    DeviceConfig,
+    ModelConfig,
+    ParallelConfig,
+    ProfilerConfig,
+    SchedulerConfig,
+    WorkerConfig,
+)
+from messages.errors import ProtocolError
+from messages.kv_cache import (
+    KVCacheConfig,
+    KVCacheGroup,
+    KVCacheSpec,
+    KVCacheTensor,
+    make_kv_cache_config,
+)
+from messages.rpc import (
+    ALL_RANKS,
+    Hello,
+    Message,
+    PipelineTensors,
+    RemoteError,
+    RpcReply,
+    RpcRequest,
+    Value,
+    Welcome,
+)
+from messages.sampling import SamplingParams
+from messages.step import (
+    CachedRequestData,
+    GrammarOutput,
+    IntermediateTensors,
+    LogprobsLists,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
+from messages.version import PROTOCOL_VERSION
+
+__all__ = [
+    "ALL_RANKS",
+    "INLINE_MAX_BYTES",
+    "PROTOCOL_VERSION",
+    "CacheConfig",
+    "CachedRequestData",
+    "Decoder",
+    "DeviceConfig",
+    "Encoder",
+    "GrammarOutput",
+    "Hello",
+    "IntermediateTensors",
+    "KVCacheConfig",
+    "KVCacheGroup",
+    "KVCacheSpec",
+    "KVCacheTensor",
+    "LogprobsLists",
+    "Message",
+    "ModelConfig",
+    "ModelRunnerOutput",
+    "NewRequestData",
+    "ParallelConfig",
+    "PipelineTensors",
+    "ProfilerConfig",
+    "ProtocolError",
+    "RemoteError",
+    "RpcReply",
+    "RpcRequest",
+    "SamplingParams",
+    "SchedulerConfig",
+    "SchedulerOutput",
+    "Value",
+    "Welcome",
+    "WorkerConfig",
+    "make_kv_cache_config",
+]

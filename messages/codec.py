@@ -1,0 +1,197 @@
+"""The codec: one message is a msgpack body plus zero or more raw frames.
+
+Body: the msgpack array [PROTOCOL_VERSION, message]; the message is a map whose "type"
+key names its kind. A numpy array or torch tensor inside a message is a msgpack ext
+value (docs/protocol.md has the byte layout):
+
+    ext code 1 numpy inline, 2 numpy in a frame, 3 torch inline, 4 torch in a frame
+    payload: dtype u8 | ndim u8 | shape: ndim x u64 LE | raw bytes, or frame index u32 LE
+
+Buffers above the inline limit travel as frames of their own (frame 0 is the body),
+never copied on either side. Every decode failure raises ProtocolError, nothing else.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+import msgspec
+import numpy as np
+import torch
+
+from messages.errors import ProtocolError
+from messages.rpc import Message
+from messages.version import PROTOCOL_VERSION
+
+# Buffers larger than this travel as their own frame, zero-copy; smaller ones are
+# copied into the body, where they cost less than a frame of their own.
+INLINE_MAX_BYTES = 16 * 1024
+
+EXT_NUMPY_INLINE, EXT_NUMPY_FRAME, EXT_TORCH_INLINE, EXT_TORCH_FRAME = 1, 2, 3, 4
+
+# Wire dtype codes. Append only: the numbers are part of the protocol.
+DTYPE_NAMES = (
+    "bool", "uint8", "int8", "int16", "int32", "int64",
+    "float16", "bfloat16", "float32", "float64",
+)  # fmt: skip
+TORCH_DTYPES = [getattr(torch, name) for name in DTYPE_NAMES]
+NUMPY_DTYPES = [None if name == "bfloat16" else np.dtype(name) for name in DTYPE_NAMES]
+_TORCH_CODE = {dt: i for i, dt in enumerate(TORCH_DTYPES)}
+_NUMPY_CODE = {dt: i for i, dt in enumerate(NUMPY_DTYPES) if dt is not None}
+
+_FRAME = struct.Struct("<I")
+_SHAPES = [struct.Struct(f"<{n}Q") for n in range(33)]  # the shape after the 2-byte head
+_HEADS = [struct.Struct(f"<BB{n}Q") for n in range(33)]  # dtype, ndim, shape
+
+# Decoded frames are read-only memory owned by the received message; torch warns about
+# every tensor made over such memory. Receivers treat decoded tensors as read-only.
+warnings.filterwarnings("ignore", message="The given buffer is not writable")
+
+
+class _Envelope(msgspec.Struct, array_like=True):
+    version: int
+    msg: Message
+
+
+class _RawEnvelope(msgspec.Struct, array_like=True):
+    version: int
+    msg: msgspec.Raw
+
+
+class Encoder:
+    """Encodes messages into [body, *frames]. Not thread-safe: one per sending thread."""
+
+    def __init__(self, inline_max_bytes: int = INLINE_MAX_BYTES) -> None:
+        self._inline_max = inline_max_bytes
+        self._frames: list[memoryview] = []
+        self._enc = msgspec.msgpack.Encoder(enc_hook=self._enc_hook)
+
+    def encode(self, msg: Message) -> list[bytes | memoryview]:
+        """The frames of msg. The returned memoryviews keep their arrays alive."""
+        self._frames = []
+        try:
+            return [self._enc.encode(_Envelope(PROTOCOL_VERSION, msg)), *self._frames]
+        finally:
+            self._frames = []
+
+    def _enc_hook(self, obj: Any) -> msgspec.msgpack.Ext:
+        if isinstance(obj, np.ndarray):
+            code = _NUMPY_CODE.get(obj.dtype)
+            if code is None:
+                raise ValueError(f"array dtype {obj.dtype} has no wire encoding")
+            return self._ext(EXT_NUMPY_INLINE, code, obj.shape, obj, obj.nbytes)
+        if isinstance(obj, torch.Tensor):
+            if obj.device.type != "cpu":
+                raise ValueError(f"tensor on {obj.device}: copy it to the CPU before encoding")
+            code = _TORCH_CODE.get(obj.dtype)
+            if code is None:
+                raise ValueError(f"tensor dtype {obj.dtype} has no wire encoding")
+            raw = obj.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
+            return self._ext(EXT_TORCH_INLINE, code, obj.shape, raw, raw.nbytes)
+        raise NotImplementedError(f"cannot encode {type(obj).__name__}")
+
+    def _ext(self, kind: int, code: int, shape: tuple, raw: np.ndarray, nbytes: int):
+        head = _HEADS[len(shape)].pack(code, len(shape), *shape)
+        if nbytes <= self._inline_max:
+            return msgspec.msgpack.Ext(kind, head + raw.tobytes())
+        self._frames.append(memoryview(np.ascontiguousarray(raw)).cast("B"))
+        return msgspec.msgpack.Ext(kind + 1, head + _FRAME.pack(len(self._frames)))
+
+
+class Decoder:
+    """Decodes [body, *frames] into a message. Not thread-safe: one per receiving thread.
+
+    Arrays and tensors decoded from separate frames share the frames' memory.
+    """
+
+    def __init__(self) -> None:
+        self._frames: Sequence[memoryview] = ()
+        self._used: set[int] = set()
+        self._env = msgspec.msgpack.Decoder(_RawEnvelope)
+        self._msg = msgspec.msgpack.Decoder(
+            Message, ext_hook=self._ext_hook, dec_hook=self._dec_hook
+        )
+
+    def decode(self, frames: Sequence[Any]) -> Message:
+        """frames: the body and the raw frames, as bytes, memoryviews or zmq Frames."""
+        if not frames:
+            raise ProtocolError("empty message: no body frame")
+        try:
+            views = [memoryview(f) for f in frames]
+        except TypeError as e:
+            raise ProtocolError(f"a frame is not a buffer: {e}") from None
+        try:
+            env = self._env.decode(views[0])
+        except msgspec.MsgspecError as e:
+            raise ProtocolError(f"malformed body: {e}") from None
+        if env.version != PROTOCOL_VERSION:
+            raise ProtocolError(
+                f"protocol version {env.version} is not this side's {PROTOCOL_VERSION}"
+            )
+        self._frames, self._used = views, set()
+        try:
+            msg = self._msg.decode(env.msg)
+        except ProtocolError:
+            raise
+        except msgspec.MsgspecError as e:
+            raise ProtocolError(f"invalid message: {e}") from None
+        except Exception as e:  # nothing but ProtocolError may leave the decoder
+            raise ProtocolError(f"invalid message: {type(e).__name__}: {e}") from None
+        finally:
+            self._frames = ()
+        if len(self._used) != len(views) - 1:
+            raise ProtocolError(
+                f"{len(views) - 1 - len(self._used)} trailing frame(s) that no field refers to"
+            )
+        return msg
+
+    def _ext_hook(self, kind: int, data: memoryview) -> Any:
+        if not EXT_NUMPY_INLINE <= kind <= EXT_TORCH_FRAME:
+            raise ProtocolError(f"unknown ext type {kind}")
+        if len(data) < 2 or data[1] >= len(_SHAPES) or len(data) < 2 + 8 * data[1]:
+            raise ProtocolError("array header truncated or over 32 dimensions")
+        code, ndim = data[0], data[1]
+        if code >= len(DTYPE_NAMES):
+            raise ProtocolError(f"unknown dtype code {code}")
+        dtype = TORCH_DTYPES[code] if kind >= EXT_TORCH_INLINE else NUMPY_DTYPES[code]
+        if dtype is None:
+            raise ProtocolError(f"{DTYPE_NAMES[code]} cannot be a numpy array: send a tensor")
+        shape = _SHAPES[ndim].unpack_from(data, 2)
+        buf = data[2 + 8 * ndim :] if kind % 2 else self._frame(data, 2 + 8 * ndim)
+        size = math.prod(shape)
+        if buf.nbytes != size * dtype.itemsize:
+            raise ProtocolError(
+                f"{DTYPE_NAMES[code]}{list(shape)} needs {size * dtype.itemsize} bytes, "
+                f"the buffer holds {buf.nbytes}"
+            )
+        if kind < EXT_TORCH_INLINE:
+            out = np.frombuffer(buf, dtype)
+            return out if ndim == 1 else out.reshape(shape)
+        if size == 0:
+            return torch.empty(shape, dtype=dtype)
+        return torch.frombuffer(buf, dtype=dtype).reshape(shape)
+
+    def _frame(self, data: memoryview, start: int) -> memoryview:
+        if len(data) != start + 4:
+            raise ProtocolError("frame reference must be a 4-byte index")
+        (index,) = _FRAME.unpack_from(data, start)
+        if not 1 <= index < len(self._frames):
+            raise ProtocolError(
+                f"frame index {index} out of range: the message has "
+                f"{len(self._frames) - 1} data frame(s)"
+            )
+        if index in self._used:
+            raise ProtocolError(f"frame {index} is referred to twice")
+        self._used.add(index)
+        frame = self._frames[index]
+        return frame if frame.format == "B" and frame.ndim == 1 else frame.cast("B")
+
+    @staticmethod
+    def _dec_hook(typ: type, obj: Any) -> Any:
+        if isinstance(obj, typ):
+            return obj
+        raise ProtocolError(f"expected {typ.__name__}, got {type(obj).__name__}")

@@ -1,0 +1,70 @@
+"""Configuration a worker receives at start-up, as one WorkerConfig message."""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class ModelConfig(msgspec.Struct, tag=True, frozen=True, omit_defaults=True):
+    """Which checkpoint to run and how. path is a Hugging Face checkpoint folder."""
+
+    path: str
+    dtype: str = "float32"  # float32 | bfloat16 | float16
+    max_model_len: int | None = None  # None: the checkpoint's max_position_embeddings
+    seed: int = 0
+
+
+class ParallelConfig(msgspec.Struct, tag=True, frozen=True, omit_defaults=True):
+    """The layout. A worker's rank within its data-parallel replica is
+    pp_rank * tensor_parallel_size + tp_rank."""
+
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    data_parallel_size: int = 1
+    data_parallel_rank: int = 0
+    distributed_init_method: str = ""  # torch.distributed init URL, e.g. tcp://127.0.0.1:port
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+
+class CacheConfig(msgspec.Struct, tag=True, frozen=True, omit_defaults=True):
+    """KV cache sizing. kv_cache_bytes, when set, overrides both memory rules."""
+
+    block_size: int = 16
+    cache_dtype: str = "auto"  # auto: the model dtype
+    gpu_memory_utilization: float = 0.9
+    cpu_memory_fraction: float = 0.25  # CPU budget: this fraction of available memory
+    kv_cache_bytes: int | None = None
+
+
+class DeviceConfig(msgspec.Struct, tag=True, frozen=True, omit_defaults=True):
+    device: str = "auto"  # auto | cpu | cuda
+    num_threads: int | None = None  # torch intra-op threads; None leaves torch's default
+
+
+class ProfilerConfig(msgspec.Struct, tag=True, frozen=True, omit_defaults=True):
+    profiler: str = "none"  # none | torch | cuda
+    output_dir: str = ""
+
+
+class SchedulerConfig(msgspec.Struct, tag=True, frozen=True, omit_defaults=True):
+    """Limits the engine schedules within; the worker sizes profiling and warm-up from them."""
+
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    warmup_batch_sizes: list[int] = msgspec.field(default_factory=lambda: [1, 8])
+
+
+class WorkerConfig(msgspec.Struct, tag=True, frozen=True, omit_defaults=True):
+    """Everything a worker needs, sent in the Welcome message of the handshake."""
+
+    model: ModelConfig
+    parallel: ParallelConfig = ParallelConfig()
+    cache: CacheConfig = CacheConfig()
+    device: DeviceConfig = DeviceConfig()
+    profiler: ProfilerConfig = ProfilerConfig()
+    scheduler: SchedulerConfig = SchedulerConfig()
+    worker_cls: str = "zmqworker.worker.gpu_worker.Worker"
+    worker_extension_cls: str = ""

@@ -1,0 +1,102 @@
+"""The RPC envelope, the start-up handshake and the pipeline-parallel tensor message."""
+
+from __future__ import annotations
+
+from typing import Union
+
+import msgspec
+
+from messages.config import WorkerConfig
+from messages.kv_cache import KVCacheConfig, KVCacheSpec
+from messages.sampling import SamplingParams
+from messages.step import (
+    GrammarOutput,
+    IntermediateTensors,
+    ModelRunnerOutput,
+    SchedulerOutput,
+)
+
+# What an RPC argument or result may be: plain values, or one of the declared messages.
+# Lists hold plain values only. There is deliberately no catch-all: anything else fails
+# to encode on the sender's side.
+Value = Union[
+    None,
+    bool,
+    int,
+    float,
+    str,
+    list,
+    SchedulerOutput,
+    GrammarOutput,
+    ModelRunnerOutput,
+    IntermediateTensors,
+    KVCacheConfig,
+    KVCacheSpec,
+    WorkerConfig,
+    SamplingParams,
+]
+
+ALL_RANKS = None
+
+
+class RpcRequest(msgspec.Struct, tag=True):
+    """Call method on every worker. reply_rank None: every rank replies; an int: only that
+    rank replies (the others run the call and stay silent). deadline is a time.time()
+    instant after which the caller no longer waits; 0 means none."""
+
+    call_id: int
+    method: str
+    args: list[Value] = []
+    kwargs: dict[str, Value] = {}
+    deadline: float = 0.0
+    reply_rank: int | None = ALL_RANKS
+
+
+class RemoteError(msgspec.Struct, tag=True):
+    """An exception raised on a worker, as the engine sees it."""
+
+    rank: int
+    exc_type: str
+    message: str
+    traceback: str
+
+
+class RpcReply(msgspec.Struct, tag=True):
+    """The answer of one rank to one call: result, or error when the call raised."""
+
+    call_id: int
+    rank: int
+    result: Value = None
+    error: RemoteError | None = None
+
+
+class Hello(msgspec.Struct, tag=True):
+    """First message of a worker: who it is, and the token it was started with.
+    data_address is where it receives pipeline tensors ("" if it is the first stage)."""
+
+    protocol_version: int
+    rank: int
+    pid: int
+    token: str
+    hostname: str = ""
+    data_address: str = ""
+
+
+class Welcome(msgspec.Struct, tag=True):
+    """The engine's answer to Hello: this worker's configuration and environment, and the
+    data addresses of every rank (index = rank) for the pipeline channel."""
+
+    config: WorkerConfig
+    env: dict[str, str] = {}
+    data_addresses: list[str] = []
+
+
+class PipelineTensors(msgspec.Struct, tag=True):
+    """Stage-to-stage tensors for the step with this call id."""
+
+    call_id: int
+    src_rank: int
+    tensors: IntermediateTensors
+
+
+Message = Union[RpcRequest, RpcReply, Hello, Welcome, PipelineTensors]

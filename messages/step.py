@@ -1,0 +1,163 @@
+"""The per-step messages, with vLLM v1's field semantics, laid out in columns for speed.
+
+A request is named on the hot path by its handle: a non-negative int32 the engine
+assigns when it first sends the request (NewRequestData carries both the handle and the
+string req_id), valid until the request finishes or is preempted. Per-request numbers
+are numpy columns, which the codec moves as raw bytes, so a 256-request decode step
+costs a few memcpys rather than thousands of small msgpack objects. Ragged data (several
+values per request) is a flat array plus a per-request count column.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import msgspec
+import numpy as np
+import torch
+
+from messages.sampling import SamplingParams
+
+
+class NewRequestData(msgspec.Struct, tag=True):
+    """A request the worker has not seen (or that starts over after preemption), in full.
+
+    prompt_token_ids holds every token to compute: for a request that restarts after
+    preemption, the prompt followed by the tokens it had generated.
+    """
+
+    req_id: str
+    req_handle: int
+    prompt_token_ids: np.ndarray  # int32 [prompt_len]
+    sampling_params: SamplingParams
+    block_ids: np.ndarray  # int32 [num_blocks]: the request's block table so far
+    num_scheduled_tokens: int
+    num_computed_tokens: int = 0  # tokens whose KV is already cached (prefix-cache hits)
+
+
+# Rows of CachedRequestData.columns.
+HANDLE, NUM_COMPUTED, NUM_SCHEDULED, NUM_NEW_BLOCKS, NUM_NEW_TOKENS = range(5)
+
+
+class CachedRequestData(msgspec.Struct, tag=True):
+    """Requests the worker already holds, as deltas since the previous step.
+
+    columns is one int32 array [5, n], a row per field, a column per request:
+      HANDLE          the request's handle
+      NUM_COMPUTED    tokens already in the KV cache before this step
+      NUM_SCHEDULED   tokens to compute this step
+      NUM_NEW_BLOCKS  how many of new_block_ids belong to this request (in order)
+      NUM_NEW_TOKENS  how many of new_token_ids belong to this request (in order)
+    new_token_ids carries tokens the worker did not sample itself: those sampled on the
+    last pipeline stage, for the other stages. A request in resumed_req_handles was
+    preempted and comes back with its KV kept: its block table is replaced by its new
+    blocks instead of extended.
+    """
+
+    columns: np.ndarray  # int32 [5, n]
+    new_block_ids: np.ndarray | None = None  # int32 [sum of NUM_NEW_BLOCKS]; None if 0
+    new_token_ids: np.ndarray | None = None  # int32 [sum of NUM_NEW_TOKENS]; None if 0
+    resumed_req_handles: list[int] = []
+
+    @classmethod
+    def build(
+        cls,
+        req_handles: Sequence[int],
+        num_computed_tokens: Sequence[int],
+        num_scheduled_tokens: Sequence[int],
+        new_block_ids: Sequence[Sequence[int]] | None = None,
+        new_token_ids: Sequence[Sequence[int]] | None = None,
+        resumed_req_handles: Sequence[int] = (),
+    ) -> CachedRequestData:
+        """From per-request values; None for new blocks or tokens means none for anyone."""
+        n = len(req_handles)
+        columns = np.zeros((5, n), np.int32)
+        columns[HANDLE] = req_handles
+        columns[NUM_COMPUTED] = num_computed_tokens
+        columns[NUM_SCHEDULED] = num_scheduled_tokens
+        blocks, tokens = _ragged(new_block_ids, n), _ragged(new_token_ids, n)
+        columns[NUM_NEW_BLOCKS], columns[NUM_NEW_TOKENS] = blocks[0], tokens[0]
+        return cls(columns, blocks[1], tokens[1], list(resumed_req_handles))
+
+    @classmethod
+    def empty(cls) -> CachedRequestData:
+        return cls.build([], [], [])
+
+    def __len__(self) -> int:
+        return self.columns.shape[1]
+
+    @property
+    def req_handles(self) -> np.ndarray:
+        return self.columns[HANDLE]
+
+    @property
+    def num_computed_tokens(self) -> np.ndarray:
+        return self.columns[NUM_COMPUTED]
+
+    @property
+    def num_scheduled_tokens(self) -> np.ndarray:
+        return self.columns[NUM_SCHEDULED]
+
+    @property
+    def num_new_blocks(self) -> np.ndarray:
+        return self.columns[NUM_NEW_BLOCKS]
+
+    @property
+    def num_new_tokens(self) -> np.ndarray:
+        return self.columns[NUM_NEW_TOKENS]
+
+
+def _ragged(rows: Sequence[Sequence[int]] | None, n: int) -> tuple[np.ndarray, np.ndarray | None]:
+    """(counts, flat values or None when there are none) of n rows of ints; None stands
+    for n empty rows."""
+    if rows is None:
+        return np.zeros(n, np.int32), None
+    counts = np.fromiter((len(r) for r in rows), np.int32, count=n)
+    total = int(counts.sum())
+    if total == 0:
+        return counts, None
+    return counts, np.fromiter((v for r in rows for v in r), np.int32, count=total)
+
+
+class SchedulerOutput(msgspec.Struct, tag=True):
+    """One scheduler step. finished and preempted requests leave the batch before the
+    step runs (a preempted request comes back later, as new or as resumed)."""
+
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: CachedRequestData
+    total_num_scheduled_tokens: int
+    finished_req_handles: list[int] = []
+    preempted_req_handles: list[int] = []
+
+
+class GrammarOutput(msgspec.Struct, tag=True):
+    """Structured-output constraints for one step: bit j of row i (word j // 32, bit
+    j % 32) allows token j for req_handles[i]."""
+
+    req_handles: np.ndarray  # int32 [n]
+    grammar_bitmask: np.ndarray  # int32 [n, ceil(vocab / 32)]
+
+
+class LogprobsLists(msgspec.Struct, tag=True):
+    """Row i belongs to the i-th request of the output; column 0 is the sampled token,
+    columns 1..k the top-k tokens."""
+
+    logprob_token_ids: np.ndarray  # int32 [n, k + 1]
+    logprobs: np.ndarray  # float32 [n, k + 1]
+    sampled_token_ranks: np.ndarray  # int32 [n]
+
+
+class ModelRunnerOutput(msgspec.Struct, tag=True):
+    """What the last pipeline stage returns for a step. sampled_token_ids[i] is the token
+    sampled for req_handles[i], or -1 when that request is in the middle of a chunked
+    prefill and sampled nothing."""
+
+    req_handles: np.ndarray  # int32 [n]
+    sampled_token_ids: np.ndarray  # int32 [n]
+    logprobs: LogprobsLists | None = None
+
+
+class IntermediateTensors(msgspec.Struct, tag=True):
+    """What one pipeline stage hands the next: hidden states and residual, by name."""
+
+    tensors: dict[str, torch.Tensor]
