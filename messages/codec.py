@@ -32,6 +32,7 @@ from messages.version import PROTOCOL_VERSION
 INLINE_MAX_BYTES = 16 * 1024
 
 EXT_NUMPY_INLINE, EXT_NUMPY_FRAME, EXT_TORCH_INLINE, EXT_TORCH_FRAME = 1, 2, 3, 4
+MAX_NDIM = 32
 
 # Wire dtype codes. Append only: the numbers are part of the protocol.
 DTYPE_NAMES = (
@@ -42,10 +43,21 @@ TORCH_DTYPES = [getattr(torch, name) for name in DTYPE_NAMES]
 NUMPY_DTYPES = [None if name == "bfloat16" else np.dtype(name) for name in DTYPE_NAMES]
 _TORCH_CODE = {dt: i for i, dt in enumerate(TORCH_DTYPES)}
 _NUMPY_CODE = {dt: i for i, dt in enumerate(NUMPY_DTYPES) if dt is not None}
+_BFLOAT16 = DTYPE_NAMES.index("bfloat16")
+# ext kind -> what each dtype code decodes to (None: that kind cannot carry that dtype)
+_DECODED_DTYPES = {
+    EXT_NUMPY_INLINE: NUMPY_DTYPES,
+    EXT_NUMPY_FRAME: NUMPY_DTYPES,
+    EXT_TORCH_INLINE: TORCH_DTYPES,
+    EXT_TORCH_FRAME: TORCH_DTYPES,
+}
 
 _FRAME = struct.Struct("<I")
-_SHAPES = [struct.Struct(f"<{n}Q") for n in range(33)]  # the shape after the 2-byte head
-_HEADS = [struct.Struct(f"<BB{n}Q") for n in range(33)]  # dtype, ndim, shape
+_SHAPES = [struct.Struct(f"<{n}Q") for n in range(MAX_NDIM + 1)]  # after the 2-byte head
+_HEADS = [struct.Struct(f"<BB{n}Q") for n in range(MAX_NDIM + 1)]  # dtype, ndim, shape
+# What every body of this version starts with: a 2-element array, then the version as a
+# positive fixint (msgspec writes the shortest form).
+_BODY_PREFIX = bytes([0x92, PROTOCOL_VERSION])
 
 # Decoded frames are read-only memory owned by the received message; torch warns about
 # every tensor made over such memory. Receivers treat decoded tensors as read-only.
@@ -72,49 +84,56 @@ class Encoder:
 
     def encode(self, msg: Message) -> list[bytes | memoryview]:
         """The frames of msg. The returned memoryviews keep their arrays alive."""
-        self._frames = []
+        frames: list[bytes | memoryview] = [b""]
+        self._frames = frames
         try:
-            return [self._enc.encode(_Envelope(PROTOCOL_VERSION, msg)), *self._frames]
+            frames[0] = self._enc.encode(_Envelope(PROTOCOL_VERSION, msg))
         finally:
             self._frames = []
+        return frames
 
     def _enc_hook(self, obj: Any) -> msgspec.msgpack.Ext:
         if isinstance(obj, np.ndarray):
-            code = _NUMPY_CODE.get(obj.dtype)
+            kind, code, arr = EXT_NUMPY_INLINE, _NUMPY_CODE.get(obj.dtype), obj
             if code is None:
                 raise ValueError(f"array dtype {obj.dtype} has no wire encoding")
-            return self._ext(EXT_NUMPY_INLINE, code, obj.shape, obj, obj.nbytes)
-        if isinstance(obj, torch.Tensor):
-            if obj.device.type != "cpu":
+        elif isinstance(obj, torch.Tensor):
+            if not obj.is_cpu:
                 raise ValueError(f"tensor on {obj.device}: copy it to the CPU before encoding")
-            code = _TORCH_CODE.get(obj.dtype)
+            kind, code = EXT_TORCH_INLINE, _TORCH_CODE.get(obj.dtype)
             if code is None:
                 raise ValueError(f"tensor dtype {obj.dtype} has no wire encoding")
-            raw = obj.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
-            return self._ext(EXT_TORCH_INLINE, code, obj.shape, raw, raw.nbytes)
-        raise NotImplementedError(f"cannot encode {type(obj).__name__}")
-
-    def _ext(self, kind: int, code: int, shape: tuple, raw: np.ndarray, nbytes: int):
+            if obj.requires_grad:
+                obj = obj.detach()
+            # numpy has no bfloat16: its bits travel through an int16 view
+            arr = (obj.view(torch.int16) if code == _BFLOAT16 else obj).numpy()
+        else:
+            raise TypeError(f"cannot encode {type(obj).__name__}")
+        shape = arr.shape
+        if len(shape) > MAX_NDIM:
+            raise ValueError(f"{len(shape)} dimensions: the wire carries at most {MAX_NDIM}")
         head = _HEADS[len(shape)].pack(code, len(shape), *shape)
-        if nbytes <= self._inline_max:
-            return msgspec.msgpack.Ext(kind, head + raw.tobytes())
-        self._frames.append(memoryview(np.ascontiguousarray(raw)).cast("B"))
-        return msgspec.msgpack.Ext(kind + 1, head + _FRAME.pack(len(self._frames)))
+        if arr.nbytes <= self._inline_max:
+            return msgspec.msgpack.Ext(kind, head + arr.tobytes())
+        self._frames.append(memoryview(np.ascontiguousarray(arr)).cast("B"))
+        return msgspec.msgpack.Ext(kind + 1, head + _FRAME.pack(len(self._frames) - 1))
 
 
 class Decoder:
     """Decodes [body, *frames] into a message. Not thread-safe: one per receiving thread.
 
-    Arrays and tensors decoded from separate frames share the frames' memory.
+    Arrays and tensors decoded from separate frames share the frames' memory; inline
+    ones share the body's.
     """
 
     def __init__(self) -> None:
         self._frames: Sequence[memoryview] = ()
         self._used: set[int] = set()
         self._env = msgspec.msgpack.Decoder(_RawEnvelope)
-        self._msg = msgspec.msgpack.Decoder(
-            Message, ext_hook=self._ext_hook, dec_hook=self._dec_hook
-        )
+        # No dec_hook: msgspec itself checks that an ext value decoded into an array field
+        # is an ndarray (or a Tensor), and names the field when it is not.
+        self._msg = msgspec.msgpack.Decoder(Message, ext_hook=self._ext_hook)
+        self._whole = msgspec.msgpack.Decoder(_Envelope, ext_hook=self._ext_hook)
 
     def decode(self, frames: Sequence[Any]) -> Message:
         """frames: the body and the raw frames, as bytes, memoryviews or zmq Frames."""
@@ -124,17 +143,9 @@ class Decoder:
             views = [memoryview(f) for f in frames]
         except TypeError as e:
             raise ProtocolError(f"a frame is not a buffer: {e}") from None
-        try:
-            env = self._env.decode(views[0])
-        except msgspec.MsgspecError as e:
-            raise ProtocolError(f"malformed body: {e}") from None
-        if env.version != PROTOCOL_VERSION:
-            raise ProtocolError(
-                f"protocol version {env.version} is not this side's {PROTOCOL_VERSION}"
-            )
         self._frames, self._used = views, set()
         try:
-            msg = self._msg.decode(env.msg)
+            msg = self._decode_body(views[0])
         except ProtocolError:
             raise
         except msgspec.MsgspecError as e:
@@ -149,31 +160,57 @@ class Decoder:
             )
         return msg
 
+    def _decode_body(self, body: memoryview) -> Message:
+        if body.format != "B":  # compare bytes below, not the items of some other format
+            body = body.cast("B")
+        # Fast path: this version's prefix, so envelope and message decode in one pass.
+        if body[:2] == _BODY_PREFIX:
+            return self._whole.decode(body).msg
+        # Anything else: read the version alone first, so that another version's message
+        # is reported as such rather than as whatever field its schema breaks.
+        try:
+            env = self._env.decode(body)
+        except msgspec.MsgspecError as e:
+            raise ProtocolError(f"malformed body: {e}") from None
+        if env.version != PROTOCOL_VERSION:
+            raise ProtocolError(
+                f"protocol version {env.version} is not this side's {PROTOCOL_VERSION}"
+            )
+        return self._msg.decode(env.msg)
+
     def _ext_hook(self, kind: int, data: memoryview) -> Any:
-        if not EXT_NUMPY_INLINE <= kind <= EXT_TORCH_FRAME:
+        dtypes = _DECODED_DTYPES.get(kind)
+        if dtypes is None:
             raise ProtocolError(f"unknown ext type {kind}")
-        if len(data) < 2 or data[1] >= len(_SHAPES) or len(data) < 2 + 8 * data[1]:
-            raise ProtocolError("array header truncated or over 32 dimensions")
+        if len(data) < 2:
+            raise ProtocolError("array header truncated")
         code, ndim = data[0], data[1]
+        if ndim > MAX_NDIM:
+            raise ProtocolError(f"array of {ndim} dimensions: at most {MAX_NDIM}")
+        start = 2 + 8 * ndim
+        if len(data) < start:
+            raise ProtocolError("array header truncated")
         if code >= len(DTYPE_NAMES):
             raise ProtocolError(f"unknown dtype code {code}")
-        dtype = TORCH_DTYPES[code] if kind >= EXT_TORCH_INLINE else NUMPY_DTYPES[code]
+        dtype = dtypes[code]
         if dtype is None:
             raise ProtocolError(f"{DTYPE_NAMES[code]} cannot be a numpy array: send a tensor")
         shape = _SHAPES[ndim].unpack_from(data, 2)
-        buf = data[2 + 8 * ndim :] if kind % 2 else self._frame(data, 2 + 8 * ndim)
+        if kind % 2:
+            buf, offset = data, start
+        else:
+            buf, offset = self._frame(data, start), 0
         size = math.prod(shape)
-        if buf.nbytes != size * dtype.itemsize:
+        if len(buf) - offset != size * dtype.itemsize:
             raise ProtocolError(
                 f"{DTYPE_NAMES[code]}{list(shape)} needs {size * dtype.itemsize} bytes, "
-                f"the buffer holds {buf.nbytes}"
+                f"the buffer holds {len(buf) - offset}"
             )
         if kind < EXT_TORCH_INLINE:
-            out = np.frombuffer(buf, dtype)
-            return out if ndim == 1 else out.reshape(shape)
+            return np.ndarray(shape, dtype, buf, offset)
         if size == 0:
             return torch.empty(shape, dtype=dtype)
-        return torch.frombuffer(buf, dtype=dtype).reshape(shape)
+        return torch.frombuffer(buf, dtype=dtype, count=size, offset=offset).reshape(shape)
 
     def _frame(self, data: memoryview, start: int) -> memoryview:
         if len(data) != start + 4:
@@ -189,9 +226,3 @@ class Decoder:
         self._used.add(index)
         frame = self._frames[index]
         return frame if frame.format == "B" and frame.ndim == 1 else frame.cast("B")
-
-    @staticmethod
-    def _dec_hook(typ: type, obj: Any) -> Any:
-        if isinstance(obj, typ):
-            return obj
-        raise ProtocolError(f"expected {typ.__name__}, got {type(obj).__name__}")

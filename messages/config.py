@@ -66,5 +66,5 @@ class WorkerConfig(msgspec.Struct, tag=True, frozen=True, omit_defaults=True):
     device: DeviceConfig = DeviceConfig()
     profiler: ProfilerConfig = ProfilerConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
-    worker_cls: str = "zmqworker.worker.gpu_worker.Worker"
+    worker_cls: str = "zmqworker.worker.torch_worker.Worker"
     worker_extension_cls: str = ""

@@ -62,4 +62,5 @@ def make_kv_cache_config(specs: list[KVCacheSpec], num_blocks: int) -> KVCacheCo
         names.extend(n for n in spec.layer_names if n not in names)
     merged = KVCacheSpec(first.block_size, first.num_kv_heads, first.head_size, first.dtype, names)
     tensors = [KVCacheTensor(num_blocks * merged.page_size_bytes, [n]) for n in names]
-    return KVCacheConfig(num_blocks=num_blocks, tensors=tensors, groups=[KVCacheGroup(names, merged)])
+    groups = [KVCacheGroup(names, merged)]
+    return KVCacheConfig(num_blocks=num_blocks, tensors=tensors, groups=groups)

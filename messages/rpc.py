@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Union
-
 import msgspec
 
 from messages.config import WorkerConfig
@@ -19,22 +17,22 @@ from messages.step import (
 # What an RPC argument or result may be: plain values, or one of the declared messages.
 # Lists hold plain values only. There is deliberately no catch-all: anything else fails
 # to encode on the sender's side.
-Value = Union[
-    None,
-    bool,
-    int,
-    float,
-    str,
-    list,
-    SchedulerOutput,
-    GrammarOutput,
-    ModelRunnerOutput,
-    IntermediateTensors,
-    KVCacheConfig,
-    KVCacheSpec,
-    WorkerConfig,
-    SamplingParams,
-]
+Value = (
+    None
+    | bool
+    | int
+    | float
+    | str
+    | list
+    | SchedulerOutput
+    | GrammarOutput
+    | ModelRunnerOutput
+    | IntermediateTensors
+    | KVCacheConfig
+    | KVCacheSpec
+    | WorkerConfig
+    | SamplingParams
+)
 
 ALL_RANKS = None
 
@@ -99,4 +97,4 @@ class PipelineTensors(msgspec.Struct, tag=True):
     tensors: IntermediateTensors
 
 
-Message = Union[RpcRequest, RpcReply, Hello, Welcome, PipelineTensors]
+Message = RpcRequest | RpcReply | Hello | Welcome | PipelineTensors

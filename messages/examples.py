@@ -1,0 +1,386 @@
+"""Canonical example messages, and an exact comparison for them.
+
+The golden fixtures (messages/make_fixtures.py), the codec tests and the serialization
+benchmark all build their messages here. Every builder is deterministic (seeded
+generators, no clocks, no uuid4), so a fixture's bytes change only when a schema does.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import struct
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+import numpy as np
+import torch
+
+from messages.config import (
+    CacheConfig,
+    DeviceConfig,
+    ModelConfig,
+    ParallelConfig,
+    ProfilerConfig,
+    SchedulerConfig,
+    WorkerConfig,
+)
+from messages.kv_cache import KVCacheSpec, make_kv_cache_config
+from messages.rpc import Hello, Message, PipelineTensors, RemoteError, RpcReply, RpcRequest, Welcome
+from messages.sampling import SamplingParams
+from messages.step import (
+    CachedRequestData,
+    GrammarOutput,
+    IntermediateTensors,
+    LogprobsLists,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
+from messages.version import PROTOCOL_VERSION
+
+BLOCK_SIZE = 16
+NUM_BLOCKS = 40_000
+VOCAB_SIZE = 49_152  # SmolLM2's
+HIDDEN_SIZE = 576  # SmolLM2-135M's
+DEADLINE = 1_767_225_600.25  # a fixed instant: fixtures must not depend on the clock
+PP_LAST_RANK = 1  # the examples run tp=1, pp=2: rank 1 samples and replies
+
+
+def req_id(i: int) -> str:
+    """A request id shaped like vLLM's completion ids, "cmpl-<32 hex>-0", derived from i."""
+    return f"cmpl-{hashlib.md5(str(i).encode()).hexdigest()}-0"
+
+
+class _Stream:
+    """Deterministic pseudo-random numbers (splitmix64 over a counter). Not
+    np.random.Generator: numpy does not promise its streams stay the same across
+    releases, and the fixtures' bytes must not change with the numpy version."""
+
+    def __init__(self, seed: int) -> None:
+        self._next = seed << 32
+
+    def _u64(self, n: int) -> np.ndarray:
+        x = np.arange(self._next, self._next + n, dtype=np.uint64)
+        self._next += n
+        # integer arrays wrap silently: the multiplications are mod 2**64 on purpose
+        x = x * np.uint64(0x9E3779B97F4A7C15)
+        z = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        return z ^ (z >> np.uint64(31))
+
+    def ints(self, shape: int | tuple[int, ...], low: int, high: int) -> np.ndarray:
+        """int32 values in [low, high)."""
+        n = math.prod(shape) if isinstance(shape, tuple) else shape
+        values = (self._u64(n) % np.uint64(high - low)).astype(np.int64) + low
+        return values.astype(np.int32).reshape(shape)
+
+    def floats(self, shape: tuple[int, ...], low: float, high: float) -> np.ndarray:
+        """float32 values in [low, high), multiples of (high - low) / 2**24."""
+        unit = (self._u64(math.prod(shape)) >> np.uint64(40)).astype(np.float32) / 2**24
+        return (unit * np.float32(high - low) + np.float32(low)).reshape(shape)
+
+    def distinct(self, n: int, high: int) -> np.ndarray:
+        """n distinct int32 values in [0, high)."""
+        return np.argsort(self._u64(high), kind="stable")[:n].astype(np.int32)
+
+
+def _blocks(rng: _Stream, num_tokens: int) -> np.ndarray:
+    """A block table covering num_tokens tokens, of distinct random block ids."""
+    n = math.ceil(num_tokens / BLOCK_SIZE)
+    return rng.distinct(n, NUM_BLOCKS)
+
+
+def _new_request(
+    rng: _Stream,
+    handle: int,
+    prompt_len: int,
+    num_scheduled: int | None = None,
+    num_computed: int = 0,
+    params: SamplingParams | None = None,
+) -> NewRequestData:
+    scheduled = prompt_len - num_computed if num_scheduled is None else num_scheduled
+    return NewRequestData(
+        req_id=req_id(handle),
+        req_handle=handle,
+        prompt_token_ids=rng.ints(prompt_len, 0, VOCAB_SIZE),
+        sampling_params=params or SamplingParams(temperature=0.7, top_p=0.95, max_tokens=256),
+        block_ids=_blocks(rng, num_computed + scheduled),
+        num_scheduled_tokens=scheduled,
+        num_computed_tokens=num_computed,
+    )
+
+
+def prefill_step(num_reqs: int = 8, prompt_len: int = 2048, seed: int = 0) -> SchedulerOutput:
+    """num_reqs new requests, each computing its whole prompt of prompt_len tokens."""
+    rng = _Stream(seed)
+    new = [_new_request(rng, h, prompt_len) for h in range(num_reqs)]
+    return SchedulerOutput(
+        scheduled_new_reqs=new,
+        scheduled_cached_reqs=CachedRequestData.empty(),
+        total_num_scheduled_tokens=num_reqs * prompt_len,
+    )
+
+
+def decode_step(num_reqs: int = 256, new_block_every: int = 16, seed: int = 0) -> SchedulerOutput:
+    """num_reqs running requests computing one token each; every new_block_every-th one
+    crosses a block boundary and gets a new block."""
+    rng = _Stream(seed)
+    handles = rng.distinct(num_reqs, 4 * num_reqs)
+    computed = rng.ints(num_reqs, 20, 4000)
+    new_blocks = [
+        [int(b)] if i % new_block_every == 0 else []
+        for i, b in enumerate(rng.ints(num_reqs, 0, NUM_BLOCKS))
+    ]
+    cached = CachedRequestData.build(handles, computed, [1] * num_reqs, new_blocks)
+    return SchedulerOutput([], cached, total_num_scheduled_tokens=num_reqs)
+
+
+def chunked_prefill_step(seed: int = 1) -> SchedulerOutput:
+    """A token budget of 2048 shared by: 6 decoding requests, one long prompt in the
+    middle of its chunked prefill (chunk 2 of 3), and a new long prompt's first chunk,
+    which reuses 64 prefix-cached tokens."""
+    rng = _Stream(seed)
+    new = _new_request(
+        rng,
+        20,
+        prompt_len=3000,
+        num_scheduled=1018,
+        num_computed=64,
+        params=SamplingParams(temperature=0.0, max_tokens=64),
+    )
+    cached = CachedRequestData.build(
+        req_handles=[3, 5, 8, 9, 11, 12, 17],
+        num_computed_tokens=[130, 211, 57, 1999, 470, 66, 1024],
+        num_scheduled_tokens=[1, 1, 1, 1, 1, 1, 1024],
+        new_block_ids=[[], [], [], [], [], [], [int(b) for b in _blocks(rng, 1024)]],
+    )
+    return SchedulerOutput([new], cached, total_num_scheduled_tokens=6 + 1024 + 1018)
+
+
+def finished_and_resumed_step(seed: int = 2) -> SchedulerOutput:
+    """After memory pressure: two requests finished, one is preempted, one comes back
+    resumed with its KV kept (its block table replaced), one restarts from scratch (its
+    prompt followed by the 5 tokens it had generated). As a non-last pipeline stage
+    receives it: new_token_ids carries the tokens the last stage sampled."""
+    rng = _Stream(seed)
+    restarted = _new_request(
+        rng, 7, prompt_len=45 + 5, params=SamplingParams(seed=1234, stop=["\n\n"], max_tokens=32)
+    )
+    cached = CachedRequestData.build(
+        req_handles=[2, 4, 6],
+        num_computed_tokens=[300, 88, 129],
+        num_scheduled_tokens=[1, 1, 1],
+        new_block_ids=[[], [], [int(b) for b in _blocks(rng, 130)]],
+        new_token_ids=[[1012], [13], [28]],
+        resumed_req_handles=[6],
+    )
+    return SchedulerOutput(
+        scheduled_new_reqs=[restarted],
+        scheduled_cached_reqs=cached,
+        total_num_scheduled_tokens=50 + 3,
+        finished_req_handles=[1, 3],
+        preempted_req_handles=[5],
+    )
+
+
+def grammar_output(seed: int = 3) -> GrammarOutput:
+    """Three structured-output requests; a full SmolLM2 vocabulary bitmask each (18 KiB in
+    all: the bitmask travels as a frame of its own)."""
+    rng = _Stream(seed)
+    words = math.ceil(VOCAB_SIZE / 32)
+    bitmask = rng.ints((3, words), -(2**31), 2**31)
+    return GrammarOutput(np.array([4, 9, 12], np.int32), bitmask)
+
+
+def model_runner_output(num_reqs: int = 256, seed: int = 4) -> ModelRunnerOutput:
+    """One sampled token for each of num_reqs requests."""
+    rng = _Stream(seed)
+    return ModelRunnerOutput(
+        req_handles=rng.distinct(num_reqs, 4 * num_reqs),
+        sampled_token_ids=rng.ints(num_reqs, 0, VOCAB_SIZE),
+    )
+
+
+def model_runner_output_with_logprobs(seed: int = 5) -> ModelRunnerOutput:
+    """Four requests asking for top-5 logprobs; the third is mid chunked prefill."""
+    rng = _Stream(seed)
+    n, k = 4, 5
+    logprobs = -np.sort(rng.floats((n, k + 1), 0.0, 12.0), axis=1)  # each row descending
+    sampled = rng.ints(n, 0, VOCAB_SIZE)
+    sampled[2] = -1
+    return ModelRunnerOutput(
+        req_handles=np.array([0, 1, 2, 3], np.int32),
+        sampled_token_ids=sampled,
+        logprobs=LogprobsLists(
+            logprob_token_ids=rng.ints((n, k + 1), 0, VOCAB_SIZE),
+            logprobs=logprobs,
+            sampled_token_ranks=np.array([1, 3, 0, 1], np.int32),
+        ),
+    )
+
+
+def intermediate_tensors(num_tokens: int = 16, seed: int = 6) -> IntermediateTensors:
+    """Hidden states and residual of num_tokens tokens in bfloat16: 18 KiB each at 16
+    tokens, above the inline limit, so each travels as a frame of its own."""
+    rng = _Stream(seed)
+
+    def bf16() -> torch.Tensor:
+        values = rng.floats((num_tokens, HIDDEN_SIZE), -4.0, 4.0)
+        return torch.from_numpy(values).to(torch.bfloat16)
+
+    return IntermediateTensors({"hidden_states": bf16(), "residual": bf16()})
+
+
+def worker_config() -> WorkerConfig:
+    return WorkerConfig(
+        model=ModelConfig(
+            path="/models/SmolLM2-135M-Instruct", dtype="bfloat16", max_model_len=4096, seed=7
+        ),
+        parallel=ParallelConfig(
+            pipeline_parallel_size=2, distributed_init_method="tcp://127.0.0.1:29511"
+        ),
+        cache=CacheConfig(block_size=BLOCK_SIZE, kv_cache_bytes=512 * 2**20),
+        device=DeviceConfig(device="cpu", num_threads=1),
+        profiler=ProfilerConfig(profiler="torch", output_dir="/tmp/zmqworker-profile"),
+        scheduler=SchedulerConfig(max_num_seqs=256, max_num_batched_tokens=2048),
+    )
+
+
+def kv_cache_spec() -> KVCacheSpec:
+    """Rank 1's half of SmolLM2's 30 layers."""
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(15, 30)]
+    return KVCacheSpec(
+        block_size=BLOCK_SIZE, num_kv_heads=3, head_size=64, dtype="bfloat16", layer_names=names
+    )
+
+
+def _request(call_id: int, method: str, *args: Any, **kwargs: Any) -> RpcRequest:
+    return RpcRequest(call_id, method, list(args), kwargs)
+
+
+def _step(call_id: int, method: str, **arguments: Any) -> RpcRequest:
+    """A per-step call as the engine sends it: bounded, answered by the last stage only."""
+    return RpcRequest(call_id, method, kwargs=arguments, deadline=DEADLINE, reply_rank=PP_LAST_RANK)
+
+
+def execute_model_request(step: SchedulerOutput, call_id: int = 100) -> RpcRequest:
+    """step as it travels: the single positional argument of execute_model."""
+    return RpcRequest(call_id, "execute_model", [step], deadline=DEADLINE, reply_rank=PP_LAST_RANK)
+
+
+def execute_model_reply(output: ModelRunnerOutput, call_id: int = 100) -> RpcReply:
+    """output as it travels: the result of execute_model from the last pipeline stage."""
+    return RpcReply(call_id, PP_LAST_RANK, result=output)
+
+
+def error_reply() -> RpcReply:
+    trace = (
+        "Traceback (most recent call last):\n"
+        '  File "zmqworker/worker/torch_worker.py", line 141, in execute_model\n'
+        "    return self.model_runner.execute_model(scheduler_output)\n"
+        "RuntimeError: request handle 77 is not in the persistent batch\n"
+    )
+    error = RemoteError(
+        rank=1,
+        exc_type="RuntimeError",
+        message="request handle 77 is not in the persistent batch",
+        traceback=trace,
+    )
+    return RpcReply(call_id=101, rank=1, error=error)
+
+
+def hello() -> Hello:
+    return Hello(
+        protocol_version=PROTOCOL_VERSION,
+        rank=1,
+        pid=48213,
+        token="9c1f5e0a2b7d4c3e8f6a1b2c3d4e5f60",
+        hostname="node-0",
+        data_address="ipc:///tmp/zmqworker-48200/data-1",
+    )
+
+
+def welcome() -> Welcome:
+    return Welcome(
+        config=worker_config(),
+        env={"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"},
+        data_addresses=["", "ipc:///tmp/zmqworker-48200/data-1"],
+    )
+
+
+# name -> builder. The fixtures are messages/fixtures/<name>.msgpack, in start-up order
+# first, then the steps.
+EXAMPLES: dict[str, Callable[[], Message]] = {
+    "hello": hello,
+    "welcome": welcome,
+    "request_init_device": lambda: _request(1, "init_device"),
+    "reply_none": lambda: RpcReply(call_id=1, rank=1),
+    "request_load_model": lambda: _request(2, "load_model"),
+    "request_determine_available_memory": lambda: _request(3, "determine_available_memory"),
+    "reply_available_memory": lambda: RpcReply(call_id=3, rank=1, result=6_442_450_944),
+    "request_get_kv_cache_spec": lambda: _request(4, "get_kv_cache_spec"),
+    "reply_kv_cache_spec": lambda: RpcReply(call_id=4, rank=1, result=kv_cache_spec()),
+    "request_initialize_from_config": lambda: _request(
+        5, "initialize_from_config", make_kv_cache_config([kv_cache_spec()], 4096)
+    ),
+    "request_compile_or_warm_up_model": lambda: _request(6, "compile_or_warm_up_model"),
+    "request_collective_rpc_plain_values": lambda: _request(
+        7, "echo", 3, 0.5, "text", True, None, [1, "two", 3.0], limit=10, tags=["a", "b"]
+    ),
+    "request_prefill": lambda: execute_model_request(prefill_step(num_reqs=3, prompt_len=700)),
+    "request_chunked_prefill": lambda: execute_model_request(chunked_prefill_step()),
+    "request_decode_256": lambda: execute_model_request(decode_step()),
+    "request_finished_resumed": lambda: execute_model_request(finished_and_resumed_step()),
+    "request_sample_tokens_grammar": lambda: _step(
+        102, "sample_tokens", grammar_output=grammar_output()
+    ),
+    "reply_decode_256": lambda: execute_model_reply(model_runner_output()),
+    "reply_logprobs": lambda: execute_model_reply(model_runner_output_with_logprobs()),
+    "reply_error": error_reply,
+    "pipeline_tensors_bf16": lambda: PipelineTensors(
+        call_id=100, src_rank=0, tensors=intermediate_tensors()
+    ),
+}
+
+
+def assert_same(a: Any, b: Any, path: str = "message") -> None:
+    """Raise AssertionError naming the first place where a and b differ. Arrays and
+    tensors must match in type, dtype, shape and every byte; floats bit for bit; other
+    scalars in type and value."""
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor), f"{path}: tensor vs {type(b).__name__}"
+        assert (a.dtype, a.shape) == (b.dtype, b.shape), (
+            f"{path}: {a.dtype}{list(a.shape)} vs {b.dtype}{list(b.shape)}"
+        )
+        assert _tensor_bytes(a) == _tensor_bytes(b), f"{path}: tensor contents differ"
+    elif isinstance(a, np.ndarray):
+        assert isinstance(b, np.ndarray), f"{path}: ndarray vs {type(b).__name__}"
+        assert (a.dtype, a.shape) == (b.dtype, b.shape), (
+            f"{path}: {a.dtype}{list(a.shape)} vs {b.dtype}{list(b.shape)}"
+        )
+        assert a.tobytes() == b.tobytes(), f"{path}: array contents differ"
+    elif isinstance(a, msgspec.Struct):
+        assert type(a) is type(b), f"{path}: {type(a).__name__} vs {type(b).__name__}"
+        for name in a.__struct_fields__:
+            assert_same(getattr(a, name), getattr(b, name), f"{path}.{name}")
+    elif isinstance(a, dict):
+        assert isinstance(b, dict), f"{path}: dict vs {type(b).__name__}"
+        assert list(a) == list(b), f"{path}: keys {list(a)} vs {list(b)}"
+        for key in a:
+            assert_same(a[key], b[key], f"{path}[{key!r}]")
+    elif isinstance(a, list | tuple):
+        assert type(a) is type(b), f"{path}: {type(a).__name__} vs {type(b).__name__}"
+        assert len(a) == len(b), f"{path}: length {len(a)} vs {len(b)}"
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            assert_same(x, y, f"{path}[{i}]")
+    elif isinstance(a, float):
+        same = type(b) is float and struct.pack("<d", a) == struct.pack("<d", b)
+        assert same, f"{path}: {a!r} vs {b!r}"
+    else:
+        assert type(a) is type(b) and a == b, f"{path}: {a!r} vs {b!r}"
+
+
+def _tensor_bytes(t: torch.Tensor) -> bytes:
+    return t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
