@@ -1,0 +1,181 @@
+"""The LLM API over a fake executor: generate, streaming, bad input, shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+
+import pytest
+from engine_helpers import FakeExecutor, byte_level_tokenizer, reference_tokens
+
+from messages import SamplingParams, WorkerConfig
+from zmqworker.engine.llm import LLM
+
+MAX_MODEL_LEN = 64
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return byte_level_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory, tok):
+    folder = tmp_path_factory.mktemp("model")
+    config = {"vocab_size": len(tok), "max_position_embeddings": MAX_MODEL_LEN, "eos_token_id": 2}
+    (folder / "config.json").write_text(json.dumps(config))
+    tok.save_pretrained(folder)
+    return str(folder)
+
+
+class Factory:
+    """Makes FakeExecutors whose 'model' spells a fixed text, and remembers them."""
+
+    def __init__(self, tok, num_blocks: int = 64) -> None:
+        self.script = tok.encode(" Paris. The end. And then more words follow here")
+        self.num_blocks = num_blocks
+        self.made: list[FakeExecutor] = []
+        self.configs: list[WorkerConfig] = []
+
+    def token_fn(self, seq: list[int]) -> int:
+        return self.script[len(seq) % len(self.script)]
+
+    def __call__(self, config: WorkerConfig) -> FakeExecutor:
+        self.configs.append(config)
+        self.made.append(
+            FakeExecutor(self.num_blocks, config.cache.block_size, token_fn=self.token_fn)
+        )
+        return self.made[-1]
+
+
+@pytest.fixture
+def factory(tok):
+    return Factory(tok)
+
+
+@pytest.fixture
+def llm(model_dir, factory):
+    with LLM(model_dir, executor=factory, block_size=4, max_num_batched_tokens=16) as llm:
+        yield llm
+
+
+def test_generate_returns_text_tokens_and_timings_in_prompt_order(llm, factory, tok):
+    prompts = ["The capital of France is", "Hello", [5, 6, 7, 8]]
+    params = [SamplingParams(max_tokens=n, temperature=0.0) for n in (12, 3, 5)]
+    outputs = llm.generate(prompts, params)
+    assert [o.prompt for o in outputs] == ["The capital of France is", "Hello", None]
+    for out, prompt, param in zip(outputs, prompts, params, strict=True):
+        ids = tok.encode(prompt) if isinstance(prompt, str) else prompt
+        assert out.prompt_token_ids == ids
+        assert out.token_ids == reference_tokens(ids, param.max_tokens, factory.token_fn)
+        assert out.text == tok.decode(out.token_ids)
+        assert out.finished and out.finish_reason == "length"
+        assert 0 <= out.timings.ttft <= out.timings.total and out.timings.tpot >= 0
+    config = factory.configs[0]
+    assert config.cache.block_size == 4 and config.model.max_model_len == MAX_MODEL_LEN
+
+
+def test_generate_honours_stop_strings(llm):
+    [out] = llm.generate("Hi", SamplingParams(max_tokens=40, stop=[" The"]))
+    assert out.finish_reason == "stop" and out.stop_reason == " The"
+    assert " The" not in out.text and out.text.endswith(".")
+
+
+@pytest.mark.parametrize(
+    "prompts, params, message",
+    [
+        ([], None, "no prompts given"),
+        ("", None, "prompt 0: the prompt is empty"),
+        (["ok", [[]]], None, "prompt 1: a prompt is a str or a list of token ids"),
+        (["ok", []], None, "prompt 1: the prompt is empty"),
+        ([[1] * (MAX_MODEL_LEN + 1)], None, "more than max_model_len=64"),
+        ([[1, 10**6]], None, "outside the vocabulary"),
+        ("ok", SamplingParams(max_tokens=0), "max_tokens must be >= 1"),
+        (["a", "b"], [SamplingParams()], "1 sampling params for 2 prompts"),
+    ],
+)
+def test_bad_input_raises_and_the_engine_stays_usable(llm, prompts, params, message):
+    with pytest.raises(ValueError, match=message):
+        llm.generate(prompts, params)
+    assert not llm._core.has_work()
+    [out] = llm.generate("Hello", SamplingParams(max_tokens=2))
+    assert len(out.token_ids) == 2
+
+
+def test_unknown_model_folder_fails_before_any_executor(tmp_path, factory):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        LLM(str(tmp_path / "nowhere"), executor=factory)
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        LLM(str(tmp_path), executor=factory)
+    with pytest.raises(ValueError, match="executor must be one of"):
+        LLM(str(tmp_path), executor="threads")
+    assert factory.made == []
+
+
+def test_kv_cache_too_small_shuts_the_executor_down(model_dir, tok):
+    factory = Factory(tok, num_blocks=4)
+    with pytest.raises(ValueError, match="fewer than max_model_len"):
+        LLM(model_dir, executor=factory, block_size=4)
+    assert factory.made[0].is_shut_down
+
+
+def test_concurrent_streams(llm, factory, tok):
+    async def collect(prompt, max_tokens):
+        pieces, tokens, last = [], [], None
+        async for out in llm.generate_stream(prompt, SamplingParams(max_tokens=max_tokens)):
+            pieces.append(out.new_text)
+            tokens += out.new_token_ids
+            last = out
+        return pieces, tokens, last
+
+    async def main():
+        return await asyncio.gather(collect("The capital", 10), collect("Hello there", 6))
+
+    results = asyncio.run(main())
+    for (pieces, tokens, last), n in zip(results, (10, 6), strict=True):
+        assert last.finished and len(last.token_ids) == n and tokens == last.token_ids
+        assert "".join(pieces) == last.text == tok.decode(last.token_ids)
+        assert len(pieces) > 1  # it streamed
+    # The two requests ran in the same steps.
+    executor = factory.made[0]
+    assert any(len(so.scheduled_cached_reqs) == 2 for so in executor.workers[-1].steps)
+
+
+def test_a_stream_closed_early_is_aborted(llm, factory, tok):
+    async def first_output():
+        stream = llm.generate_stream("Hello", SamplingParams(max_tokens=30))
+        async with contextlib.aclosing(stream):
+            async for out in stream:
+                return out
+
+    async def main():
+        other = llm.generate_stream("Hi", SamplingParams(max_tokens=8))
+        return await asyncio.gather(first_output(), _all(other))
+
+    short, outputs = asyncio.run(main())
+    assert not short.finished and outputs[-1].finished and len(outputs[-1].token_ids) == 8
+    kv = llm._core.block_manager
+    assert not llm._core.has_work() and kv.num_free_blocks == kv.num_blocks
+    # The closed stream's request stopped well before its 30 tokens, and was dropped.
+    steps = factory.made[0].workers[-1].steps
+    handle = next(
+        r.req_handle for so in steps for r in so.scheduled_new_reqs if r.req_id == short.request_id
+    )
+    computed = [so for so in steps if handle in so.scheduled_cached_reqs.req_handles]
+    assert len(computed) < 29
+    assert any(handle in so.finished_req_handles for so in steps)
+    assert llm.generate("Hello", SamplingParams(max_tokens=2))[0].finished
+
+
+async def _all(stream):
+    return [out async for out in stream]
+
+
+def test_shutdown_is_final_and_idempotent(model_dir, factory):
+    llm = LLM(model_dir, executor=factory, block_size=4)
+    llm.shutdown()
+    llm.shutdown()
+    assert factory.made[0].is_shut_down
+    with pytest.raises(RuntimeError, match="shut down"):
+        llm.generate("Hello")

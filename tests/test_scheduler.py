@@ -1,0 +1,354 @@
+"""The scheduler and EngineCore over a fake executor whose fake workers check every delta
+(see engine_helpers.FakeWorker) and whose 'model' reads the sequence back from the KV
+cache, so wrong blocks give wrong tokens."""
+
+from __future__ import annotations
+
+import random
+
+import msgspec
+import numpy as np
+import pytest
+from engine_helpers import (
+    FakeExecutor,
+    byte_level_tokenizer,
+    reference_tokens,
+)
+
+from messages import ModelRunnerOutput, SamplingParams, SchedulerConfig
+from zmqworker.engine.core import EngineCore, num_blocks_from_memory
+from zmqworker.engine.detokenizer import IncrementalDetokenizer
+from zmqworker.engine.handles import HandlePool
+from zmqworker.engine.request import FinishReason, Request
+
+MAX_MODEL_LEN = 40
+
+
+def make_core(
+    num_blocks: int = 64,
+    max_num_seqs: int = 8,
+    max_num_batched_tokens: int = 64,
+    prefix_caching: bool = False,
+    **executor_args,
+) -> tuple[EngineCore, FakeExecutor]:
+    executor = FakeExecutor(num_blocks=num_blocks, **executor_args)
+    core = EngineCore(
+        executor,
+        MAX_MODEL_LEN,
+        SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens),
+        enable_prefix_caching=prefix_caching,
+    )
+    return core, executor
+
+
+def greedy(max_tokens: int = 10, **kwargs) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, **kwargs)
+
+
+def run(core: EngineCore, max_steps: int = 5000) -> None:
+    """Step until done; a scheduler that livelocks fails instead of hanging."""
+    for _ in range(max_steps):
+        if not core.has_work():
+            return
+        core.step()
+    raise AssertionError(f"still busy after {max_steps} steps")
+
+
+def step_until(core: EngineCore, done, max_steps: int = 500) -> None:
+    for _ in range(max_steps):
+        if done():
+            return
+        core.step()
+    raise AssertionError(f"not reached after {max_steps} steps")
+
+
+def expected_output(request: Request, executor: FakeExecutor) -> list[int]:
+    limit = min(request.sampling_params.max_tokens, MAX_MODEL_LEN - len(request.prompt_token_ids))
+    return reference_tokens(request.prompt_token_ids, limit, executor.token_fn)
+
+
+def random_requests(n: int, seed: int = 0, shared_prefix: bool = False) -> list[Request]:
+    rng = random.Random(seed)
+    prefix = [rng.randrange(50) for _ in range(12)]
+    requests = []
+    for i in range(n):
+        prompt = [rng.randrange(50) for _ in range(rng.randrange(1, 20))]
+        if shared_prefix and i % 2:
+            prompt = prefix + prompt[:3]
+        requests.append(Request(f"r{i}", prompt, greedy(max_tokens=rng.randrange(1, 16))))
+    return requests
+
+
+def steps(executor: FakeExecutor):
+    return executor.workers[-1].steps
+
+
+def test_startup_order_and_num_blocks_is_the_minimum_over_ranks():
+    executor = FakeExecutor(num_blocks=10, pipeline_parallel_size=2)
+    per_block = [s.page_size_bytes * len(s.layer_names) for s in executor.specs]
+    executor.determine_available_memory = lambda: [10 * per_block[0], 7 * per_block[1] + 5]
+    core = EngineCore(executor, max_model_len=28)
+    assert executor.calls == [
+        "get_kv_cache_specs",
+        "initialize_from_config",
+        "compile_or_warm_up_model",
+    ]
+    config = executor.kv_cache_config
+    assert config.num_blocks == 7 and core.block_manager.num_blocks == 7
+    assert len(config.tensors) == 4  # one per layer over both stages
+    assert all(t.size_bytes == 7 * config.groups[0].spec.page_size_bytes for t in config.tensors)
+
+
+def test_kv_cache_smaller_than_max_model_len_is_refused():
+    executor = FakeExecutor(num_blocks=9, block_size=4)
+    with pytest.raises(ValueError, match="fewer than max_model_len"):
+        EngineCore(executor, max_model_len=40)
+    assert "initialize_from_config" not in executor.calls  # refused before any allocation
+
+
+def test_num_blocks_from_memory_checks_its_input():
+    spec = FakeExecutor().specs[0]
+    with pytest.raises(ValueError, match="2 ranks reported memory but 1"):
+        num_blocks_from_memory([1, 2], [spec])
+    assert num_blocks_from_memory([spec.page_size_bytes * 2 * 5 + 1], [spec]) == 5
+    with pytest.raises(ValueError, match="rank 1 has 10 bytes for the KV cache"):
+        num_blocks_from_memory([10**6, 10], [spec, spec])
+
+
+@pytest.mark.parametrize("pp", [1, 2])
+@pytest.mark.parametrize("prefix_caching", [False, True])
+@pytest.mark.parametrize("num_blocks", [12, 64])
+def test_outputs_match_the_reference(pp, prefix_caching, num_blocks):
+    """Tight caches preempt, pipelines keep two steps in flight, shared prefixes hit the
+    cache; every request still gets exactly the reference tokens."""
+    core, executor = make_core(
+        num_blocks=num_blocks,
+        max_num_seqs=4,
+        max_num_batched_tokens=10,
+        prefix_caching=prefix_caching,
+        pipeline_parallel_size=pp,
+    )
+    requests = random_requests(10, seed=pp + num_blocks, shared_prefix=True)
+    for request in requests:
+        core.add_request(request)
+    run(core)
+    for request in requests:
+        assert request.output_token_ids == expected_output(request, executor), request
+        assert request.finish_reason is FinishReason.LENGTH
+    if num_blocks == 12:
+        assert sum(r.num_preemptions for r in requests) > 0
+    if prefix_caching:
+        assert sum(r.num_cached_tokens for r in requests) > 0
+    assert core.block_manager.num_free_blocks == num_blocks
+    for so in steps(executor):
+        assert len(so.scheduled_new_reqs) + len(so.scheduled_cached_reqs) <= 4
+        assert so.total_num_scheduled_tokens <= 10
+
+
+def test_requests_arriving_later_are_batched_in():
+    core, executor = make_core()
+    first = Request("first", [1, 2, 3], greedy(max_tokens=10))
+    core.add_request(first)
+    for _ in range(3):
+        core.step()
+    second = Request("second", [4, 5], greedy(max_tokens=3))
+    core.add_request(second)
+    core.step()
+    so = steps(executor)[-1]
+    assert [r.req_id for r in so.scheduled_new_reqs] == ["second"]
+    assert so.scheduled_cached_reqs.req_handles.tolist() == [first.handle]
+    assert so.scheduled_cached_reqs.num_scheduled_tokens.tolist() == [1]
+    run(core)
+    assert first.output_token_ids == expected_output(first, executor)
+    assert second.output_token_ids == expected_output(second, executor)
+
+
+def test_long_prompt_is_prefilled_in_chunks_after_the_decodes():
+    core, executor = make_core(max_num_batched_tokens=8)
+    decoding = Request("decoding", [1, 2], greedy(max_tokens=20))
+    core.add_request(decoding)
+    core.step()
+    long = Request("long", list(range(3, 23)), greedy(max_tokens=2))
+    core.add_request(long)
+    chunks, outputs = [], []
+    for _ in range(3):
+        core.step()
+        so = steps(executor)[-1]
+        cached = so.scheduled_cached_reqs
+        # The decode comes first and takes one token of the budget.
+        assert cached.req_handles.tolist()[0] == decoding.handle
+        assert cached.num_scheduled_tokens.tolist()[0] == 1
+        assert so.total_num_scheduled_tokens <= 8
+        new = [r.num_scheduled_tokens for r in so.scheduled_new_reqs]
+        chunks += new + cached.num_scheduled_tokens.tolist()[1:]
+        outputs.append(long.output_token_ids[:])
+    assert chunks == [7, 7, 6]
+    assert outputs == [[], [], long.output_token_ids[:1]]  # nothing sampled mid-prefill
+    run(core)
+    assert long.output_token_ids == expected_output(long, executor)
+    assert decoding.output_token_ids == expected_output(decoding, executor)
+
+
+def test_preemption_frees_the_newest_and_restarts_it_with_its_outputs():
+    # 10 blocks of 4: three requests of 10 prompt tokens need 3 blocks each, then more.
+    core, executor = make_core(num_blocks=10, max_num_batched_tokens=64)
+    requests = [Request(f"r{i}", list(range(i, i + 10)), greedy(max_tokens=20)) for i in range(3)]
+    for request in requests:
+        core.add_request(request)
+    step_until(core, lambda: steps(executor) and steps(executor)[-1].preempted_req_handles)
+    preempted_step = len(steps(executor)) - 1
+    newest = requests[-1]
+    so = steps(executor)[preempted_step]
+    assert so.preempted_req_handles == [newest.handle]
+    assert newest.num_preemptions == 1 and newest.handle not in so.scheduled_cached_reqs.req_handles
+    outputs_so_far = list(newest.output_token_ids)
+    assert outputs_so_far  # it had decoded before being preempted
+    step_until(core, lambda: "r2" in [r.req_id for r in steps(executor)[-1].scheduled_new_reqs])
+    restart = next(r for r in steps(executor)[-1].scheduled_new_reqs if r.req_id == "r2")
+    assert restart.prompt_token_ids.tolist() == newest.prompt_token_ids + outputs_so_far
+    assert restart.req_handle == so.preempted_req_handles[0]  # kept through the preemption
+    run(core)
+    for request in requests:
+        assert request.output_token_ids == expected_output(request, executor)
+
+
+def test_finished_handles_are_reported_once_and_blocks_freed():
+    core, executor = make_core(max_num_seqs=3)
+    requests = random_requests(8, seed=3)
+    for request in requests:
+        core.add_request(request)
+    run(core)
+    core.add_request(Request("last", [1], greedy(max_tokens=1)))
+    run(core)  # its step carries the last finishes
+    reported = [h for so in steps(executor) for h in so.finished_req_handles]
+    handles_of = {}
+    for so in steps(executor):
+        for new in so.scheduled_new_reqs:
+            handles_of.setdefault(new.req_id, new.req_handle)
+    assert sorted(reported) == sorted(handles_of[r.req_id] for r in requests)
+    assert core.block_manager.num_free_blocks == core.block_manager.num_blocks
+    # Handles are reused once their finish has come back: they stay small.
+    assert max(handles_of.values()) < 3 + 3
+
+
+def test_stop_strings_and_max_tokens_are_honoured():
+    tok = byte_level_tokenizer()
+    script = tok.encode(" Paris. The end. And more text after it")
+    prompt = tok.encode("The capital of France is")
+
+    def token_fn(seq):
+        return script[(len(seq) - len(prompt)) % len(script)]
+
+    core, executor = make_core(token_fn=token_fn)
+
+    def request(req_id, **params):
+        return Request(
+            req_id,
+            prompt,
+            SamplingParams(temperature=0.0, **params),
+            detokenizer=IncrementalDetokenizer(tok, prompt),
+        )
+
+    stopped = request("stopped", stop=[". The"], max_tokens=30)
+    limited = request("limited", max_tokens=3)
+    for r in (stopped, limited):
+        core.add_request(r)
+    run(core)
+    assert stopped.output_text == " Paris" and stopped.finish_reason is FinishReason.STOP
+    assert stopped.stop_reason == ". The"
+    assert len(limited.output_token_ids) == 3 and limited.finish_reason is FinishReason.LENGTH
+    assert limited.output_text == tok.decode(script[:3])
+    assert core.block_manager.num_free_blocks == core.block_manager.num_blocks
+
+
+def test_abort_waiting_running_and_in_flight_requests():
+    core, executor = make_core(max_num_seqs=2, pipeline_parallel_size=2, defer=True)
+    a, b, c = (Request(n, [1, 2, 3], greedy(max_tokens=30)) for n in "abc")
+    for r in (a, b, c):
+        core.add_request(r)
+    core.step()  # sends a step with a and b, and keeps it in flight
+    assert executor.pending and not a.output_token_ids
+    handle_a = a.handle
+    assert core.abort_request("c").finish_reason is FinishReason.ABORT  # waiting
+    assert core.abort_request("a").finish_reason is FinishReason.ABORT  # in flight
+    assert core.abort_request("a") is None
+    step_until(core, lambda: len(b.output_token_ids) >= 2)
+    assert a.output_token_ids == []  # the in-flight token for a was dropped
+    assert any(handle_a in so.finished_req_handles for so in steps(executor))
+    assert core.abort_request("b") is b  # running, between steps
+    core.add_request(Request("d", [4], greedy(max_tokens=2)))
+    run(core)
+    assert core.block_manager.num_free_blocks == core.block_manager.num_blocks
+
+
+def test_a_failed_step_aborts_everything_and_the_engine_goes_on():
+    core, executor = make_core(max_num_seqs=4)
+    requests = random_requests(6, seed=5)
+    for request in requests:
+        core.add_request(request)
+    for _ in range(3):
+        core.step()
+    run_step = executor._run
+
+    def fail(so):
+        raise RuntimeError("rank 0: boom")
+
+    executor._run = fail
+    with pytest.raises(RuntimeError, match="boom"):
+        core.step()
+    executor._run = run_step
+    assert all(r.finish_reason is FinishReason.ABORT for r in requests)
+    assert not core.has_work()
+    kv = core.block_manager
+    assert kv.num_free_blocks == kv.num_blocks
+    for worker in executor.workers:
+        worker.strict_finished = False  # the failed step never reached them
+    live = {h for w in executor.workers for h in w.reqs}
+    after = Request("after", [3, 1, 4], greedy(max_tokens=5))
+    core.add_request(after)
+    run(core)
+    assert after.output_token_ids == expected_output(after, executor)
+    first = steps(executor)[-5]
+    assert first.scheduled_new_reqs[0].req_id == "after"
+    assert live <= set(first.finished_req_handles)  # the workers drop what they held
+    # Nothing of the failed requests is left in the workers.
+    assert [state.req_id for state in executor.workers[-1].reqs.values()] == ["after"]
+
+
+def test_bad_requests_and_outputs_are_refused():
+    core, executor = make_core()
+    with pytest.raises(ValueError, match="longer than max_model_len"):
+        core.add_request(Request("long", [1] * (MAX_MODEL_LEN + 1), greedy()))
+    core.add_request(Request("x", [1, 2, 3, 4, 5], greedy()))
+    with pytest.raises(ValueError, match="already in the scheduler"):
+        core.add_request(Request("x", [1], greedy()))
+    scheduler = core.scheduler
+    so = scheduler.schedule()
+    handle = so.scheduled_new_reqs[0].req_handle
+
+    def output(handles, tokens):
+        return ModelRunnerOutput(np.array(handles, np.int32), np.array(tokens, np.int32))
+
+    with pytest.raises(RuntimeError, match="in the order"):
+        scheduler.update_from_output(msgspec.structs.replace(so), output([handle], [1]))
+    with pytest.raises(RuntimeError, match="the step scheduled"):
+        scheduler.update_from_output(so, output([handle + 1], [1]))
+
+
+def test_token_for_a_request_mid_prefill_is_refused():
+    core, _ = make_core(max_num_batched_tokens=2)
+    core.add_request(Request("x", [1, 2, 3, 4, 5], greedy()))
+    so = core.scheduler.schedule()
+    handle = so.scheduled_new_reqs[0].req_handle
+    bad = ModelRunnerOutput(np.array([handle], np.int32), np.array([7], np.int32))
+    with pytest.raises(RuntimeError, match="middle of its prefill"):
+        core.scheduler.update_from_output(so, bad)
+
+
+def test_handle_pool_reuses_smallest_released_handle():
+    pool = HandlePool()
+    assert [pool.acquire() for _ in range(3)] == [0, 1, 2]
+    pool.release([1, 0])
+    assert pool.acquire() == 0 and pool.acquire() == 1 and pool.acquire() == 3
+    with pytest.raises(RuntimeError, match="not live"):
+        pool.release([7])

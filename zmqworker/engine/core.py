@@ -1,0 +1,124 @@
+"""EngineCore: drives the workers' start-up, then runs steps through the batch queue."""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from messages import KVCacheSpec, SchedulerConfig, make_kv_cache_config
+from zmqworker.engine.batch_queue import BatchQueue
+from zmqworker.engine.block_manager import KVBlockManager
+from zmqworker.engine.request import Request
+from zmqworker.engine.scheduler import Scheduler
+
+if TYPE_CHECKING:
+    from zmqworker.executor.abstract import Executor
+
+logger = logging.getLogger(__name__)
+
+
+def num_blocks_from_memory(available_bytes: list[int], specs: list[KVCacheSpec]) -> int:
+    """The KV cache blocks every rank can hold: the minimum over ranks of its bytes over a
+    block's bytes in all of its layers (page_size_bytes is per layer)."""
+    if len(available_bytes) != len(specs):
+        raise ValueError(
+            f"{len(available_bytes)} ranks reported memory but {len(specs)} reported KV specs"
+        )
+    if not specs:
+        raise ValueError("no ranks reported KV cache memory")
+    counts = []
+    for rank, (available, spec) in enumerate(zip(available_bytes, specs, strict=True)):
+        if not spec.layer_names:
+            raise ValueError(f"rank {rank} reported no attention layers")
+        block_bytes = spec.page_size_bytes * len(spec.layer_names)
+        if available < block_bytes:
+            raise ValueError(
+                f"rank {rank} has {available} bytes for the KV cache, less than one block "
+                f"({block_bytes} bytes)"
+            )
+        counts.append(available // block_bytes)
+    return min(counts)
+
+
+class EngineCore:
+    """The engine loop over an Executor: scheduler, KV block manager and batch queue.
+
+    Construction runs the start-up the workers expect after load_model:
+    determine_available_memory -> (num_blocks) -> initialize_from_config ->
+    compile_or_warm_up_model. Not thread-safe: one thread calls step() and the rest.
+    """
+
+    def __init__(
+        self,
+        executor: Executor,
+        max_model_len: int,
+        scheduler_config: SchedulerConfig | None = None,
+        enable_prefix_caching: bool = False,
+    ) -> None:
+        config = scheduler_config or SchedulerConfig()
+        self.executor = executor
+        self.max_model_len = max_model_len
+        available = executor.determine_available_memory()
+        specs = executor.get_kv_cache_specs()
+        num_blocks = num_blocks_from_memory(available, specs)
+        self.block_manager = KVBlockManager(num_blocks, specs[0].block_size, enable_prefix_caching)
+        depth = executor.max_concurrent_batches
+        # Pipeline stages before the last do not sample: they get the tokens in the deltas.
+        self.scheduler = Scheduler(
+            self.block_manager,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=max_model_len,
+            send_token_ids=depth > 1,
+            max_concurrent_batches=depth,
+        )
+        self.batch_queue = BatchQueue(
+            lambda output: executor.execute_model(output, non_block=depth > 1), depth
+        )
+        executor.initialize_from_config(make_kv_cache_config(specs, num_blocks))
+        executor.compile_or_warm_up_model()
+        logger.info("KV cache: %d blocks of %d tokens", num_blocks, specs[0].block_size)
+
+    def add_request(self, request: Request) -> None:
+        self.scheduler.add_request(request)
+
+    def abort_request(self, req_id: str) -> Request | None:
+        """Abort req_id; the aborted request, or None if it was unknown or finished."""
+        return self.scheduler.abort_request(req_id)
+
+    def has_work(self) -> bool:
+        """Whether step() has anything to do: unfinished requests or steps in flight."""
+        return self.scheduler.has_unfinished_requests() or len(self.batch_queue) > 0
+
+    def step(self) -> list[Request]:
+        """One turn of the loop: schedule a step if the queue has room, and consume the
+        oldest step's output once the queue is full or nothing more can be scheduled.
+        Returns the requests that got a token or finished (possibly none)."""
+        try:
+            if not self.batch_queue.full:
+                output = self.scheduler.schedule()
+                if output is not None:
+                    self.batch_queue.submit(output)
+                    if not self.batch_queue.full:
+                        return []  # room for another step before waiting on this one
+            if len(self.batch_queue) == 0:
+                return []
+            output, runner_output = self.batch_queue.pop()
+            return self.scheduler.update_from_output(output, runner_output)
+        except Exception:
+            self._recover()
+            raise
+
+    def _recover(self) -> None:
+        """After a failed step: wait out the steps still in flight (the workers run them
+        anyway), then abort every request, so the engine can take new ones."""
+        while len(self.batch_queue):
+            try:
+                self.batch_queue.pop()
+            except Exception:
+                logger.debug("a step in flight failed too", exc_info=True)
+        aborted = self.scheduler.reset_after_failure()
+        logger.warning("a step failed: %d requests aborted", len(aborted))
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()

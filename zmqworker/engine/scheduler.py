@@ -1,0 +1,346 @@
+"""The scheduler: continuous batching of requests into steps, as SchedulerOutput deltas.
+
+Each step fills a token budget: first running requests that decode, then running
+requests in the middle of a chunked prefill, then waiting requests in arrival order
+(FCFS), whose prompts are cut into chunks to fit the budget. When the KV cache runs out,
+the newest running request is preempted by recompute: its blocks are freed and it waits
+at the front of the queue, to start over with its prompt and its outputs so far as the
+new prompt (NewRequestData, under the handle it had: the workers set it aside when told
+of the preemption, and drop that when it comes back as new). A request that is in a step
+still in flight is never scheduled again (nor preempted) until that step's output has
+come back, so steps in flight hold disjoint request sets.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from messages import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
+from zmqworker.engine.block_manager import KVBlockManager
+from zmqworker.engine.handles import HandlePool
+from zmqworker.engine.request import FinishReason, Request, RequestStatus
+
+
+@dataclass
+class _Step:
+    """A step sent to the workers and not yet answered."""
+
+    output: SchedulerOutput
+    requests: dict[int, Request]  # handle -> request scheduled in it
+    finished_handles: list[int] = field(default_factory=list)  # reported by this step
+
+
+@dataclass
+class _CachedColumns:
+    handles: list[int] = field(default_factory=list)
+    num_computed: list[int] = field(default_factory=list)
+    num_scheduled: list[int] = field(default_factory=list)
+    new_blocks: list[list[int]] = field(default_factory=list)
+    new_tokens: list[list[int]] = field(default_factory=list)
+
+
+class Scheduler:
+    """Decides each step's requests and token counts. Not thread-safe.
+
+    send_token_ids: put newly sampled tokens in the cached-request deltas, for workers
+    that do not sample themselves (pipeline stages before the last).
+    max_concurrent_batches: steps kept in flight. Above 1, a step takes at most its share
+    of the requests, so that the next step has requests to run while it is in flight.
+    """
+
+    def __init__(
+        self,
+        block_manager: KVBlockManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        send_token_ids: bool = False,
+        max_concurrent_batches: int = 1,
+    ) -> None:
+        for name, value in (
+            ("max_num_seqs", max_num_seqs),
+            ("max_concurrent_batches", max_concurrent_batches),
+            ("max_num_batched_tokens", max_num_batched_tokens),
+            ("max_model_len", max_model_len),
+        ):
+            if value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        capacity = block_manager.num_blocks * block_manager.block_size
+        if capacity < max_model_len:
+            # A request of max_model_len tokens could never fit, even alone.
+            raise ValueError(
+                f"the KV cache holds {block_manager.num_blocks} blocks of "
+                f"{block_manager.block_size} tokens ({capacity} tokens), fewer than "
+                f"max_model_len={max_model_len}: give the workers more KV cache memory "
+                "or lower max_model_len"
+            )
+        self.kv = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.send_token_ids = send_token_ids
+        self.max_concurrent_batches = max_concurrent_batches
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # in the order they started: the last is newest
+        self._requests: dict[str, Request] = {}
+        self._in_flight: set[str] = set()
+        self._steps: deque[_Step] = deque()
+        self._handles = HandlePool()
+        # Handles to report in the next step: finished, and preempted requests.
+        self._finished_handles: list[int] = []
+        self._preempted_handles: list[int] = []
+        # Tokens each running request's workers have seen, for send_token_ids.
+        self._num_tokens_sent: dict[str, int] = {}
+
+    # -- requests in and out ------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        if request.req_id in self._requests:
+            raise ValueError(f"request id {request.req_id!r} is already in the scheduler")
+        if request.status is not RequestStatus.WAITING or request.output_token_ids:
+            raise ValueError(f"request {request.req_id!r} is not a fresh request")
+        if request.num_tokens > self.max_model_len:
+            raise ValueError(
+                f"request {request.req_id!r}: prompt of {request.num_tokens} tokens is longer "
+                f"than max_model_len={self.max_model_len}"
+            )
+        self._requests[request.req_id] = request
+        self.waiting.append(request)
+
+    def abort_request(self, req_id: str) -> Request | None:
+        """Finish req_id as aborted; None if it is unknown or already finished. A request
+        in a step in flight is dropped now; that step's token for it is ignored."""
+        request = self._requests.get(req_id)
+        if request is None:
+            return None
+        if request.status is RequestStatus.WAITING:
+            self.waiting.remove(request)
+        else:
+            self.running.remove(request)
+        request.finish(FinishReason.ABORT)
+        self._release(request)
+        return request
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self._requests)
+
+    @property
+    def num_steps_in_flight(self) -> int:
+        return len(self._steps)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests)
+
+    # -- building a step -----------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput | None:
+        """The next step, or None when there is nothing to compute now (everything is
+        waiting on steps in flight, or no request is left). A returned step must be sent
+        to the workers and its output passed to update_from_output, in order."""
+        self.kv.new_step()
+        budget = self.max_num_batched_tokens
+        active = min(self.max_num_seqs, len(self._requests))
+        max_reqs = max(1, -(-active // self.max_concurrent_batches))
+        scheduled: dict[int, Request] = {}
+        new_reqs: list[NewRequestData] = []
+        cached = _CachedColumns()
+        num_preempted_before = len(self._preempted_handles)
+
+        # Running requests: decodes first, then chunked prefills in progress.
+        ready = [r for r in self.running if r.req_id not in self._in_flight]
+        ready.sort(key=lambda r: r.num_tokens - r.num_computed_tokens > 1)
+        for request in ready:
+            if budget == 0 or len(scheduled) == max_reqs:
+                break
+            if request.status is not RequestStatus.RUNNING:
+                continue  # preempted to make room for an older request
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            new_blocks = self._allocate_or_preempt(request, num_new, scheduled)
+            if new_blocks is None:
+                continue
+            assert request.handle is not None
+            scheduled[request.handle] = request
+            cached.handles.append(request.handle)
+            cached.num_computed.append(request.num_computed_tokens)
+            cached.num_scheduled.append(num_new)
+            cached.new_blocks.append(new_blocks)
+            if self.send_token_ids:
+                # Tokens from position num_computed on; workers append those they lack.
+                lacking = request.num_tokens > self._num_tokens_sent[request.req_id]
+                start = request.num_computed_tokens
+                cached.new_tokens.append(request.all_token_ids[start:] if lacking else [])
+                self._num_tokens_sent[request.req_id] = request.num_tokens
+            budget -= num_new
+
+        # Waiting requests, in order; none after a preemption (the cache is full).
+        preempted_now = len(self._preempted_handles) > num_preempted_before
+        while (
+            self.waiting
+            and budget > 0
+            and len(scheduled) < max_reqs
+            and not preempted_now
+            and len(self.running) < self.max_num_seqs
+        ):
+            request = self.waiting[0]
+            hits, num_hit = self.kv.get_computed_blocks(request.req_id, request.all_token_ids)
+            num_new = min(request.num_tokens - num_hit, budget)
+            new_blocks = self.kv.allocate_slots(
+                request.req_id, request.all_token_ids, num_hit, num_new, hits
+            )
+            if new_blocks is None:
+                break
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            if request.handle is None:
+                request.handle = self._handles.acquire()
+            request.num_computed_tokens = request.num_cached_tokens = num_hit
+            self.running.append(request)
+            scheduled[request.handle] = request
+            new_reqs.append(
+                NewRequestData(
+                    req_id=request.req_id,
+                    req_handle=request.handle,
+                    prompt_token_ids=np.array(request.all_token_ids, np.int32),
+                    sampling_params=request.sampling_params,
+                    block_ids=np.array(self.kv.block_ids(request.req_id), np.int32),
+                    num_scheduled_tokens=num_new,
+                    num_computed_tokens=num_hit,
+                )
+            )
+            self._num_tokens_sent[request.req_id] = request.num_tokens
+            budget -= num_new
+
+        if not scheduled:
+            return None
+        output = SchedulerOutput(
+            scheduled_new_reqs=new_reqs,
+            scheduled_cached_reqs=CachedRequestData.build(
+                cached.handles,
+                cached.num_computed,
+                cached.num_scheduled,
+                new_block_ids=cached.new_blocks,
+                new_token_ids=cached.new_tokens if self.send_token_ids else None,
+            ),
+            total_num_scheduled_tokens=self.max_num_batched_tokens - budget,
+            finished_req_handles=self._finished_handles,
+            preempted_req_handles=self._preempted_handles,
+        )
+        for data in new_reqs:
+            scheduled[data.req_handle].num_computed_tokens += data.num_scheduled_tokens
+        for handle, num in zip(cached.handles, cached.num_scheduled, strict=True):
+            scheduled[handle].num_computed_tokens += num
+        self._in_flight.update(r.req_id for r in scheduled.values())
+        self._steps.append(_Step(output, scheduled, self._finished_handles))
+        self._finished_handles, self._preempted_handles = [], []
+        return output
+
+    def _allocate_or_preempt(
+        self, request: Request, num_new: int, scheduled: dict[int, Request]
+    ) -> list[int] | None:
+        """Blocks for num_new more tokens of a running request, preempting the newest
+        preemptible running requests until they fit; None if request itself had to go."""
+        while True:
+            new_blocks = self.kv.allocate_slots(
+                request.req_id, request.all_token_ids, request.num_computed_tokens, num_new
+            )
+            if new_blocks is not None:
+                return new_blocks
+            victim = next(
+                r
+                for r in reversed(self.running)
+                if r.req_id not in self._in_flight and r.handle not in scheduled
+            )
+            self._preempt(victim)
+            if victim is request:
+                return None
+
+    def _preempt(self, request: Request) -> None:
+        assert request.handle is not None
+        self.running.remove(request)
+        self.kv.free(request.req_id)
+        self._preempted_handles.append(request.handle)
+        self._num_tokens_sent.pop(request.req_id, None)
+        request.status = RequestStatus.WAITING
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    # -- consuming a step's output ------------------------------------------------------
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> list[Request]:
+        """Apply the sampled tokens of the oldest step in flight (which must be
+        scheduler_output); return the requests that got a token or finished."""
+        if not self._steps or self._steps[0].output is not scheduler_output:
+            raise RuntimeError("step outputs must come back in the order the steps were made")
+        step = self._steps.popleft()
+        self._in_flight.difference_update(r.req_id for r in step.requests.values())
+        self._handles.release(step.finished_handles)
+        handles = runner_output.req_handles.tolist()
+        tokens = runner_output.sampled_token_ids.tolist()
+        if len(handles) != len(tokens) or sorted(handles) != sorted(step.requests):
+            raise RuntimeError(
+                f"ModelRunnerOutput names handles {sorted(handles)} with {len(tokens)} tokens; "
+                f"the step scheduled {sorted(step.requests)}"
+            )
+        now = time.monotonic()
+        changed: list[Request] = []
+        for handle, token in zip(handles, tokens, strict=True):
+            request = step.requests[handle]
+            if request.is_finished:
+                continue  # aborted while the step was in flight
+            prefill_done = request.num_computed_tokens >= request.num_tokens
+            if token < 0:
+                if prefill_done:
+                    raise RuntimeError(f"no token sampled for {request.req_id!r} (handle {handle})")
+                continue
+            if not prefill_done:
+                raise RuntimeError(
+                    f"token {token} sampled for {request.req_id!r} (handle {handle}) in the "
+                    "middle of its prefill"
+                )
+            if request.append_output_token(token, self.max_model_len, now):
+                self.running.remove(request)
+                self._release(request)
+            changed.append(request)
+        return changed
+
+    def reset_after_failure(self) -> list[Request]:
+        """Abort every request after a step failed (and every step in flight has been
+        waited for): the workers may or may not have applied the failed step, so the next
+        step reports every handle they could hold as finished (workers ignore finished
+        handles they do not hold). Returns the aborted requests."""
+        aborted = list(self._requests.values())
+        for request in aborted:
+            request.finish(FinishReason.ABORT)
+            self.kv.free(request.req_id)
+            request.handle = None
+        self._finished_handles = self._handles.live_handles()
+        self._preempted_handles = []
+        self._requests.clear()
+        self.waiting.clear()
+        self.running.clear()
+        self._in_flight.clear()
+        self._steps.clear()
+        self._num_tokens_sent.clear()
+        return aborted
+
+    def _release(self, request: Request) -> None:
+        """Forget a finished request (out of the queues already): its blocks go now, its
+        handle once the step that reports it to the workers has come back."""
+        del self._requests[request.req_id]
+        self._num_tokens_sent.pop(request.req_id, None)
+        self.kv.free(request.req_id)
+        if request.handle is None:
+            return  # the workers never saw it
+        if request.handle in self._preempted_handles:
+            # Preempted and finished before the workers heard: report it once, finished.
+            self._preempted_handles.remove(request.handle)
+        self._finished_handles.append(request.handle)
+        request.handle = None
