@@ -1,0 +1,15 @@
+"""Shared fixtures: the repository root on the workers' import path, and leak checks."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+# Worker subprocesses import test and benchmark classes (bench.echo_worker) by name.
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p
+)
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))

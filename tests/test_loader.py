@@ -1,0 +1,137 @@
+"""Weight loading: sharded == unsharded, clear errors, each rank reads only its tensors."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from messages import ModelConfig
+from tests.tiny import cached_tiny_checkpoint, make_tiny_checkpoint
+from zmqworker.distributed import ParallelState, single_rank_state
+from zmqworker.models import build_model
+from zmqworker.models.loader import CheckpointError, load_checkpoint
+
+CPU = torch.device("cpu")
+
+
+def state(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1) -> ParallelState:
+    rank = pp_rank * tp_size + tp_rank
+    return ParallelState(
+        rank, tp_size * pp_size, tp_rank, tp_size, pp_rank, pp_size, None, None, CPU
+    )
+
+
+def copy_with(tmp_path, edit) -> str:
+    """A copy of the tiny llama checkpoint whose tensors went through edit(dict)."""
+    src = cached_tiny_checkpoint(family="llama", num_layers=2)
+    dst = tmp_path / "ckpt"
+    shutil.copytree(src, dst)
+    tensors = load_file(dst / "model.safetensors")
+    edit(tensors)
+    save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
+    return str(dst)
+
+
+def test_sharded_checkpoint_loads_identically_to_unsharded(tmp_path):
+    whole = make_tiny_checkpoint(tmp_path / "whole", seed=3)
+    sharded = make_tiny_checkpoint(tmp_path / "sharded", seed=3, shard_max_bytes=60_000)
+    assert (tmp_path / "sharded" / "model.safetensors.index.json").exists()
+    a = build_model(ModelConfig(path=whole), single_rank_state(CPU)).state_dict()
+    b = build_model(ModelConfig(path=sharded), single_rank_state(CPU)).state_dict()
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+
+
+def test_fused_parameters_hold_the_checkpoint_tensors():
+    path = cached_tiny_checkpoint(family="qwen2", num_layers=2)
+    model = build_model(ModelConfig(path=path), single_rank_state(CPU))
+    ckpt = load_file(f"{path}/model.safetensors")
+    attn = model.model.layers["1"].self_attn
+    q, k, v = (ckpt[f"model.layers.1.self_attn.{n}_proj.weight"] for n in "qkv")
+    assert torch.equal(attn.qkv_proj.weight, torch.cat([q, k, v]))
+    qb, kb, vb = (ckpt[f"model.layers.1.self_attn.{n}_proj.bias"] for n in "qkv")
+    assert torch.equal(attn.qkv_proj.bias, torch.cat([qb, kb, vb]))
+    mlp = model.model.layers["1"].mlp
+    gate_up = [ckpt[f"model.layers.1.mlp.{n}_proj.weight"] for n in ("gate", "up")]
+    assert torch.equal(mlp.gate_up_proj.weight, torch.cat(gate_up))
+
+
+def test_missing_tensor_is_named_with_the_folder(tmp_path):
+    path = copy_with(tmp_path, lambda t: t.pop("model.layers.1.mlp.up_proj.weight"))
+    with pytest.raises(CheckpointError, match=r"ckpt lacks tensor\(s\): model.layers.1.mlp.up_pro"):
+        build_model(ModelConfig(path=path), single_rank_state(CPU))
+
+
+def test_wrong_shape_is_named_with_the_folder(tmp_path):
+    def shrink(tensors):
+        tensors["model.layers.0.self_attn.o_proj.weight"] = torch.zeros(64, 32)
+
+    path = copy_with(tmp_path, shrink)
+    with pytest.raises(CheckpointError, match=r"o_proj.weight in checkpoint .*ckpt has shape"):
+        build_model(ModelConfig(path=path), single_rank_state(CPU))
+
+
+def test_missing_folder_and_missing_weights_are_clear(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        build_model(ModelConfig(path=str(tmp_path / "nowhere")), single_rank_state(CPU))
+    shutil.copy(cached_tiny_checkpoint(family="llama", num_layers=2) + "/config.json", tmp_path)
+    with pytest.raises(FileNotFoundError, match="no safetensors weights"):
+        build_model(ModelConfig(path=str(tmp_path)), single_rank_state(CPU))
+
+
+def test_pipeline_stage_reads_only_its_layers_and_files(tmp_path):
+    path = make_tiny_checkpoint(tmp_path / "c", num_layers=4, shard_max_bytes=60_000)
+    last = build_model(ModelConfig(path=path), state(pp_rank=1, pp_size=2))
+    report = load_checkpoint(last, path)
+    layers = {int(n.split(".")[2]) for n in report.tensors if n.startswith("model.layers.")}
+    assert layers == {2, 3}
+    assert {n for n in report.tensors if not n.startswith("model.layers.")} == {
+        "model.norm.weight",
+        "lm_head.weight",
+    }
+    first = build_model(ModelConfig(path=path), state(pp_rank=0, pp_size=2))
+    first_files = load_checkpoint(first, path).files
+    # The shards are small, so each stage's tensors live in different files.
+    assert report.files and first_files and report.files != first_files
+
+
+def test_tied_last_stage_loads_the_embedding_for_its_lm_head():
+    path = cached_tiny_checkpoint(family="qwen3", tie_word_embeddings=True, num_layers=2)
+    last = build_model(ModelConfig(path=path), state(pp_rank=1, pp_size=2))
+    assert last.model.embed_tokens is None
+    ckpt = load_file(f"{path}/model.safetensors")
+    assert torch.equal(last.lm_head.weight, ckpt["model.embed_tokens.weight"])
+    assert "model.embed_tokens.weight" in load_checkpoint(last, path).tensors
+
+
+def test_tp_ranks_read_their_slices_and_pad_the_vocab():
+    path = cached_tiny_checkpoint(family="llama", num_layers=1, vocab_size=250)
+    ckpt = load_file(f"{path}/model.safetensors")
+    ranks = [build_model(ModelConfig(path=path), state(tp_rank=r, tp_size=2)) for r in range(2)]
+    attn = [m.model.layers["0"].self_attn for m in ranks]
+    q = ckpt["model.layers.0.self_attn.q_proj.weight"]  # 4 heads of 16: rank r holds 2 heads
+    assert torch.equal(attn[1].qkv_proj.weight[:32], q[32:])
+    o = ckpt["model.layers.0.self_attn.o_proj.weight"]
+    assert torch.equal(torch.cat([a.o_proj.weight for a in attn], dim=1), o)
+    heads = [m.lm_head.weight for m in ranks]  # 125 rows each
+    assert torch.equal(torch.cat(heads), ckpt["lm_head.weight"])
+    odd = cached_tiny_checkpoint(family="llama", num_layers=1, vocab_size=251)
+    padded = build_model(ModelConfig(path=odd), state(tp_rank=1, tp_size=2)).lm_head.weight
+    assert padded.shape == (126, 64) and not padded[-1].any()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_checkpoint_and_model(tmp_path, dtype):
+    name = str(dtype).removeprefix("torch.")
+    path = make_tiny_checkpoint(tmp_path / name, num_layers=1, dtype=dtype)
+    ckpt = load_file(f"{path}/model.safetensors")
+    as_fp32 = build_model(ModelConfig(path=path), single_rank_state(CPU))
+    as_half = build_model(ModelConfig(path=path, dtype=name), single_rank_state(CPU))
+    w = ckpt["model.layers.0.mlp.down_proj.weight"]
+    assert torch.equal(as_half.model.layers["0"].mlp.down_proj.weight, w)
+    assert torch.equal(as_fp32.model.layers["0"].mlp.down_proj.weight, w.float())
+    assert as_half.rotary.cos_sin.dtype == dtype

@@ -1,0 +1,127 @@
+"""This rank's place in the tensor/pipeline-parallel layout, and the collectives layers use.
+
+Rank layout: rank = pp_rank * tp_size + tp_rank. TP groups hold the ranks of one pipeline
+stage; PP groups hold the ranks with the same tp_rank across stages.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+
+from messages import ParallelConfig
+
+# Whether this module called init_process_group, so destroy only tears down what it built.
+_initialised_here = False
+
+
+@dataclass(frozen=True)
+class ParallelState:
+    rank: int
+    world_size: int
+    tp_rank: int
+    tp_size: int
+    pp_rank: int
+    pp_size: int
+    tp_group: ProcessGroup | None  # None when tp_size == 1
+    pp_group: ProcessGroup | None  # None when pp_size == 1
+    device: torch.device
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
+
+
+def single_rank_state(device: torch.device) -> ParallelState:
+    """The layout of a lone worker: no groups, no torch.distributed."""
+    return ParallelState(0, 1, 0, 1, 0, 1, None, None, torch.device(device))
+
+
+def init_parallel_state(
+    parallel: ParallelConfig, rank: int, device: torch.device, timeout_s: float = 60.0
+) -> ParallelState:
+    """Join the process group of `parallel` (when world_size > 1) and build the TP/PP groups."""
+    global _initialised_here
+    device = torch.device(device)
+    tp_size = parallel.tensor_parallel_size
+    pp_size = parallel.pipeline_parallel_size
+    if tp_size < 1 or pp_size < 1:
+        raise ValueError(
+            f"tensor_parallel_size ({tp_size}) and pipeline_parallel_size ({pp_size}) must be >= 1"
+        )
+    world_size = tp_size * pp_size
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is outside the layout tp={tp_size} x pp={pp_size}")
+    tp_rank, pp_rank = rank % tp_size, rank // tp_size
+    if world_size == 1:
+        return ParallelState(0, 1, 0, 1, 0, 1, None, None, device)
+    if not parallel.distributed_init_method:
+        raise ValueError(
+            f"world size {world_size} (tp={tp_size} x pp={pp_size}) needs "
+            "ParallelConfig.distributed_init_method, e.g. tcp://127.0.0.1:29500"
+        )
+    if dist.is_initialized():
+        if dist.get_world_size() != world_size or dist.get_rank() != rank:
+            raise RuntimeError(
+                f"torch.distributed is already initialised as rank {dist.get_rank()} of "
+                f"{dist.get_world_size()}, not rank {rank} of {world_size}"
+            )
+    else:
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(
+            backend=backend,
+            init_method=parallel.distributed_init_method,
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=timeout_s),
+        )
+        _initialised_here = True
+    # new_group is collective: every rank creates every group, in the same order.
+    tp_group = pp_group = None
+    for stage in range(pp_size):
+        ranks = [stage * tp_size + t for t in range(tp_size)]
+        group = dist.new_group(ranks) if tp_size > 1 else None
+        if stage == pp_rank:
+            tp_group = group
+    for t in range(tp_size):
+        ranks = [stage * tp_size + t for stage in range(pp_size)]
+        group = dist.new_group(ranks) if pp_size > 1 else None
+        if t == tp_rank:
+            pp_group = group
+    return ParallelState(
+        rank, world_size, tp_rank, tp_size, pp_rank, pp_size, tp_group, pp_group, device
+    )
+
+
+def destroy_parallel_state() -> None:
+    """Leave the process group this module joined; safe to call twice or without init."""
+    global _initialised_here
+    if _initialised_here and dist.is_initialized():
+        dist.destroy_process_group()
+    _initialised_here = False
+
+
+def tp_all_reduce(x: torch.Tensor, state: ParallelState) -> torch.Tensor:
+    """Sum x over the TP group (in place); x itself when there is no group."""
+    if state.tp_group is None:
+        return x
+    dist.all_reduce(x, group=state.tp_group)
+    return x
+
+
+def tp_all_gather(x: torch.Tensor, state: ParallelState, dim: int = -1) -> torch.Tensor:
+    """Concatenate every TP rank's x along dim, in tp_rank order."""
+    if state.tp_group is None:
+        return x
+    x = x.contiguous()
+    parts = [torch.empty_like(x) for _ in range(state.tp_size)]
+    dist.all_gather(parts, x, group=state.tp_group)
+    return torch.cat(parts, dim=dim)

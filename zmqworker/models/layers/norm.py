@@ -1,0 +1,34 @@
+"""RMSNorm as the Llama family computes it: statistics in float32, then the weight in the
+input dtype (the same rounding as transformers)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from zmqworker.models.layers.weights import TensorSlice, whole
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float, prefix: str):
+        super().__init__()
+        self.eps = eps
+        self.prefix = prefix
+        self.weight = nn.Parameter(torch.ones(size), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:
+            return torch.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+    def add_and_norm(
+        self, x: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual): the pre-norm residual stream step."""
+        residual = x + residual
+        return self.forward(residual), residual
+
+    def tensor_slices(self) -> dict[str, list[TensorSlice]]:
+        return {"weight": [whole(f"{self.prefix}.weight", tuple(self.weight.shape))]}
