@@ -1,0 +1,36 @@
+"""Structured-output constraints: a packed token bitmask applied to logits before sampling."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+_BITS = 32
+
+
+def apply_grammar_bitmask(
+    logits: torch.Tensor, rows: np.ndarray, bitmask: np.ndarray, names: list[str]
+) -> None:
+    """Set logits[rows[i], j] to -inf where bit j of bitmask[i] is 0 (word j // 32, bit
+    j % 32). A bitmask narrower than the vocabulary disallows the tokens it does not cover.
+    names[i] names the request of rows[i] in errors."""
+    vocab = logits.shape[1]
+    words = -(-vocab // _BITS)
+    if bitmask.ndim != 2 or bitmask.shape[0] != len(rows) or bitmask.shape[1] > words:
+        raise ValueError(
+            f"grammar bitmask must be int32 [{len(rows)}, <= {words}] for a vocabulary of "
+            f"{vocab}, got shape {bitmask.shape}"
+        )
+    if len(rows) == 0:
+        return
+    packed = torch.from_numpy(np.ascontiguousarray(bitmask, dtype=np.int32)).to(logits.device)
+    shifts = torch.arange(_BITS, dtype=torch.int32, device=logits.device)
+    bits = (packed.unsqueeze(-1) >> shifts) & 1
+    allowed = torch.zeros(len(rows), words * _BITS, dtype=torch.bool, device=logits.device)
+    allowed[:, : bits.shape[1] * _BITS] = bits.flatten(1).bool()
+    allowed = allowed[:, :vocab]
+    empty = (~allowed.any(dim=1)).nonzero()
+    if len(empty):
+        raise ValueError(f"grammar bitmask allows no token for {names[int(empty[0])]}")
+    index = torch.from_numpy(np.asarray(rows, dtype=np.int64)).to(logits.device)
+    logits[index] = logits[index].masked_fill_(~allowed, -torch.inf)

@@ -1,0 +1,175 @@
+"""The persistent input batch: every request the worker holds, one batch row each.
+
+Per-request state lives in preallocated arrays indexed by row (token ids, block table,
+counters, sampling settings), so a step's inputs are gathered with a few vectorised numpy
+operations instead of per-request Python. Requests are found by their int handle. A
+preempted request leaves its row but is kept aside, so that it can come back as resumed.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from messages import NewRequestData, SamplingParams, SchedulerOutput
+from zmqworker.model_runner.batch_update import ScheduledRequests, apply_update, plan_update
+
+
+@dataclass
+class ParkedRequest:
+    """A preempted request's state, until it is resumed, re-sent as new or finished."""
+
+    req_id: str
+    token_ids: np.ndarray  # int32: prompt followed by the outputs so far
+    params: SamplingParams
+    generator: torch.Generator | None
+
+
+class InputBatch:
+    """Rows 0..max_num_seqs-1; a free row has handle -1."""
+
+    def __init__(
+        self,
+        max_num_seqs: int,
+        max_model_len: int,
+        max_num_batched_tokens: int,
+        block_size: int,
+        vocab_size: int,
+        device: torch.device,
+    ) -> None:
+        self.max_num_seqs = max_num_seqs
+        self.max_model_len = max_model_len
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.block_size = block_size
+        self.vocab_size = vocab_size
+        self.device = device
+        self.max_blocks_per_req = -(-max_model_len // block_size)
+        self.num_kv_blocks = 0  # block ids must be below this; 0 until the KV cache exists
+
+        # One column more than max_model_len: a request may sample after its last position.
+        self.token_ids = np.zeros((max_num_seqs, max_model_len + 1), np.int32)
+        self.num_tokens = np.zeros(max_num_seqs, np.int32)
+        self.block_table = np.zeros((max_num_seqs, self.max_blocks_per_req), np.int32)
+        self.num_blocks = np.zeros(max_num_seqs, np.int32)
+        self.handles = np.full(max_num_seqs, -1, np.int32)
+        self.req_ids: list[str | None] = [None] * max_num_seqs
+        self.params: list[SamplingParams | None] = [None] * max_num_seqs
+        self.temperature = np.zeros(max_num_seqs, np.float32)
+        self.top_k = np.zeros(max_num_seqs, np.int32)
+        self.top_p = np.ones(max_num_seqs, np.float32)
+        self.min_p = np.zeros(max_num_seqs, np.float32)
+        self.num_logprobs = np.full(max_num_seqs, -1, np.int32)
+        self.generators: dict[int, torch.Generator] = {}  # row -> the seeded request's own
+
+        self.row_of: dict[int, int] = {}
+        self.parked: dict[int, ParkedRequest] = {}
+        self._free_rows = list(range(max_num_seqs))
+
+    # the step -------------------------------------------------------------------------
+
+    def update(self, scheduler_output: SchedulerOutput) -> ScheduledRequests:
+        """Apply one step's changes and return the requests it computes. Raises ValueError
+        naming the request on bad input, before changing anything."""
+        return apply_update(self, plan_update(self, scheduler_output))
+
+    def append_sampled(self, rows: np.ndarray, token_ids: np.ndarray) -> None:
+        """Append each row's sampled token after its known tokens."""
+        self.token_ids[rows, self.num_tokens[rows]] = token_ids
+        self.num_tokens[rows] += 1
+
+    # queries --------------------------------------------------------------------------
+
+    def __len__(self) -> int:
+        return len(self.row_of)
+
+    def describe(self, handle: int) -> str:
+        """How errors name a request: its req_id (when known) and handle."""
+        row = self.row_of.get(handle)
+        req_id = self.req_ids[row] if row is not None else None
+        if req_id is None and handle in self.parked:
+            req_id = self.parked[handle].req_id
+        return f"request {req_id!r} (handle {handle})" if req_id else f"request handle {handle}"
+
+    def tokens_of(self, handle: int) -> np.ndarray:
+        """A copy of the request's known tokens (prompt and outputs)."""
+        row = self.row_of[handle]
+        return self.token_ids[row, : self.num_tokens[row]].copy()
+
+    def sampling_generators(self, rows: np.ndarray) -> dict[int, torch.Generator]:
+        """{position in rows: generator} for the seeded requests among rows."""
+        if not self.generators:
+            return {}
+        return {i: self.generators[r] for i, r in enumerate(rows.tolist()) if r in self.generators}
+
+    # row operations (batch_update calls these after validating) -----------------------
+
+    def add_request(self, new: NewRequestData) -> int:
+        """A new request (or one that starts over) takes a row; any state kept aside for
+        its handle is dropped."""
+        self.parked.pop(new.req_handle, None)
+        row = self._take_row(new.req_handle, new.req_id)
+        prompt = np.asarray(new.prompt_token_ids)
+        self.token_ids[row, : len(prompt)] = prompt
+        self.num_tokens[row] = len(prompt)
+        blocks = np.asarray(new.block_ids)
+        self.block_table[row, : len(blocks)] = blocks
+        self.num_blocks[row] = len(blocks)
+        params = new.sampling_params
+        self._set_params(row, params, _make_generator(params, self.device))
+        return row
+
+    def remove_request(self, handle: int, park: bool) -> None:
+        """Free the request's row; a preempted request (park=True) is kept aside."""
+        row = self.row_of.pop(handle)
+        if park:
+            req_id, params = self.req_ids[row], self.params[row]
+            assert req_id is not None and params is not None
+            self.parked[handle] = ParkedRequest(
+                req_id,
+                self.token_ids[row, : self.num_tokens[row]].copy(),
+                params,
+                self.generators.get(row),
+            )
+        self.handles[row] = -1
+        self.req_ids[row] = None
+        self.params[row] = None
+        self.generators.pop(row, None)
+        heapq.heappush(self._free_rows, row)
+
+    def resume_request(self, handle: int) -> int:
+        """Bring a parked request back into a row, with an empty block table."""
+        parked = self.parked.pop(handle)
+        row = self._take_row(handle, parked.req_id)
+        self.token_ids[row, : len(parked.token_ids)] = parked.token_ids
+        self.num_tokens[row] = len(parked.token_ids)
+        self.num_blocks[row] = 0
+        self._set_params(row, parked.params, parked.generator)
+        return row
+
+    def _take_row(self, handle: int, req_id: str) -> int:
+        row = heapq.heappop(self._free_rows)
+        self.row_of[handle] = row
+        self.handles[row] = handle
+        self.req_ids[row] = req_id
+        return row
+
+    def _set_params(
+        self, row: int, params: SamplingParams, generator: torch.Generator | None
+    ) -> None:
+        self.params[row] = params
+        self.temperature[row] = params.temperature
+        self.top_k[row] = params.top_k
+        self.top_p[row] = params.top_p
+        self.min_p[row] = params.min_p
+        self.num_logprobs[row] = -1 if params.logprobs is None else params.logprobs
+        if generator is not None:
+            self.generators[row] = generator
+
+
+def _make_generator(params: SamplingParams, device: torch.device) -> torch.Generator | None:
+    if params.seed is None:
+        return None
+    return torch.Generator(device=device).manual_seed(params.seed)

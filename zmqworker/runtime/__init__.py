@@ -1,0 +1,1 @@
+"""The worker process: its event loop, its sockets and how it serves RPCs."""
