@@ -41,7 +41,7 @@ class CacheConfig(msgspec.Struct, tag=True, frozen=True, omit_defaults=True):
 
 class DeviceConfig(msgspec.Struct, tag=True, frozen=True, omit_defaults=True):
     device: str = "auto"  # auto | cpu | cuda
-    num_threads: int | None = None  # torch intra-op threads; None leaves torch's default
+    num_threads: int | None = None  # torch threads; None: CPU workers share the host's cores
 
 
 class ProfilerConfig(msgspec.Struct, tag=True, frozen=True, omit_defaults=True):

@@ -1,0 +1,304 @@
+"""The torch Worker in process on the CPU with a tiny model: the start-up order, steps,
+sleep and wake at both levels, the profiler, health, shutdown, and the WorkerWrapper."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import msgspec
+import numpy as np
+import pytest
+import torch
+
+from messages import (
+    CacheConfig,
+    CachedRequestData,
+    ModelConfig,
+    NewRequestData,
+    ProfilerConfig,
+    SamplingParams,
+    SchedulerConfig,
+    SchedulerOutput,
+    WorkerConfig,
+    make_kv_cache_config,
+)
+from tests.tiny import cached_tiny_checkpoint
+from zmqworker.model_runner import AsyncModelRunnerOutput
+from zmqworker.worker.torch_worker import Worker
+from zmqworker.worker.wrapper import WorkerWrapper, with_extension
+
+BLOCK = 4
+PROMPT = [5, 17, 42, 9, 100, 3, 77]
+
+
+def config(**kw) -> WorkerConfig:
+    return WorkerConfig(
+        model=ModelConfig(
+            path=cached_tiny_checkpoint(family="llama", num_layers=4), max_model_len=128
+        ),
+        cache=CacheConfig(block_size=BLOCK, kv_cache_bytes=kw.pop("kv_cache_bytes", 1 << 20)),
+        scheduler=SchedulerConfig(
+            max_num_seqs=4, max_num_batched_tokens=64, warmup_batch_sizes=[1, 2]
+        ),
+        **kw,
+    )
+
+
+def started(cfg: WorkerConfig | None = None) -> Worker:
+    """A worker taken through the whole start-up order, the engine's part included."""
+    w = Worker(cfg or config(), rank=0)
+    w.init_device()
+    w.load_model()
+    available = w.determine_available_memory()
+    spec = w.get_kv_cache_spec()
+    num_blocks = available // (spec.page_size_bytes * len(spec.layer_names))
+    assert num_blocks > 0
+    w.initialize_from_config(make_kv_cache_config([spec], min(num_blocks, 64)))
+    assert w.compile_or_warm_up_model() >= 0.0
+    return w
+
+
+def output(result) -> np.ndarray:
+    assert isinstance(result, AsyncModelRunnerOutput)
+    return result.get_output().sampled_token_ids
+
+
+def generate(w: Worker, handle: int, steps: int = 6) -> list[int]:
+    """Greedy tokens of PROMPT through execute_model, prefill then decode, then finish."""
+    blocks = np.array([7, 2, 11, 5], np.int32) + handle * 4  # shuffled, per request
+    new = NewRequestData(
+        req_id=f"r{handle}",
+        req_handle=handle,
+        prompt_token_ids=np.array(PROMPT, np.int32),
+        sampling_params=SamplingParams(temperature=0.0),
+        block_ids=blocks,
+        num_scheduled_tokens=len(PROMPT),
+    )
+    tokens = [
+        int(
+            output(w.execute_model(SchedulerOutput([new], CachedRequestData.empty(), len(PROMPT))))[
+                0
+            ]
+        )
+    ]
+    for i in range(steps - 1):
+        cached = CachedRequestData.build([handle], [len(PROMPT) + i], [1])
+        tokens.append(int(output(w.execute_model(SchedulerOutput([], cached, 1)))[0]))
+    w.execute_model(
+        SchedulerOutput([], CachedRequestData.empty(), 0, finished_req_handles=[handle])
+    )
+    return tokens
+
+
+def storage_bytes(tensors) -> int:
+    return sum(t.untyped_storage().nbytes() for t in tensors)
+
+
+def test_startup_order_steps_and_shutdown_twice():
+    w = started()
+    first = generate(w, 1)
+    assert generate(w, 2) == first  # same prompt, other blocks, same greedy tokens
+    w.check_health()
+    w.shutdown()
+    w.shutdown()
+    with pytest.raises(RuntimeError, match="shut down"):
+        w.execute_model(SchedulerOutput([], CachedRequestData.empty(), 0))
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_sleep_releases_memory_and_wake_restores_outputs(level):
+    w = started()
+    before = generate(w, 1)
+    runner = w.model_runner
+    kv_bytes = storage_bytes(runner.kv_caches)
+    weight_bytes = storage_bytes(runner.model.parameters())
+    assert kv_bytes > 0 and weight_bytes > 0
+    w.sleep(level)
+    assert storage_bytes(runner.kv_caches) == 0
+    # The parameters let go of their storage at both levels; level 1 keeps a host copy
+    # (on the CPU, the very same storage), level 2 keeps nothing.
+    assert storage_bytes(runner.model.parameters()) == 0
+    assert storage_bytes(w._sleep._weights.values()) == (weight_bytes if level == 1 else 0)
+    with pytest.raises(RuntimeError, match="asleep"):
+        w.execute_model(SchedulerOutput([], CachedRequestData.empty(), 0))
+    w.wake_up(["weights"])
+    assert storage_bytes(runner.model.parameters()) == weight_bytes
+    assert storage_bytes(runner.kv_caches) == 0
+    w.wake_up(["kv_cache"])
+    assert storage_bytes(runner.kv_caches) == kv_bytes
+    assert generate(w, 3) == before
+    w.shutdown()
+
+
+def test_sleep_and_wake_errors():
+    w = started()
+    with pytest.raises(ValueError, match="level"):
+        w.sleep(3)
+    w.sleep(1)
+    with pytest.raises(RuntimeError, match="already asleep"):
+        w.sleep(1)
+    with pytest.raises(ValueError, match="unknown wake_up tags"):
+        w.wake_up(["gpu"])
+    w.wake_up()
+    w.shutdown()
+
+
+def test_profiler_writes_a_chrome_trace(tmp_path):
+    w = started(config(profiler=ProfilerConfig(profiler="torch", output_dir=str(tmp_path))))
+    w.profile(True)
+    generate(w, 1, steps=2)
+    w.profile(False)
+    traces = list(tmp_path.glob("rank0-*.trace.json"))
+    assert len(traces) == 1
+    events = json.loads(traces[0].read_text())["traceEvents"]
+    assert any("aten::" in e.get("name", "") for e in events)
+    w.shutdown()
+
+
+def test_profiler_errors_name_the_setting():
+    with pytest.raises(ValueError, match="profiler.profiler"):
+        Worker(config(profiler=ProfilerConfig(profiler="nsys")), rank=0)
+    w = Worker(config(), rank=0)
+    with pytest.raises(RuntimeError, match="profiler.profiler"):
+        w.profile(True)
+
+
+def test_kv_cache_that_does_not_fit_is_refused_with_numbers():
+    w = Worker(config(kv_cache_bytes=4096), rank=0)
+    w.init_device()
+    w.load_model()
+    assert w.determine_available_memory() == 4096
+    spec = w.get_kv_cache_spec()
+    with pytest.raises(ValueError, match=r"1000 blocks needs \d+ bytes.*only 4096 bytes"):
+        w.initialize_from_config(make_kv_cache_config([spec], 1000))
+    w.shutdown()
+
+
+def test_cpu_budget_is_measured_when_no_kv_bytes_given():
+    cfg = msgspec.structs.replace(config(), cache=CacheConfig(block_size=BLOCK))
+    w = Worker(cfg, rank=0)
+    w.init_device()
+    w.load_model()
+    available = w.determine_available_memory()
+    assert 0 < available < w._host_free_at_start
+    w.shutdown()
+
+
+def test_shutdown_after_a_failed_init_device():
+    bad = msgspec.structs.replace(
+        config(), device=msgspec.structs.replace(config().device, device="tpu")
+    )
+    with pytest.raises(ValueError, match="device must be"):
+        Worker(bad, rank=0)
+    w = Worker(config(device=msgspec.structs.replace(config().device, device="cuda")), rank=0)
+    if not torch.cuda.is_available():
+        with pytest.raises(RuntimeError, match="no GPU is visible"):
+            w.init_device()
+    w.shutdown()
+    w.shutdown()
+
+
+class Extension:
+    def double(self, x: int) -> int:
+        return 2 * x
+
+
+class Clash:
+    def load_model(self) -> None:
+        raise AssertionError("never called")
+
+
+def test_wrapper_late_instantiation_extension_and_allowlist(monkeypatch):
+    monkeypatch.delenv("ZMQWORKER_TEST_SEEN", raising=False)
+    wrapper = WorkerWrapper(rpc_rank=1)
+    with pytest.raises(AttributeError, match="does not exist yet"):
+        wrapper.rank  # noqa: B018
+    wrapper.update_environment_variables(
+        [{"ZMQWORKER_TEST_SEEN": "0"}, {"ZMQWORKER_TEST_SEEN": "rank1"}]
+    )
+    cfg = msgspec.structs.replace(
+        config(),
+        worker_cls="tests.test_worker.EnvProbeWorker",
+        worker_extension_cls="tests.test_worker.Extension",
+        parallel=msgspec.structs.replace(config().parallel, tensor_parallel_size=2),
+    )
+    wrapper.init_worker([{"config": cfg}, {"config": cfg}])
+    assert wrapper.worker.seen_at_init == "rank1"
+    assert wrapper.rank == 1  # forwarded attribute
+    assert wrapper.execute_method("double", 21) == 42
+    assert "double" in wrapper.rpc_methods and "load_model" in wrapper.rpc_methods
+    with pytest.raises(AttributeError, match="not callable over RPC"):
+        wrapper.execute_method("_runner")
+    with pytest.raises(AttributeError, match="not callable over RPC"):
+        wrapper.execute_method("seen_at_init")
+    with pytest.raises(ValueError, match="redefines load_model"):
+        with_extension(Worker, Clash)
+    assert not hasattr(Worker, "double")  # the worker class itself is untouched
+    with pytest.raises(ValueError, match="no class"):
+        WorkerWrapper(0).init_worker(
+            [
+                {
+                    "config": msgspec.structs.replace(
+                        cfg, worker_cls="zmqworker.worker.torch_worker.Nope"
+                    )
+                }
+            ]
+        )
+
+
+class EnvProbeWorker(Worker):
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.seen_at_init = os.environ.get("ZMQWORKER_TEST_SEEN")
+
+
+TP_SCRIPT = textwrap.dedent(
+    """
+    import json, sys, msgspec
+    from messages import ParallelConfig
+    from messages import make_kv_cache_config
+    from tests.test_worker import config, generate
+    from zmqworker.worker.torch_worker import Worker
+    rank, init = int(sys.argv[1]), sys.argv[2]
+    cfg = msgspec.structs.replace(config(), parallel=ParallelConfig(
+        tensor_parallel_size=2, distributed_init_method=init))
+    w = Worker(cfg, rank=rank)
+    w.init_device()
+    w.load_model()
+    spec = w.get_kv_cache_spec()
+    w.initialize_from_config(make_kv_cache_config([spec], 64))
+    out = {"tp_rank": w.state.tp_rank, "heads": spec.num_kv_heads, "tokens": generate(w, 1)}
+    w.shutdown()
+    print(json.dumps(out))
+    """
+)
+
+
+def test_two_ranks_start_distributed_with_tp2():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    root = Path(__file__).resolve().parent.parent
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", TP_SCRIPT, str(r), f"tcp://127.0.0.1:{port}"],
+            stdout=subprocess.PIPE,
+            text=True,
+            cwd=root,
+        )
+        for r in range(2)
+    ]
+    outs = [json.loads(p.communicate(timeout=240)[0].strip().splitlines()[-1]) for p in procs]
+    assert all(p.returncode == 0 for p in procs)
+    assert [o["tp_rank"] for o in outs] == [0, 1]
+    assert outs[0]["tokens"] == outs[1]["tokens"]
+    single = started()
+    assert outs[0]["tokens"] == generate(single, 1)
+    single.shutdown()

@@ -1,0 +1,5 @@
+import sys
+
+from zmqworker.runtime.main import main
+
+sys.exit(main())

@@ -1,0 +1,110 @@
+"""What differs between devices: selection, memory accounting, synchronisation.
+
+The torch Worker is written against DeviceOps; a new device implements one subclass.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+import torch
+
+
+class DeviceOps:
+    """Host (CPU) behaviour; the base for every device."""
+
+    name = "cpu"
+    dist_backend = "gloo"
+
+    def select(self, local_rank: int) -> torch.device:
+        return torch.device("cpu")
+
+    def synchronize(self) -> None:
+        """Wait for queued device work; nothing is queued on the CPU."""
+
+    def empty_cache(self) -> None:
+        """Return cached device memory to the system; the CPU keeps no cache."""
+
+    def free_and_total_bytes(self) -> tuple[int, int]:
+        info = _meminfo()
+        return info["MemAvailable"], info["MemTotal"]
+
+    def reset_peak(self) -> int:
+        """Start a peak measurement; returns the bytes in use now."""
+        _reset_peak_rss()
+        return _rss_bytes("VmRSS")
+
+    def peak_bytes(self) -> int:
+        """Peak bytes in use since reset_peak."""
+        return _rss_bytes("VmHWM")
+
+
+class CudaOps(DeviceOps):
+    name = "cuda"
+    dist_backend = "nccl"
+
+    def select(self, local_rank: int) -> torch.device:
+        # CUDA_VISIBLE_DEVICES is honoured by torch itself: the visible GPUs are 0..n-1.
+        count = torch.cuda.device_count()
+        if count == 0:
+            raise RuntimeError(
+                "device=cuda but no GPU is visible "
+                f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')})"
+            )
+        device = torch.device("cuda", local_rank % count)
+        torch.cuda.set_device(device)
+        return device
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize()
+
+    def empty_cache(self) -> None:
+        torch.cuda.empty_cache()
+
+    def free_and_total_bytes(self) -> tuple[int, int]:
+        return torch.cuda.mem_get_info()
+
+    def reset_peak(self) -> int:
+        torch.cuda.reset_peak_memory_stats()
+        return torch.cuda.memory_allocated()
+
+    def peak_bytes(self) -> int:
+        return torch.cuda.max_memory_allocated()
+
+
+def device_ops(device: str) -> DeviceOps:
+    """auto picks CUDA when a GPU is visible."""
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu":
+        return DeviceOps()
+    if device == "cuda":
+        return CudaOps()
+    raise ValueError(f"device must be auto, cpu or cuda, got {device!r}")
+
+
+def _meminfo() -> dict[str, int]:
+    out = {}
+    with open("/proc/meminfo") as f:
+        for line in f:
+            key, value = line.split(":", 1)
+            out[key] = int(value.split()[0]) * 1024
+    return out
+
+
+def _rss_bytes(field: str) -> int:
+    with open("/proc/self/status") as f:
+        m = re.search(rf"^{field}:\s+(\d+) kB", f.read(), re.M)
+    return int(m.group(1)) * 1024 if m else 0
+
+
+def _reset_peak_rss() -> None:
+    # Writing 5 to clear_refs resets VmHWM to the current RSS (Linux >= 4.0).
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        # Without it (old kernels, some sandboxes) VmHWM stays the lifetime peak: the
+        # measurement errs on the large side, which only shrinks the KV cache.
+        return

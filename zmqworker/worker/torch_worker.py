@@ -1,0 +1,257 @@
+"""The torch Worker for CPU and CUDA: holds the device, the process groups, the model
+runner and its KV cache. The forward pass itself belongs to the model runner."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from pathlib import Path
+
+import msgspec
+import torch
+
+from messages import (
+    GrammarOutput,
+    IntermediateTensors,
+    KVCacheConfig,
+    KVCacheSpec,
+    SchedulerOutput,
+    WorkerConfig,
+)
+from zmqworker.distributed.parallel_state import (
+    ParallelState,
+    destroy_parallel_state,
+    init_parallel_state,
+)
+from zmqworker.model_runner.model_runner import ModelRunner
+from zmqworker.worker.device import DeviceOps, device_ops
+from zmqworker.worker.sleep_mode import SleepState
+from zmqworker.worker.worker_base import WorkerBase
+
+PROFILERS = ("none", "torch", "cuda")
+HEALTH_OP_TIMEOUT_S = 10.0
+# A step running longer than this means the model runner is wedged.
+STEP_WEDGED_AFTER_S = 600.0
+
+
+class Worker(WorkerBase):
+    def __init__(
+        self,
+        config: WorkerConfig,
+        rank: int,
+        local_rank: int | None = None,
+        distributed_init_method: str | None = None,
+        is_driver_worker: bool = False,
+    ) -> None:
+        super().__init__(config, rank, local_rank, distributed_init_method, is_driver_worker)
+        if config.profiler.profiler not in PROFILERS:
+            raise ValueError(
+                f"profiler.profiler must be one of {', '.join(PROFILERS)}, "
+                f"got {config.profiler.profiler!r}"
+            )
+        self.ops: DeviceOps = device_ops(config.device.device)
+        self.device: torch.device | None = None
+        self.state: ParallelState | None = None
+        self.model_runner: ModelRunner | None = None
+        self._kv_cache_config: KVCacheConfig | None = None
+        self._available_kv_bytes: int | None = None
+        self._host_free_at_start = 0
+        self._profiler: torch.profiler.profile | None = None
+        self._sleep = SleepState()
+        self._step_started: float | None = None
+        self._shut_down = False
+
+    # start-up -------------------------------------------------------------------------
+
+    def init_device(self) -> None:
+        self.device = self.ops.select(self.local_rank)
+        threads = self.config.device.num_threads
+        if threads is None and self.device.type == "cpu":
+            # The layout's workers share this host's cores; torch's default (every core
+            # in each of them) oversubscribes and slows every rank down severalfold.
+            threads = max(1, (os.cpu_count() or 1) // self.config.parallel.world_size)
+        if threads:
+            torch.set_num_threads(threads)
+        parallel = self.config.parallel
+        if self.distributed_init_method != parallel.distributed_init_method:
+            parallel = msgspec.structs.replace(
+                parallel, distributed_init_method=self.distributed_init_method
+            )
+        self.state = init_parallel_state(parallel, self.rank, self.device)
+        self._host_free_at_start = self.ops.free_and_total_bytes()[0]
+        torch.manual_seed(self.config.model.seed)
+        self.model_runner = ModelRunner(self.config, self.state)
+
+    def load_model(self) -> None:
+        self._runner().load_model()
+
+    def determine_available_memory(self) -> int:
+        runner = self._runner()
+        cache = self.config.cache
+        if cache.kv_cache_bytes is not None:
+            self._available_kv_bytes = cache.kv_cache_bytes
+            return cache.kv_cache_bytes
+        self.ops.empty_cache()
+        in_use = self.ops.reset_peak()
+        runner.profile_run()
+        self.ops.synchronize()
+        activation_peak = max(0, self.ops.peak_bytes() - in_use)
+        self.ops.empty_cache()
+        if self.ops.name == "cuda":
+            free, total = self.ops.free_and_total_bytes()
+            budget = int(total * cache.gpu_memory_utilization) - (total - free)
+            available = budget - activation_peak
+        else:
+            # The host is shared by every worker of the layout: each gets its share.
+            share = cache.cpu_memory_fraction / self.config.parallel.world_size
+            budget = int(self._host_free_at_start * share)
+            available = budget - _weights_bytes(runner.model) - activation_peak
+        self._available_kv_bytes = max(0, available)
+        return self._available_kv_bytes
+
+    def get_kv_cache_spec(self) -> KVCacheSpec:
+        return self._runner().get_kv_cache_spec()
+
+    def initialize_from_config(self, kv_cache_config: KVCacheConfig) -> None:
+        runner = self._runner()
+        spec = runner.get_kv_cache_spec()
+        need = kv_cache_config.num_blocks * spec.page_size_bytes * len(spec.layer_names)
+        free = self.ops.free_and_total_bytes()[0]
+        limit = free if self._available_kv_bytes is None else min(free, self._available_kv_bytes)
+        if self.config.cache.kv_cache_bytes is not None:
+            limit = min(free, self.config.cache.kv_cache_bytes)
+        if need > limit:
+            raise ValueError(
+                f"KV cache of {kv_cache_config.num_blocks} blocks needs {need} bytes on rank "
+                f"{self.rank} ({len(spec.layer_names)} layers x {spec.page_size_bytes} bytes "
+                f"per block), but only {limit} bytes are available"
+            )
+        runner.initialize_kv_cache(kv_cache_config)
+        self._kv_cache_config = kv_cache_config
+
+    def compile_or_warm_up_model(self) -> float:
+        start = time.perf_counter()
+        self._runner().warm_up(list(self.config.scheduler.warmup_batch_sizes))
+        self.ops.synchronize()
+        return time.perf_counter() - start
+
+    # steps ----------------------------------------------------------------------------
+
+    def execute_model(
+        self,
+        scheduler_output: SchedulerOutput,
+        intermediate_tensors: IntermediateTensors | None = None,
+        sample: bool = True,
+    ) -> object:
+        self._require_awake("execute_model")
+        self._step_started = time.monotonic()
+        try:
+            return self._runner().execute_model(scheduler_output, intermediate_tensors, sample)
+        finally:
+            self._step_started = None
+
+    def sample_tokens(self, grammar_output: GrammarOutput | None = None) -> object:
+        self._require_awake("sample_tokens")
+        return self._runner().sample_tokens(grammar_output)
+
+    # operations -----------------------------------------------------------------------
+
+    def profile(self, is_start: bool = True) -> None:
+        kind = self.config.profiler.profiler
+        if kind == "none":
+            raise RuntimeError(
+                "no profiler configured: set profiler.profiler to 'torch' or 'cuda' "
+                "(and profiler.output_dir) in the worker config"
+            )
+        if kind == "cuda":
+            if self.ops.name != "cuda":
+                raise RuntimeError("profiler.profiler='cuda' needs a CUDA device")
+            (torch.cuda.profiler.start if is_start else torch.cuda.profiler.stop)()
+            return
+        if is_start:
+            if self._profiler is not None:
+                raise RuntimeError("the torch profiler is already running")
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if self.ops.name == "cuda":
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+            self._profiler = torch.profiler.profile(activities=activities, record_shapes=True)
+            self._profiler.start()
+            return
+        if self._profiler is None:
+            raise RuntimeError("the torch profiler is not running: call profile(True) first")
+        profiler, self._profiler = self._profiler, None
+        profiler.stop()
+        out = Path(self.config.profiler.output_dir or ".")
+        out.mkdir(parents=True, exist_ok=True)
+        profiler.export_chrome_trace(str(out / f"rank{self.rank}-{time.time_ns()}.trace.json"))
+
+    def sleep(self, level: int = 1) -> None:
+        runner = self._runner()
+        if runner.model is None:
+            raise RuntimeError("sleep before load_model: nothing to release")
+        self._sleep.sleep(runner, level, pin=self.ops.name == "cuda")
+        self.ops.empty_cache()
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        runner = self._runner()
+        self._sleep.wake_up(runner, tags, self.device, self._kv_cache_config)
+
+    def check_health(self) -> None:
+        started = self._step_started
+        if started is not None and time.monotonic() - started > STEP_WEDGED_AFTER_S:
+            raise RuntimeError(
+                f"rank {self.rank}: a step has run for {time.monotonic() - started:.0f} s"
+            )
+        if self.device is None:
+            return
+        result: list[float] = []
+        probe = threading.Thread(target=lambda: result.append(self._device_probe()), daemon=True)
+        probe.start()
+        probe.join(HEALTH_OP_TIMEOUT_S)
+        if result != [2.0]:
+            raise RuntimeError(
+                f"rank {self.rank}: device {self.device} did not answer a probe within "
+                f"{HEALTH_OP_TIMEOUT_S} s"
+            )
+
+    def shutdown(self) -> None:
+        if self._shut_down:
+            return
+        self._shut_down = True
+        if self._profiler is not None:
+            self._profiler.stop()
+            self._profiler = None
+        if self.model_runner is not None:
+            self.model_runner.shutdown()
+            self.model_runner.release_kv_cache()
+            self.model_runner = None
+        self._sleep.clear()
+        if self.state is not None:
+            destroy_parallel_state()
+            self.state = None
+        self.ops.empty_cache()
+
+    # helpers --------------------------------------------------------------------------
+
+    def _runner(self) -> ModelRunner:
+        if self._shut_down:
+            raise RuntimeError(f"rank {self.rank} is shut down")
+        if self.model_runner is None:
+            raise RuntimeError("init_device has not run: call it first")
+        return self.model_runner
+
+    def _require_awake(self, what: str) -> None:
+        if self._sleep.asleep:
+            raise RuntimeError(f"{what} while asleep ({self._sleep.describe()}): call wake_up")
+
+    def _device_probe(self) -> float:
+        x = torch.ones(1, device=self.device) + 1
+        self.ops.synchronize()
+        return float(x.item())
+
+
+def _weights_bytes(model: torch.nn.Module | None) -> int:
+    if model is None:
+        return 0
+    return sum(p.numel() * p.element_size() for p in model.parameters())
