@@ -93,6 +93,7 @@ class Scheduler:
         # Handles to report in the next step: finished, and preempted requests.
         self._finished_handles: list[int] = []
         self._preempted_handles: list[int] = []
+        self.num_preemptions = 0  # since start: a sign the KV cache is too small
         # Tokens each running request's workers have seen, for send_token_ids.
         self._num_tokens_sent: dict[str, int] = {}
 
@@ -264,6 +265,7 @@ class Scheduler:
         self.running.remove(request)
         self.kv.free(request.req_id)
         self._preempted_handles.append(request.handle)
+        self.num_preemptions += 1
         self._num_tokens_sent.pop(request.req_id, None)
         request.status = RequestStatus.WAITING
         request.num_computed_tokens = 0

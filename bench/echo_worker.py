@@ -1,0 +1,107 @@
+"""A worker without a model, for measuring and testing the transport alone.
+
+EchoWorker answers every WorkerBase call at once with a well-formed result: its
+execute_model returns a ModelRunnerOutput for the step's requests (token = handle + 1),
+so a step's round trip costs exactly the messages and nothing else. EchoExtension adds
+methods that tests use to provoke the executor's failure paths.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+
+from messages import (
+    GrammarOutput,
+    IntermediateTensors,
+    KVCacheConfig,
+    KVCacheSpec,
+    ModelRunnerOutput,
+    SchedulerOutput,
+)
+from zmqworker.worker.worker_base import WorkerBase
+
+FAKE_KV_BYTES = 1 << 30
+
+
+class EchoWorker(WorkerBase):
+    def init_device(self) -> None:
+        self.initialized = True
+
+    def load_model(self) -> None:
+        self.loaded = True
+
+    def determine_available_memory(self) -> int:
+        return FAKE_KV_BYTES
+
+    def get_kv_cache_spec(self) -> KVCacheSpec:
+        return KVCacheSpec(16, 1, 8, "float32", [f"layer.{self.rank}"])
+
+    def initialize_from_config(self, kv_cache_config: KVCacheConfig) -> None:
+        self.kv_cache_config = kv_cache_config
+
+    def compile_or_warm_up_model(self) -> float:
+        return 0.0
+
+    def execute_model(
+        self,
+        scheduler_output: SchedulerOutput,
+        intermediate_tensors: IntermediateTensors | None = None,
+        sample: bool = True,
+    ) -> ModelRunnerOutput:
+        handles = np.concatenate(
+            [
+                np.array([r.req_handle for r in scheduler_output.scheduled_new_reqs], np.int32),
+                scheduler_output.scheduled_cached_reqs.req_handles,
+            ]
+        )
+        return ModelRunnerOutput(req_handles=handles, sampled_token_ids=handles + 1)
+
+    def sample_tokens(self, grammar_output: GrammarOutput | None = None) -> ModelRunnerOutput:
+        handles = np.zeros(0, np.int32) if grammar_output is None else grammar_output.req_handles
+        return ModelRunnerOutput(req_handles=handles, sampled_token_ids=handles + 1)
+
+    def profile(self, is_start: bool = True) -> None:
+        raise RuntimeError("EchoWorker has no profiler")
+
+    def sleep(self, level: int = 1) -> None:
+        self.asleep = level
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        self.asleep = 0
+
+    def check_health(self) -> None:
+        return None
+
+    def shutdown(self) -> None:
+        self.initialized = False
+
+
+class EchoExtension:
+    """Extra RPC methods for tests and benchmarks."""
+
+    def noop(self) -> None:
+        return None
+
+    def echo(self, value: object) -> object:
+        return value
+
+    def sleep_for(self, seconds: float) -> float:
+        time.sleep(seconds)
+        return seconds
+
+    def fail(self, message: str) -> None:
+        raise ValueError(message)
+
+    def unencodable(self) -> object:
+        return object()  # not a declared message type
+
+    def getenv(self, name: str) -> str | None:
+        return os.environ.get(name)
+
+    def fail_on_rank(self, rank: int) -> int:
+        if self.rank == rank:
+            raise RuntimeError(f"failing on purpose on rank {rank}")
+        return self.rank

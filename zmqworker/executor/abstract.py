@@ -1,0 +1,102 @@
+"""The engine-side interface of a set of workers, whatever runs them."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any
+
+from messages import (
+    GrammarOutput,
+    KVCacheConfig,
+    KVCacheSpec,
+    SchedulerOutput,
+    WorkerConfig,
+)
+
+
+class Executor(ABC):
+    config: WorkerConfig
+
+    @abstractmethod
+    def collective_rpc(
+        self,
+        method: str,
+        args: tuple = (),
+        kwargs: dict[str, Any] | None = None,
+        timeout: float | None = None,
+        unique_reply_rank: int | None = None,
+        non_block: bool = False,
+    ) -> Any:
+        """Call method on every worker. Returns the list of results by rank, or only
+        unique_reply_rank's result, or with non_block a Future of either."""
+
+    @abstractmethod
+    def shutdown(self) -> None:
+        """Stop every worker and release every resource; safe to call twice."""
+
+    @property
+    def world_size(self) -> int:
+        return self.config.parallel.world_size
+
+    @property
+    def max_concurrent_batches(self) -> int:
+        """Steps the engine may keep in flight: one per pipeline stage."""
+        return self.config.parallel.pipeline_parallel_size
+
+    @property
+    def output_rank(self) -> int:
+        """The rank whose reply carries a step's output: first TP rank of the last stage."""
+        p = self.config.parallel
+        return (p.pipeline_parallel_size - 1) * p.tensor_parallel_size
+
+    def execute_model(
+        self, scheduler_output: SchedulerOutput, sample: bool = True, non_block: bool = False
+    ) -> Any:
+        """The step's ModelRunnerOutput (None when sample is False), or a Future of it."""
+        return self.collective_rpc(
+            "execute_model",
+            (scheduler_output,),
+            {"sample": sample},
+            unique_reply_rank=self.output_rank,
+            non_block=non_block,
+        )
+
+    def sample_tokens(
+        self, grammar_output: GrammarOutput | None = None, non_block: bool = False
+    ) -> Any:
+        return self.collective_rpc(
+            "sample_tokens",
+            (grammar_output,),
+            unique_reply_rank=self.output_rank,
+            non_block=non_block,
+        )
+
+    def determine_available_memory(self) -> list[int]:
+        return self.collective_rpc("determine_available_memory")
+
+    def get_kv_cache_specs(self) -> list[KVCacheSpec]:
+        return self.collective_rpc("get_kv_cache_spec")
+
+    def initialize_from_config(self, kv_cache_config: KVCacheConfig) -> None:
+        self.collective_rpc("initialize_from_config", (kv_cache_config,))
+
+    def compile_or_warm_up_model(self) -> list[float]:
+        return self.collective_rpc("compile_or_warm_up_model")
+
+    def profile(self, is_start: bool = True) -> None:
+        self.collective_rpc("profile", (is_start,))
+
+    def sleep(self, level: int = 1) -> None:
+        self.collective_rpc("sleep", (level,))
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        self.collective_rpc("wake_up", (tags,))
+
+    def check_health(self, timeout: float = 30.0) -> None:
+        self.collective_rpc("check_health", timeout=timeout)
+
+    def __enter__(self) -> Executor:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()

@@ -1,0 +1,125 @@
+"""The engine's half of start-up and polite shutdown, shared by every executor.
+
+Whatever starts the workers (subprocesses, Ray actors), each connects a DEALER to the
+engine's ROUTER and sends a Hello (protocol version, rank, pid, token, data address).
+Only a Hello with the right token from the expected process is accepted; once every
+rank has said hello, each gets a Welcome with the configuration and every rank's data
+address (the pipeline channel's address exchange).
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import secrets
+from collections.abc import Sequence
+from typing import Any
+
+import zmq
+
+from messages import PROTOCOL_VERSION, Hello, Welcome, WorkerConfig
+from zmqworker.executor.errors import WorkerStartupError
+from zmqworker.executor.rpc_client import Liveness, RpcClient
+
+log = logging.getLogger("zmqworker.executor")
+
+
+def bind_router(ctx: zmq.Context, endpoint: str) -> tuple[zmq.Socket, str]:
+    """A ROUTER bound to endpoint: ipc://PATH, or tcp://HOST (a random free port).
+    Returns the socket and the address workers connect to."""
+    sock = ctx.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+    try:
+        if endpoint.startswith("ipc://"):
+            sock.bind(endpoint)
+            return sock, endpoint
+        if endpoint.startswith("tcp://"):
+            port = sock.bind_to_random_port(endpoint)
+            return sock, f"{endpoint}:{port}"
+    except BaseException:
+        sock.close(linger=0)
+        raise
+    sock.close(linger=0)
+    raise ValueError(f"endpoint must be ipc://PATH or tcp://HOST, got {endpoint!r}")
+
+
+class Handshake:
+    """Accepts one Hello per rank, then welcomes them all. Its token goes to the workers
+    before they start; the pids they must come from are known once they exist."""
+
+    def __init__(self, world_size: int) -> None:
+        self.world_size = world_size
+        self.token = secrets.token_hex(16)
+        self.hellos: dict[int, Hello] = {}
+        self._pids: list[int] = []
+        self._rpc: RpcClient | None = None
+
+    def client(self, sock: zmq.Socket, liveness: Liveness, pids: Sequence[int]) -> RpcClient:
+        """The RpcClient over sock; its messages that are not replies come here."""
+        if len(pids) != self.world_size:
+            raise ValueError(f"{len(pids)} worker pids for {self.world_size} ranks")
+        self._pids = list(pids)
+        self._rpc = RpcClient(sock, liveness, on_other=self._on_other)
+        return self._rpc
+
+    def run(
+        self,
+        config: WorkerConfig,
+        timeout: float,
+        per_rank_env: list[dict[str, str]] | None = None,
+    ) -> None:
+        """Wait (at most timeout seconds) for every Hello, then send every Welcome. A
+        worker that dies meanwhile raises its WorkerDiedError."""
+        rpc = self._rpc
+        if rpc is None:
+            raise RuntimeError("Handshake.run before Handshake.client")
+        liveness = rpc.liveness
+
+        def all_hello_or_dead() -> bool:
+            return len(self.hellos) == self.world_size or liveness.check() is not None
+
+        try:
+            rpc.wait_for(all_hello_or_dead, timeout)
+        except TimeoutError:
+            missing = sorted(set(range(self.world_size)) - set(self.hellos))
+            raise WorkerStartupError(
+                f"no handshake from rank(s) {missing} within {timeout:.0f} s"
+            ) from None
+        died = liveness.check()
+        if died is not None:
+            raise died
+        addresses = [self.hellos[r].data_address for r in range(self.world_size)]
+        for rank in range(self.world_size):
+            env = per_rank_env[rank] if per_rank_env else {}
+            rpc.send_to(rank, Welcome(config=config, env=env, data_addresses=addresses))
+
+    def _on_other(self, identity: bytes, msg: Any) -> None:
+        rpc = self._rpc
+        ok = (
+            isinstance(msg, Hello)
+            and hmac.compare_digest(msg.token.encode(), self.token.encode())
+            and msg.protocol_version == PROTOCOL_VERSION
+            and 0 <= msg.rank < self.world_size
+            and msg.rank not in rpc.identities
+            and msg.pid == self._pids[msg.rank]
+        )
+        if not ok:
+            rpc.dropped_messages += 1
+            log.warning("dropped an unexpected %s from peer %r", type(msg).__name__, identity)
+            return
+        self.hellos[msg.rank] = msg
+        rpc.identities[msg.rank] = identity
+
+
+def polite_shutdown(rpc: RpcClient | None, world_size: int, timeout: float) -> bool:
+    """Ask every worker to shut down, when all are connected and none died; True when
+    all answered within timeout (they then stop by themselves)."""
+    if rpc is None or rpc.dead is not None or len(rpc.identities) != world_size:
+        return False
+    try:
+        rpc.call("shutdown", timeout=timeout).result()
+    except Exception as e:  # a worker that cannot shut down politely is stopped harder
+        log.warning("polite shutdown failed: %s", e)
+        return False
+    return True

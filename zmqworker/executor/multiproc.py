@@ -1,0 +1,158 @@
+"""MultiprocExecutor: tp x pp worker subprocesses on this machine, over one ROUTER socket.
+
+Start-up: bind the ROUTER (ipc:// in a private folder, or tcp://), spawn the workers,
+wait for every Hello (with a bound, watching for early deaths), answer each with its
+Welcome, then init_device and load_model on all. Any failure stops every worker and
+raises WorkerStartupError with the failing worker's error and the tail of its stderr.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import sys
+import tempfile
+import time
+import weakref
+from typing import Any
+
+import msgspec
+import zmq
+
+from messages import WorkerConfig
+from zmqworker.executor.abstract import Executor
+from zmqworker.executor.errors import (
+    ExecutorError,
+    WorkerDiedError,
+    WorkerStartupError,
+)
+from zmqworker.executor.handshake import Handshake, bind_router, polite_shutdown
+from zmqworker.executor.process import WorkerProcess
+from zmqworker.executor.rpc_client import Liveness, RpcClient
+from zmqworker.runtime.main import TOKEN_ENV
+
+SHUTDOWN_GRACE_S = 5.0
+SIGTERM_GRACE_S = 3.0
+
+
+class _ProcessLiveness(Liveness):
+    def __init__(self, procs: list[WorkerProcess]) -> None:
+        self.procs = procs
+        self.fds = {p.pidfd: p.rank for p in procs if p.pidfd is not None}
+
+    def check(self) -> WorkerDiedError | None:
+        for p in self.procs:
+            status = p.exit_status()
+            if status is not None:
+                return WorkerDiedError(p.rank, status)
+        return None
+
+
+class MultiprocExecutor(Executor):
+    def __init__(
+        self,
+        config: WorkerConfig,
+        transport: str = "ipc",
+        start_timeout: float = 600.0,
+        env: dict[str, str] | None = None,
+        per_rank_env: list[dict[str, str]] | None = None,
+    ) -> None:
+        if transport not in ("ipc", "tcp"):
+            raise ValueError(f"transport must be 'ipc' or 'tcp', got {transport!r}")
+        world = config.parallel.world_size
+        if per_rank_env is not None and len(per_rank_env) != world:
+            raise ValueError(f"per_rank_env has {len(per_rank_env)} entries for {world} ranks")
+        if world > 1 and not config.parallel.distributed_init_method:
+            parallel = msgspec.structs.replace(
+                config.parallel, distributed_init_method=f"tcp://127.0.0.1:{_free_port()}"
+            )
+            config = msgspec.structs.replace(config, parallel=parallel)
+        self.config = config
+        self.procs: list[WorkerProcess] = []
+        self._closed = False
+        self._dir = tempfile.mkdtemp(prefix="zmqworker-")  # mode 0700: only this user
+        self._ctx = zmq.Context()
+        endpoint = f"ipc://{self._dir}/engine.sock" if transport == "ipc" else "tcp://127.0.0.1"
+        self._sock, self.address = bind_router(self._ctx, endpoint)
+        self._finalizer = weakref.finalize(self, _kill_all, self.procs, self._dir)
+        handshake = Handshake(world)
+        child_env = {**os.environ, **(env or {}), TOKEN_ENV: handshake.token}
+        try:
+            for rank in range(world):
+                argv = [sys.executable, "-m", "zmqworker.worker", "--engine", self.address,
+                        "--rank", str(rank), "--exit-with-parent"]
+                self.procs.append(WorkerProcess(rank, argv, child_env))
+            self._liveness = _ProcessLiveness(self.procs)
+            self.rpc: RpcClient = handshake.client(self._sock, self._liveness, self.pids)
+            handshake.run(self.config, start_timeout, per_rank_env)
+            self.collective_rpc("init_device", timeout=start_timeout)
+            self.collective_rpc("load_model", timeout=start_timeout)
+        except BaseException as e:
+            error = self._startup_error(e)
+            self.shutdown()
+            raise error from e
+
+    # the Executor interface ------------------------------------------------------------
+
+    def collective_rpc(
+        self,
+        method: str,
+        args: tuple = (),
+        kwargs: dict[str, Any] | None = None,
+        timeout: float | None = None,
+        unique_reply_rank: int | None = None,
+        non_block: bool = False,
+    ) -> Any:
+        if self._closed:
+            raise ExecutorError(f"{method}: the executor is shut down")
+        future = self.rpc.call(method, args, kwargs, timeout=timeout, reply_rank=unique_reply_rank)
+        return future if non_block else future.result()
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        polite = polite_shutdown(getattr(self, "rpc", None), len(self.procs), SHUTDOWN_GRACE_S)
+        for proc in self.procs:
+            proc.stop(grace_s=SHUTDOWN_GRACE_S if polite else 0.0, term_s=SIGTERM_GRACE_S)
+        for proc in self.procs:
+            proc.close()
+        self._sock.close(linger=0)
+        self._ctx.term()
+        shutil.rmtree(self._dir, ignore_errors=True)
+        self._finalizer.detach()
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.procs]
+
+    # start-up -------------------------------------------------------------------------
+
+    def _startup_error(self, e: BaseException) -> BaseException:
+        if isinstance(e, KeyboardInterrupt):
+            return e
+        rank = getattr(e, "rank", None)
+        if rank is None:
+            died = getattr(self, "_liveness", None) and self._liveness.check()
+            rank = died.rank if died else None
+        text = f"worker start-up failed: {e}"
+        if rank is not None and rank < len(self.procs):
+            time.sleep(0.2)  # let a dying worker's last words reach the pipe
+            tail = self.procs[rank].stderr_tail()
+            if tail:
+                text += f"\n--- stderr of rank {rank} (last lines) ---\n{tail}"
+        return WorkerStartupError(text)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _kill_all(procs: list[WorkerProcess], folder: str) -> None:
+    """Last resort at exit or collection, for an executor nobody shut down."""
+    for proc in procs:
+        proc.stop(grace_s=0.0, term_s=SIGTERM_GRACE_S)
+    shutil.rmtree(folder, ignore_errors=True)

@@ -1,0 +1,254 @@
+"""The engine side of the ROUTER socket: send a call to many ranks, match replies by id.
+
+There is no I/O thread: a caller sends from its own thread, and whoever waits on a
+result pumps the socket (one thread at a time), completing every call whose replies
+arrive, not just its own. Worker deaths wake the same poll: MultiprocExecutor hands in
+one pidfd per worker, so a SIGKILLed worker fails every pending call at once.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import Future
+from concurrent.futures import wait as wait_futures
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+
+from messages import Decoder, Encoder, ProtocolError, RpcReply, RpcRequest
+from zmqworker.executor.errors import (
+    ExecutorError,
+    RpcTimeoutError,
+    WorkerDiedError,
+    WorkerError,
+)
+
+log = logging.getLogger("zmqworker.executor")
+
+POLL_SLICE_S = 0.1  # the longest a pump sleeps before it looks at deadlines and deaths again
+
+
+class Liveness:
+    """How the client learns that a worker died. fds: file descriptors that become
+    readable when the worker of that rank dies; check(): a death found by looking."""
+
+    fds: dict[int, int] = {}
+
+    def check(self) -> WorkerDiedError | None:
+        return None
+
+
+class RpcFuture(Future):
+    """A call's result. Waiting on it pumps the socket."""
+
+    def __init__(self, client: RpcClient) -> None:
+        super().__init__()
+        self._client = client
+
+    def result(self, timeout: float | None = None) -> Any:
+        self._client.wait_for(self.done, timeout)
+        return super().result(timeout=0)
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        self._client.wait_for(self.done, timeout)
+        return super().exception(timeout=0)
+
+
+@dataclass
+class _Call:
+    method: str
+    future: RpcFuture
+    waiting_for: set[int]
+    single_rank: int | None
+    timeout: float | None
+    deadline: float | None  # time.monotonic()
+    results: dict[int, Any] = field(default_factory=dict)
+
+
+class RpcClient:
+    def __init__(
+        self,
+        sock: zmq.Socket,
+        liveness: Liveness,
+        on_other: Callable[[bytes, Any], None] | None = None,
+    ) -> None:
+        self.sock = sock
+        self.liveness = liveness
+        self.on_other = on_other  # messages that are not replies (the handshake's Hellos)
+        self.identities: dict[int, bytes] = {}  # rank -> ROUTER identity
+        self.dropped_messages = 0
+        self.late_replies = 0
+        self._enc = Encoder()
+        self._dec = Decoder()
+        self._ids = itertools.count(1)
+        self._calls: dict[int, _Call] = {}
+        self._lock = threading.RLock()
+        self._dead: ExecutorError | None = None
+        self._poller = zmq.Poller()
+        self._poller.register(sock, zmq.POLLIN)
+        for fd in liveness.fds:
+            self._poller.register(fd, zmq.POLLIN)
+
+    @property
+    def dead(self) -> ExecutorError | None:
+        return self._dead
+
+    def call(
+        self,
+        method: str,
+        args: Sequence[Any] = (),
+        kwargs: dict[str, Any] | None = None,
+        ranks: Iterable[int] | None = None,
+        timeout: float | None = None,
+        reply_rank: int | None = None,
+    ) -> RpcFuture:
+        """Send method to ranks (default: all that said hello); reply_rank: only that rank
+        answers, and the future's result is its result rather than a list."""
+        ranks = sorted(self.identities if ranks is None else ranks)
+        if reply_rank is not None and reply_rank not in ranks:
+            raise ValueError(f"unique_reply_rank {reply_rank} is not one of the ranks {ranks}")
+        with self._lock:
+            self._check_alive()
+            call_id = next(self._ids)
+            deadline = None if timeout is None else time.monotonic() + timeout
+            req = RpcRequest(
+                call_id=call_id,
+                method=method,
+                args=list(args),
+                kwargs=kwargs or {},
+                deadline=0.0 if timeout is None else time.time() + timeout,
+                reply_rank=reply_rank,
+            )
+            try:
+                frames = self._enc.encode(req)
+            except (TypeError, ValueError) as e:
+                raise TypeError(f"arguments of {method} cannot be encoded: {e}") from None
+            future = RpcFuture(self)
+            waiting = {reply_rank} if reply_rank is not None else set(ranks)
+            self._calls[call_id] = _Call(method, future, waiting, reply_rank, timeout, deadline)
+            for rank in ranks:
+                try:
+                    self.sock.send_multipart([self.identities[rank], *frames], copy=False)
+                except zmq.ZMQError as e:  # ROUTER_MANDATORY: the peer is gone
+                    self._fail_all(self.liveness.check() or WorkerDiedError(rank, None, f" ({e})"))
+                    break
+            return future
+
+    def send_to(self, rank: int, msg: Any) -> None:
+        """Send a message that is not a call (the handshake's Welcome) to one rank."""
+        with self._lock:
+            self.sock.send_multipart([self.identities[rank], *self._enc.encode(msg)], copy=False)
+
+    def wait_for(self, done: Callable[[], bool], timeout: float | None = None) -> None:
+        """Pump until done() is true; TimeoutError after timeout seconds."""
+        end = None if timeout is None else time.monotonic() + timeout
+        while not done():
+            if self._lock.acquire(timeout=0.001):
+                try:
+                    while not done():
+                        left = None if end is None else end - time.monotonic()
+                        if left is not None and left <= 0:
+                            raise TimeoutError(f"not done within {timeout} s")
+                        self._pump(POLL_SLICE_S if left is None else min(left, POLL_SLICE_S))
+                finally:
+                    self._lock.release()
+            else:  # another thread pumps: wait for its progress
+                if end is not None and time.monotonic() >= end:
+                    raise TimeoutError(f"not done within {timeout} s")
+                wait_futures([f.future for f in list(self._calls.values())[:1]], timeout=0.005)
+
+    def fail_all(self, error: ExecutorError) -> None:
+        with self._lock:
+            self._fail_all(error)
+
+    # internals ------------------------------------------------------------------------
+
+    def _pump(self, max_wait_s: float) -> None:
+        next_deadline = min((c.deadline for c in self._calls.values() if c.deadline), default=None)
+        if next_deadline is not None:
+            max_wait_s = max(0.0, min(max_wait_s, next_deadline - time.monotonic()))
+        events = dict(self._poller.poll(max_wait_s * 1000))
+        if events.pop(self.sock, 0):
+            self._drain()
+        if events:  # a pidfd: that worker is gone
+            rank = self.liveness.fds[next(iter(events))]
+            self._fail_all(self.liveness.check() or WorkerDiedError(rank, None))
+        elif not self.liveness.fds and self._calls:  # nothing to wake us: look
+            died = self.liveness.check()
+            if died is not None:
+                self._fail_all(died)
+        if next_deadline is not None:
+            self._expire(time.monotonic())
+
+    def _drain(self) -> None:
+        # EVENTS, not EAGAIN, ends the loop: raising zmq.Again costs more than a reply.
+        while self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            identity = frames[0].bytes
+            try:
+                msg = self._dec.decode(frames[1:])
+            except ProtocolError as e:
+                self.dropped_messages += 1
+                log.warning("dropped a message that did not decode (peer %r): %s", identity, e)
+                continue
+            if isinstance(msg, RpcReply) and self.identities.get(msg.rank) == identity:
+                self._on_reply(msg)
+            elif self.on_other is not None:
+                self.on_other(identity, msg)
+            else:
+                self.dropped_messages += 1
+                log.warning("dropped an unexpected %s (peer %r)", type(msg).__name__, identity)
+
+    def _on_reply(self, reply: RpcReply) -> None:
+        call = self._calls.get(reply.call_id)
+        if call is None:
+            if reply.error is not None and reply.call_id < 0:
+                log.warning(
+                    "rank %d could not decode a message: %s", reply.rank, reply.error.message
+                )
+            self.late_replies += 1
+            return
+        if reply.error is not None:
+            del self._calls[reply.call_id]
+            call.future.set_exception(WorkerError(call.method, reply.error))
+            return
+        if reply.rank not in call.waiting_for:
+            self.late_replies += 1
+            return
+        call.results[reply.rank] = reply.result
+        call.waiting_for.discard(reply.rank)
+        if not call.waiting_for:
+            del self._calls[reply.call_id]
+            if call.single_rank is not None:
+                call.future.set_result(call.results[call.single_rank])
+            else:
+                call.future.set_result([call.results[r] for r in sorted(call.results)])
+
+    def _expire(self, now: float) -> None:
+        for call_id, call in list(self._calls.items()):
+            if call.deadline is not None and now >= call.deadline:
+                del self._calls[call_id]
+                call.future.set_exception(
+                    RpcTimeoutError(call.method, sorted(call.waiting_for), call.timeout or 0.0)
+                )
+
+    def _check_alive(self) -> None:
+        # Deaths wake the pump through the pidfds; only without them do we look here.
+        if self._dead is None and not self.liveness.fds:
+            died = self.liveness.check()
+            if died is not None:
+                self._fail_all(died)
+        if self._dead is not None:
+            raise self._dead
+
+    def _fail_all(self, error: ExecutorError) -> None:
+        if self._dead is None:
+            self._dead = error
+        calls, self._calls = self._calls, {}
+        for call in calls.values():
+            call.future.set_exception(error)

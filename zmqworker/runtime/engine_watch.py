@@ -1,0 +1,59 @@
+"""Notice that the engine is gone, so that no worker outlives it.
+
+Two signals, either is enough: the DEALER's connection to the engine drops (socket
+monitor, works across hosts), or the parent process changes (a worker spawned by
+MultiprocExecutor is re-parented when its engine dies, even by SIGKILL).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Callable
+
+import zmq
+from zmq.utils.monitor import parse_monitor_message
+
+PARENT_POLL_S = 0.25
+
+
+class EngineWatch:
+    def __init__(
+        self,
+        sock: zmq.Socket,
+        loop: asyncio.AbstractEventLoop,
+        on_lost: Callable[[str], None],
+        parent_pid: int | None,
+    ) -> None:
+        self._loop = loop
+        self._on_lost = on_lost
+        self._parent_pid = parent_pid
+        self._monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self._fd = self._monitor.getsockopt(zmq.FD)
+        self._fired = False
+        loop.add_reader(self._fd, self._read_monitor)
+        self._task = loop.create_task(self._watch_parent()) if parent_pid else None
+
+    def close(self) -> None:
+        self._loop.remove_reader(self._fd)
+        if self._task is not None:
+            self._task.cancel()
+        self._monitor.close(linger=0)
+
+    def _lost(self, why: str) -> None:
+        if not self._fired:
+            self._fired = True
+            self._on_lost(why)
+
+    def _read_monitor(self) -> None:
+        while self._monitor.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            event = parse_monitor_message(self._monitor.recv_multipart(zmq.NOBLOCK))
+            if event["event"] == zmq.EVENT_DISCONNECTED:
+                self._lost("the connection to the engine dropped")
+
+    async def _watch_parent(self) -> None:
+        while True:
+            await asyncio.sleep(PARENT_POLL_S)
+            if os.getppid() != self._parent_pid:
+                self._lost(f"the engine process {self._parent_pid} exited")
+                return
