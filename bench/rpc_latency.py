@@ -1,0 +1,192 @@
+"""Round trip of collective_rpc against the bare pyzmq floor, measured in the same run.
+
+Cases: a no-op call on 1, 2 and 4 workers, and a realistic step (the 256-request decode
+SchedulerOutput in, a 256-request ModelRunnerOutput back, no model) on 1, 2 and 4, through
+MultiprocExecutor ("mp", ipc://); and, where Ray is installed, the no-op on 1 and 2
+workers through RayExecutor ("ray", whose data path is tcp:// on 127.0.0.1 here). The
+floor is a blocking pyzmq ROUTER/DEALER ping-pong between the same number of processes
+with the same payload sizes over the same transport. Also the start-up time of a
+2-rank layout of the echo worker for each executor (Ray's own start not counted: it is
+given separately). Writes bench/results/rpc_latency.json.
+
+    python -m bench.rpc_latency [--iters 3000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import logging
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from functools import partial
+from pathlib import Path
+
+import zmq
+
+from bench.common import p50_p99_us, print_table, time_calls, write_results
+from messages import Encoder, ModelConfig, ParallelConfig, WorkerConfig
+from messages.examples import (
+    decode_step,
+    execute_model_reply,
+    execute_model_request,
+    model_runner_output,
+)
+from zmqworker.executor.multiproc import MultiprocExecutor
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def echo_config(workers: int) -> WorkerConfig:
+    return WorkerConfig(
+        model=ModelConfig(path="unused"),
+        parallel=ParallelConfig(tensor_parallel_size=workers),
+        worker_cls="bench.echo_worker.EchoWorker",
+        worker_extension_cls="bench.echo_worker.EchoExtension",
+    )
+
+
+def floor_child(address: str, reply_bytes: int) -> None:
+    """A DEALER that answers every message with reply_bytes bytes."""
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.connect(address)
+    sock.send(b"ready")
+    reply = b"r" * reply_bytes
+    while (msg := sock.recv_multipart())[0] != b"stop":
+        sock.send_multipart([reply] * len(msg) if len(msg) > 1 else [reply])
+
+
+def measure_floor(
+    workers: int, request: list[bytes], reply_bytes: int, iters: int, transport: str = "ipc"
+) -> list[float]:
+    with tempfile.TemporaryDirectory(prefix="zmqworker-floor-") as folder:
+        ctx = zmq.Context()
+        router = ctx.socket(zmq.ROUTER)
+        if transport == "ipc":
+            address = f"ipc://{folder}/floor.sock"
+            router.bind(address)
+        else:
+            address = f"tcp://127.0.0.1:{router.bind_to_random_port('tcp://127.0.0.1')}"
+        children = [
+            subprocess.Popen([sys.executable, "-m", "bench.rpc_latency", "--floor-child",
+                              address, str(reply_bytes)], cwd=ROOT)
+            for _ in range(workers)
+        ]
+        idents = [router.recv_multipart()[0] for _ in range(workers)]
+
+        def ping() -> None:
+            for ident in idents:
+                router.send_multipart([ident, *request])
+            for _ in idents:
+                router.recv_multipart()
+
+        samples = time_calls(ping, iters)
+        for ident in idents:
+            router.send_multipart([ident, b"stop"])
+        for child in children:
+            child.wait(timeout=30)
+        router.close(linger=0)
+        ctx.term()
+    return samples
+
+
+def run(iters: int) -> list[dict]:
+    step = decode_step()
+    step_request = [bytes(f) for f in Encoder().encode(execute_model_request(step))]
+    step_reply_bytes = len(Encoder().encode(execute_model_reply(model_runner_output()))[0])
+    noop_request = [b"x" * 64]
+    rows = []
+    for workers in (1, 2, 4):
+        ex = MultiprocExecutor(echo_config(workers), env={"PYTHONPATH": str(ROOT)})
+        try:
+            cases = {
+                "noop": (partial(ex.collective_rpc, "noop"), noop_request, 64),
+                "step": (partial(ex.execute_model, step), step_request, step_reply_bytes),
+            }
+            for case, (call, payload, reply_bytes) in cases.items():
+                ours = p50_p99_us(time_calls(call, iters))
+                floor = p50_p99_us(measure_floor(workers, payload, reply_bytes, iters))
+                rows.append(row("mp", "ipc", case, workers, ours, floor))
+        finally:
+            ex.shutdown()
+    return rows
+
+
+def row(executor: str, transport: str, case: str, workers: int,
+        ours: tuple[float, float], floor: tuple[float, float]) -> dict:
+    return {"executor": executor, "transport": transport, "case": case, "workers": workers,
+            "p50_us": ours[0], "p99_us": ours[1], "floor_p50_us": floor[0],
+            "ratio": ours[0] / floor[0]}  # fmt: skip
+
+
+def run_ray(iters: int) -> list[dict]:
+    """The no-op on 1 and 2 Ray actors (a local Ray, started by the caller)."""
+    from zmqworker.executor.ray_executor import RayExecutor
+
+    rows = []
+    for workers in (1, 2):
+        ex = RayExecutor(echo_config(workers))
+        try:
+            ours = p50_p99_us(time_calls(partial(ex.collective_rpc, "noop"), iters))
+        finally:
+            ex.shutdown()
+        floor = p50_p99_us(measure_floor(workers, [b"x" * 64], 64, iters, "tcp"))
+        rows.append(row("ray", "tcp", "noop", workers, ours, floor))
+    return rows
+
+
+def startup_seconds(make) -> float:
+    """How long make() takes to return a ready executor of 2 echo ranks."""
+    start = time.perf_counter()
+    ex = make(echo_config(2))
+    elapsed = time.perf_counter() - start
+    ex.shutdown()
+    return elapsed
+
+
+def start_local_ray() -> float:
+    """Start a local Ray sized for these cases; the seconds it took."""
+    import ray
+
+    start = time.perf_counter()
+    ray.init(address="local", num_cpus=max(2, os.cpu_count() or 1), include_dashboard=False,
+             object_store_memory=100 << 20, logging_level=logging.WARNING)
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    if len(sys.argv) == 4 and sys.argv[1] == "--floor-child":
+        floor_child(sys.argv[2], int(sys.argv[3]))
+        return
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--iters", type=int, default=3000)
+    args = parser.parse_args()
+    os.environ["PYTHONPATH"] = str(ROOT)
+    rows = run(args.iters)
+    startup = {"mp": startup_seconds(MultiprocExecutor)}
+    results: dict = {"rows": rows, "startup_s": startup}
+    if importlib.util.find_spec("ray") is None:
+        print("Ray is not installed (pip install 'zmqworker[ray]'): no Ray rows")
+    else:
+        import ray
+
+        from zmqworker.executor.ray_executor import RayExecutor
+
+        results["ray_init_s"] = start_local_ray()
+        try:
+            startup["ray"] = startup_seconds(RayExecutor)
+            rows += run_ray(args.iters)
+        finally:
+            ray.shutdown()
+    print_table(rows)
+    print("start-up of 2 ranks (s): " + ", ".join(f"{k} {v:.2f}" for k, v in startup.items())
+          + (f"; ray.init {results['ray_init_s']:.2f}" if "ray_init_s" in results else ""))
+    path = write_results("rpc_latency", results)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

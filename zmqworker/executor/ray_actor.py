@@ -1,0 +1,132 @@
+"""One rank as a Ray actor: a WorkerWrapper that Ray places, and the same WorkerServer a
+worker process runs, serving the engine over ZMQ.
+
+Ray calls (the control plane) reach the actor only at start-up and shutdown: where it
+runs, its rank and environment, building its worker, starting and stopping its server.
+They carry plain values; the WorkerConfig crosses as msgspec bytes. Every step message
+comes over the server's DEALER socket (the data plane), as with MultiprocExecutor.
+
+The actor runs with max_concurrency > 1, so wait_server can stay open for the whole
+life of the server (the executor watches it to learn of deaths) while other calls
+still get through.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import threading
+from typing import Any
+
+import msgspec
+import ray
+
+from messages import WorkerConfig
+from zmqworker.worker.wrapper import WorkerWrapper
+
+
+class RayWorkerActor:
+    def __init__(self) -> None:
+        # The rank comes once the executor has seen where every actor landed.
+        self.wrapper: WorkerWrapper | None = None
+        self._server: Any = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._exit_code: int | None = None
+        self._error: BaseException | None = None
+
+    def placement(self) -> dict[str, Any]:
+        """Where this actor runs: node id and IP, the GPUs Ray gave it, its pid."""
+        return {
+            "node_id": ray.get_runtime_context().get_node_id(),
+            "ip": ray.util.get_node_ip_address(),
+            "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
+            "pid": os.getpid(),
+        }
+
+    def free_port(self) -> int:
+        """A free TCP port on this node, for torch.distributed's rendezvous."""
+        with socket.socket() as s:
+            s.bind(("", 0))
+            return s.getsockname()[1]
+
+    def assign_rank(self, rank: int) -> None:
+        if self.wrapper is not None:
+            raise RuntimeError(f"the actor has rank {self.wrapper.rpc_rank} already")
+        self.wrapper = WorkerWrapper(rpc_rank=rank)
+
+    def update_environment_variables(self, per_rank_envs: list[dict[str, str]]) -> None:
+        self._wrapper().update_environment_variables(per_rank_envs)
+
+    def init_worker(self, config: bytes, per_rank_kwargs: list[dict[str, Any]]) -> None:
+        """Build the worker: config is a msgspec-encoded WorkerConfig, per_rank_kwargs
+        every rank's other constructor arguments (rank, local_rank, ...)."""
+        decoded = msgspec.msgpack.decode(config, type=WorkerConfig)
+        self._wrapper().init_worker([{"config": decoded, **kw} for kw in per_rank_kwargs])
+
+    def start_server(self, engine_address: str, token: str, data_bind: str) -> None:
+        """Start the WorkerServer in a thread of its own; it connects to the engine's
+        ROUTER and says hello. Returns once stop_server can reach it."""
+        from zmqworker.runtime.worker_process import WorkerServer  # torch: only once placed
+
+        wrapper = self._wrapper()
+        if self._thread is not None:
+            raise RuntimeError(f"rank {wrapper.rpc_rank}: the server runs already")
+        self._server = WorkerServer(
+            engine_address,
+            wrapper.rpc_rank,
+            token,
+            data_bind=data_bind,
+            wrapper=wrapper,
+            handle_signals=False,
+        )
+        self._loop = _new_event_loop()
+        # Queued before any stop request can be: the server's first step runs first.
+        task = self._loop.create_task(self._server.run())
+        self._thread = threading.Thread(
+            target=self._serve, args=(task,), name=f"server-{wrapper.rpc_rank}", daemon=True
+        )
+        self._thread.start()
+
+    def wait_server(self) -> int:
+        """Returns the server's exit code when it stops; open as long as it serves."""
+        if self._thread is None:
+            raise RuntimeError("wait_server before start_server")
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._exit_code if self._exit_code is not None else 1
+
+    def stop_server(self, why: str) -> None:
+        """Ask the server to stop; wait_server then returns."""
+        loop, thread = self._loop, self._thread
+        if loop is None or thread is None or not thread.is_alive():
+            return
+        try:
+            loop.call_soon_threadsafe(self._server.stop_threadsafe, why)
+        except RuntimeError:  # the loop closed meanwhile: the server stopped by itself
+            return
+
+    def _serve(self, task: asyncio.Task) -> None:
+        loop = self._loop
+        asyncio.set_event_loop(loop)
+        try:
+            self._exit_code = loop.run_until_complete(task)
+        except BaseException as e:  # reported by wait_server
+            self._error = e
+        finally:
+            loop.close()
+
+    def _wrapper(self) -> WorkerWrapper:
+        if self.wrapper is None:
+            raise RuntimeError("the actor has no rank yet (assign_rank)")
+        return self.wrapper
+
+
+def _new_event_loop() -> asyncio.AbstractEventLoop:
+    try:
+        import uvloop
+    except ImportError:  # uvloop is not built for every platform; asyncio serves as well
+        return asyncio.new_event_loop()
+    return uvloop.new_event_loop()
