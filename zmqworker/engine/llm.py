@@ -45,6 +45,7 @@ class LLM:
     model is a Hugging Face checkpoint folder (None: the embedded default model).
     executor is "mp" (local processes), "ray", or a callable that makes an Executor from
     the WorkerConfig. max_model_len defaults to the checkpoint's max_position_embeddings.
+    num_threads: torch threads in each worker (None: torch's default).
     Not thread-safe; generate() and generate_stream() are not to be mixed at one time.
     """
 
@@ -63,6 +64,7 @@ class LLM:
         enable_prefix_caching: bool = False,
         seed: int = 0,
         max_model_len: int | None = None,
+        num_threads: int | None = None,
     ) -> None:
         self._core: EngineCore | None = None
         _check_args(
@@ -81,6 +83,7 @@ class LLM:
         make_executor = _executor_factory(executor)
         path = _model_folder(model)
         config = _read_json(path / "config.json")
+        _check_layout(config, tensor_parallel_size, pipeline_parallel_size)
         self.tokenizer = _load_tokenizer(path)
         self.max_model_len = _max_model_len(config, max_model_len)
         self.vocab_size: int | None = config.get("vocab_size")
@@ -94,7 +97,7 @@ class LLM:
                 pipeline_parallel_size=pipeline_parallel_size,
             ),
             cache=CacheConfig(block_size=block_size, kv_cache_bytes=kv_cache_bytes),
-            device=DeviceConfig(device=device),
+            device=DeviceConfig(device=device, num_threads=num_threads),
             scheduler=SchedulerConfig(
                 max_num_seqs=max_num_seqs,
                 max_num_batched_tokens=max_num_batched_tokens,
@@ -288,6 +291,20 @@ def _check_args(**values: int) -> None:
     for name, value in values.items():
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+
+
+def _check_layout(config: dict[str, Any], tp: int, pp: int) -> None:
+    """Refuse a layout the model cannot be cut into, before any process starts."""
+    layers = config.get("num_hidden_layers")
+    if isinstance(layers, int) and pp > layers:
+        raise ValueError(
+            f"pipeline_parallel_size={pp} is larger than the model's {layers} layers"
+        )
+    heads = config.get("num_attention_heads")
+    if isinstance(heads, int) and heads % tp:
+        raise ValueError(
+            f"tensor_parallel_size={tp} does not divide the model's {heads} attention heads"
+        )
 
 
 def _is_token_ids(value: object) -> bool:

@@ -1,0 +1,117 @@
+"""The reference engine end to end on the embedded model, against transformers' batched
+generate in the same run, same dtype and same total thread count.
+
+16 prompts of mixed lengths, 64 greedy output tokens each. Systems: our engine with
+tp=1, pp=1 and with pp=2 (two worker processes sharing the threads), and transformers.
+Reports total output tokens per second, mean time to first token and mean time per output
+token. Writes bench/results/end_to_end.json.
+
+    python -m bench.end_to_end [--threads 2] [--device cpu]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+import transformers
+
+from bench.common import print_table, write_results
+from messages import SamplingParams
+from zmqworker.engine.llm import LLM
+from zmqworker.models.embedded import default_model_path
+
+OUTPUT_TOKENS = 64
+WORDS = (
+    "the quick brown fox jumps over the lazy dog while a river runs past an old mill "
+    "and the town wakes to bells ringing across the valley in the early light"
+).split()
+
+
+def prompts(tokenizer) -> list[list[int]]:
+    """16 prompts of 8 to 248 tokens."""
+    out = []
+    for i in range(16):
+        length = 8 + 16 * i
+        text = " ".join(WORDS[(i + j) % len(WORDS)] for j in range(length))
+        out.append(tokenizer.encode(text)[:length])
+    return out
+
+
+def run_ours(path: str, batch: list[list[int]], pp: int, threads: int, device: str) -> dict:
+    params = SamplingParams(temperature=0.0, max_tokens=OUTPUT_TOKENS, ignore_eos=True)
+    with LLM(
+        model=path,
+        pipeline_parallel_size=pp,
+        device=device,
+        num_threads=max(1, threads // pp),
+        max_num_seqs=16,
+        max_num_batched_tokens=4096,
+    ) as llm:
+        llm.generate([batch[0]], SamplingParams(temperature=0.0, max_tokens=4))  # warm
+        start = time.perf_counter()
+        outs = llm.generate(batch, params)
+        elapsed = time.perf_counter() - start
+    tokens = sum(len(o.token_ids) for o in outs)
+    return {
+        "system": f"zmqworker tp=1 pp={pp}",
+        "tok_s": tokens / elapsed,
+        "ttft_ms": 1e3 * sum(o.timings.ttft for o in outs) / len(outs),
+        "tpot_ms": 1e3 * sum(o.timings.tpot for o in outs) / len(outs),
+    }
+
+
+def run_transformers(path: str, batch: list[list[int]], threads: int, device: str) -> dict:
+    torch.set_num_threads(threads)
+    tok = transformers.AutoTokenizer.from_pretrained(path)
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model = model.to(device).eval()
+    width = max(len(p) for p in batch)
+    pad = tok.pad_token_id if tok.pad_token_id is not None else 0
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch], device=device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch], device=device)
+
+    def generate(n: int) -> float:
+        start = time.perf_counter()
+        with torch.inference_mode():
+            model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=n,
+                min_new_tokens=n,
+                do_sample=False,
+                pad_token_id=pad,
+            )
+        return time.perf_counter() - start
+
+    generate(2)  # warm
+    ttft = generate(1)  # the whole batch's prefill: every request's first token
+    total = generate(OUTPUT_TOKENS)
+    return {
+        "system": "transformers generate",
+        "tok_s": len(batch) * OUTPUT_TOKENS / total,
+        "ttft_ms": 1e3 * ttft,
+        "tpot_ms": 1e3 * (total - ttft) / (OUTPUT_TOKENS - 1),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, default=2, help="torch threads in total")
+    parser.add_argument("--device", default="cpu")
+    args = parser.parse_args()
+    path = default_model_path()
+    batch = prompts(transformers.AutoTokenizer.from_pretrained(path))
+    rows = [
+        run_ours(path, batch, 1, args.threads, args.device),
+        run_ours(path, batch, 2, args.threads, args.device),
+        run_transformers(path, batch, args.threads, args.device),
+    ]
+    print_table(rows)
+    print(f"tp=1,pp=1 over transformers: {rows[0]['tok_s'] / rows[2]['tok_s']:.2f}x tokens/s")
+    print(f"wrote {write_results('end_to_end', {'rows': rows})}")
+
+
+if __name__ == "__main__":
+    main()

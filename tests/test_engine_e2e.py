@@ -1,0 +1,177 @@
+"""The reference engine against real worker processes: greedy output equals transformers'
+generate, stop rules, requests joining a running batch, bad input; and the CLI's main job
+on the embedded model."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+from messages import SamplingParams
+from tests.engine_helpers import byte_level_tokenizer
+from tests.tiny import cached_tiny_checkpoint
+from zmqworker.engine.llm import LLM
+
+ROOT = Path(__file__).resolve().parent.parent
+PROMPTS = [[5, 17, 42, 9, 100, 3, 77], [1, 2, 3], list(range(10, 60)), [200, 201, 7, 7]]
+
+
+@functools.cache
+def checkpoint_with_tokenizer() -> str:
+    """A tiny Llama whose folder also holds a small byte-level tokenizer (vocab 320)."""
+    path = cached_tiny_checkpoint(family="llama", num_layers=4, vocab_size=320)
+    if not Path(path, "tokenizer.json").exists():
+        byte_level_tokenizer().save_pretrained(path)
+    return path
+
+
+@functools.cache
+def hf_greedy(prompt: tuple[int, ...], n: int) -> list[int]:
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        checkpoint_with_tokenizer(), dtype=torch.float32
+    )
+    ids = torch.tensor([list(prompt)])
+    out = model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=n,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
+    return out[0, len(prompt) :].tolist()
+
+
+def make_llm(tp: int = 1, pp: int = 1, **kw) -> LLM:
+    return LLM(
+        model=checkpoint_with_tokenizer(),
+        tensor_parallel_size=tp,
+        pipeline_parallel_size=pp,
+        block_size=4,
+        max_model_len=96,
+        max_num_batched_tokens=kw.pop("max_num_batched_tokens", 24),
+        kv_cache_bytes=kw.pop("kv_cache_bytes", 1 << 20),
+        **kw,
+    )
+
+
+@pytest.mark.parametrize(("tp", "pp"), [(1, 1), (1, 2), (2, 1)])
+def test_greedy_output_equals_transformers(tp, pp):
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    with make_llm(tp, pp) as llm:
+        outs = llm.generate(PROMPTS, params)
+    for prompt, out in zip(PROMPTS, outs, strict=True):
+        assert out.token_ids == hf_greedy(tuple(prompt), 10), prompt
+        assert out.finish_reason == "length"
+
+
+def test_kv_cache_overflow_finishes_through_preemption():
+    # 4 layers x (K,V x 4 tokens x 2 heads x 16 x fp32) = 4 KiB a block; 25 blocks (the
+    # 96-token max_model_len needs 24) for requests whose prompts fit (17 blocks) but
+    # that grow to need 48 together.
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    with make_llm(kv_cache_bytes=25 * 4096) as llm:
+        outs = llm.generate(PROMPTS, params)
+        assert llm._core.scheduler.num_preemptions > 0
+    assert [o.token_ids for o in outs] == [hf_greedy(tuple(p), 30) for p in PROMPTS]
+
+
+def test_stop_strings_and_max_tokens_are_honoured():
+    with make_llm() as llm:
+        free = llm.generate(
+            ["Hello world"], SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+        )[0]
+        assert len(free.token_ids) == 24 and free.finish_reason == "length"
+        stop = free.text[len(free.text) // 2 :][:3]
+        assert stop, free.text
+        cut = llm.generate(
+            ["Hello world"],
+            SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, stop=[stop]),
+        )[0]
+        assert cut.finish_reason == "stop" and cut.stop_reason == stop
+        assert cut.text == free.text[: free.text.index(stop)]
+        short = llm.generate(["Hello world"], SamplingParams(temperature=0.0, max_tokens=3))[0]
+        assert len(short.token_ids) <= 3
+
+
+def test_requests_arriving_while_others_run_are_batched_in():
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+
+    async def scenario(llm: LLM) -> list[tuple[list[int], float, float]]:
+        async def one(prompt: list[int], delay: float) -> tuple[list[int], float, float]:
+            await asyncio.sleep(delay)
+            outputs, first = [], None
+            async for out in llm.generate_stream(prompt, params):
+                first = first or time.monotonic()
+                outputs.append(out)
+            assert outputs[-1].finished
+            return outputs[-1].token_ids, first, time.monotonic()
+
+        return await asyncio.gather(*(one(p, 0.1 * i) for i, p in enumerate(PROMPTS)))
+
+    with make_llm() as llm:
+        got = asyncio.run(scenario(llm))
+    assert [tokens for tokens, _, _ in got] == [hf_greedy(tuple(p), 40) for p in PROMPTS]
+    # The last request joined while the first was still generating.
+    assert got[-1][1] < got[0][2]
+
+
+def test_bad_input_is_refused_and_the_engine_stays_usable(tmp_path):
+    with pytest.raises(FileNotFoundError, match="model folder"):
+        LLM(model=str(tmp_path / "missing"))
+    with make_llm() as llm:
+        params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+        with pytest.raises(ValueError, match="no prompts|empty"):
+            llm.generate([], params)
+        with pytest.raises(ValueError, match="max_model_len|longer"):
+            llm.generate([[1] * 200], params)
+        with pytest.raises(ValueError, match="max_tokens"):
+            llm.generate([[1, 2]], SamplingParams(max_tokens=0))
+        assert llm.generate([PROMPTS[0]], params)[0].token_ids == hf_greedy(tuple(PROMPTS[0]), 4)
+
+
+def test_cli_main_job_answers_paris_on_the_embedded_model():
+    if shutil.which(sys.executable) is None:
+        pytest.skip("no interpreter path")
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "zmqworker",
+            "generate",
+            "The capital of France is",
+            "--pp",
+            "2",
+            "--max-tokens",
+            "4",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "Paris" in out.stdout
+    assert "time to first token" in out.stderr and "tokens/s" in out.stderr
+
+
+def test_cli_errors_are_one_line(tmp_path):
+    out = subprocess.run(
+        [sys.executable, "-m", "zmqworker", "generate", "x", "--model", str(tmp_path / "nope")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
+    assert out.returncode != 0
+    assert out.stderr.strip().splitlines()[-1].startswith("zmqworker: error:")
+    assert "Traceback" not in out.stderr

@@ -1,0 +1,5 @@
+import sys
+
+from zmqworker.cli import main
+
+sys.exit(main())
