@@ -18,6 +18,7 @@ import torch
 from messages import (
     CacheConfig,
     CachedRequestData,
+    DeviceConfig,
     ModelConfig,
     NewRequestData,
     ProfilerConfig,
@@ -33,6 +34,8 @@ from zmqworker.worker.torch_worker import Worker
 from zmqworker.worker.wrapper import WorkerWrapper, with_extension
 
 BLOCK = 4
+# ZMQWORKER_TEST_DEVICE=cuda runs these workers on a GPU (checked on the lent H200).
+DEVICE = os.environ.get("ZMQWORKER_TEST_DEVICE", "cpu")
 PROMPT = [5, 17, 42, 9, 100, 3, 77]
 
 
@@ -45,6 +48,7 @@ def config(**kw) -> WorkerConfig:
         scheduler=SchedulerConfig(
             max_num_seqs=4, max_num_batched_tokens=64, warmup_batch_sizes=[1, 2]
         ),
+        device=kw.pop("device", DeviceConfig(device=DEVICE)),
         **kw,
     )
 
@@ -118,8 +122,12 @@ def test_sleep_releases_memory_and_wake_restores_outputs(level):
     kv_bytes = storage_bytes(runner.kv_caches)
     weight_bytes = storage_bytes(runner.model.parameters())
     assert kv_bytes > 0 and weight_bytes > 0
+    device_before = torch.cuda.memory_allocated() if DEVICE == "cuda" else 0
     w.sleep(level)
     assert storage_bytes(runner.kv_caches) == 0
+    if DEVICE == "cuda":  # the device memory itself is given back
+        torch.cuda.synchronize()
+        assert torch.cuda.memory_allocated() <= device_before - kv_bytes - weight_bytes // 2
     # The parameters let go of their storage at both levels; level 1 keeps a host copy
     # (on the CPU, the very same storage), level 2 keeps nothing.
     assert storage_bytes(runner.model.parameters()) == 0
@@ -179,13 +187,14 @@ def test_kv_cache_that_does_not_fit_is_refused_with_numbers():
     w.shutdown()
 
 
-def test_cpu_budget_is_measured_when_no_kv_bytes_given():
+def test_memory_budget_is_measured_when_no_kv_bytes_given():
     cfg = msgspec.structs.replace(config(), cache=CacheConfig(block_size=BLOCK))
     w = Worker(cfg, rank=0)
     w.init_device()
     w.load_model()
     available = w.determine_available_memory()
-    assert 0 < available < w._host_free_at_start
+    total = torch.cuda.mem_get_info()[1] if DEVICE == "cuda" else w._host_free_at_start
+    assert 0 < available < total
     w.shutdown()
 
 
@@ -195,7 +204,7 @@ def test_shutdown_after_a_failed_init_device():
     )
     with pytest.raises(ValueError, match="device must be"):
         Worker(bad, rank=0)
-    w = Worker(config(device=msgspec.structs.replace(config().device, device="cuda")), rank=0)
+    w = Worker(config(device=DeviceConfig(device="cuda")), rank=0)
     if not torch.cuda.is_available():
         with pytest.raises(RuntimeError, match="no GPU is visible"):
             w.init_device()
@@ -279,6 +288,7 @@ TP_SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.skipif(DEVICE == "cuda", reason="NCCL needs a GPU per rank")
 def test_two_ranks_start_distributed_with_tp2():
     import socket
 
