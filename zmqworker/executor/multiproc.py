@@ -15,21 +15,19 @@ import sys
 import tempfile
 import time
 import weakref
-from typing import Any
 
 import msgspec
 import zmq
 
 from messages import WorkerConfig
-from zmqworker.executor.abstract import Executor
 from zmqworker.executor.errors import (
-    ExecutorError,
     WorkerDiedError,
     WorkerStartupError,
 )
 from zmqworker.executor.handshake import Handshake, bind_router, polite_shutdown
 from zmqworker.executor.process import WorkerProcess
 from zmqworker.executor.rpc_client import Liveness, RpcClient
+from zmqworker.executor.rpc_executor import RpcExecutor
 from zmqworker.runtime.main import TOKEN_ENV
 
 SHUTDOWN_GRACE_S = 5.0
@@ -49,7 +47,7 @@ class _ProcessLiveness(Liveness):
         return None
 
 
-class MultiprocExecutor(Executor):
+class MultiprocExecutor(RpcExecutor):
     def __init__(
         self,
         config: WorkerConfig,
@@ -80,8 +78,16 @@ class MultiprocExecutor(Executor):
         child_env = {**os.environ, **(env or {}), TOKEN_ENV: handshake.token}
         try:
             for rank in range(world):
-                argv = [sys.executable, "-m", "zmqworker.worker", "--engine", self.address,
-                        "--rank", str(rank), "--exit-with-parent"]
+                argv = [
+                    sys.executable,
+                    "-m",
+                    "zmqworker.worker",
+                    "--engine",
+                    self.address,
+                    "--rank",
+                    str(rank),
+                    "--exit-with-parent",
+                ]
                 self.procs.append(WorkerProcess(rank, argv, child_env))
             self._liveness = _ProcessLiveness(self.procs)
             self.rpc: RpcClient = handshake.client(self._sock, self._liveness, self.pids)
@@ -94,20 +100,6 @@ class MultiprocExecutor(Executor):
             raise error from e
 
     # the Executor interface ------------------------------------------------------------
-
-    def collective_rpc(
-        self,
-        method: str,
-        args: tuple = (),
-        kwargs: dict[str, Any] | None = None,
-        timeout: float | None = None,
-        unique_reply_rank: int | None = None,
-        non_block: bool = False,
-    ) -> Any:
-        if self._closed:
-            raise ExecutorError(f"{method}: the executor is shut down")
-        future = self.rpc.call(method, args, kwargs, timeout=timeout, reply_rank=unique_reply_rank)
-        return future if non_block else future.result()
 
     def shutdown(self) -> None:
         if self._closed:

@@ -35,16 +35,14 @@ try:
     from ray.util.placement_group import placement_group, remove_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 except ImportError as e:  # the extra is optional
-    raise ImportError(
-        f"RayExecutor needs Ray: pip install 'zmqworker[ray]' ({e})"
-    ) from e
+    raise ImportError(f"RayExecutor needs Ray: pip install 'zmqworker[ray]' ({e})") from e
 
 from messages import WorkerConfig
-from zmqworker.executor.abstract import Executor
 from zmqworker.executor.errors import ExecutorError, WorkerDiedError, WorkerStartupError
 from zmqworker.executor.handshake import Handshake, bind_router, polite_shutdown
 from zmqworker.executor.ray_actor import RayWorkerActor
 from zmqworker.executor.rpc_client import Liveness, RpcClient
+from zmqworker.executor.rpc_executor import RpcExecutor
 
 log = logging.getLogger("zmqworker.executor")
 
@@ -67,7 +65,7 @@ class Placement:
     pid: int
 
 
-class RayExecutor(Executor):
+class RayExecutor(RpcExecutor):
     def __init__(
         self,
         config: WorkerConfig,
@@ -117,20 +115,6 @@ class RayExecutor(Executor):
 
     # the Executor interface ------------------------------------------------------------
 
-    def collective_rpc(
-        self,
-        method: str,
-        args: tuple = (),
-        kwargs: dict[str, Any] | None = None,
-        timeout: float | None = None,
-        unique_reply_rank: int | None = None,
-        non_block: bool = False,
-    ) -> Any:
-        if self._closed or self.rpc is None:
-            raise ExecutorError(f"{method}: the executor is shut down")
-        future = self.rpc.call(method, args, kwargs, timeout=timeout, reply_rank=unique_reply_rank)
-        return future if non_block else future.result()
-
     def shutdown(self) -> None:
         """Polite shutdown call, stop the servers, kill the actors, remove the placement
         group, close the socket, and stop Ray if this executor started it."""
@@ -172,8 +156,11 @@ class RayExecutor(Executor):
         world = parallel.world_size
         use_gpu = _wants_gpu(self.config.device.device)
         bundle = {"CPU": cpus, "GPU": 1.0} if use_gpu else {"CPU": cpus}
-        _check_resources(bundle, world, f"tp={parallel.tensor_parallel_size} x "
-                                         f"pp={parallel.pipeline_parallel_size}")
+        _check_resources(
+            bundle,
+            world,
+            f"tp={parallel.tensor_parallel_size} x pp={parallel.pipeline_parallel_size}",
+        )
         group = placement_group([dict(bundle) for _ in range(world)], strategy="PACK")
         self._groups.append(group)
         wait_s = min(timeout, PLACEMENT_TIMEOUT_S)
@@ -197,13 +184,13 @@ class RayExecutor(Executor):
                     placement_group_bundle_index=i,
                     placement_group_capture_child_tasks=True,
                 ),
-            )
-            .remote()
+            ).remote()
             for i in range(world)
         ]
         self.actors.extend(actors)
-        found = self._gather("reporting its placement", [a.placement.remote() for a in actors],
-                             timeout, by="actor")
+        found = self._gather(
+            "reporting its placement", [a.placement.remote() for a in actors], timeout, by="actor"
+        )
         places = [_placement(info) for info in found]
         driver_node = ray.get_runtime_context().get_node_id()
         order = order_ranks(places, driver_node)
@@ -225,18 +212,23 @@ class RayExecutor(Executor):
             log.warning("propagate_env: %s not set in the driver", ", ".join(missing))
         propagated = {name: os.environ[name] for name in propagate if name in os.environ}
         envs, local_ranks = rank_environments(self.placements, use_gpu, {**propagated, **env})
-        self._gather("assign_rank", [a.assign_rank.remote(r) for r, a in enumerate(self.actors)],
-                     timeout)
-        self._gather("update_environment_variables",
-                     [a.update_environment_variables.remote(envs) for a in self.actors], timeout)
+        self._gather(
+            "assign_rank", [a.assign_rank.remote(r) for r, a in enumerate(self.actors)], timeout
+        )
+        self._gather(
+            "update_environment_variables",
+            [a.update_environment_variables.remote(envs) for a in self.actors],
+            timeout,
+        )
         kwargs = [
             {"rank": r, "local_rank": local_ranks[r],
              "distributed_init_method": parallel.distributed_init_method or None}
             for r in range(world)
         ]  # fmt: skip
         encoded = msgspec.msgpack.encode(self.config)
-        self._gather("init_worker", [a.init_worker.remote(encoded, kwargs) for a in self.actors],
-                     timeout)
+        self._gather(
+            "init_worker", [a.init_worker.remote(encoded, kwargs) for a in self.actors], timeout
+        )
 
         # The data plane: our ROUTER, each actor's WorkerServer, the handshake.
         driver_ip = "127.0.0.1" if local else ray.util.get_node_ip_address()

@@ -1,0 +1,218 @@
+"""Pipeline parallelism: how much of PP=2's ideal 2x the batch queue recovers, and how
+fast the stage-to-stage channel moves tensors, each against its floor in the same run.
+
+Efficiency: two worker processes (one torch thread each) hold the two halves of a model
+large enough that compute dominates (8 layers, hidden 1024); a decode batch of 32 runs
+with one step in flight (depth 1) and with two disjoint batches in flight (depth 2).
+Channel: IntermediateTensors of 1 and 16 MiB pushed from one process to another through
+the PP channel's sender and codec, against a memcpy of the same size.
+Writes bench/results/pipeline.json.
+
+    python -m bench.pipeline [--steps 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import zmq
+
+from bench.common import print_table, write_results
+from messages import (
+    CacheConfig,
+    CachedRequestData,
+    Decoder,
+    DeviceConfig,
+    IntermediateTensors,
+    ModelConfig,
+    NewRequestData,
+    ParallelConfig,
+    SamplingParams,
+    SchedulerConfig,
+    SchedulerOutput,
+    WorkerConfig,
+    make_kv_cache_config,
+)
+from tests.tiny import make_tiny_checkpoint
+from zmqworker.distributed.pp_channel import PipelineSender
+from zmqworker.executor.multiproc import MultiprocExecutor
+
+ROOT = Path(__file__).resolve().parent.parent
+BATCH = 32
+PROMPT = 16
+BLOCK = 16
+GREEDY = SamplingParams(temperature=0.0)
+
+
+class Group:
+    """One batch of BATCH requests that the driver steps on its own."""
+
+    def __init__(self, first_handle: int, max_len: int) -> None:
+        blocks_each = -(-max_len // BLOCK)
+        self.handles = list(range(first_handle, first_handle + BATCH))
+        self.blocks = {
+            h: np.arange(h * blocks_each, (h + 1) * blocks_each, dtype=np.int32)
+            for h in self.handles
+        }
+        self.computed = 0
+        self.last_tokens: list[int] = []
+
+    def prefill(self) -> SchedulerOutput:
+        new = [
+            NewRequestData(
+                req_id=f"r{h}",
+                req_handle=h,
+                prompt_token_ids=np.arange(PROMPT, dtype=np.int32) + h % 7,
+                sampling_params=GREEDY,
+                block_ids=self.blocks[h],
+                num_scheduled_tokens=PROMPT,
+            )
+            for h in self.handles
+        ]
+        return SchedulerOutput(new, CachedRequestData.empty(), PROMPT * BATCH)
+
+    def decode(self) -> SchedulerOutput:
+        # Every stage gets the sampled tokens: the first one embeds them.
+        cached = CachedRequestData.build(
+            self.handles,
+            [self.computed] * BATCH,
+            [1] * BATCH,
+            new_token_ids=[[t] for t in self.last_tokens],
+        )
+        return SchedulerOutput([], cached, BATCH)
+
+    def advance(self, output, scheduled: int) -> None:
+        self.computed += scheduled
+        self.last_tokens = output.sampled_token_ids.tolist()
+
+
+def decode_throughput(ex: MultiprocExecutor, groups: list[Group], steps: int) -> float:
+    """Tokens per second with len(groups) steps kept in flight."""
+    for g in groups:
+        g.advance(ex.execute_model(g.prefill()), PROMPT)
+    start = time.perf_counter()
+    in_flight = [(g, ex.execute_model(g.decode(), non_block=True)) for g in groups]
+    for _ in range(steps * len(groups) - len(groups)):
+        g, future = in_flight.pop(0)
+        g.advance(future.result(), 1)
+        in_flight.append((g, ex.execute_model(g.decode(), non_block=True)))
+    for g, future in in_flight:
+        g.advance(future.result(), 1)
+    elapsed = time.perf_counter() - start
+    finished = [h for g in groups for h in g.handles]
+    ex.execute_model(
+        SchedulerOutput([], CachedRequestData.empty(), 0, finished_req_handles=finished)
+    )
+    return steps * len(groups) * BATCH / elapsed
+
+
+def pipeline_speedup(path: str, steps: int) -> dict:
+    max_len = PROMPT + 4 * steps + 8
+    config = WorkerConfig(
+        model=ModelConfig(path=path, max_model_len=max_len),
+        parallel=ParallelConfig(pipeline_parallel_size=2),
+        cache=CacheConfig(block_size=BLOCK, kv_cache_bytes=1 << 30),
+        device=DeviceConfig(num_threads=1),
+        scheduler=SchedulerConfig(
+            max_num_seqs=2 * BATCH,
+            max_num_batched_tokens=2 * BATCH * PROMPT,
+            warmup_batch_sizes=[BATCH],
+        ),
+    )
+    with MultiprocExecutor(config, env={"PYTHONPATH": str(ROOT)}) as ex:
+        specs = ex.get_kv_cache_specs()
+        ex.initialize_from_config(make_kv_cache_config(specs, 4 * BATCH * -(-max_len // BLOCK)))
+        ex.compile_or_warm_up_model()
+        depth1 = decode_throughput(ex, [Group(0, max_len)], steps)
+        depth2 = decode_throughput(ex, [Group(BATCH, max_len), Group(2 * BATCH, max_len)], steps)
+    return {"depth1_tok_s": depth1, "depth2_tok_s": depth2, "speedup": depth2 / depth1}
+
+
+def receiver(address: str, count: int) -> None:
+    """The far end of the channel: decode count messages, then say so."""
+    ctx = zmq.Context.instance()
+    pull = ctx.socket(zmq.PULL)
+    pull.bind(address + ".data")
+    done = ctx.socket(zmq.PUSH)
+    done.connect(address + ".done")
+    dec = Decoder()
+    while True:
+        for _ in range(count):
+            dec.decode(pull.recv_multipart(copy=False))
+        done.send(b"ok")
+
+
+def channel_bandwidth(mib: float, repeats: int) -> dict:
+    size = int(mib * (1 << 20))
+    hidden = torch.randn(size // 4 // 1024, 1024)
+    with tempfile.TemporaryDirectory(prefix="zmqworker-pp-") as folder:
+        base = f"ipc://{folder}/chan"
+        ctx = zmq.Context.instance()
+        done = ctx.socket(zmq.PULL)
+        done.bind(base + ".done")
+        child = subprocess.Popen(
+            [sys.executable, "-m", "bench.pipeline", "--receiver", base, str(repeats)], cwd=ROOT
+        )
+        try:
+            sender = PipelineSender(ctx, base + ".data", rank=0)
+            tensors = IntermediateTensors({"hidden_states": hidden})
+            times = []
+            for _ in range(5):
+                start = time.perf_counter()
+                for i in range(repeats):
+                    sender.send(i, tensors)
+                done.recv()
+                times.append(time.perf_counter() - start)
+            sender.close()
+        finally:
+            child.kill()
+            child.wait()
+            done.close(linger=0)
+    gb_s = size * repeats / min(times) / 1e9
+    dst = torch.empty_like(hidden)
+    copies = []
+    for _ in range(20):
+        start = time.perf_counter()
+        dst.copy_(hidden)
+        copies.append(time.perf_counter() - start)
+    memcpy = size / min(copies) / 1e9
+    return {"mib": mib, "gb_s": gb_s, "memcpy_gb_s": memcpy, "ratio": gb_s / memcpy}
+
+
+def main() -> None:
+    if len(sys.argv) == 4 and sys.argv[1] == "--receiver":
+        receiver(sys.argv[2], int(sys.argv[3]))
+        return
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=20, help="decode steps per batch")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    with tempfile.TemporaryDirectory(prefix="zmqworker-pp-model-") as folder:
+        path = make_tiny_checkpoint(
+            folder,
+            num_layers=8,
+            hidden_size=1024,
+            num_heads=16,
+            num_kv_heads=4,
+            intermediate_size=2816,
+            vocab_size=4096,
+        )
+        speed = pipeline_speedup(path, args.steps)
+    print_table([speed])
+    rows = [channel_bandwidth(1.0, 50), channel_bandwidth(16.0, 10)]
+    print_table(rows)
+    path = write_results(
+        "pipeline", {"speedup_depth2_over_depth1": speed["speedup"], **speed, "rows": rows}
+    )
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
