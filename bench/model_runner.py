@@ -5,10 +5,13 @@ and torch thread count, on the same random 512-token prompts. Only decoding is t
 the two take turns step by step, so that both meet the same load on a shared machine:
 our runner prefills first, then transformers' generate runs, and after each of its steps
 a stopping criterion (which never stops) notes the time and runs one of our decode steps.
-Throughput is batch / the median step time. Prints a table and writes
-bench/results/model_runner.json (model_runner_cuda.json for --device cuda).
+Throughput is batch / the median step time. With --repeats N each batch is measured N
+times (a fresh runner and generate call each time) and the row holds the medians: the
+machine may be shared, and one run can meet a burst of someone else's work. Prints a table
+and writes bench/results/model_runner.json (model_runner_cuda.json for --device cuda).
 
     python -m bench.model_runner [--device cuda --dtype bfloat16] [--batches 1,8,32]
+        [--repeats 3]
 """
 
 from __future__ import annotations
@@ -190,7 +193,10 @@ def main() -> None:
         "--threads", type=int, default=None, help="torch threads for both (default: torch's)"
     )
     parser.add_argument("--model", default=None, help="checkpoint folder (default: embedded)")
+    parser.add_argument("--repeats", type=int, default=1, help="runs per batch; rows are medians")
     args = parser.parse_args()
+    if args.repeats < 1:
+        parser.error(f"--repeats must be >= 1, got {args.repeats}")
 
     device = torch.device(args.device)
     steps = args.steps or (32 if device.type == "cpu" else 128)
@@ -203,17 +209,22 @@ def main() -> None:
     for batch in (int(b) for b in args.batches.split(",")):
         rng = np.random.default_rng(batch)
         prompts = rng.integers(0, hf.config.vocab_size, (batch, args.prompt_len), np.int32)
-        row, same = measure(hf, path, args.dtype, prompts, steps, device)
-        rows.append(row)
-        # greedy decoding: the same tokens, up to rare near-ties in reduced precision
-        print(
-            f"batch {batch}: ours {row['ours_tok_s']:.1f} tok/s, transformers "
-            f"{row['hf_tok_s']:.1f} tok/s, identical token sequences {same}/{batch}",
-            flush=True,
-        )
+        runs = []
+        for _ in range(args.repeats):
+            row, same = measure(hf, path, args.dtype, prompts, steps, device)
+            runs.append(row)
+            # greedy decoding: the same tokens, up to rare near-ties in reduced precision
+            print(
+                f"batch {batch}: ours {row['ours_tok_s']:.1f} tok/s, transformers "
+                f"{row['hf_tok_s']:.1f} tok/s, ratio {row['ratio']:.2f}, identical token "
+                f"sequences {same}/{batch}",
+                flush=True,
+            )
+        rows.append({key: type(runs[0][key])(np.median([r[key] for r in runs])) for key in runs[0]})
     print(
         f"\ndecode tokens/s, {args.device} {args.dtype}, {threads} threads, "
-        f"{args.prompt_len}-token prompts, {steps} decode steps (median step)"
+        f"{args.prompt_len}-token prompts, {steps} decode steps (median step, median of "
+        f"{args.repeats} runs)"
     )
     print_table(rows)
     name = "model_runner" if device.type == "cpu" else f"model_runner_{device.type}"

@@ -38,6 +38,7 @@ from messages import (
     make_kv_cache_config,
 )
 from tests.tiny import cached_tiny_checkpoint
+from zmqworker.attention.kv_cache import kv_cache_shape
 from zmqworker.distributed.parallel_state import ParallelState, single_rank_state
 from zmqworker.model_runner import AsyncModelRunnerOutput, ModelRunner
 
@@ -469,7 +470,7 @@ def test_kv_cache_life_cycle_profile_and_warm_up() -> None:
     )
     config_all = make_kv_cache_config([other, spec], 10)
     runner.initialize_kv_cache(config_all)  # the other stage's layers are ignored
-    assert [tuple(c.shape) for c in runner.kv_caches] == [(2, 10, 16, 2, 16)] * 2
+    assert [tuple(c.shape) for c in runner.kv_caches] == [kv_cache_shape(10, 16, 2, 16)] * 2
     runner.warm_up([1, 4])
     with pytest.raises(ValueError, match="warm-up batch size 5"):
         runner.warm_up([5])

@@ -117,14 +117,15 @@ class PagedDriver:
     def __init__(self, model: Any, num_blocks: int = 64, block_size: int = 4, seed: int = 0):
         import numpy as np
 
+        from zmqworker.attention.kv_cache import allocate_kv_cache
+
         self.stages = list(model) if isinstance(model, (list, tuple)) else [model]
         self.device = self.stages[0].state.device
         self.block_size = block_size
         self.caches = [
             [
-                torch.zeros(
-                    2, num_blocks, block_size, m.num_kv_heads, m.head_dim, dtype=m.dtype,
-                    device=self.device,
+                allocate_kv_cache(
+                    num_blocks, block_size, m.num_kv_heads, m.head_dim, m.dtype, self.device
                 )
                 for _ in m.layer_names
             ]

@@ -1,23 +1,48 @@
 """Per-step attention metadata: built once per step, read by every layer.
 
-Besides the scheduler-level fields, it holds what the paged attention precomputes once
-per step so that layers only index and call SDPA: the block ids to gather for each request
-(padded rows point at block 0 and are masked), the mask, and the indices that pad the packed
-query tokens into a [num_reqs, max_query_len] grid and back.
+Besides the scheduler-level fields, it sorts the step's requests by how they are attended:
+decode requests (one query token each) all together, and each prefill request (more
+tokens: a fresh prompt, a chunk of one, or a prompt whose prefix is cached) on its own, so
+that no request pads another's queries or history. Decode plans that also depend on the
+cache's geometry (decode.py) are built by the first layer and kept here for the others.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
 
 
 @dataclass
+class DecodeRequests:
+    """The step's requests that schedule one token."""
+
+    # int64 positions of their tokens among the step's; None when they are all of them.
+    tokens: torch.Tensor | None
+    block_tables: np.ndarray  # [n, max_blocks]: entries past ceil(seq_len / block_size) unread
+    seq_lens: np.ndarray  # int64 [n], context length after this step
+    plans: dict[tuple[Any, ...], Any] = field(default_factory=dict)  # decode.py's, per geometry
+
+
+@dataclass
+class PrefillRequest:
+    """A request that schedules more than one token; its tokens are contiguous in the step."""
+
+    start: int  # its first token among the step's
+    query_len: int
+    context_len: int  # tokens already cached before this step
+    block_ids: torch.Tensor | None  # int64 [ceil(seq_len / block_size)]; None without context
+
+
+@dataclass
 class AttentionMetadata:
     num_tokens: int
     slot_mapping: torch.Tensor  # int64 [num_tokens]: block_id * block_size + offset
+    slot_blocks: torch.Tensor  # int64 [num_tokens]: slot_mapping // block_size
+    slot_offsets: torch.Tensor  # int64 [num_tokens]: slot_mapping % block_size
     query_start_loc: torch.Tensor  # int32 [num_reqs + 1] cumulative query lengths
     seq_lens: torch.Tensor  # int32 [num_reqs] context length after this step
     block_tables: torch.Tensor  # int32 [num_reqs, max_blocks]
@@ -25,25 +50,8 @@ class AttentionMetadata:
     max_seq_len: int
     num_reqs: int
     block_size: int
-    # Block ids to gather, int64 [num_reqs * num_gather_blocks]; unused entries are 0.
-    gather_block_ids: torch.Tensor
-    num_gather_blocks: int
-    # Keys each request attends over after the gather: max_seq_len when every request has
-    # the same length (no mask needed), else num_gather_blocks * block_size.
-    key_len: int
-    # bool [num_reqs, 1, max_query_len, key_len], True where a query may attend; None when
-    # no position needs masking.
-    attn_mask: torch.Tensor | None
-    # One request whose whole context is this step's tokens: plain causal attention over
-    # the new keys, no gather.
-    is_single_fresh_prefill: bool
-    # Every request schedules one token.
-    is_decode_only: bool
-    # int64 [num_reqs * max_query_len]: packed token index for each grid cell (padding cells
-    # repeat a valid token); None when every request has max_query_len tokens.
-    query_pad_index: torch.Tensor | None
-    # int64 [num_tokens]: grid cell of each packed token; None with query_pad_index.
-    query_unpad_index: torch.Tensor | None
+    decode: DecodeRequests | None
+    prefills: list[PrefillRequest]
 
 
 def _check_inputs(
@@ -102,55 +110,38 @@ def build_attention_metadata(
     slot_mapping = np.asarray(slot_mapping, dtype=np.int64)
     _check_inputs(query_lens, seq_lens, block_tables, slot_mapping, block_size)
     num_reqs = len(query_lens)
-    num_tokens = int(query_lens.sum())
-    max_query_len = int(query_lens.max())
-    max_seq_len = int(seq_lens.max())
-    context_lens = seq_lens - query_lens
-    num_gather_blocks = -(-max_seq_len // block_size)
+    query_start = np.zeros(num_reqs + 1, dtype=np.int64)
+    np.cumsum(query_lens, out=query_start[1:])
+    is_decode = query_lens == 1
+    decode = None
+    if is_decode.any():
+        rows = np.flatnonzero(is_decode)
+        tokens = None
+        if len(rows) < num_reqs:
+            tokens = torch.from_numpy(query_start[rows]).to(device)
+        decode = DecodeRequests(tokens, block_tables[rows], seq_lens[rows])
+    prefills = []
+    for r in np.flatnonzero(~is_decode).tolist():
+        context = int(seq_lens[r] - query_lens[r])
+        block_ids = None
+        if context > 0:
+            used = block_tables[r, : -(-int(seq_lens[r]) // block_size)].astype(np.int64)
+            block_ids = torch.from_numpy(used).to(device)
+        prefills.append(PrefillRequest(int(query_start[r]), int(query_lens[r]), context, block_ids))
 
-    # Entries past a request's last block may be garbage: point them at block 0, masked.
-    used = np.arange(num_gather_blocks)[None, :] < (-(-seq_lens // block_size))[:, None]
-    gather = np.where(used, block_tables[:, :num_gather_blocks], 0).astype(np.int64)
-
-    uniform_seq = bool((seq_lens == max_seq_len).all())
-    key_len = max_seq_len if uniform_seq else num_gather_blocks * block_size
-    is_decode_only = max_query_len == 1
-    is_single_fresh_prefill = num_reqs == 1 and int(context_lens[0]) == 0
-    attn_mask = None
-    if not is_single_fresh_prefill and not (is_decode_only and uniform_seq):
-        # Query i of request r sits at position context_len[r] + i and sees keys <= it;
-        # this also hides the keys past seq_len and the padded gather slots.
-        query_pos = context_lens[:, None] + np.arange(max_query_len)[None, :]
-        mask = np.arange(key_len)[None, None, :] <= query_pos[:, :, None]
-        attn_mask = torch.from_numpy(mask[:, None]).to(device)
-
-    query_pad_index = query_unpad_index = None
-    if not bool((query_lens == max_query_len).all()):
-        starts = np.concatenate([[0], np.cumsum(query_lens)[:-1]])
-        cells = np.arange(max_query_len)[None, :]
-        pad = starts[:, None] + np.minimum(cells, query_lens[:, None] - 1)
-        valid = cells < query_lens[:, None]
-        query_pad_index = torch.from_numpy(pad.reshape(-1)).to(device)
-        query_unpad_index = torch.from_numpy(np.flatnonzero(valid.reshape(-1))).to(device)
-
-    query_start_loc = np.zeros(num_reqs + 1, dtype=np.int32)
-    np.cumsum(query_lens, out=query_start_loc[1:])
+    slot_blocks, slot_offsets = np.divmod(slot_mapping, block_size)
     return AttentionMetadata(
-        num_tokens=num_tokens,
+        num_tokens=int(query_start[-1]),
         slot_mapping=torch.from_numpy(slot_mapping).to(device),
-        query_start_loc=torch.from_numpy(query_start_loc).to(device),
+        slot_blocks=torch.from_numpy(slot_blocks).to(device),
+        slot_offsets=torch.from_numpy(slot_offsets).to(device),
+        query_start_loc=torch.from_numpy(query_start.astype(np.int32)).to(device),
         seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(device),
         block_tables=torch.from_numpy(np.ascontiguousarray(block_tables, np.int32)).to(device),
-        max_query_len=max_query_len,
-        max_seq_len=max_seq_len,
+        max_query_len=int(query_lens.max()),
+        max_seq_len=int(seq_lens.max()),
         num_reqs=num_reqs,
         block_size=block_size,
-        gather_block_ids=torch.from_numpy(gather.reshape(-1)).to(device),
-        num_gather_blocks=num_gather_blocks,
-        key_len=key_len,
-        attn_mask=attn_mask,
-        is_single_fresh_prefill=is_single_fresh_prefill,
-        is_decode_only=is_decode_only,
-        query_pad_index=query_pad_index,
-        query_unpad_index=query_unpad_index,
+        decode=decode,
+        prefills=prefills,
     )

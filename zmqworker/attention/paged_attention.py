@@ -1,74 +1,23 @@
-"""Paged attention in plain torch: write this step's keys/values through the slot mapping,
-then attend each request's queries to its whole history, read through its block table.
+"""Paged attention in plain torch: write this step's keys/values into the cache through the
+slot mapping, then attend each request's queries to its whole history.
 
-The history is gathered block by block (index_select over whole blocks) into a workspace
-that is reused across layers and steps: allocating fresh multi-megabyte buffers per layer
-costs page faults that dominate decode on CPU. Attention itself is
-torch.nn.functional.scaled_dot_product_attention.
+Decode requests are attended all together (decode.py). Each prefill request is attended on
+its own with SDPA, so that no request pads another: a fresh prompt over its own new keys
+(causal, no cache read), a request with cached context over its history gathered from the
+cache, in slices of query rows whose mask holds at most PREFILL_MASK_ELEMENTS entries.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
-from zmqworker.attention.metadata import AttentionMetadata
+from zmqworker.attention.decode import CHUNK_POSITIONS, decode_attention
+from zmqworker.attention.kv_cache import check_kv_cache, gather_blocks, write_kv
+from zmqworker.attention.metadata import AttentionMetadata, PrefillRequest
 
-# (device, dtype) -> flat buffer, grown on demand, viewed as [2, blocks, block elements].
-_workspaces: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
-_WORKSPACE_ROUND = 1 << 20  # elements; growth granularity
-
-
-def _gather_buffer(kv_cache: torch.Tensor, num_blocks: int) -> torch.Tensor:
-    """A contiguous [2, num_blocks, block elements] view of the reusable workspace."""
-    block_elems = kv_cache[0, 0].numel()
-    needed = 2 * num_blocks * block_elems
-    key = (kv_cache.device, kv_cache.dtype)
-    buf = _workspaces.get(key)
-    if buf is None or buf.numel() < needed:
-        size = -(-needed // _WORKSPACE_ROUND) * _WORKSPACE_ROUND
-        buf = torch.empty(size, dtype=kv_cache.dtype, device=kv_cache.device)
-        _workspaces[key] = buf
-    return buf[:needed].view(2, num_blocks, block_elems)
-
-
-def release_workspaces() -> None:
-    """Free the gather workspaces (e.g. before sleeping or measuring memory)."""
-    _workspaces.clear()
-
-
-def _check_cache(
-    kv_cache: torch.Tensor, key: torch.Tensor, query: torch.Tensor, meta: AttentionMetadata
-) -> None:
-    num_kv_heads, head_dim = key.shape[1], key.shape[2]
-    if (
-        kv_cache.dim() != 5
-        or kv_cache.shape[0] != 2
-        or kv_cache.shape[2] != meta.block_size
-        or tuple(kv_cache.shape[3:]) != (num_kv_heads, head_dim)
-    ):
-        raise ValueError(
-            f"KV cache shape {tuple(kv_cache.shape)} is not [2, num_blocks, "
-            f"{meta.block_size}, {num_kv_heads}, {head_dim}]"
-        )
-    if kv_cache.dtype != query.dtype:
-        raise ValueError(f"KV cache dtype {kv_cache.dtype} differs from the model's {query.dtype}")
-    if not kv_cache.is_contiguous():
-        raise ValueError("KV cache tensor must be contiguous")
-
-
-def _gather_history(
-    kv_cache: torch.Tensor, meta: AttentionMetadata
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keys and values of every request, [num_reqs, num_kv_heads, key_len, head_dim] views."""
-    num_blocks, _, num_kv_heads, head_dim = kv_cache.shape[1:]
-    buf = _gather_buffer(kv_cache, meta.gather_block_ids.numel())
-    # Row selects along dim 0 of 2-D views: torch copies whole rows, near memcpy speed.
-    torch.index_select(kv_cache[0].view(num_blocks, -1), 0, meta.gather_block_ids, out=buf[0])
-    torch.index_select(kv_cache[1].view(num_blocks, -1), 0, meta.gather_block_ids, out=buf[1])
-    shape = (2, meta.num_reqs, meta.num_gather_blocks * meta.block_size, num_kv_heads, head_dim)
-    history = buf.view(shape)[:, :, : meta.key_len].transpose(2, 3)
-    return history[0], history[1]
+PREFILL_MASK_ELEMENTS = 1 << 20
 
 
 def paged_attention(
@@ -80,44 +29,77 @@ def paged_attention(
     scale: float,
 ) -> torch.Tensor:
     """query [num_tokens, num_heads, head_dim], key/value [num_tokens, num_kv_heads,
-    head_dim] of this step; kv_cache [2, num_blocks, block_size, num_kv_heads, head_dim].
+    head_dim] of this step; kv_cache as kv_cache.py lays it out.
     Returns [num_tokens, num_heads, head_dim]."""
-    _check_cache(kv_cache, key, query, meta)
-    num_tokens, num_heads, head_dim = query.shape
-    num_kv_heads = key.shape[1]
-    kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, key)
-    kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, value)
-    gqa = num_heads != num_kv_heads
+    check_kv_cache(kv_cache, meta.block_size, key.shape[1], key.shape[2], query.dtype)
+    write_kv(kv_cache, key, value, meta.slot_blocks, meta.slot_offsets)
+    decode, prefills = meta.decode, meta.prefills
+    if decode is not None and decode.tokens is None:
+        return decode_attention(query, kv_cache, decode, scale)
+    if decode is None and len(prefills) == 1:
+        return _prefill(query, key, value, kv_cache, prefills[0], scale)
+    out = torch.empty_like(query)
+    if decode is not None:
+        queries = query.index_select(0, decode.tokens)
+        out.index_copy_(0, decode.tokens, decode_attention(queries, kv_cache, decode, scale))
+    for p in prefills:
+        out[p.start : p.start + p.query_len] = _prefill(query, key, value, kv_cache, p, scale)
+    return out
 
-    if meta.is_single_fresh_prefill:
-        out = F.scaled_dot_product_attention(
-            query.transpose(0, 1).unsqueeze(0),
-            key.transpose(0, 1).unsqueeze(0),
-            value.transpose(0, 1).unsqueeze(0),
-            is_causal=True,
+
+def probe_steps(
+    max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int, block_size: int
+) -> list[tuple[np.ndarray, np.ndarray]]:
+    """(query_lens, context_lens) of the steps whose attention temporaries are the largest
+    that the scheduler limits allow, for peak-memory profiling: a full decode chunk of
+    requests at max_model_len, and a prefill at max_model_len whose mask slice is full."""
+    padded = -(-max_model_len // block_size) * block_size
+    num_decodes = min(max_num_seqs, max_num_batched_tokens, max(1, CHUNK_POSITIONS // padded))
+    steps = [(np.ones(num_decodes, np.int32), np.full(num_decodes, max_model_len - 1, np.int32))]
+    rows = min(
+        max_num_batched_tokens,
+        max_model_len - 1,
+        max(2, PREFILL_MASK_ELEMENTS // max_model_len),
+    )
+    if rows >= 2:
+        steps.append((np.array([rows], np.int32), np.array([max_model_len - rows], np.int32)))
+    return steps
+
+
+def _prefill(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    p: PrefillRequest,
+    scale: float,
+) -> torch.Tensor:
+    """The request's [query_len, num_heads, head_dim] attention output."""
+    # [1, heads, tokens, head_dim]: SDPA's fused CPU kernel takes 4-D inputs only (3-D
+    # ones fall back to the math path, which materialises every score).
+    tokens = slice(p.start, p.start + p.query_len)
+    q = query[tokens].transpose(0, 1)[None]
+    gqa = query.shape[1] != key.shape[1]
+    if p.block_ids is None:
+        k, v = key[tokens].transpose(0, 1)[None], value[tokens].transpose(0, 1)[None]
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+        return out[0].transpose(0, 1)
+    keys, values = gather_blocks(kv_cache, p.block_ids, query.shape[2])
+    keys, values = keys[None], values[None]
+    rows = max(1, PREFILL_MASK_ELEMENTS // (p.context_len + p.query_len))
+    out = torch.empty_like(q)
+    for first in range(0, p.query_len, rows):
+        last = min(first + rows, p.query_len)
+        # Query i sits at position context_len + i and sees the keys up to it.
+        seen = p.context_len + last
+        positions = torch.arange(p.context_len + first, seen, device=q.device)
+        mask = torch.arange(seen, device=q.device)[None, :] <= positions[:, None]
+        out[:, :, first:last] = F.scaled_dot_product_attention(
+            q[:, :, first:last],
+            keys[:, :, :seen],
+            values[:, :, :seen],
+            attn_mask=mask,
             scale=scale,
             enable_gqa=gqa,
         )
-        return out[0].transpose(0, 1)
-
-    keys, values = _gather_history(kv_cache, meta)
-    if meta.is_decode_only:
-        # One query per request: the query heads sharing a kv head become that head's query
-        # rows, so SDPA runs on the kv heads without repeating keys.
-        group = num_heads // num_kv_heads
-        packed = query.reshape(meta.num_reqs, num_kv_heads, group, head_dim)
-        out = F.scaled_dot_product_attention(
-            packed, keys, values, attn_mask=meta.attn_mask, scale=scale
-        )
-        return out.reshape(num_tokens, num_heads, head_dim)
-
-    if meta.query_pad_index is not None:
-        query = query.index_select(0, meta.query_pad_index)
-    grid = query.reshape(meta.num_reqs, meta.max_query_len, num_heads, head_dim).transpose(1, 2)
-    out = F.scaled_dot_product_attention(
-        grid, keys, values, attn_mask=meta.attn_mask, scale=scale, enable_gqa=gqa
-    )
-    out = out.transpose(1, 2).reshape(-1, num_heads, head_dim)
-    if meta.query_unpad_index is not None:
-        out = out.index_select(0, meta.query_unpad_index)
-    return out
+    return out[0].transpose(0, 1)

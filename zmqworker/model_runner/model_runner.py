@@ -24,6 +24,8 @@ from messages import (
     SchedulerOutput,
     WorkerConfig,
 )
+from zmqworker.attention.kv_cache import allocate_kv_cache
+from zmqworker.attention.paged_attention import probe_steps
 from zmqworker.distributed.parallel_state import ParallelState
 from zmqworker.distributed.pp_channel import PendingTensors
 from zmqworker.model_runner.async_output import AsyncModelRunnerOutput
@@ -114,9 +116,11 @@ class ModelRunner:
         )
 
     def profile_run(self) -> None:
-        """A dummy forward of the largest step (max_num_batched_tokens tokens spread over
-        max_num_seqs requests) and the sampler at max_num_seqs, for peak-memory profiling.
-        Uses a throwaway KV cache of a few blocks, not the real one."""
+        """Dummy forwards for peak-memory profiling: the largest step (max_num_batched_tokens
+        tokens spread over max_num_seqs requests) with the sampler at max_num_seqs, then the
+        steps with the attention's largest temporaries (paged_attention.probe_steps: a full
+        chunk of decodes at max_model_len, a prefill's largest mask and history gather).
+        Uses throwaway KV caches, not the real one."""
         self._require_model()
         scheduler = self.config.scheduler
         num_reqs = min(scheduler.max_num_seqs, scheduler.max_num_batched_tokens)
@@ -127,6 +131,9 @@ class ModelRunner:
         hidden = self._dummy_forward(query_lens, np.zeros(num_reqs, np.int32), own_cache=False)
         if hidden is not None:
             self._dummy_sample(hidden, greedy=False)
+        limits = (scheduler.max_num_seqs, scheduler.max_num_batched_tokens, self.max_model_len)
+        for probe_query_lens, context_lens in probe_steps(*limits, self.block_size):
+            self._dummy_forward(probe_query_lens, context_lens, own_cache=False)
 
     def initialize_kv_cache(self, kv_cache_config: KVCacheConfig) -> None:
         """Allocate kv_cache_config.num_blocks blocks for each of this rank's layers."""
@@ -136,10 +143,16 @@ class ModelRunner:
             raise ValueError(f"KV cache config has {num_blocks} blocks; at least 1 is needed")
         _check_kv_cache_config(kv_cache_config, spec)
         self.release_kv_cache()
-        shape = (2, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size)
-        dtype = torch_dtype(spec.dtype)
         self.kv_caches = [
-            torch.zeros(shape, dtype=dtype, device=self.device) for _ in spec.layer_names
+            allocate_kv_cache(
+                num_blocks,
+                spec.block_size,
+                spec.num_kv_heads,
+                spec.head_size,
+                torch_dtype(spec.dtype),
+                self.device,
+            )
+            for _ in spec.layer_names
         ]
         assert self.batch is not None
         self.batch.num_kv_blocks = num_blocks
@@ -376,12 +389,18 @@ class ModelRunner:
         )
         caches = self.kv_caches
         if not (own_cache and caches and caches[0].shape[1] >= num_blocks):
+            # One throwaway cache that every layer overwrites: a dummy run needs no
+            # layer's keys afterwards, and one layer's worth adds little to the peak.
             spec = self.get_kv_cache_spec()
-            shape = (2, num_blocks, self.block_size, spec.num_kv_heads, spec.head_size)
-            caches = [
-                torch.zeros(shape, dtype=torch_dtype(spec.dtype), device=self.device)
-                for _ in spec.layer_names
-            ]
+            cache = allocate_kv_cache(
+                num_blocks,
+                self.block_size,
+                spec.num_kv_heads,
+                spec.head_size,
+                torch_dtype(spec.dtype),
+                self.device,
+            )
+            caches = [cache] * len(spec.layer_names)
         input_ids, hidden_in = inputs.input_ids, None
         if not self.state.is_first_stage:
             hidden = torch.zeros(

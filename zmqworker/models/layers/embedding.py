@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from zmqworker.distributed.parallel_state import ParallelState, tp_all_gather, tp_all_reduce
+from zmqworker.models.layers.linear import linear
 from zmqworker.models.layers.weights import TensorSlice
 
 
@@ -33,9 +34,7 @@ class VocabShard(nn.Module):
             return {"weight": []}
         full = (self.vocab_size, self.hidden_size)
         return {
-            "weight": [
-                TensorSlice(self.source, full, 0, self.vocab_start, self.num_real_rows, 0)
-            ]
+            "weight": [TensorSlice(self.source, full, 0, self.vocab_start, self.num_real_rows, 0)]
         }
 
 
@@ -69,7 +68,7 @@ class ParallelLMHead(VocabShard):
         return super().tensor_slices()
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden_states, self.weight)
+        logits = linear(hidden_states, self.weight)
         if self.state.tp_group is not None:
             logits = tp_all_gather(logits, self.state, dim=-1)
         return logits[..., : self.vocab_size].float()

@@ -13,6 +13,18 @@ from zmqworker.distributed.parallel_state import ParallelState, tp_all_reduce
 from zmqworker.models.layers.weights import TensorSlice
 
 
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear, except for a few rows on the CPU (decode batches), where MKL computes
+    W @ x^T measurably faster (the LM head at 32 rows: 20.7 ms instead of 27.6)."""
+    if x.device.type == "cpu" and x.dim() == 2 and 1 < x.shape[0] <= 32:
+        if bias is None:
+            out = torch.mm(weight, x.t())
+        else:
+            out = torch.addmm(bias[:, None], weight, x.t())
+        return out.t().contiguous()
+    return F.linear(x, weight, bias)
+
+
 @dataclass(frozen=True)
 class ColumnPart:
     """Rows [start, start + length) of checkpoint tensor `prefix`.weight (full_rows rows)."""
@@ -49,7 +61,7 @@ class ColumnParallelLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(rows), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
     def tensor_slices(self) -> dict[str, list[TensorSlice]]:
         out: dict[str, list[TensorSlice]] = {"weight": []}
@@ -59,7 +71,11 @@ class ColumnParallelLinear(nn.Module):
         for p in self.parts:
             out["weight"].append(
                 TensorSlice(
-                    f"{p.prefix}.weight", (p.full_rows, self.input_size), 0, p.start, p.length,
+                    f"{p.prefix}.weight",
+                    (p.full_rows, self.input_size),
+                    0,
+                    p.start,
+                    p.length,
                     dst,
                 )
             )
@@ -93,8 +109,8 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.state.tp_group is None:
-            return F.linear(x, self.weight, self.bias)
-        y = tp_all_reduce(F.linear(x, self.weight), self.state)
+            return linear(x, self.weight, self.bias)
+        y = tp_all_reduce(linear(x, self.weight), self.state)
         return y if self.bias is None else y + self.bias
 
     def tensor_slices(self) -> dict[str, list[TensorSlice]]:
