@@ -9,7 +9,6 @@ import functools
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -104,25 +103,40 @@ def test_stop_strings_and_max_tokens_are_honoured():
 
 
 def test_requests_arriving_while_others_run_are_batched_in():
-    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    long = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
+    short = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 
-    async def scenario(llm: LLM) -> list[tuple[list[int], float, float]]:
-        async def one(prompt: list[int], delay: float) -> tuple[list[int], float, float]:
-            await asyncio.sleep(delay)
-            outputs, first = [], None
-            async for out in llm.generate_stream(prompt, params):
-                first = first or time.monotonic()
+    async def scenario(llm: LLM) -> tuple[list[list[int]], list[bool]]:
+        first_out = asyncio.Event()
+        first_done = False
+        joined_while_running: list[bool] = []
+
+        async def first() -> list[int]:
+            nonlocal first_done
+            outputs = []
+            async for out in llm.generate_stream(PROMPTS[0], long):
                 outputs.append(out)
-            assert outputs[-1].finished
-            return outputs[-1].token_ids, first, time.monotonic()
+                first_out.set()
+            first_done = True
+            return outputs[-1].token_ids
 
-        return await asyncio.gather(*(one(p, 0.1 * i) for i, p in enumerate(PROMPTS)))
+        async def late(prompt: list[int]) -> list[int]:
+            await first_out.wait()  # the first request is running: join it
+            outputs = []
+            async for out in llm.generate_stream(prompt, short):
+                if not outputs:
+                    joined_while_running.append(not first_done)
+                outputs.append(out)
+            return outputs[-1].token_ids
+
+        tokens = await asyncio.gather(first(), *(late(p) for p in PROMPTS[1:]))
+        return tokens, joined_while_running
 
     with make_llm() as llm:
-        got = asyncio.run(scenario(llm))
-    assert [tokens for tokens, _, _ in got] == [hf_greedy(tuple(p), 40) for p in PROMPTS]
-    # The last request joined while the first was still generating.
-    assert got[-1][1] < got[0][2]
+        tokens, joined = asyncio.run(scenario(llm))
+    assert tokens[0] == hf_greedy(tuple(PROMPTS[0]), 60)
+    assert tokens[1:] == [hf_greedy(tuple(p), 8) for p in PROMPTS[1:]]
+    assert joined == [True] * (len(PROMPTS) - 1)  # served while the first still ran
 
 
 def test_bad_input_is_refused_and_the_engine_stays_usable(tmp_path):
