@@ -104,7 +104,7 @@ class RayWorkerActor:
         if loop is None or thread is None or not thread.is_alive():
             return
         try:
-            loop.call_soon_threadsafe(self._server.stop_threadsafe, why)
+            self._server.stop_threadsafe(why)
         except RuntimeError:  # the loop closed meanwhile: the server stopped by itself
             return
 

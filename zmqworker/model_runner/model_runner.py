@@ -24,7 +24,7 @@ from messages import (
     SchedulerOutput,
     WorkerConfig,
 )
-from zmqworker.attention.kv_cache import allocate_kv_cache
+from zmqworker.attention.kv_cache import allocate_kv_cache, release_workspaces
 from zmqworker.attention.paged_attention import probe_steps
 from zmqworker.distributed.parallel_state import ParallelState
 from zmqworker.distributed.pp_channel import PendingTensors
@@ -158,7 +158,10 @@ class ModelRunner:
         self.batch.num_kv_blocks = num_blocks
 
     def release_kv_cache(self) -> None:
+        """Drop the cache and the attention's gather workspaces sized from it (sleep and
+        shutdown must give both back)."""
         self.kv_caches = []
+        release_workspaces()
         if self.batch is not None:
             self.batch.num_kv_blocks = 0
 
