@@ -5,9 +5,10 @@ SchedulerOutput in, a 256-request ModelRunnerOutput back, no model) on 1, 2 and 
 MultiprocExecutor ("mp", ipc://); and, where Ray is installed, the no-op on 1 and 2
 workers through RayExecutor ("ray", whose data path is tcp:// on 127.0.0.1 here). The
 floor is a blocking pyzmq ROUTER/DEALER ping-pong between the same number of processes
-with the same payload sizes over the same transport. Also the start-up time of a
-2-rank layout of the echo worker for each executor (Ray's own start not counted: it is
-given separately). Writes bench/results/rpc_latency.json.
+with the same payload sizes over the same transport, measured in the same run: the two
+take turns in rounds, so that a burst of other work on the machine meets both. Also the
+start-up time of a 2-rank layout of the echo worker for each executor (Ray's own start
+not counted: it is given separately). Writes bench/results/rpc_latency.json.
 
     python -m bench.rpc_latency [--iters 3000]
 """
@@ -22,8 +23,10 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import zmq
 
@@ -38,6 +41,7 @@ from messages.examples import (
 from zmqworker.executor.multiproc import MultiprocExecutor
 
 ROOT = Path(__file__).resolve().parent.parent
+ROUNDS = 10  # ours and the floor take turns this many times
 
 
 def echo_config(workers: int) -> WorkerConfig:
@@ -59,38 +63,62 @@ def floor_child(address: str, reply_bytes: int) -> None:
         sock.send_multipart([reply] * len(msg) if len(msg) > 1 else [reply])
 
 
-def measure_floor(
-    workers: int, request: list[bytes], reply_bytes: int, iters: int, transport: str = "ipc"
-) -> list[float]:
-    with tempfile.TemporaryDirectory(prefix="zmqworker-floor-") as folder:
-        ctx = zmq.Context()
-        router = ctx.socket(zmq.ROUTER)
+class Floor:
+    """Bare blocking DEALER children (floor_child) behind one ROUTER: ping() sends request
+    to each and waits for every answer. A context manager: the children stop at exit."""
+
+    def __init__(self, workers: int, request: list[bytes], reply_bytes: int,
+                 transport: str = "ipc") -> None:
+        self._folder = tempfile.TemporaryDirectory(prefix="zmqworker-floor-")
+        self._ctx = zmq.Context()
+        self._router = self._ctx.socket(zmq.ROUTER)
         if transport == "ipc":
-            address = f"ipc://{folder}/floor.sock"
-            router.bind(address)
+            address = f"ipc://{self._folder.name}/floor.sock"
+            self._router.bind(address)
         else:
-            address = f"tcp://127.0.0.1:{router.bind_to_random_port('tcp://127.0.0.1')}"
-        children = [
+            address = f"tcp://127.0.0.1:{self._router.bind_to_random_port('tcp://127.0.0.1')}"
+        self._children = [
             subprocess.Popen([sys.executable, "-m", "bench.rpc_latency", "--floor-child",
                               address, str(reply_bytes)], cwd=ROOT)
             for _ in range(workers)
         ]
-        idents = [router.recv_multipart()[0] for _ in range(workers)]
+        self._idents = [self._router.recv_multipart()[0] for _ in range(workers)]
+        self._request = request
 
-        def ping() -> None:
-            for ident in idents:
-                router.send_multipart([ident, *request])
-            for _ in idents:
-                router.recv_multipart()
+    def ping(self) -> None:
+        for ident in self._idents:
+            self._router.send_multipart([ident, *self._request])
+        for _ in self._idents:
+            self._router.recv_multipart()
 
-        samples = time_calls(ping, iters)
-        for ident in idents:
-            router.send_multipart([ident, b"stop"])
-        for child in children:
-            child.wait(timeout=30)
-        router.close(linger=0)
-        ctx.term()
-    return samples
+    def __enter__(self) -> Floor:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for ident in self._idents:
+            self._router.send_multipart([ident, b"stop"])
+        for child in self._children:
+            try:
+                child.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                child.kill()
+                child.wait()
+        self._router.close(linger=0)
+        self._ctx.term()
+        self._folder.cleanup()
+
+
+def alternate(ours: Callable[[], Any], floor: Callable[[], Any], iters: int,
+              rounds: int = ROUNDS) -> tuple[list[float], list[float]]:
+    """iters timed calls of each, in rounds that take turns: a burst of someone else's
+    work on this shared machine then falls on both sides alike."""
+    per_round = max(1, iters // rounds)
+    ours_s = time_calls(ours, per_round)
+    floor_s = time_calls(floor, per_round)
+    for _ in range(rounds - 1):
+        ours_s += time_calls(ours, per_round, warmup=10)
+        floor_s += time_calls(floor, per_round, warmup=10)
+    return ours_s, floor_s
 
 
 def run(iters: int) -> list[dict]:
@@ -107,9 +135,10 @@ def run(iters: int) -> list[dict]:
                 "step": (partial(ex.execute_model, step), step_request, step_reply_bytes),
             }
             for case, (call, payload, reply_bytes) in cases.items():
-                ours = p50_p99_us(time_calls(call, iters))
-                floor = p50_p99_us(measure_floor(workers, payload, reply_bytes, iters))
-                rows.append(row("mp", "ipc", case, workers, ours, floor))
+                with Floor(workers, payload, reply_bytes) as floor:
+                    ours, floor_s = alternate(call, floor.ping, iters)
+                rows.append(row("mp", "ipc", case, workers, p50_p99_us(ours),
+                                p50_p99_us(floor_s)))
         finally:
             ex.shutdown()
     return rows
@@ -130,11 +159,11 @@ def run_ray(iters: int) -> list[dict]:
     for workers in (1, 2):
         ex = RayExecutor(echo_config(workers))
         try:
-            ours = p50_p99_us(time_calls(partial(ex.collective_rpc, "noop"), iters))
+            with Floor(workers, [b"x" * 64], 64, "tcp") as floor:
+                ours, floor_s = alternate(partial(ex.collective_rpc, "noop"), floor.ping, iters)
         finally:
             ex.shutdown()
-        floor = p50_p99_us(measure_floor(workers, [b"x" * 64], 64, iters, "tcp"))
-        rows.append(row("ray", "tcp", "noop", workers, ours, floor))
+        rows.append(row("ray", "tcp", "noop", workers, p50_p99_us(ours), p50_p99_us(floor_s)))
     return rows
 
 
