@@ -88,6 +88,11 @@ class EchoExtension:
     def echo(self, value: object) -> object:
         return value
 
+    def log_call(self, value: int) -> list[int]:
+        """Note value in this worker's call log; the log so far, in the order run."""
+        self.call_log = [*getattr(self, "call_log", []), value]
+        return self.call_log
+
     def sleep_for(self, seconds: float) -> float:
         time.sleep(seconds)
         return seconds

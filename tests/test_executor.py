@@ -86,6 +86,17 @@ def test_many_calls_in_flight_matched_by_id(ex2):
     assert slow.result(timeout=30) == [0.2, 0.2]
 
 
+def test_calls_run_in_arrival_order_whoever_receives_them(ex2):
+    # The first call finds the compute thread idle and is received by it; those sent
+    # while it sleeps are received by the event loop and queued; the last finds it idle.
+    first = ex2.collective_rpc("log_call", (-1,), non_block=True)
+    slow = ex2.collective_rpc("sleep_for", (0.3,), non_block=True)
+    queued = [ex2.collective_rpc("log_call", (i,), non_block=True) for i in range(20)]
+    assert [f.result(timeout=30) for f in queued][-1] == [list(range(-1, 20))] * 2
+    assert first.result(timeout=30) == [[-1], [-1]] and slow.result(timeout=30) == [0.3, 0.3]
+    assert ex2.collective_rpc("log_call", (20,)) == [list(range(-1, 21))] * 2
+
+
 def test_step_round_trip_with_columnar_scheduler_output(ex2):
     so = SchedulerOutput([], CachedRequestData.build([3, 7], [10, 11], [1, 1]), 2)
     out = ex2.execute_model(so)

@@ -8,11 +8,19 @@ replies without a hop back through the loop. A lock serialises the socket (zmq a
 a socket to move between threads behind a full memory barrier). The FD is
 edge-triggered and also signals writability: after every send we look at zmq.EVENTS
 ourselves, because a send can swallow the edge of a message that arrived meanwhile.
+
+One other thread may lead while it is idle (lead(), see compute_thread.py): it waits on
+the FD itself and receives the next message, so that a call that arrives while the
+compute thread has nothing to do runs without a hand-off between threads (a wake-up
+costs 20-50 us on a small VM). The loop watches the FD through an epoll set of its own,
+from which lead() removes it and take() puts it back: those are system calls that any
+thread may make, so the loop is neither woken nor asked for anything while one leads.
 """
 
 from __future__ import annotations
 
 import asyncio
+import select
 import threading
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -20,6 +28,7 @@ from typing import Any
 
 import zmq
 
+LEAD_WAIT, LEAD_READY, LEAD_CLOSED = "wait", "ready", "closed"  # what lead() found
 # Plain ints: pyzmq's enum flags cost about 3 us a use here, several uses a message.
 _EVENTS, _POLLIN, _POLLOUT, _NOBLOCK = (
     int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.POLLOUT), int(zmq.NOBLOCK)
@@ -38,9 +47,12 @@ class AsyncSocket:
         self._on_message = on_message
         self._lock = threading.Lock()
         self._backlog: deque[Sequence[Any]] = deque()
-        self._fd = sock.getsockopt(zmq.FD)
+        self.fd: int = sock.getsockopt(zmq.FD)
         self._closed = False
-        loop.add_reader(self._fd, self._drain)
+        self._leader_wake: Callable[[], None] | None = None  # set while a thread leads
+        self._watch = select.epoll()  # what the loop watches: the FD, unless a thread leads
+        self._watch.register(self.fd, select.EPOLLIN)
+        loop.add_reader(self._watch.fileno(), self._drain)
         loop.call_soon(self._drain)  # messages may have arrived before the reader existed
 
     def send(self, frames: Sequence[Any]) -> None:
@@ -58,8 +70,44 @@ class AsyncSocket:
             if self._closed:
                 return
             self._closed = True
-            self._loop.remove_reader(self._fd)
+            self._loop.remove_reader(self._watch.fileno())
+            self._watch.close()
             self.sock.close(linger=0)
+            wake, self._leader_wake = self._leader_wake, None
+        if wake is not None:
+            wake()
+
+    def lead(self, wake: Callable[[], None]) -> str:
+        """Called by the thread that will wait on self.fd: incoming messages are left to
+        it until it calls take(). LEAD_READY: one is there already (take it now, do not
+        wait); LEAD_WAIT: wait for the FD or for wake(), which is called when a message
+        may be there unseen by that wait; LEAD_CLOSED: the socket is closed."""
+        with self._lock:
+            if self._closed:
+                return LEAD_CLOSED
+            self._leader_wake = wake
+            self._watch.unregister(self.fd)
+            return LEAD_READY if self.sock.getsockopt(_EVENTS) & _POLLIN else LEAD_WAIT
+
+    def take(self) -> list[zmq.Frame] | None:
+        """End the lead: the next message, if one is there; the loop receives the rest."""
+        with self._lock:
+            if self._closed:
+                return None
+            self._leader_wake = None
+            events = self.sock.getsockopt(_EVENTS)
+            if self._backlog and events & _POLLOUT:
+                self._flush()
+            frames = more = None
+            if events & _POLLIN:
+                frames = self.sock.recv_multipart(_NOBLOCK, copy=False)
+                more = self.sock.getsockopt(_EVENTS) & _POLLIN
+            # Only now: the FD, still readable from the edge just handled, would wake the
+            # loop for nothing.
+            self._watch.register(self.fd, select.EPOLLIN)
+        if more:  # their edge is gone: the loop must look by itself
+            self._loop.call_soon_threadsafe(self._drain)
+        return frames
 
     def _send(self, frames: Sequence[Any]) -> bool:
         """Send or queue; True when the loop has something to do (input or a backlog)."""
@@ -73,13 +121,17 @@ class AsyncSocket:
                     self._backlog.append(frames)
             else:
                 self._backlog.append(frames)
-            return bool(self._backlog) or bool(self.sock.getsockopt(_EVENTS) & _POLLIN)
+            pending = bool(self.sock.getsockopt(_EVENTS) & _POLLIN)
+            if pending and self._leader_wake is not None:
+                self._leader_wake()  # this send took the edge the leader waits for
+                pending = False
+            return bool(self._backlog) or pending
 
     def _drain(self) -> None:
         while True:
             with self._lock:
-                if self._closed:
-                    return
+                if self._closed or self._leader_wake is not None:
+                    return  # a leader receives: the FD is its to look at
                 events = self.sock.getsockopt(_EVENTS)
                 if self._backlog and events & _POLLOUT:
                     self._flush()

@@ -1,39 +1,119 @@
 """The thread that runs model work, in arrival order, off the event loop.
 
 Lighter than ThreadPoolExecutor + run_in_executor: one queue, one thread, and the
-completion handled on this thread (the reply is sent from here), so a call costs one
-thread hop, not two. This hop is on every step's round trip.
+completion handled on this thread (the reply is sent from here), so a call costs at most
+one thread hop, not two.
+
+Given the engine socket, the thread also waits on it whenever it has nothing to do
+(leader/follower): the next message is received here, and a call runs at once, with no
+hop at all. While the thread works, the event loop receives, as it always does, so
+health checks and the next steps are taken in while a long step runs.
 """
 
 from __future__ import annotations
 
-import queue
+import contextlib
+import os
+import select
 import threading
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
+import zmq
+
+from zmqworker.runtime.async_socket import LEAD_CLOSED, LEAD_READY, AsyncSocket
+
 Done = Callable[[Any, BaseException | None], None]
+Job = tuple[Callable[[], Any], Done]
+# What the idle thread received -> the job to run on this thread now, or None when the
+# message was handed elsewhere.
+OnMessage = Callable[[list[zmq.Frame]], Job | None]
 
 
 class ComputeThread:
-    def __init__(self, name: str) -> None:
-        self._queue: queue.SimpleQueue[tuple[Callable[[], Any], Done] | None] = queue.SimpleQueue()
+    def __init__(
+        self, name: str, sock: AsyncSocket | None = None, on_message: OnMessage | None = None
+    ) -> None:
+        """sock and on_message: wait on sock while idle, and hand what arrives to
+        on_message (called on this thread)."""
+        if (sock is None) != (on_message is None):
+            raise ValueError("ComputeThread takes a socket and on_message together")
+        self._sock = sock
+        self._on_message = on_message
+        self._jobs: deque[Job] = deque()
+        self._lock = threading.Lock()
+        self._idle = False
+        self._stopping = False
+        self._closed = False
+        self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._poller_closed = select.poll()  # the wake-ups only
+        self._poller_closed.register(self._wake_r, select.POLLIN)
+        self._poller_leading = select.poll()  # the wake-ups and the socket
+        self._poller_leading.register(self._wake_r, select.POLLIN)
+        if sock is not None:
+            self._poller_leading.register(sock.fd, select.POLLIN)
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
     def submit(self, fn: Callable[[], Any], done: Done) -> None:
         """Run fn, then done(result, error), both on the compute thread."""
-        self._queue.put((fn, done))
+        with self._lock:
+            self._jobs.append((fn, done))
+            idle = self._idle
+        if idle:
+            self._wake()
 
     def stop(self) -> None:
         """Finish the queued work, then end the thread (does not wait for it)."""
-        self._queue.put(None)
+        with self._lock:
+            self._stopping = True
+        self._wake()
+
+    def _wake(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            with contextlib.suppress(BlockingIOError):  # full of wake-ups: one is enough
+                os.write(self._wake_w, b"\0")
 
     def _run(self) -> None:
-        while (item := self._queue.get()) is not None:
-            fn, done = item
-            try:
-                result, error = fn(), None
-            except BaseException as e:  # handed to done, which replies with it
-                result, error = None, e
-            done(result, error)
+        try:
+            while True:
+                with self._lock:
+                    job = self._jobs.popleft() if self._jobs else None
+                    if job is None:
+                        if self._stopping:
+                            return
+                        self._idle = True
+                if job is None:
+                    job = self._wait()
+                if job is not None:
+                    self._execute(*job)
+        finally:
+            with self._lock:
+                self._closed = True
+                os.close(self._wake_r)
+                os.close(self._wake_w)
+
+    def _wait(self) -> Job | None:
+        """Sleep until there is work: a submitted job (picked up by the next round) or,
+        when leading, a message on the socket (returned as the job it makes, if any)."""
+        lead = LEAD_CLOSED if self._sock is None else self._sock.lead(self._wake)
+        if lead != LEAD_READY:
+            poller = self._poller_closed if lead == LEAD_CLOSED else self._poller_leading
+            if any(fd == self._wake_r for fd, _ in poller.poll()):
+                with contextlib.suppress(BlockingIOError):
+                    while os.read(self._wake_r, 4096):
+                        continue
+        with self._lock:
+            self._idle = False
+        frames = None if lead == LEAD_CLOSED else self._sock.take()
+        return None if frames is None else self._on_message(frames)
+
+    def _execute(self, fn: Callable[[], Any], done: Done) -> None:
+        try:
+            result, error = fn(), None
+        except BaseException as e:  # handed to done, which replies with it
+            result, error = None, e
+        done(result, error)

@@ -3,7 +3,10 @@
 The loop owns the socket: it decodes requests, hands model work to the compute thread
 (calls run in arrival order), answers health checks on a side thread (so they are
 answered while a long step runs), and sends each reply as soon as its result is ready,
-an AsyncModelRunnerOutput once its device-to-host copy is done.
+an AsyncModelRunnerOutput once its device-to-host copy is done. While the compute thread
+has nothing to do, it waits on the socket itself (compute_thread.py): a call that finds
+it idle is received, run and answered there, with no hand-off between threads; anything
+else it receives goes on to the loop.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ from messages import (
 from zmqworker.distributed.pp_channel import PipelineReceiver, PipelineSender
 from zmqworker.model_runner.async_output import AsyncModelRunnerOutput
 from zmqworker.runtime.async_socket import AsyncSocket
-from zmqworker.runtime.compute_thread import ComputeThread
+from zmqworker.runtime.compute_thread import ComputeThread, Job
 from zmqworker.runtime.engine_watch import EngineWatch
 from zmqworker.worker.wrapper import WorkerWrapper
 
@@ -48,6 +51,7 @@ HANDSHAKE_TIMEOUT_S = 60.0
 SHUTDOWN_TIMEOUT_S = 10.0
 PROTOCOL_ERROR_CALL_ID = -1  # the call id of a reply to a message that did not decode
 SIDE_METHODS = frozenset({"check_health"})  # answered beside the compute thread
+LOOP_METHODS = SIDE_METHODS | {"shutdown"}  # handled by the loop, never the compute thread
 
 
 class WorkerServer:
@@ -74,10 +78,12 @@ class WorkerServer:
         self.wrapper = wrapper or WorkerWrapper(rpc_rank=rank)
         self.handle_signals = handle_signals
         self._dec = Decoder()
+        self._idle_dec = Decoder()  # the compute thread's, for what it receives while idle
         self._loop_reply: Replier | None = None
         self._compute_reply: Replier | None = None
         self._side = ThreadPoolExecutor(2, thread_name_prefix=f"side-{rank}")
         self._init_error: BaseException | None = None
+        self._welcome_taken = False  # set by whichever thread receives the Welcome
         self._engine_lost = ""
         self._stage: tuple[int, int] = (0, 1)  # (pp_rank, tp_size) once welcomed
         self._pp_in: PipelineReceiver | None = None
@@ -86,7 +92,6 @@ class WorkerServer:
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
         self._loop = loop
-        self._compute = ComputeThread(f"compute-{self.rank}")
         self._welcomed: asyncio.Future[None] = loop.create_future()
         self._stopped = asyncio.Event()
         ctx = zmq.Context.instance()
@@ -98,6 +103,7 @@ class WorkerServer:
         self._sock = AsyncSocket(sock, loop, self._on_message)
         self._loop_reply = Replier(self.rank, self._sock.send)
         self._compute_reply = Replier(self.rank, self._sock.send_threadsafe)
+        self._compute = ComputeThread(f"compute-{self.rank}", self._sock, self._on_idle_message)
         watch = EngineWatch(sock, loop, self._on_engine_lost, self.parent_pid)
         if self.handle_signals:
             for sig in (signal.SIGTERM, signal.SIGINT):
@@ -147,34 +153,67 @@ class WorkerServer:
             log.warning("dropped a message that did not decode: %s", e)
             self._loop_reply.error(_peek_call_id(frames), e)
             return
+        self._on_decoded(msg)
+
+    def _on_decoded(self, msg: Any) -> None:
         if isinstance(msg, RpcRequest):
             self._dispatch(msg)
-        elif isinstance(msg, Welcome) and not self._welcomed.done():
+        elif isinstance(msg, Welcome) and not self._welcome_taken:
             # Queued on the compute thread first, so it runs before any call that follows.
-            self._compute.submit(lambda: self._init_worker(msg), self._on_init_done)
+            self._compute.submit(*self._welcome_job(msg))
         else:
             self.protocol_errors += 1
             log.warning("unexpected %s message dropped", type(msg).__name__)
 
+    def _on_idle_message(self, frames: list[zmq.Frame]) -> Job | None:
+        """On the compute thread, which received this while it had nothing to do: a call
+        that belongs on it is its job now; anything else goes to the loop."""
+        try:
+            msg = self._idle_dec.decode(frames)
+        except ProtocolError:
+            self._loop.call_soon_threadsafe(self._on_message, frames)
+            return None
+        if isinstance(msg, Welcome) and not self._welcome_taken:
+            return self._welcome_job(msg)  # here, so that it runs before the calls after it
+        if not isinstance(msg, RpcRequest) or msg.method in LOOP_METHODS:
+            self._loop.call_soon_threadsafe(self._on_decoded, msg)
+            return None
+        if self._refused(msg, self._compute_reply):
+            return None
+        return self._job(msg)
+
+    def _welcome_job(self, welcome: Welcome) -> Job:
+        self._welcome_taken = True
+        return lambda: self._init_worker(welcome), self._on_init_done
+
     def _dispatch(self, req: RpcRequest) -> None:
-        reply = self._loop_reply
-        if req.method not in self.wrapper.rpc_methods:
-            reply.error(req.call_id, AttributeError(f"{req.method!r} is not callable over RPC"))
-        elif req.deadline and time.time() > req.deadline:
-            reply.error(req.call_id, TimeoutError(f"{req.method} arrived after its deadline"))
-        elif req.method == "shutdown":
+        if self._refused(req, self._loop_reply):
+            return
+        if req.method == "shutdown":
             self._loop.create_task(self._shutdown_call(req))
         elif req.method in SIDE_METHODS:
             self._loop.create_task(self._serve_beside(req))
         else:
-            extra = {}
-            pp_rank, tp = self._stage
-            if req.method == "execute_model" and pp_rank > 0:
-                # Posted now, before the step is prepared; waited for only when needed.
-                extra["intermediate_tensors"] = self._pp_in.expect(req.call_id, self.rank - tp)
-            self._compute.submit(
-                lambda: self._call(req, extra), lambda r, e: self._on_computed(req, r, e)
-            )
+            self._compute.submit(*self._job(req))
+
+    def _refused(self, req: RpcRequest, reply: Replier) -> bool:
+        """Answer with an error a call that may not run."""
+        if req.method not in self.wrapper.rpc_methods:
+            reply.error(req.call_id, AttributeError(f"{req.method!r} is not callable over RPC"))
+        elif req.deadline and time.time() > req.deadline:
+            reply.error(req.call_id, TimeoutError(f"{req.method} arrived after its deadline"))
+        else:
+            return False
+        return True
+
+    def _job(self, req: RpcRequest) -> Job:
+        """The compute thread's work for a call: run it, then pass its result on."""
+        extra = {}
+        pp_rank, tp = self._stage
+        if req.method == "execute_model" and pp_rank > 0:
+            # Posted now, before the step is prepared; waited for only when needed.
+            extra["intermediate_tensors"] = self._pp_in.expect(req.call_id, self.rank - tp)
+        return lambda: self._call(req, extra), lambda r, e: self._on_computed(req, r, e)
 
     def _call(self, req: RpcRequest, extra: dict[str, Any] | None = None) -> Any:
         if self._init_error is not None:
