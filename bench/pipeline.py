@@ -4,20 +4,30 @@ fast the stage-to-stage channel moves tensors, each against its floor in the sam
 Efficiency: two worker processes (one torch thread each) hold the two halves of a model
 large enough that compute dominates (8 layers, hidden 1024); a decode batch of 32 runs
 with one step in flight (depth 1) and with two disjoint batches in flight (depth 2).
-Channel: IntermediateTensors of 1 and 16 MiB pushed from one process to another through
-the PP channel's sender and codec, against a memcpy of the same size into a fresh buffer
-(what the receiver must fill) and into a buffer already in place.
-Writes bench/results/pipeline.json.
+Channel: IntermediateTensors of 1 and 16 MiB from one process to another as stages move
+them: PipelineSender -> PipelineReceiver, the receiving process posting for each step's
+tensors, taking them (nothing else is touched) and forgetting the step. Two paths: shared
+memory (gb_s: what same-host stages use; one copy into a ring slot that the receiver
+reads in place, handed back by the forget) and ZMQ frames over ipc:// (frames_gb_s: tcp://
+peers and ZMQWORKER_PP_SHM=0). The floor is a memcpy of the same size into a freshly
+allocated buffer (what a receiver of frames must fill); a memcpy into a buffer already in
+place is reported beside it.
+Writes bench/results/pipeline.json; --channel-only measures the channel alone and
+replaces the rows of an existing results file.
 
-    python -m bench.pipeline [--steps 20]
+    python -m bench.pipeline [--steps 20] [--channel-only]
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import itertools
+import json
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -25,11 +35,10 @@ import numpy as np
 import torch
 import zmq
 
-from bench.common import print_table, write_results
+from bench.common import RESULTS_DIR, print_table, write_results
 from messages import (
     CacheConfig,
     CachedRequestData,
-    Decoder,
     DeviceConfig,
     IntermediateTensors,
     ModelConfig,
@@ -42,7 +51,7 @@ from messages import (
     make_kv_cache_config,
 )
 from tests.tiny import make_tiny_checkpoint
-from zmqworker.distributed.pp_channel import PipelineSender
+from zmqworker.distributed.pp_channel import PipelineReceiver, PipelineSender
 from zmqworker.executor.multiproc import MultiprocExecutor
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -137,22 +146,30 @@ def pipeline_speedup(path: str, steps: int) -> dict:
 
 
 def receiver(address: str, count: int) -> None:
-    """The far end of the channel: decode count messages, then say so."""
+    """The far end of the channel, as a stage: a PipelineReceiver driven by an event loop
+    thread; this thread posts for each step's tensors, takes them and forgets the step.
+    Says so after every count steps."""
     ctx = zmq.Context.instance()
-    pull = ctx.socket(zmq.PULL)
-    pull.bind(address + ".data")
+    loop = asyncio.new_event_loop()
+    threading.Thread(target=loop.run_forever, daemon=True).start()
+    pipe = PipelineReceiver(ctx, address + ".data", rank=1)
+    loop.call_soon_threadsafe(pipe.start, loop)
     done = ctx.socket(zmq.PUSH)
     done.connect(address + ".done")
-    dec = Decoder()
+    call_ids = itertools.count()
     while True:
         for _ in range(count):
-            dec.decode(pull.recv_multipart(copy=False))
+            call_id = next(call_ids)
+            pipe.expect(call_id, 0).wait()
+            pipe.forget(call_id)
         done.send(b"ok")
 
 
-def channel_bandwidth(mib: float, repeats: int) -> dict:
+def channel_bandwidth(mib: float, repeats: int, rounds: int = 5) -> dict:
     size = int(mib * (1 << 20))
     hidden = torch.randn(size // 4 // 1024, 1024)
+    tensors = IntermediateTensors({"hidden_states": hidden})
+    best = {True: float("inf"), False: float("inf")}  # shared memory or frames: seconds
     with tempfile.TemporaryDirectory(prefix="zmqworker-pp-") as folder:
         base = f"ipc://{folder}/chan"
         ctx = zmq.Context.instance()
@@ -161,22 +178,23 @@ def channel_bandwidth(mib: float, repeats: int) -> dict:
         child = subprocess.Popen(
             [sys.executable, "-m", "bench.pipeline", "--receiver", base, str(repeats)], cwd=ROOT
         )
+        senders = {shm: PipelineSender(ctx, base + ".data", 0, shm) for shm in best}
+        call_ids = itertools.count()  # one sequence across both senders, as the child's
         try:
-            sender = PipelineSender(ctx, base + ".data", rank=0)
-            tensors = IntermediateTensors({"hidden_states": hidden})
-            times = []
-            for _ in range(5):
-                start = time.perf_counter()
-                for i in range(repeats):
-                    sender.send(i, tensors)
-                done.recv()
-                times.append(time.perf_counter() - start)
-            sender.close()
+            for _ in range(rounds):  # the paths alternate, so that noise hits both
+                for shm, sender in senders.items():
+                    start = time.perf_counter()
+                    for _ in range(repeats):
+                        sender.send(next(call_ids), tensors)
+                    done.recv()
+                    best[shm] = min(best[shm], time.perf_counter() - start)
         finally:
+            for sender in senders.values():
+                sender.close()
             child.kill()
             child.wait()
             done.close(linger=0)
-    gb_s = size * repeats / min(times) / 1e9
+    gb_s = {shm: size * repeats / t / 1e9 for shm, t in best.items()}
     # The floor: a memcpy into a freshly allocated buffer, which is what the receiving
     # process must fill (its pages fault in as they are written); the copy into a buffer
     # already in place is reported beside it.
@@ -192,10 +210,12 @@ def channel_bandwidth(mib: float, repeats: int) -> dict:
     memcpy = size / min(fresh) / 1e9
     return {
         "mib": mib,
-        "gb_s": gb_s,
+        "gb_s": gb_s[True],
+        "frames_gb_s": gb_s[False],
         "memcpy_gb_s": memcpy,
         "memcpy_warm_gb_s": size / min(warm) / 1e9,
-        "ratio": gb_s / memcpy,
+        "ratio": gb_s[True] / memcpy,
+        "frames_ratio": gb_s[False] / memcpy,
     }
 
 
@@ -205,26 +225,37 @@ def main() -> None:
         return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=20, help="decode steps per batch")
+    parser.add_argument(
+        "--channel-only", action="store_true", help="measure the stage-to-stage channel alone"
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
-    with tempfile.TemporaryDirectory(prefix="zmqworker-pp-model-") as folder:
-        path = make_tiny_checkpoint(
-            folder,
-            num_layers=8,
-            hidden_size=1024,
-            num_heads=16,
-            num_kv_heads=4,
-            intermediate_size=2816,
-            vocab_size=4096,
-        )
-        speed = pipeline_speedup(path, args.steps)
-    print_table([speed])
     rows = [channel_bandwidth(1.0, 50), channel_bandwidth(16.0, 10)]
     print_table(rows)
-    path = write_results(
-        "pipeline", {"speedup_depth2_over_depth1": speed["speedup"], **speed, "rows": rows}
-    )
-    print(f"wrote {path}")
+    print("ratios to memcpy: " + ", ".join(
+        f"{r['mib']:g} MiB shm {r['ratio']:.2f} frames {r['frames_ratio']:.2f}" for r in rows
+    ))  # fmt: skip
+    if args.channel_only:
+        previous = RESULTS_DIR / "pipeline.json"
+        if not previous.exists():
+            print("no results file to update: run without --channel-only")
+            return
+        results = {**json.loads(previous.read_text()), "rows": rows}
+    else:
+        with tempfile.TemporaryDirectory(prefix="zmqworker-pp-model-") as folder:
+            path = make_tiny_checkpoint(
+                folder,
+                num_layers=8,
+                hidden_size=1024,
+                num_heads=16,
+                num_kv_heads=4,
+                intermediate_size=2816,
+                vocab_size=4096,
+            )
+            speed = pipeline_speedup(path, args.steps)
+        print_table([speed])
+        results = {"speedup_depth2_over_depth1": speed["speedup"], **speed, "rows": rows}
+    print(f"wrote {write_results('pipeline', results)}")
 
 
 if __name__ == "__main__":

@@ -27,7 +27,18 @@ from messages.config import (
     WorkerConfig,
 )
 from messages.kv_cache import KVCacheSpec, make_kv_cache_config
-from messages.rpc import Hello, Message, PipelineTensors, RemoteError, RpcReply, RpcRequest, Welcome
+from messages.rpc import (
+    Hello,
+    Message,
+    PipelineSharedTensors,
+    PipelineTensors,
+    RemoteError,
+    RpcReply,
+    RpcRequest,
+    SharedSlot,
+    SharedTensorRef,
+    Welcome,
+)
 from messages.sampling import SamplingParams
 from messages.step import (
     CachedRequestData,
@@ -233,6 +244,27 @@ def intermediate_tensors(num_tokens: int = 16, seed: int = 6) -> IntermediateTen
     return IntermediateTensors({"hidden_states": bf16(), "residual": bf16()})
 
 
+def shared_slot(num_tokens: int = 16) -> SharedSlot:
+    """Where a sender on the same host left intermediate_tensors(num_tokens): slot 1 of a
+    4-slot segment of 1 MiB slots behind a one-page header, at 64-byte aligned offsets."""
+    slot_bytes, header_bytes, slot = 1 << 20, 4096, 1
+    start = header_bytes + slot * slot_bytes
+    tensor_bytes = num_tokens * HIDDEN_SIZE * 2
+    refs = [
+        SharedTensorRef(name, "bfloat16", [num_tokens, HIDDEN_SIZE], start + i * tensor_bytes)
+        for i, name in enumerate(("hidden_states", "residual"))
+    ]
+    return SharedSlot(
+        pid=48212,
+        fd=23,
+        generation=731_245_509_117,
+        nbytes=header_bytes + 4 * slot_bytes,
+        slot=slot,
+        seq=5,
+        tensors=refs,
+    )
+
+
 def worker_config() -> WorkerConfig:
     return WorkerConfig(
         model=ModelConfig(
@@ -341,6 +373,9 @@ EXAMPLES: dict[str, Callable[[], Message]] = {
     "reply_error": error_reply,
     "pipeline_tensors_bf16": lambda: PipelineTensors(
         call_id=100, src_rank=0, tensors=intermediate_tensors()
+    ),
+    "pipeline_shared_tensors": lambda: PipelineSharedTensors(
+        call_id=100, src_rank=0, shared=shared_slot()
     ),
 }
 

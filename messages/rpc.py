@@ -1,6 +1,8 @@
-"""The RPC envelope, the start-up handshake and the pipeline-parallel tensor message."""
+"""The RPC envelope, the start-up handshake and the pipeline-parallel tensor messages."""
 
 from __future__ import annotations
+
+from typing import Annotated
 
 import msgspec
 
@@ -97,4 +99,41 @@ class PipelineTensors(msgspec.Struct, tag=True):
     tensors: IntermediateTensors
 
 
-Message = RpcRequest | RpcReply | Hello | Welcome | PipelineTensors
+NonNegative = Annotated[int, msgspec.Meta(ge=0)]
+
+
+class SharedTensorRef(msgspec.Struct, tag=True):
+    """One tensor in a shared-memory slot: prod(shape) elements of dtype (a codec dtype
+    name, e.g. "bfloat16") in C order, starting offset bytes from the segment's start."""
+
+    name: str
+    dtype: str
+    shape: list[NonNegative]
+    offset: NonNegative
+
+
+class SharedSlot(msgspec.Struct, tag=True):
+    """Where a message's tensors lie on the sender's host: slot `slot` of the anonymous
+    memory (memfd) segment that process `pid` holds open as file descriptor `fd`.
+    generation names the segment (a sender makes a new one when a message outgrows its
+    slots); seq counts the slot's uses, so that a stale release frees nothing."""
+
+    pid: Annotated[int, msgspec.Meta(ge=1)]
+    fd: NonNegative
+    generation: NonNegative
+    nbytes: NonNegative
+    slot: NonNegative
+    seq: NonNegative
+    tensors: list[SharedTensorRef]
+
+
+class PipelineSharedTensors(msgspec.Struct, tag=True):
+    """Stage-to-stage tensors for the step with this call id, left in shared memory
+    (stages on one host): the message says where they are, not what they hold."""
+
+    call_id: int
+    src_rank: int
+    shared: SharedSlot
+
+
+Message = RpcRequest | RpcReply | Hello | Welcome | PipelineTensors | PipelineSharedTensors

@@ -202,8 +202,8 @@ def test_encoded_frames_keep_their_tensors_alive() -> None:
 
 
 def test_body_given_as_a_non_byte_buffer_is_read_by_its_bytes() -> None:
-    """int32 items 0x92, 0x01 look like this version's prefix; their bytes do not."""
-    fake = np.array([0x92, 0x01], np.int32)  # bytes 92 00 00 00 01 00 00 00
+    """int32 items 0x92, version look like this version's prefix; their bytes do not."""
+    fake = np.array([0x92, PROTOCOL_VERSION], np.int32)  # bytes 92 00 00 00 0v 00 00 00
     with pytest.raises(ProtocolError, match="malformed body: .*trailing characters"):
         Decoder().decode([memoryview(fake)])
 

@@ -16,6 +16,7 @@ import pytest
 import zmq
 
 from messages import (
+    PROTOCOL_VERSION,
     CachedRequestData,
     Encoder,
     Hello,
@@ -154,7 +155,7 @@ def test_stray_connection_garbage_is_dropped_and_counted(ex2):
     stray.setsockopt(zmq.LINGER, 0)
     stray.connect(ex2.address)
     stray.send_multipart([b"\x93garbage", b"x"])
-    fake = Hello(protocol_version=1, rank=0, pid=os.getpid(), token="wrong")
+    fake = Hello(protocol_version=PROTOCOL_VERSION, rank=0, pid=os.getpid(), token="wrong")
     stray.send_multipart(Encoder().encode(fake))
     deadline = time.monotonic() + 10
     while ex2.rpc.dropped_messages < before + 2 and time.monotonic() < deadline:

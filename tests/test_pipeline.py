@@ -1,4 +1,5 @@
-"""Pipeline parallelism across real worker processes: the PP channel, the batch queue at
+"""Pipeline parallelism across real worker processes: the PP channel (shared memory
+between these same-host stages, frames with ZMQWORKER_PP_SHM=0), the batch queue at
 depth pp, and a stage dying mid-pipeline."""
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import pytest
 from messages import SamplingParams
 from tests.test_executor import wait_gone
 from tests.tiny import cached_tiny_checkpoint
+from zmqworker.distributed.shm_ring import MEMFD_NAME
 from zmqworker.engine.llm import LLM
 from zmqworker.executor.errors import ExecutorError, WorkerDiedError
 
@@ -42,7 +44,23 @@ def run(tp: int, pp: int, kv_cache_bytes: int = 1 << 20, preempts: bool = False)
         assert llm._core.executor.max_concurrent_batches == pp
         tokens = [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
         assert (llm._core.scheduler.num_preemptions > 0) == preempts
+        # Every stage but the last sent its tensors through a shared-memory ring, unless
+        # told not to.
+        shared = os.environ.get("ZMQWORKER_PP_SHM") != "0"
+        senders = llm._core.executor.pids[: tp * (pp - 1)]
+        assert [holds_ring(pid) for pid in senders] == [shared] * len(senders)
         return tokens
+
+
+def holds_ring(pid: int) -> bool:
+    """Whether process pid holds a shared-memory ring segment open."""
+    links = []
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            links.append(os.readlink(f"/proc/{pid}/fd/{fd}"))
+        except FileNotFoundError:  # closed meanwhile
+            continue
+    return any(link.startswith(f"/memfd:{MEMFD_NAME}") for link in links)
 
 
 @pytest.fixture(scope="module")
@@ -53,6 +71,11 @@ def single_rank() -> list[list[int]]:
 @pytest.mark.parametrize("pp", [2, 3])
 def test_pipeline_stages_give_single_rank_tokens(single_rank, pp):
     assert run(1, pp) == single_rank
+
+
+def test_pipeline_over_zmq_frames_gives_single_rank_tokens(single_rank, monkeypatch):
+    monkeypatch.setenv("ZMQWORKER_PP_SHM", "0")  # inherited by the worker processes
+    assert run(1, 2) == single_rank
 
 
 def test_pipeline_with_preemption_gives_single_rank_tokens(single_rank):

@@ -4,26 +4,62 @@ straight to stage k+1 (same TP rank), never through the engine.
 The receiving side binds a PULL socket and is driven by the worker's event loop: a
 step's tensors wait in a slot keyed by the step's call id until the compute thread asks
 for them, whichever comes first, so nothing is matched by arrival order. The sending side
-belongs to the compute thread: a zero-copy, tracked send, and the previous send is
-confirmed done before the next one may reuse the staging buffers.
+belongs to the compute thread.
+
+Two ways to move the tensors. Stages on one host (an ipc:// peer) share memory: the
+sender copies the tensors once into a slot of its shared-memory ring (shm_ring.py), the
+message says where they are, and the receiver reads them in place until the step that
+used them is forgotten, which hands the slot back. Otherwise (a tcp:// peer,
+ZMQWORKER_PP_SHM=0, or a host where no shared memory can be made) the tensors travel as
+zero-copy frames: a tracked send, and the previous send is confirmed done before the
+next one may reuse the staging buffers.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import threading
+from collections import OrderedDict
 
 import torch
 import zmq
 
-from messages import Decoder, Encoder, IntermediateTensors, PipelineTensors, ProtocolError
+from messages import (
+    Decoder,
+    Encoder,
+    IntermediateTensors,
+    PipelineSharedTensors,
+    PipelineTensors,
+    ProtocolError,
+)
+from zmqworker.distributed.shm_ring import (
+    ShmDescriptorError,
+    ShmLease,
+    ShmReceiver,
+    ShmSender,
+    shm_available,
+)
 from zmqworker.runtime.async_socket import AsyncSocket
 
 log = logging.getLogger("zmqworker.pipeline")
 
 RECV_TIMEOUT_S = 120.0  # a step's tensors this late mean the previous stage is gone
 SEND_TIMEOUT_S = 120.0
+SHM_ENV = "ZMQWORKER_PP_SHM"  # "0": same-host stages send frames, not shared memory
+SHM_SLOTS = 4  # more than the steps a pipeline keeps in flight
+FORGOTTEN_KEPT = 256  # steps forgotten before their tensors came, remembered to drop them
+
+
+def use_shared_memory(peer_address: str) -> bool:
+    """Whether a sender to peer_address moves tensors through shared memory: the peer is
+    on this host (ipc://), the platform has memfd, and ZMQWORKER_PP_SHM is not "0"."""
+    return (
+        peer_address.startswith("ipc://")
+        and shm_available()
+        and os.environ.get(SHM_ENV, "1") != "0"
+    )
 
 
 class PendingTensors:
@@ -36,9 +72,19 @@ class PendingTensors:
         self.timeout_s = timeout_s
         self._event = threading.Event()
         self._tensors: IntermediateTensors | None = None
+        self._error: Exception | None = None
+
+    @property
+    def arrived(self) -> bool:
+        return self._event.is_set()
 
     def deliver(self, tensors: IntermediateTensors) -> None:
         self._tensors = tensors
+        self._event.set()
+
+    def fail(self, error: Exception) -> None:
+        """The tensors came but cannot be used: wait() raises error."""
+        self._error = error
         self._event.set()
 
     def wait(self) -> IntermediateTensors:
@@ -47,6 +93,8 @@ class PendingTensors:
                 f"step {self.call_id}: no intermediate tensors from rank {self.src_rank} "
                 f"within {self.timeout_s:.0f} s"
             )
+        if self._error is not None:
+            raise self._error
         assert self._tensors is not None
         return self._tensors
 
@@ -66,7 +114,10 @@ class PipelineReceiver:
             self.address = bind_address
         self.dropped_messages = 0
         self._dec = Decoder()
+        self._shm = ShmReceiver()
         self._slots: dict[int, PendingTensors] = {}
+        self._leases: dict[int, ShmLease] = {}  # shared tensors held until forget()
+        self._forgotten: OrderedDict[int, None] = OrderedDict()
         self._lock = threading.Lock()
         self._async: AsyncSocket | None = None
 
@@ -78,7 +129,8 @@ class PipelineReceiver:
     ) -> PendingTensors:
         """The slot of call_id's tensors (posted before the step starts, on the loop)."""
         with self._lock:
-            slot = self._slots.pop(call_id, None)
+            self._forgotten.pop(call_id, None)  # a call id used again
+            slot = self._slots.get(call_id)
             if slot is None:
                 slot = self._slots[call_id] = PendingTensors(call_id, src_rank, timeout_s)
             else:  # the tensors came first
@@ -86,14 +138,29 @@ class PipelineReceiver:
             return slot
 
     def forget(self, call_id: int) -> None:
+        """The step is over (any thread): its shared tensors go back to their sender, and
+        tensors that come for it later are dropped on arrival."""
         with self._lock:
-            self._slots.pop(call_id, None)
+            slot = self._slots.pop(call_id, None)
+            lease = self._leases.pop(call_id, None)
+            if slot is None or not slot.arrived:
+                self._forgotten[call_id] = None
+                if len(self._forgotten) > FORGOTTEN_KEPT:
+                    self._forgotten.popitem(last=False)
+        if lease is not None:
+            lease.release()
 
     def close(self) -> None:
         if self._async is not None:
             self._async.close()
         else:
             self.sock.close(linger=0)
+        with self._lock:
+            leases, self._leases = list(self._leases.values()), {}
+            self._slots.clear()
+        for lease in leases:
+            lease.release()
+        self._shm.close()
 
     def _on_message(self, frames: list[zmq.Frame]) -> None:
         try:
@@ -102,56 +169,149 @@ class PipelineReceiver:
             self.dropped_messages += 1
             log.warning("rank %d: dropped pipeline data that did not decode: %s", self.rank, e)
             return
-        if not isinstance(msg, PipelineTensors):
+        if isinstance(msg, PipelineTensors):
+            self._arrived(msg.call_id, msg.src_rank, msg.tensors, None)
+        elif isinstance(msg, PipelineSharedTensors):
+            self._open_shared(msg)
+        else:
             self.dropped_messages += 1
             log.warning(
                 "rank %d: dropped a %s on the pipeline channel", self.rank, type(msg).__name__
             )
+
+    def _open_shared(self, msg: PipelineSharedTensors) -> None:
+        """Map the tensors in place; a descriptor that cannot be used fails its step."""
+        shared = msg.shared
+        try:
+            lease = self._shm.open(shared)
+        except ShmDescriptorError as e:
+            self.dropped_messages += 1
+            log.warning(
+                "rank %d: dropped a bad shared-memory descriptor from rank %d: %s",
+                self.rank, msg.src_rank, e,
+            )  # fmt: skip
+            error = ValueError(
+                f"step {msg.call_id}: rank {msg.src_rank} sent a bad shared-memory descriptor: {e}"
+            )
+            self._arrived(msg.call_id, msg.src_rank, None, error)
             return
+        except OSError as e:
+            error = RuntimeError(
+                f"step {msg.call_id}: rank {self.rank} cannot map the shared memory of rank "
+                f"{msg.src_rank} (pid {shared.pid}, fd {shared.fd}): {e}. Set "
+                f"{SHM_ENV}=0 to send pipeline tensors as ZMQ frames instead"
+            )
+            log.error("%s", error)
+            self._arrived(msg.call_id, msg.src_rank, None, error)
+            return
+        self._arrived(msg.call_id, msg.src_rank, IntermediateTensors(lease.tensors), None, lease)
+
+    def _arrived(
+        self,
+        call_id: int,
+        src_rank: int,
+        tensors: IntermediateTensors | None,
+        error: Exception | None,
+        lease: ShmLease | None = None,
+    ) -> None:
+        """Hand a step its tensors (or the error that replaces them); kept until forget()."""
         with self._lock:
-            slot = self._slots.pop(msg.call_id, None)
-            if slot is None:  # arrived before its step: keep it for expect()
-                slot = self._slots[msg.call_id] = PendingTensors(msg.call_id, msg.src_rank, 0)
-        slot.deliver(msg.tensors)
+            if call_id in self._forgotten:  # its step ended without them
+                del self._forgotten[call_id]
+            else:
+                slot = self._slots.get(call_id)
+                if slot is None:  # arrived before its step: kept for expect()
+                    slot = self._slots[call_id] = PendingTensors(call_id, src_rank, 0)
+                if lease is not None:
+                    self._leases[call_id] = lease
+                if error is not None:
+                    slot.fail(error)
+                else:
+                    assert tensors is not None
+                    slot.deliver(tensors)
+                return
+        if lease is not None:
+            lease.release()
 
 
 class PipelineSender:
     """The PUSH end, owned by the compute thread of a stage that is not the last."""
 
-    def __init__(self, ctx: zmq.Context, peer_address: str, rank: int) -> None:
+    def __init__(
+        self,
+        ctx: zmq.Context,
+        peer_address: str,
+        rank: int,
+        shared_memory: bool | None = None,
+        timeout_s: float = SEND_TIMEOUT_S,
+    ) -> None:
+        """shared_memory: None decides from the address (use_shared_memory); timeout_s
+        bounds every wait of a send (a free slot, a confirmed send)."""
         self.rank = rank
         self.peer_address = peer_address
+        self.timeout_s = timeout_s
         self.sock = ctx.socket(zmq.PUSH)
         self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.setsockopt(zmq.SNDTIMEO, int(SEND_TIMEOUT_S * 1000))
+        self.sock.setsockopt(zmq.SNDTIMEO, int(timeout_s * 1000))
         self.sock.connect(peer_address)
+        if shared_memory is None:
+            shared_memory = use_shared_memory(peer_address)
+        self._ring = (
+            ShmSender(f"the receiver at {peer_address}", SHM_SLOTS, timeout_s)
+            if shared_memory
+            else None
+        )
         self._enc = Encoder()
         self._tracker: zmq.MessageTracker | None = None
         self._staging: dict[str, torch.Tensor] = {}
 
+    @property
+    def shared_memory(self) -> bool:
+        """Whether the tensors go through shared memory rather than frames."""
+        return self._ring is not None
+
     def send(self, call_id: int, tensors: IntermediateTensors) -> None:
+        if self._ring is not None:
+            try:
+                shared = self._ring.put(tensors.tensors)
+            except TimeoutError as e:
+                raise TimeoutError(f"rank {self.rank}: step {call_id}: {e}") from None
+            except OSError as e:  # no segment could be made here (a sandboxed kernel)
+                log.warning(
+                    "rank %d: no shared memory for %s (%s): sending frames from now on",
+                    self.rank, self.peer_address, e,
+                )  # fmt: skip
+                self._ring.close()
+                self._ring = None
+            else:
+                msg = PipelineSharedTensors(call_id=call_id, src_rank=self.rank, shared=shared)
+                self._send(call_id, self._enc.encode(msg), track=False)
+                return
         if self._tracker is not None and not self._tracker.done:
             try:
-                self._tracker.wait(SEND_TIMEOUT_S)
+                self._tracker.wait(self.timeout_s)
             except zmq.NotDone:
                 raise TimeoutError(
                     f"rank {self.rank}: the previous send to {self.peer_address} was not "
-                    f"taken within {SEND_TIMEOUT_S:.0f} s"
+                    f"taken within {self.timeout_s:g} s"
                 ) from None
         host = IntermediateTensors({k: self._to_host(k, v) for k, v in tensors.tensors.items()})
-        frames = self._enc.encode(
-            PipelineTensors(call_id=call_id, src_rank=self.rank, tensors=host)
-        )
-        try:
-            self._tracker = self.sock.send_multipart(frames, copy=False, track=True)
-        except zmq.Again:
-            raise TimeoutError(
-                f"rank {self.rank}: step {call_id} could not be sent to {self.peer_address} "
-                f"within {SEND_TIMEOUT_S:.0f} s"
-            ) from None
+        msg = PipelineTensors(call_id=call_id, src_rank=self.rank, tensors=host)
+        self._tracker = self._send(call_id, self._enc.encode(msg), track=True)
 
     def close(self) -> None:
         self.sock.close(linger=0)
+        if self._ring is not None:
+            self._ring.close()
+
+    def _send(self, call_id: int, frames: list, track: bool) -> zmq.MessageTracker | None:
+        try:
+            return self.sock.send_multipart(frames, copy=not track, track=track)
+        except zmq.Again:
+            raise TimeoutError(
+                f"rank {self.rank}: step {call_id} could not be sent to {self.peer_address} "
+                f"within {self.timeout_s:g} s"
+            ) from None
 
     def _to_host(self, name: str, t: torch.Tensor) -> torch.Tensor:
         """CPU tensors go into the frames as they are; device tensors through a pinned
