@@ -27,11 +27,12 @@ from zmqworker.executor.errors import (
     WorkerDiedError,
     WorkerError,
 )
+from zmqworker.zmq_io import recv_frames, send_frames
 
 log = logging.getLogger("zmqworker.executor")
 
-# Plain ints: pyzmq's enum flags cost about 3 us a use here.
-_POLLIN, _NOBLOCK = int(zmq.POLLIN), int(zmq.NOBLOCK)
+# A plain int: pyzmq's enum flags cost about 3 us a use here.
+_POLLIN = int(zmq.POLLIN)
 POLL_SLICE_S = 0.1  # the longest a pump sleeps before it looks at deadlines and deaths again
 
 
@@ -135,7 +136,7 @@ class RpcClient:
             self._calls[call_id] = _Call(method, future, waiting, reply_rank, timeout, deadline)
             for rank in ranks:
                 try:
-                    self.sock.send_multipart([self.identities[rank], *frames], copy=False)
+                    send_frames(self.sock, [self.identities[rank], *frames])
                 except zmq.ZMQError as e:  # ROUTER_MANDATORY: the peer is gone
                     self._fail_all(self.liveness.check() or WorkerDiedError(rank, None, f" ({e})"))
                     break
@@ -144,7 +145,7 @@ class RpcClient:
     def send_to(self, rank: int, msg: Any) -> None:
         """Send a message that is not a call (the handshake's Welcome) to one rank."""
         with self._lock:
-            self.sock.send_multipart([self.identities[rank], *self._enc.encode(msg)], copy=False)
+            send_frames(self.sock, [self.identities[rank], *self._enc.encode(msg)])
 
     def wait_for(self, done: Callable[[], bool], timeout: float | None = None) -> None:
         """Pump until done() is true; TimeoutError after timeout seconds."""
@@ -191,7 +192,7 @@ class RpcClient:
         """Handle the message that poll found. One only: a caller whose call it completes
         returns without asking zmq for more, and the next poll finds any others at once."""
         try:
-            frames = self.sock.recv_multipart(_NOBLOCK, copy=False)
+            frames = recv_frames(self.sock)
         except zmq.Again:
             return
         identity = frames[0].bytes

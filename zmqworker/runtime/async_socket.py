@@ -28,11 +28,11 @@ from typing import Any
 
 import zmq
 
+from zmqworker.zmq_io import NOBLOCK, recv_frames, send_frames
+
 LEAD_WAIT, LEAD_READY, LEAD_CLOSED = "wait", "ready", "closed"  # what lead() found
 # Plain ints: pyzmq's enum flags cost about 3 us a use here, several uses a message.
-_EVENTS, _POLLIN, _POLLOUT, _NOBLOCK = (
-    int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.POLLOUT), int(zmq.NOBLOCK)
-)
+_EVENTS, _POLLIN, _POLLOUT = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.POLLOUT)
 
 
 class AsyncSocket:
@@ -100,7 +100,7 @@ class AsyncSocket:
                 self._flush()
             frames = more = None
             if events & _POLLIN:
-                frames = self.sock.recv_multipart(_NOBLOCK, copy=False)
+                frames = recv_frames(self.sock)
                 more = self.sock.getsockopt(_EVENTS) & _POLLIN
             # Only now: the FD, still readable from the edge just handled, would wake the
             # loop for nothing.
@@ -116,7 +116,7 @@ class AsyncSocket:
                 return False
             if not self._backlog:
                 try:
-                    self.sock.send_multipart(frames, _NOBLOCK, copy=False)
+                    send_frames(self.sock, frames, NOBLOCK)
                 except zmq.Again:
                     self._backlog.append(frames)
             else:
@@ -137,13 +137,13 @@ class AsyncSocket:
                     self._flush()
                 if not events & _POLLIN:
                     return
-                frames = self.sock.recv_multipart(_NOBLOCK, copy=False)
+                frames = recv_frames(self.sock)
             self._on_message(frames)
 
     def _flush(self) -> None:
         while self._backlog:
             try:
-                self.sock.send_multipart(self._backlog[0], _NOBLOCK, copy=False)
+                send_frames(self.sock, self._backlog[0], NOBLOCK)
             except zmq.Again:
                 return
             self._backlog.popleft()
