@@ -14,7 +14,6 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
-from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,8 +30,8 @@ from zmqworker.zmq_io import recv_frames, send_frames
 
 log = logging.getLogger("zmqworker.executor")
 
-# A plain int: pyzmq's enum flags cost about 3 us a use here.
-_POLLIN = int(zmq.POLLIN)
+# Plain ints: pyzmq's enum flags cost about 3 us a use here.
+_EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)
 POLL_SLICE_S = 0.1  # the longest a pump sleeps before it looks at deadlines and deaths again
 
 
@@ -47,30 +46,49 @@ class Liveness:
 
 
 class RpcFuture(Future):
-    """A call's result. Waiting on it pumps the socket."""
+    """A call's result, for callers that do not wait at once. Waiting on it pumps the
+    socket."""
 
-    def __init__(self, client: RpcClient) -> None:
+    def __init__(self, client: RpcClient, call: _Call) -> None:
         super().__init__()
         self._client = client
+        self._call = call
 
     def result(self, timeout: float | None = None) -> Any:
-        self._client.wait_for(self.done, timeout)
+        self._client.wait_for(self._call.is_done, timeout)
         return super().result(timeout=0)
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
-        self._client.wait_for(self.done, timeout)
+        self._client.wait_for(self._call.is_done, timeout)
         return super().exception(timeout=0)
 
 
 @dataclass
 class _Call:
+    """One call in flight. A blocking caller reads done/value/error directly: a
+    concurrent.futures.Future costs a Condition per call and a lock per look at it."""
+
     method: str
-    future: RpcFuture
     waiting_for: set[int]
     single_rank: int | None
     timeout: float | None
     deadline: float | None  # time.monotonic()
     results: dict[int, Any] = field(default_factory=dict)
+    future: RpcFuture | None = None
+    done: bool = False
+    value: Any = None
+    error: BaseException | None = None
+
+    def is_done(self) -> bool:
+        return self.done
+
+    def finish(self, value: Any = None, error: BaseException | None = None) -> None:
+        # The future first: a thread that sees done reads the future's result at once.
+        if self.future is not None and error is not None:
+            self.future.set_exception(error)
+        elif self.future is not None:
+            self.future.set_result(value)
+        self.value, self.error, self.done = value, error, True
 
 
 class RpcClient:
@@ -91,6 +109,8 @@ class RpcClient:
         self._ids = itertools.count(1)
         self._calls: dict[int, _Call] = {}
         self._lock = threading.RLock()
+        self._progress = threading.Condition(threading.Lock())  # a call finished
+        self._bystanders = 0  # threads waiting on _progress
         self._dead: ExecutorError | None = None
         self._poller = zmq.Poller()
         self._poller.register(sock, _POLLIN)
@@ -112,6 +132,34 @@ class RpcClient:
     ) -> RpcFuture:
         """Send method to ranks (default: all that said hello); reply_rank: only that rank
         answers, and the future's result is its result rather than a list."""
+        return self._start(method, args, kwargs, ranks, timeout, reply_rank, True).future
+
+    def call_and_wait(
+        self,
+        method: str,
+        args: Sequence[Any] = (),
+        kwargs: dict[str, Any] | None = None,
+        ranks: Iterable[int] | None = None,
+        timeout: float | None = None,
+        reply_rank: int | None = None,
+    ) -> Any:
+        """call(...).result(), without a future: the path of every blocking step."""
+        call = self._start(method, args, kwargs, ranks, timeout, reply_rank, False)
+        self.wait_for(call.is_done)
+        if call.error is not None:
+            raise call.error
+        return call.value
+
+    def _start(
+        self,
+        method: str,
+        args: Sequence[Any],
+        kwargs: dict[str, Any] | None,
+        ranks: Iterable[int] | None,
+        timeout: float | None,
+        reply_rank: int | None,
+        with_future: bool,
+    ) -> _Call:
         ranks = sorted(self.identities if ranks is None else ranks)
         if reply_rank is not None and reply_rank not in ranks:
             raise ValueError(f"unique_reply_rank {reply_rank} is not one of the ranks {ranks}")
@@ -131,16 +179,17 @@ class RpcClient:
                 frames = self._enc.encode(req)
             except (TypeError, ValueError) as e:
                 raise TypeError(f"arguments of {method} cannot be encoded: {e}") from None
-            future = RpcFuture(self)
             waiting = {reply_rank} if reply_rank is not None else set(ranks)
-            self._calls[call_id] = _Call(method, future, waiting, reply_rank, timeout, deadline)
+            call = self._calls[call_id] = _Call(method, waiting, reply_rank, timeout, deadline)
+            if with_future:
+                call.future = RpcFuture(self, call)
             for rank in ranks:
                 try:
                     send_frames(self.sock, [self.identities[rank], *frames])
                 except zmq.ZMQError as e:  # ROUTER_MANDATORY: the peer is gone
                     self._fail_all(self.liveness.check() or WorkerDiedError(rank, None, f" ({e})"))
                     break
-            return future
+            return call
 
     def send_to(self, rank: int, msg: Any) -> None:
         """Send a message that is not a call (the handshake's Welcome) to one rank."""
@@ -160,10 +209,13 @@ class RpcClient:
                         self._pump(POLL_SLICE_S if left is None else min(left, POLL_SLICE_S))
                 finally:
                     self._lock.release()
-            else:  # another thread pumps: wait for its progress
+            else:  # another thread pumps: wait for it to finish a call
                 if end is not None and time.monotonic() >= end:
                     raise TimeoutError(f"not done within {timeout} s")
-                wait_futures([f.future for f in list(self._calls.values())[:1]], timeout=0.005)
+                with self._progress:
+                    self._bystanders += 1
+                    self._progress.wait(0.005)
+                    self._bystanders -= 1
 
     def fail_all(self, error: ExecutorError) -> None:
         with self._lock:
@@ -178,6 +230,10 @@ class RpcClient:
         events = dict(self._poller.poll(max_wait_s * 1000))
         if events.pop(self.sock, 0):
             self._receive()
+            # More replies of a call still open (several ranks) are likely there already:
+            # looking costs less than another poll.
+            while self._calls and self.sock.getsockopt(_EVENTS) & _POLLIN:
+                self._receive()
         if events:  # a pidfd: that worker is gone
             rank = self.liveness.fds[next(iter(events))]
             self._fail_all(self.liveness.check() or WorkerDiedError(rank, None))
@@ -221,7 +277,7 @@ class RpcClient:
             return
         if reply.error is not None:
             del self._calls[reply.call_id]
-            call.future.set_exception(WorkerError(call.method, reply.error))
+            self._finish(call, error=WorkerError(call.method, reply.error))
             return
         if reply.rank not in call.waiting_for:
             self.late_replies += 1
@@ -231,17 +287,16 @@ class RpcClient:
         if not call.waiting_for:
             del self._calls[reply.call_id]
             if call.single_rank is not None:
-                call.future.set_result(call.results[call.single_rank])
+                self._finish(call, call.results[call.single_rank])
             else:
-                call.future.set_result([call.results[r] for r in sorted(call.results)])
+                self._finish(call, [call.results[r] for r in sorted(call.results)])
 
     def _expire(self, now: float) -> None:
         for call_id, call in list(self._calls.items()):
             if call.deadline is not None and now >= call.deadline:
                 del self._calls[call_id]
-                call.future.set_exception(
-                    RpcTimeoutError(call.method, sorted(call.waiting_for), call.timeout or 0.0)
-                )
+                error = RpcTimeoutError(call.method, sorted(call.waiting_for), call.timeout or 0.0)
+                self._finish(call, error=error)
 
     def _check_alive(self) -> None:
         # Deaths wake the pump through the pidfds; only without them do we look here.
@@ -257,4 +312,10 @@ class RpcClient:
             self._dead = error
         calls, self._calls = self._calls, {}
         for call in calls.values():
-            call.future.set_exception(error)
+            self._finish(call, error=error)
+
+    def _finish(self, call: _Call, value: Any = None, error: BaseException | None = None) -> None:
+        call.finish(value, error)
+        if self._bystanders:  # threads waiting while this one pumps
+            with self._progress:
+                self._progress.notify_all()

@@ -26,5 +26,5 @@ class RpcExecutor(Executor):
     ) -> Any:
         if self._closed or self.rpc is None:
             raise ExecutorError(f"{method}: the executor is shut down")
-        future = self.rpc.call(method, args, kwargs, timeout=timeout, reply_rank=unique_reply_rank)
-        return future if non_block else future.result()
+        call = self.rpc.call if non_block else self.rpc.call_and_wait
+        return call(method, args, kwargs, timeout=timeout, reply_rank=unique_reply_rank)
