@@ -98,6 +98,13 @@ def test_calls_run_in_arrival_order_whoever_receives_them(ex2):
     assert ex2.collective_rpc("log_call", (20,)) == [list(range(-1, 21))] * 2
 
 
+def test_a_call_in_flight_cannot_be_cancelled(ex2):
+    slow = ex2.collective_rpc("sleep_for", (0.2,), non_block=True)
+    other = ex2.collective_rpc("echo", (1,), non_block=True)
+    assert not slow.cancel()
+    assert slow.result(timeout=30) == [0.2, 0.2] and other.result(timeout=30) == [1, 1]
+
+
 def test_step_round_trip_with_columnar_scheduler_output(ex2):
     so = SchedulerOutput([], CachedRequestData.build([3, 7], [10, 11], [1, 1]), 2)
     out = ex2.execute_model(so)

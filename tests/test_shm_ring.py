@@ -209,6 +209,10 @@ BAD_DESCRIPTORS = {
         lambda s: msgspec.structs.replace(s, generation=s.generation + 1),
         "holds no ring segment of generation",
     ),
+    "not whole words": (
+        lambda s: msgspec.structs.replace(s, nbytes=s.nbytes - 4),
+        r"whole words expected",
+    ),
     "larger than the file": (
         lambda s: msgspec.structs.replace(s, nbytes=s.nbytes + 4096),
         "the file holds",
@@ -327,6 +331,15 @@ def test_closing_the_receiver_hands_every_slot_back(loop, tmp_path) -> None:
         sender.send(SHM_SLOTS, step_tensors(0))  # a slot is free again
     finally:
         sender.close()
+
+
+def test_closing_the_receiver_ends_a_step_still_waiting(loop, tmp_path) -> None:
+    receiver = PipelineReceiver(zmq.Context.instance(), f"ipc://{tmp_path}/data-1", rank=1)
+    on_loop(loop, receiver.start, loop)
+    pending = receiver.expect(5, 0, timeout_s=120)
+    on_loop(loop, receiver.close)
+    with pytest.raises(RuntimeError, match="rank 1: the pipeline channel is closed"):
+        pending.wait()
 
 
 def test_a_full_ring_fails_the_send_naming_step_and_peer(channel) -> None:

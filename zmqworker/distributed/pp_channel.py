@@ -157,7 +157,10 @@ class PipelineReceiver:
             self.sock.close(linger=0)
         with self._lock:
             leases, self._leases = list(self._leases.values()), {}
-            self._slots.clear()
+            slots, self._slots = list(self._slots.values()), {}
+        for slot in slots:  # a step still waiting ends now, not at its timeout
+            if not slot.arrived:
+                slot.fail(RuntimeError(f"rank {self.rank}: the pipeline channel is closed"))
         for lease in leases:
             lease.release()
         self._shm.close()

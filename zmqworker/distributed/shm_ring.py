@@ -242,8 +242,11 @@ class _Mapping:
             if not fcntl.fcntl(fd, fcntl.F_GET_SEALS) & fcntl.F_SEAL_SHRINK:
                 raise ShmDescriptorError(f"{path} is not sealed against shrinking")
             size = os.fstat(fd).st_size
-            if not 8 * HEADER_WORDS <= shared.nbytes <= size:
-                raise ShmDescriptorError(f"segment of {shared.nbytes} bytes: the file holds {size}")
+            if not 8 * HEADER_WORDS <= shared.nbytes <= size or shared.nbytes % 8:
+                raise ShmDescriptorError(
+                    f"segment of {shared.nbytes} bytes (whole words expected): the file holds "
+                    f"{size}"
+                )
             mm = mmap.mmap(fd, shared.nbytes)
         finally:
             os.close(fd)

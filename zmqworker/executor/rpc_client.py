@@ -62,6 +62,10 @@ class RpcFuture(Future):
         self._client.wait_for(self._call.is_done, timeout)
         return super().exception(timeout=0)
 
+    def cancel(self) -> bool:
+        """A call already sent runs on its workers: it cannot be cancelled."""
+        return False
+
 
 @dataclass
 class _Call:

@@ -20,6 +20,7 @@ thread may make, so the loop is neither woken nor asked for anything while one l
 from __future__ import annotations
 
 import asyncio
+import logging
 import select
 import threading
 from collections import deque
@@ -29,6 +30,8 @@ from typing import Any
 import zmq
 
 from zmqworker.zmq_io import NOBLOCK, recv_frames, send_frames
+
+log = logging.getLogger("zmqworker.socket")
 
 LEAD_WAIT, LEAD_READY, LEAD_CLOSED = "wait", "ready", "closed"  # what lead() found
 # Plain ints: pyzmq's enum flags cost about 3 us a use here, several uses a message.
@@ -45,7 +48,9 @@ class AsyncSocket:
         self.sock = sock
         self._loop = loop
         self._on_message = on_message
-        self._lock = threading.Lock()
+        # Re-entrant: a message is handed on under it (see _drain), and a reply that its
+        # handling sends takes it again.
+        self._lock = threading.RLock()
         self._backlog: deque[Sequence[Any]] = deque()
         self.fd: int = sock.getsockopt(zmq.FD)
         self._closed = False
@@ -89,8 +94,9 @@ class AsyncSocket:
             self._watch.unregister(self.fd)
             return LEAD_READY if self.sock.getsockopt(_EVENTS) & _POLLIN else LEAD_WAIT
 
-    def take(self) -> list[zmq.Frame] | None:
-        """End the lead: the next message, if one is there; the loop receives the rest."""
+    def take(self, may_receive: Callable[[], bool]) -> list[zmq.Frame] | None:
+        """End the lead: the next message, if one is there and may_receive() (asked under
+        the lock: the leader has no earlier message queued); the loop receives the rest."""
         with self._lock:
             if self._closed:
                 return None
@@ -98,8 +104,9 @@ class AsyncSocket:
             events = self.sock.getsockopt(_EVENTS)
             if self._backlog and events & _POLLOUT:
                 self._flush()
-            frames = more = None
-            if events & _POLLIN:
+            frames = None
+            more = events & _POLLIN
+            if more and may_receive():
                 frames = recv_frames(self.sock)
                 more = self.sock.getsockopt(_EVENTS) & _POLLIN
             # Only now: the FD, still readable from the edge just handled, would wake the
@@ -122,9 +129,11 @@ class AsyncSocket:
             else:
                 self._backlog.append(frames)
             pending = bool(self.sock.getsockopt(_EVENTS) & _POLLIN)
-            if pending and self._leader_wake is not None:
-                self._leader_wake()  # this send took the edge the leader waits for
-                pending = False
+            if (pending or self._backlog) and self._leader_wake is not None:
+                # This send took the edge the leader waits for (an input, or room for
+                # the backlog), and the loop leaves the socket to the leader.
+                self._leader_wake()
+                return False
             return bool(self._backlog) or pending
 
     def _drain(self) -> None:
@@ -137,8 +146,13 @@ class AsyncSocket:
                     self._flush()
                 if not events & _POLLIN:
                     return
+                # Handed on under the lock: a leader's take() then finds every message
+                # received before its own already queued, and calls keep arrival order.
                 frames = recv_frames(self.sock)
-            self._on_message(frames)
+                try:
+                    self._on_message(frames)
+                except Exception:  # one bad message must not leave the next ones unread
+                    log.exception("handling a message failed")
 
     def _flush(self) -> None:
         while self._backlog:

@@ -13,6 +13,7 @@ health checks and the next steps are taken in while a long step runs.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import select
 import threading
@@ -23,6 +24,8 @@ from typing import Any
 import zmq
 
 from zmqworker.runtime.async_socket import LEAD_CLOSED, LEAD_READY, AsyncSocket
+
+log = logging.getLogger("zmqworker.compute")
 
 Done = Callable[[Any, BaseException | None], None]
 Job = tuple[Callable[[], Any], Done]
@@ -70,6 +73,11 @@ class ComputeThread:
             self._stopping = True
         self._wake()
 
+    def join(self, timeout_s: float) -> bool:
+        """Wait up to timeout_s for the thread to end after stop(); whether it did."""
+        self._thread.join(timeout_s)
+        return not self._thread.is_alive()
+
     def _wake(self) -> None:
         with self._lock:
             if self._closed:
@@ -108,12 +116,22 @@ class ComputeThread:
                         continue
         with self._lock:
             self._idle = False
-        frames = None if lead == LEAD_CLOSED else self._sock.take()
-        return None if frames is None else self._on_message(frames)
+        # Receive only with nothing queued: a job queued meanwhile came first.
+        frames = None if lead == LEAD_CLOSED else self._sock.take(lambda: not self._jobs)
+        if frames is None:
+            return None
+        try:
+            return self._on_message(frames)
+        except Exception:  # the thread must outlive any one message
+            log.exception("handling a message on the compute thread failed")
+            return None
 
     def _execute(self, fn: Callable[[], Any], done: Done) -> None:
         try:
             result, error = fn(), None
         except BaseException as e:  # handed to done, which replies with it
             result, error = None, e
-        done(result, error)
+        try:
+            done(result, error)
+        except Exception:  # the thread must outlive any one call
+            log.exception("completing a call on the compute thread failed")

@@ -129,6 +129,10 @@ class WorkerServer:
             if self._pp_out is not None:  # the compute thread owns it: closed there
                 self._compute.submit(self._pp_out.close, lambda *_: None)
             self._compute.stop()
+            # Joined before the interpreter exits: a thread still inside torch or libzmq
+            # while the process tears down its C++ state can abort it.
+            if not self._compute.join(SHUTDOWN_TIMEOUT_S):
+                log.warning("the compute thread is still busy after %.0f s", SHUTDOWN_TIMEOUT_S)
             self._side.shutdown(wait=False, cancel_futures=True)
             if self._engine_lost:
                 _remove_engine_socket(self.engine_address)
@@ -204,6 +208,8 @@ class WorkerServer:
             reply.error(req.call_id, TimeoutError(f"{req.method} arrived after its deadline"))
         else:
             return False
+        if req.method == "execute_model" and self._stage[0] > 0:
+            self._pp_in.forget(req.call_id)  # its tensors (and their ring slot) go back
         return True
 
     def _job(self, req: RpcRequest) -> Job:
@@ -329,7 +335,7 @@ class Replier:
     def result(self, call_id: int, result: Any) -> None:
         try:
             frames = self.enc.encode(RpcReply(call_id=call_id, rank=self.rank, result=result))
-        except (TypeError, ValueError) as e:
+        except Exception as e:  # TypeError, ValueError, OverflowError (ints past 64 bits)...
             self.error(
                 call_id, TypeError(f"the result ({type(result).__name__}) cannot be encoded: {e}")
             )
