@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -103,6 +104,30 @@ def test_a_call_in_flight_cannot_be_cancelled(ex2):
     other = ex2.collective_rpc("echo", (1,), non_block=True)
     assert not slow.cancel()
     assert slow.result(timeout=30) == [0.2, 0.2] and other.result(timeout=30) == [1, 1]
+
+
+def test_a_thread_waiting_without_timeout_does_not_hold_up_the_others():
+    """One thread waits on a long call with no timeout (it pumps the socket); another
+    still gets its own call out and its own timeout, and fail_all gets through."""
+    ex = MultiprocExecutor(echo_config())
+    outcome: dict[str, BaseException] = {}
+
+    def wait_long() -> None:
+        try:
+            ex.collective_rpc("sleep_for", (30.0,))
+        except ExecutorError as e:
+            outcome["long"] = e
+
+    waiter = threading.Thread(target=wait_long)
+    try:
+        waiter.start()
+        with pytest.raises(RpcTimeoutError, match="echo timed out"):  # the worker is busy
+            ex.collective_rpc("echo", (1,), timeout=0.5)
+        ex.rpc.fail_all(ExecutorError("given up"))
+        waiter.join(30)
+        assert not waiter.is_alive() and "given up" in str(outcome["long"])
+    finally:
+        ex.shutdown()
 
 
 def test_step_round_trip_with_columnar_scheduler_output(ex2):

@@ -136,6 +136,8 @@ class RayExecutor(RpcExecutor):
         _release(self.actors, self._groups)
         if self._serving:  # they end when their actors are gone: wait for that, bounded
             ray.wait(self._serving, num_returns=len(self._serving), timeout=SHUTDOWN_GRACE_S)
+        if self.rpc is not None:
+            self.rpc.close()
         if self._sock is not None:
             self._sock.close(linger=0)
         self._ctx.term()

@@ -8,11 +8,14 @@ one pidfd per worker, so a SIGKILLed worker fails every pending call at once.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
+import os
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+import weakref
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,6 +36,12 @@ log = logging.getLogger("zmqworker.executor")
 # Plain ints: pyzmq's enum flags cost about 3 us a use here.
 _EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)
 POLL_SLICE_S = 0.1  # the longest a pump sleeps before it looks at deadlines and deaths again
+STEP_ASIDE_S = 50e-6  # how a pump waits, lock released, while another thread sends
+
+
+def _close_fds(*fds: int) -> None:
+    for fd in fds:
+        os.close(fd)
 
 
 class Liveness:
@@ -116,8 +125,16 @@ class RpcClient:
         self._progress = threading.Condition(threading.Lock())  # a call finished
         self._bystanders = 0  # threads waiting on _progress
         self._dead: ExecutorError | None = None
+        # Threads that want the lock while another pumps (_turn): they write to the pipe,
+        # which the pump's poll watches, so that it steps aside at once.
+        self._turn_lock = threading.Lock()
+        self._wanting = 0
+        self._polling = False
+        self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._close_pipe = weakref.finalize(self, _close_fds, self._wake_r, self._wake_w)
         self._poller = zmq.Poller()
         self._poller.register(sock, _POLLIN)
+        self._poller.register(self._wake_r, _POLLIN)
         for fd in liveness.fds:
             self._poller.register(fd, _POLLIN)
 
@@ -167,7 +184,7 @@ class RpcClient:
         ranks = sorted(self.identities if ranks is None else ranks)
         if reply_rank is not None and reply_rank not in ranks:
             raise ValueError(f"unique_reply_rank {reply_rank} is not one of the ranks {ranks}")
-        with self._lock:
+        with self._turn():
             self._check_alive()
             call_id = next(self._ids)
             deadline = None if timeout is None else time.monotonic() + timeout
@@ -197,7 +214,7 @@ class RpcClient:
 
     def send_to(self, rank: int, msg: Any) -> None:
         """Send a message that is not a call (the handshake's Welcome) to one rank."""
-        with self._lock:
+        with self._turn():
             send_frames(self.sock, [self.identities[rank], *self._enc.encode(msg)])
 
     def wait_for(self, done: Callable[[], bool], timeout: float | None = None) -> None:
@@ -206,13 +223,15 @@ class RpcClient:
         while not done():
             if self._lock.acquire(timeout=0.001):
                 try:
-                    while not done():
+                    while not done() and not self._wanting:
                         left = None if end is None else end - time.monotonic()
                         if left is not None and left <= 0:
                             raise TimeoutError(f"not done within {timeout} s")
                         self._pump(POLL_SLICE_S if left is None else min(left, POLL_SLICE_S))
                 finally:
                     self._lock.release()
+                while self._wanting and not done():  # let the short jobs have the lock
+                    time.sleep(STEP_ASIDE_S)
             else:  # another thread pumps: wait for it to finish a call
                 if end is not None and time.monotonic() >= end:
                     raise TimeoutError(f"not done within {timeout} s")
@@ -221,9 +240,31 @@ class RpcClient:
                     self._progress.wait(0.005)
                     self._bystanders -= 1
 
-    def fail_all(self, error: ExecutorError) -> None:
+    def close(self) -> None:
+        """Release the client's own file descriptors (the socket is its owner's)."""
         with self._lock:
+            self._poller.unregister(self._wake_r)
+            self._close_pipe()
+
+    def fail_all(self, error: ExecutorError) -> None:
+        with self._turn():
             self._fail_all(error)
+
+    @contextlib.contextmanager
+    def _turn(self) -> Iterator[None]:
+        """The lock, for a short job (a send, fail_all). A thread that pumps holds the lock
+        for as long as it waits: it is woken, and steps aside until the job is done."""
+        with self._turn_lock:
+            self._wanting += 1
+        if self._polling:
+            with contextlib.suppress(BlockingIOError):  # full of wake-ups: one is enough
+                os.write(self._wake_w, b"\0")
+        try:
+            with self._lock:
+                yield
+        finally:
+            with self._turn_lock:
+                self._wanting -= 1
 
     # internals ------------------------------------------------------------------------
 
@@ -231,7 +272,15 @@ class RpcClient:
         next_deadline = min((c.deadline for c in self._calls.values() if c.deadline), default=None)
         if next_deadline is not None:
             max_wait_s = max(0.0, min(max_wait_s, next_deadline - time.monotonic()))
-        events = dict(self._poller.poll(max_wait_s * 1000))
+        self._polling = True
+        try:
+            events = dict(self._poller.poll(max_wait_s * 1000))
+        finally:
+            self._polling = False
+        if events.pop(self._wake_r, 0):
+            with contextlib.suppress(BlockingIOError):
+                while os.read(self._wake_r, 4096):
+                    continue
         if events.pop(self.sock, 0):
             self._receive()
             # More replies of a call still open (several ranks) are likely there already:

@@ -49,6 +49,7 @@ log = logging.getLogger("zmqworker.worker")
 
 HANDSHAKE_TIMEOUT_S = 60.0
 SHUTDOWN_TIMEOUT_S = 10.0
+COMPUTE_JOIN_S = 1.0  # how long an exiting worker lets its compute thread finish
 PROTOCOL_ERROR_CALL_ID = -1  # the call id of a reply to a message that did not decode
 SIDE_METHODS = frozenset({"check_health"})  # answered beside the compute thread
 LOOP_METHODS = SIDE_METHODS | {"shutdown"}  # handled by the loop, never the compute thread
@@ -130,9 +131,10 @@ class WorkerServer:
                 self._compute.submit(self._pp_out.close, lambda *_: None)
             self._compute.stop()
             # Joined before the interpreter exits: a thread still inside torch or libzmq
-            # while the process tears down its C++ state can abort it.
-            if not self._compute.join(SHUTDOWN_TIMEOUT_S):
-                log.warning("the compute thread is still busy after %.0f s", SHUTDOWN_TIMEOUT_S)
+            # while the process tears down its C++ state can abort it. Briefly: a step
+            # still running is abandoned, so that a worker whose engine died exits soon.
+            if not self._compute.join(COMPUTE_JOIN_S):
+                log.warning("exiting while the compute thread is still busy")
             self._side.shutdown(wait=False, cancel_futures=True)
             if self._engine_lost:
                 _remove_engine_socket(self.engine_address)
