@@ -18,6 +18,7 @@ next one may reuse the staging buffers.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import threading
@@ -155,6 +156,12 @@ class PipelineReceiver:
             self._async.close()
         else:
             self.sock.close(linger=0)
+        if self.address.startswith("ipc://"):
+            # libzmq unlinks it from its I/O thread, which an exiting process may not
+            # wait for; then the engine's folder (removed by the last worker out when the
+            # engine was killed) would stay behind.
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.address[len("ipc://") :])
         with self._lock:
             leases, self._leases = list(self._leases.values()), {}
             slots, self._slots = list(self._slots.values()), {}
