@@ -11,10 +11,8 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
-import os
 import threading
 import time
-import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -29,6 +27,7 @@ from zmqworker.executor.errors import (
     WorkerDiedError,
     WorkerError,
 )
+from zmqworker.wake_pipe import WakePipe
 from zmqworker.zmq_io import recv_frames, send_frames
 
 log = logging.getLogger("zmqworker.executor")
@@ -37,11 +36,6 @@ log = logging.getLogger("zmqworker.executor")
 _EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)
 POLL_SLICE_S = 0.1  # the longest a pump sleeps before it looks at deadlines and deaths again
 STEP_ASIDE_S = 50e-6  # how a pump waits, lock released, while another thread sends
-
-
-def _close_fds(*fds: int) -> None:
-    for fd in fds:
-        os.close(fd)
 
 
 class Liveness:
@@ -130,11 +124,10 @@ class RpcClient:
         self._turn_lock = threading.Lock()
         self._wanting = 0
         self._polling = False
-        self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
-        self._close_pipe = weakref.finalize(self, _close_fds, self._wake_r, self._wake_w)
+        self._wakes = WakePipe()
         self._poller = zmq.Poller()
         self._poller.register(sock, _POLLIN)
-        self._poller.register(self._wake_r, _POLLIN)
+        self._poller.register(self._wakes.fd, _POLLIN)
         for fd in liveness.fds:
             self._poller.register(fd, _POLLIN)
 
@@ -243,8 +236,8 @@ class RpcClient:
     def close(self) -> None:
         """Release the client's own file descriptors (the socket is its owner's)."""
         with self._lock:
-            self._poller.unregister(self._wake_r)
-            self._close_pipe()
+            self._poller.unregister(self._wakes.fd)
+            self._wakes.close()
 
     def fail_all(self, error: ExecutorError) -> None:
         with self._turn():
@@ -257,8 +250,7 @@ class RpcClient:
         with self._turn_lock:
             self._wanting += 1
         if self._polling:
-            with contextlib.suppress(BlockingIOError):  # full of wake-ups: one is enough
-                os.write(self._wake_w, b"\0")
+            self._wakes.wake()
         try:
             with self._lock:
                 yield
@@ -277,10 +269,8 @@ class RpcClient:
             events = dict(self._poller.poll(max_wait_s * 1000))
         finally:
             self._polling = False
-        if events.pop(self._wake_r, 0):
-            with contextlib.suppress(BlockingIOError):
-                while os.read(self._wake_r, 4096):
-                    continue
+        if events.pop(self._wakes.fd, 0):
+            self._wakes.drain()
         if events.pop(self.sock, 0):
             self._receive()
             # More replies of a call still open (several ranks) are likely there already:

@@ -12,9 +12,7 @@ health checks and the next steps are taken in while a long step runs.
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import os
 import select
 import threading
 from collections import deque
@@ -24,6 +22,7 @@ from typing import Any
 import zmq
 
 from zmqworker.runtime.async_socket import LEAD_CLOSED, LEAD_READY, AsyncSocket
+from zmqworker.wake_pipe import WakePipe
 
 log = logging.getLogger("zmqworker.compute")
 
@@ -48,12 +47,11 @@ class ComputeThread:
         self._lock = threading.Lock()
         self._idle = False
         self._stopping = False
-        self._closed = False
-        self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._wakes = WakePipe()
         self._poller_closed = select.poll()  # the wake-ups only
-        self._poller_closed.register(self._wake_r, select.POLLIN)
+        self._poller_closed.register(self._wakes.fd, select.POLLIN)
         self._poller_leading = select.poll()  # the wake-ups and the socket
-        self._poller_leading.register(self._wake_r, select.POLLIN)
+        self._poller_leading.register(self._wakes.fd, select.POLLIN)
         if sock is not None:
             self._poller_leading.register(sock.fd, select.POLLIN)
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -65,25 +63,18 @@ class ComputeThread:
             self._jobs.append((fn, done))
             idle = self._idle
         if idle:
-            self._wake()
+            self._wakes.wake()
 
     def stop(self) -> None:
         """Finish the queued work, then end the thread (does not wait for it)."""
         with self._lock:
             self._stopping = True
-        self._wake()
+        self._wakes.wake()
 
     def join(self, timeout_s: float) -> bool:
         """Wait up to timeout_s for the thread to end after stop(); whether it did."""
         self._thread.join(timeout_s)
         return not self._thread.is_alive()
-
-    def _wake(self) -> None:
-        with self._lock:
-            if self._closed:
-                return
-            with contextlib.suppress(BlockingIOError):  # full of wake-ups: one is enough
-                os.write(self._wake_w, b"\0")
 
     def _run(self) -> None:
         try:
@@ -99,21 +90,16 @@ class ComputeThread:
                 if job is not None:
                     self._execute(*job)
         finally:
-            with self._lock:
-                self._closed = True
-                os.close(self._wake_r)
-                os.close(self._wake_w)
+            self._wakes.close()
 
     def _wait(self) -> Job | None:
         """Sleep until there is work: a submitted job (picked up by the next round) or,
         when leading, a message on the socket (returned as the job it makes, if any)."""
-        lead = LEAD_CLOSED if self._sock is None else self._sock.lead(self._wake)
+        lead = LEAD_CLOSED if self._sock is None else self._sock.lead(self._wakes.wake)
         if lead != LEAD_READY:
             poller = self._poller_closed if lead == LEAD_CLOSED else self._poller_leading
-            if any(fd == self._wake_r for fd, _ in poller.poll()):
-                with contextlib.suppress(BlockingIOError):
-                    while os.read(self._wake_r, 4096):
-                        continue
+            if any(fd == self._wakes.fd for fd, _ in poller.poll()):
+                self._wakes.drain()
         with self._lock:
             self._idle = False
         # Receive only with nothing queued: a job queued meanwhile came first.
