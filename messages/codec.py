@@ -139,6 +139,16 @@ class Decoder:
         """frames: the body and the raw frames, as bytes, memoryviews or zmq Frames."""
         if not frames:
             raise ProtocolError("empty message: no body frame")
+        if len(frames) == 1:
+            # Fast path for a body alone (most calls and replies): one pass, nothing to
+            # account for. Anything unusual takes the careful path below, which reports
+            # it properly.
+            try:
+                env = self._whole.decode(frames[0])
+            except Exception:
+                env = None
+            if env is not None and env.version == PROTOCOL_VERSION:
+                return env.msg
         try:
             views = [memoryview(f) for f in frames]
         except TypeError as e:
