@@ -24,7 +24,7 @@ import logging
 import select
 import threading
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Sequence, Sized
 from typing import Any
 
 import zmq
@@ -55,6 +55,7 @@ class AsyncSocket:
         self.fd: int = sock.getsockopt(zmq.FD)
         self._closed = False
         self._leader_wake: Callable[[], None] | None = None  # set while a thread leads
+        self._unlooked = False  # a send_before_lead() since the last look at the events
         self._watch = select.epoll()  # what the loop watches: the FD, unless a thread leads
         self._watch.register(self.fd, select.EPOLLIN)
         loop.add_reader(self._watch.fileno(), self._drain)
@@ -68,6 +69,28 @@ class AsyncSocket:
     def send_threadsafe(self, frames: Sequence[Any]) -> None:
         """Send from any other thread."""
         if self._send(frames):
+            self._loop.call_soon_threadsafe(self._drain)
+
+    def send_before_lead(self, frames: Sequence[Any]) -> None:
+        """Send from the thread that calls lead() or settle() next: the look at the
+        socket's events that follows every send is left to that call, so that an idle
+        thread's reply and its next lead take one look, not two."""
+        if self._send(frames, look_later=True):
+            self._loop.call_soon_threadsafe(self._drain)
+
+    def settle(self) -> None:
+        """The look that send_before_lead() left, for a thread that will not lead next."""
+        if not self._unlooked:
+            return
+        with self._lock:
+            if self._closed or not self._unlooked:
+                return
+            if not (self._after_io() or self._backlog):
+                return
+            wake = self._leader_wake
+        if wake is not None:
+            wake()
+        else:
             self._loop.call_soon_threadsafe(self._drain)
 
     def close(self) -> None:
@@ -91,33 +114,34 @@ class AsyncSocket:
             if self._closed:
                 return LEAD_CLOSED
             self._leader_wake = wake
-            self._watch.unregister(self.fd)
-            return LEAD_READY if self.sock.getsockopt(_EVENTS) & _POLLIN else LEAD_WAIT
+            self._watch.modify(self.fd, 0)  # cheaper than unregister/register
+            return LEAD_READY if self._after_io() else LEAD_WAIT
 
-    def take(self, may_receive: Callable[[], bool]) -> list[zmq.Frame] | None:
-        """End the lead: the next message, if one is there and may_receive() (asked under
-        the lock: the leader has no earlier message queued); the loop receives the rest."""
+    def take(self, queued: Sized) -> list[zmq.Frame] | None:
+        """End the lead: the next message, if one is there and nothing is queued (queued
+        is looked at under the lock: the leader must not run a message ahead of work
+        queued before it); the loop receives the rest."""
         with self._lock:
             if self._closed:
                 return None
             self._leader_wake = None
-            events = self.sock.getsockopt(_EVENTS)
-            if self._backlog and events & _POLLOUT:
-                self._flush()
             frames = None
-            more = events & _POLLIN
-            if more and may_receive():
-                frames = recv_frames(self.sock)
-                more = self.sock.getsockopt(_EVENTS) & _POLLIN
+            if not queued:
+                try:  # no EVENTS first: a receive takes in the socket's news by itself
+                    frames = recv_frames(self.sock)
+                except zmq.Again:
+                    frames = None
+            more = self._after_io()
             # Only now: the FD, still readable from the edge just handled, would wake the
             # loop for nothing.
-            self._watch.register(self.fd, select.EPOLLIN)
+            self._watch.modify(self.fd, select.EPOLLIN)
         if more:  # their edge is gone: the loop must look by itself
             self._loop.call_soon_threadsafe(self._drain)
         return frames
 
-    def _send(self, frames: Sequence[Any]) -> bool:
-        """Send or queue; True when the loop has something to do (input or a backlog)."""
+    def _send(self, frames: Sequence[Any], look_later: bool = False) -> bool:
+        """Send or queue; True when the loop has something to do (input or a backlog).
+        look_later: see send_before_lead()."""
         with self._lock:
             if self._closed:
                 return False
@@ -126,9 +150,13 @@ class AsyncSocket:
                     send_frames(self.sock, frames, NOBLOCK)
                 except zmq.Again:
                     self._backlog.append(frames)
+                else:
+                    if look_later:
+                        self._unlooked = True
+                        return False
             else:
                 self._backlog.append(frames)
-            pending = bool(self.sock.getsockopt(_EVENTS) & _POLLIN)
+            pending = self._after_io()
             if (pending or self._backlog) and self._leader_wake is not None:
                 # This send took the edge the leader waits for (an input, or room for
                 # the backlog), and the loop leaves the socket to the leader.
@@ -141,10 +169,7 @@ class AsyncSocket:
             with self._lock:
                 if self._closed or self._leader_wake is not None:
                     return  # a leader receives: the FD is its to look at
-                events = self.sock.getsockopt(_EVENTS)
-                if self._backlog and events & _POLLOUT:
-                    self._flush()
-                if not events & _POLLIN:
+                if not self._after_io():
                     return
                 # Handed on under the lock: a leader's take() then finds every message
                 # received before its own already queued, and calls keep arrival order.
@@ -153,6 +178,16 @@ class AsyncSocket:
                     self._on_message(frames)
                 except Exception:  # one bad message must not leave the next ones unread
                     log.exception("handling a message failed")
+
+    def _after_io(self) -> bool:
+        """After anything that may have taken in the socket's news (and so its FD's edge):
+        send what the backlog can, and say whether a message waits. Under the lock."""
+        self._unlooked = False
+        events = self.sock.getsockopt(_EVENTS)
+        if self._backlog and events & _POLLOUT:
+            self._flush()
+            events = self.sock.getsockopt(_EVENTS)  # the sends may have taken news too
+        return bool(events & _POLLIN)
 
     def _flush(self) -> None:
         while self._backlog:

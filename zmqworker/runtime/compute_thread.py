@@ -87,6 +87,8 @@ class ComputeThread:
                         self._idle = True
                 if job is None:
                     job = self._wait()
+                elif self._sock is not None:
+                    self._sock.settle()  # a queued job runs next: no lead() looks
                 if job is not None:
                     self._execute(*job)
         finally:
@@ -98,12 +100,13 @@ class ComputeThread:
         lead = LEAD_CLOSED if self._sock is None else self._sock.lead(self._wakes.wake)
         if lead != LEAD_READY:
             poller = self._poller_closed if lead == LEAD_CLOSED else self._poller_leading
-            if any(fd == self._wakes.fd for fd, _ in poller.poll()):
+            ready = poller.poll()
+            if len(ready) > 1 or ready[0][0] == self._wakes.fd:
                 self._wakes.drain()
         with self._lock:
             self._idle = False
         # Receive only with nothing queued: a job queued meanwhile came first.
-        frames = None if lead == LEAD_CLOSED else self._sock.take(lambda: not self._jobs)
+        frames = None if lead == LEAD_CLOSED else self._sock.take(self._jobs)
         if frames is None:
             return None
         try:

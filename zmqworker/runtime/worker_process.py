@@ -20,6 +20,7 @@ import time
 import traceback
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -103,7 +104,8 @@ class WorkerServer:
         sock.connect(self.engine_address)
         self._sock = AsyncSocket(sock, loop, self._on_message)
         self._loop_reply = Replier(self.rank, self._sock.send)
-        self._compute_reply = Replier(self.rank, self._sock.send_threadsafe)
+        # The compute thread leads or settles after each reply (compute_thread.py).
+        self._compute_reply = Replier(self.rank, self._sock.send_before_lead)
         self._compute = ComputeThread(f"compute-{self.rank}", self._sock, self._on_idle_message)
         watch = EngineWatch(sock, loop, self._on_engine_lost, self.parent_pid)
         if self.handle_signals:
@@ -221,7 +223,7 @@ class WorkerServer:
         if req.method == "execute_model" and pp_rank > 0:
             # Posted now, before the step is prepared; waited for only when needed.
             extra["intermediate_tensors"] = self._pp_in.expect(req.call_id, self.rank - tp)
-        return lambda: self._call(req, extra), lambda r, e: self._on_computed(req, r, e)
+        return partial(self._call, req, extra), partial(self._on_computed, req)
 
     def _call(self, req: RpcRequest, extra: dict[str, Any] | None = None) -> Any:
         if self._init_error is not None:
@@ -336,7 +338,7 @@ class Replier:
 
     def result(self, call_id: int, result: Any) -> None:
         try:
-            frames = self.enc.encode(RpcReply(call_id=call_id, rank=self.rank, result=result))
+            frames = self.enc.encode(RpcReply(call_id, self.rank, result))
         except Exception as e:  # TypeError, ValueError, OverflowError (ints past 64 bits)...
             self.error(
                 call_id, TypeError(f"the result ({type(result).__name__}) cannot be encoded: {e}")
