@@ -32,6 +32,7 @@ from zmqworker.executor.errors import (
     WorkerDiedError,
     WorkerError,
     WorkerStartupError,
+    WorkerStuckError,
 )
 from zmqworker.executor.multiproc import MultiprocExecutor
 
@@ -172,12 +173,10 @@ def test_deadline_names_method_and_silent_ranks(ex2):
 
 
 def test_health_check_answered_while_a_long_step_runs(ex2):
-    long_call = ex2.collective_rpc("sleep_for", (1.5,), non_block=True)
-    start = time.monotonic()
+    long_call = ex2.collective_rpc("sleep_for", (3.0,), non_block=True)
     ex2.check_health(timeout=30)
     assert not long_call.done(), "the health check waited for the step"
-    assert time.monotonic() - start < 1.5
-    assert long_call.result(timeout=30) == [1.5, 1.5]
+    assert long_call.result(timeout=30) == [3.0, 3.0]
 
 
 def test_stray_connection_garbage_is_dropped_and_counted(ex2):
@@ -203,20 +202,40 @@ def test_worker_killed_mid_step_fails_pending_calls_fast():
         pending = [ex.collective_rpc("sleep_for", (30,), non_block=True) for _ in range(3)]
         time.sleep(0.3)
         os.kill(ex.pids[1], signal.SIGKILL)
-        start = time.monotonic()
+        # They fail on the death itself, not on a deadline (bench/failure_latency.py
+        # measures how soon): the 30 s steps are far from over.
         for f in pending:
             with pytest.raises(WorkerDiedError) as info:
                 f.result(timeout=10)
             assert info.value.rank == 1 and info.value.exit_status == -signal.SIGKILL
-        assert time.monotonic() - start < 3.0
         assert "rank 1" in str(info.value) and "SIGKILL" in str(info.value)
-        start = time.monotonic()
-        with pytest.raises(WorkerDiedError):
-            ex.collective_rpc("echo", (1,))
-        assert time.monotonic() - start < 1.0
+        with pytest.raises(WorkerDiedError):  # at once: not RpcTimeoutError
+            ex.collective_rpc("echo", (1,), timeout=10)
     finally:
         ex.shutdown()
     assert wait_gone(ex.pids, 10)
+
+
+def test_a_worker_that_reads_nothing_fails_the_send_after_its_timeout():
+    """A worker alive but stopped (SIGSTOP) lets the engine's queue to it fill up; the
+    send then fails after send_timeout_s, naming the rank, instead of blocking for ever
+    with the client's lock held."""
+    ex = MultiprocExecutor(echo_config(tp=1))
+    try:
+        ex.rpc.send_timeout_s = 0.3
+        os.kill(ex.pids[0], signal.SIGSTOP)
+        payload = b"x" * 4096  # fills the queues in a few thousand calls
+        for _ in range(100_000):
+            call = ex.collective_rpc("echo", (payload,), non_block=True)
+            if call.done():
+                break
+        with pytest.raises(WorkerStuckError, match="rank 0 is alive but has not read"):
+            call.result(timeout=0)
+        os.kill(ex.pids[0], signal.SIGCONT)
+        assert ex.collective_rpc("echo", (1,), timeout=60) == [1]  # it catches up
+    finally:
+        os.kill(ex.pids[0], signal.SIGCONT)
+        ex.shutdown()
 
 
 ENGINE_SCRIPT = textwrap.dedent(
@@ -244,7 +263,7 @@ def test_engine_killed_workers_exit_and_socket_removed(tmp_path):
         assert Path(folder, "engine.sock").exists()
         engine.kill()
         engine.wait()
-        assert wait_gone(pids, 5.0), "workers outlived their engine"
+        assert wait_gone(pids, 10.0), "workers outlived their engine"
         end = time.monotonic() + 5
         while Path(folder).exists() and time.monotonic() < end:
             time.sleep(0.05)
@@ -260,7 +279,7 @@ def test_shutdown_is_complete_and_idempotent():
     folder, pids = Path(ex._dir), ex.pids
     ex.shutdown()
     ex.shutdown()
-    assert wait_gone(pids, 1.0)
+    assert not any(alive(p) for p in pids)  # shutdown waited for them
     assert not folder.exists()
     with pytest.raises(ExecutorError, match="shut down"):
         ex.collective_rpc("echo", (1,))
@@ -272,8 +291,8 @@ def test_shutdown_escalates_when_a_worker_is_stuck():
     time.sleep(0.2)
     start = time.monotonic()
     ex.shutdown()
-    assert time.monotonic() - start < 30
-    assert wait_gone(ex.pids, 1.0)
+    assert time.monotonic() - start < 30  # not the 120 s step
+    assert not any(alive(p) for p in ex.pids)
 
 
 def test_startup_failure_reports_the_worker_error_and_stops_the_others():

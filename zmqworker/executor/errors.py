@@ -44,6 +44,19 @@ class WorkerDiedError(ExecutorError):
         super().__init__(f"worker rank {rank}{where} died ({status})")
 
 
+class WorkerStuckError(ExecutorError):
+    """A worker that is alive has left its messages unread until the engine's queue to it
+    filled up, and stayed so for the whole send timeout (stopped, or wedged)."""
+
+    def __init__(self, rank: int, method: str, send_timeout_s: float) -> None:
+        self.rank = rank
+        self.method = method
+        super().__init__(
+            f"{method}: worker rank {rank} is alive but has not read its messages for "
+            f"{send_timeout_s:.3g} s (its queue is full); the call was not sent to it"
+        )
+
+
 class WorkerStartupError(ExecutorError):
     """A worker failed to start: its error and the tail of its stderr."""
 

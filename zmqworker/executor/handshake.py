@@ -109,7 +109,7 @@ class Handshake:
             log.warning("dropped an unexpected %s from peer %r", type(msg).__name__, identity)
             return
         self.hellos[msg.rank] = msg
-        rpc.identities[msg.rank] = identity
+        rpc.add_peer(msg.rank, identity)
 
 
 def polite_shutdown(rpc: RpcClient | None, world_size: int, timeout: float) -> bool:

@@ -106,12 +106,12 @@ class MultiprocExecutor(RpcExecutor):
             return
         self._closed = True
         polite = polite_shutdown(getattr(self, "rpc", None), len(self.procs), SHUTDOWN_GRACE_S)
+        if getattr(self, "rpc", None) is not None:  # before the pidfds it watches close
+            self.rpc.close()
         for proc in self.procs:
             proc.stop(grace_s=SHUTDOWN_GRACE_S if polite else 0.0, term_s=SIGTERM_GRACE_S)
         for proc in self.procs:
             proc.close()
-        if getattr(self, "rpc", None) is not None:
-            self.rpc.close()
         self._sock.close(linger=0)
         self._ctx.term()
         shutil.rmtree(self._dir, ignore_errors=True)

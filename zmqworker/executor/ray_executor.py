@@ -129,6 +129,8 @@ class RayExecutor(RpcExecutor):
                 actor.stop_server.remote("the executor shuts down")
             grace = SHUTDOWN_GRACE_S if polite else 1.0
             ray.wait(self._serving, num_returns=len(self._serving), timeout=grace)
+        if self.rpc is not None:  # before the watch's pipes close
+            self.rpc.close()
         if self._watch is not None:
             self._watch.close()
         if self.rpc is not None:  # a call still waited on fails now, not never
@@ -136,8 +138,6 @@ class RayExecutor(RpcExecutor):
         _release(self.actors, self._groups)
         if self._serving:  # they end when their actors are gone: wait for that, bounded
             ray.wait(self._serving, num_returns=len(self._serving), timeout=SHUTDOWN_GRACE_S)
-        if self.rpc is not None:
-            self.rpc.close()
         if self._sock is not None:
             self._sock.close(linger=0)
         self._ctx.term()

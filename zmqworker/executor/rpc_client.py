@@ -1,19 +1,20 @@
 """The engine side of the ROUTER socket: send a call to many ranks, match replies by id.
 
 There is no I/O thread: a caller sends from its own thread, and whoever waits on a
-result pumps the socket (one thread at a time), completing every call whose replies
-arrive, not just its own. Worker deaths wake the same poll: MultiprocExecutor hands in
-one pidfd per worker, so a SIGKILLed worker fails every pending call at once.
+result pumps the socket (one thread at a time) in a blocking receive, completing every
+call whose replies arrive, not just its own. Worker deaths wake the same receive
+(nudge.py): MultiprocExecutor hands in one pidfd per worker, so a SIGKILLed worker fails
+every pending call at once.
 """
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import logging
+import math
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,15 +27,15 @@ from zmqworker.executor.errors import (
     RpcTimeoutError,
     WorkerDiedError,
     WorkerError,
+    WorkerStuckError,
 )
-from zmqworker.wake_pipe import WakePipe
-from zmqworker.zmq_io import recv_frames, send_frames
+from zmqworker.executor.nudge import NUDGE_IDENTITY, Nudger
+from zmqworker.zmq_io import recv_frames, send_routed
 
 log = logging.getLogger("zmqworker.executor")
 
-# Plain ints: pyzmq's enum flags cost about 3 us a use here.
-_EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)
-POLL_SLICE_S = 0.1  # the longest a pump sleeps before it looks at deadlines and deaths again
+SEND_TIMEOUT_S = 10.0  # how long a send waits on a live worker that reads nothing
+POLL_SLICE_S = 0.1  # the longest a pump waits before it looks at deadlines again
 STEP_ASIDE_S = 50e-6  # how a pump waits, lock released, while another thread sends
 
 
@@ -104,36 +105,60 @@ class RpcClient:
         sock: zmq.Socket,
         liveness: Liveness,
         on_other: Callable[[bytes, Any], None] | None = None,
+        send_timeout_s: float = SEND_TIMEOUT_S,
     ) -> None:
+        """send_timeout_s: how long a send may wait for a worker that is alive but
+        leaves its messages unread once the queue to it is full (the socket's SNDTIMEO)."""
         self.sock = sock
         self.liveness = liveness
         self.on_other = on_other  # messages that are not replies (the handshake's Hellos)
-        self.identities: dict[int, bytes] = {}  # rank -> ROUTER identity
+        self.identities: dict[int, bytes] = {}  # rank -> ROUTER identity (add_peer)
+        self._all_ranks: list[int] = []  # sorted(identities)
         self.dropped_messages = 0
         self.late_replies = 0
         self._enc = Encoder()
         self._dec = Decoder()
         self._ids = itertools.count(1)
         self._calls: dict[int, _Call] = {}
+        self._timed = 0  # calls in _calls with a deadline
         self._lock = threading.RLock()
         self._progress = threading.Condition(threading.Lock())  # a call finished
         self._bystanders = 0  # threads waiting on _progress
         self._dead: ExecutorError | None = None
-        # Threads that want the lock while another pumps (_turn): they write to the pipe,
-        # which the pump's poll watches, so that it steps aside at once.
+        # Threads that want the lock while another pumps (_take_turn) nudge it out of
+        # its receive, so that it steps aside at once; so does a worker's death.
         self._turn_lock = threading.Lock()
         self._wanting = 0
         self._polling = False
-        self._wakes = WakePipe()
-        self._poller = zmq.Poller()
-        self._poller.register(sock, _POLLIN)
-        self._poller.register(self._wakes.fd, _POLLIN)
-        for fd in liveness.fds:
-            self._poller.register(fd, _POLLIN)
+        self._deaths: list[int] = []  # ranks whose death signal fired, in order
+        self._rcvtimeo_ms = -1
+        self._nudger = Nudger(sock, liveness.fds, self._deaths.append)
+        self.send_timeout_s = send_timeout_s
 
     @property
     def dead(self) -> ExecutorError | None:
         return self._dead
+
+    @property
+    def send_timeout_s(self) -> float:
+        return self._send_timeout_s
+
+    @send_timeout_s.setter
+    def send_timeout_s(self, seconds: float) -> None:
+        if not seconds > 0:
+            raise ValueError(f"send_timeout_s must be > 0, got {seconds!r}")
+        self._take_turn()  # the socket may be in another thread's receive
+        try:
+            self.sock.setsockopt(zmq.SNDTIMEO, max(1, round(seconds * 1000)))
+            self._send_timeout_s = seconds
+        finally:
+            self._release_turn()
+
+    def add_peer(self, rank: int, identity: bytes) -> None:
+        """rank answers from the ROUTER identity identity (it said hello)."""
+        with self._lock:
+            self.identities[rank] = identity
+            self._all_ranks = sorted(self.identities)
 
     def call(
         self,
@@ -174,13 +199,13 @@ class RpcClient:
         reply_rank: int | None,
         with_future: bool,
     ) -> _Call:
-        ranks = sorted(self.identities if ranks is None else ranks)
+        ranks = self._all_ranks if ranks is None else sorted(ranks)
         if reply_rank is not None and reply_rank not in ranks:
             raise ValueError(f"unique_reply_rank {reply_rank} is not one of the ranks {ranks}")
-        with self._turn():
+        self._take_turn()
+        try:
             self._check_alive()
             call_id = next(self._ids)
-            deadline = None if timeout is None else time.monotonic() + timeout
             req = RpcRequest(
                 call_id=call_id,
                 method=method,
@@ -194,21 +219,35 @@ class RpcClient:
             except (TypeError, ValueError) as e:
                 raise TypeError(f"arguments of {method} cannot be encoded: {e}") from None
             waiting = {reply_rank} if reply_rank is not None else set(ranks)
+            deadline = None
+            if timeout is not None:
+                deadline = time.monotonic() + timeout
+                self._timed += 1
             call = self._calls[call_id] = _Call(method, waiting, reply_rank, timeout, deadline)
             if with_future:
                 call.future = RpcFuture(self, call)
+            identities = self.identities
             for rank in ranks:
                 try:
-                    send_frames(self.sock, [self.identities[rank], *frames])
+                    send_routed(self.sock, identities[rank], frames)
+                except zmq.Again:  # SNDTIMEO: that rank has not read its messages
+                    self._forget(call_id)
+                    self._finish(call, error=WorkerStuckError(rank, method, self.send_timeout_s))
+                    break
                 except zmq.ZMQError as e:  # ROUTER_MANDATORY: the peer is gone
                     self._fail_all(self.liveness.check() or WorkerDiedError(rank, None, f" ({e})"))
                     break
             return call
+        finally:
+            self._release_turn()
 
     def send_to(self, rank: int, msg: Any) -> None:
         """Send a message that is not a call (the handshake's Welcome) to one rank."""
-        with self._turn():
-            send_frames(self.sock, [self.identities[rank], *self._enc.encode(msg)])
+        self._take_turn()
+        try:
+            send_routed(self.sock, self.identities[rank], self._enc.encode(msg))
+        finally:
+            self._release_turn()
 
     def wait_for(self, done: Callable[[], bool], timeout: float | None = None) -> None:
         """Pump until done() is true; TimeoutError after timeout seconds."""
@@ -220,7 +259,8 @@ class RpcClient:
                         left = None if end is None else end - time.monotonic()
                         if left is not None and left <= 0:
                             raise TimeoutError(f"not done within {timeout} s")
-                        self._pump(POLL_SLICE_S if left is None else min(left, POLL_SLICE_S))
+                        wait_s = POLL_SLICE_S if left is None else min(left, POLL_SLICE_S)
+                        self._pump(done, wait_s)
                 finally:
                     self._lock.release()
                 while self._wanting and not done():  # let the short jobs have the lock
@@ -234,69 +274,81 @@ class RpcClient:
                     self._bystanders -= 1
 
     def close(self) -> None:
-        """Release the client's own file descriptors (the socket is its owner's)."""
-        with self._lock:
-            self._poller.unregister(self._wakes.fd)
-            self._wakes.close()
+        """Stop watching the liveness fds (close this before them) and release the
+        client's own socket and fds (the ROUTER is its owner's)."""
+        self._nudger.close()
 
     def fail_all(self, error: ExecutorError) -> None:
-        with self._turn():
+        self._take_turn()
+        try:
             self._fail_all(error)
+        finally:
+            self._release_turn()
 
-    @contextlib.contextmanager
-    def _turn(self) -> Iterator[None]:
-        """The lock, for a short job (a send, fail_all). A thread that pumps holds the lock
-        for as long as it waits: it is woken, and steps aside until the job is done."""
+    def _take_turn(self) -> None:
+        """The lock, for a short job (a send, fail_all): a thread that pumps holds it for
+        as long as it waits, so it is woken and steps aside until _release_turn()."""
+        if self._lock.acquire(blocking=False):  # nobody pumps: the common case
+            return
         with self._turn_lock:
             self._wanting += 1
-        if self._polling:
-            self._wakes.wake()
         try:
-            with self._lock:
-                yield
+            if self._polling:
+                self._nudger.nudge()
+            self._lock.acquire()
         finally:
             with self._turn_lock:
                 self._wanting -= 1
 
+    def _release_turn(self) -> None:
+        self._lock.release()
+
     # internals ------------------------------------------------------------------------
 
-    def _pump(self, max_wait_s: float) -> None:
-        next_deadline = min((c.deadline for c in self._calls.values() if c.deadline), default=None)
-        if next_deadline is not None:
-            max_wait_s = max(0.0, min(max_wait_s, next_deadline - time.monotonic()))
-        self._polling = True
-        try:
-            events = dict(self._poller.poll(max_wait_s * 1000))
-        finally:
-            self._polling = False
-        if events.pop(self._wakes.fd, 0):
-            self._wakes.drain()
-        if events.pop(self.sock, 0):
-            self._receive()
-            # More replies of a call still open (several ranks) are likely there already:
-            # looking costs less than another poll.
-            while self._calls and self.sock.getsockopt(_EVENTS) & _POLLIN:
-                self._receive()
-        if events:  # a pidfd: that worker is gone
-            rank = self.liveness.fds[next(iter(events))]
-            self._fail_all(self.liveness.check() or WorkerDiedError(rank, None))
-        elif not self.liveness.fds and self._calls:  # nothing to wake us: look
+    def _pump(self, done: Callable[[], bool], max_wait_s: float) -> None:
+        """Receive and handle messages until done(), a death, a thread that wants the
+        lock, or max_wait_s (at most until the next deadline) without one."""
+        next_deadline = None
+        if self._timed:
+            next_deadline = min(c.deadline for c in self._calls.values() if c.deadline)
+            max_wait_s = min(max_wait_s, next_deadline - time.monotonic())
+        wait_ms = max(0, math.ceil(max_wait_s * 1000))
+        if wait_ms != self._rcvtimeo_ms:
+            self.sock.setsockopt(zmq.RCVTIMEO, wait_ms)
+            self._rcvtimeo_ms = wait_ms
+        recv = self.sock.recv
+        signalled = bool(self.liveness.fds)
+        while True:
+            self._polling = True  # set before _wanting is read: see _take_turn
+            try:
+                if self._wanting:
+                    break
+                identity = recv()  # blocks until a message, or RCVTIMEO
+            except zmq.Again:
+                break
+            finally:
+                self._polling = False
+            self._handle(identity)
+            # Straight on to the next reply, unless something needs a look first.
+            if done() or self._deaths or self._timed or not signalled:
+                break
+        died = None
+        if self._deaths:
+            died = self.liveness.check() or WorkerDiedError(self._deaths[0], None)
+        elif not signalled and self._calls:  # nothing signals deaths: look
             died = self.liveness.check()
-            if died is not None:
-                self._fail_all(died)
+        if died is not None:
+            self._fail_all(died)
         if next_deadline is not None:
             self._expire(time.monotonic())
 
-    def _receive(self) -> None:
-        """Handle the message that poll found. One only: a caller whose call it completes
-        returns without asking zmq for more, and the next poll finds any others at once."""
-        try:
-            frames = recv_frames(self.sock)
-        except zmq.Again:
+    def _handle(self, identity: bytes) -> None:
+        """The rest of the message whose first frame (the peer's identity) came in."""
+        frames = recv_frames(self.sock)  # the rest of a message is there with its first frame
+        if identity == NUDGE_IDENTITY:
             return
-        identity = frames[0].bytes
         try:
-            msg = self._dec.decode(frames[1:])
+            msg = self._dec.decode(frames)
         except ProtocolError as e:
             self.dropped_messages += 1
             log.warning("dropped a message that did not decode (peer %r): %s", identity, e)
@@ -317,34 +369,40 @@ class RpcClient:
                     "rank %d could not decode a message: %s", reply.rank, reply.error.message
                 )
             self.late_replies += 1
-            return
-        if reply.error is not None:
-            del self._calls[reply.call_id]
+        elif reply.error is not None:
+            self._forget(reply.call_id)
             self._finish(call, error=WorkerError(call.method, reply.error))
-            return
-        if reply.rank not in call.waiting_for:
+        elif reply.rank not in call.waiting_for:
             self.late_replies += 1
-            return
-        call.results[reply.rank] = reply.result
-        call.waiting_for.discard(reply.rank)
-        if not call.waiting_for:
-            del self._calls[reply.call_id]
+        else:
+            call.results[reply.rank] = reply.result
+            call.waiting_for.discard(reply.rank)
+            if call.waiting_for:
+                return
+            self._forget(reply.call_id)
+            results = call.results
             if call.single_rank is not None:
-                self._finish(call, call.results[call.single_rank])
+                self._finish(call, results[call.single_rank])
             else:
-                self._finish(call, [call.results[r] for r in sorted(call.results)])
+                self._finish(call, [results[r] for r in sorted(results)])
 
     def _expire(self, now: float) -> None:
         for call_id, call in list(self._calls.items()):
             if call.deadline is not None and now >= call.deadline:
-                del self._calls[call_id]
+                self._forget(call_id)
                 error = RpcTimeoutError(call.method, sorted(call.waiting_for), call.timeout or 0.0)
                 self._finish(call, error=error)
 
+    def _forget(self, call_id: int) -> None:
+        if self._calls.pop(call_id).deadline is not None:
+            self._timed -= 1
+
     def _check_alive(self) -> None:
-        # Deaths wake the pump through the pidfds; only without them do we look here.
-        if self._dead is None and not self.liveness.fds:
+        # Deaths signalled while nobody pumped; without signals, look.
+        if self._dead is None and (self._deaths or not self.liveness.fds):
             died = self.liveness.check()
+            if died is None and self._deaths:
+                died = WorkerDiedError(self._deaths[0], None)
             if died is not None:
                 self._fail_all(died)
         if self._dead is not None:
@@ -353,7 +411,7 @@ class RpcClient:
     def _fail_all(self, error: ExecutorError) -> None:
         if self._dead is None:
             self._dead = error
-        calls, self._calls = self._calls, {}
+        calls, self._calls, self._timed = self._calls, {}, 0
         for call in calls.values():
             self._finish(call, error=error)
 
