@@ -81,28 +81,34 @@ def engine_killed() -> float:
     )
     try:
         pids = [int(p) for p in engine.stdout.readline().split()]
-        watch = select.poll()
         fds = [os.pidfd_open(pid) for pid in pids]
-        for fd in fds:
-            watch.register(fd, select.POLLIN)
-        start = time.perf_counter()
-        engine.kill()
-        engine.wait()
-        gone: set[int] = set()
-        while len(gone) < len(fds):
-            left_ms = 30_000 - (time.perf_counter() - start) * 1000
-            if left_ms <= 0:
-                raise RuntimeError(f"workers {pids} outlived their engine by 30 s")
-            for fd, _ in watch.poll(left_ms):
-                gone.add(fd)
-                watch.unregister(fd)
-        elapsed = time.perf_counter() - start
-        for fd in fds:
-            os.close(fd)
-        return elapsed
+        try:
+            return _until_gone(engine, fds, pids)
+        finally:
+            for fd in fds:
+                os.close(fd)
     finally:
         engine.kill()
         engine.wait()
+
+
+def _until_gone(engine: subprocess.Popen, fds: list[int], pids: list[int]) -> float:
+    """Kill the engine; the seconds until every pidfd in fds says its process exited."""
+    watch = select.poll()
+    for fd in fds:
+        watch.register(fd, select.POLLIN)
+    start = time.perf_counter()
+    engine.kill()
+    engine.wait()
+    gone: set[int] = set()
+    while len(gone) < len(fds):
+        left_ms = 30_000 - (time.perf_counter() - start) * 1000
+        if left_ms <= 0:
+            raise RuntimeError(f"workers {pids} outlived their engine by 30 s")
+        for fd, _ in watch.poll(left_ms):
+            gone.add(fd)
+            watch.unregister(fd)
+    return time.perf_counter() - start
 
 
 def summary(case: str, samples_s: list[float], bound_s: float) -> dict:

@@ -216,26 +216,60 @@ def test_worker_killed_mid_step_fails_pending_calls_fast():
     assert wait_gone(ex.pids, 10)
 
 
-def test_a_worker_that_reads_nothing_fails_the_send_after_its_timeout():
+@pytest.mark.parametrize("stopped", [0, 1])
+def test_a_worker_that_reads_nothing_fails_the_send_after_its_timeout(stopped: int):
     """A worker alive but stopped (SIGSTOP) lets the engine's queue to it fill up; the
     send then fails after send_timeout_s, naming the rank, instead of blocking for ever
-    with the client's lock held."""
-    ex = MultiprocExecutor(echo_config(tp=1))
+    with the client's lock held. Stopped first in rank order, nothing else got that call
+    and the executor goes on once the worker reads again; stopped later, the ranks
+    before it run a call it never got, so the executor is out of step and fails."""
+    ex = MultiprocExecutor(echo_config(tp=2))
     try:
         ex.rpc.send_timeout_s = 0.3
-        os.kill(ex.pids[0], signal.SIGSTOP)
-        payload = b"x" * 4096  # fills the queues in a few thousand calls
+        os.kill(ex.pids[stopped], signal.SIGSTOP)
+        payload = "x" * 4096  # fills the queues in a few thousand calls
         for _ in range(100_000):
             call = ex.collective_rpc("echo", (payload,), non_block=True)
             if call.done():
                 break
-        with pytest.raises(WorkerStuckError, match="rank 0 is alive but has not read"):
+        with pytest.raises(WorkerStuckError, match=f"rank {stopped} is alive but has not read"):
             call.result(timeout=0)
-        os.kill(ex.pids[0], signal.SIGCONT)
-        assert ex.collective_rpc("echo", (1,), timeout=60) == [1]  # it catches up
+        os.kill(ex.pids[stopped], signal.SIGCONT)
+        if stopped == 0:
+            assert ex.collective_rpc("echo", (1,), timeout=60) == [1, 1]  # it catches up
+        else:
+            with pytest.raises(WorkerStuckError):  # at once: not a timeout
+                ex.collective_rpc("echo", (1,), timeout=60)
     finally:
-        os.kill(ex.pids[0], signal.SIGCONT)
+        os.kill(ex.pids[stopped], signal.SIGCONT)
         ex.shutdown()
+
+
+def test_a_timeout_holds_while_other_replies_keep_coming(ex2):
+    """The waiting thread receives the replies of other calls meanwhile; its own limit
+    still ends the wait."""
+    calls = [ex2.collective_rpc("sleep_for", (0.02,), non_block=True) for _ in range(60)]
+    with pytest.raises(TimeoutError):
+        calls[-1].result(timeout=0.3)
+    assert calls[-1].result(timeout=60) == [0.02, 0.02]
+
+
+def test_shutdown_fails_the_call_another_thread_waits_on():
+    ex = MultiprocExecutor(echo_config())
+    outcome: dict[str, BaseException] = {}
+
+    def wait_long() -> None:
+        try:
+            ex.collective_rpc("sleep_for", (30.0,))
+        except ExecutorError as e:
+            outcome["error"] = e
+
+    waiter = threading.Thread(target=wait_long)
+    waiter.start()
+    time.sleep(0.3)  # most likely in its receive by now; the outcome is the same if not
+    ex.shutdown()
+    waiter.join(30)
+    assert not waiter.is_alive() and "shut down" in str(outcome["error"])
 
 
 ENGINE_SCRIPT = textwrap.dedent(

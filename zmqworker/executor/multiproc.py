@@ -106,8 +106,8 @@ class MultiprocExecutor(RpcExecutor):
             return
         self._closed = True
         polite = polite_shutdown(getattr(self, "rpc", None), len(self.procs), SHUTDOWN_GRACE_S)
-        if getattr(self, "rpc", None) is not None:  # before the pidfds it watches close
-            self.rpc.close()
+        if getattr(self, "rpc", None) is not None:  # fails what is still open; before the
+            self.rpc.close()  # pidfds it watches close
         for proc in self.procs:
             proc.stop(grace_s=SHUTDOWN_GRACE_S if polite else 0.0, term_s=SIGTERM_GRACE_S)
         for proc in self.procs:

@@ -38,7 +38,7 @@ except ImportError as e:  # the extra is optional
     raise ImportError(f"RayExecutor needs Ray: pip install 'zmqworker[ray]' ({e})") from e
 
 from messages import WorkerConfig
-from zmqworker.executor.errors import ExecutorError, WorkerDiedError, WorkerStartupError
+from zmqworker.executor.errors import WorkerDiedError, WorkerStartupError
 from zmqworker.executor.handshake import Handshake, bind_router, polite_shutdown
 from zmqworker.executor.ray_actor import RayWorkerActor
 from zmqworker.executor.rpc_client import Liveness, RpcClient
@@ -129,12 +129,10 @@ class RayExecutor(RpcExecutor):
                 actor.stop_server.remote("the executor shuts down")
             grace = SHUTDOWN_GRACE_S if polite else 1.0
             ray.wait(self._serving, num_returns=len(self._serving), timeout=grace)
-        if self.rpc is not None:  # before the watch's pipes close
+        if self.rpc is not None:  # a call still waited on fails now; before the pipes close
             self.rpc.close()
         if self._watch is not None:
             self._watch.close()
-        if self.rpc is not None:  # a call still waited on fails now, not never
-            self.rpc.fail_all(ExecutorError("the executor is shut down"))
         _release(self.actors, self._groups)
         if self._serving:  # they end when their actors are gone: wait for that, bounded
             ray.wait(self._serving, num_returns=len(self._serving), timeout=SHUTDOWN_GRACE_S)

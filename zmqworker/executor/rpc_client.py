@@ -231,8 +231,12 @@ class RpcClient:
                 try:
                     send_routed(self.sock, identities[rank], frames)
                 except zmq.Again:  # SNDTIMEO: that rank has not read its messages
+                    error = WorkerStuckError(rank, method, self.send_timeout_s)
+                    if rank != ranks[0]:  # the ranks before it run the call: out of step
+                        self._fail_all(error)
+                        break
                     self._forget(call_id)
-                    self._finish(call, error=WorkerStuckError(rank, method, self.send_timeout_s))
+                    self._finish(call, error=error)
                     break
                 except zmq.ZMQError as e:  # ROUTER_MANDATORY: the peer is gone
                     self._fail_all(self.liveness.check() or WorkerDiedError(rank, None, f" ({e})"))
@@ -260,7 +264,7 @@ class RpcClient:
                         if left is not None and left <= 0:
                             raise TimeoutError(f"not done within {timeout} s")
                         wait_s = POLL_SLICE_S if left is None else min(left, POLL_SLICE_S)
-                        self._pump(done, wait_s)
+                        self._pump(done, wait_s, bounded=end is not None)
                 finally:
                     self._lock.release()
                 while self._wanting and not done():  # let the short jobs have the lock
@@ -273,9 +277,11 @@ class RpcClient:
                     self._progress.wait(0.005)
                     self._bystanders -= 1
 
-    def close(self) -> None:
-        """Stop watching the liveness fds (close this before them) and release the
-        client's own socket and fds (the ROUTER is its owner's)."""
+    def close(self, why: str = "the executor is shut down") -> None:
+        """Fail the calls still open (a thread waiting on one leaves the ROUTER's
+        receive), stop watching the liveness fds (close this before them), and release
+        the client's own socket and fds (the ROUTER is its owner's)."""
+        self.fail_all(ExecutorError(why))
         self._nudger.close()
 
     def fail_all(self, error: ExecutorError) -> None:
@@ -305,9 +311,11 @@ class RpcClient:
 
     # internals ------------------------------------------------------------------------
 
-    def _pump(self, done: Callable[[], bool], max_wait_s: float) -> None:
+    def _pump(self, done: Callable[[], bool], max_wait_s: float, bounded: bool) -> None:
         """Receive and handle messages until done(), a death, a thread that wants the
-        lock, or max_wait_s (at most until the next deadline) without one."""
+        lock, or max_wait_s (at most until the next deadline) without one. bounded: the
+        caller has a time limit of its own, to look at after every message (the receive's
+        timeout starts again with each one)."""
         next_deadline = None
         if self._timed:
             next_deadline = min(c.deadline for c in self._calls.values() if c.deadline)
@@ -330,7 +338,7 @@ class RpcClient:
                 self._polling = False
             self._handle(identity)
             # Straight on to the next reply, unless something needs a look first.
-            if done() or self._deaths or self._timed or not signalled:
+            if done() or bounded or self._deaths or self._timed or not signalled:
                 break
         died = None
         if self._deaths:

@@ -184,9 +184,11 @@ class AsyncSocket:
         send what the backlog can, and say whether a message waits. Under the lock."""
         self._unlooked = False
         events = self.sock.getsockopt(_EVENTS)
-        if self._backlog and events & _POLLOUT:
+        # Again after each flush: its sends, or this look, may have taken in the news of
+        # room come back (and with it the FD's edge).
+        while self._backlog and events & _POLLOUT:
             self._flush()
-            events = self.sock.getsockopt(_EVENTS)  # the sends may have taken news too
+            events = self.sock.getsockopt(_EVENTS)
         return bool(events & _POLLIN)
 
     def _flush(self) -> None:

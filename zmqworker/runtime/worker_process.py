@@ -102,12 +102,13 @@ class WorkerServer:
         sock = ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(self.engine_address)
+        # Before the compute thread exists: it uses the socket as soon as it starts.
+        watch = EngineWatch(sock, loop, self._on_engine_lost, self.parent_pid)
         self._sock = AsyncSocket(sock, loop, self._on_message)
         self._loop_reply = Replier(self.rank, self._sock.send)
         # The compute thread leads or settles after each reply (compute_thread.py).
         self._compute_reply = Replier(self.rank, self._sock.send_before_lead)
         self._compute = ComputeThread(f"compute-{self.rank}", self._sock, self._on_idle_message)
-        watch = EngineWatch(sock, loop, self._on_engine_lost, self.parent_pid)
         if self.handle_signals:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.add_signal_handler(sig, self._stop, f"signal {sig.name}")
