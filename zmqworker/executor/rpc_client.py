@@ -71,7 +71,7 @@ class RpcFuture(Future):
         return False
 
 
-@dataclass
+@dataclass(slots=True)
 class _Call:
     """One call in flight. A blocking caller reads done/value/error directly: a
     concurrent.futures.Future costs a Condition per call and a lock per look at it."""
