@@ -107,26 +107,33 @@ def test_a_call_in_flight_cannot_be_cancelled(ex2):
     assert slow.result(timeout=30) == [0.2, 0.2] and other.result(timeout=30) == [1, 1]
 
 
-def test_a_thread_waiting_without_timeout_does_not_hold_up_the_others():
-    """One thread waits on a long call with no timeout (it pumps the socket); another
-    still gets its own call out and its own timeout, and fail_all gets through."""
-    ex = MultiprocExecutor(echo_config())
+def waiting_on_a_long_call(ex: MultiprocExecutor) -> tuple[threading.Thread, dict]:
+    """A started thread that waits, with no timeout, on a 30 s call (so it pumps the
+    socket); the ExecutorError that ends its wait lands in the dict under "error"."""
     outcome: dict[str, BaseException] = {}
 
     def wait_long() -> None:
         try:
             ex.collective_rpc("sleep_for", (30.0,))
         except ExecutorError as e:
-            outcome["long"] = e
+            outcome["error"] = e
 
     waiter = threading.Thread(target=wait_long)
+    waiter.start()
+    return waiter, outcome
+
+
+def test_a_thread_waiting_without_timeout_does_not_hold_up_the_others():
+    """One thread waits on a long call with no timeout (it pumps the socket); another
+    still gets its own call out and its own timeout, and fail_all gets through."""
+    ex = MultiprocExecutor(echo_config())
     try:
-        waiter.start()
+        waiter, outcome = waiting_on_a_long_call(ex)
         with pytest.raises(RpcTimeoutError, match="echo timed out"):  # the worker is busy
             ex.collective_rpc("echo", (1,), timeout=0.5)
         ex.rpc.fail_all(ExecutorError("given up"))
         waiter.join(30)
-        assert not waiter.is_alive() and "given up" in str(outcome["long"])
+        assert not waiter.is_alive() and "given up" in str(outcome["error"])
     finally:
         ex.shutdown()
 
@@ -256,16 +263,7 @@ def test_a_timeout_holds_while_other_replies_keep_coming(ex2):
 
 def test_shutdown_fails_the_call_another_thread_waits_on():
     ex = MultiprocExecutor(echo_config())
-    outcome: dict[str, BaseException] = {}
-
-    def wait_long() -> None:
-        try:
-            ex.collective_rpc("sleep_for", (30.0,))
-        except ExecutorError as e:
-            outcome["error"] = e
-
-    waiter = threading.Thread(target=wait_long)
-    waiter.start()
+    waiter, outcome = waiting_on_a_long_call(ex)
     time.sleep(0.3)  # most likely in its receive by now; the outcome is the same if not
     ex.shutdown()
     waiter.join(30)
