@@ -79,18 +79,15 @@ class AsyncSocket:
             self._loop.call_soon_threadsafe(self._drain)
 
     def settle(self) -> None:
-        """The look that send_before_lead() left, for a thread that will not lead next."""
+        """The look that send_before_lead() left, for a thread that will not lead next
+        (so nobody leads: the loop must see what the look finds)."""
         if not self._unlooked:
             return
         with self._lock:
             if self._closed or not self._unlooked:
                 return
-            if not (self._after_io() or self._backlog):
-                return
-            wake = self._leader_wake
-        if wake is not None:
-            wake()
-        else:
+            busy = self._after_io() or bool(self._backlog)
+        if busy:
             self._loop.call_soon_threadsafe(self._drain)
 
     def close(self) -> None:
