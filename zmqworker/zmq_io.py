@@ -29,12 +29,6 @@ def send_frames(sock: zmq.Socket, frames: Sequence[Any], flags: int = 0) -> None
     _send(sock, frames[last], flags, False)
 
 
-def send_routed(sock: zmq.Socket, identity: bytes, frames: Sequence[Any]) -> None:
-    """Send frames to the peer with that ROUTER identity (send_frames' rules)."""
-    _send(sock, identity, SNDMORE)
-    send_frames(sock, frames)
-
-
 def recv_frames(sock: zmq.Socket, flags: int = NOBLOCK) -> list[zmq.Frame]:
     """The next message's frames (zmq.Again when none is there, with NOBLOCK)."""
     frame = sock.recv(flags, copy=False)

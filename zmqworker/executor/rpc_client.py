@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import zmq
@@ -30,7 +31,7 @@ from zmqworker.executor.errors import (
     WorkerStuckError,
 )
 from zmqworker.executor.nudge import NUDGE_IDENTITY, Nudger
-from zmqworker.zmq_io import recv_frames, send_routed
+from zmqworker.zmq_io import recv_frames, send_frames
 
 log = logging.getLogger("zmqworker.executor")
 
@@ -87,8 +88,11 @@ class _Call:
     value: Any = None
     error: BaseException | None = None
 
-    def is_done(self) -> bool:
-        return self.done
+    @property
+    def is_done(self) -> Callable[[], bool]:
+        """A test of done for wait_for, which runs it after every reply: a C-level
+        callable, since a method here costs a Python frame each time."""
+        return partial(getattr, self, "done")
 
     def finish(self, value: Any = None, error: BaseException | None = None) -> None:
         # The future first: a thread that sees done reads the future's result at once.
@@ -228,8 +232,8 @@ class RpcClient:
                 call.future = RpcFuture(self, call)
             identities = self.identities
             for rank in ranks:
-                try:
-                    send_routed(self.sock, identities[rank], frames)
+                try:  # a ROUTER sends to the peer whose identity leads the message
+                    send_frames(self.sock, (identities[rank], *frames))
                 except zmq.Again:  # SNDTIMEO: that rank has not read its messages
                     error = WorkerStuckError(rank, method, self.send_timeout_s)
                     if rank != ranks[0]:  # the ranks before it run the call: out of step
@@ -249,7 +253,7 @@ class RpcClient:
         """Send a message that is not a call (the handshake's Welcome) to one rank."""
         self._take_turn()
         try:
-            send_routed(self.sock, self.identities[rank], self._enc.encode(msg))
+            send_frames(self.sock, (self.identities[rank], *self._enc.encode(msg)))
         finally:
             self._release_turn()
 

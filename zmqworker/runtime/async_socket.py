@@ -35,7 +35,10 @@ log = logging.getLogger("zmqworker.socket")
 
 LEAD_WAIT, LEAD_READY, LEAD_CLOSED = "wait", "ready", "closed"  # what lead() found
 # Plain ints: pyzmq's enum flags cost about 3 us a use here, several uses a message.
-_EVENTS, _POLLIN, _POLLOUT = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.POLLOUT)
+_POLLIN, _POLLOUT = int(zmq.POLLIN), int(zmq.POLLOUT)
+# The socket's events are read through a zero-timeout zmq_poll, not getsockopt(EVENTS):
+# pyzmq's getsockopt looks the option up in an enum, two Python frames each time.
+_zmq_poll = zmq.backend.zmq_poll
 
 
 class AsyncSocket:
@@ -53,6 +56,7 @@ class AsyncSocket:
         self._lock = threading.RLock()
         self._backlog: deque[Sequence[Any]] = deque()
         self.fd: int = sock.getsockopt(zmq.FD)
+        self._poll_items = [(sock, _POLLIN | _POLLOUT)]  # for _after_io's look
         self._closed = False
         self._leader_wake: Callable[[], None] | None = None  # set while a thread leads
         self._unlooked = False  # a send_before_lead() since the last look at the events
@@ -180,13 +184,13 @@ class AsyncSocket:
         """After anything that may have taken in the socket's news (and so its FD's edge):
         send what the backlog can, and say whether a message waits. Under the lock."""
         self._unlooked = False
-        events = self.sock.getsockopt(_EVENTS)
+        ready = _zmq_poll(self._poll_items, 0)
         # Again after each flush: its sends, or this look, may have taken in the news of
         # room come back (and with it the FD's edge).
-        while self._backlog and events & _POLLOUT:
+        while self._backlog and ready and ready[0][1] & _POLLOUT:
             self._flush()
-            events = self.sock.getsockopt(_EVENTS)
-        return bool(events & _POLLIN)
+            ready = _zmq_poll(self._poll_items, 0)
+        return bool(ready) and bool(ready[0][1] & _POLLIN)
 
     def _flush(self) -> None:
         while self._backlog:

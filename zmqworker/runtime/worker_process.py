@@ -334,16 +334,14 @@ class Replier:
         """Every failure goes back to the engine, whatever reply_rank says."""
         if error is not None:
             self.error(req.call_id, error)
-        elif req.reply_rank is None or req.reply_rank == self.rank:
-            self.result(req.call_id, result)
-
-    def result(self, call_id: int, result: Any) -> None:
+            return
+        if req.reply_rank is not None and req.reply_rank != self.rank:
+            return
         try:
-            frames = self.enc.encode(RpcReply(call_id, self.rank, result))
+            frames = self.enc.encode(RpcReply(req.call_id, self.rank, result))
         except Exception as e:  # TypeError, ValueError, OverflowError (ints past 64 bits)...
-            self.error(
-                call_id, TypeError(f"the result ({type(result).__name__}) cannot be encoded: {e}")
-            )
+            why = f"the result ({type(result).__name__}) cannot be encoded: {e}"
+            self.error(req.call_id, TypeError(why))
             return
         self._send(frames)
 
