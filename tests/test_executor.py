@@ -261,6 +261,42 @@ def test_a_timeout_holds_while_other_replies_keep_coming(ex2):
     assert calls[-1].result(timeout=60) == [0.02, 0.02]
 
 
+def test_a_deadline_expires_while_other_replies_keep_coming(ex2):
+    """A call's own deadline fails it on time even while the thread that pumps waits,
+    without a bound, on a later call whose earlier ones keep answering."""
+    finished: dict[str, float] = {}
+    calls = [ex2.collective_rpc("sleep_for", (0.02,), non_block=True) for _ in range(40)]
+    timed = ex2.collective_rpc("sleep_for", (0.02,), timeout=0.3, non_block=True)
+    later = ex2.collective_rpc("sleep_for", (0.02,), non_block=True)
+    timed.add_done_callback(lambda _: finished.setdefault("timed", time.monotonic()))
+    later.add_done_callback(lambda _: finished.setdefault("later", time.monotonic()))
+    assert later.result() == [0.02, 0.02]  # 42 calls of 20 ms on each worker: >= 0.84 s
+    assert isinstance(timed.exception(timeout=0), RpcTimeoutError)
+    assert finished["timed"] < finished["later"]
+    assert [c.result(timeout=0) for c in calls] == [[0.02, 0.02]] * 40
+
+
+def test_a_step_has_a_default_bound():
+    """execute_model, which engines call without a timeout, still fails with
+    RpcTimeoutError when a live worker never answers (here: stopped), after the
+    executor's step_timeout_s; the worker serves again once it runs."""
+    ex = MultiprocExecutor(echo_config())
+    step = SchedulerOutput([], CachedRequestData.build([3], [10], [1]), 1)
+    try:
+        assert ex.step_timeout_s == 300.0
+        ex.step_timeout_s = 0.3
+        os.kill(ex.pids[0], signal.SIGSTOP)
+        with pytest.raises(RpcTimeoutError) as info:
+            ex.execute_model(step)
+        assert info.value.method == "execute_model" and info.value.missing_ranks == [0]
+        os.kill(ex.pids[0], signal.SIGCONT)
+        ex.step_timeout_s = 60.0
+        assert ex.execute_model(step).sampled_token_ids.tolist() == [4]
+    finally:
+        os.kill(ex.pids[0], signal.SIGCONT)
+        ex.shutdown()
+
+
 def test_shutdown_fails_the_call_another_thread_waits_on():
     ex = MultiprocExecutor(echo_config())
     waiter, outcome = waiting_on_a_long_call(ex)

@@ -13,9 +13,18 @@ from messages import (
     WorkerConfig,
 )
 
+STEP_TIMEOUT_S = 300.0  # vLLM's default bound on a step, too
+CALL_TIMEOUT_S = 3600.0  # memory profiling, KV cache set-up, warm-up (compiling) included
+
 
 class Executor(ABC):
     config: WorkerConfig
+    # Bounds on the calls of the methods below, which engines make without a timeout of
+    # their own: a live worker that never answers then fails the call with
+    # RpcTimeoutError rather than holding the engine for ever (a dead worker fails it at
+    # once, whatever the bound). None: no bound. Settable per executor.
+    step_timeout_s: float | None = STEP_TIMEOUT_S  # execute_model, sample_tokens
+    call_timeout_s: float | None = CALL_TIMEOUT_S  # the others, but check_health
 
     @abstractmethod
     def collective_rpc(
@@ -57,6 +66,7 @@ class Executor(ABC):
             "execute_model",
             (scheduler_output,),
             {"sample": sample},
+            timeout=self.step_timeout_s,
             unique_reply_rank=self.output_rank,
             non_block=non_block,
         )
@@ -67,30 +77,33 @@ class Executor(ABC):
         return self.collective_rpc(
             "sample_tokens",
             (grammar_output,),
+            timeout=self.step_timeout_s,
             unique_reply_rank=self.output_rank,
             non_block=non_block,
         )
 
     def determine_available_memory(self) -> list[int]:
-        return self.collective_rpc("determine_available_memory")
+        return self.collective_rpc("determine_available_memory", timeout=self.call_timeout_s)
 
     def get_kv_cache_specs(self) -> list[KVCacheSpec]:
-        return self.collective_rpc("get_kv_cache_spec")
+        return self.collective_rpc("get_kv_cache_spec", timeout=self.call_timeout_s)
 
     def initialize_from_config(self, kv_cache_config: KVCacheConfig) -> None:
-        self.collective_rpc("initialize_from_config", (kv_cache_config,))
+        self.collective_rpc(
+            "initialize_from_config", (kv_cache_config,), timeout=self.call_timeout_s
+        )
 
     def compile_or_warm_up_model(self) -> list[float]:
-        return self.collective_rpc("compile_or_warm_up_model")
+        return self.collective_rpc("compile_or_warm_up_model", timeout=self.call_timeout_s)
 
     def profile(self, is_start: bool = True) -> None:
-        self.collective_rpc("profile", (is_start,))
+        self.collective_rpc("profile", (is_start,), timeout=self.call_timeout_s)
 
     def sleep(self, level: int = 1) -> None:
-        self.collective_rpc("sleep", (level,))
+        self.collective_rpc("sleep", (level,), timeout=self.call_timeout_s)
 
     def wake_up(self, tags: list[str] | None = None) -> None:
-        self.collective_rpc("wake_up", (tags,))
+        self.collective_rpc("wake_up", (tags,), timeout=self.call_timeout_s)
 
     def check_health(self, timeout: float = 30.0) -> None:
         self.collective_rpc("check_health", timeout=timeout)

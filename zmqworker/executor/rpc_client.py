@@ -342,8 +342,10 @@ class RpcClient:
                 self._polling = False
             self._handle(identity)
             # Straight on to the next reply, unless something needs a look first.
-            if done() or bounded or self._deaths or self._timed or not signalled:
+            if done() or bounded or self._deaths or not signalled:
                 break
+            if next_deadline is not None and time.monotonic() >= next_deadline:
+                break  # replies that keep coming restart the receive's timeout
         died = None
         if self._deaths:
             died = self.liveness.check() or WorkerDiedError(self._deaths[0], None)
@@ -352,7 +354,9 @@ class RpcClient:
         if died is not None:
             self._fail_all(died)
         if next_deadline is not None:
-            self._expire(time.monotonic())
+            now = time.monotonic()
+            if now >= next_deadline:
+                self._expire(now)
 
     def _handle(self, identity: bytes) -> None:
         """The rest of the message whose first frame (the peer's identity) came in."""
