@@ -72,7 +72,8 @@ class RpcReply(msgspec.Struct, tag=True):
 
 class Hello(msgspec.Struct, tag=True):
     """First message of a worker: who it is, and the token it was started with.
-    data_address is where it receives pipeline tensors ("" if it is the first stage)."""
+    data_address is where it receives pipeline tensors ("" is allowed for a first
+    stage, which receives none; zmqworker's workers always announce one)."""
 
     protocol_version: int
     rank: int

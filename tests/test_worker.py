@@ -212,6 +212,31 @@ def test_shutdown_after_a_failed_init_device():
     w.shutdown()
 
 
+THREADS_SCRIPT = """
+import torch
+from messages import ModelConfig, ParallelConfig, WorkerConfig
+from zmqworker.worker.torch_worker import Worker
+w = Worker(WorkerConfig(model=ModelConfig(path="unused"), parallel=ParallelConfig()), rank=0)
+w.init_device()
+print(torch.get_num_threads())
+w.shutdown()
+"""
+
+
+@pytest.mark.parametrize("omp", [None, "1"])
+def test_cpu_threads_follow_omp_num_threads_else_the_cores(omp):
+    """A CPU worker with no num_threads takes OMP_NUM_THREADS when it is set (Ray sets it
+    to the actor's CPUs), else the cores it may run on, shared among the workers."""
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    if omp is not None:
+        env["OMP_NUM_THREADS"] = omp
+    root = Path(__file__).resolve().parent.parent
+    out = subprocess.run([sys.executable, "-c", THREADS_SCRIPT], env=env, cwd=root,
+                         capture_output=True, text=True, timeout=120, check=True)  # fmt: skip
+    expected = int(omp) if omp is not None else len(os.sched_getaffinity(0))
+    assert int(out.stdout.strip().splitlines()[-1]) == expected
+
+
 class Extension:
     def double(self, x: int) -> int:
         return 2 * x

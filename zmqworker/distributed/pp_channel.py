@@ -128,7 +128,8 @@ class PipelineReceiver:
     def expect(
         self, call_id: int, src_rank: int, timeout_s: float = RECV_TIMEOUT_S
     ) -> PendingTensors:
-        """The slot of call_id's tensors (posted before the step starts, on the loop)."""
+        """The slot of call_id's tensors (posted before the step starts, by the thread
+        that received the call: the loop, or the compute thread while it leads)."""
         with self._lock:
             self._forgotten.pop(call_id, None)  # a call id used again
             slot = self._slots.get(call_id)

@@ -45,7 +45,8 @@ class LLM:
     model is a Hugging Face checkpoint folder (None: the embedded default model).
     executor is "mp" (local processes), "ray", or a callable that makes an Executor from
     the WorkerConfig. max_model_len defaults to the checkpoint's max_position_embeddings.
-    num_threads: torch threads in each worker (None: torch's default).
+    num_threads: torch threads in each worker (None: OMP_NUM_THREADS if set, else the
+    host's cores shared evenly among the workers).
     Not thread-safe; generate() and generate_stream() are not to be mixed at one time.
     """
 

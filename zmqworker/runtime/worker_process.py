@@ -235,7 +235,7 @@ class WorkerServer:
     def _on_computed(self, req: RpcRequest, result: Any, error: BaseException | None) -> None:
         """On the compute thread: pass a stage's tensors on, reply at once unless an
         output still awaits its copy."""
-        if req.method == "execute_model" and self._pp_in is not None:
+        if req.method == "execute_model" and self._stage[0] > 0:  # a stage that receives
             self._pp_in.forget(req.call_id)
         if isinstance(result, IntermediateTensors) and error is None:
             try:

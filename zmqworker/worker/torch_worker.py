@@ -67,10 +67,13 @@ class Worker(WorkerBase):
     def init_device(self) -> None:
         self.device = self.ops.select(self.local_rank)
         threads = self.config.device.num_threads
-        if threads is None and self.device.type == "cpu":
+        if threads is None and self.device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
             # The layout's workers share this host's cores; torch's default (every core
             # in each of them) oversubscribes and slows every rank down severalfold.
-            threads = max(1, (os.cpu_count() or 1) // self.config.parallel.world_size)
+            # OMP_NUM_THREADS, when set (Ray sets it to an actor's CPUs), is torch's
+            # default already, and says what this worker may use.
+            cores = len(os.sched_getaffinity(0))
+            threads = max(1, cores // self.config.parallel.world_size)
         if threads:
             torch.set_num_threads(threads)
         parallel = self.config.parallel
