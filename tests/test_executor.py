@@ -265,15 +265,35 @@ def test_a_deadline_expires_while_other_replies_keep_coming(ex2):
     """A call's own deadline fails it on time even while the thread that pumps waits,
     without a bound, on a later call whose earlier ones keep answering."""
     finished: dict[str, float] = {}
-    calls = [ex2.collective_rpc("sleep_for", (0.02,), non_block=True) for _ in range(40)]
+    calls = [ex2.collective_rpc("sleep_for", (0.02,), non_block=True) for _ in range(70)]
     timed = ex2.collective_rpc("sleep_for", (0.02,), timeout=0.3, non_block=True)
     later = ex2.collective_rpc("sleep_for", (0.02,), non_block=True)
     timed.add_done_callback(lambda _: finished.setdefault("timed", time.monotonic()))
-    later.add_done_callback(lambda _: finished.setdefault("later", time.monotonic()))
-    assert later.result() == [0.02, 0.02]  # 42 calls of 20 ms on each worker: >= 0.84 s
+    # 40 calls of 20 ms end 0.8 s on, well past the deadline.
+    calls[39].add_done_callback(lambda _: finished.setdefault("40th", time.monotonic()))
+    assert later.result() == [0.02, 0.02]
     assert isinstance(timed.exception(timeout=0), RpcTimeoutError)
-    assert finished["timed"] < finished["later"]
-    assert [c.result(timeout=0) for c in calls] == [[0.02, 0.02]] * 40
+    assert finished["timed"] < finished["40th"]
+    assert [c.result(timeout=0) for c in calls] == [[0.02, 0.02]] * 70
+
+
+def test_a_deadline_set_from_a_done_callback_expires_on_time(ex2):
+    """A done-callback runs on the thread that pumps, inside the pump: a timed call it
+    starts must still be failed on time, not once that pump is over."""
+    finished: dict[str, float] = {}
+    started = []
+
+    def start_a_timed_call(_) -> None:
+        call = ex2.collective_rpc("sleep_for", (0.02,), timeout=0.3, non_block=True)
+        call.add_done_callback(lambda _: finished.setdefault("timed", time.monotonic()))
+        started.append(call)
+
+    calls = [ex2.collective_rpc("sleep_for", (0.02,), non_block=True) for _ in range(70)]
+    calls[0].add_done_callback(start_a_timed_call)
+    calls[39].add_done_callback(lambda _: finished.setdefault("40th", time.monotonic()))
+    assert calls[-1].result() == [0.02, 0.02]
+    assert isinstance(started[0].exception(timeout=0), RpcTimeoutError)
+    assert finished["timed"] < finished["40th"]
 
 
 def test_a_step_has_a_default_bound():

@@ -113,6 +113,15 @@ def test_unknown_model_folder_fails_before_any_executor(tmp_path, factory):
     assert factory.made == []
 
 
+def test_step_timeout_reaches_the_executor_and_is_checked(model_dir, tok):
+    factory = Factory(tok)
+    LLM(model_dir, executor=factory, step_timeout_s=12.5)
+    assert factory.made[0].step_timeout_s == 12.5
+    with pytest.raises(ValueError, match="step_timeout_s must be > 0 or None, got 0"):
+        LLM(model_dir, executor=factory, step_timeout_s=0)
+    assert len(factory.made) == 1
+
+
 def test_kv_cache_too_small_shuts_the_executor_down(model_dir, tok):
     factory = Factory(tok, num_blocks=4)
     with pytest.raises(ValueError, match="fewer than max_model_len"):

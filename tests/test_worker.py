@@ -213,27 +213,38 @@ def test_shutdown_after_a_failed_init_device():
 
 
 THREADS_SCRIPT = """
+import sys
 import torch
-from messages import ModelConfig, ParallelConfig, WorkerConfig
-from zmqworker.worker.torch_worker import Worker
-w = Worker(WorkerConfig(model=ModelConfig(path="unused"), parallel=ParallelConfig()), rank=0)
+from messages import DeviceConfig, ModelConfig, WorkerConfig
+from zmqworker.worker.wrapper import WorkerWrapper
+late = dict(arg.split("=", 1) for arg in sys.argv[1:])
+w = WorkerWrapper(rpc_rank=0)
+w.update_environment_variables([late])  # as a Welcome's env does, torch long imported
+config = WorkerConfig(model=ModelConfig(path="unused"), device=DeviceConfig(device="cpu"))
+w.init_worker([{"config": config, "rank": 0}])
 w.init_device()
 print(torch.get_num_threads())
 w.shutdown()
 """
 
 
-@pytest.mark.parametrize("omp", [None, "1"])
-def test_cpu_threads_follow_omp_num_threads_else_the_cores(omp):
-    """A CPU worker with no num_threads takes OMP_NUM_THREADS when it is set (Ray sets it
-    to the actor's CPUs), else the cores it may run on, shared among the workers."""
+@pytest.mark.parametrize(
+    ("at_start", "late", "expected"),
+    [(None, None, "cores"), ("1", None, 1), (None, "1", 1), ("abc", None, "cores")],
+)
+def test_cpu_threads_follow_omp_num_threads_else_the_cores(at_start, late, expected):
+    """A CPU worker with no num_threads takes OMP_NUM_THREADS when it is a count (Ray
+    sets it to the actor's CPUs), set as the process starts or later by the engine's
+    environment for the rank; else the cores it may run on, shared among the workers."""
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
-    if omp is not None:
-        env["OMP_NUM_THREADS"] = omp
+    if at_start is not None:
+        env["OMP_NUM_THREADS"] = at_start
+    args = [] if late is None else [f"OMP_NUM_THREADS={late}"]
     root = Path(__file__).resolve().parent.parent
-    out = subprocess.run([sys.executable, "-c", THREADS_SCRIPT], env=env, cwd=root,
+    out = subprocess.run([sys.executable, "-c", THREADS_SCRIPT, *args], env=env, cwd=root,
                          capture_output=True, text=True, timeout=120, check=True)  # fmt: skip
-    expected = int(omp) if omp is not None else len(os.sched_getaffinity(0))
+    if expected == "cores":
+        expected = len(os.sched_getaffinity(0))
     assert int(out.stdout.strip().splitlines()[-1]) == expected
 
 

@@ -24,6 +24,7 @@ from zmqworker.engine.core import EngineCore
 from zmqworker.engine.detokenizer import IncrementalDetokenizer
 from zmqworker.engine.outputs import RequestOutput
 from zmqworker.engine.request import Request
+from zmqworker.executor.abstract import STEP_TIMEOUT_S
 
 if TYPE_CHECKING:
     from zmqworker.executor.abstract import Executor
@@ -46,7 +47,8 @@ class LLM:
     executor is "mp" (local processes), "ray", or a callable that makes an Executor from
     the WorkerConfig. max_model_len defaults to the checkpoint's max_position_embeddings.
     num_threads: torch threads in each worker (None: OMP_NUM_THREADS if set, else the
-    host's cores shared evenly among the workers).
+    host's cores shared evenly among the workers). step_timeout_s: how long a step may
+    go unanswered before it fails (the executor's step_timeout_s; None: no bound).
     Not thread-safe; generate() and generate_stream() are not to be mixed at one time.
     """
 
@@ -66,6 +68,7 @@ class LLM:
         seed: int = 0,
         max_model_len: int | None = None,
         num_threads: int | None = None,
+        step_timeout_s: float | None = STEP_TIMEOUT_S,
     ) -> None:
         self._core: EngineCore | None = None
         _check_args(
@@ -81,6 +84,8 @@ class LLM:
             raise ValueError(f"dtype must be one of {sorted(DTYPE_BYTES)}, got {dtype!r}")
         if kv_cache_bytes is not None and kv_cache_bytes < 1:
             raise ValueError(f"kv_cache_bytes must be >= 1 or None, got {kv_cache_bytes}")
+        if step_timeout_s is not None and not step_timeout_s > 0:
+            raise ValueError(f"step_timeout_s must be > 0 or None, got {step_timeout_s!r}")
         make_executor = _executor_factory(executor)
         path = _model_folder(model)
         config = _read_json(path / "config.json")
@@ -109,6 +114,7 @@ class LLM:
             ),
         )
         executor_instance = make_executor(self.worker_config)
+        executor_instance.step_timeout_s = step_timeout_s
         try:
             self._core = EngineCore(
                 executor_instance,

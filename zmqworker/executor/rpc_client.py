@@ -125,6 +125,10 @@ class RpcClient:
         self._ids = itertools.count(1)
         self._calls: dict[int, _Call] = {}
         self._timed = 0  # calls in _calls with a deadline
+        # The earliest of their deadlines, or earlier (a call that had it may be over):
+        # set as a pump starts, lowered by a call started meanwhile (from a future's
+        # done-callback, which runs on the pumping thread).
+        self._next_deadline: float | None = None
         self._lock = threading.RLock()
         self._progress = threading.Condition(threading.Lock())  # a call finished
         self._bystanders = 0  # threads waiting on _progress
@@ -227,6 +231,8 @@ class RpcClient:
             if timeout is not None:
                 deadline = time.monotonic() + timeout
                 self._timed += 1
+                if self._next_deadline is None or deadline < self._next_deadline:
+                    self._next_deadline = deadline
             call = self._calls[call_id] = _Call(method, waiting, reply_rank, timeout, deadline)
             if with_future:
                 call.future = RpcFuture(self, call)
@@ -320,10 +326,12 @@ class RpcClient:
         lock, or max_wait_s (at most until the next deadline) without one. bounded: the
         caller has a time limit of its own, to look at after every message (the receive's
         timeout starts again with each one)."""
-        next_deadline = None
+        self._next_deadline = None
         if self._timed:
-            next_deadline = min(c.deadline for c in self._calls.values() if c.deadline)
-            max_wait_s = min(max_wait_s, next_deadline - time.monotonic())
+            self._next_deadline = min(
+                c.deadline for c in self._calls.values() if c.deadline is not None
+            )
+            max_wait_s = min(max_wait_s, self._next_deadline - time.monotonic())
         wait_ms = max(0, math.ceil(max_wait_s * 1000))
         if wait_ms != self._rcvtimeo_ms:
             self.sock.setsockopt(zmq.RCVTIMEO, wait_ms)
@@ -344,8 +352,11 @@ class RpcClient:
             # Straight on to the next reply, unless something needs a look first.
             if done() or bounded or self._deaths or not signalled:
                 break
-            if next_deadline is not None and time.monotonic() >= next_deadline:
-                break  # replies that keep coming restart the receive's timeout
+            # Each reply restarts the receive's timeout: leave while another wait could
+            # run past the earliest deadline, so that the next pump waits less.
+            deadline = self._next_deadline
+            if deadline is not None and time.monotonic() + wait_ms / 1000 >= deadline:
+                break
         died = None
         if self._deaths:
             died = self.liveness.check() or WorkerDiedError(self._deaths[0], None)
@@ -353,9 +364,9 @@ class RpcClient:
             died = self.liveness.check()
         if died is not None:
             self._fail_all(died)
-        if next_deadline is not None:
+        if self._next_deadline is not None:
             now = time.monotonic()
-            if now >= next_deadline:
+            if now >= self._next_deadline:
                 self._expire(now)
 
     def _handle(self, identity: bytes) -> None:
@@ -427,7 +438,7 @@ class RpcClient:
     def _fail_all(self, error: ExecutorError) -> None:
         if self._dead is None:
             self._dead = error
-        calls, self._calls, self._timed = self._calls, {}, 0
+        calls, self._calls, self._timed, self._next_deadline = self._calls, {}, 0, None
         for call in calls.values():
             self._finish(call, error=error)
 

@@ -67,13 +67,11 @@ class Worker(WorkerBase):
     def init_device(self) -> None:
         self.device = self.ops.select(self.local_rank)
         threads = self.config.device.num_threads
-        if threads is None and self.device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+        if threads is None and self.device.type == "cpu":
             # The layout's workers share this host's cores; torch's default (every core
             # in each of them) oversubscribes and slows every rank down severalfold.
-            # OMP_NUM_THREADS, when set (Ray sets it to an actor's CPUs), is torch's
-            # default already, and says what this worker may use.
             cores = len(os.sched_getaffinity(0))
-            threads = max(1, cores // self.config.parallel.world_size)
+            threads = _omp_num_threads() or max(1, cores // self.config.parallel.world_size)
         if threads:
             torch.set_num_threads(threads)
         parallel = self.config.parallel
@@ -258,3 +256,11 @@ def _weights_bytes(model: torch.nn.Module | None) -> int:
     if model is None:
         return 0
     return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def _omp_num_threads() -> int | None:
+    """OMP_NUM_THREADS, when it is a thread count (Ray sets it to an actor's CPUs). Set
+    explicitly: torch reads the variable only as it starts, and the variables an engine
+    gives a worker (the Welcome's env) arrive after that."""
+    value = os.environ.get("OMP_NUM_THREADS", "").split(",")[0].strip()
+    return int(value) if value.isdigit() and int(value) > 0 else None
