@@ -6,7 +6,10 @@ MultiprocExecutor ("mp", ipc://); and, where Ray is installed, the no-op on 1 an
 workers through RayExecutor ("ray", whose data path is tcp:// on 127.0.0.1 here). The
 floor is a blocking pyzmq ROUTER/DEALER ping-pong between the same number of processes
 with the same payload sizes over the same transport, measured in the same run: the two
-take turns in rounds, so that a burst of other work on the machine meets both. Also the
+take turns in rounds, so that a burst of other work on the machine meets both. Each row
+pools the calls of PAIRS fresh pairs of executor and floor: on a 2-core machine the
+ratio of one pair moves by 5-10% from one fresh pair to the next (where the processes
+happen to land, for as long as they live), and pooling averages that out. Also the
 start-up time of a 2-rank layout of the echo worker for each executor (Ray's own start
 not counted: it is given separately). Writes bench/results/rpc_latency.json.
 
@@ -42,6 +45,7 @@ from zmqworker.executor.multiproc import MultiprocExecutor
 
 ROOT = Path(__file__).resolve().parent.parent
 ROUNDS = 10  # ours and the floor take turns this many times
+PAIRS = 3  # fresh executor-and-floor pairs per row, their calls pooled
 
 
 def echo_config(workers: int) -> WorkerConfig:
@@ -125,22 +129,25 @@ def run(iters: int) -> list[dict]:
     step = decode_step()
     step_request = [bytes(f) for f in Encoder().encode(execute_model_request(step))]
     step_reply_bytes = len(Encoder().encode(execute_model_reply(model_runner_output()))[0])
-    noop_request = [b"x" * 64]
+    cases = {  # case -> (the call, given an executor; floor request; floor reply bytes)
+        "noop": (lambda ex: partial(ex.collective_rpc, "noop"), [b"x" * 64], 64),
+        "step": (lambda ex: partial(ex.execute_model, step), step_request, step_reply_bytes),
+    }
     rows = []
     for workers in (1, 2, 4):
-        ex = MultiprocExecutor(echo_config(workers), env={"PYTHONPATH": str(ROOT)})
-        try:
-            cases = {
-                "noop": (partial(ex.collective_rpc, "noop"), noop_request, 64),
-                "step": (partial(ex.execute_model, step), step_request, step_reply_bytes),
-            }
-            for case, (call, payload, reply_bytes) in cases.items():
-                with Floor(workers, payload, reply_bytes) as floor:
-                    ours, floor_s = alternate(call, floor.ping, iters)
-                rows.append(row("mp", "ipc", case, workers, p50_p99_us(ours),
-                                p50_p99_us(floor_s)))
-        finally:
-            ex.shutdown()
+        pooled = {case: ([], []) for case in cases}
+        for _ in range(PAIRS):
+            ex = MultiprocExecutor(echo_config(workers), env={"PYTHONPATH": str(ROOT)})
+            try:
+                for case, (call, payload, reply_bytes) in cases.items():
+                    with Floor(workers, payload, reply_bytes) as floor:
+                        ours, floor_s = alternate(call(ex), floor.ping, iters // PAIRS)
+                    pooled[case][0].extend(ours)
+                    pooled[case][1].extend(floor_s)
+            finally:
+                ex.shutdown()
+        for case, (ours, floor_s) in pooled.items():
+            rows.append(row("mp", "ipc", case, workers, p50_p99_us(ours), p50_p99_us(floor_s)))
     return rows
 
 
@@ -157,12 +164,17 @@ def run_ray(iters: int) -> list[dict]:
 
     rows = []
     for workers in (1, 2):
-        ex = RayExecutor(echo_config(workers))
-        try:
-            with Floor(workers, [b"x" * 64], 64, "tcp") as floor:
-                ours, floor_s = alternate(partial(ex.collective_rpc, "noop"), floor.ping, iters)
-        finally:
-            ex.shutdown()
+        ours, floor_s = [], []
+        for _ in range(PAIRS):
+            ex = RayExecutor(echo_config(workers))
+            try:
+                with Floor(workers, [b"x" * 64], 64, "tcp") as floor:
+                    pair = alternate(partial(ex.collective_rpc, "noop"), floor.ping,
+                                     iters // PAIRS)
+            finally:
+                ex.shutdown()
+            ours.extend(pair[0])
+            floor_s.extend(pair[1])
         rows.append(row("ray", "tcp", "noop", workers, p50_p99_us(ours), p50_p99_us(floor_s)))
     return rows
 
