@@ -427,6 +427,33 @@ def test_worker_entry_point_refuses_a_missing_token():
     assert "--engine" in help_text and "--rank" in help_text
 
 
+def test_a_worker_whose_engine_socket_closes_stops_without_a_parent_check(tmp_path):
+    """Across hosts (Ray) a worker has no parent to watch: the drop of its connection
+    to the engine alone must stop it. Here the engine end closes before the Welcome;
+    the handshake itself would wait 60 s."""
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    address = f"ipc://{tmp_path}/engine.sock"
+    router.bind(address)
+    worker = subprocess.Popen(
+        [sys.executable, "-m", "zmqworker.worker", "--engine", address, "--rank", "0",
+         "--log-level", "INFO"],
+        env={**os.environ, "ZMQWORKER_TOKEN": "t"},
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert router.poll(60_000), "no Hello from the worker"
+        router.recv_multipart()
+        router.close(linger=0)
+        assert worker.wait(timeout=30) == 0
+        assert "connection to the engine dropped" in worker.stderr.read()
+    finally:
+        worker.kill()
+        worker.wait()
+        ctx.term()
+
+
 def _children() -> list[int]:
     me = str(os.getpid())
     out = []

@@ -32,6 +32,9 @@ class EngineWatch:
         self._fd = self._monitor.getsockopt(zmq.FD)
         self._fired = False
         loop.add_reader(self._fd, self._read_monitor)
+        # A look now: until the monitor socket has once found its pipe empty, an event
+        # written to it signals nothing on the FD, and the reader would never run.
+        loop.call_soon(self._read_monitor)
         self._task = loop.create_task(self._watch_parent()) if parent_pid else None
 
     def close(self) -> None:
