@@ -41,7 +41,7 @@ class CacheConfig(msgspec.Struct, tag=True, frozen=True, omit_defaults=True):
 
 class DeviceConfig(msgspec.Struct, tag=True, frozen=True, omit_defaults=True):
     device: str = "auto"  # auto | cpu | cuda
-    # torch threads; None: OMP_NUM_THREADS if set, else CPU workers share the host's cores
+    # torch threads; None: OMP_NUM_THREADS if a count, else CPU workers share the host's cores
     num_threads: int | None = None
 
 

@@ -46,7 +46,7 @@ class LLM:
     model is a Hugging Face checkpoint folder (None: the embedded default model).
     executor is "mp" (local processes), "ray", or a callable that makes an Executor from
     the WorkerConfig. max_model_len defaults to the checkpoint's max_position_embeddings.
-    num_threads: torch threads in each worker (None: OMP_NUM_THREADS if set, else the
+    num_threads: torch threads in each worker (None: OMP_NUM_THREADS if a count, else the
     host's cores shared evenly among the workers). step_timeout_s: how long a step may
     go unanswered before it fails (the executor's step_timeout_s; None: no bound).
     Not thread-safe; generate() and generate_stream() are not to be mixed at one time.

@@ -49,6 +49,8 @@ class EngineWatch:
             self._on_lost(why)
 
     def _read_monitor(self) -> None:
+        if self._monitor.closed:  # the first look, run after an early close()
+            return
         while self._monitor.getsockopt(zmq.EVENTS) & zmq.POLLIN:
             event = parse_monitor_message(self._monitor.recv_multipart(zmq.NOBLOCK))
             if event["event"] == zmq.EVENT_DISCONNECTED:
