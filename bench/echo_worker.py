@@ -8,6 +8,7 @@ methods that tests use to provoke the executor's failure paths.
 
 from __future__ import annotations
 
+import gc
 import os
 import time
 
@@ -105,6 +106,10 @@ class EchoExtension:
 
     def getenv(self, name: str) -> str | None:
         return os.environ.get(name)
+
+    def frozen_objects(self) -> int:
+        """How many objects this process has moved out of the collector's sight."""
+        return gc.get_freeze_count()
 
     def fail_on_rank(self, rank: int) -> int:
         if self.rank == rank:

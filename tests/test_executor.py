@@ -427,6 +427,16 @@ def test_worker_entry_point_refuses_a_missing_token():
     assert "--engine" in help_text and "--rank" in help_text
 
 
+def test_start_up_ends_with_the_heap_frozen():
+    """Once compile_or_warm_up_model has run, a worker process's start-up objects are
+    out of the collector's sight (gc.freeze), so no step pays for a full collection
+    walking them."""
+    with MultiprocExecutor(echo_config()) as ex:
+        assert ex.collective_rpc("frozen_objects") == [0]
+        ex.compile_or_warm_up_model()
+        assert ex.collective_rpc("frozen_objects")[0] > 10_000
+
+
 def test_a_worker_whose_engine_socket_closes_stops_without_a_parent_check(tmp_path):
     """Across hosts (Ray) a worker has no parent to watch: the drop of its connection
     to the engine alone must stop it. Here the engine end closes before the Welcome;

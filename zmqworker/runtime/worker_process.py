@@ -12,6 +12,7 @@ else it receives goes on to the loop.
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import os
 import signal
@@ -237,6 +238,8 @@ class WorkerServer:
         output still awaits its copy."""
         if req.method == "execute_model" and self._stage[0] > 0:  # a stage that receives
             self._pp_in.forget(req.call_id)
+        elif req.method == "compile_or_warm_up_model" and error is None:
+            _freeze_startup_heap()
         if isinstance(result, IntermediateTensors) and error is None:
             try:
                 self._pp_out.send(req.call_id, result)
@@ -351,6 +354,15 @@ class Replier:
             rank=self.rank, exc_type=type(exc).__name__, message=str(exc), traceback=tb
         )
         self._send(self.enc.encode(RpcReply(call_id=call_id, rank=self.rank, error=error)))
+
+
+def _freeze_startup_heap() -> None:
+    """Start-up is over: what it made (modules, the model, its config and tokenizer
+    files) lives as long as the process. Out of the collector's sight, a full collection
+    no longer walks it: 135-140 ms with the embedded model, about 0 frozen, paid by
+    whichever step it falls on."""
+    gc.collect()
+    gc.freeze()
 
 
 def _peek_call_id(frames: list[zmq.Frame]) -> int:
