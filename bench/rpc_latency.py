@@ -125,30 +125,42 @@ def alternate(ours: Callable[[], Any], floor: Callable[[], Any], iters: int,
     return ours_s, floor_s
 
 
+NOOP = (lambda ex: partial(ex.collective_rpc, "noop"), [b"x" * 64], 64)
+
+
 def run(iters: int) -> list[dict]:
     step = decode_step()
     step_request = [bytes(f) for f in Encoder().encode(execute_model_request(step))]
     step_reply_bytes = len(Encoder().encode(execute_model_reply(model_runner_output()))[0])
-    cases = {  # case -> (the call, given an executor; floor request; floor reply bytes)
-        "noop": (lambda ex: partial(ex.collective_rpc, "noop"), [b"x" * 64], 64),
+    cases = {
+        "noop": NOOP,
         "step": (lambda ex: partial(ex.execute_model, step), step_request, step_reply_bytes),
     }
     rows = []
     for workers in (1, 2, 4):
-        pooled = {case: ([], []) for case in cases}
-        for _ in range(PAIRS):
-            ex = MultiprocExecutor(echo_config(workers), env={"PYTHONPATH": str(ROOT)})
-            try:
-                for case, (call, payload, reply_bytes) in cases.items():
-                    with Floor(workers, payload, reply_bytes) as floor:
-                        ours, floor_s = alternate(call(ex), floor.ping, iters // PAIRS)
-                    pooled[case][0].extend(ours)
-                    pooled[case][1].extend(floor_s)
-            finally:
-                ex.shutdown()
-        for case, (ours, floor_s) in pooled.items():
+        make = partial(MultiprocExecutor, echo_config(workers), env={"PYTHONPATH": str(ROOT)})
+        for case, (ours, floor_s) in pooled_pairs(make, workers, cases, "ipc", iters).items():
             rows.append(row("mp", "ipc", case, workers, p50_p99_us(ours), p50_p99_us(floor_s)))
     return rows
+
+
+def pooled_pairs(make: Callable[[], Any], workers: int, cases: dict, transport: str,
+                 iters: int) -> dict[str, tuple[list[float], list[float]]]:
+    """For each case (name -> the call, given an executor; floor request; floor reply
+    bytes), ours and the floor's timings, pooled over PAIRS fresh executors (make())
+    and floors, iters calls of each in all."""
+    pooled: dict[str, tuple[list[float], list[float]]] = {case: ([], []) for case in cases}
+    for _ in range(PAIRS):
+        ex = make()
+        try:
+            for case, (call, payload, reply_bytes) in cases.items():
+                with Floor(workers, payload, reply_bytes, transport) as floor:
+                    ours, floor_s = alternate(call(ex), floor.ping, iters // PAIRS)
+                pooled[case][0].extend(ours)
+                pooled[case][1].extend(floor_s)
+        finally:
+            ex.shutdown()
+    return pooled
 
 
 def row(executor: str, transport: str, case: str, workers: int,
@@ -164,17 +176,8 @@ def run_ray(iters: int) -> list[dict]:
 
     rows = []
     for workers in (1, 2):
-        ours, floor_s = [], []
-        for _ in range(PAIRS):
-            ex = RayExecutor(echo_config(workers))
-            try:
-                with Floor(workers, [b"x" * 64], 64, "tcp") as floor:
-                    pair = alternate(partial(ex.collective_rpc, "noop"), floor.ping,
-                                     iters // PAIRS)
-            finally:
-                ex.shutdown()
-            ours.extend(pair[0])
-            floor_s.extend(pair[1])
+        make = partial(RayExecutor, echo_config(workers))
+        ours, floor_s = pooled_pairs(make, workers, {"noop": NOOP}, "tcp", iters)["noop"]
         rows.append(row("ray", "tcp", "noop", workers, p50_p99_us(ours), p50_p99_us(floor_s)))
     return rows
 
