@@ -13,3 +13,8 @@ os.environ["PYTHONPATH"] = os.pathsep.join(
 )
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+
+# Without a GPU, Triton kernels run in Triton's interpreter on CPU tensors. It is chosen
+# when a kernel is defined, so before any test imports one.
+if os.environ.get("ZMQWORKER_TEST_DEVICE", "cpu") == "cpu":
+    os.environ.setdefault("TRITON_INTERPRET", "1")

@@ -1,0 +1,245 @@
+"""The Triton kernels of the CUDA step against the plain-torch path and a dense reference.
+
+Without a GPU they run in Triton's interpreter on CPU tensors (float32 and float16 are
+exact there; bfloat16 is not, so it is checked with ZMQWORKER_TEST_DEVICE=cuda).
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from zmqworker.attention.kv_cache import allocate_kv_cache, write_kv  # noqa: E402
+from zmqworker.attention.triton_attention import paged_attention  # noqa: E402
+from zmqworker.attention.triton_cache import rope_and_cache  # noqa: E402
+from zmqworker.attention.triton_metadata import (  # noqa: E402
+    TritonAttentionMetadata,
+    decode_splits,
+)
+from zmqworker.models.layers.norm import RMSNorm  # noqa: E402
+from zmqworker.models.layers.rotary import RotaryEmbedding, apply_rotary  # noqa: E402
+from zmqworker.models.layers.triton_ops import rms_norm, silu_and_mul  # noqa: E402
+
+DEVICE = torch.device(os.environ.get("ZMQWORKER_TEST_DEVICE", "cpu"))
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE.type == "cuda" else [])
+TOLERANCE = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+HEAD_DIM = 16
+
+
+def dense_reference(q, keys, values, context, scale):
+    """q [n, heads, d] at positions context.., keys/values [seq, kv_heads, d]: causal."""
+    group = q.shape[1] // keys.shape[1]
+    k = keys.double().repeat_interleave(group, dim=1)
+    v = values.double().repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q.double(), k) * scale
+    q_pos = context + torch.arange(q.shape[0], device=q.device)[:, None]
+    hidden = torch.arange(k.shape[0], device=q.device)[None, :] > q_pos
+    scores = scores.masked_fill(hidden, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+
+
+class Step:
+    """Requests of (context, new tokens) with random histories in shuffled blocks, the
+    whole history already written into the cache (as the cache kernel leaves it)."""
+
+    def __init__(self, reqs, heads, kv_heads, block_size, dtype, seed=0, num_blocks=None):
+        gen = torch.Generator().manual_seed(seed)
+        rng = np.random.default_rng(seed)
+        self.reqs, self.heads, self.kv_heads, self.dtype = reqs, heads, kv_heads, dtype
+        seq_lens = [c + n for c, n in reqs]
+        need = [-(-s // block_size) for s in seq_lens]
+        num_blocks = num_blocks or sum(need) + 5
+        ids = rng.permutation(num_blocks)[: sum(need)]
+        width = max(need) + 2
+        # Entries past a request's blocks are garbage on purpose: they must not be read.
+        self.tables = rng.integers(0, num_blocks, size=(len(reqs), width)).astype(np.int32)
+        start = 0
+        self.cache = allocate_kv_cache(num_blocks, block_size, kv_heads, HEAD_DIM, dtype, DEVICE)
+        self.cache.normal_(generator=None)
+        self.keys, self.values, self.queries = [], [], []
+        for r, (seq, n) in enumerate(zip(seq_lens, need, strict=True)):
+            self.tables[r, :n] = ids[start : start + n]
+            start += n
+            k = torch.randn(seq, kv_heads, HEAD_DIM, generator=gen).to(dtype).to(DEVICE)
+            v = torch.randn(seq, kv_heads, HEAD_DIM, generator=gen).to(dtype).to(DEVICE)
+            pos = np.arange(seq)
+            blocks = torch.from_numpy(self.tables[r][pos // block_size].astype(np.int64))
+            offsets = torch.from_numpy(pos % block_size)
+            write_kv(self.cache, k, v, blocks.to(DEVICE), offsets.to(DEVICE))
+            self.keys.append(k)
+            self.values.append(v)
+            q = torch.randn(reqs[r][1], heads, HEAD_DIM, generator=gen).to(dtype).to(DEVICE)
+            self.queries.append(q)
+        self.seq_lens = seq_lens
+        self.block_size = block_size
+
+    def metadata(self, num_splits=1):
+        query_lens = [n for _, n in self.reqs]
+        start = np.concatenate([[0], np.cumsum(query_lens)]).astype(np.int32)
+        num_tokens = int(start[-1])
+
+        def dev(a):
+            return torch.from_numpy(np.ascontiguousarray(a, np.int32)).to(DEVICE)
+
+        return TritonAttentionMetadata(
+            num_tokens=num_tokens,
+            num_reqs=len(self.reqs),
+            max_query_len=max(query_lens),
+            decode_only=all(n == 1 for n in query_lens),
+            num_splits=num_splits,
+            slot_mapping=dev(np.full(num_tokens, -1)),
+            positions=dev(np.zeros(num_tokens)),
+            query_start_loc=dev(start),
+            seq_lens=dev(self.seq_lens),
+            block_tables=dev(self.tables),
+        )
+
+    def check(self, out):
+        scale = HEAD_DIM**-0.5
+        tol = TOLERANCE[self.dtype]
+        start = 0
+        for r, (context, n) in enumerate(self.reqs):
+            expected = dense_reference(
+                self.queries[r], self.keys[r], self.values[r], context, scale
+            )
+            got = out[start : start + n].double()
+            torch.testing.assert_close(got, expected, atol=tol, rtol=tol)
+            start += n
+
+    def run(self, num_splits=1):
+        meta = self.metadata(num_splits)
+        q = torch.cat(self.queries)
+        out = paged_attention(q, self.cache, meta, HEAD_DIM**-0.5)
+        assert out.shape == q.shape and out.dtype == self.dtype
+        self.check(out)
+
+
+GQA = [(4, 4), (6, 2), (8, 2)]  # group sizes 1, 3 and 4
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads,kv_heads", GQA)
+def test_varlen_prefill_chunks_and_decodes_in_one_step(dtype, heads, kv_heads):
+    # Fresh prompts, a chunk over a cached prefix that ends mid-block, decodes.
+    reqs = [(0, 13), (9, 7), (22, 1), (0, 1), (5, 1), (17, 40)]
+    Step(reqs, heads, kv_heads, block_size=4, dtype=dtype).run()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block_size", [4, 16, 128])  # gathered, one page, part of a page
+def test_varlen_long_prefill_spans_many_tiles(dtype, block_size):
+    Step([(3, 70), (0, 65)], 6, 2, block_size=block_size, dtype=dtype, seed=1).run()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads,kv_heads", GQA)
+@pytest.mark.parametrize("num_splits", [1, 4])
+@pytest.mark.parametrize("block_size", [16, 128])
+def test_decode_kernel_with_and_without_splits(dtype, heads, kv_heads, num_splits, block_size):
+    reqs = [(c, 1) for c in (0, 3, 31, 64, 99, 200)]
+    Step(reqs, heads, kv_heads, block_size=block_size, dtype=dtype, seed=2).run(num_splits)
+
+
+def test_decode_padding_rows_give_zeros_and_touch_nothing():
+    step = Step([(10, 1), (20, 1)], 6, 2, block_size=4, dtype=torch.float32, seed=3)
+    meta = step.metadata(num_splits=2)
+    # Two padding rows, as a CUDA graph of four replays a step of two: seq_len 0.
+    seq_lens = torch.cat([meta.seq_lens, torch.zeros(2, dtype=torch.int32, device=DEVICE)])
+    tables = torch.cat([meta.block_tables, meta.block_tables])
+    padded = TritonAttentionMetadata(
+        4, 4, 1, True, 2, meta.slot_mapping, meta.positions, meta.query_start_loc, seq_lens, tables
+    )
+    q = torch.cat(step.queries + [torch.randn(2, 6, HEAD_DIM, device=DEVICE)])
+    out = paged_attention(q, step.cache, padded, HEAD_DIM**-0.5)
+    step.check(out[:2])
+    assert torch.equal(out[2:], torch.zeros_like(out[2:]))
+
+
+def test_decode_splits_fill_the_gpu_and_stay_powers_of_two():
+    assert decode_splits(1, 8, max_tiles=64) == 16
+    assert decode_splits(64, 8, max_tiles=64) == 1
+    assert decode_splits(8, 8, max_tiles=64) == 8
+    assert decode_splits(1, 8, max_tiles=3) == 2  # no more splits than history tiles
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (6, 2), (9, 3)])
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_rope_and_cache_matches_rotary_then_write(dtype, heads, kv_heads, block_size):
+    gen = torch.Generator().manual_seed(4)
+    n, num_blocks = 11, 8
+    rotary = RotaryEmbedding(HEAD_DIM, 64, {"rope_theta": 10000.0}, 64, dtype).to(DEVICE)
+    qkv = torch.randn(n, heads + 2 * kv_heads, HEAD_DIM, generator=gen).to(dtype).to(DEVICE)
+    positions = torch.randint(0, 64, (n,), generator=gen).to(DEVICE)
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:n].to(DEVICE)
+    slots[3] = -1  # a padding token: written nowhere
+    expected_cache = allocate_kv_cache(num_blocks, block_size, kv_heads, HEAD_DIM, dtype, DEVICE)
+    cos, sin = rotary.lookup(positions)
+    q_ref = apply_rotary(qkv[:, :heads], cos, sin)
+    k_ref = apply_rotary(qkv[:, heads : heads + kv_heads], cos, sin)
+    keep = slots >= 0
+    write_kv(
+        expected_cache,
+        k_ref[keep],
+        qkv[keep, heads + kv_heads :],
+        slots[keep] // block_size,
+        slots[keep] % block_size,
+    )
+    cache = allocate_kv_cache(num_blocks, block_size, kv_heads, HEAD_DIM, dtype, DEVICE)
+    rope_and_cache(qkv, heads, kv_heads, rotary.cos_sin, positions.int(), slots.int(), cache)
+    # Exact in the interpreter; compiled, a product may fuse into an FMA (one rounding).
+    ulp = {torch.float32: 1e-6, torch.float16: 1e-3, torch.bfloat16: 8e-3}[dtype]
+    torch.testing.assert_close(qkv[:, :heads], q_ref, atol=ulp, rtol=ulp)
+    torch.testing.assert_close(cache, expected_cache, atol=ulp, rtol=ulp)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm_kernel_matches_the_torch_layer(dtype, with_residual):
+    gen = torch.Generator().manual_seed(5)
+    norm = RMSNorm(80, 1e-5, "norm").to(DEVICE, dtype)
+    norm.weight.data = torch.randn(80, generator=gen).to(dtype).to(DEVICE)
+    x = torch.randn(7, 80, generator=gen).to(dtype).to(DEVICE)
+    res = torch.randn(7, 80, generator=gen).to(dtype).to(DEVICE)
+    if with_residual:
+        expected, expected_res = norm.add_and_norm(x, res)
+        out, out_res = rms_norm(x, norm.weight, norm.eps, res)
+        torch.testing.assert_close(out_res, expected_res, atol=0, rtol=0)
+    else:
+        expected, (out, _) = norm(x), rms_norm(x, norm.weight, norm.eps)
+    torch.testing.assert_close(out, expected, atol=1e-6, rtol=1e-5)
+
+
+def test_rms_norm_kernel_over_heads_of_a_strided_view():
+    gen = torch.Generator().manual_seed(6)
+    qkv = torch.randn(5, 6 + 4, HEAD_DIM, generator=gen).to(DEVICE)
+    norm = RMSNorm(HEAD_DIM, 1e-6, "q_norm").to(DEVICE)
+    norm.weight.data = torch.rand(HEAD_DIM, generator=gen).to(DEVICE)
+    out, _ = rms_norm(qkv[:, :6], norm.weight, norm.eps)
+    torch.testing.assert_close(out, norm(qkv[:, :6]), atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_and_mul_matches_torch(dtype):
+    x = torch.randn(6, 2 * 40, generator=torch.Generator().manual_seed(7)).to(dtype).to(DEVICE)
+    gate, up = x.chunk(2, dim=-1)
+    expected = torch.nn.functional.silu(gate) * up
+    torch.testing.assert_close(silu_and_mul(x), expected, atol=1e-6, rtol=1e-5)
+
+
+def test_rms_norm_kernel_in_place_over_heads():
+    gen = torch.Generator().manual_seed(8)
+    qkv = torch.randn(5, 6 + 4, HEAD_DIM, generator=gen).to(DEVICE)
+    norm = RMSNorm(HEAD_DIM, 1e-6, "k_norm", fused=True).to(DEVICE)
+    norm.weight.data = torch.rand(HEAD_DIM, generator=gen).to(DEVICE)
+    expected = RMSNorm(HEAD_DIM, 1e-6, "k_norm").to(DEVICE)
+    expected.weight.data = norm.weight.data
+    want, untouched = expected(qkv[:, 6:8]), qkv[:, 8:].clone()
+    norm.normalize_(qkv[:, 6:8])
+    torch.testing.assert_close(qkv[:, 6:8], want, atol=1e-6, rtol=1e-5)
+    assert torch.equal(qkv[:, 8:], untouched)
