@@ -12,6 +12,10 @@ class ModelConfig(msgspec.Struct, tag=True, frozen=True, omit_defaults=True):
     dtype: str = "float32"  # float32 | bfloat16 | float16
     max_model_len: int | None = None  # None: the checkpoint's max_position_embeddings
     seed: int = 0
+    # auto: the folder's safetensors; dummy: random weights made on the device from
+    # config.json alone (benchmarks and checks of real shapes without weight files)
+    load_format: str = "auto"
+    enforce_eager: bool = False  # never capture CUDA graphs
 
 
 class ParallelConfig(msgspec.Struct, tag=True, frozen=True, omit_defaults=True):
@@ -41,6 +45,8 @@ class CacheConfig(msgspec.Struct, tag=True, frozen=True, omit_defaults=True):
 
 class DeviceConfig(msgspec.Struct, tag=True, frozen=True, omit_defaults=True):
     device: str = "auto"  # auto | cpu | cuda
+    # auto: Triton kernels and CUDA graphs on CUDA, plain torch on the CPU; torch | triton
+    kernels: str = "auto"
     # torch threads; None: OMP_NUM_THREADS if a count, else CPU workers share the host's cores
     num_threads: int | None = None
 
@@ -56,6 +62,8 @@ class SchedulerConfig(msgspec.Struct, tag=True, frozen=True, omit_defaults=True)
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     warmup_batch_sizes: list[int] = msgspec.field(default_factory=lambda: [1, 8])
+    # decode batch sizes captured as CUDA graphs; empty: 1, 2, 4, 8, 16, ... max_num_seqs
+    cuda_graph_sizes: list[int] = msgspec.field(default_factory=list)
 
 
 class WorkerConfig(msgspec.Struct, tag=True, frozen=True, omit_defaults=True):

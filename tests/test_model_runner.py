@@ -7,29 +7,20 @@ read-only arrays as a worker does. ZMQWORKER_TEST_DEVICE=cuda runs the runners o
 
 from __future__ import annotations
 
-import functools
-import os
 import re
-from dataclasses import dataclass, field
 
 import msgspec
 import numpy as np
 import pytest
 import torch
-import transformers
 
 from messages import (
-    CacheConfig,
     CachedRequestData,
-    Decoder,
-    Encoder,
     GrammarOutput,
     IntermediateTensors,
     KVCacheConfig,
     ModelConfig,
-    ModelRunnerOutput,
     NewRequestData,
-    PipelineTensors,
     RpcRequest,
     SamplingParams,
     SchedulerConfig,
@@ -37,249 +28,39 @@ from messages import (
     WorkerConfig,
     make_kv_cache_config,
 )
-from tests.tiny import cached_tiny_checkpoint
+from tests.runner_helpers import (
+    DEVICE,
+    GREEDY,
+    NUM_BLOCKS,
+    MiniScheduler,
+    Pipeline,
+    checkpoint,
+    expected,
+    hf_greedy,
+    hf_model,
+    make_runner,
+    pp_state,
+    run_scenario,
+    wire,
+)
 from zmqworker.attention.kv_cache import kv_cache_shape
-from zmqworker.distributed.parallel_state import ParallelState, single_rank_state
 from zmqworker.model_runner import AsyncModelRunnerOutput, ModelRunner
 
-DEVICE = torch.device(os.environ.get("ZMQWORKER_TEST_DEVICE", "cpu"))
 # Decoded tensors are read-only message memory (the runner copies them); torch warns.
 pytestmark = pytest.mark.filterwarnings("ignore:The given buffer is not writable")
-BLOCK = 4
-NUM_BLOCKS = 96
-GREEDY = SamplingParams(temperature=0.0)
 
 
-def wire(msg):
-    """msg after an encode/decode round trip through separate byte frames."""
-    return Decoder().decode([bytes(f) for f in Encoder().encode(msg)])
+# On a GPU the runner takes the Triton path, with CUDA graphs and without them.
+EAGER = [False, True] if DEVICE.type == "cuda" else [False]
 
 
-def checkpoint(family: str = "llama") -> str:
-    return cached_tiny_checkpoint(
-        family=family, num_layers=4, tie_word_embeddings=family == "qwen3"
-    )
-
-
-def make_runner(
-    path: str, state: ParallelState | None = None, max_seqs: int = 8, max_tokens: int = 32
-) -> ModelRunner:
-    config = WorkerConfig(
-        model=ModelConfig(path=path, max_model_len=256),
-        cache=CacheConfig(block_size=BLOCK),
-        scheduler=SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=max_tokens),
-    )
-    runner = ModelRunner(config, state or single_rank_state(DEVICE))
-    runner.load_model()
-    runner.initialize_kv_cache(make_kv_cache_config([runner.get_kv_cache_spec()], NUM_BLOCKS))
-    return runner
-
-
-def pp_state(pp_rank: int) -> ParallelState:
-    return ParallelState(pp_rank, 2, 0, 1, pp_rank, 2, None, None, DEVICE)
-
-
-class Pipeline:
-    """Runners of consecutive pipeline stages in one process; tensors pass through the codec."""
-
-    def __init__(self, runners: list[ModelRunner]) -> None:
-        self.runners = runners
-
-    def execute(self, so: SchedulerOutput, sample: bool = True):
-        so = wire(RpcRequest(0, "execute_model", [so])).args[0]
-        tensors = None
-        for runner in self.runners[:-1]:
-            out = runner.execute_model(so, tensors)
-            assert isinstance(out, IntermediateTensors)
-            on_host = IntermediateTensors({k: v.cpu() for k, v in out.tensors.items()})
-            tensors = wire(PipelineTensors(0, 0, on_host)).tensors
-        return self.runners[-1].execute_model(so, tensors, sample=sample)
-
-    def step(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        out = self.execute(so)
-        assert isinstance(out, AsyncModelRunnerOutput)
-        result = out.get_output()
-        assert out.is_ready()
-        return result
-
-
-@functools.cache
-def hf_model(path: str) -> transformers.PreTrainedModel:
-    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-
-
-@functools.cache
-def hf_greedy(path: str, prompt: tuple[int, ...], n: int) -> list[int]:
-    ids = torch.tensor([prompt])
-    gen = transformers.GenerationConfig(
-        do_sample=False, max_new_tokens=n, eos_token_id=None, pad_token_id=0
-    )
-    out = hf_model(path).generate(ids, generation_config=gen, attention_mask=torch.ones_like(ids))
-    return out[0, len(prompt) :].tolist()
-
-
-# a small scheduler ---------------------------------------------------------------------
-
-
-@dataclass
-class Req:
-    req_id: str
-    handle: int
-    prompt: list[int]
-    max_tokens: int
-    params: SamplingParams = GREEDY
-    outputs: list[int] = field(default_factory=list)
-    computed: int = 0
-    blocks: list[int] = field(default_factory=list)
-    state: str = "waiting"  # waiting | running | resume | readd | done
-    scheduled: int = 0
-
-    @property
-    def tokens(self) -> list[int]:
-        return self.prompt + self.outputs
-
-
-class MiniScheduler:
-    """Just enough of a vLLM v1 scheduler: a token budget, running requests first, then
-    waiting ones; chunked prefill; blocks from a shuffled pool; preemption on request."""
-
-    def __init__(self, budget: int, seed: int = 0, send_tokens: bool = False) -> None:
-        self.budget = budget
-        self.send_tokens = send_tokens  # new_token_ids for non-last pipeline stages
-        self.free = [int(b) for b in np.random.default_rng(seed).permutation(NUM_BLOCKS)]
-        self.reqs: list[Req] = []
-        self.finished: list[int] = []
-        self.preempted: list[int] = []
-
-    def add(
-        self, req_id: str, prompt: list[int], max_tokens: int, params: SamplingParams = GREEDY
-    ) -> Req:
-        req = Req(req_id, len(self.reqs) + 100, list(prompt), max_tokens, params)
-        self.reqs.append(req)
-        return req
-
-    def preempt(self, req: Req, how: str) -> None:
-        """how: 'resume' (comes back as a resumed cached request) or 'readd' (as new)."""
-        assert req.state == "running"
-        self.free += req.blocks
-        req.blocks, req.computed, req.state = [], 0, how
-        self.preempted.append(req.handle)
-
-    def _blocks_for(self, req: Req, end: int) -> list[int]:
-        need = -(-end // BLOCK) - len(req.blocks)
-        new, self.free = self.free[:need], self.free[need:]
-        req.blocks += new
-        return new
-
-    def schedule(self) -> SchedulerOutput:
-        budget = self.budget
-        cached: dict[str, list] = {k: [] for k in ("h", "c", "s", "b", "t")}
-        resumed, new = [], []
-        preempted_now = set(self.preempted)
-        for req in self.reqs:
-            req.scheduled = 0
-            if budget == 0 or req.handle in preempted_now or req.state in ("done",):
-                continue
-            s = min(len(req.tokens) - req.computed, budget)
-            if req.state in ("running", "resume"):
-                if req.state == "resume":
-                    resumed.append(req.handle)
-                cached["h"].append(req.handle)
-                cached["c"].append(req.computed)
-                cached["s"].append(s)
-                cached["b"].append(self._blocks_for(req, req.computed + s))
-                cached["t"].append(req.tokens[req.computed : req.computed + s])
-            else:  # waiting, or preempted and re-added as new with all its tokens
-                new.append(
-                    NewRequestData(
-                        req.req_id,
-                        req.handle,
-                        np.array(req.tokens, np.int32),
-                        req.params,
-                        np.array(self._blocks_for(req, s), np.int32),
-                        s,
-                    )
-                )
-            req.state, req.scheduled = "running", s
-            budget -= s
-        so = SchedulerOutput(
-            new,
-            CachedRequestData.build(
-                cached["h"],
-                cached["c"],
-                cached["s"],
-                cached["b"],
-                cached["t"] if self.send_tokens else None,
-                resumed,
-            ),
-            self.budget - budget,
-            self.finished,
-            self.preempted,
-        )
-        self.finished, self.preempted = [], []
-        return so
-
-    def update(self, out: ModelRunnerOutput) -> None:
-        by_handle = {r.handle: r for r in self.reqs}
-        assert sorted(out.req_handles.tolist()) == sorted(
-            r.handle for r in self.reqs if r.scheduled
-        )
-        for handle, token in zip(
-            out.req_handles.tolist(), out.sampled_token_ids.tolist(), strict=True
-        ):
-            req = by_handle[handle]
-            req.computed += req.scheduled
-            assert (token >= 0) == (req.computed == len(req.tokens)), (handle, token)
-            if token >= 0:
-                req.outputs.append(token)
-                if len(req.outputs) == req.max_tokens:
-                    req.state = "done"
-                    self.free += req.blocks
-                    self.finished.append(handle)
-
-    def busy(self) -> bool:
-        return any(r.state != "done" for r in self.reqs)
-
-
-def run_scenario(path: str, pipeline: Pipeline, send_tokens: bool = False) -> dict[str, list[int]]:
-    """Six requests with different lengths joining at different steps; chunked prefill
-    under a 20-token budget; one preempted and resumed, one preempted and re-added."""
-    rng = np.random.default_rng(1)
-    vocab = hf_model(path).config.vocab_size
-    prompts = {
-        name: rng.integers(3, vocab, n).tolist()
-        for name, n in [("a", 21), ("b", 45), ("c", 7), ("d", 13), ("e", 30), ("f", 9)]
-    }
-    sched = MiniScheduler(budget=20, seed=2, send_tokens=send_tokens)
-    reqs = {"a": sched.add("a", prompts["a"], 32), "b": sched.add("b", prompts["b"], 20)}
-    step = 0
-    while sched.busy():
-        if step == 2:
-            reqs["c"] = sched.add("c", prompts["c"], 12)
-        if step == 5:
-            reqs["d"] = sched.add("d", prompts["d"], 6)
-            reqs["e"] = sched.add("e", prompts["e"], 16)
-        if step == 9:
-            reqs["f"] = sched.add("f", prompts["f"], 10)
-            sched.preempt(reqs["a"], "resume")
-        if step == 14:
-            sched.preempt(reqs["b"], "readd")
-        sched.update(pipeline.step(sched.schedule()))
-        step += 1
-        assert step < 200
-    return {name: req.outputs for name, req in reqs.items()} | {"_prompts": prompts}
-
-
-def expected(path: str, result: dict) -> dict[str, list[int]]:
-    return {
-        name: hf_greedy(path, tuple(p), len(result[name])) for name, p in result["_prompts"].items()
-    }
-
-
+@pytest.mark.parametrize("enforce_eager", EAGER)
 @pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3"])
-def test_greedy_tokens_match_transformers(family: str) -> None:
+def test_greedy_tokens_match_transformers(family: str, enforce_eager: bool) -> None:
     path = checkpoint(family)
-    result = run_scenario(path, Pipeline([make_runner(path)]))
+    runner = make_runner(path, enforce_eager=enforce_eager)
+    assert (runner.graphs is not None) == (DEVICE.type == "cuda" and not enforce_eager)
+    result = run_scenario(path, Pipeline([runner]))
     assert [len(result[n]) for n in "abcdef"] == [32, 20, 12, 6, 16, 10]
     assert {n: result[n] for n in "abcdef"} == expected(path, result)
 
@@ -458,10 +239,7 @@ def test_kv_cache_life_cycle_profile_and_warm_up() -> None:
         scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64),
     )
     runner = ModelRunner(config, pp_state(1))
-    assert runner.model is None and runner.kv_caches == []
-    with pytest.raises(RuntimeError, match="load_model"):
-        runner.get_kv_cache_spec()
-    runner.load_model()
+    assert runner.kv_caches == []
     runner.profile_run()
     assert runner.kv_caches == []  # profiling needs no KV cache
     spec = runner.get_kv_cache_spec()
@@ -487,7 +265,8 @@ def test_kv_cache_life_cycle_profile_and_warm_up() -> None:
     with pytest.raises(RuntimeError, match="initialize_kv_cache"):
         runner.execute_model(so, IntermediateTensors({}))
     runner.shutdown()
-    assert runner.model is None
+    runner.shutdown()
+    assert runner.kv_caches == []
 
 
 def test_empty_step_and_async_output() -> None:
@@ -520,3 +299,31 @@ def test_kv_cache_config_of_another_shape_is_rejected() -> None:
     )
     with pytest.raises(ValueError, match="10 blocks need"):
         runner.initialize_kv_cache(small)
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="host synchronisation is a CUDA matter")
+def test_cuda_steps_never_synchronise_the_host() -> None:
+    """Prefill, graph-replayed and eager decode steps, greedy and sampled, with logprobs
+    and a seed, under torch's sync debug mode: any implicit host wait raises."""
+    path = checkpoint("llama")
+    runner = make_runner(path, max_seqs=8, max_tokens=64, graph_sizes=(1, 2, 4))
+    assert runner.graphs is not None and runner.graphs.captured
+    sched = MiniScheduler(budget=64, seed=9)
+    params = [
+        GREEDY,
+        SamplingParams(temperature=0.9, top_p=0.8, logprobs=2),
+        SamplingParams(temperature=1.2, top_k=20, min_p=0.05, seed=3),
+        GREEDY,
+        GREEDY,
+    ]
+    for i, p in enumerate(params):
+        sched.add(f"s{i}", list(range(10 + i, 30 + i)), 6, p)
+    pipeline = Pipeline([runner])
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        while sched.busy():  # 5 decodes: past the largest graph, so some steps run eagerly
+            out = runner.execute_model(sched.schedule())
+            sched.update(out.get_output())
+        pipeline.execute(sched.schedule())
+    finally:
+        torch.cuda.set_sync_debug_mode("default")

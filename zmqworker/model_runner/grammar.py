@@ -5,6 +5,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from zmqworker.model_runner.host_to_device import to_device
+
 _BITS = 32
 
 
@@ -23,14 +25,17 @@ def apply_grammar_bitmask(
         )
     if len(rows) == 0:
         return
-    packed = torch.from_numpy(np.ascontiguousarray(bitmask, dtype=np.int32)).to(logits.device)
-    shifts = torch.arange(_BITS, dtype=torch.int32, device=logits.device)
-    bits = (packed.unsqueeze(-1) >> shifts) & 1
-    allowed = torch.zeros(len(rows), words * _BITS, dtype=torch.bool, device=logits.device)
-    allowed[:, : bits.shape[1] * _BITS] = bits.flatten(1).bool()
-    allowed = allowed[:, :vocab]
-    empty = (~allowed.any(dim=1)).nonzero()
+    packed = np.ascontiguousarray(bitmask, dtype=np.int32)
+    # Checked on the host, where the bitmask is: a device check would wait for the device.
+    allowed_bits = np.unpackbits(packed.view(np.uint8), axis=1, bitorder="little")[:, :vocab]
+    empty = np.flatnonzero(~allowed_bits.any(axis=1))
     if len(empty):
         raise ValueError(f"grammar bitmask allows no token for {names[int(empty[0])]}")
-    index = torch.from_numpy(np.asarray(rows, dtype=np.int64)).to(logits.device)
+    device = logits.device
+    shifts = torch.arange(_BITS, dtype=torch.int32, device=device)
+    bits = (to_device(packed, torch.int32, device).unsqueeze(-1) >> shifts) & 1
+    allowed = torch.zeros(len(rows), words * _BITS, dtype=torch.bool, device=device)
+    allowed[:, : bits.shape[1] * _BITS] = bits.flatten(1).bool()
+    allowed = allowed[:, :vocab]
+    index = to_device(np.asarray(rows), torch.int64, device)
     logits[index] = logits[index].masked_fill_(~allowed, -torch.inf)

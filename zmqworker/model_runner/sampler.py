@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from zmqworker.model_runner.host_to_device import to_device
+
 # Temperatures below this count as greedy (the request's temperature is 0).
 _GREEDY_EPS = 1e-5
 
@@ -57,7 +59,7 @@ class SamplingMetadata:
         min_p_on = (min_p > 0.0) & ~greedy
 
         def tensor(values: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
-            return torch.from_numpy(np.ascontiguousarray(values)).to(device, dtype)
+            return to_device(values, dtype, device)
 
         return cls(
             all_greedy=False,
@@ -85,7 +87,10 @@ class Sampler:
     """Samples one token per row of logits. The logits are float32 [n, vocab] and are
     modified in place (the caller hands over a tensor it no longer needs)."""
 
-    def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
+    def __call__(
+        self, logits: torch.Tensor, metadata: SamplingMetadata, out: torch.Tensor | None = None
+    ) -> SamplerOutput:
+        """out: an int32 [n] tensor to write the sampled ids into (and return)."""
         if logits.dim() != 2:
             raise ValueError(f"logits must be [num_reqs, vocab], got shape {tuple(logits.shape)}")
         # Logprobs describe the model's distribution, before temperature and filters.
@@ -96,11 +101,12 @@ class Sampler:
             sampled = _argmax(logits)
         else:
             sampled = _sample_random(logits, metadata)
-        out = SamplerOutput(sampled.to(torch.int32))
+        ids = sampled.to(torch.int32) if out is None else out.copy_(sampled)
+        result = SamplerOutput(ids)
         if raw_logprobs is not None:
             assert metadata.max_num_logprobs is not None
-            _gather_logprobs(out, raw_logprobs, sampled, metadata.max_num_logprobs)
-        return out
+            _gather_logprobs(result, raw_logprobs, sampled, metadata.max_num_logprobs)
+        return result
 
 
 def _sample_random(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:

@@ -11,6 +11,7 @@ from torch import nn
 
 from zmqworker.attention.metadata import AttentionMetadata
 from zmqworker.attention.paged_attention import paged_attention
+from zmqworker.attention.triton_metadata import TritonAttentionMetadata
 from zmqworker.distributed.parallel_state import ParallelState
 from zmqworker.models.layers.activation import GatedActivation
 from zmqworker.models.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -21,7 +22,12 @@ from zmqworker.models.layers.linear import (
     split_evenly,
 )
 from zmqworker.models.layers.norm import RMSNorm
-from zmqworker.models.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters_of
+from zmqworker.models.layers.rotary import (
+    RotaryEmbedding,
+    StepRope,
+    apply_rotary,
+    rope_parameters_of,
+)
 from zmqworker.models.loader import load_checkpoint
 
 
@@ -31,6 +37,10 @@ class FamilyFlags:
     o_bias: bool = False  # the output projection has a bias (Llama/Qwen3 attention_bias)
     mlp_bias: bool = False  # gate/up/down have biases (Llama mlp_bias)
     qk_norm: bool = False  # per-head RMSNorm of q and k before rope (Qwen3)
+
+
+# The step metadata decides the attention path: plain torch (CPU) or Triton (CUDA).
+StepMetadata = AttentionMetadata | TritonAttentionMetadata
 
 
 def pp_layer_range(num_layers: int, pp_rank: int, pp_size: int) -> tuple[int, int]:
@@ -63,7 +73,9 @@ def kv_head_layout(num_kv_heads: int, state: ParallelState) -> tuple[int, int]:
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: Any, flags: FamilyFlags, prefix: str, state: ParallelState):
+    def __init__(
+        self, cfg: Any, flags: FamilyFlags, prefix: str, state: ParallelState, fused: bool
+    ):
         super().__init__()
         hidden = cfg.hidden_size
         self.head_dim = getattr(cfg, "head_dim", None) or hidden // cfg.num_attention_heads
@@ -87,19 +99,24 @@ class LlamaAttention(nn.Module):
         self.o_proj = RowParallelLinear(q_rows, hidden, f"{prefix}.o_proj", flags.o_bias, state)
         self.q_norm = self.k_norm = None
         if flags.qk_norm:
-            self.q_norm = RMSNorm(d, cfg.rms_norm_eps, f"{prefix}.q_norm")
-            self.k_norm = RMSNorm(d, cfg.rms_norm_eps, f"{prefix}.k_norm")
+            self.q_norm = RMSNorm(d, cfg.rms_norm_eps, f"{prefix}.q_norm", fused)
+            self.k_norm = RMSNorm(d, cfg.rms_norm_eps, f"{prefix}.k_norm", fused)
+        self._triton = None
+        if fused:
+            from zmqworker.attention import triton_attention, triton_cache
+
+            self._triton = (triton_cache.rope_and_cache, triton_attention.paged_attention)
 
     def forward(
-        self,
-        rope: tuple[torch.Tensor, torch.Tensor],
-        hidden: torch.Tensor,
-        kv_cache: torch.Tensor,
-        meta: AttentionMetadata,
+        self, rope: StepRope, hidden: torch.Tensor, kv_cache: torch.Tensor, meta: StepMetadata
     ) -> torch.Tensor:
         n, heads, kv_heads = hidden.shape[0], self.num_heads, self.num_kv_heads
         qkv = self.qkv_proj(hidden).view(n, heads + 2 * kv_heads, self.head_dim)
-        cos, sin = rope
+        if isinstance(meta, TritonAttentionMetadata):
+            out = self._fused_attention(qkv, rope, kv_cache, meta)
+            return self.o_proj(out.view(n, heads * self.head_dim))
+        cos, sin = rope.cos, rope.sin
+        assert cos is not None and sin is not None
         if self.q_norm is None:
             # q and k are adjacent: rotate them in one pass.
             qk = apply_rotary(qkv[:, : heads + kv_heads], cos, sin)
@@ -111,9 +128,31 @@ class LlamaAttention(nn.Module):
         out = paged_attention(q, k, v, kv_cache, meta, self.scale)
         return self.o_proj(out.reshape(n, heads * self.head_dim))
 
+    def _fused_attention(
+        self,
+        qkv: torch.Tensor,
+        rope: StepRope,
+        kv_cache: torch.Tensor,
+        meta: TritonAttentionMetadata,
+    ) -> torch.Tensor:
+        """Rotary and the cache write in one kernel, then attention over the cache."""
+        if self._triton is None:
+            raise RuntimeError("Triton attention metadata given to a model built unfused")
+        rope_and_cache, attend = self._triton
+        heads, kv_heads = self.num_heads, self.num_kv_heads
+        if self.q_norm is not None and self.k_norm is not None:
+            self.q_norm.normalize_(qkv[:, :heads])
+            self.k_norm.normalize_(qkv[:, heads : heads + kv_heads])
+        rope_and_cache(
+            qkv, heads, kv_heads, rope.table, rope.positions, meta.slot_mapping, kv_cache
+        )
+        return attend(qkv[:, :heads], kv_cache, meta, self.scale)
+
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg: Any, flags: FamilyFlags, prefix: str, state: ParallelState):
+    def __init__(
+        self, cfg: Any, flags: FamilyFlags, prefix: str, state: ParallelState, fused: bool
+    ):
         super().__init__()
         inter = cfg.intermediate_size
         parts = [
@@ -121,7 +160,7 @@ class LlamaMLP(nn.Module):
             split_evenly(f"{prefix}.up_proj", inter, state),
         ]
         self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, parts, bias=flags.mlp_bias)
-        self.act = GatedActivation(cfg.hidden_act)
+        self.act = GatedActivation(cfg.hidden_act, fused)
         self.down_proj = RowParallelLinear(
             inter, cfg.hidden_size, f"{prefix}.down_proj", flags.mlp_bias, state
         )
@@ -131,23 +170,25 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: Any, flags: FamilyFlags, prefix: str, state: ParallelState):
+    def __init__(
+        self, cfg: Any, flags: FamilyFlags, prefix: str, state: ParallelState, fused: bool
+    ):
         super().__init__()
-        self.self_attn = LlamaAttention(cfg, flags, f"{prefix}.self_attn", state)
-        self.mlp = LlamaMLP(cfg, flags, f"{prefix}.mlp", state)
+        self.self_attn = LlamaAttention(cfg, flags, f"{prefix}.self_attn", state, fused)
+        self.mlp = LlamaMLP(cfg, flags, f"{prefix}.mlp", state, fused)
         eps = cfg.rms_norm_eps
-        self.input_layernorm = RMSNorm(cfg.hidden_size, eps, f"{prefix}.input_layernorm")
+        self.input_layernorm = RMSNorm(cfg.hidden_size, eps, f"{prefix}.input_layernorm", fused)
         self.post_attention_layernorm = RMSNorm(
-            cfg.hidden_size, eps, f"{prefix}.post_attention_layernorm"
+            cfg.hidden_size, eps, f"{prefix}.post_attention_layernorm", fused
         )
 
     def forward(
         self,
-        rope: tuple[torch.Tensor, torch.Tensor],
+        rope: StepRope,
         hidden: torch.Tensor,
         residual: torch.Tensor | None,
         kv_cache: torch.Tensor,
-        meta: AttentionMetadata,
+        meta: StepMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
             residual, hidden = hidden, self.input_layernorm(hidden)
@@ -175,7 +216,15 @@ def _check_sliding_window(cfg: Any, max_positions: int) -> None:
 class LlamaModel(nn.Module):
     """The decoder stack of one pipeline stage (named like the checkpoint's `model.`)."""
 
-    def __init__(self, cfg: Any, flags: FamilyFlags, state: ParallelState, start: int, end: int):
+    def __init__(
+        self,
+        cfg: Any,
+        flags: FamilyFlags,
+        state: ParallelState,
+        start: int,
+        end: int,
+        fused: bool,
+    ):
         super().__init__()
         self.embed_tokens = None
         if state.is_first_stage:
@@ -184,16 +233,19 @@ class LlamaModel(nn.Module):
             )
         self.layers = nn.ModuleDict(
             {
-                str(i): LlamaDecoderLayer(cfg, flags, f"model.layers.{i}", state)
+                str(i): LlamaDecoderLayer(cfg, flags, f"model.layers.{i}", state, fused)
                 for i in range(start, end)
             }
         )
         self.norm = None
         if state.is_last_stage:
-            self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, "model.norm")
+            self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, "model.norm", fused)
 
 
 class LlamaForCausalLM(nn.Module):
+    """fused=True builds the layers on Triton kernels (the CUDA step); the plain-torch
+    layers stay the reference and the CPU path."""
+
     def __init__(
         self,
         hf_config: Any,
@@ -201,12 +253,14 @@ class LlamaForCausalLM(nn.Module):
         dtype: torch.dtype,
         flags: FamilyFlags,
         max_positions: int,
+        fused: bool = False,
     ):
         super().__init__()
         self.hf_config = hf_config
         self.state = state
         self.dtype = dtype
         self.flags = flags
+        self.fused = fused
         _check_sliding_window(hf_config, max_positions)
         self.start_layer, self.end_layer = pp_layer_range(
             hf_config.num_hidden_layers, state.pp_rank, state.pp_size
@@ -216,7 +270,7 @@ class LlamaForCausalLM(nn.Module):
         ]
         self.hidden_size = hf_config.hidden_size
         self.vocab_size = hf_config.vocab_size
-        self.model = LlamaModel(hf_config, flags, state, self.start_layer, self.end_layer)
+        self.model = LlamaModel(hf_config, flags, state, self.start_layer, self.end_layer, fused)
         first = self.model.layers[str(self.start_layer)].self_attn
         self.head_dim = first.head_dim
         self.num_kv_heads = first.num_kv_heads
@@ -242,7 +296,7 @@ class LlamaForCausalLM(nn.Module):
         input_ids: torch.Tensor | None,
         positions: torch.Tensor,
         kv_caches: list[torch.Tensor],
-        attn_metadata: AttentionMetadata,
+        attn_metadata: StepMetadata,
         intermediate_tensors: dict[str, torch.Tensor] | None = None,
     ) -> torch.Tensor | dict[str, torch.Tensor]:
         """First stage embeds input_ids, later stages continue intermediate_tensors
@@ -259,12 +313,10 @@ class LlamaForCausalLM(nn.Module):
             hidden, residual = self.model.embed_tokens(input_ids), None
         else:
             if intermediate_tensors is None:
-                raise ValueError(
-                    f"pipeline stage {self.state.pp_rank} needs intermediate_tensors"
-                )
+                raise ValueError(f"pipeline stage {self.state.pp_rank} needs intermediate_tensors")
             hidden = intermediate_tensors["hidden_states"]
             residual = intermediate_tensors["residual"]
-        rope = self.rotary.lookup(positions)
+        rope = self.rotary.for_step(positions, look_up=not self.fused)
         for layer, kv_cache in zip(self.model.layers.values(), kv_caches, strict=True):
             hidden, residual = layer(rope, hidden, residual, kv_cache, attn_metadata)
         if self.model.norm is None:

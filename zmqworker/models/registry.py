@@ -76,13 +76,47 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(previous)
 
 
-def build_model(model_config: ModelConfig, state: ParallelState) -> CausalLM:
-    """This rank's layers on state.device in model_config.dtype, weights loaded, eval mode."""
+LOAD_FORMATS = ("auto", "dummy")
+
+
+def build_model(model_config: ModelConfig, state: ParallelState, fused: bool = False) -> CausalLM:
+    """This rank's layers on state.device in model_config.dtype, weights loaded, eval mode.
+    fused builds the layers on Triton kernels (the CUDA step)."""
+    if model_config.load_format not in LOAD_FORMATS:
+        raise ValueError(
+            f"load_format must be one of {', '.join(LOAD_FORMATS)}, got "
+            f"{model_config.load_format!r}"
+        )
     cfg = load_hf_config(model_config.path)
     flags = family_flags(cfg)
     dtype = torch_dtype(model_config.dtype)
     max_positions = model_config.max_model_len or cfg.max_position_embeddings
     with torch.device(state.device), _default_dtype(dtype):
-        model = LlamaForCausalLM(cfg, state, dtype, flags, max_positions)
-    model.load_weights(model_config.path)
+        model = LlamaForCausalLM(cfg, state, dtype, flags, max_positions, fused)
+    load_weights(model, model_config)
     return model.eval()
+
+
+def load_weights(model: CausalLM, model_config: ModelConfig) -> None:
+    """Fill this rank's parameters: from the checkpoint folder, or dummy values made on
+    the device (also what a wake-up from level-2 sleep calls)."""
+    if model_config.load_format == "dummy":
+        fill_dummy_weights(model, model_config.seed)
+    else:
+        model.load_weights(model_config.path)
+
+
+@torch.no_grad()
+def fill_dummy_weights(model: torch.nn.Module, seed: int) -> None:
+    """Norm weights 1, biases 0, every other weight normal(0, 0.02) (transformers' init),
+    drawn on the parameter's device from a generator seeded by `seed` and this rank's
+    layer range, so that reruns give the same weights."""
+    device = next(model.parameters()).device
+    generator = torch.Generator(device=device).manual_seed(seed + getattr(model, "start_layer", 0))
+    for name, param in model.named_parameters():
+        if name.endswith("norm.weight"):
+            param.fill_(1.0)
+        elif name.endswith("bias"):
+            param.zero_()
+        else:
+            param.normal_(0.0, 0.02, generator=generator)

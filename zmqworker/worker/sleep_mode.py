@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from messages import KVCacheConfig
+from zmqworker.models.registry import load_weights
 
 WAKE_TAGS = ("weights", "kv_cache")
 
@@ -93,7 +94,7 @@ class SleepState:
                 params[name].data = torch.empty(shape, dtype=dtype, device=device)
             for name, host in self._buffers.items():
                 _set_buffer(model, name, host.to(device))
-            model.load_weights(runner.config.model.path)
+            load_weights(model, runner.config.model)
         self.clear()
 
 

@@ -57,6 +57,7 @@ class Worker(WorkerBase):
         self._kv_cache_config: KVCacheConfig | None = None
         self._available_kv_bytes: int | None = None
         self._host_free_at_start = 0
+        self.graph_bytes = 0  # what determine_available_memory set aside for CUDA graphs
         self._profiler: torch.profiler.profile | None = None
         self._sleep = SleepState()
         self._step_started: float | None = None
@@ -82,10 +83,13 @@ class Worker(WorkerBase):
         self.state = init_parallel_state(parallel, self.rank, self.device)
         self._host_free_at_start = self.ops.free_and_total_bytes()[0]
         torch.manual_seed(self.config.model.seed)
-        self.model_runner = ModelRunner(self.config, self.state)
 
     def load_model(self) -> None:
-        self._runner().load_model()
+        if self.state is None:
+            raise RuntimeError("init_device has not run: call it first")
+        if self.model_runner is not None:
+            raise RuntimeError(f"rank {self.rank}: the model is already loaded")
+        self.model_runner = ModelRunner(self.config, self.state)
 
     def determine_available_memory(self) -> int:
         runner = self._runner()
@@ -100,9 +104,11 @@ class Worker(WorkerBase):
         activation_peak = max(0, self.ops.peak_bytes() - in_use)
         self.ops.empty_cache()
         if self.ops.name == "cuda":
+            # The decode graphs' memory stays taken once captured: the KV cache leaves it.
+            self.graph_bytes = runner.probe_graph_memory()
             free, total = self.ops.free_and_total_bytes()
             budget = int(total * cache.gpu_memory_utilization) - (total - free)
-            available = budget - activation_peak
+            available = budget - activation_peak - self.graph_bytes
         else:
             # The host is shared by every worker of the layout: each gets its share.
             share = cache.cpu_memory_fraction / self.config.parallel.world_size
@@ -189,14 +195,15 @@ class Worker(WorkerBase):
 
     def sleep(self, level: int = 1) -> None:
         runner = self._runner()
-        if runner.model is None:
-            raise RuntimeError("sleep before load_model: nothing to release")
         self._sleep.sleep(runner, level, pin=self.ops.name == "cuda")
         self.ops.empty_cache()
 
     def wake_up(self, tags: list[str] | None = None) -> None:
         runner = self._runner()
         self._sleep.wake_up(runner, tags, self.device, self._kv_cache_config)
+        if not self._sleep.asleep:
+            # Sleep dropped the graphs with the memory they were captured over.
+            runner.capture_graphs()
 
     def check_health(self) -> None:
         started = self._step_started
@@ -225,7 +232,6 @@ class Worker(WorkerBase):
             self._profiler = None
         if self.model_runner is not None:
             self.model_runner.shutdown()
-            self.model_runner.release_kv_cache()
             self.model_runner = None
         self._sleep.clear()
         if self.state is not None:
@@ -239,7 +245,8 @@ class Worker(WorkerBase):
         if self._shut_down:
             raise RuntimeError(f"rank {self.rank} is shut down")
         if self.model_runner is None:
-            raise RuntimeError("init_device has not run: call it first")
+            step = "init_device" if self.state is None else "load_model"
+            raise RuntimeError(f"{step} has not run: call it first")
         return self.model_runner
 
     def _require_awake(self, what: str) -> None:

@@ -8,6 +8,7 @@ the model dtype); a step looks them up once and every layer reuses them.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -113,6 +114,17 @@ def rope_inv_freq(
     return inv_freq, 1.0
 
 
+@dataclass(frozen=True)
+class StepRope:
+    """One step's rotary inputs, shared by every layer: the table and the positions, and
+    for the plain-torch path the angles looked up once (the fused kernel looks up its own)."""
+
+    table: torch.Tensor  # [max_positions, head_dim]: cos then sin
+    positions: torch.Tensor  # [num_tokens]
+    cos: torch.Tensor | None = None  # [num_tokens, 1, head_dim / 2]
+    sin: torch.Tensor | None = None
+
+
 class RotaryEmbedding(nn.Module):
     def __init__(
         self,
@@ -128,6 +140,12 @@ class RotaryEmbedding(nn.Module):
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
         table = torch.cat([freqs.cos() * scale, freqs.sin() * scale], dim=-1).to(dtype)
         self.register_buffer("cos_sin", table, persistent=False)
+
+    def for_step(self, positions: torch.Tensor, look_up: bool) -> StepRope:
+        if not look_up:
+            return StepRope(self.cos_sin, positions)
+        cos, sin = self.lookup(positions)
+        return StepRope(self.cos_sin, positions, cos, sin)
 
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, sin), each [num_tokens, 1, head_dim / 2], for positions int64 [num_tokens]."""

@@ -1,0 +1,135 @@
+"""The model runner's Triton path (the CUDA step) on the CPU, through Triton's
+interpreter: persistent device inputs, the on-device token feed and the decode graphs'
+padded replays, with a recorder standing in for CUDA graph capture. Greedy tokens must
+equal transformers'. The same paths run on a GPU in test_model_runner.py."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+
+pytest.importorskip("triton")
+
+from messages import (  # noqa: E402
+    CachedRequestData,
+    NewRequestData,
+    SchedulerOutput,
+)
+from tests.runner_helpers import (  # noqa: E402
+    DEVICE,
+    GREEDY,
+    MiniScheduler,
+    Pipeline,
+    hf_greedy,
+    make_runner,
+)
+from tests.tiny import cached_tiny_checkpoint  # noqa: E402
+
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:The given buffer is not writable"),
+    pytest.mark.skipif(DEVICE.type != "cpu", reason="the GPU runs these in test_model_runner"),
+]
+
+
+class Recorded:
+    """A 'graph' that replays the captured function: the buffers, padding and outputs of
+    the graph path, without CUDA."""
+
+    replays = 0
+
+    def __init__(self, fn: Callable[[], None]) -> None:
+        self.fn = fn
+
+    def replay(self) -> None:
+        Recorded.replays += 1
+        self.fn()
+
+
+def small_checkpoint(family: str) -> str:
+    return cached_tiny_checkpoint(family=family, num_layers=2, tie_word_embeddings=True)
+
+
+def run(runner, prompts: dict[str, list[int]], max_tokens: dict[str, int], joins: dict[int, str]):
+    """Requests joining at the given steps; two in flight at most under a 12-token budget."""
+    sched = MiniScheduler(budget=12, seed=7)
+    reqs = {}
+    step = 0
+    pipeline = Pipeline([runner])
+    while step == 0 or sched.busy() or len(reqs) < len(prompts):
+        name = joins.get(step)
+        if name is not None:
+            reqs[name] = sched.add(name, prompts[name], max_tokens[name])
+        sched.update(pipeline.step(sched.schedule()))
+        step += 1
+        assert step < 80
+    return {name: r.outputs for name, r in reqs.items()}
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_triton_path_greedy_tokens_match_transformers(family: str) -> None:
+    """Chunked prefill, decodes in graphs of 2 and 4 (3 requests pad to 4), a request that
+    finishes while the next takes its batch row with a longer prompt: a stale token feed
+    would corrupt that prompt."""
+    path = small_checkpoint(family)
+    runner = make_runner(
+        path, max_seqs=4, kernels="triton", graph_capture=Recorded, graph_sizes=(2, 4)
+    )
+    assert runner.graphs is not None and runner.graphs.captured
+    rng = np.random.default_rng(0)
+    prompts = {
+        name: rng.integers(3, 250, n).tolist()
+        for name, n in [("a", 5), ("b", 17), ("c", 9), ("d", 14)]
+    }
+    max_tokens = {"a": 3, "b": 9, "c": 6, "d": 5}
+    before = Recorded.replays
+    result = run(runner, prompts, max_tokens, joins={0: "a", 1: "b", 2: "c", 3: "d"})
+    assert Recorded.replays > before
+    for name, prompt in prompts.items():
+        assert result[name] == hf_greedy(path, tuple(prompt), max_tokens[name]), name
+
+
+def test_triton_path_eager_decode_and_preempted_request_resumes() -> None:
+    path = small_checkpoint("llama")
+    runner = make_runner(path, max_seqs=4, kernels="triton", enforce_eager=True)
+    assert runner.graphs is None
+    prompt = list(range(30, 41))
+    new = NewRequestData(
+        "p", 1, np.array(prompt, np.int32), GREEDY, np.arange(4, dtype=np.int32), 11
+    )
+    pipeline = Pipeline([runner])
+    tokens = [
+        int(
+            pipeline.step(SchedulerOutput([new], CachedRequestData.empty(), 11)).sampled_token_ids[
+                0
+            ]
+        )
+    ]
+    for computed in (11, 12):
+        so = SchedulerOutput([], CachedRequestData.build([1], [computed], [1]), 1)
+        tokens.append(int(pipeline.step(so).sampled_token_ids[0]))
+    # preempted right after a decode: its tokens must reach the host before it is parked
+    runner.execute_model(SchedulerOutput([], CachedRequestData.empty(), 0, [], [1]))
+    resumed = CachedRequestData.build([1], [0], [14], [[5, 6, 7, 8]], None, [1])
+    tokens.append(int(pipeline.step(SchedulerOutput([], resumed, 14)).sampled_token_ids[0]))
+    assert tokens == hf_greedy(path, tuple(prompt), 4)
+
+
+def test_token_feed_skips_a_row_taken_by_another_request() -> None:
+    """A finishes right after a sample; B takes its batch row in the next step with a
+    prompt that covers the sample's position: B's prompt token must stay B's."""
+    path = small_checkpoint("llama")
+    runner = make_runner(path, max_seqs=2, kernels="triton", enforce_eager=True)
+    pipeline = Pipeline([runner])
+    a = NewRequestData(
+        "a", 1, np.array([5, 6, 7, 8, 9], np.int32), GREEDY, np.arange(2, dtype=np.int32), 5
+    )
+    pipeline.step(SchedulerOutput([a], CachedRequestData.empty(), 5))
+    prompt = list(range(40, 52))
+    b = NewRequestData(
+        "b", 2, np.array(prompt, np.int32), GREEDY, np.arange(2, 5, dtype=np.int32), 12
+    )
+    out = pipeline.step(SchedulerOutput([b], CachedRequestData.empty(), 12, [1]))
+    assert runner.batch.row_of[2] == 0  # the row A had
+    assert int(out.sampled_token_ids[0]) == hf_greedy(path, tuple(prompt), 1)[0]

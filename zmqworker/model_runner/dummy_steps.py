@@ -1,0 +1,118 @@
+"""Dummy steps: the forwards that profile peak memory and warm a runner up.
+
+They run through the runner's own forward (the same input path, kernels and sampler as
+real steps) over zero tokens, every request reading the same blocks, and never touch the
+persistent batch. Profiling uses throwaway KV caches, not the real one.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from zmqworker.attention.paged_attention import probe_steps
+from zmqworker.model_runner.batch_update import ScheduledRequests
+from zmqworker.model_runner.sampler import SamplingMetadata
+
+if TYPE_CHECKING:
+    from zmqworker.model_runner.model_runner import ModelRunner
+
+# The dummy sampling of profiling: every filter on and this many logprobs, the most
+# memory the sampler can need.
+_PROFILE_NUM_LOGPROBS = 20
+
+
+class DummySteps:
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
+
+    def profile(self) -> None:
+        """The largest step (max_num_batched_tokens tokens spread over max_num_seqs
+        requests) with the sampler at that many requests, then the steps with the
+        attention's largest temporaries (paged_attention.probe_steps)."""
+        runner = self.runner
+        scheduler = runner.config.scheduler
+        num_reqs = runner.max_num_reqs
+        # No real step is larger: each request holds at most max_model_len tokens.
+        num_tokens = min(scheduler.max_num_batched_tokens, num_reqs * runner.max_model_len)
+        query_lens = np.full(num_reqs, num_tokens // num_reqs, np.int32)
+        query_lens[: num_tokens % num_reqs] += 1
+        logits = self._forward(query_lens, np.zeros(num_reqs, np.int32), own_cache=False)
+        if logits is not None:
+            self._sample(logits, greedy=False)
+        limits = (scheduler.max_num_seqs, scheduler.max_num_batched_tokens, runner.max_model_len)
+        for probe_query_lens, context_lens in probe_steps(*limits, runner.block_size):
+            self._forward(probe_query_lens, context_lens, own_cache=False)
+
+    def warm_up(self, batch_sizes: list[int]) -> None:
+        """Decode steps (one block of context per request) at each batch size, through
+        the model and both sampler paths."""
+        runner = self.runner
+        for size in batch_sizes:
+            if not 1 <= size <= runner.max_num_reqs:
+                raise ValueError(f"warm-up batch size {size} is outside [1, {runner.max_num_reqs}]")
+            context = np.full(size, runner.block_size - 1, np.int32)
+            logits = self._forward(np.ones(size, np.int32), context, own_cache=True)
+            if logits is not None:
+                self._sample(logits.clone(), greedy=True)
+                self._sample(logits, greedy=False)
+
+    def _forward(
+        self, query_lens: np.ndarray, context_lens: np.ndarray, own_cache: bool
+    ) -> torch.Tensor | None:
+        """Every request's last-position logits on the last stage, else None. own_cache
+        uses the runner's KV cache when it has enough blocks."""
+        runner = self.runner
+        model = runner.model
+        num_reqs = len(query_lens)
+        seq_lens = context_lens + query_lens
+        max_seq = int(seq_lens.max())
+        num_blocks = -(-max_seq // runner.block_size)
+        tokens = np.zeros((num_reqs, max_seq), np.int32)
+        table = np.tile(np.arange(num_blocks, dtype=np.int32), (num_reqs, 1))
+        step = ScheduledRequests(
+            rows=np.arange(num_reqs),
+            handles=np.zeros(num_reqs, np.int32),
+            num_computed=context_lens.astype(np.int32),
+            num_scheduled=query_lens.astype(np.int32),
+            num_tokens=int(query_lens.sum()),
+        )
+        caches = runner.kv_caches
+        if not (own_cache and caches and caches[0].shape[1] >= num_blocks):
+            # One throwaway cache that every layer overwrites: a dummy run needs no
+            # layer's keys afterwards, and one layer's worth adds little to the peak.
+            caches = [runner.new_cache(num_blocks)] * len(model.layer_names)
+
+        def previous_stage() -> dict[str, torch.Tensor] | None:
+            if runner.state.is_first_stage:
+                return None
+            hidden = torch.zeros(
+                step.num_tokens, model.hidden_size, dtype=model.dtype, device=runner.device
+            )
+            return {"hidden_states": hidden, "residual": hidden.clone()}
+
+        last = runner.state.is_last_stage
+        sample_index = np.arange(num_reqs) if last else np.zeros(0, np.int64)
+        out = runner.forward(
+            tokens, table, step, sample_index, previous_stage, caches, use_graphs=False
+        )
+        return out if last else None
+
+    def _sample(self, logits: torch.Tensor, greedy: bool) -> None:
+        runner = self.runner
+        n, vocab = logits.shape
+        num_logprobs = -1 if greedy else min(_PROFILE_NUM_LOGPROBS, vocab)
+        metadata = SamplingMetadata.build(
+            temperature=np.full(n, 0.0 if greedy else 1.0, np.float32),
+            top_k=np.full(n, 0 if greedy else max(1, vocab // 2), np.int32),
+            top_p=np.full(n, 1.0 if greedy else 0.9, np.float32),
+            min_p=np.full(n, 0.0 if greedy else 0.01, np.float32),
+            num_logprobs=np.full(n, num_logprobs, np.int32),
+            generators={},
+            vocab_size=vocab,
+            device=runner.device,
+        )
+        with torch.inference_mode():
+            runner.sampler(logits, metadata)
