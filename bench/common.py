@@ -33,14 +33,15 @@ def p50_p99_us(samples: Sequence[float]) -> tuple[float, float]:
     return float(p50), float(p99)
 
 
-def print_table(rows: Sequence[dict[str, Any]]) -> None:
-    """Print rows (dicts with the same keys) as aligned columns; floats to 1 decimal."""
+def print_table(rows: Sequence[dict[str, Any]], precision: int = 1) -> None:
+    """Print rows (dicts with the same keys) as aligned columns; floats to `precision`
+    decimals."""
     if not rows:
         return
     keys = list(rows[0])
 
     def cell(v: Any) -> str:
-        return f"{v:.1f}" if isinstance(v, float) else str(v)
+        return f"{v:.{precision}f}" if isinstance(v, float) else str(v)
 
     cells = [[cell(r[k]) for k in keys] for r in rows]
     widths = [max(len(k), *(len(c[i]) for c in cells)) for i, k in enumerate(keys)]

@@ -61,7 +61,6 @@ def make_runner(
         scheduler=SchedulerConfig(max_num_seqs=batch, max_num_batched_tokens=PREFILL_CHUNK),
     )
     runner = ModelRunner(config, single_rank_state(device))
-    runner.load_model()
     blocks_per_req = -(-max_len // BLOCK_SIZE)
     spec = runner.get_kv_cache_spec()
     runner.initialize_kv_cache(make_kv_cache_config([spec], batch * blocks_per_req))

@@ -1,0 +1,139 @@
+"""The decode step's kernels alone, against the bytes they must move (CUDA only).
+
+Decode attention (Triton, with its tile and split settings varied) over a paged cache of
+random data, and the linear layers of the decode step (cuBLAS) at several batch sizes,
+each timed from a CUDA graph of its launches (triton.testing.do_bench_cudagraph), against
+the time its bytes take at the device-to-device bandwidth measured in the same run. The
+rows show where a decode step's time goes, and which kernel settings pay.
+
+    python -m bench.attention_kernels [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+import triton
+import triton.testing
+
+from bench.common import print_table, write_results
+from bench.gpu_decode import hbm_bandwidth
+from zmqworker.attention import triton_attention
+from zmqworker.attention.kv_cache import allocate_kv_cache
+from zmqworker.attention.triton_metadata import TritonAttentionMetadata
+
+BLOCK_SIZE = 16
+CONTEXT = 552
+# name: (num_heads, num_kv_heads, head_dim, hidden, intermediate)
+MODELS = {"smollm2-135m": (9, 3, 64, 576, 1536), "llama-3-8b": (32, 8, 128, 4096, 14336)}
+
+
+def decode_case(model: str, batch: int, splits: int, warps: int, stages: int):
+    heads, kv_heads, head_dim, _, _ = MODELS[model]
+    blocks_per_req = -(-CONTEXT // BLOCK_SIZE)
+    num_blocks = batch * blocks_per_req
+    cache = allocate_kv_cache(num_blocks, BLOCK_SIZE, kv_heads, head_dim, torch.bfloat16, "cuda")
+    cache.normal_()
+    tables = torch.randperm(num_blocks, device="cuda", dtype=torch.int32).view(batch, -1)
+    seq_lens = torch.full((batch,), CONTEXT, dtype=torch.int32, device="cuda")
+    meta = TritonAttentionMetadata(
+        batch,
+        batch,
+        1,
+        True,
+        splits,
+        torch.full((batch,), -1, dtype=torch.int32, device="cuda"),
+        torch.zeros(batch, dtype=torch.int32, device="cuda"),
+        torch.arange(batch + 1, dtype=torch.int32, device="cuda"),
+        seq_lens,
+        tables,
+    )
+    q = torch.randn(batch, heads, head_dim, dtype=torch.bfloat16, device="cuda")
+    saved = triton_attention.DECODE_LAUNCH
+    triton_attention.DECODE_LAUNCH = {"num_warps": warps, "num_stages": stages}
+    try:
+        fn = lambda: triton_attention.paged_attention(q, cache, meta, head_dim**-0.5)  # noqa: E731
+        fn()
+        ms = triton.testing.do_bench_cudagraph(fn, rep=50)
+    finally:
+        triton_attention.DECODE_LAUNCH = saved
+    kv_bytes = batch * CONTEXT * kv_heads * head_dim * 2 * 2
+    return ms, kv_bytes
+
+
+def linear_case(model: str, batch: int):
+    """The four linear layers of one decoder layer at `batch` tokens."""
+    heads, kv_heads, head_dim, hidden, inter = MODELS[model]
+    shapes = [
+        (hidden, (heads + 2 * kv_heads) * head_dim),
+        (heads * head_dim, hidden),
+        (hidden, 2 * inter),
+        (inter, hidden),
+    ]
+    weights = [torch.randn(n, k, dtype=torch.bfloat16, device="cuda") for k, n in shapes]
+    xs = [torch.randn(batch, k, dtype=torch.bfloat16, device="cuda") for k, _ in shapes]
+
+    def fn() -> None:
+        for x, w in zip(xs, weights, strict=True):
+            torch.nn.functional.linear(x, w)
+
+    fn()
+    ms = triton.testing.do_bench_cudagraph(fn, rep=50)
+    return ms, sum(w.numel() * 2 for w in weights)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    bandwidth = hbm_bandwidth()
+    rows = []
+    for model, batches in (("smollm2-135m", (1, 32, 256)), ("llama-3-8b", (1, 64, 256))):
+        for batch in batches:
+            ms, nbytes = linear_case(model, batch)
+            floor = nbytes / bandwidth * 1e3
+            rows.append(
+                {
+                    "what": f"{model} linears",
+                    "batch": batch,
+                    "setting": "cublas",
+                    "us": ms * 1e3,
+                    "floor_us": floor * 1e3,
+                    "x_floor": ms / floor,
+                }
+            )
+            print(json.dumps(rows[-1]), flush=True)
+            kv_heads = MODELS[model][1]
+            for warps, stages in ((4, 2), (4, 3), (8, 2)):
+                for programs in (512, 2048):
+                    want = -(-programs // (batch * kv_heads))
+                    splits = 1
+                    while splits * 2 <= min(want, 16):
+                        splits *= 2
+                    ms, nbytes = decode_case(model, batch, splits, warps, stages)
+                    floor = nbytes / bandwidth * 1e3
+                    rows.append(
+                        {
+                            "what": f"{model} attention",
+                            "batch": batch,
+                            "setting": f"w{warps} s{stages} splits{splits}",
+                            "us": ms * 1e3,
+                            "floor_us": floor * 1e3,
+                            "x_floor": ms / floor,
+                        }
+                    )
+                    print(json.dumps(rows[-1]), flush=True)
+    print(f"\nHBM {bandwidth / 1e12:.2f} TB/s; each row: one decoder layer's kernels")
+    print_table(rows, precision=2)
+    result = {"hbm_bytes_per_s": bandwidth, "rows": rows}
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    else:
+        write_results("attention_kernels", result)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# The CUDA checks on a lent GPU machine (torch, Triton and transformers installed; pyzmq
+# and msgspec carried as wheels in .whl/): the Triton kernel tests, the other CUDA tests,
+# then bench.gpu_decode.
+#   bench/run_on_gpu.sh OUT_DIR [kernels,tests,bench] [bench.gpu_decode options...]
+# Logs and the benchmark's JSON land in OUT_DIR.
+set -uo pipefail
+out=${1:?usage: bench/run_on_gpu.sh OUT_DIR [tests|bench|all] [bench args]}
+what=,${2:-kernels,tests,bench},
+shift $(( $# >= 2 ? 2 : 1 ))
+cd "$(dirname "$0")/.."
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 ZMQWORKER_TEST_DEVICE=cuda
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv,noheader
+python3 -c 'import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)'
+status=0
+run_tests() {  # log name, test files...
+    local log=$1
+    shift
+    timeout 420 python3 -m pytest -q -p no:cacheprovider --timeout 300 "$@" 2>&1 \
+        | tee "$out/$log.log" | tail -40
+    [[ ${PIPESTATUS[0]} == 0 ]] || status=1
+}
+if [[ $what == *,kernels,* ]]; then
+    run_tests kernels tests/test_triton_kernels.py
+fi
+if [[ $what == *,tests,* ]]; then
+    run_tests tests tests/test_model_runner.py tests/test_worker.py tests/test_pipeline.py \
+        tests/test_shm_ring.py
+fi
+if [[ $what == *,bench,* ]]; then
+    timeout 480 python3 -m bench.gpu_decode --tmp /dev/shm --out "$out/gpu_decode.json" "$@" \
+        2>&1 | tee "$out/bench.log" | grep -v Warning
+fi
+exit $status
