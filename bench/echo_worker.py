@@ -16,13 +16,12 @@ import numpy as np
 
 from messages import (
     GrammarOutput,
-    IntermediateTensors,
     KVCacheConfig,
     KVCacheSpec,
     ModelRunnerOutput,
     SchedulerOutput,
 )
-from zmqworker.worker.worker_base import WorkerBase
+from zmqworker.worker.worker_base import WorkerBase, freeze_startup_heap
 
 FAKE_KV_BYTES = 1 << 30
 
@@ -44,13 +43,11 @@ class EchoWorker(WorkerBase):
         self.kv_cache_config = kv_cache_config
 
     def compile_or_warm_up_model(self) -> float:
+        freeze_startup_heap()
         return 0.0
 
     def execute_model(
-        self,
-        scheduler_output: SchedulerOutput,
-        intermediate_tensors: IntermediateTensors | None = None,
-        sample: bool = True,
+        self, scheduler_output: SchedulerOutput, sample: bool = True, *, call_id: int = 0
     ) -> ModelRunnerOutput:
         handles = np.concatenate(
             [

@@ -24,8 +24,8 @@ from typing import Any
 
 from bench.common import p50_p99_us, print_table, time_calls, write_results
 from messages import Decoder, Encoder, ModelRunnerOutput, SchedulerOutput
+from messages.compare import assert_same
 from messages.examples import (
-    assert_same,
     decode_step,
     execute_model_reply,
     execute_model_request,

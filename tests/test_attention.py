@@ -9,14 +9,29 @@ import torch
 import zmqworker.attention.decode as decode
 import zmqworker.attention.paged_attention as paged
 from zmqworker.attention import build_attention_metadata
-from zmqworker.attention.decode import build_bag_plan
-from zmqworker.attention.kv_cache import allocate_kv_cache, gather_blocks, kv_cache_shape
+from zmqworker.attention.decode import AttentionGeometry, build_bag_plan
+from zmqworker.attention.kv_cache import allocate_kv_cache, kv_cache_shape
 from zmqworker.attention.paged_attention import paged_attention, probe_steps
+from zmqworker.attention.workspace import GatherWorkspace
 
 BLOCK = 4
 HEADS, KV_HEADS, HEAD_DIM = 6, 2, 8
 # float32 decodes on embedding bags, bfloat16 through a gather and SDPA.
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+
+
+def metadata(query_lens, seq_lens, tables, slots, dtype=torch.float32, workspace=None):
+    geometry = AttentionGeometry(HEADS, KV_HEADS, HEAD_DIM, dtype)
+    return build_attention_metadata(
+        np.asarray(query_lens),
+        np.asarray(seq_lens),
+        tables,
+        np.asarray(slots),
+        BLOCK,
+        geometry,
+        workspace or GatherWorkspace(),
+        torch.device("cpu"),
+    )
 
 
 def reference(q: torch.Tensor, k_hist: torch.Tensor, v_hist: torch.Tensor, ctx: int, scale):
@@ -85,13 +100,8 @@ class PagedScenario:
             q.append(self.queries[r][pos])
             k.append(self.keys[r][pos])
             v.append(self.values[r][pos])
-        meta = build_attention_metadata(
-            query_lens,
-            seq_lens,
-            tables,
-            np.concatenate(slots).astype(np.int64),
-            BLOCK,
-            torch.device("cpu"),
+        meta = metadata(
+            query_lens, seq_lens, tables, np.concatenate(slots).astype(np.int64), self.dtype
         )
         scale = HEAD_DIM**-0.5
         q, k, v = (torch.cat(t).to(self.dtype) for t in (q, k, v))
@@ -160,7 +170,7 @@ def test_gather_blocks_returns_keys_and_values_in_block_order():
     s = PagedScenario([8])
     s.step({0: 8})
     ids = torch.from_numpy(s.tables[0].astype(np.int64))
-    keys, values = gather_blocks(s.cache, ids, HEAD_DIM)
+    keys, values = GatherWorkspace().gather(s.cache, ids, HEAD_DIM)
     assert keys.shape == values.shape == (KV_HEADS, 8, HEAD_DIM)
     torch.testing.assert_close(keys, s.keys[0].transpose(0, 1), rtol=0, atol=0)
     torch.testing.assert_close(values, s.values[0].transpose(0, 1), rtol=0, atol=0)
@@ -208,27 +218,19 @@ def test_probe_steps_stay_within_the_scheduler_limits():
 
 
 def test_metadata_rejects_inconsistent_inputs():
-    cpu = torch.device("cpu")
     tables = np.zeros((1, 4), np.int32)
     with pytest.raises(ValueError, match="shorter than query_lens"):
-        build_attention_metadata(np.array([3]), np.array([2]), tables, np.zeros(3), BLOCK, cpu)
+        metadata([3], [2], tables, np.zeros(3))
     with pytest.raises(ValueError, match="slot_mapping"):
-        build_attention_metadata(np.array([3]), np.array([3]), tables, np.zeros(2), BLOCK, cpu)
+        metadata([3], [3], tables, np.zeros(2))
     with pytest.raises(ValueError, match="needs 5 blocks"):
-        build_attention_metadata(np.array([1]), np.array([17]), tables, np.zeros(1), BLOCK, cpu)
+        metadata([1], [17], tables, np.zeros(1))
     with pytest.raises(ValueError, match=">= 1 query token"):
-        build_attention_metadata(np.array([0]), np.array([3]), tables, np.zeros(0), BLOCK, cpu)
+        metadata([0], [3], tables, np.zeros(0))
 
 
 def test_cache_of_wrong_shape_or_dtype_is_rejected():
-    meta = build_attention_metadata(
-        np.array([2]),
-        np.array([2]),
-        np.zeros((1, 1), np.int32),
-        np.arange(2),
-        BLOCK,
-        torch.device("cpu"),
-    )
+    meta = metadata([2], [2], np.zeros((1, 1), np.int32), np.arange(2))
     q, kv = torch.zeros(2, HEADS, HEAD_DIM), torch.zeros(2, KV_HEADS, HEAD_DIM)
     wrong_heads = torch.zeros(kv_cache_shape(4, BLOCK, KV_HEADS + 1, HEAD_DIM))
     with pytest.raises(ValueError, match="KV cache shape"):

@@ -25,6 +25,7 @@ from messages import (
 )
 from messages import examples as ex
 from messages.codec import DTYPE_NAMES
+from messages.compare import assert_same
 
 pytestmark = pytest.mark.filterwarnings("ignore:The given buffer is not writable")
 
@@ -41,7 +42,7 @@ def round_trip(msg: msgspec.Struct) -> tuple[msgspec.Struct, list]:
 def test_every_example_round_trips(name: str) -> None:
     msg = ex.EXAMPLES[name]()
     decoded, _ = round_trip(msg)
-    ex.assert_same(decoded, msg)
+    assert_same(decoded, msg)
 
 
 @pytest.mark.parametrize(
@@ -62,7 +63,7 @@ def test_every_example_round_trips(name: str) -> None:
 def test_every_value_type_round_trips_as_argument_and_result(value: msgspec.Struct) -> None:
     for msg in (RpcRequest(9, "m", [value], {"k": value}), RpcReply(9, 0, result=value)):
         decoded, _ = round_trip(msg)
-        ex.assert_same(decoded, msg)
+        assert_same(decoded, msg)
 
 
 def random_tensor(dtype: torch.dtype, shape: tuple[int, ...], seed: int = 0) -> torch.Tensor:
@@ -89,7 +90,7 @@ def test_tensor_dtypes_round_trip_bit_exact(dtype: torch.dtype, shape: tuple[int
     tensor = random_tensor(dtype, shape)
     msg = PipelineTensors(1, 0, IntermediateTensors({"t": tensor}))
     decoded, frames = round_trip(msg)
-    ex.assert_same(decoded, msg)
+    assert_same(decoded, msg)
     assert len(frames) == (2 if tensor.nbytes > INLINE_MAX_BYTES else 1)
 
 
@@ -106,7 +107,7 @@ def test_non_contiguous_tensors_round_trip(dtype: torch.dtype) -> None:
     decoded, _ = round_trip(msg)
     for name, out in decoded.tensors.tensors.items():
         assert out.is_contiguous(), name
-    ex.assert_same(decoded, msg)
+    assert_same(decoded, msg)
 
 
 def test_tensor_that_requires_grad_travels_as_its_values() -> None:
@@ -126,7 +127,7 @@ def test_numpy_arrays_round_trip_bit_exact(dtype: np.dtype, shape: tuple[int, ..
         1, "sample_tokens", [GrammarOutput(req_handles=array, grammar_bitmask=array.T)]
     )
     decoded, _ = round_trip(msg)
-    ex.assert_same(decoded, msg)
+    assert_same(decoded, msg)
 
 
 def address(buffer) -> int:
@@ -157,7 +158,7 @@ def test_large_array_moves_zero_copy_both_ways() -> None:
     # the small array was copied into the body; decoded, it points into the body
     body_start = address(received[0])
     assert body_start < out.req_handles.ctypes.data < body_start + len(received[0])
-    ex.assert_same(out, msg.args[0])
+    assert_same(out, msg.args[0])
 
 
 def test_zero_copy_through_zmq() -> None:
@@ -213,7 +214,7 @@ def test_inline_limit_is_a_parameter() -> None:
     assert len(Encoder().encode(msg)) == 1
     frames = Encoder(inline_max_bytes=0).encode(msg)
     assert len(frames) == 3  # the columns and the new block ids
-    ex.assert_same(Decoder().decode(frames), msg)
+    assert_same(Decoder().decode(frames), msg)
 
 
 def test_encoder_and_decoder_are_reusable_across_messages() -> None:
@@ -225,7 +226,7 @@ def test_encoder_and_decoder_are_reusable_across_messages() -> None:
         "pipeline_tensors_bf16",
     ):
         msg = ex.EXAMPLES[name]()
-        ex.assert_same(decoder.decode(encoder.encode(msg)), msg)
+        assert_same(decoder.decode(encoder.encode(msg)), msg)
 
 
 def test_tensor_off_the_cpu_is_refused() -> None:
@@ -269,7 +270,7 @@ def test_version_in_a_longer_msgpack_form_is_accepted() -> None:
     shortest fixint; the value is what counts."""
     msg = msgspec.msgpack.encode({"type": "RpcRequest", "call_id": 1, "method": "m"})
     decoded = Decoder().decode([bytes([0x92, 0xCC, PROTOCOL_VERSION]) + msg])
-    ex.assert_same(decoded, RpcRequest(1, "m"))
+    assert_same(decoded, RpcRequest(1, "m"))
 
 
 def test_unknown_message_kind_is_named() -> None:

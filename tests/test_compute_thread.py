@@ -15,9 +15,9 @@ import uvloop
 import zmq
 
 from messages import Decoder, RpcReply, RpcRequest
-from zmqworker.runtime.async_socket import AsyncSocket
 from zmqworker.runtime.compute_thread import ComputeThread
-from zmqworker.runtime.worker_process import Replier
+from zmqworker.runtime.replies import Replier
+from zmqworker.transport.async_socket import AsyncSocket
 
 BURSTS, BURST = 400, 3
 
@@ -57,7 +57,7 @@ def serving(tmp_path: Path, hwm: int = 1000) -> Iterator[tuple[zmq.Socket, bytes
             else:
                 sum(range(300))  # a little work that holds the GIL
 
-        return fn, lambda result, error: parts["sock"].send_before_lead([b"d" + n])
+        return fn, lambda result, error: parts["sock"].send_threadsafe([b"d" + n])
 
     def on_loop_message(frames: list[zmq.Frame]) -> None:
         if frames[0].bytes.startswith(b"h"):

@@ -411,7 +411,15 @@ def test_bad_layout_arguments():
 def test_worker_entry_point_refuses_a_missing_token():
     env = {k: v for k, v in os.environ.items() if k != "ZMQWORKER_TOKEN"}
     out = subprocess.run(
-        [sys.executable, "-m", "zmqworker.worker", "--engine", "ipc:///nonexistent", "--rank", "0"],
+        [
+            sys.executable,
+            "-m",
+            "zmqworker.runtime",
+            "--engine",
+            "ipc:///nonexistent",
+            "--rank",
+            "0",
+        ],
         capture_output=True,
         text=True,
         env=env,
@@ -419,7 +427,7 @@ def test_worker_entry_point_refuses_a_missing_token():
     )
     assert out.returncode == 2 and "no handshake token" in out.stderr
     help_text = subprocess.run(
-        [sys.executable, "-m", "zmqworker.worker", "--help"],
+        [sys.executable, "-m", "zmqworker.runtime", "--help"],
         capture_output=True,
         text=True,
         timeout=60,
@@ -446,8 +454,17 @@ def test_a_worker_whose_engine_socket_closes_stops_without_a_parent_check(tmp_pa
     address = f"ipc://{tmp_path}/engine.sock"
     router.bind(address)
     worker = subprocess.Popen(
-        [sys.executable, "-m", "zmqworker.worker", "--engine", address, "--rank", "0",
-         "--log-level", "INFO"],
+        [
+            sys.executable,
+            "-m",
+            "zmqworker.runtime",
+            "--engine",
+            address,
+            "--rank",
+            "0",
+            "--log-level",
+            "INFO",
+        ],
         env={**os.environ, "ZMQWORKER_TOKEN": "t"},
         stderr=subprocess.PIPE,
         text=True,

@@ -13,6 +13,7 @@ import pytest
 from messages import PROTOCOL_VERSION, Decoder
 from messages import examples as ex
 from messages.codec import DTYPE_NAMES
+from messages.compare import assert_same
 from messages.make_fixtures import FIXTURES_DIR, encode_examples, unpack_frames
 
 pytestmark = pytest.mark.filterwarnings("ignore:The given buffer is not writable")
@@ -38,7 +39,7 @@ def test_encoder_reproduces_the_fixture_byte_for_byte(name: str) -> None:
 @pytest.mark.parametrize("name", sorted(ex.EXAMPLES))
 def test_decoder_reads_the_fixture_back_to_the_example(name: str) -> None:
     decoded = Decoder().decode(unpack_frames(fixture(name)))
-    ex.assert_same(decoded, ex.EXAMPLES[name]())
+    assert_same(decoded, ex.EXAMPLES[name]())
 
 
 def ext_values(obj: Any) -> list[msgpack.ExtType]:

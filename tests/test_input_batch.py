@@ -11,6 +11,8 @@ import pytest
 import torch
 
 from messages import CachedRequestData, NewRequestData, SamplingParams, SchedulerOutput
+from zmqworker.attention.decode import AttentionGeometry
+from zmqworker.attention.workspace import GatherWorkspace
 from zmqworker.model_runner.input_batch import InputBatch
 from zmqworker.model_runner.step_inputs import StepInputBuilder
 
@@ -20,6 +22,13 @@ NUM_KV_BLOCKS = 64
 MAX_SEQS = 6
 MAX_LEN = 48
 MAX_TOKENS = 40
+
+
+def step_builder() -> StepInputBuilder:
+    geometry = AttentionGeometry(4, 2, 8, torch.float32)
+    return StepInputBuilder(
+        MAX_TOKENS, MAX_SEQS, BLOCK, geometry, GatherWorkspace(), torch.device("cpu")
+    )
 
 
 def make_batch() -> InputBatch:
@@ -112,7 +121,7 @@ class Driver:
         self.running: dict[int, Ref] = {}
         self.parked: dict[int, Ref] = {}
         self.next_handle = 0
-        self.builder = StepInputBuilder(MAX_TOKENS, MAX_SEQS, BLOCK, torch.device("cpu"))
+        self.builder = step_builder()
 
     def take_blocks(self, n: int) -> list[int]:
         blocks, self.free_blocks = self.free_blocks[:n], self.free_blocks[n:]
@@ -266,7 +275,7 @@ def test_step_inputs_of_a_mixed_step_with_shuffled_blocks() -> None:
     batch.append_sampled(np.array([batch.row_of[7]]), np.array([77], np.int32))
     cached = CachedRequestData.build([8, 7], [3, 10], [2, 1], [[], []])
     scheduled = batch.update(step([new_req(9, [1, 2], [5], 2)], cached))
-    builder = StepInputBuilder(MAX_TOKENS, MAX_SEQS, BLOCK, torch.device("cpu"))
+    builder = step_builder()
     inputs = builder.build(
         batch.token_ids,
         batch.block_table,

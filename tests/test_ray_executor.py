@@ -176,7 +176,7 @@ def test_worker_that_cannot_be_built_is_a_startup_error(ray_cluster):
     with pytest.raises(WorkerStartupError) as info:
         RayExecutor(echo_config(tp=2, worker_cls="bench.echo_worker.NoSuchWorker"))
     text = str(info.value)
-    assert "init_worker failed on rank" in text and "NoSuchWorker" in text
+    assert "prepare_worker failed on rank" in text and "NoSuchWorker" in text
     assert_nothing_left()
 
 

@@ -29,7 +29,7 @@ from messages import (
     SharedSlot,
     SharedTensorRef,
 )
-from messages.examples import assert_same
+from messages.compare import assert_same
 from zmqworker.distributed.pp_channel import (
     SHM_SLOTS,
     PipelineReceiver,

@@ -222,9 +222,9 @@ from messages import DeviceConfig, ModelConfig, WorkerConfig
 from zmqworker.worker.wrapper import WorkerWrapper
 late = dict(arg.split("=", 1) for arg in sys.argv[1:])
 w = WorkerWrapper(rpc_rank=0)
-w.update_environment_variables([late])  # as a Welcome's env does, torch long imported
+w.update_environment(late)  # as a Welcome's env does, torch long imported
 config = WorkerConfig(model=ModelConfig(path="unused"), device=DeviceConfig(device="cpu"))
-w.init_worker([{"config": config, "rank": 0}])
+w.init_worker(config)
 w.init_device()
 print(torch.get_num_threads())
 w.shutdown()
@@ -266,16 +266,14 @@ def test_wrapper_late_instantiation_extension_and_allowlist(monkeypatch):
     wrapper = WorkerWrapper(rpc_rank=1)
     with pytest.raises(AttributeError, match="does not exist yet"):
         wrapper.rank  # noqa: B018
-    wrapper.update_environment_variables(
-        [{"ZMQWORKER_TEST_SEEN": "0"}, {"ZMQWORKER_TEST_SEEN": "rank1"}]
-    )
+    wrapper.update_environment({"ZMQWORKER_TEST_SEEN": "rank1"})
     cfg = msgspec.structs.replace(
         config(),
         worker_cls="tests.test_worker.EnvProbeWorker",
         worker_extension_cls="tests.test_worker.Extension",
         parallel=msgspec.structs.replace(config().parallel, tensor_parallel_size=2),
     )
-    wrapper.init_worker([{"config": cfg}, {"config": cfg}])
+    wrapper.init_worker(cfg)
     assert wrapper.worker.seen_at_init == "rank1"
     assert wrapper.rank == 1  # forwarded attribute
     assert wrapper.execute_method("double", 21) == 42
@@ -289,13 +287,7 @@ def test_wrapper_late_instantiation_extension_and_allowlist(monkeypatch):
     assert not hasattr(Worker, "double")  # the worker class itself is untouched
     with pytest.raises(ValueError, match="no class"):
         WorkerWrapper(0).init_worker(
-            [
-                {
-                    "config": msgspec.structs.replace(
-                        cfg, worker_cls="zmqworker.worker.torch_worker.Nope"
-                    )
-                }
-            ]
+            msgspec.structs.replace(cfg, worker_cls="zmqworker.worker.torch_worker.Nope")
         )
 
 

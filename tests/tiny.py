@@ -118,9 +118,11 @@ class PagedDriver:
         import numpy as np
 
         from zmqworker.attention.kv_cache import allocate_kv_cache
+        from zmqworker.attention.workspace import GatherWorkspace
 
         self.stages = list(model) if isinstance(model, (list, tuple)) else [model]
         self.device = self.stages[0].state.device
+        self.workspace = GatherWorkspace()
         self.block_size = block_size
         self.caches = [
             [
@@ -139,8 +141,11 @@ class PagedDriver:
         import numpy as np
 
         from zmqworker.attention import build_attention_metadata
+        from zmqworker.attention.decode import AttentionGeometry
 
         bs = self.block_size
+        m = self.stages[0]
+        geometry = AttentionGeometry(m.num_heads, m.num_kv_heads, m.head_dim, m.dtype)
         positions, slots = [], []
         for req, tokens in schedule.items():
             start = self.lengths.get(req, 0)
@@ -159,8 +164,9 @@ class PagedDriver:
             tables[row, : len(self.blocks[r])] = self.blocks[r]
         query_lens = np.array([len(schedule[r]) for r in reqs], dtype=np.int32)
         seq_lens = np.array([self.lengths[r] for r in reqs], dtype=np.int32)
+        slot_mapping = np.concatenate(slots).astype(np.int64)
         meta = build_attention_metadata(
-            query_lens, seq_lens, tables, np.concatenate(slots).astype(np.int64), bs, self.device
+            query_lens, seq_lens, tables, slot_mapping, bs, geometry, self.workspace, self.device
         )
         return meta, torch.from_numpy(np.concatenate(positions)).to(self.device)
 

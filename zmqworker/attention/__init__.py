@@ -1,7 +1,9 @@
-"""Paged attention over a block-table KV cache, and the per-step metadata it reads.
+"""Paged attention over a block-table KV cache: the cache layout, the plain-torch path
+(the CPU's) and the Triton kernels (CUDA's), and the per-step metadata each reads.
 
-The function lives at zmqworker.attention.paged_attention.paged_attention; it is not
-re-exported here so that the submodule name stays importable as a module.
+May import: messages, zmqworker.transport, zmqworker.cdiv. The functions live in their
+modules (paged_attention, triton_attention); they are not re-exported here, so that the
+submodule names stay importable as modules.
 """
 
 from zmqworker.attention.metadata import AttentionMetadata, build_attention_metadata

@@ -16,9 +16,10 @@ history and run SDPA.
 Requests are attended in chunks of consecutive ones whose padded histories add up to at
 most CHUNK_POSITIONS positions (a longer request alone), which bounds the temporaries of
 one call. Each chunk's plan (bag indices, gather ids, masks) depends only on the step's
-block tables and the cache geometry: the first layer builds it, the others reuse it. The
-plans of a step take about num_heads * (head_dim / block_size + 1) int32 per history token
-(SmolLM2: 180 bytes, against 46 KiB of KV cache per token).
+block tables and the attention's geometry (the same in every layer): it is built with the
+step's metadata (plan_decode) and every layer reads it. The plans of a step take about
+num_heads * (head_dim / block_size + 1) int32 per history token (SmolLM2: 180 bytes,
+against 46 KiB of KV cache per token).
 """
 
 from __future__ import annotations
@@ -29,11 +30,22 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from zmqworker.attention.kv_cache import gather_blocks, key_rows, value_rows
-from zmqworker.attention.metadata import DecodeRequests
+from zmqworker.attention.kv_cache import key_rows, value_rows
+from zmqworker.attention.workspace import GatherWorkspace
+from zmqworker.cdiv import cdiv
 
 BAG_DTYPES = (torch.float32,)
 CHUNK_POSITIONS = 1 << 16
+
+
+@dataclass(frozen=True)
+class AttentionGeometry:
+    """What a layer's attention looks like on this rank (the same in every layer)."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
 
 
 @dataclass
@@ -71,8 +83,8 @@ def build_bag_plan(
     seq_lens int64 [n]."""
     n, group = len(seq_lens), num_heads // num_kv_heads
     max_len = int(seq_lens.max())
-    max_blocks = -(-max_len // block_size)
-    num_blocks = -(-seq_lens // block_size)
+    max_blocks = cdiv(max_len, block_size)
+    num_blocks = cdiv(seq_lens, block_size)
     used = np.arange(max_blocks)[None, :] < num_blocks[:, None]
     tables = np.where(used, block_tables[:, :max_blocks], block_tables[:, :1]).astype(np.int64)
     # FBGEMM runs faster on int32 indices; they fit unless the cache is enormous.
@@ -118,8 +130,8 @@ def build_gather_plan(
     block_tables: np.ndarray, seq_lens: np.ndarray, block_size: int, device: torch.device
 ) -> GatherPlan:
     max_len = int(seq_lens.max())
-    max_blocks = -(-max_len // block_size)
-    used = np.arange(max_blocks)[None, :] < (-(-seq_lens // block_size))[:, None]
+    max_blocks = cdiv(max_len, block_size)
+    used = np.arange(max_blocks)[None, :] < cdiv(seq_lens, block_size)[:, None]
     # Padding reads the request's own first block: masked, and never another's stale data.
     ids = np.where(used, block_tables[:, :max_blocks], block_tables[:, :1]).astype(np.int64)
     visible = None
@@ -158,12 +170,16 @@ def bag_attention(
 
 
 def gather_attention(
-    query: torch.Tensor, kv_cache: torch.Tensor, plan: GatherPlan, scale: float
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    plan: GatherPlan,
+    scale: float,
+    workspace: GatherWorkspace,
 ) -> torch.Tensor:
     """query [n, num_heads, head_dim] -> [n, num_heads, head_dim], through SDPA."""
     n, num_heads, head_dim = query.shape
     num_kv_heads = kv_cache.shape[2]
-    keys, values = gather_blocks(kv_cache, plan.block_ids, head_dim)
+    keys, values = workspace.gather(kv_cache, plan.block_ids, head_dim)
     # [kv_heads, n * padded_len, d] -> [n, kv_heads, max_len, d]
     keys = keys.view(num_kv_heads, n, -1, head_dim)[:, :, : plan.max_len].transpose(0, 1)
     values = values.view(num_kv_heads, n, -1, head_dim)[:, :, : plan.max_len].transpose(0, 1)
@@ -176,7 +192,7 @@ def gather_attention(
 def chunk_requests(seq_lens: np.ndarray, block_size: int) -> list[tuple[int, int]]:
     """[start, end) ranges of consecutive requests whose histories, padded to whole blocks
     and to the chunk's longest, hold at most CHUNK_POSITIONS positions (or one request)."""
-    padded = (-(-seq_lens // block_size) * block_size).tolist()
+    padded = (cdiv(seq_lens, block_size) * block_size).tolist()
     chunks, start, widest = [], 0, 0
     for i, length in enumerate(padded):
         widest = max(widest, length)
@@ -187,30 +203,61 @@ def chunk_requests(seq_lens: np.ndarray, block_size: int) -> list[tuple[int, int
     return chunks
 
 
+@dataclass
+class DecodeRequests:
+    """The step's requests that schedule one token, and how they are attended."""
+
+    # int64 positions of their tokens among the step's; None when they are all of them.
+    tokens: torch.Tensor | None
+    geometry: AttentionGeometry
+    # (rows of the decode requests, the plan of that chunk), in order
+    plans: list[tuple[slice, BagPlan | GatherPlan]]
+
+
+def plan_decode(
+    block_tables: np.ndarray,
+    seq_lens: np.ndarray,
+    block_size: int,
+    geometry: AttentionGeometry,
+    device: torch.device,
+) -> list[tuple[slice, BagPlan | GatherPlan]]:
+    """The chunks' plans of the decode requests (block_tables [n, max_blocks], seq_lens
+    int64 [n], context after the step)."""
+    plans: list[tuple[slice, BagPlan | GatherPlan]] = []
+    g = geometry
+    for start, end in chunk_requests(seq_lens, block_size):
+        tables, lens = block_tables[start:end], seq_lens[start:end]
+        if g.dtype in BAG_DTYPES:
+            plan: BagPlan | GatherPlan = build_bag_plan(
+                tables, lens, block_size, g.num_kv_heads, g.num_heads, g.head_dim, device
+            )
+        else:
+            plan = build_gather_plan(tables, lens, block_size, device)
+        plans.append((slice(start, end), plan))
+    return plans
+
+
 def decode_attention(
-    query: torch.Tensor, kv_cache: torch.Tensor, decode: DecodeRequests, scale: float
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    decode: DecodeRequests,
+    scale: float,
+    workspace: GatherWorkspace,
 ) -> torch.Tensor:
     """query [n, num_heads, head_dim] of the decode requests, in their order ->
     [n, num_heads, head_dim]."""
-    _, num_heads, head_dim = query.shape
-    num_kv_heads = kv_cache.shape[2]
-    block_size = kv_cache.shape[3] // head_dim
-    bags = query.dtype in BAG_DTYPES
-    geometry = (bags, num_kv_heads, num_heads, head_dim)
-    plans = decode.plans.get(geometry)
-    if plans is None:
-        plans = []
-        for start, end in chunk_requests(decode.seq_lens, block_size):
-            tables, seq_lens = decode.block_tables[start:end], decode.seq_lens[start:end]
-            if bags:
-                plan = build_bag_plan(
-                    tables, seq_lens, block_size, num_kv_heads, num_heads, head_dim, query.device
-                )
-            else:
-                plan = build_gather_plan(tables, seq_lens, block_size, query.device)
-            plans.append((slice(start, end), plan))
-        decode.plans[geometry] = plans
-    attend = bag_attention if bags else gather_attention
-    if len(plans) == 1:
-        return attend(query, kv_cache, plans[0][1], scale)
-    return torch.cat([attend(query[rows], kv_cache, plan, scale) for rows, plan in plans])
+    g = decode.geometry
+    if query.shape[1:] != (g.num_heads, g.head_dim) or query.dtype != g.dtype:
+        raise ValueError(
+            f"decode query {tuple(query.shape)} {query.dtype} differs from the step's planned "
+            f"geometry {g}"
+        )
+
+    def attend(q: torch.Tensor, plan: BagPlan | GatherPlan) -> torch.Tensor:
+        if isinstance(plan, BagPlan):
+            return bag_attention(q, kv_cache, plan, scale)
+        return gather_attention(q, kv_cache, plan, scale, workspace)
+
+    if len(decode.plans) == 1:
+        return attend(query, decode.plans[0][1])
+    return torch.cat([attend(query[rows], plan) for rows, plan in decode.plans])

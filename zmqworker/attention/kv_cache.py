@@ -1,5 +1,4 @@
-"""The paged KV cache of one layer: its layout, writing a step's keys and values into it, and
-gathering blocks out of it.
+"""The paged KV cache of one layer: its layout, and writing a step's keys and values into it.
 
 One tensor per layer, [2, num_blocks, num_kv_heads, block_size * head_dim]. Index 0 holds
 the keys, each (block, head) stored transposed: head_dim rows of block_size. Index 1 holds
@@ -78,43 +77,3 @@ def write_kv(
     values = kv_cache[1].view(num_blocks, num_kv_heads, block_size, head_dim).transpose(1, 2)
     keys.index_put_((slot_blocks, slot_offsets), key)
     values.index_put_((slot_blocks, slot_offsets), value)
-
-
-# (device, dtype) -> flat buffer, grown on demand. Reused across layers and steps: fresh
-# multi-megabyte buffers per layer cost page faults that show on CPU.
-_workspaces: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
-_WORKSPACE_ROUND = 1 << 20  # elements; growth granularity
-
-
-def release_workspaces() -> None:
-    """Free the gather workspaces (e.g. before sleeping or measuring memory)."""
-    _workspaces.clear()
-
-
-def gather_blocks(
-    kv_cache: torch.Tensor, block_ids: torch.Tensor, head_dim: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keys and values of the given blocks (int64 [n]) in order, each [num_kv_heads,
-    n * block_size, head_dim]. They are views of a workspace that the next call overwrites."""
-    num_kv_heads = kv_cache.shape[2]
-    block_size = kv_cache.shape[3] // head_dim
-    n = block_ids.numel()
-    elems = n * num_kv_heads * block_size * head_dim
-    key = (kv_cache.device, kv_cache.dtype)
-    buf = _workspaces.get(key)
-    if buf is None or buf.numel() < 3 * elems:
-        size = -(-3 * elems // _WORKSPACE_ROUND) * _WORKSPACE_ROUND
-        # A normal tensor, not an inference one: steps run with and without inference mode.
-        with torch.inference_mode(False):
-            buf = torch.empty(size, dtype=kv_cache.dtype, device=kv_cache.device)
-        _workspaces[key] = buf
-    staged, out = buf[:elems], buf[elems : 3 * elems].view(2, num_kv_heads, n, block_size, head_dim)
-    # Whole blocks first (row copies, near memcpy speed), then one reordering copy: an
-    # index_select across the heads dimension would copy the whole cache.
-    blocks = staged.view(n, num_kv_heads, block_size * head_dim)
-    torch.index_select(kv_cache[0], 0, block_ids, out=blocks)
-    out[0].copy_(blocks.view(n, num_kv_heads, head_dim, block_size).permute(1, 0, 3, 2))
-    torch.index_select(kv_cache[1], 0, block_ids, out=blocks)
-    out[1].copy_(blocks.view(n, num_kv_heads, block_size, head_dim).transpose(0, 1))
-    history = out.view(2, num_kv_heads, n * block_size, head_dim)
-    return history[0], history[1]

@@ -1,30 +1,22 @@
 """Per-step attention metadata: built once per step, read by every layer.
 
 Besides the scheduler-level fields, it sorts the step's requests by how they are attended:
-decode requests (one query token each) all together, and each prefill request (more
-tokens: a fresh prompt, a chunk of one, or a prompt whose prefix is cached) on its own, so
-that no request pads another's queries or history. Decode plans that also depend on the
-cache's geometry (decode.py) are built by the first layer and kept here for the others.
+decode requests (one query token each) all together, with their plans (decode.py), and
+each prefill request (more tokens: a fresh prompt, a chunk of one, or a prompt whose
+prefix is cached) on its own, so that no request pads another's queries or history. The
+gather workspace the attention copies histories into is the model runner's, handed in.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-
-@dataclass
-class DecodeRequests:
-    """The step's requests that schedule one token."""
-
-    # int64 positions of their tokens among the step's; None when they are all of them.
-    tokens: torch.Tensor | None
-    block_tables: np.ndarray  # [n, max_blocks]: entries past ceil(seq_len / block_size) unread
-    seq_lens: np.ndarray  # int64 [n], context length after this step
-    plans: dict[tuple[Any, ...], Any] = field(default_factory=dict)  # decode.py's, per geometry
+from zmqworker.attention.decode import AttentionGeometry, DecodeRequests, plan_decode
+from zmqworker.attention.workspace import GatherWorkspace
+from zmqworker.cdiv import cdiv
 
 
 @dataclass
@@ -52,6 +44,7 @@ class AttentionMetadata:
     block_size: int
     decode: DecodeRequests | None
     prefills: list[PrefillRequest]
+    workspace: GatherWorkspace
 
 
 def _check_inputs(
@@ -82,7 +75,7 @@ def _check_inputs(
         raise ValueError(
             f"slot_mapping has {slot_mapping.shape} entries, query_lens sum to {query_lens.sum()}"
         )
-    needed = -(-int(seq_lens.max()) // block_size)
+    needed = cdiv(int(seq_lens.max()), block_size)
     if block_tables.shape[1] < needed:
         raise ValueError(
             f"block_tables has {block_tables.shape[1]} columns, a sequence of "
@@ -96,13 +89,15 @@ def build_attention_metadata(
     block_tables: np.ndarray,
     slot_mapping: np.ndarray,
     block_size: int,
+    geometry: AttentionGeometry,
+    workspace: GatherWorkspace,
     device: torch.device,
 ) -> AttentionMetadata:
     """Metadata of one step whose tokens are ordered request by request.
 
     query_lens/seq_lens int32 [num_reqs]; block_tables int32 [num_reqs, max_blocks] (only
     the first ceil(seq_len / block_size) entries of a row are read); slot_mapping int64
-    [num_tokens].
+    [num_tokens]; geometry: the layers' attention, which the decode plans are made for.
     """
     query_lens = np.asarray(query_lens, dtype=np.int64)
     seq_lens = np.asarray(seq_lens, dtype=np.int64)
@@ -119,13 +114,14 @@ def build_attention_metadata(
         tokens = None
         if len(rows) < num_reqs:
             tokens = torch.from_numpy(query_start[rows]).to(device)
-        decode = DecodeRequests(tokens, block_tables[rows], seq_lens[rows])
+        plans = plan_decode(block_tables[rows], seq_lens[rows], block_size, geometry, device)
+        decode = DecodeRequests(tokens, geometry, plans)
     prefills = []
     for r in np.flatnonzero(~is_decode).tolist():
         context = int(seq_lens[r] - query_lens[r])
         block_ids = None
         if context > 0:
-            used = block_tables[r, : -(-int(seq_lens[r]) // block_size)].astype(np.int64)
+            used = block_tables[r, : cdiv(int(seq_lens[r]), block_size)].astype(np.int64)
             block_ids = torch.from_numpy(used).to(device)
         prefills.append(PrefillRequest(int(query_start[r]), int(query_lens[r]), context, block_ids))
 
@@ -144,4 +140,5 @@ def build_attention_metadata(
         block_size=block_size,
         decode=decode,
         prefills=prefills,
+        workspace=workspace,
     )

@@ -14,8 +14,10 @@ import torch
 import torch.nn.functional as F
 
 from zmqworker.attention.decode import CHUNK_POSITIONS, decode_attention
-from zmqworker.attention.kv_cache import check_kv_cache, gather_blocks, write_kv
+from zmqworker.attention.kv_cache import check_kv_cache, write_kv
 from zmqworker.attention.metadata import AttentionMetadata, PrefillRequest
+from zmqworker.attention.workspace import GatherWorkspace
+from zmqworker.cdiv import cdiv
 
 PREFILL_MASK_ELEMENTS = 1 << 20
 
@@ -34,16 +36,19 @@ def paged_attention(
     check_kv_cache(kv_cache, meta.block_size, key.shape[1], key.shape[2], query.dtype)
     write_kv(kv_cache, key, value, meta.slot_blocks, meta.slot_offsets)
     decode, prefills = meta.decode, meta.prefills
+    workspace = meta.workspace
     if decode is not None and decode.tokens is None:
-        return decode_attention(query, kv_cache, decode, scale)
+        return decode_attention(query, kv_cache, decode, scale, workspace)
     if decode is None and len(prefills) == 1:
-        return _prefill(query, key, value, kv_cache, prefills[0], scale)
+        return _prefill(query, key, value, kv_cache, prefills[0], scale, workspace)
     out = torch.empty_like(query)
     if decode is not None:
         queries = query.index_select(0, decode.tokens)
-        out.index_copy_(0, decode.tokens, decode_attention(queries, kv_cache, decode, scale))
+        attended = decode_attention(queries, kv_cache, decode, scale, workspace)
+        out.index_copy_(0, decode.tokens, attended)
     for p in prefills:
-        out[p.start : p.start + p.query_len] = _prefill(query, key, value, kv_cache, p, scale)
+        rows = slice(p.start, p.start + p.query_len)
+        out[rows] = _prefill(query, key, value, kv_cache, p, scale, workspace)
     return out
 
 
@@ -53,7 +58,7 @@ def probe_steps(
     """(query_lens, context_lens) of the steps whose attention temporaries are the largest
     that the scheduler limits allow, for peak-memory profiling: a full decode chunk of
     requests at max_model_len, and a prefill at max_model_len whose mask slice is full."""
-    padded = -(-max_model_len // block_size) * block_size
+    padded = cdiv(max_model_len, block_size) * block_size
     num_decodes = min(max_num_seqs, max_num_batched_tokens, max(1, CHUNK_POSITIONS // padded))
     steps = [(np.ones(num_decodes, np.int32), np.full(num_decodes, max_model_len - 1, np.int32))]
     rows = min(
@@ -73,6 +78,7 @@ def _prefill(
     kv_cache: torch.Tensor,
     p: PrefillRequest,
     scale: float,
+    workspace: GatherWorkspace,
 ) -> torch.Tensor:
     """The request's [query_len, num_heads, head_dim] attention output."""
     # [1, heads, tokens, head_dim]: SDPA's fused CPU kernel takes 4-D inputs only (3-D
@@ -84,7 +90,7 @@ def _prefill(
         k, v = key[tokens].transpose(0, 1)[None], value[tokens].transpose(0, 1)[None]
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
         return out[0].transpose(0, 1)
-    keys, values = gather_blocks(kv_cache, p.block_ids, query.shape[2])
+    keys, values = workspace.gather(kv_cache, p.block_ids, query.shape[2])
     keys, values = keys[None], values[None]
     rows = max(1, PREFILL_MASK_ELEMENTS // (p.context_len + p.query_len))
     out = torch.empty_like(q)

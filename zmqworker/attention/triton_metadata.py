@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
+from zmqworker.cdiv import cdiv
+
 # Programs that keep every multiprocessor of a large GPU busy in a decode step: below it,
 # the history of each (request, kv head) is split over several programs.
 TARGET_DECODE_PROGRAMS = 512
@@ -39,7 +41,7 @@ def decode_splits(num_reqs: int, num_kv_heads: int, max_tiles: int) -> int:
     """Splits per (request, kv head) for a decode step: enough programs to fill the GPU,
     a power of two, at most MAX_DECODE_SPLITS and at most the tiles of the longest
     history the step can have."""
-    want = -(-TARGET_DECODE_PROGRAMS // max(1, num_reqs * num_kv_heads))
+    want = cdiv(TARGET_DECODE_PROGRAMS, max(1, num_reqs * num_kv_heads))
     splits = 1
     while splits * 2 <= min(want, MAX_DECODE_SPLITS, max(1, max_tiles)):
         splits *= 2

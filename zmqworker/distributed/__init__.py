@@ -1,4 +1,9 @@
-"""Process groups for tensor and pipeline parallelism."""
+"""Parallel layouts across ranks: the process groups of tensor and pipeline parallelism
+and their collectives, the pipeline channel between stages (frames or a shared-memory
+ring) and a stage's view of it.
+
+May import: messages, zmqworker.transport, zmqworker.attention, zmqworker.cdiv.
+"""
 
 from zmqworker.distributed.parallel_state import (
     ParallelState,

@@ -42,7 +42,7 @@ from zmqworker.distributed.shm_ring import (
     ShmSender,
     shm_available,
 )
-from zmqworker.runtime.async_socket import AsyncSocket
+from zmqworker.transport.async_socket import AsyncSocket
 
 log = logging.getLogger("zmqworker.pipeline")
 
@@ -71,6 +71,7 @@ class PendingTensors:
         self.call_id = call_id
         self.src_rank = src_rank
         self.timeout_s = timeout_s
+        self.expected = False  # a step asked for these (else they came first)
         self._event = threading.Event()
         self._tensors: IntermediateTensors | None = None
         self._error: Exception | None = None
@@ -128,16 +129,26 @@ class PipelineReceiver:
     def expect(
         self, call_id: int, src_rank: int, timeout_s: float = RECV_TIMEOUT_S
     ) -> PendingTensors:
-        """The slot of call_id's tensors (posted before the step starts, by the thread
-        that received the call: the loop, or the compute thread while it leads)."""
+        """The slot of call_id's tensors, asked for as the step starts. Tensors that came
+        first for earlier calls that never asked (a call refused before it ran) go back:
+        calls run in the order of their ids."""
         with self._lock:
             self._forgotten.pop(call_id, None)  # a call id used again
+            stale = [
+                i for i, s in self._slots.items() if i < call_id and not s.expected and s.arrived
+            ]
+            leases = [self._leases.pop(i) for i in stale if i in self._leases]
+            for i in stale:
+                del self._slots[i]
             slot = self._slots.get(call_id)
             if slot is None:
                 slot = self._slots[call_id] = PendingTensors(call_id, src_rank, timeout_s)
             else:  # the tensors came first
                 slot.src_rank, slot.timeout_s = src_rank, timeout_s
-            return slot
+            slot.expected = True
+        for lease in leases:
+            lease.release()
+        return slot
 
     def forget(self, call_id: int) -> None:
         """The step is over (any thread): its shared tensors go back to their sender, and

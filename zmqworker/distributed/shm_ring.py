@@ -36,6 +36,7 @@ import torch
 
 from messages import SharedSlot, SharedTensorRef
 from messages.codec import DTYPE_NAMES, MAX_NDIM
+from zmqworker.cdiv import cdiv
 
 MEMFD_NAME = "zmqworker-pp"
 MAGIC = int.from_bytes(b"zmqwshm1", "little")
@@ -64,7 +65,7 @@ def shm_available() -> bool:
 
 
 def _round_up(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple
+    return cdiv(n, multiple) * multiple
 
 
 def _full(seq: int) -> int:

@@ -1,4 +1,8 @@
-"""The reference engine: scheduler, KV block manager, requests, detokenizer, LLM API."""
+"""The reference engine: scheduler, KV block manager, requests, detokenizer, the batch
+queue and the LLM API.
+
+May import: everything up to zmqworker.executor.
+"""
 
 from zmqworker.engine.batch_queue import BatchQueue
 from zmqworker.engine.block_manager import KVBlockManager

@@ -15,6 +15,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from zmqworker.cdiv import cdiv
+
 _ROOT_HASH = b""
 
 
@@ -127,7 +129,7 @@ class KVBlockManager:
             raise ValueError(
                 f"{req_id}: {num_computed_tokens} computed tokens but only {held} blocks held"
             )
-        num_needed = max(0, -(-total // self.block_size) - held)
+        num_needed = max(0, cdiv(total, self.block_size) - held)
         # Hits on free cached blocks leave the free list, so they count against it.
         free_hits = sum(1 for b in computed_blocks if self._ref_counts[b] == 0)
         if num_needed > len(self._free) - free_hits:

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from messages import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
+from zmqworker.cdiv import cdiv
 from zmqworker.engine.block_manager import KVBlockManager
 from zmqworker.engine.handles import HandlePool
 from zmqworker.engine.request import FinishReason, Request, RequestStatus
@@ -146,7 +147,7 @@ class Scheduler:
         self.kv.new_step()
         budget = self.max_num_batched_tokens
         active = min(self.max_num_seqs, len(self._requests))
-        max_reqs = max(1, -(-active // self.max_concurrent_batches))
+        max_reqs = max(1, cdiv(active, self.max_concurrent_batches))
         scheduled: dict[int, Request] = {}
         new_reqs: list[NewRequestData] = []
         cached = _CachedColumns()

@@ -19,7 +19,7 @@ import zmq
 
 from messages import PROTOCOL_VERSION, Hello, Welcome, WorkerConfig
 from zmqworker.executor.errors import WorkerStartupError
-from zmqworker.executor.rpc_client import Liveness, RpcClient
+from zmqworker.executor.rpc_client import RpcClient
 
 log = logging.getLogger("zmqworker.executor")
 
@@ -44,36 +44,33 @@ def bind_router(ctx: zmq.Context, endpoint: str) -> tuple[zmq.Socket, str]:
     raise ValueError(f"endpoint must be ipc://PATH or tcp://HOST, got {endpoint!r}")
 
 
+def new_token() -> str:
+    """A run's handshake token: what a worker's Hello must carry to be accepted."""
+    return secrets.token_hex(16)
+
+
 class Handshake:
-    """Accepts one Hello per rank, then welcomes them all. Its token goes to the workers
-    before they start; the pids they must come from are known once they exist."""
+    """Accepts one Hello per rank, from the process expected for it (pids[rank]) with the
+    run's token and protocol version, then welcomes them all. on_hello is the
+    RpcClient's handler of the messages that are not replies."""
 
-    def __init__(self, world_size: int) -> None:
+    def __init__(self, world_size: int, token: str, pids: Sequence[int]) -> None:
+        if len(pids) != world_size:
+            raise ValueError(f"{len(pids)} worker pids for {world_size} ranks")
         self.world_size = world_size
-        self.token = secrets.token_hex(16)
+        self.token = token
         self.hellos: dict[int, Hello] = {}
-        self._pids: list[int] = []
-        self._rpc: RpcClient | None = None
-
-    def client(self, sock: zmq.Socket, liveness: Liveness, pids: Sequence[int]) -> RpcClient:
-        """The RpcClient over sock; its messages that are not replies come here."""
-        if len(pids) != self.world_size:
-            raise ValueError(f"{len(pids)} worker pids for {self.world_size} ranks")
         self._pids = list(pids)
-        self._rpc = RpcClient(sock, liveness, on_other=self._on_other)
-        return self._rpc
 
     def run(
         self,
+        rpc: RpcClient,
         config: WorkerConfig,
         timeout: float,
         per_rank_env: list[dict[str, str]] | None = None,
     ) -> None:
         """Wait (at most timeout seconds) for every Hello, then send every Welcome. A
         worker that dies meanwhile raises its WorkerDiedError."""
-        rpc = self._rpc
-        if rpc is None:
-            raise RuntimeError("Handshake.run before Handshake.client")
         liveness = rpc.liveness
 
         def all_hello_or_dead() -> bool:
@@ -94,8 +91,7 @@ class Handshake:
             env = per_rank_env[rank] if per_rank_env else {}
             rpc.send_to(rank, Welcome(config=config, env=env, data_addresses=addresses))
 
-    def _on_other(self, identity: bytes, msg: Any) -> None:
-        rpc = self._rpc
+    def on_hello(self, rpc: RpcClient, identity: bytes, msg: Any) -> None:
         ok = (
             isinstance(msg, Hello)
             and hmac.compare_digest(msg.token.encode(), self.token.encode())
@@ -112,10 +108,10 @@ class Handshake:
         rpc.add_peer(msg.rank, identity)
 
 
-def polite_shutdown(rpc: RpcClient | None, world_size: int, timeout: float) -> bool:
+def polite_shutdown(rpc: RpcClient, world_size: int, timeout: float) -> bool:
     """Ask every worker to shut down, when all are connected and none died; True when
     all answered within timeout (they then stop by themselves)."""
-    if rpc is None or rpc.dead is not None or len(rpc.identities) != world_size:
+    if rpc.dead is not None or len(rpc.identities) != world_size:
         return False
     try:
         rpc.call("shutdown", timeout=timeout).result()

@@ -15,20 +15,23 @@ import sys
 import tempfile
 import time
 import weakref
+from typing import Any
 
 import msgspec
 import zmq
 
 from messages import WorkerConfig
+from zmqworker.executor.abstract import Executor
+from zmqworker.executor.calls import Liveness
 from zmqworker.executor.errors import (
+    ExecutorError,
     WorkerDiedError,
     WorkerStartupError,
 )
-from zmqworker.executor.handshake import Handshake, bind_router, polite_shutdown
+from zmqworker.executor.handshake import Handshake, bind_router, new_token, polite_shutdown
 from zmqworker.executor.process import WorkerProcess
-from zmqworker.executor.rpc_client import Liveness, RpcClient
-from zmqworker.executor.rpc_executor import RpcExecutor
-from zmqworker.runtime.main import TOKEN_ENV
+from zmqworker.executor.rpc_client import RpcClient
+from zmqworker.transport.spawn_env import TOKEN_ENV
 
 SHUTDOWN_GRACE_S = 5.0
 SIGTERM_GRACE_S = 3.0
@@ -36,8 +39,8 @@ SIGTERM_GRACE_S = 3.0
 
 class _ProcessLiveness(Liveness):
     def __init__(self, procs: list[WorkerProcess]) -> None:
+        super().__init__({p.pidfd: p.rank for p in procs if p.pidfd is not None})
         self.procs = procs
-        self.fds = {p.pidfd: p.rank for p in procs if p.pidfd is not None}
 
     def check(self) -> WorkerDiedError | None:
         for p in self.procs:
@@ -47,7 +50,7 @@ class _ProcessLiveness(Liveness):
         return None
 
 
-class MultiprocExecutor(RpcExecutor):
+class MultiprocExecutor(Executor):
     def __init__(
         self,
         config: WorkerConfig,
@@ -74,14 +77,14 @@ class MultiprocExecutor(RpcExecutor):
         endpoint = f"ipc://{self._dir}/engine.sock" if transport == "ipc" else "tcp://127.0.0.1"
         self._sock, self.address = bind_router(self._ctx, endpoint)
         self._finalizer = weakref.finalize(self, _kill_all, self.procs, self._dir)
-        handshake = Handshake(world)
-        child_env = {**os.environ, **(env or {}), TOKEN_ENV: handshake.token}
+        token = new_token()
+        child_env = {**os.environ, **(env or {}), TOKEN_ENV: token}
         try:
             for rank in range(world):
                 argv = [
                     sys.executable,
                     "-m",
-                    "zmqworker.worker",
+                    "zmqworker.runtime",
                     "--engine",
                     self.address,
                     "--rank",
@@ -89,9 +92,14 @@ class MultiprocExecutor(RpcExecutor):
                     "--exit-with-parent",
                 ]
                 self.procs.append(WorkerProcess(rank, argv, child_env))
-            self._liveness = _ProcessLiveness(self.procs)
-            self.rpc: RpcClient = handshake.client(self._sock, self._liveness, self.pids)
-            handshake.run(self.config, start_timeout, per_rank_env)
+        except BaseException:
+            self._release(polite=False)
+            raise
+        self._liveness = _ProcessLiveness(self.procs)
+        handshake = Handshake(world, token, self.pids)
+        self.rpc = RpcClient(self._sock, self._liveness, on_other=handshake.on_hello)
+        try:
+            handshake.run(self.rpc, self.config, start_timeout, per_rank_env)
             self.collective_rpc("init_device", timeout=start_timeout)
             self.collective_rpc("load_model", timeout=start_timeout)
         except BaseException as e:
@@ -101,13 +109,30 @@ class MultiprocExecutor(RpcExecutor):
 
     # the Executor interface ------------------------------------------------------------
 
+    def collective_rpc(
+        self,
+        method: str,
+        args: tuple = (),
+        kwargs: dict[str, Any] | None = None,
+        timeout: float | None = None,
+        unique_reply_rank: int | None = None,
+        non_block: bool = False,
+    ) -> Any:
+        if self._closed:
+            raise ExecutorError(f"{method}: the executor is shut down")
+        return self.rpc.collective_rpc(method, args, kwargs, timeout, unique_reply_rank, non_block)
+
     def shutdown(self) -> None:
         if self._closed:
             return
         self._closed = True
-        polite = polite_shutdown(getattr(self, "rpc", None), len(self.procs), SHUTDOWN_GRACE_S)
-        if getattr(self, "rpc", None) is not None:  # fails what is still open; before the
-            self.rpc.close()  # pidfds it watches close
+        polite = polite_shutdown(self.rpc, len(self.procs), SHUTDOWN_GRACE_S)
+        self.rpc.close()  # fails what is still open; before the pidfds it watches close
+        self._release(polite)
+
+    def _release(self, polite: bool) -> None:
+        """Stop the processes and free what the executor holds but the client."""
+        self._closed = True
         for proc in self.procs:
             proc.stop(grace_s=SHUTDOWN_GRACE_S if polite else 0.0, term_s=SIGTERM_GRACE_S)
         for proc in self.procs:
@@ -128,7 +153,7 @@ class MultiprocExecutor(RpcExecutor):
             return e
         rank = getattr(e, "rank", None)
         if rank is None:
-            died = getattr(self, "_liveness", None) and self._liveness.check()
+            died = self._liveness.check()
             rank = died.rank if died else None
         text = f"worker start-up failed: {e}"
         if rank is not None and rank < len(self.procs):

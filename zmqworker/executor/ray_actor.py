@@ -2,9 +2,11 @@
 worker process runs, serving the engine over ZMQ.
 
 Ray calls (the control plane) reach the actor only at start-up and shutdown: where it
-runs, its rank and environment, building its worker, starting and stopping its server.
-They carry plain values; the WorkerConfig crosses as msgspec bytes. Every step message
-comes over the server's DEALER socket (the data plane), as with MultiprocExecutor.
+runs, its rank and environment, its worker's class (checked at once) and constructor
+arguments, starting and stopping its server. They carry plain values; the WorkerConfig
+crosses as msgspec bytes. The server builds the worker when the engine's Welcome comes,
+as in a worker process. Every step message comes over the server's DEALER socket (the
+data plane), as with MultiprocExecutor.
 
 The actor runs with max_concurrency > 1, so wait_server can stay open for the whole
 life of the server (the executor watches it to learn of deaths) while other calls
@@ -23,13 +25,14 @@ import msgspec
 import ray
 
 from messages import WorkerConfig
-from zmqworker.worker.wrapper import WorkerWrapper
+from zmqworker.worker.wrapper import worker_class
 
 
 class RayWorkerActor:
     def __init__(self) -> None:
         # The rank comes once the executor has seen where every actor landed.
-        self.wrapper: WorkerWrapper | None = None
+        self.rank: int | None = None
+        self._worker_kwargs: dict[str, Any] = {}
         self._server: Any = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -52,40 +55,45 @@ class RayWorkerActor:
             return s.getsockname()[1]
 
     def assign_rank(self, rank: int) -> None:
-        if self.wrapper is not None:
-            raise RuntimeError(f"the actor has rank {self.wrapper.rpc_rank} already")
-        self.wrapper = WorkerWrapper(rpc_rank=rank)
+        if self.rank is not None:
+            raise RuntimeError(f"the actor has rank {self.rank} already")
+        self.rank = rank
 
-    def update_environment_variables(self, per_rank_envs: list[dict[str, str]]) -> None:
-        self._wrapper().update_environment_variables(per_rank_envs)
+    def update_environment(self, env: dict[str, str]) -> None:
+        """This rank's environment (CUDA_VISIBLE_DEVICES, ...), before any worker exists."""
+        self._rank()
+        os.environ.update({key: str(value) for key, value in env.items()})
 
-    def init_worker(self, config: bytes, per_rank_kwargs: list[dict[str, Any]]) -> None:
-        """Build the worker: config is a msgspec-encoded WorkerConfig, per_rank_kwargs
-        every rank's other constructor arguments (rank, local_rank, ...)."""
-        decoded = msgspec.msgpack.decode(config, type=WorkerConfig)
-        self._wrapper().init_worker([{"config": decoded, **kw} for kw in per_rank_kwargs])
+    def prepare_worker(self, config: bytes, kwargs: dict[str, Any]) -> None:
+        """Check the worker class that config (a msgspec-encoded WorkerConfig) names, so
+        that a bad one fails the start-up here, and keep the worker's other constructor
+        arguments (local_rank, ...) for the server, which builds it."""
+        self._rank()
+        worker_class(msgspec.msgpack.decode(config, type=WorkerConfig))
+        self._worker_kwargs = dict(kwargs)
 
     def start_server(self, engine_address: str, token: str, data_bind: str) -> None:
         """Start the WorkerServer in a thread of its own; it connects to the engine's
         ROUTER and says hello. Returns once stop_server can reach it."""
         from zmqworker.runtime.worker_process import WorkerServer  # torch: only once placed
 
-        wrapper = self._wrapper()
+        rank = self._rank()
         if self._thread is not None:
-            raise RuntimeError(f"rank {wrapper.rpc_rank}: the server runs already")
+            raise RuntimeError(f"rank {rank}: the server runs already")
+        self._loop = _new_event_loop()
         self._server = WorkerServer(
+            self._loop,
             engine_address,
-            wrapper.rpc_rank,
+            rank,
             token,
             data_bind=data_bind,
-            wrapper=wrapper,
+            worker_kwargs=self._worker_kwargs,
             handle_signals=False,
         )
-        self._loop = _new_event_loop()
         # Queued before any stop request can be: the server's first step runs first.
         task = self._loop.create_task(self._server.run())
         self._thread = threading.Thread(
-            target=self._serve, args=(task,), name=f"server-{wrapper.rpc_rank}", daemon=True
+            target=self._serve, args=(task,), name=f"server-{rank}", daemon=True
         )
         self._thread.start()
 
@@ -118,10 +126,10 @@ class RayWorkerActor:
         finally:
             loop.close()
 
-    def _wrapper(self) -> WorkerWrapper:
-        if self.wrapper is None:
+    def _rank(self) -> int:
+        if self.rank is None:
             raise RuntimeError("the actor has no rank yet (assign_rank)")
-        return self.wrapper
+        return self.rank
 
 
 def _new_event_loop() -> asyncio.AbstractEventLoop:

@@ -1,9 +1,10 @@
-"""Applying a SchedulerOutput to the persistent batch, in two phases.
+"""Planning a SchedulerOutput's changes to the persistent batch: a pure check.
 
-plan_update checks the whole step against the batch without touching it; apply_update
-then makes the changes. A rejected step therefore leaves the batch exactly as it was.
-The order of a step: finished and preempted requests leave, preempted ones are kept
-aside, then cached requests take their deltas and new requests join.
+plan_update checks the whole step against a read-only view of the batch (BatchView)
+without touching it; the batch then makes the planned changes (InputBatch.apply). A
+rejected step therefore leaves the batch exactly as it was. The order of a step: finished
+and preempted requests leave, preempted ones are kept aside, then cached requests take
+their deltas and new requests join.
 
 A request can compute at most the tokens it has (prompt and outputs): after its new
 tokens are appended, num_computed + num_scheduled <= its token count. new_token_ids of a
@@ -14,19 +15,40 @@ own samples, and the other stages can be sent the same message.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 
 from messages import NewRequestData, SchedulerOutput
 from messages.step import HANDLE, NUM_COMPUTED, NUM_NEW_BLOCKS, NUM_NEW_TOKENS, NUM_SCHEDULED
 
-if TYPE_CHECKING:
-    from zmqworker.model_runner.input_batch import InputBatch
-
 _MAX_HANDLE = 2**31 - 1
+
+
+class _Parked(Protocol):
+    token_ids: np.ndarray
+
+
+class BatchView(Protocol):
+    """What planning reads of the batch (input_batch.InputBatch), and never writes."""
+
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    max_blocks_per_req: int
+    block_size: int
+    vocab_size: int
+    num_kv_blocks: int
+    num_tokens: np.ndarray
+    num_blocks: np.ndarray
+    row_of: Mapping[int, int]
+    parked: Mapping[int, _Parked]
+
+    def __len__(self) -> int: ...
+
+    def describe(self, handle: int) -> str: ...
 
 
 @dataclass(frozen=True)
@@ -61,7 +83,7 @@ class CachedPlan:
 
 @dataclass
 class UpdatePlan:
-    """A validated step: what apply_update changes."""
+    """A validated step: what InputBatch.apply changes."""
 
     finished: list[int]  # handles of rows to free
     preempted: list[int]  # handles of rows to free and keep aside
@@ -71,7 +93,7 @@ class UpdatePlan:
     total_num_tokens: int
 
 
-def plan_update(batch: InputBatch, so: SchedulerOutput) -> UpdatePlan:
+def plan_update(batch: BatchView, so: SchedulerOutput) -> UpdatePlan:
     """Validate so against batch; raises ValueError naming the first bad request."""
     finished_set = set(so.finished_req_handles)
     finished = [h for h in finished_set if h in batch.row_of]
@@ -102,50 +124,10 @@ def plan_update(batch: InputBatch, so: SchedulerOutput) -> UpdatePlan:
     return UpdatePlan(finished, preempted, dropped_parked, so.scheduled_new_reqs, cached, total)
 
 
-def apply_update(batch: InputBatch, plan: UpdatePlan) -> ScheduledRequests:
-    """Make the planned changes; returns the requests the step computes."""
-    for handle in plan.finished:
-        batch.remove_request(handle, park=False)
-    for handle in plan.preempted:
-        batch.remove_request(handle, park=True)
-    for handle in plan.dropped_parked:
-        del batch.parked[handle]
-
-    cached = plan.cached
-    rows = cached.rows
-    if len(rows):
-        for i in np.flatnonzero(rows < 0).tolist():
-            rows[i] = batch.resume_request(int(cached.handles[i]))
-        batch.num_blocks[rows[cached.resumed]] = 0
-        _append_tokens(batch, cached)
-        _append_blocks(batch, cached)
-    if not plan.new_reqs:
-        return ScheduledRequests(
-            rows,
-            cached.handles,
-            cached.num_computed,
-            cached.num_scheduled,
-            plan.total_num_tokens,
-        )
-    new = plan.new_reqs
-    new_rows = [batch.add_request(r) for r in new]
-    return ScheduledRequests(
-        rows=np.concatenate([rows, np.array(new_rows, np.int64)]),
-        handles=np.concatenate([cached.handles, np.array([r.req_handle for r in new], np.int32)]),
-        num_computed=np.concatenate(
-            [cached.num_computed, np.array([r.num_computed_tokens for r in new], np.int32)]
-        ),
-        num_scheduled=np.concatenate(
-            [cached.num_scheduled, np.array([r.num_scheduled_tokens for r in new], np.int32)]
-        ),
-        num_tokens=plan.total_num_tokens,
-    )
-
-
 # validation ---------------------------------------------------------------------------
 
 
-def _check_preempted(batch: InputBatch, handles: list[int], finished: set[int]) -> list[int]:
+def _check_preempted(batch: BatchView, handles: list[int], finished: set[int]) -> list[int]:
     seen: set[int] = set()
     for handle in handles:
         if handle not in batch.row_of:
@@ -157,7 +139,7 @@ def _check_preempted(batch: InputBatch, handles: list[int], finished: set[int]) 
 
 
 def _check_new_requests(
-    batch: InputBatch, reqs: list[NewRequestData], removed: set[int]
+    batch: BatchView, reqs: list[NewRequestData], removed: set[int]
 ) -> set[int]:
     handles: set[int] = set()
     for req in reqs:
@@ -198,7 +180,7 @@ def _check_new_requests(
     return handles
 
 
-def _check_blocks(batch: InputBatch, name: str, block_ids: np.ndarray, num_tokens: int) -> None:
+def _check_blocks(batch: BatchView, name: str, block_ids: np.ndarray, num_tokens: int) -> None:
     if len(block_ids) > batch.max_blocks_per_req:
         raise ValueError(
             f"{name}: {len(block_ids)} blocks, above {batch.max_blocks_per_req} per request"
@@ -213,7 +195,7 @@ def _check_blocks(batch: InputBatch, name: str, block_ids: np.ndarray, num_token
 
 
 def _plan_cached(
-    batch: InputBatch,
+    batch: BatchView,
     so: SchedulerOutput,
     removed: set[int],
     finished: set[int],
@@ -303,7 +285,7 @@ def _plan_cached(
     )
 
 
-def _check_unique(batch: InputBatch, handles: list[int], new_handles: set[int]) -> None:
+def _check_unique(batch: BatchView, handles: list[int], new_handles: set[int]) -> None:
     if len(set(handles)) == len(handles) and not new_handles.intersection(handles):
         return
     seen = set(new_handles)
@@ -314,7 +296,7 @@ def _check_unique(batch: InputBatch, handles: list[int], new_handles: set[int]) 
 
 
 def _resumable_tokens(
-    batch: InputBatch, handle: int, removed: set[int], finished: set[int], resumed: bool
+    batch: BatchView, handle: int, removed: set[int], finished: set[int], resumed: bool
 ) -> int:
     """The token count of a cached request that has no row: it must be kept aside (it was
     preempted in an earlier step) and named as resumed."""
@@ -328,7 +310,7 @@ def _resumable_tokens(
 
 
 def _check_flat_range(
-    batch: InputBatch,
+    batch: BatchView,
     handles: list[int],
     values: np.ndarray,
     counts: np.ndarray,
@@ -354,32 +336,3 @@ def _flat(values: np.ndarray | None, counts: np.ndarray, name: str, column: str)
     if len(flat) != int(counts.sum()):
         raise ValueError(f"{name} holds {len(flat)} values but {column} sums to {counts.sum()}")
     return flat
-
-
-# changes ------------------------------------------------------------------------------
-
-
-def _append_tokens(batch: InputBatch, cached: CachedPlan) -> None:
-    """Append each request's new tokens that lie beyond its known ones."""
-    count = np.maximum(cached.num_computed + cached.num_new_tokens - cached.known_tokens, 0)
-    total = int(count.sum())
-    if total == 0:
-        return
-    rows = cached.rows
-    offsets = np.arange(total) - np.repeat(np.cumsum(count) - count, count)
-    source = np.repeat(np.cumsum(cached.num_new_tokens) - count, count) + offsets
-    target = np.repeat(cached.known_tokens, count) + offsets
-    batch.token_ids[np.repeat(rows, count), target] = cached.new_token_ids[source]
-    batch.num_tokens[rows] = cached.known_tokens + count
-
-
-def _append_blocks(batch: InputBatch, cached: CachedPlan) -> None:
-    count = cached.num_new_blocks
-    total = len(cached.new_block_ids)
-    if total == 0:
-        return
-    rows = cached.rows
-    offsets = np.arange(total) - np.repeat(np.cumsum(count) - count, count)
-    target = np.repeat(batch.num_blocks[rows], count) + offsets
-    batch.block_table[np.repeat(rows, count), target] = cached.new_block_ids
-    batch.num_blocks[rows] += count.astype(np.int32)

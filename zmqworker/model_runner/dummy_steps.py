@@ -7,17 +7,35 @@ persistent batch. Profiling uses throwaway KV caches, not the real one.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 
+from messages import WorkerConfig
 from zmqworker.attention.paged_attention import probe_steps
+from zmqworker.cdiv import cdiv
+from zmqworker.distributed.parallel_state import ParallelState
 from zmqworker.model_runner.batch_update import ScheduledRequests
-from zmqworker.model_runner.sampler import SamplingMetadata
+from zmqworker.model_runner.sampler import Sampler, SamplingMetadata
 
-if TYPE_CHECKING:
-    from zmqworker.model_runner.model_runner import ModelRunner
+
+class Runner(Protocol):
+    """What dummy steps use of the model runner (model_runner.py)."""
+
+    config: WorkerConfig
+    state: ParallelState
+    device: torch.device
+    model: Any
+    sampler: Sampler
+    block_size: int
+    max_model_len: int
+    max_num_reqs: int
+    kv_caches: list[torch.Tensor]
+    new_cache: Callable[[int], torch.Tensor]
+    path: Any  # forward_paths.TorchPath | TritonPath
+
 
 # The dummy sampling of profiling: every filter on and this many logprobs, the most
 # memory the sampler can need.
@@ -25,7 +43,7 @@ _PROFILE_NUM_LOGPROBS = 20
 
 
 class DummySteps:
-    def __init__(self, runner: ModelRunner) -> None:
+    def __init__(self, runner: Runner) -> None:
         self.runner = runner
 
     def profile(self) -> None:
@@ -69,7 +87,7 @@ class DummySteps:
         num_reqs = len(query_lens)
         seq_lens = context_lens + query_lens
         max_seq = int(seq_lens.max())
-        num_blocks = -(-max_seq // runner.block_size)
+        num_blocks = cdiv(max_seq, runner.block_size)
         tokens = np.zeros((num_reqs, max_seq), np.int32)
         table = np.tile(np.arange(num_blocks, dtype=np.int32), (num_reqs, 1))
         step = ScheduledRequests(
@@ -95,7 +113,7 @@ class DummySteps:
 
         last = runner.state.is_last_stage
         sample_index = np.arange(num_reqs) if last else np.zeros(0, np.int64)
-        out = runner.forward(
+        out = runner.path.run(
             tokens, table, step, sample_index, previous_stage, caches, use_graphs=False
         )
         return out if last else None

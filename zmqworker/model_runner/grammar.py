@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from zmqworker.cdiv import cdiv
 from zmqworker.model_runner.host_to_device import to_device
 
 _BITS = 32
@@ -17,7 +18,7 @@ def apply_grammar_bitmask(
     j % 32). A bitmask narrower than the vocabulary disallows the tokens it does not cover.
     names[i] names the request of rows[i] in errors."""
     vocab = logits.shape[1]
-    words = -(-vocab // _BITS)
+    words = cdiv(vocab, _BITS)
     if bitmask.ndim != 2 or bitmask.shape[0] != len(rows) or bitmask.shape[1] > words:
         raise ValueError(
             f"grammar bitmask must be int32 [{len(rows)}, <= {words}] for a vocabulary of "

@@ -15,7 +15,13 @@ import numpy as np
 import torch
 
 from messages import NewRequestData, SamplingParams, SchedulerOutput
-from zmqworker.model_runner.batch_update import ScheduledRequests, apply_update, plan_update
+from zmqworker.cdiv import cdiv
+from zmqworker.model_runner.batch_update import (
+    CachedPlan,
+    ScheduledRequests,
+    UpdatePlan,
+    plan_update,
+)
 
 
 @dataclass
@@ -46,7 +52,7 @@ class InputBatch:
         self.block_size = block_size
         self.vocab_size = vocab_size
         self.device = device
-        self.max_blocks_per_req = -(-max_model_len // block_size)
+        self.max_blocks_per_req = cdiv(max_model_len, block_size)
         self.num_kv_blocks = 0  # block ids must be below this; 0 until the KV cache exists
 
         # One column more than max_model_len: a request may sample after its last position.
@@ -73,7 +79,47 @@ class InputBatch:
     def update(self, scheduler_output: SchedulerOutput) -> ScheduledRequests:
         """Apply one step's changes and return the requests it computes. Raises ValueError
         naming the request on bad input, before changing anything."""
-        return apply_update(self, plan_update(self, scheduler_output))
+        return self.apply(plan_update(self, scheduler_output))
+
+    def apply(self, plan: UpdatePlan) -> ScheduledRequests:
+        """Make a validated step's changes; returns the requests the step computes."""
+        for handle in plan.finished:
+            self.remove_request(handle, park=False)
+        for handle in plan.preempted:
+            self.remove_request(handle, park=True)
+        for handle in plan.dropped_parked:
+            del self.parked[handle]
+        cached = plan.cached
+        rows = cached.rows
+        if len(rows):
+            for i in np.flatnonzero(rows < 0).tolist():
+                rows[i] = self.resume_request(int(cached.handles[i]))
+            self.num_blocks[rows[cached.resumed]] = 0
+            self._append_tokens(cached)
+            self._append_blocks(cached)
+        if not plan.new_reqs:
+            return ScheduledRequests(
+                rows,
+                cached.handles,
+                cached.num_computed,
+                cached.num_scheduled,
+                plan.total_num_tokens,
+            )
+        new = plan.new_reqs
+        new_rows = [self.add_request(r) for r in new]
+        return ScheduledRequests(
+            rows=np.concatenate([rows, np.array(new_rows, np.int64)]),
+            handles=np.concatenate(
+                [cached.handles, np.array([r.req_handle for r in new], np.int32)]
+            ),
+            num_computed=np.concatenate(
+                [cached.num_computed, np.array([r.num_computed_tokens for r in new], np.int32)]
+            ),
+            num_scheduled=np.concatenate(
+                [cached.num_scheduled, np.array([r.num_scheduled_tokens for r in new], np.int32)]
+            ),
+            num_tokens=plan.total_num_tokens,
+        )
 
     def append_sampled(self, rows: np.ndarray, token_ids: np.ndarray) -> None:
         """Append each row's sampled token after its known tokens."""
@@ -104,7 +150,7 @@ class InputBatch:
             return {}
         return {i: self.generators[r] for i, r in enumerate(rows.tolist()) if r in self.generators}
 
-    # row operations (batch_update calls these after validating) -----------------------
+    # row operations (apply calls these after planning validated them) ----------------
 
     def add_request(self, new: NewRequestData) -> int:
         """A new request (or one that starts over) takes a row; any state kept aside for
@@ -148,6 +194,30 @@ class InputBatch:
         self.num_blocks[row] = 0
         self._set_params(row, parked.params, parked.generator)
         return row
+
+    def _append_tokens(self, cached: CachedPlan) -> None:
+        """Append each request's new tokens that lie beyond its known ones."""
+        count = np.maximum(cached.num_computed + cached.num_new_tokens - cached.known_tokens, 0)
+        total = int(count.sum())
+        if total == 0:
+            return
+        rows = cached.rows
+        offsets = np.arange(total) - np.repeat(np.cumsum(count) - count, count)
+        source = np.repeat(np.cumsum(cached.num_new_tokens) - count, count) + offsets
+        target = np.repeat(cached.known_tokens, count) + offsets
+        self.token_ids[np.repeat(rows, count), target] = cached.new_token_ids[source]
+        self.num_tokens[rows] = cached.known_tokens + count
+
+    def _append_blocks(self, cached: CachedPlan) -> None:
+        count = cached.num_new_blocks
+        total = len(cached.new_block_ids)
+        if total == 0:
+            return
+        rows = cached.rows
+        offsets = np.arange(total) - np.repeat(np.cumsum(count) - count, count)
+        target = np.repeat(self.num_blocks[rows], count) + offsets
+        self.block_table[np.repeat(rows, count), target] = cached.new_block_ids
+        self.num_blocks[rows] += count.astype(np.int32)
 
     def _take_row(self, handle: int, req_id: str) -> int:
         row = heapq.heappop(self._free_rows)

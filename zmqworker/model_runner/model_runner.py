@@ -5,16 +5,12 @@ bad step changes nothing), the step's flat inputs are gathered from it, the mode
 and on the last pipeline stage the last position of every request that reached the end
 of its known tokens is turned into logits and sampled.
 
-Two input paths share that step. The plain-torch path (the CPU's) builds tensors and
-attention metadata per step. The Triton path (CUDA's; kernels="triton" anywhere) writes
-the step into persistent device buffers with one copy (device_inputs.py), takes the
-previous step's samples from the device, and replays a CUDA graph for decode steps
-(cuda_graphs.py); nothing in it waits for the device.
+The forward runs on one of two paths (forward_paths.py): plain torch on the CPU, Triton
+kernels and CUDA graphs on CUDA, where nothing in a step waits for the device.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -28,16 +24,18 @@ from messages import (
     SchedulerOutput,
     WorkerConfig,
 )
-from zmqworker.attention.kv_cache import allocate_kv_cache, release_workspaces
+from zmqworker.attention.kv_cache import allocate_kv_cache
 from zmqworker.distributed.parallel_state import ParallelState
 from zmqworker.distributed.pp_channel import PendingTensors
 from zmqworker.model_runner.async_output import AsyncModelRunnerOutput
 from zmqworker.model_runner.batch_update import ScheduledRequests
-from zmqworker.model_runner.cuda_graphs import Capture, DecodeGraphs, default_graph_sizes
-from zmqworker.model_runner.device_inputs import DeviceInputs, DeviceStep, TokenFeed
+from zmqworker.model_runner.cuda_graphs import Capture, DecodeGraphs
 from zmqworker.model_runner.dummy_steps import DummySteps
+from zmqworker.model_runner.forward_paths import HiddenStates, TorchPath, TritonPath
 from zmqworker.model_runner.grammar import apply_grammar_bitmask
 from zmqworker.model_runner.input_batch import InputBatch
+from zmqworker.model_runner.kv_cache_config import check_kv_cache_config
+from zmqworker.model_runner.pipeline_inputs import intermediate_inputs
 from zmqworker.model_runner.sampled_tokens import (
     Samples,
     record_samples,
@@ -46,11 +44,9 @@ from zmqworker.model_runner.sampled_tokens import (
     write_samples,
 )
 from zmqworker.model_runner.sampler import Sampler, SamplingMetadata
-from zmqworker.model_runner.step_inputs import StepInputBuilder
 from zmqworker.models.registry import build_model, torch_dtype
 
 KERNELS = ("auto", "torch", "triton")
-HiddenStates = dict[str, torch.Tensor]
 
 
 @dataclass
@@ -104,30 +100,22 @@ class ModelRunner:
         )
         self.kv_caches: list[torch.Tensor] = []
         self.sampler = Sampler()
-        self._torch_inputs: StepInputBuilder | None = None
-        self._device_inputs: DeviceInputs | None = None
+        self.path: TorchPath | TritonPath
         if self.fused:
-            self._device_inputs = DeviceInputs(
-                scheduler.max_num_batched_tokens,
-                scheduler.max_num_seqs,
-                self.batch.max_blocks_per_req,
-                self.block_size,
-                self.model.num_kv_heads,
-                self.max_model_len,
+            self.path = TritonPath(
+                self.model,
+                config,
+                state,
                 self.device,
+                self.max_model_len,
+                self.batch.max_blocks_per_req,
+                graph_capture,
             )
         else:
-            self._torch_inputs = StepInputBuilder(
-                scheduler.max_num_batched_tokens,
-                scheduler.max_num_seqs,
-                self.block_size,
-                self.device,
-            )
+            self.path = TorchPath(self.model, config, self.device)
         self._stream = (
             torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
         )
-        self.graphs = self._make_graphs(graph_capture)
-        self._graph_inputs: HiddenStates = {}
         self._step_logits: _StepLogits | None = None
         self._samples: Samples | None = None
         self.dummy = DummySteps(self)
@@ -149,7 +137,7 @@ class ModelRunner:
         num_blocks = kv_cache_config.num_blocks
         if num_blocks < 1:
             raise ValueError(f"KV cache config has {num_blocks} blocks; at least 1 is needed")
-        _check_kv_cache_config(kv_cache_config, spec)
+        check_kv_cache_config(kv_cache_config, spec)
         self.release_kv_cache()
         self.kv_caches = [self.new_cache(num_blocks) for _ in spec.layer_names]
         self.batch.num_kv_blocks = num_blocks
@@ -166,12 +154,10 @@ class ModelRunner:
         )
 
     def release_kv_cache(self) -> None:
-        """Drop the cache, the graphs captured over it and the attention's gather
-        workspaces sized from it (sleep and shutdown must give all back)."""
-        if self.graphs is not None:
-            self.graphs.release()
+        """Drop the cache and the buffers sized from it or captured over it (the graphs,
+        the attention's gather workspace): sleep and shutdown must give all back."""
+        self.path.release_buffers()
         self.kv_caches = []
-        release_workspaces()
         self.batch.num_kv_blocks = 0
 
     def profile_run(self) -> None:
@@ -183,28 +169,31 @@ class ModelRunner:
         self.dummy.warm_up(batch_sizes)
         self.capture_graphs()
 
+    @property
+    def graphs(self) -> DecodeGraphs | None:
+        """The decode CUDA graphs (the Triton path's, unless enforce_eager)."""
+        return self.path.graphs
+
     def capture_graphs(self) -> None:
         """Capture the decode graphs over the current KV cache (again after a wake-up)."""
-        if self.graphs is not None and self.kv_caches:
-            self.graphs.capture_all()
+        if isinstance(self.path, TritonPath) and self.kv_caches:
+            self.path.capture_graphs(self.kv_caches)
 
     def probe_graph_memory(self) -> int:
         """Bytes the decode graphs hold once captured, measured by capturing them over a
         one-block cache and releasing them: what the KV cache budget must leave free."""
-        if self.graphs is None or self.device.type != "cuda":
+        path = self.path
+        if not isinstance(path, TritonPath) or path.graphs is None or self.device.type != "cuda":
             return 0
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
         free_before = torch.cuda.mem_get_info()[0]
-        real, self.kv_caches = self.kv_caches, [self.new_cache(1)] * len(self.model.layer_names)
         try:
-            self.graphs.capture_all()
+            path.capture_graphs([self.new_cache(1)] * len(self.model.layer_names))
             torch.cuda.synchronize()
             used = free_before - torch.cuda.mem_get_info()[0]
         finally:
-            self.graphs.release()
-            self._graph_inputs = {}
-            self.kv_caches = real
+            path.release_buffers()
             torch.cuda.empty_cache()
         return max(0, used)
 
@@ -227,7 +216,11 @@ class ModelRunner:
         # this step's inputs are ready, so their transfer overlaps the preparation.
         pending = intermediate_tensors if isinstance(intermediate_tensors, PendingTensors) else None
         hidden_in = (
-            None if pending else self._intermediate_inputs(intermediate_tensors, scheduler_output)
+            None
+            if pending
+            else intermediate_inputs(
+                intermediate_tensors, scheduler_output, self.state, self.device
+            )
         )
         # Parking a preempted request copies its tokens: they must all be on the host.
         wait = not self.fused or bool(scheduler_output.preempted_req_handles)
@@ -239,12 +232,12 @@ class ModelRunner:
         def previous_stage() -> HiddenStates | None:
             if pending is None:
                 return hidden_in
-            return self._intermediate_inputs(pending.wait(), scheduler_output)
+            return intermediate_inputs(pending.wait(), scheduler_output, self.state, self.device)
 
         sample_index = self._sample_index(step)
         batch = self.batch
         feed = token_feed(batch, self._samples) if self.fused else None
-        out = self.forward(
+        out = self.path.run(
             batch.token_ids,
             batch.block_table,
             step,
@@ -290,124 +283,6 @@ class ModelRunner:
         ends = step.num_computed + step.num_scheduled
         return np.flatnonzero(ends == self.batch.num_tokens[step.rows])
 
-    def forward(
-        self,
-        token_ids: np.ndarray,
-        block_table: np.ndarray,
-        step: ScheduledRequests,
-        sample_index: np.ndarray,
-        previous_stage: Callable[[], HiddenStates | None],
-        caches: list[torch.Tensor],
-        feed: TokenFeed | None = None,
-        use_graphs: bool = True,
-    ) -> torch.Tensor | HiddenStates:
-        """Run a step's forward over the given token and block tables (the batch's, or a
-        dummy step's) and caches: the sampling requests' logits on the last stage, the
-        hidden states elsewhere. previous_stage is called once the inputs are ready."""
-        ends = np.cumsum(step.num_scheduled)
-        # Token index of each sampling request's last position; None: every token samples.
-        token_index = None if len(sample_index) == step.num_tokens else ends[sample_index] - 1
-        args = (token_ids, block_table, step.rows, step.num_computed, step.num_scheduled)
-        if self._device_inputs is None:
-            assert self._torch_inputs is not None
-            inputs = self._torch_inputs.build(*args, step.num_tokens)
-            meta = inputs.attn_metadata
-            hidden_in = previous_stage()
-            with torch.inference_mode():
-                out = self.model(inputs.input_ids, inputs.positions, caches, meta, hidden_in)
-                index = None if token_index is None else torch.from_numpy(token_index)
-                return self._outputs(out, index)
-        graph_size = None
-        if use_graphs and self.graphs is not None and step.num_tokens == len(step):
-            graph_size = self.graphs.size_for(len(step))
-        inputs = self._device_inputs
-        inputs.write(*args, step.num_tokens, feed, token_index, pad_to=graph_size)
-        sample_index = None if token_index is None else inputs.sample_index(len(token_index))
-        hidden_in = previous_stage()
-        if graph_size is not None:
-            return self._replay(graph_size, len(step), hidden_in, sample_index)
-        num_samples = None if token_index is None else len(token_index)
-        device_step = inputs.views(
-            step.num_tokens, len(step), int(step.num_scheduled.max()), num_samples
-        )
-        with torch.inference_mode():
-            if feed is not None:
-                self._feed(device_step)
-            meta = device_step.metadata
-            out = self.model(device_step.input_ids, meta.positions, caches, meta, hidden_in)
-            return self._outputs(out, device_step.sample_index)
-
-    def _outputs(
-        self, out: torch.Tensor | HiddenStates, token_index: torch.Tensor | None
-    ) -> torch.Tensor | HiddenStates:
-        if isinstance(out, dict):
-            return out
-        if token_index is not None:
-            out = out.index_select(0, token_index.to(self.device))
-        return self.model.compute_logits(out)
-
-    def _feed(self, device_step: DeviceStep) -> None:
-        """The previous step's samples into this step's input ids, on the device."""
-        from zmqworker.model_runner.token_feed import feed_tokens
-
-        assert self._device_inputs is not None
-        feed_tokens(device_step.input_ids, device_step.feed_index, self._device_inputs.sampled)
-
-    def _replay(
-        self,
-        size: int,
-        num_reqs: int,
-        hidden_in: HiddenStates | None,
-        sample_index: torch.Tensor | None,
-    ) -> torch.Tensor | HiddenStates:
-        assert self.graphs is not None
-        if hidden_in is not None:
-            for name, tensor in hidden_in.items():
-                self._graph_inputs[name][:num_reqs].copy_(tensor)
-        outputs = self.graphs.replay(size)
-        if not self.state.is_last_stage:
-            # The next replay reuses the graph's buffers; the pipeline sends these later.
-            return {name: t[:num_reqs].clone() for name, t in outputs.items()}
-        logits = outputs["logits"][:num_reqs]
-        return logits if sample_index is None else logits.index_select(0, sample_index)
-
-    def _make_graphs(self, capture: Capture | None) -> DecodeGraphs | None:
-        if not self.fused or self.config.model.enforce_eager:
-            return None
-        if capture is None and self.device.type != "cuda":
-            return None
-        sizes = list(self.config.scheduler.cuda_graph_sizes) or default_graph_sizes(
-            self.max_num_reqs
-        )
-        bad = [s for s in sizes if not 1 <= s <= self.max_num_reqs]
-        if bad:
-            raise ValueError(
-                f"cuda_graph_sizes {bad} outside [1, {self.max_num_reqs}] (max_num_seqs and "
-                "max_num_batched_tokens bound a decode step)"
-            )
-        assert self._device_inputs is not None
-        return DecodeGraphs(sizes, self._graph_body, self._device_inputs.idle_decode, capture)
-
-    def _graph_body(self, size: int) -> HiddenStates:
-        """A decode step of `size` rows over the persistent buffers, as a graph records it."""
-        assert self._device_inputs is not None
-        model = self.model
-        step = self._device_inputs.views(size, size, 1, None)
-        hidden_in = None
-        if not self.state.is_first_stage:
-            if not self._graph_inputs:
-                rows = max(self.graphs.sizes) if self.graphs else size
-                buf = torch.zeros(rows, model.hidden_size, dtype=model.dtype, device=self.device)
-                self._graph_inputs = {"hidden_states": buf, "residual": buf.clone()}
-            hidden_in = {name: t[:size] for name, t in self._graph_inputs.items()}
-        with torch.inference_mode():
-            self._feed(step)
-            meta = step.metadata
-            out = model(step.input_ids, meta.positions, self.kv_caches, meta, hidden_in)
-            if isinstance(out, dict):
-                return out
-            return {"logits": model.compute_logits(out)}
-
     # sampling -------------------------------------------------------------------------
 
     def _sample(
@@ -430,8 +305,8 @@ class ModelRunner:
             # The previous samples leave the device buffer: the host must hold them.
             write_samples(batch, self._samples, wait=True)
         out = None
-        if self._device_inputs is not None:
-            out = self._device_inputs.sampled[: len(rows)]  # where the token feed reads
+        if isinstance(self.path, TritonPath):
+            out = self.path.inputs.sampled[: len(rows)]  # where the token feed reads
         with torch.inference_mode():
             if grammar_output is not None:
                 self._apply_grammar(step, index, logits, grammar_output)
@@ -489,35 +364,6 @@ class ModelRunner:
 
     # helpers --------------------------------------------------------------------------
 
-    def _intermediate_inputs(
-        self, intermediate: IntermediateTensors | None, so: SchedulerOutput
-    ) -> HiddenStates | None:
-        """The previous stage's tensors on this device (copied: decoded message memory is
-        read-only), checked against the step's token count before the step changes state."""
-        if self.state.is_first_stage:
-            if intermediate is not None:
-                raise ValueError("the first pipeline stage takes no intermediate tensors")
-            return None
-        if so.total_num_scheduled_tokens == 0:
-            return None
-        if intermediate is None:
-            raise ValueError(
-                f"pipeline stage {self.state.pp_rank} needs the previous stage's "
-                "intermediate tensors"
-            )
-        missing = {"hidden_states", "residual"} - intermediate.tensors.keys()
-        if missing:
-            raise ValueError(f"intermediate tensors lack {sorted(missing)}")
-        tensors = {}
-        for name, tensor in intermediate.tensors.items():
-            if tensor.dim() < 1 or tensor.shape[0] != so.total_num_scheduled_tokens:
-                raise ValueError(
-                    f"intermediate tensor {name!r} has shape {tuple(tensor.shape)}, expected "
-                    f"{so.total_num_scheduled_tokens} tokens"
-                )
-            tensors[name] = _on_device(tensor, self.device)
-        return tensors
-
     def _cache_dtype_name(self) -> str:
         name = self.config.cache.cache_dtype
         model_dtype = self.config.model.dtype
@@ -529,34 +375,3 @@ class ModelRunner:
                 "attention needs them equal (use 'auto')"
             )
         return name
-
-
-def _check_kv_cache_config(config: KVCacheConfig, spec: KVCacheSpec) -> None:
-    """Every layer of this rank has a tensor and a group of this rank's shape; other
-    ranks' layers are ignored."""
-    sizes = {name: t.size_bytes for t in config.tensors for name in t.shared_by}
-    groups = {name: g.spec for g in config.groups for name in g.layer_names}
-    for name in spec.layer_names:
-        if name not in sizes or name not in groups:
-            raise ValueError(f"KV cache config has no tensor or group for layer {name!r}")
-        other = groups[name]
-        mine = (spec.block_size, spec.num_kv_heads, spec.head_size, spec.dtype)
-        theirs = (other.block_size, other.num_kv_heads, other.head_size, other.dtype)
-        if mine != theirs:
-            raise ValueError(
-                f"KV cache config for layer {name!r} has (block_size, kv heads, head size, "
-                f"dtype) {theirs}, this rank needs {mine}"
-            )
-        if sizes[name] < config.num_blocks * spec.page_size_bytes:
-            raise ValueError(
-                f"KV cache tensor of layer {name!r} has {sizes[name]} bytes, "
-                f"{config.num_blocks} blocks need {config.num_blocks * spec.page_size_bytes}"
-            )
-
-
-def _on_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A copy of tensor on device; from host memory to CUDA through pinned memory, so the
-    copy does not make the host wait."""
-    if device.type == "cuda" and tensor.device.type == "cpu":
-        return tensor.pin_memory().to(device, non_blocking=True)
-    return tensor.to(device, copy=True)

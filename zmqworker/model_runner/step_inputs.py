@@ -15,7 +15,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from zmqworker.attention.decode import AttentionGeometry
 from zmqworker.attention.metadata import AttentionMetadata, build_attention_metadata
+from zmqworker.attention.workspace import GatherWorkspace
 from zmqworker.cdiv import cdiv
 
 
@@ -119,13 +121,22 @@ class StepInputs:
 
 class StepInputBuilder:
     """Builds the plain-torch path's StepInputs for steps of at most max_num_tokens tokens
-    and max_num_reqs requests."""
+    and max_num_reqs requests, for layers of this attention geometry; the attention
+    gathers histories into workspace."""
 
     def __init__(
-        self, max_num_tokens: int, max_num_reqs: int, block_size: int, device: torch.device
+        self,
+        max_num_tokens: int,
+        max_num_reqs: int,
+        block_size: int,
+        geometry: AttentionGeometry,
+        workspace: GatherWorkspace,
+        device: torch.device,
     ) -> None:
         self.device = device
         self.block_size = block_size
+        self.geometry = geometry
+        self.workspace = workspace
         self._gather = StepGather(
             np.zeros(max_num_tokens, np.int64),
             np.zeros(max_num_tokens, np.int64),
@@ -149,7 +160,14 @@ class StepInputBuilder:
         )
         tables = block_table[rows, : step.used_blocks]
         metadata = build_attention_metadata(
-            num_scheduled, step.seq_lens, tables, step.slot_mapping, self.block_size, self.device
+            num_scheduled,
+            step.seq_lens,
+            tables,
+            step.slot_mapping,
+            self.block_size,
+            self.geometry,
+            self.workspace,
+            self.device,
         )
         return StepInputs(
             input_ids=torch.from_numpy(step.input_ids).to(self.device),

@@ -273,6 +273,7 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(hf_config, flags, state, self.start_layer, self.end_layer, fused)
         first = self.model.layers[str(self.start_layer)].self_attn
         self.head_dim = first.head_dim
+        self.num_heads = first.num_heads  # on this TP rank
         self.num_kv_heads = first.num_kv_heads
         self.rotary = RotaryEmbedding(
             self.head_dim,

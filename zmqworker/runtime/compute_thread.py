@@ -21,8 +21,8 @@ from typing import Any
 
 import zmq
 
-from zmqworker.runtime.async_socket import LEAD_CLOSED, LEAD_READY, AsyncSocket
-from zmqworker.wake_pipe import WakePipe
+from zmqworker.transport.async_socket import LEAD_CLOSED, LEAD_READY, AsyncSocket
+from zmqworker.transport.wake_pipe import WakePipe
 
 log = logging.getLogger("zmqworker.compute")
 
@@ -87,8 +87,6 @@ class ComputeThread:
                         self._idle = True
                 if job is None:
                     job = self._wait()
-                elif self._sock is not None:
-                    self._sock.settle()  # a queued job runs next: no lead() looks
                 if job is not None:
                     self._execute(*job)
         finally:

@@ -1,4 +1,5 @@
-"""Command line of the worker process: `python -m zmqworker.worker --engine ADDRESS --rank N`.
+"""Command line of the worker process: `zmqworker worker --engine ADDRESS --rank N` (the
+same as `python -m zmqworker worker ...`; executors run `python -m zmqworker.runtime ...`).
 
 An engine spawns it with the address of its ROUTER socket, the rank, and a handshake
 token in the environment (ZMQWORKER_TOKEN; a token on the command line would show in
@@ -13,7 +14,7 @@ import logging
 import os
 import sys
 
-TOKEN_ENV = "ZMQWORKER_TOKEN"
+from zmqworker.transport.spawn_env import TOKEN_ENV
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -52,17 +53,17 @@ def run_worker(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format=f"[rank {args.rank}] %(levelname)s %(message)s"
     )
-    server = WorkerServer(
-        engine_address=args.engine,
-        rank=args.rank,
-        token=token,
-        parent_pid=os.getppid() if args.exit_with_parent else None,
-    )
+    parent_pid = os.getppid() if args.exit_with_parent else None
+
+    async def serve() -> int:
+        loop = asyncio.get_running_loop()
+        return await WorkerServer(loop, args.engine, args.rank, token, parent_pid).run()
+
     try:
         import uvloop
     except ImportError:  # uvloop is not built for every platform; asyncio serves as well
-        return asyncio.run(server.run())
-    return uvloop.run(server.run())
+        return asyncio.run(serve())
+    return uvloop.run(serve())
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,50 +1,50 @@
 """The worker process: one rank, one DEALER socket to the engine, one event loop.
 
-The loop owns the socket: it decodes requests, hands model work to the compute thread
-(calls run in arrival order), answers health checks on a side thread (so they are
-answered while a long step runs), and sends each reply as soon as its result is ready,
-an AsyncModelRunnerOutput once its device-to-host copy is done. While the compute thread
-has nothing to do, it waits on the socket itself (compute_thread.py): a call that finds
-it idle is received, run and answered there, with no hand-off between threads; anything
-else it receives goes on to the loop.
+The loop owns the socket: it decodes requests and routes every call the same way. Calls
+run on the compute thread, one at a time in arrival order; the methods that must be
+answered while another call runs (CONCURRENT_METHODS: health checks) run on a side
+thread. Each reply goes out as soon as its result is ready, an AsyncModelRunnerOutput
+once its device-to-host copy is done. While the compute thread has nothing to do, it
+waits on the socket itself (compute_thread.py): a call that finds it idle is received,
+routed and run there, with no hand-off between threads.
+
+The server builds the worker when the Welcome comes (the engine's configuration and this
+rank's environment), with the pipeline stage this rank's steps use; the step's own logic
+is the worker's (Worker.execute_model).
 """
 
 from __future__ import annotations
 
 import asyncio
-import gc
 import logging
 import os
 import signal
 import socket
 import time
-import traceback
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
-from pathlib import Path
 from typing import Any
 
-import msgspec
 import zmq
 
 from messages import (
     PROTOCOL_VERSION,
     Decoder,
-    Encoder,
     Hello,
-    IntermediateTensors,
     ProtocolError,
-    RemoteError,
-    RpcReply,
     RpcRequest,
     Welcome,
 )
+from zmqworker.distributed.pipeline_stage import PipelineStage
 from zmqworker.distributed.pp_channel import PipelineReceiver, PipelineSender
 from zmqworker.model_runner.async_output import AsyncModelRunnerOutput
-from zmqworker.runtime.async_socket import AsyncSocket
 from zmqworker.runtime.compute_thread import ComputeThread, Job
 from zmqworker.runtime.engine_watch import EngineWatch
+from zmqworker.runtime.replies import Replier, peek_call_id
+from zmqworker.runtime.sockets import default_data_bind, remove_engine_socket
+from zmqworker.transport.async_socket import AsyncSocket
+from zmqworker.worker.worker_base import CONCURRENT_METHODS
 from zmqworker.worker.wrapper import WorkerWrapper
 
 log = logging.getLogger("zmqworker.worker")
@@ -52,67 +52,64 @@ log = logging.getLogger("zmqworker.worker")
 HANDSHAKE_TIMEOUT_S = 60.0
 SHUTDOWN_TIMEOUT_S = 10.0
 COMPUTE_JOIN_S = 1.0  # how long an exiting worker lets its compute thread finish
-PROTOCOL_ERROR_CALL_ID = -1  # the call id of a reply to a message that did not decode
-SIDE_METHODS = frozenset({"check_health"})  # answered beside the compute thread
-LOOP_METHODS = SIDE_METHODS | {"shutdown"}  # handled by the loop, never the compute thread
+STOP_AFTER = frozenset({"shutdown"})  # the server stops once it has answered these
 
 
 class WorkerServer:
+    """Complete once constructed: its sockets are connected and bound (the pipeline's
+    receiver too, whose address the Hello carries); run() does the handshake and serves.
+
+    worker_kwargs: the worker's constructor arguments besides its config and rank (a Ray
+    actor's local_rank and rendezvous address). handle_signals: SIGTERM/SIGINT stop the
+    server (main thread only)."""
+
     def __init__(
         self,
+        loop: asyncio.AbstractEventLoop,
         engine_address: str,
         rank: int,
         token: str,
         parent_pid: int | None = None,
         data_bind: str | None = None,
-        wrapper: WorkerWrapper | None = None,
+        worker_kwargs: dict[str, Any] | None = None,
         handle_signals: bool = True,
     ) -> None:
-        """wrapper: a WorkerWrapper whose worker may already exist (a Ray actor builds
-        it through Ray before the server starts); then the Welcome's configuration is
-        not applied again. handle_signals: SIGTERM/SIGINT stop the server (main thread
-        only)."""
         self.engine_address = engine_address
         self.rank = rank
         self.token = token
-        self.parent_pid = parent_pid
-        self.data_bind = data_bind or default_data_bind(engine_address, rank)
         self.protocol_errors = 0
-        self.wrapper = wrapper or WorkerWrapper(rpc_rank=rank)
-        self.handle_signals = handle_signals
+        self.wrapper = WorkerWrapper(rpc_rank=rank)
+        self._loop = loop
+        self._worker_kwargs = dict(worker_kwargs or {})
+        self._handle_signals = handle_signals
         self._dec = Decoder()
         self._idle_dec = Decoder()  # the compute thread's, for what it receives while idle
-        self._loop_reply: Replier | None = None
-        self._compute_reply: Replier | None = None
         self._side = ThreadPoolExecutor(2, thread_name_prefix=f"side-{rank}")
+        self._welcomed: asyncio.Future[None] = loop.create_future()
+        self._stopped = asyncio.Event()
         self._init_error: BaseException | None = None
         self._welcome_taken = False  # set by whichever thread receives the Welcome
         self._engine_lost = ""
-        self._stage: tuple[int, int] = (0, 1)  # (pp_rank, tp_size) once welcomed
-        self._pp_in: PipelineReceiver | None = None
-        self._pp_out: PipelineSender | None = None
-
-    async def run(self) -> int:
-        loop = asyncio.get_running_loop()
-        self._loop = loop
-        self._welcomed: asyncio.Future[None] = loop.create_future()
-        self._stopped = asyncio.Event()
+        self._pipeline: PipelineStage | None = None
         ctx = zmq.Context.instance()
-        self._pp_in = PipelineReceiver(ctx, self.data_bind, self.rank)
+        self._pp_in = PipelineReceiver(
+            ctx, data_bind or default_data_bind(engine_address, rank), rank
+        )
         self._pp_in.start(loop)
         sock = ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(self.engine_address)
+        sock.connect(engine_address)
         # Before the compute thread exists: it uses the socket as soon as it starts.
-        watch = EngineWatch(sock, loop, self._on_engine_lost, self.parent_pid)
+        self._watch = EngineWatch(sock, loop, self._on_engine_lost, parent_pid)
         self._sock = AsyncSocket(sock, loop, self._on_message)
-        self._loop_reply = Replier(self.rank, self._sock.send)
-        # The compute thread leads or settles after each reply (compute_thread.py).
-        self._compute_reply = Replier(self.rank, self._sock.send_before_lead)
-        self._compute = ComputeThread(f"compute-{self.rank}", self._sock, self._on_idle_message)
-        if self.handle_signals:
+        self._loop_reply = Replier(rank, self._sock.send)
+        self._compute_reply = Replier(rank, self._sock.send_threadsafe)
+        self._compute = ComputeThread(f"compute-{rank}", self._sock, self._on_idle_message)
+
+    async def run(self) -> int:
+        if self._handle_signals:
             for sig in (signal.SIGTERM, signal.SIGINT):
-                loop.add_signal_handler(sig, self._stop, f"signal {sig.name}")
+                self._loop.add_signal_handler(sig, self._stop, f"signal {sig.name}")
         try:
             self._sock.send(self._loop_reply.enc.encode(self._hello()))
             try:
@@ -127,21 +124,11 @@ class WorkerServer:
             await self._stopped.wait()
             return 0
         finally:
-            await self._shutdown_worker()
-            watch.close()
-            self._sock.close()
-            self._pp_in.close()
-            if self._pp_out is not None:  # the compute thread owns it: closed there
-                self._compute.submit(self._pp_out.close, lambda *_: None)
-            self._compute.stop()
-            # Joined before the interpreter exits: a thread still inside torch or libzmq
-            # while the process tears down its C++ state can abort it. Briefly: a step
-            # still running is abandoned, so that a worker whose engine died exits soon.
-            if not self._compute.join(COMPUTE_JOIN_S):
-                log.warning("exiting while the compute thread is still busy")
-            self._side.shutdown(wait=False, cancel_futures=True)
-            if self._engine_lost:
-                _remove_engine_socket(self.engine_address)
+            await self._close()
+
+    def stop_threadsafe(self, why: str) -> None:
+        """Stop the server from another thread (a Ray actor's shutdown)."""
+        self._loop.call_soon_threadsafe(self._stop, why)
 
     def _hello(self) -> Hello:
         return Hello(
@@ -156,132 +143,89 @@ class WorkerServer:
     # messages -------------------------------------------------------------------------
 
     def _on_message(self, frames: list[zmq.Frame]) -> None:
-        try:
-            msg = self._dec.decode(frames)
-        except ProtocolError as e:
-            self.protocol_errors += 1
-            log.warning("dropped a message that did not decode: %s", e)
-            self._loop_reply.error(_peek_call_id(frames), e)
-            return
-        self._on_decoded(msg)
-
-    def _on_decoded(self, msg: Any) -> None:
-        if isinstance(msg, RpcRequest):
-            self._dispatch(msg)
-        elif isinstance(msg, Welcome) and not self._welcome_taken:
-            # Queued on the compute thread first, so it runs before any call that follows.
-            self._compute.submit(*self._welcome_job(msg))
-        else:
-            self.protocol_errors += 1
-            log.warning("unexpected %s message dropped", type(msg).__name__)
+        """On the loop: a call for the compute thread is queued there."""
+        job = self._route(frames, self._dec, self._loop_reply)
+        if job is not None:
+            self._compute.submit(*job)
 
     def _on_idle_message(self, frames: list[zmq.Frame]) -> Job | None:
         """On the compute thread, which received this while it had nothing to do: a call
-        that belongs on it is its job now; anything else goes to the loop."""
+        for it runs at once (the Welcome too: it must run before the calls after it)."""
+        return self._route(frames, self._idle_dec, self._compute_reply)
+
+    def _route(self, frames: list[zmq.Frame], dec: Decoder, reply: Replier) -> Job | None:
+        """Where a message goes: the compute thread's job for it (returned), a side
+        thread, or an error reply. Each thread decodes with a decoder of its own."""
         try:
-            msg = self._idle_dec.decode(frames)
-        except ProtocolError:
-            self._loop.call_soon_threadsafe(self._on_message, frames)
+            msg = dec.decode(frames)
+        except ProtocolError as e:
+            self.protocol_errors += 1
+            log.warning("dropped a message that did not decode: %s", e)
+            reply.error(peek_call_id(frames), e)
             return None
-        if isinstance(msg, Welcome) and not self._welcome_taken:
-            return self._welcome_job(msg)  # here, so that it runs before the calls after it
-        if not isinstance(msg, RpcRequest) or msg.method in LOOP_METHODS:
-            self._loop.call_soon_threadsafe(self._on_decoded, msg)
+        if isinstance(msg, Welcome):
+            if self._welcome_taken:
+                self.protocol_errors += 1
+                log.warning("a second Welcome dropped")
+                return None
+            self._welcome_taken = True
+            return partial(self._init_worker, msg), self._on_init_done
+        if not isinstance(msg, RpcRequest):
+            self.protocol_errors += 1
+            log.warning("unexpected %s message dropped", type(msg).__name__)
             return None
-        if self._refused(msg, self._compute_reply):
+        if msg.deadline and time.time() > msg.deadline:
+            reply.error(msg.call_id, TimeoutError(f"{msg.method} arrived after its deadline"))
             return None
-        return self._job(msg)
+        if msg.method in CONCURRENT_METHODS:
+            self._loop.call_soon_threadsafe(self._run_beside, msg, partial(self._call, msg))
+            return None
+        return partial(self._call, msg), partial(self._on_computed, msg)
 
-    def _welcome_job(self, welcome: Welcome) -> Job:
-        self._welcome_taken = True
-        return lambda: self._init_worker(welcome), self._on_init_done
-
-    def _dispatch(self, req: RpcRequest) -> None:
-        if self._refused(req, self._loop_reply):
-            return
-        if req.method == "shutdown":
-            self._loop.create_task(self._shutdown_call(req))
-        elif req.method in SIDE_METHODS:
-            self._loop.create_task(self._serve_beside(req))
-        else:
-            self._compute.submit(*self._job(req))
-
-    def _refused(self, req: RpcRequest, reply: Replier) -> bool:
-        """Answer with an error a call that may not run."""
-        if req.method not in self.wrapper.rpc_methods:
-            reply.error(req.call_id, AttributeError(f"{req.method!r} is not callable over RPC"))
-        elif req.deadline and time.time() > req.deadline:
-            reply.error(req.call_id, TimeoutError(f"{req.method} arrived after its deadline"))
-        else:
-            return False
-        if req.method == "execute_model" and self._stage[0] > 0:
-            self._pp_in.forget(req.call_id)  # its tensors (and their ring slot) go back
-        return True
-
-    def _job(self, req: RpcRequest) -> Job:
-        """The compute thread's work for a call: run it, then pass its result on."""
-        extra = {}
-        pp_rank, tp = self._stage
-        if req.method == "execute_model" and pp_rank > 0:
-            # Posted now, before the step is prepared; waited for only when needed.
-            extra["intermediate_tensors"] = self._pp_in.expect(req.call_id, self.rank - tp)
-        return partial(self._call, req, extra), partial(self._on_computed, req)
-
-    def _call(self, req: RpcRequest, extra: dict[str, Any] | None = None) -> Any:
+    def _call(self, req: RpcRequest) -> Any:
         if self._init_error is not None:
             raise RuntimeError(f"the worker could not be created: {self._init_error}")
-        kwargs = {**req.kwargs, **extra} if extra else req.kwargs
-        return self.wrapper.execute_method(req.method, *req.args, **kwargs)
+        return self.wrapper.execute_method(req.method, *req.args, call_id=req.call_id, **req.kwargs)
 
     def _on_computed(self, req: RpcRequest, result: Any, error: BaseException | None) -> None:
-        """On the compute thread: pass a stage's tensors on, reply at once unless an
-        output still awaits its copy."""
-        if req.method == "execute_model" and self._stage[0] > 0:  # a stage that receives
-            self._pp_in.forget(req.call_id)
-        elif req.method == "compile_or_warm_up_model" and error is None:
-            _freeze_startup_heap()
-        if isinstance(result, IntermediateTensors) and error is None:
-            try:
-                self._pp_out.send(req.call_id, result)
-                result = None
-            except Exception as e:
-                result, error = None, e
-        if isinstance(result, AsyncModelRunnerOutput):
+        """On the compute thread: reply at once, unless an output awaits its copy."""
+        if isinstance(result, AsyncModelRunnerOutput) and error is None:
             if not result.is_ready():
-                self._loop.call_soon_threadsafe(self._await_copy, req, result)
+                self._loop.call_soon_threadsafe(self._run_beside, req, result.get_output)
                 return
             result = result.get_output()
         self._compute_reply.finish(req, result, error)
+        if req.method in STOP_AFTER and error is None:
+            self._loop.call_soon_threadsafe(self._stop, f"{req.method} requested")
 
-    def _await_copy(self, req: RpcRequest, pending: AsyncModelRunnerOutput) -> None:
-        self._loop.create_task(self._run_beside(req, pending.get_output))
+    def _run_beside(self, req: RpcRequest, fn: Callable[[], Any]) -> None:
+        """On the loop: run fn on a side thread and reply with its result."""
 
-    async def _serve_beside(self, req: RpcRequest) -> None:
-        await self._run_beside(req, lambda: self._call(req))
+        async def run() -> None:
+            try:
+                result = await self._loop.run_in_executor(self._side, fn)
+            except Exception as e:
+                self._loop_reply.finish(req, None, e)
+                return
+            self._loop_reply.finish(req, result, None)
 
-    async def _run_beside(self, req: RpcRequest, fn: Callable[[], Any]) -> None:
-        try:
-            result = await self._loop.run_in_executor(self._side, fn)
-        except Exception as e:
-            self._loop_reply.finish(req, None, e)
-            return
-        self._loop_reply.finish(req, result, None)
+        self._loop.create_task(run())
 
     # life cycle -----------------------------------------------------------------------
 
     def _init_worker(self, welcome: Welcome) -> None:
+        """On the compute thread: the pipeline stage, then the worker."""
         parallel = welcome.config.parallel
-        world, tp = parallel.world_size, parallel.tensor_parallel_size
-        if self.wrapper.worker is None:
-            envs: list[dict[str, str]] = [{} for _ in range(world)]
-            envs[self.rank] = dict(welcome.env)
-            self.wrapper.update_environment_variables(envs)
-            self.wrapper.init_worker([{"config": welcome.config, "rank": r} for r in range(world)])
+        tp, pp = parallel.tensor_parallel_size, parallel.pipeline_parallel_size
         pp_rank = self.rank // tp
-        if pp_rank < parallel.pipeline_parallel_size - 1:
+        sender = None
+        if pp_rank < pp - 1:
             peer = welcome.data_addresses[self.rank + tp]
-            self._pp_out = PipelineSender(zmq.Context.instance(), peer, self.rank)
-        self._stage = (pp_rank, tp)
+            sender = PipelineSender(zmq.Context.instance(), peer, self.rank)
+        previous = self.rank - tp if pp_rank > 0 else None
+        self._pipeline = PipelineStage(self._pp_in, sender, previous)
+        self.wrapper.update_environment(welcome.env)
+        self.wrapper.init_worker(welcome.config, pipeline=self._pipeline, **self._worker_kwargs)
 
     def _on_init_done(self, _: Any, error: BaseException | None) -> None:
         """On the compute thread, after the worker's construction."""
@@ -294,29 +238,9 @@ class WorkerServer:
         if not self._welcomed.done():
             self._welcomed.set_result(None)
 
-    async def _shutdown_call(self, req: RpcRequest) -> None:
-        await self._shutdown_worker()
-        self._loop_reply.finish(req, None, None)
-        self._stop("shutdown requested")
-
-    async def _shutdown_worker(self) -> None:
-        worker = self.wrapper.worker
-        if worker is None:
-            return
-        try:
-            await asyncio.wait_for(
-                self._loop.run_in_executor(self._side, worker.shutdown), SHUTDOWN_TIMEOUT_S
-            )
-        except Exception:
-            log.exception("worker shutdown failed")
-
     def _on_engine_lost(self, why: str) -> None:
         self._engine_lost = why
         self._stop(why)
-
-    def stop_threadsafe(self, why: str) -> None:
-        """Stop the server from another thread (a Ray actor's shutdown)."""
-        self._loop.call_soon_threadsafe(self._stop, why)
 
     def _stop(self, why: str) -> None:
         log.info("stopping: %s", why)
@@ -324,87 +248,26 @@ class WorkerServer:
         if not self._welcomed.done():
             self._welcomed.cancel()
 
-
-class Replier:
-    """Encodes and sends replies for one thread (an Encoder is not thread-safe)."""
-
-    def __init__(self, rank: int, send: Callable[[list], None]) -> None:
-        self.rank = rank
-        self.enc = Encoder()
-        self._send = send
-
-    def finish(self, req: RpcRequest, result: Any, error: BaseException | None) -> None:
-        """Every failure goes back to the engine, whatever reply_rank says."""
-        if error is not None:
-            self.error(req.call_id, error)
-            return
-        if req.reply_rank is not None and req.reply_rank != self.rank:
-            return
-        try:
-            frames = self.enc.encode(RpcReply(req.call_id, self.rank, result))
-        except Exception as e:  # TypeError, ValueError, OverflowError (ints past 64 bits)...
-            why = f"the result ({type(result).__name__}) cannot be encoded: {e}"
-            self.error(req.call_id, TypeError(why))
-            return
-        self._send(frames)
-
-    def error(self, call_id: int, exc: BaseException) -> None:
-        tb = "".join(traceback.format_exception(exc)) if exc.__traceback__ else ""
-        error = RemoteError(
-            rank=self.rank, exc_type=type(exc).__name__, message=str(exc), traceback=tb
-        )
-        self._send(self.enc.encode(RpcReply(call_id=call_id, rank=self.rank, error=error)))
-
-
-def _freeze_startup_heap() -> None:
-    """Start-up is over: what it made (modules, the model, its config and tokenizer
-    files) lives as long as the process. Out of the collector's sight, a full collection
-    no longer walks it: 135-140 ms with the embedded model, about 0 frozen, paid by
-    whichever step it falls on."""
-    gc.collect()
-    gc.freeze()
-
-
-def _peek_call_id(frames: list[zmq.Frame]) -> int:
-    """The call id of a request that did not decode, when its body still says it, so
-    that the engine fails that call at once instead of waiting for its deadline."""
-    try:
-        body = msgspec.msgpack.decode(frames[0].bytes)
-        call_id = body[1]["call_id"]
-    except Exception:
-        return PROTOCOL_ERROR_CALL_ID
-    return (
-        call_id
-        if isinstance(call_id, int) and not isinstance(call_id, bool)
-        else PROTOCOL_ERROR_CALL_ID
-    )
-
-
-def default_data_bind(engine_address: str, rank: int) -> str:
-    """Where the pipeline receiver binds: beside the engine's ipc socket, or on the
-    interface that reaches the engine's tcp host."""
-    if engine_address.startswith("ipc://"):
-        folder = Path(engine_address[len("ipc://") :]).parent
-        return f"ipc://{folder}/data-{rank}-{os.getpid()}.sock"
-    host = engine_address[len("tcp://") :].rsplit(":", 1)[0]
-    return f"tcp://{_local_ip_towards(host)}:*"
-
-
-def _local_ip_towards(host: str) -> str:
-    if host in ("127.0.0.1", "localhost", "::1"):
-        return "127.0.0.1"
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-        probe.connect((host, 9))  # no packet is sent: this only picks the route
-        return probe.getsockname()[0]
-
-
-def _remove_engine_socket(address: str) -> None:
-    """An engine killed outright cannot remove its ipc socket file: its workers do."""
-    if not address.startswith("ipc://"):
-        return
-    path = Path(address[len("ipc://") :])
-    for remove in (path.unlink, path.parent.rmdir):
-        try:
-            remove()
-        except OSError:
-            continue  # another worker removed it first, or the folder still holds files
+    async def _close(self) -> None:
+        worker = self.wrapper.worker
+        if worker is not None:  # shut down already after a shutdown call: then a no-op
+            try:
+                await asyncio.wait_for(
+                    self._loop.run_in_executor(self._side, worker.shutdown), SHUTDOWN_TIMEOUT_S
+                )
+            except Exception:
+                log.exception("worker shutdown failed")
+        self._watch.close()
+        self._sock.close()
+        self._pp_in.close()
+        if self._pipeline is not None:  # its sender is the compute thread's: closed there
+            self._compute.submit(self._pipeline.close, lambda *_: None)
+        self._compute.stop()
+        # Joined before the interpreter exits: a thread still inside torch or libzmq
+        # while the process tears down its C++ state can abort it. Briefly: a step
+        # still running is abandoned, so that a worker whose engine died exits soon.
+        if not self._compute.join(COMPUTE_JOIN_S):
+            log.warning("exiting while the compute thread is still busy")
+        self._side.shutdown(wait=False, cancel_futures=True)
+        if self._engine_lost:
+            remove_engine_socket(self.engine_address)

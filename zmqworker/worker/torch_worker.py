@@ -24,10 +24,11 @@ from zmqworker.distributed.parallel_state import (
     destroy_parallel_state,
     init_parallel_state,
 )
+from zmqworker.distributed.pipeline_stage import PipelineStage
 from zmqworker.model_runner.model_runner import ModelRunner
 from zmqworker.worker.device import DeviceOps, device_ops
 from zmqworker.worker.sleep_mode import SleepState
-from zmqworker.worker.worker_base import WorkerBase
+from zmqworker.worker.worker_base import WorkerBase, freeze_startup_heap
 
 PROFILERS = ("none", "torch", "cuda")
 HEALTH_OP_TIMEOUT_S = 10.0
@@ -42,9 +43,9 @@ class Worker(WorkerBase):
         rank: int,
         local_rank: int | None = None,
         distributed_init_method: str | None = None,
-        is_driver_worker: bool = False,
+        pipeline: PipelineStage | None = None,
     ) -> None:
-        super().__init__(config, rank, local_rank, distributed_init_method, is_driver_worker)
+        super().__init__(config, rank, local_rank, distributed_init_method, pipeline)
         if config.profiler.profiler not in PROFILERS:
             raise ValueError(
                 f"profiler.profiler must be one of {', '.join(PROFILERS)}, "
@@ -141,22 +142,30 @@ class Worker(WorkerBase):
         start = time.perf_counter()
         self._runner().warm_up(list(self.config.scheduler.warmup_batch_sizes))
         self.ops.synchronize()
+        freeze_startup_heap()
         return time.perf_counter() - start
 
     # steps ----------------------------------------------------------------------------
 
     def execute_model(
-        self,
-        scheduler_output: SchedulerOutput,
-        intermediate_tensors: IntermediateTensors | None = None,
-        sample: bool = True,
+        self, scheduler_output: SchedulerOutput, sample: bool = True, *, call_id: int = 0
     ) -> object:
         self._require_awake("execute_model")
+        runner = self._runner()
+        pipeline = self.pipeline
+        # Posted before the step is prepared, waited for by the runner once it is.
+        inputs = pipeline.receive(call_id) if pipeline is not None else None
         self._step_started = time.monotonic()
         try:
-            return self._runner().execute_model(scheduler_output, intermediate_tensors, sample)
+            output = runner.execute_model(scheduler_output, inputs, sample)
         finally:
             self._step_started = None
+            if pipeline is not None:
+                pipeline.done(call_id)
+        if isinstance(output, IntermediateTensors) and pipeline is not None:
+            pipeline.send(call_id, output)  # does not wait for the next stage
+            return None
+        return output
 
     def sample_tokens(self, grammar_output: GrammarOutput | None = None) -> object:
         self._require_awake("sample_tokens")

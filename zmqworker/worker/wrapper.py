@@ -1,10 +1,11 @@
-"""WorkerWrapper: the object an executor creates first, before the worker exists.
+"""WorkerWrapper: the object a worker process (or a Ray actor) holds before the worker
+exists, and the one entry point of the RPC layer into it.
 
-It learns its environment (update_environment_variables), then builds the real worker
+It applies the rank's environment (update_environment), then builds the real worker
 (init_worker) from a class named by string, optionally combined with a worker extension
 class. Late construction is what lets CUDA_VISIBLE_DEVICES and friends be set before
-torch touches the device. Calls are forwarded to the worker, but only the allowlisted
-methods can be reached through execute_method, the one entry point of the RPC layer.
+torch touches the device. execute_method forwards a call to the worker, but only to the
+allowlisted methods (the WorkerBase interface plus the extension's public methods).
 """
 
 from __future__ import annotations
@@ -12,8 +13,10 @@ from __future__ import annotations
 import importlib
 import inspect
 import os
+from collections.abc import Mapping
 from typing import Any
 
+from messages import WorkerConfig
 from zmqworker.worker.worker_base import RPC_METHODS, WorkerBase
 
 
@@ -57,44 +60,56 @@ def with_extension(worker_cls: type, extension_cls: type) -> type:
     return type(name, (worker_cls, extension_cls), {"__module__": worker_cls.__module__})
 
 
+def worker_class(config: WorkerConfig) -> tuple[type, frozenset[str]]:
+    """The class config names (with its extension) and the methods callable over RPC;
+    an error naming what is wrong."""
+    cls = resolve_class(config.worker_cls)
+    if not issubclass(cls, WorkerBase):
+        raise ValueError(f"{config.worker_cls} is not a WorkerBase subclass")
+    methods = set(RPC_METHODS)
+    if config.worker_extension_cls:
+        extension = resolve_class(config.worker_extension_cls)
+        cls = with_extension(cls, extension)
+        methods |= public_methods(extension)
+    return cls, frozenset(methods)
+
+
 class WorkerWrapper:
     def __init__(self, rpc_rank: int = 0) -> None:
         self.rpc_rank = rpc_rank
         self.worker: WorkerBase | None = None
         self.rpc_methods: frozenset[str] = RPC_METHODS
+        self._takes_call_id: dict[str, bool] = {}
 
-    def update_environment_variables(self, per_rank_envs: list[dict[str, str]]) -> None:
-        """Apply this rank's entry of per_rank_envs to os.environ."""
-        env = _pick(per_rank_envs, self.rpc_rank, "per_rank_envs")
+    def update_environment(self, env: Mapping[str, str]) -> None:
+        """Apply this rank's environment to os.environ, before the worker is built."""
         for key, value in env.items():
             os.environ[key] = str(value)
 
-    def init_worker(self, per_rank_kwargs: list[dict[str, Any]]) -> None:
-        """Build the worker from this rank's kwargs; "config" (a WorkerConfig) names the
-        worker class and the optional extension class."""
+    def init_worker(self, config: WorkerConfig, **kwargs: Any) -> None:
+        """Build the worker: config names the worker class and the optional extension
+        class; kwargs are the other constructor arguments (rank defaults to rpc_rank)."""
         if self.worker is not None:
             raise RuntimeError(f"rank {self.rpc_rank}: the worker exists already")
-        kwargs = dict(_pick(per_rank_kwargs, self.rpc_rank, "per_rank_kwargs"))
-        config = kwargs["config"]
-        cls = resolve_class(config.worker_cls)
-        if not issubclass(cls, WorkerBase):
-            raise ValueError(f"{config.worker_cls} is not a WorkerBase subclass")
-        methods = set(RPC_METHODS)
-        if config.worker_extension_cls:
-            extension = resolve_class(config.worker_extension_cls)
-            cls = with_extension(cls, extension)
-            methods |= public_methods(extension)
+        cls, methods = worker_class(config)
         kwargs.setdefault("rank", self.rpc_rank)
-        self.worker = cls(**kwargs)
-        self.rpc_methods = frozenset(methods)
+        self.worker = cls(config=config, **kwargs)
+        self.rpc_methods = methods
 
-    def execute_method(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        """The RPC entry point: only allowlisted methods are reachable."""
+    def execute_method(
+        self, method: str, *args: Any, call_id: int | None = None, **kwargs: Any
+    ) -> Any:
+        """The RPC entry point: only allowlisted methods are reachable. call_id: the RPC
+        call's id, passed on to the methods that take one (a keyword-only call_id, such
+        as execute_model's); the engine cannot set it."""
         if method not in self.rpc_methods:
             raise AttributeError(f"{method!r} is not callable over RPC")
         if self.worker is None:
             raise RuntimeError(f"rank {self.rpc_rank}: init_worker has not run")
-        return getattr(self.worker, method)(*args, **kwargs)
+        fn = getattr(self.worker, method)
+        if call_id is not None and self._takes_call_id_arg(method, fn):
+            return fn(*args, call_id=call_id, **kwargs)
+        return fn(*args, **kwargs)
 
     def __getattr__(self, name: str) -> Any:
         # Only reached for names the wrapper itself lacks.
@@ -103,8 +118,10 @@ class WorkerWrapper:
             raise AttributeError(f"{name!r}: the worker does not exist yet (init_worker)")
         return getattr(worker, name)
 
-
-def _pick(per_rank: list, rank: int, what: str) -> Any:
-    if not 0 <= rank < len(per_rank):
-        raise ValueError(f"{what} has {len(per_rank)} entries, no entry for rank {rank}")
-    return per_rank[rank]
+    def _takes_call_id_arg(self, method: str, fn: Any) -> bool:
+        takes = self._takes_call_id.get(method)
+        if takes is None:
+            param = inspect.signature(fn).parameters.get("call_id")
+            takes = param is not None and param.kind is inspect.Parameter.KEYWORD_ONLY
+            self._takes_call_id[method] = takes
+        return takes

@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from zmqworker.cdiv import cdiv
 from zmqworker.distributed.parallel_state import ParallelState, tp_all_gather, tp_all_reduce
 from zmqworker.models.layers.linear import linear
 from zmqworker.models.layers.weights import TensorSlice
@@ -22,7 +23,7 @@ class VocabShard(nn.Module):
         self.hidden_size = hidden_size
         self.source = source
         self.state = state
-        self.rows_per_rank = -(-vocab_size // state.tp_size)
+        self.rows_per_rank = cdiv(vocab_size, state.tp_size)
         self.vocab_start = state.tp_rank * self.rows_per_rank
         self.num_real_rows = max(0, min(self.rows_per_rank, vocab_size - self.vocab_start))
         self.weight = nn.Parameter(

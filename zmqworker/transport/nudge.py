@@ -17,8 +17,8 @@ from collections.abc import Callable
 
 import zmq
 
-from zmqworker.wake_pipe import WakePipe
-from zmqworker.zmq_io import NOBLOCK
+from zmqworker.transport.frames import NOBLOCK
+from zmqworker.transport.wake_pipe import WakePipe
 
 log = logging.getLogger("zmqworker.executor")
 

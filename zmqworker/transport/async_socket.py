@@ -1,20 +1,22 @@
 """A zmq socket driven by an asyncio loop through its file descriptor.
 
-zmq.asyncio adds 95-175 us per round trip on this kind of machine; watching the socket's
-FD with loop.add_reader and receiving until EAGAIN adds 40-60 us (ARCHITECTURE.md).
-
-The loop receives; any thread may send (send_threadsafe), so that the compute thread
-replies without a hop back through the loop. A lock serialises the socket (zmq allows
-a socket to move between threads behind a full memory barrier). The FD is
-edge-triggered and also signals writability: after every send we look at zmq.EVENTS
-ourselves, because a send can swallow the edge of a message that arrived meanwhile.
-
-One other thread may lead while it is idle (lead(), see compute_thread.py): it waits on
-the FD itself and receives the next message, so that a call that arrives while the
-compute thread has nothing to do runs without a hand-off between threads (a wake-up
-costs 20-50 us on a small VM). The loop watches the FD through an epoll set of its own,
-from which lead() removes it and take() puts it back: those are system calls that any
-thread may make, so the loop is neither woken nor asked for anything while one leads.
+Each mechanism here is there for a measured reason:
+- The loop watches the socket's FD (add_reader, then receives until EAGAIN) instead of
+  using zmq.asyncio: 40-60 us per round trip against 95-175 us on a 2-core VM.
+- Any thread may send (send_threadsafe), under a lock (zmq lets a socket move between
+  threads behind a full memory barrier), so that the compute thread replies without a hop
+  back through the loop (a thread wake-up costs 20-50 us there).
+- The FD is edge-triggered and also signals writability, so after every send the
+  socket's events are looked at again (a send can swallow the edge of a message that came
+  meanwhile), and what the loop must then handle is handed to it.
+- Sends that would block go to a backlog, flushed as room comes back: the loop must never
+  block on a peer that reads slowly.
+- One other thread may lead while it is idle (lead(), see runtime/compute_thread.py): it
+  waits on the FD itself and receives the next message, so that a call that arrives while
+  the compute thread has nothing to do runs without a hand-off between threads. The loop
+  watches the FD through an epoll set of its own, from which lead() removes it and take()
+  puts it back: system calls that any thread may make, so the loop is neither woken nor
+  asked for anything while another thread leads.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from typing import Any
 
 import zmq
 
-from zmqworker.zmq_io import NOBLOCK, recv_frames, send_frames
+from zmqworker.transport.frames import NOBLOCK, recv_frames, send_frames
 
 log = logging.getLogger("zmqworker.socket")
 
@@ -59,7 +61,6 @@ class AsyncSocket:
         self._poll_items = [(sock, _POLLIN | _POLLOUT)]  # for _after_io's look
         self._closed = False
         self._leader_wake: Callable[[], None] | None = None  # set while a thread leads
-        self._unlooked = False  # a send_before_lead() since the last look at the events
         self._watch = select.epoll()  # what the loop watches: the FD, unless a thread leads
         self._watch.register(self.fd, select.EPOLLIN)
         loop.add_reader(self._watch.fileno(), self._drain)
@@ -73,25 +74,6 @@ class AsyncSocket:
     def send_threadsafe(self, frames: Sequence[Any]) -> None:
         """Send from any other thread."""
         if self._send(frames):
-            self._loop.call_soon_threadsafe(self._drain)
-
-    def send_before_lead(self, frames: Sequence[Any]) -> None:
-        """Send from the thread that calls lead() or settle() next: the look at the
-        socket's events that follows every send is left to that call, so that an idle
-        thread's reply and its next lead take one look, not two."""
-        if self._send(frames, look_later=True):
-            self._loop.call_soon_threadsafe(self._drain)
-
-    def settle(self) -> None:
-        """The look that send_before_lead() left, for a thread that will not lead next
-        (so nobody leads: the loop must see what the look finds)."""
-        if not self._unlooked:
-            return
-        with self._lock:
-            if self._closed or not self._unlooked:
-                return
-            busy = self._after_io() or bool(self._backlog)
-        if busy:
             self._loop.call_soon_threadsafe(self._drain)
 
     def close(self) -> None:
@@ -140,9 +122,8 @@ class AsyncSocket:
             self._loop.call_soon_threadsafe(self._drain)
         return frames
 
-    def _send(self, frames: Sequence[Any], look_later: bool = False) -> bool:
-        """Send or queue; True when the loop has something to do (input or a backlog).
-        look_later: see send_before_lead()."""
+    def _send(self, frames: Sequence[Any]) -> bool:
+        """Send or queue; True when the loop has something to do (input or a backlog)."""
         with self._lock:
             if self._closed:
                 return False
@@ -151,10 +132,6 @@ class AsyncSocket:
                     send_frames(self.sock, frames, NOBLOCK)
                 except zmq.Again:
                     self._backlog.append(frames)
-                else:
-                    if look_later:
-                        self._unlooked = True
-                        return False
             else:
                 self._backlog.append(frames)
             pending = self._after_io()
@@ -183,7 +160,6 @@ class AsyncSocket:
     def _after_io(self) -> bool:
         """After anything that may have taken in the socket's news (and so its FD's edge):
         send what the backlog can, and say whether a message waits. Under the lock."""
-        self._unlooked = False
         ready = _zmq_poll(self._poll_items, 0)
         # Again after each flush: its sends, or this look, may have taken in the news of
         # room come back (and with it the FD's edge).

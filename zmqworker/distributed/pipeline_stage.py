@@ -1,0 +1,59 @@
+"""A rank's place in the pipeline, as its Worker uses it in a step: where the step's
+input tensors come from and where its output tensors go (pp_channel.py carries them).
+
+A step is named by the id of the execute_model call the engine sent to every rank, so
+stages match their tensors by id, never by arrival order. The receive is posted as the
+step starts and waited for only once the step's inputs are ready (the transfer overlaps
+the preparation); the send does not wait for the next stage.
+"""
+
+from __future__ import annotations
+
+from messages import IntermediateTensors
+from zmqworker.distributed.pp_channel import PendingTensors, PipelineReceiver, PipelineSender
+
+
+class PipelineStage:
+    """receiver: this rank's PULL end (every rank binds one before its Hello); sender:
+    the PUSH end to the next stage's rank (None on the last stage); previous_rank: the
+    rank that sends this one its inputs (None on the first stage)."""
+
+    def __init__(
+        self,
+        receiver: PipelineReceiver,
+        sender: PipelineSender | None,
+        previous_rank: int | None,
+    ) -> None:
+        self.receiver = receiver
+        self.sender = sender
+        self.previous_rank = previous_rank
+
+    @property
+    def is_first(self) -> bool:
+        return self.previous_rank is None
+
+    @property
+    def is_last(self) -> bool:
+        return self.sender is None
+
+    def receive(self, step_id: int) -> PendingTensors | None:
+        """The previous stage's tensors of this step, once they arrive (None on the first
+        stage). Call done(step_id) when the step is over."""
+        if self.previous_rank is None:
+            return None
+        return self.receiver.expect(step_id, self.previous_rank)
+
+    def done(self, step_id: int) -> None:
+        """The step is over: its input tensors (and their shared memory) go back."""
+        if self.previous_rank is not None:
+            self.receiver.forget(step_id)
+
+    def send(self, step_id: int, tensors: IntermediateTensors) -> None:
+        if self.sender is None:
+            raise RuntimeError("the last pipeline stage has no next stage to send to")
+        self.sender.send(step_id, tensors)
+
+    def close(self) -> None:
+        """Close the sender (the receiver belongs to the event loop that drives it)."""
+        if self.sender is not None:
+            self.sender.close()

@@ -1,0 +1,83 @@
+"""What the RpcClient keeps of a call in flight, and how a worker's death is learnt."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from functools import partial
+from typing import TYPE_CHECKING, Any
+
+from zmqworker.executor.errors import WorkerDiedError
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping
+
+
+class Liveness:
+    """How the client learns that a worker died: fds that become readable when the
+    worker of that rank dies (watched by a thread that wakes the client), and check(), a
+    death found by looking. The base class knows of no deaths."""
+
+    def __init__(self, fds: Mapping[int, int] | None = None) -> None:
+        self.fds: dict[int, int] = dict(fds or {})  # fd -> rank
+
+    def check(self) -> WorkerDiedError | None:
+        return None
+
+
+class RpcFuture(Future):
+    """A call's result, for callers that do not wait at once. Waiting on it receives
+    replies (wait_for), since no thread of the client does that by itself."""
+
+    def __init__(
+        self,
+        wait_for: Callable[[Callable[[], bool], float | None], None],
+        is_done: Callable[[], bool],
+    ) -> None:
+        super().__init__()
+        self._wait_for = wait_for
+        self._is_done = is_done
+
+    def result(self, timeout: float | None = None) -> Any:
+        self._wait_for(self._is_done, timeout)
+        return super().result(timeout=0)
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        self._wait_for(self._is_done, timeout)
+        return super().exception(timeout=0)
+
+    def cancel(self) -> bool:
+        """A call already sent runs on its workers: it cannot be cancelled."""
+        return False
+
+
+@dataclass(slots=True)
+class Call:
+    """One call in flight. A blocking caller reads done/value/error directly: a
+    concurrent.futures.Future costs a Condition per call and a lock per look at it."""
+
+    method: str
+    waiting_for: set[int]
+    single_rank: int | None
+    timeout: float | None
+    deadline: float | None  # time.monotonic()
+    results: dict[int, Any] = field(default_factory=dict)
+    future: RpcFuture | None = None
+    done: bool = False
+    value: Any = None
+    error: BaseException | None = None
+
+    @property
+    def is_done(self) -> Callable[[], bool]:
+        """A test of done for wait_for, run after every reply: a C-level callable, since
+        a method here costs a Python frame each time."""
+        return partial(getattr, self, "done")
+
+    def finish(self, value: Any = None, error: BaseException | None = None) -> None:
+        # The fields first: a thread that sees the future done reads them at once.
+        self.value, self.error, self.done = value, error, True
+        if self.future is not None and error is not None:
+            self.future.set_exception(error)
+        elif self.future is not None:
+            self.future.set_result(value)
