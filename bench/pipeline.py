@@ -51,7 +51,8 @@ from messages import (
     make_kv_cache_config,
 )
 from tests.tiny import make_tiny_checkpoint
-from zmqworker.distributed.pp_channel import PipelineReceiver, PipelineSender
+from zmqworker.distributed.pp_receiver import PipelineReceiver
+from zmqworker.distributed.pp_sender import PipelineSender
 from zmqworker.executor.multiproc import MultiprocExecutor
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -145,6 +146,9 @@ def pipeline_speedup(path: str, steps: int) -> dict:
     return {"depth1_tok_s": depth1, "depth2_tok_s": depth2, "speedup": depth2 / depth1}
 
 
+RUN_ID = "bench-pipeline-run"
+
+
 def receiver(address: str, count: int) -> None:
     """The far end of the channel, as a stage: a PipelineReceiver driven by an event loop
     thread; this thread posts for each step's tensors, takes them and forgets the step.
@@ -153,13 +157,15 @@ def receiver(address: str, count: int) -> None:
     loop = asyncio.new_event_loop()
     threading.Thread(target=loop.run_forever, daemon=True).start()
     pipe = PipelineReceiver(ctx, address + ".data", rank=1)
+    pipe.admit(RUN_ID, 0)
     loop.call_soon_threadsafe(pipe.start, loop)
     done = ctx.socket(zmq.PUSH)
     done.connect(address + ".done")
-    call_ids = itertools.count()
+    call_ids = itertools.count(1)
     while True:
         for _ in range(count):
             call_id = next(call_ids)
+            pipe.note_call(call_id + count)  # as a worker sent the calls
             pipe.expect(call_id, 0).wait()
             pipe.forget(call_id)
         done.send(b"ok")
@@ -178,8 +184,8 @@ def channel_bandwidth(mib: float, repeats: int, rounds: int = 5) -> dict:
         child = subprocess.Popen(
             [sys.executable, "-m", "bench.pipeline", "--receiver", base, str(repeats)], cwd=ROOT
         )
-        senders = {shm: PipelineSender(ctx, base + ".data", 0, shm) for shm in best}
-        call_ids = itertools.count()  # one sequence across both senders, as the child's
+        senders = {shm: PipelineSender(ctx, base + ".data", 0, RUN_ID, shm) for shm in best}
+        call_ids = itertools.count(1)  # one sequence across both senders, as the child's
         try:
             for _ in range(rounds):  # the paths alternate, so that noise hits both
                 for shm, sender in senders.items():

@@ -2,7 +2,9 @@
 
 Cases: a no-op call on 1, 2 and 4 workers, and a realistic step (the 256-request decode
 SchedulerOutput in, a 256-request ModelRunnerOutput back, no model) on 1, 2 and 4, through
-MultiprocExecutor ("mp", ipc://); and, where Ray is installed, the no-op on 1 and 2
+MultiprocExecutor ("mp", ipc://), and both on 2 workers over tcp:// with CURVE off and
+on (the cost of CURVE: each one's ratio to the plain-tcp floor, against the other's); and,
+where Ray is installed, the no-op on 1 and 2
 workers through RayExecutor ("ray", whose data path is tcp:// on 127.0.0.1 here). The
 floor is a blocking pyzmq ROUTER/DEALER ping-pong between the same number of processes
 with the same payload sizes over the same transport, measured in the same run: the two
@@ -71,8 +73,9 @@ class Floor:
     """Bare blocking DEALER children (floor_child) behind one ROUTER: ping() sends request
     to each and waits for every answer. A context manager: the children stop at exit."""
 
-    def __init__(self, workers: int, request: list[bytes], reply_bytes: int,
-                 transport: str = "ipc") -> None:
+    def __init__(
+        self, workers: int, request: list[bytes], reply_bytes: int, transport: str = "ipc"
+    ) -> None:
         self._folder = tempfile.TemporaryDirectory(prefix="zmqworker-floor-")
         self._ctx = zmq.Context()
         self._router = self._ctx.socket(zmq.ROUTER)
@@ -82,8 +85,17 @@ class Floor:
         else:
             address = f"tcp://127.0.0.1:{self._router.bind_to_random_port('tcp://127.0.0.1')}"
         self._children = [
-            subprocess.Popen([sys.executable, "-m", "bench.rpc_latency", "--floor-child",
-                              address, str(reply_bytes)], cwd=ROOT)
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "bench.rpc_latency",
+                    "--floor-child",
+                    address,
+                    str(reply_bytes),
+                ],
+                cwd=ROOT,
+            )
             for _ in range(workers)
         ]
         self._idents = [self._router.recv_multipart()[0] for _ in range(workers)]
@@ -112,8 +124,9 @@ class Floor:
         self._folder.cleanup()
 
 
-def alternate(ours: Callable[[], Any], floor: Callable[[], Any], iters: int,
-              rounds: int = ROUNDS) -> tuple[list[float], list[float]]:
+def alternate(
+    ours: Callable[[], Any], floor: Callable[[], Any], iters: int, rounds: int = ROUNDS
+) -> tuple[list[float], list[float]]:
     """iters timed calls of each, in rounds that take turns: a burst of someone else's
     work on this shared machine then falls on both sides alike."""
     per_round = max(1, iters // rounds)
@@ -137,15 +150,29 @@ def run(iters: int) -> list[dict]:
         "step": (lambda ex: partial(ex.execute_model, step), step_request, step_reply_bytes),
     }
     rows = []
+    env = {"PYTHONPATH": str(ROOT)}
     for workers in (1, 2, 4):
-        make = partial(MultiprocExecutor, echo_config(workers), env={"PYTHONPATH": str(ROOT)})
+        make = partial(MultiprocExecutor, echo_config(workers), env=env)
         for case, (ours, floor_s) in pooled_pairs(make, workers, cases, "ipc", iters).items():
             rows.append(row("mp", "ipc", case, workers, p50_p99_us(ours), p50_p99_us(floor_s)))
+    for curve in (False, True):  # the floor is plain tcp for both
+        make = partial(MultiprocExecutor, echo_config(2), env=env, transport="tcp", curve=curve)
+        transport = "tcp+curve" if curve else "tcp"
+        for case, (ours, floor_s) in pooled_pairs(make, 2, cases, "tcp", iters).items():
+            rows.append(row("mp", transport, case, 2, p50_p99_us(ours), p50_p99_us(floor_s)))
     return rows
 
 
-def pooled_pairs(make: Callable[[], Any], workers: int, cases: dict, transport: str,
-                 iters: int) -> dict[str, tuple[list[float], list[float]]]:
+def curve_cost_pct(rows: list[dict]) -> dict[str, float]:
+    """What CURVE adds to each case on tcp: its ratio to the floor against CURVE-off's."""
+    ratio = {(r["transport"], r["case"]): r["ratio"] for r in rows if r["executor"] == "mp"}
+    cases = [case for transport, case in ratio if transport == "tcp+curve"]
+    return {case: 100 * (ratio["tcp+curve", case] / ratio["tcp", case] - 1) for case in cases}
+
+
+def pooled_pairs(
+    make: Callable[[], Any], workers: int, cases: dict, transport: str, iters: int
+) -> dict[str, tuple[list[float], list[float]]]:
     """For each case (name -> the call, given an executor; floor request; floor reply
     bytes), ours and the floor's timings, pooled over PAIRS fresh executors (make())
     and floors, iters calls of each in all."""
@@ -163,8 +190,14 @@ def pooled_pairs(make: Callable[[], Any], workers: int, cases: dict, transport: 
     return pooled
 
 
-def row(executor: str, transport: str, case: str, workers: int,
-        ours: tuple[float, float], floor: tuple[float, float]) -> dict:
+def row(
+    executor: str,
+    transport: str,
+    case: str,
+    workers: int,
+    ours: tuple[float, float],
+    floor: tuple[float, float],
+) -> dict:
     return {"executor": executor, "transport": transport, "case": case, "workers": workers,
             "p50_us": ours[0], "p99_us": ours[1], "floor_p50_us": floor[0],
             "ratio": ours[0] / floor[0]}  # fmt: skip
@@ -196,8 +229,13 @@ def start_local_ray() -> float:
     import ray
 
     start = time.perf_counter()
-    ray.init(address="local", num_cpus=max(2, os.cpu_count() or 1), include_dashboard=False,
-             object_store_memory=100 << 20, logging_level=logging.WARNING)
+    ray.init(
+        address="local",
+        num_cpus=max(2, os.cpu_count() or 1),
+        include_dashboard=False,
+        object_store_memory=100 << 20,
+        logging_level=logging.WARNING,
+    )
     return time.perf_counter() - start
 
 
@@ -211,7 +249,7 @@ def main() -> None:
     os.environ["PYTHONPATH"] = str(ROOT)
     rows = run(args.iters)
     startup = {"mp": startup_seconds(MultiprocExecutor)}
-    results: dict = {"rows": rows, "startup_s": startup}
+    results: dict = {"rows": rows, "startup_s": startup, "curve_cost_pct": curve_cost_pct(rows)}
     if importlib.util.find_spec("ray") is None:
         print("Ray is not installed (pip install 'zmqworker[ray]'): no Ray rows")
     else:
@@ -226,8 +264,13 @@ def main() -> None:
         finally:
             ray.shutdown()
     print_table(rows)
-    print("start-up of 2 ranks (s): " + ", ".join(f"{k} {v:.2f}" for k, v in startup.items())
-          + (f"; ray.init {results['ray_init_s']:.2f}" if "ray_init_s" in results else ""))
+    cost = results["curve_cost_pct"]
+    print("CURVE on tcp costs " + ", ".join(f"{k} {v:+.1f}%" for k, v in cost.items()))
+    print(
+        "start-up of 2 ranks (s): "
+        + ", ".join(f"{k} {v:.2f}" for k, v in startup.items())
+        + (f"; ray.init {results['ray_init_s']:.2f}" if "ray_init_s" in results else "")
+    )
     path = write_results("rpc_latency", results)
     print(f"wrote {path}")
 

@@ -64,12 +64,13 @@ _BODY_PREFIX = bytes([0x92, PROTOCOL_VERSION])
 warnings.filterwarnings("ignore", message="The given buffer is not writable")
 
 
-class _Envelope(msgspec.Struct, array_like=True):
+# Exactly two elements: a longer envelope is an error, not extra data to pass over.
+class _Envelope(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
     version: int
     msg: Message
 
 
-class _RawEnvelope(msgspec.Struct, array_like=True):
+class _RawEnvelope(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
     version: int
     msg: msgspec.Raw
 

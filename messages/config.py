@@ -16,6 +16,9 @@ class ModelConfig(msgspec.Struct, tag=True, frozen=True, omit_defaults=True):
     # config.json alone (benchmarks and checks of real shapes without weight files)
     load_format: str = "auto"
     enforce_eager: bool = False  # never capture CUDA graphs
+    # The most top-n logprobs a request may ask for (-1: the whole vocabulary). It also
+    # bounds the size of a reply, and so what the engine's socket takes in.
+    max_logprobs: int = 20
 
 
 class ParallelConfig(msgspec.Struct, tag=True, frozen=True, omit_defaults=True):

@@ -28,6 +28,7 @@ from messages.kv_cache import KVCacheSpec, make_kv_cache_config
 from messages.rpc import (
     Hello,
     Message,
+    Ping,
     PipelineSharedTensors,
     PipelineTensors,
     RemoteError,
@@ -332,11 +333,15 @@ def hello() -> Hello:
     )
 
 
+RUN_ID = "3f9a0c1e5b7d42a8"  # a Welcome's secret run id, as the pipeline messages carry it
+
+
 def welcome() -> Welcome:
     return Welcome(
         config=worker_config(),
         env={"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"},
         data_addresses=["", "ipc:///tmp/zmqworker-48200/data-1"],
+        run_id=RUN_ID,
     )
 
 
@@ -369,10 +374,11 @@ EXAMPLES: dict[str, Callable[[], Message]] = {
     "reply_decode_256": lambda: execute_model_reply(model_runner_output()),
     "reply_logprobs": lambda: execute_model_reply(model_runner_output_with_logprobs()),
     "reply_error": error_reply,
+    "ping": Ping,
     "pipeline_tensors_bf16": lambda: PipelineTensors(
-        call_id=100, src_rank=0, tensors=intermediate_tensors()
+        call_id=100, src_rank=0, tensors=intermediate_tensors(), run_id=RUN_ID
     ),
     "pipeline_shared_tensors": lambda: PipelineSharedTensors(
-        call_id=100, src_rank=0, shared=shared_slot()
+        call_id=100, src_rank=0, shared=shared_slot(), run_id=RUN_ID
     ),
 }

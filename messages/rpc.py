@@ -84,20 +84,28 @@ class Hello(msgspec.Struct, tag=True):
 
 
 class Welcome(msgspec.Struct, tag=True):
-    """The engine's answer to Hello: this worker's configuration and environment, and the
-    data addresses of every rank (index = rank) for the pipeline channel."""
+    """The engine's answer to Hello: this worker's configuration and environment, the
+    data addresses of every rank (index = rank) for the pipeline channel, and the run's
+    secret id, which every pipeline message of the run carries."""
 
     config: WorkerConfig
     env: dict[str, str] = {}
     data_addresses: list[str] = []
+    run_id: str = ""
+
+
+class Ping(msgspec.Struct, tag=True):
+    """A message a worker ignores: the engine sends it to learn which ranks its ROUTER
+    can still reach (a send to one it cannot fails at once)."""
 
 
 class PipelineTensors(msgspec.Struct, tag=True):
-    """Stage-to-stage tensors for the step with this call id."""
+    """Stage-to-stage tensors for the step with this call id; run_id is the Welcome's."""
 
     call_id: int
     src_rank: int
     tensors: IntermediateTensors
+    run_id: str = ""
 
 
 NonNegative = Annotated[int, msgspec.Meta(ge=0)]
@@ -135,6 +143,7 @@ class PipelineSharedTensors(msgspec.Struct, tag=True):
     call_id: int
     src_rank: int
     shared: SharedSlot
+    run_id: str = ""
 
 
-Message = RpcRequest | RpcReply | Hello | Welcome | PipelineTensors | PipelineSharedTensors
+Message = RpcRequest | RpcReply | Hello | Welcome | Ping | PipelineTensors | PipelineSharedTensors

@@ -30,7 +30,9 @@ def test_greedy_continuation_matches_transformers():
     hf = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
     with torch.no_grad():
         expected = hf.generate(
-            torch.tensor([prompt]), max_new_tokens=16, do_sample=False,
+            torch.tensor([prompt]),
+            max_new_tokens=16,
+            do_sample=False,
             pad_token_id=tokenizer.eos_token_id,
         )[0, len(prompt) :].tolist()
     assert ours == expected

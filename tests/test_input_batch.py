@@ -32,7 +32,7 @@ def step_builder() -> StepInputBuilder:
 
 
 def make_batch() -> InputBatch:
-    batch = InputBatch(MAX_SEQS, MAX_LEN, MAX_TOKENS, BLOCK, VOCAB, torch.device("cpu"))
+    batch = InputBatch(MAX_SEQS, MAX_LEN, MAX_TOKENS, BLOCK, VOCAB, 20, torch.device("cpu"))
     batch.num_kv_blocks = NUM_KV_BLOCKS
     return batch
 
@@ -436,6 +436,10 @@ BAD_STEPS = {
     "bad sampling params": (
         lambda: step([new_req(5, [1], [6], 1, params=SamplingParams(top_p=0.0))]),
         "request 'req-5' (handle 5): top_p",
+    ),
+    "more logprobs than max_logprobs": (
+        lambda: step([new_req(5, [1], [6], 1, params=SamplingParams(logprobs=21))]),
+        "request 'req-5' (handle 5): logprobs 21 > max_logprobs 20",
     ),
     "batch full": (
         lambda: step([new_req(10 + i, [1], [10 + i], 1) for i in range(MAX_SEQS + 1)]),

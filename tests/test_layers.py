@@ -65,9 +65,7 @@ def project_modules() -> dict[str, Path]:
 
 
 def test_every_package_has_a_layer() -> None:
-    rooms = {
-        ".".join(name.split(".")[:2]) for name in project_modules() if name.count(".") >= 1
-    }
+    rooms = {".".join(name.split(".")[:2]) for name in project_modules() if name.count(".") >= 1}
     missing = [r for r in sorted(rooms) if r.startswith("zmqworker") and layer_of(r) is None]
     assert not missing, f"packages without a layer in {__file__}: {missing}"
 

@@ -15,8 +15,9 @@ import pytest
 try:
     import ray
 except ImportError as e:  # the ray extra is optional: say why these tests do not run
-    pytest.skip(f"Ray cannot be imported ({e}): pip install 'zmqworker[ray]'",
-                allow_module_level=True)
+    pytest.skip(
+        f"Ray cannot be imported ({e}): pip install 'zmqworker[ray]'", allow_module_level=True
+    )
 
 from bench.echo_worker import EchoExtension, EchoWorker  # noqa: E402
 from messages import DeviceConfig, SamplingParams  # noqa: E402
@@ -95,8 +96,14 @@ def test_greedy_output_equals_multiproc(ray_cluster, tp, pp):
     greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     outputs = {}
     for executor in ("mp", "ray"):
-        with LLM(model=path, executor=executor, tensor_parallel_size=tp,
-                 pipeline_parallel_size=pp, kv_cache_bytes=1 << 20, max_num_seqs=4) as llm:
+        with LLM(
+            model=path,
+            executor=executor,
+            tensor_parallel_size=tp,
+            pipeline_parallel_size=pp,
+            kv_cache_bytes=1 << 20,
+            max_num_seqs=4,
+        ) as llm:
             outputs[executor] = [o.token_ids for o in llm.generate(prompts, greedy)]
     assert all(len(tokens) == 8 for tokens in outputs["ray"])
     assert outputs["ray"] == outputs["mp"]
@@ -111,12 +118,14 @@ def test_executor_environment_reaches_the_worker_constructor(ray_cluster, monkey
         worker_cls="tests.test_ray_executor.EnvAtInitWorker",
         worker_extension_cls="tests.test_ray_executor.EnvAtInitExtension",
     )
-    ex = RayExecutor(cfg, env={"ZW_RAY_GIVEN": "given"},
-                     propagate_env=["ZW_RAY_PROPAGATED", "ZW_RAY_UNSET"])
+    ex = RayExecutor(
+        cfg, env={"ZW_RAY_GIVEN": "given"}, propagate_env=["ZW_RAY_PROPAGATED", "ZW_RAY_UNSET"]
+    )
     try:
         assert ex.collective_rpc("env_seen_at_init", ("ZW_RAY_GIVEN",)) == ["given", "given"]
         assert ex.collective_rpc("env_seen_at_init", ("ZW_RAY_PROPAGATED",)) == [
-            "from-driver", "from-driver"
+            "from-driver",
+            "from-driver",
         ]
         assert ex.collective_rpc("env_seen_at_init", ("ZW_RAY_UNSET",)) == [None, None]
         assert ex.collective_rpc("my_local_rank") == [0, 1]
@@ -190,7 +199,10 @@ def test_ranks_are_grouped_by_node_and_gpus_made_visible():
     order = order_ranks(places, driver_node="node-a")
     ranked = [places[i] for i in order]
     assert [(p.node_id, p.gpu_ids[0]) for p in ranked] == [
-        ("node-a", "2"), ("node-a", "3"), ("node-b", "0"), ("node-b", "1")
+        ("node-a", "2"),
+        ("node-a", "3"),
+        ("node-b", "0"),
+        ("node-b", "1"),
     ]
     envs, local_ranks = rank_environments(ranked, use_gpu=True, extra={"X": "1"})
     assert [e["CUDA_VISIBLE_DEVICES"] for e in envs] == ["2,3", "2,3", "0,1", "0,1"]

@@ -30,12 +30,9 @@ from messages import (
     SharedTensorRef,
 )
 from messages.compare import assert_same
-from zmqworker.distributed.pp_channel import (
-    SHM_SLOTS,
-    PipelineReceiver,
-    PipelineSender,
-    use_shared_memory,
-)
+from zmqworker.distributed.pp_channel import SHM_SLOTS, use_shared_memory
+from zmqworker.distributed.pp_receiver import PipelineReceiver
+from zmqworker.distributed.pp_sender import PipelineSender
 from zmqworker.distributed.shm_ring import (
     MEMFD_NAME,
     MIN_SLOT_BYTES,
@@ -265,10 +262,26 @@ def on_loop(loop: asyncio.AbstractEventLoop, fn, *args):
     return asyncio.run_coroutine_threadsafe(call(), loop).result(10)
 
 
+RUN = "run-secret-0123456789abcdef"
+
+
+def receiver_for(loop, tmp_path, **kwargs) -> PipelineReceiver:
+    """Rank 1's receiver, admitting rank 0 of RUN, as after its Welcome."""
+    receiver = PipelineReceiver(
+        zmq.Context.instance(), f"ipc://{tmp_path}/data-1", rank=1, **kwargs
+    )
+    on_loop(loop, receiver.start, loop)
+    receiver.admit(RUN, 0)
+    return receiver
+
+
+def sender_to(address: str, shared_memory: bool | None, timeout_s: float = 30) -> PipelineSender:
+    return PipelineSender(zmq.Context.instance(), address, 0, RUN, shared_memory, timeout_s)
+
+
 @pytest.fixture
 def channel(loop, tmp_path) -> Iterator[tuple[PipelineReceiver, str]]:
-    receiver = PipelineReceiver(zmq.Context.instance(), f"ipc://{tmp_path}/data-1", rank=1)
-    on_loop(loop, receiver.start, loop)
+    receiver = receiver_for(loop, tmp_path)
     yield receiver, receiver.address
     on_loop(loop, receiver.close)
 
@@ -288,7 +301,7 @@ def test_same_host_stages_share_memory_unless_told_not_to(monkeypatch) -> None:
 @pytest.mark.parametrize("shared_memory", [True, False])
 def test_steps_get_their_own_tensors_in_either_mode(channel, shared_memory: bool) -> None:
     receiver, address = channel
-    sender = PipelineSender(zmq.Context.instance(), address, 0, shared_memory, timeout_s=30)
+    sender = sender_to(address, shared_memory)
     try:
         assert sender.shared_memory == shared_memory
         # More steps than slots, each sent before its step posts for it.
@@ -307,12 +320,13 @@ def test_steps_get_their_own_tensors_in_either_mode(channel, shared_memory: bool
 
 def test_tensors_that_come_after_their_step_are_handed_back(channel) -> None:
     receiver, address = channel
-    sender = PipelineSender(zmq.Context.instance(), address, 0, True, timeout_s=30)
+    sender = sender_to(address, True)
     try:
-        for call_id in range(3 * SHM_SLOTS):  # e.g. empty steps, which never wait
+        for call_id in range(1, 3 * SHM_SLOTS):  # e.g. empty steps, which never wait
             receiver.expect(call_id, 0)
             receiver.forget(call_id)
             sender.send(call_id, step_tensors(0))  # would time out if slots were kept
+        receiver.note_call(99)  # the worker has been sent call 99
         sender.send(99, step_tensors(1))
         assert_same(receiver.expect(99, 0).wait(), step_tensors(1))
     finally:
@@ -320,22 +334,20 @@ def test_tensors_that_come_after_their_step_are_handed_back(channel) -> None:
 
 
 def test_closing_the_receiver_hands_every_slot_back(loop, tmp_path) -> None:
-    receiver = PipelineReceiver(zmq.Context.instance(), f"ipc://{tmp_path}/data-1", rank=1)
-    on_loop(loop, receiver.start, loop)
-    sender = PipelineSender(zmq.Context.instance(), receiver.address, 0, True, timeout_s=30)
+    receiver = receiver_for(loop, tmp_path)
+    sender = sender_to(receiver.address, True)
     try:
-        for call_id in range(SHM_SLOTS):
+        for call_id in range(1, SHM_SLOTS + 1):
             sender.send(call_id, step_tensors(0))
             receiver.expect(call_id, 0).wait()  # held: never forgotten
         on_loop(loop, receiver.close)
-        sender.send(SHM_SLOTS, step_tensors(0))  # a slot is free again
+        sender.send(SHM_SLOTS + 1, step_tensors(0))  # a slot is free again
     finally:
         sender.close()
 
 
 def test_closing_the_receiver_ends_a_step_still_waiting(loop, tmp_path) -> None:
-    receiver = PipelineReceiver(zmq.Context.instance(), f"ipc://{tmp_path}/data-1", rank=1)
-    on_loop(loop, receiver.start, loop)
+    receiver = receiver_for(loop, tmp_path)
     pending = receiver.expect(5, 0, timeout_s=120)
     on_loop(loop, receiver.close)
     with pytest.raises(RuntimeError, match="rank 1: the pipeline channel is closed"):
@@ -344,9 +356,9 @@ def test_closing_the_receiver_ends_a_step_still_waiting(loop, tmp_path) -> None:
 
 def test_a_full_ring_fails_the_send_naming_step_and_peer(channel) -> None:
     _, address = channel
-    sender = PipelineSender(zmq.Context.instance(), address, 0, True, timeout_s=0.05)
+    sender = sender_to(address, True, timeout_s=0.05)
     try:
-        for call_id in range(SHM_SLOTS):
+        for call_id in range(1, SHM_SLOTS + 1):
             sender.send(call_id, step_tensors(0))
         with pytest.raises(
             TimeoutError, match=re.escape(f"rank 0: step 9: the receiver at {address}")
@@ -367,7 +379,7 @@ def raw_push(address: str, msg: PipelineSharedTensors) -> None:
 def test_a_bad_descriptor_fails_its_step_and_is_counted(channel, ring) -> None:
     receiver, address = channel
     shared = tensor_ref(ring.put(message(0)), dtype="float8")
-    raw_push(address, PipelineSharedTensors(call_id=5, src_rank=0, shared=shared))
+    raw_push(address, PipelineSharedTensors(call_id=5, src_rank=0, shared=shared, run_id=RUN))
     with pytest.raises(ValueError, match="step 5: rank 0 sent a bad shared-memory descriptor: "
                        "tensor 'hidden_states': unknown dtype 'float8'"):  # fmt: skip
         receiver.expect(5, 0, timeout_s=30).wait()
@@ -379,7 +391,7 @@ def test_memory_that_cannot_be_mapped_fails_the_step_with_the_way_out(channel, r
     gone = subprocess.Popen([sys.executable, "-c", ""])
     gone.wait()  # a pid that no longer exists: its segment cannot be opened
     shared = msgspec.structs.replace(ring.put(message(0)), pid=gone.pid)
-    raw_push(address, PipelineSharedTensors(call_id=6, src_rank=0, shared=shared))
+    raw_push(address, PipelineSharedTensors(call_id=6, src_rank=0, shared=shared, run_id=RUN))
     with pytest.raises(RuntimeError) as info:
         receiver.expect(6, 0, timeout_s=30).wait()
     text = str(info.value)
@@ -394,7 +406,7 @@ def test_a_host_without_shared_memory_files_falls_back_to_frames(channel, monkey
         raise PermissionError(1, "memfd_create refused by the sandbox")
 
     monkeypatch.setattr(os, "memfd_create", refused)
-    sender = PipelineSender(zmq.Context.instance(), address, 0, True, timeout_s=30)
+    sender = sender_to(address, True)
     try:
         sender.send(1, step_tensors(1))
         assert not sender.shared_memory

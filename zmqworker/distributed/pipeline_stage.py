@@ -10,7 +10,9 @@ the preparation); the send does not wait for the next stage.
 from __future__ import annotations
 
 from messages import IntermediateTensors
-from zmqworker.distributed.pp_channel import PendingTensors, PipelineReceiver, PipelineSender
+from zmqworker.distributed.pp_channel import PendingTensors
+from zmqworker.distributed.pp_receiver import PipelineReceiver
+from zmqworker.distributed.pp_sender import PipelineSender
 
 
 class PipelineStage:

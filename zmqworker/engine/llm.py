@@ -304,9 +304,7 @@ def _check_layout(config: dict[str, Any], tp: int, pp: int) -> None:
     """Refuse a layout the model cannot be cut into, before any process starts."""
     layers = config.get("num_hidden_layers")
     if isinstance(layers, int) and pp > layers:
-        raise ValueError(
-            f"pipeline_parallel_size={pp} is larger than the model's {layers} layers"
-        )
+        raise ValueError(f"pipeline_parallel_size={pp} is larger than the model's {layers} layers")
     heads = config.get("num_attention_heads")
     if isinstance(heads, int) and heads % tp:
         raise ValueError(

@@ -17,13 +17,17 @@ if TYPE_CHECKING:
 class Liveness:
     """How the client learns that a worker died: fds that become readable when the
     worker of that rank dies (watched by a thread that wakes the client), and check(), a
-    death found by looking. The base class knows of no deaths."""
+    death found by looking; and how it ends a worker that no longer serves (kill). The
+    base class knows of no deaths and kills nothing."""
 
     def __init__(self, fds: Mapping[int, int] | None = None) -> None:
         self.fds: dict[int, int] = dict(fds or {})  # fd -> rank
 
     def check(self) -> WorkerDiedError | None:
         return None
+
+    def kill(self, rank: int) -> None:
+        """End rank's worker for good (it is stuck)."""
 
 
 class RpcFuture(Future):

@@ -45,15 +45,33 @@ class WorkerDiedError(ExecutorError):
 
 
 class WorkerStuckError(ExecutorError):
-    """A worker that is alive has left its messages unread until the engine's queue to it
-    filled up, and stayed so for the whole send timeout (stopped, or wedged)."""
+    """A worker that is alive but does not serve: stopped (SIGSTOP), or wedged below
+    Python. silent_s: how long it gave no sign of life."""
 
-    def __init__(self, rank: int, method: str, send_timeout_s: float) -> None:
+    def __init__(self, rank: int, silent_s: float, why: str) -> None:
         self.rank = rank
-        self.method = method
-        super().__init__(
+        self.silent_s = silent_s
+        super().__init__(why)
+
+    @classmethod
+    def queue_full(cls, rank: int, method: str, send_timeout_s: float) -> WorkerStuckError:
+        """It left its messages unread until the queue to it filled, for the whole send
+        timeout."""
+        return cls(
+            rank,
+            send_timeout_s,
             f"{method}: worker rank {rank} is alive but has not read its messages for "
-            f"{send_timeout_s:.3g} s (its queue is full); the call was not sent to it"
+            f"{send_timeout_s:.3g} s (its queue is full); the call was not sent to it",
+        )
+
+    @classmethod
+    def silent(cls, rank: int, silent_s: float) -> WorkerStuckError:
+        """It stopped answering the socket's heartbeats (its process does not run)."""
+        return cls(
+            rank,
+            silent_s,
+            f"worker rank {rank} is alive but has given no sign of life for {silent_s:.3g} s "
+            "(stopped, or wedged below Python): the executor kills it",
         )
 
 

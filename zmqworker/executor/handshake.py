@@ -20,16 +20,35 @@ import zmq
 from messages import PROTOCOL_VERSION, Hello, Welcome, WorkerConfig
 from zmqworker.executor.errors import WorkerStartupError
 from zmqworker.executor.rpc_client import RpcClient
+from zmqworker.transport.curve import RunKeys, make_server
 
 log = logging.getLogger("zmqworker.executor")
 
+STUCK_AFTER_S = 2.0  # a worker silent (no ZMTP heartbeat) for this long is stuck
+HEARTBEATS = 5  # heartbeats sent within stuck_after_s
 
-def bind_router(ctx: zmq.Context, endpoint: str) -> tuple[zmq.Socket, str]:
+
+def bind_router(
+    ctx: zmq.Context,
+    endpoint: str,
+    max_message_bytes: int,
+    stuck_after_s: float | None,
+    keys: RunKeys | None = None,
+) -> tuple[zmq.Socket, str]:
     """A ROUTER bound to endpoint: ipc://PATH, or tcp://HOST (a random free port).
-    Returns the socket and the address workers connect to."""
+    Returns the socket and the address workers connect to. max_message_bytes: the
+    largest frame a peer may send (the run's MessageLimits.reply_bytes); stuck_after_s:
+    ZMTP heartbeats drop a peer silent for that long (None: no heartbeats); keys: the
+    ROUTER is the run's CURVE server (its ZAP handler must run)."""
     sock = ctx.socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+    sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
+    if stuck_after_s is not None:
+        sock.setsockopt(zmq.HEARTBEAT_IVL, max(1, round(stuck_after_s * 1000 / HEARTBEATS)))
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, max(1, round(stuck_after_s * 1000)))
+    if keys is not None:
+        make_server(sock, keys.engine_public, keys.engine_secret)
     try:
         if endpoint.startswith("ipc://"):
             sock.bind(endpoint)
@@ -59,6 +78,7 @@ class Handshake:
             raise ValueError(f"{len(pids)} worker pids for {world_size} ranks")
         self.world_size = world_size
         self.token = token
+        self.run_id = secrets.token_hex(16)  # every pipeline message of the run carries it
         self.hellos: dict[int, Hello] = {}
         self._pids = list(pids)
 
@@ -89,7 +109,8 @@ class Handshake:
         addresses = [self.hellos[r].data_address for r in range(self.world_size)]
         for rank in range(self.world_size):
             env = per_rank_env[rank] if per_rank_env else {}
-            rpc.send_to(rank, Welcome(config=config, env=env, data_addresses=addresses))
+            welcome = Welcome(config=config, env=env, data_addresses=addresses, run_id=self.run_id)
+            rpc.send_to(rank, welcome)
 
     def on_hello(self, rpc: RpcClient, identity: bytes, msg: Any) -> None:
         ok = (

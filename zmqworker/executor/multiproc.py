@@ -1,9 +1,13 @@
 """MultiprocExecutor: tp x pp worker subprocesses on this machine, over one ROUTER socket.
 
-Start-up: bind the ROUTER (ipc:// in a private folder, or tcp://), spawn the workers,
-wait for every Hello (with a bound, watching for early deaths), answer each with its
-Welcome, then init_device and load_model on all. Any failure stops every worker and
+Start-up: bind the ROUTER (ipc:// in a private folder, or tcp:// with CURVE), spawn the
+workers, wait for every Hello (with a bound, watching for early deaths), answer each with
+its Welcome, then init_device and load_model on all. Any failure stops every worker and
 raises WorkerStartupError with the failing worker's error and the tail of its stderr.
+
+Workers are spawned from a thread of the executor's own that lives as long as it: a
+worker's parent-death signal (it exits when its engine does, SIGKILL included) follows
+the thread that spawned it, not the process.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import shutil
 import socket
 import sys
 import tempfile
+import threading
 import time
 import weakref
 from typing import Any
@@ -28,10 +33,18 @@ from zmqworker.executor.errors import (
     WorkerDiedError,
     WorkerStartupError,
 )
-from zmqworker.executor.handshake import Handshake, bind_router, new_token, polite_shutdown
-from zmqworker.executor.process import WorkerProcess
+from zmqworker.executor.handshake import (
+    STUCK_AFTER_S,
+    Handshake,
+    bind_router,
+    new_token,
+    polite_shutdown,
+)
+from zmqworker.executor.message_limits import message_limits
+from zmqworker.executor.process import WorkerProcess, spawn_all
 from zmqworker.executor.rpc_client import RpcClient
-from zmqworker.transport.spawn_env import TOKEN_ENV
+from zmqworker.transport.curve import CURVE_ENV, RunKeys, start_zap
+from zmqworker.transport.spawn_env import MAX_MESSAGE_ENV, TOKEN_ENV
 
 SHUTDOWN_GRACE_S = 5.0
 SIGTERM_GRACE_S = 3.0
@@ -41,6 +54,9 @@ class _ProcessLiveness(Liveness):
     def __init__(self, procs: list[WorkerProcess]) -> None:
         super().__init__({p.pidfd: p.rank for p in procs if p.pidfd is not None})
         self.procs = procs
+
+    def kill(self, rank: int) -> None:
+        self.procs[rank].kill()
 
     def check(self) -> WorkerDiedError | None:
         for p in self.procs:
@@ -58,9 +74,19 @@ class MultiprocExecutor(Executor):
         start_timeout: float = 600.0,
         env: dict[str, str] | None = None,
         per_rank_env: list[dict[str, str]] | None = None,
+        curve: bool | None = None,
+        stuck_after_s: float | None = STUCK_AFTER_S,
     ) -> None:
+        """curve: CURVE on every tcp socket of the run (None: on for tcp; ipc sockets live
+        in a 0700 folder and never use it); False only for a network you trust.
+        stuck_after_s: a worker silent for that long (stopped, wedged below Python) fails
+        the calls with WorkerStuckError and is killed; None: never."""
         if transport not in ("ipc", "tcp"):
             raise ValueError(f"transport must be 'ipc' or 'tcp', got {transport!r}")
+        if curve and transport == "ipc":
+            raise ValueError("curve is for tcp: ipc sockets live in a folder only you can open")
+        if stuck_after_s is not None and not stuck_after_s > 0:
+            raise ValueError(f"stuck_after_s must be > 0 or None, got {stuck_after_s!r}")
         world = config.parallel.world_size
         if per_rank_env is not None and len(per_rank_env) != world:
             raise ValueError(f"per_rank_env has {len(per_rank_env)} entries for {world} ranks")
@@ -74,30 +100,38 @@ class MultiprocExecutor(Executor):
         self._closed = False
         self._dir = tempfile.mkdtemp(prefix="zmqworker-")  # mode 0700: only this user
         self._ctx = zmq.Context()
+        keys = RunKeys.new() if (curve if curve is not None else transport == "tcp") else None
+        self.curve = keys is not None
+        self._zap = start_zap(self._ctx, keys.worker_public) if keys is not None else None
+        limits = message_limits(config)
         endpoint = f"ipc://{self._dir}/engine.sock" if transport == "ipc" else "tcp://127.0.0.1"
-        self._sock, self.address = bind_router(self._ctx, endpoint)
+        self._sock, self.address = bind_router(
+            self._ctx, endpoint, limits.reply_bytes, stuck_after_s, keys
+        )
         self._finalizer = weakref.finalize(self, _kill_all, self.procs, self._dir)
         token = new_token()
         child_env = {**os.environ, **(env or {}), TOKEN_ENV: token}
+        child_env[MAX_MESSAGE_ENV] = limits.to_env()
+        child_env.pop(CURVE_ENV, None)
+        if keys is not None:
+            child_env[CURVE_ENV] = keys.for_workers().to_env()
+        argv = [sys.executable, "-m", "zmqworker.runtime", "--engine", self.address]
+        argv_of = [[*argv, "--rank", str(rank), "--exit-with-parent"] for rank in range(world)]
+        self._spawner = threading.Event()  # set: the spawning thread may end
         try:
-            for rank in range(world):
-                argv = [
-                    sys.executable,
-                    "-m",
-                    "zmqworker.runtime",
-                    "--engine",
-                    self.address,
-                    "--rank",
-                    str(rank),
-                    "--exit-with-parent",
-                ]
-                self.procs.append(WorkerProcess(rank, argv, child_env))
+            spawn_all(argv_of, child_env, self.procs, self._spawner)
         except BaseException:
             self._release(polite=False)
             raise
         self._liveness = _ProcessLiveness(self.procs)
         handshake = Handshake(world, token, self.pids)
-        self.rpc = RpcClient(self._sock, self._liveness, on_other=handshake.on_hello)
+        self.rpc = RpcClient(
+            self._sock,
+            self._liveness,
+            on_other=handshake.on_hello,
+            stuck_after_s=stuck_after_s,
+            max_request_bytes=limits.request_bytes,
+        )
         try:
             handshake.run(self.rpc, self.config, start_timeout, per_rank_env)
             self.collective_rpc("init_device", timeout=start_timeout)
@@ -137,7 +171,10 @@ class MultiprocExecutor(Executor):
             proc.stop(grace_s=SHUTDOWN_GRACE_S if polite else 0.0, term_s=SIGTERM_GRACE_S)
         for proc in self.procs:
             proc.close()
+        self._spawner.set()
         self._sock.close(linger=0)
+        if self._zap is not None:
+            self._zap.stop()
         self._ctx.term()
         shutil.rmtree(self._dir, ignore_errors=True)
         self._finalizer.detach()

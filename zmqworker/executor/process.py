@@ -46,6 +46,13 @@ class WorkerProcess:
         except subprocess.TimeoutExpired:
             return False
 
+    def kill(self) -> None:
+        """SIGKILL, at once (a worker that no longer serves)."""
+        try:
+            self.proc.send_signal(signal.SIGKILL)
+        except ProcessLookupError:
+            return
+
     def stop(self, grace_s: float, term_s: float) -> None:
         """Wait grace_s for a polite exit, then SIGTERM, then SIGKILL."""
         if self.wait(grace_s):
@@ -72,3 +79,31 @@ class WorkerProcess:
             line = raw.decode(errors="replace")
             self._tail.append(line)
             sys.stderr.write(prefix + line)
+
+
+def spawn_all(
+    argv_of: list[list[str]],
+    env: dict[str, str],
+    procs: list[WorkerProcess],
+    until: threading.Event,
+) -> None:
+    """Start one worker per argv (appended to procs, in rank order) from a thread that
+    stays alive until `until` is set: a worker's parent-death signal fires when the
+    thread that spawned it ends, and must fire only when the engine does."""
+    done = threading.Event()
+    failure: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            for rank, argv in enumerate(argv_of):
+                procs.append(WorkerProcess(rank, argv, env))
+        except BaseException as e:  # raised again on the caller's thread
+            failure.append(e)
+        finally:
+            done.set()
+        until.wait()
+
+    threading.Thread(target=run, name="worker-spawner", daemon=True).start()
+    done.wait()
+    if failure:
+        raise failure[0]

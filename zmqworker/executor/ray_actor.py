@@ -25,6 +25,7 @@ import msgspec
 import ray
 
 from messages import WorkerConfig
+from zmqworker.transport.curve import WorkerKeys
 from zmqworker.worker.wrapper import worker_class
 
 
@@ -72,12 +73,22 @@ class RayWorkerActor:
         worker_class(msgspec.msgpack.decode(config, type=WorkerConfig))
         self._worker_kwargs = dict(kwargs)
 
-    def start_server(self, engine_address: str, token: str, data_bind: str) -> None:
+    def start_server(
+        self,
+        engine_address: str,
+        token: str,
+        data_bind: str,
+        curve_keys: str,
+        max_request_bytes: int,
+        max_pipeline_bytes: int,
+    ) -> None:
         """Start the WorkerServer in a thread of its own; it connects to the engine's
-        ROUTER and says hello. Returns once stop_server can reach it."""
+        ROUTER and says hello. Returns once stop_server can reach it. curve_keys: the
+        run's WorkerKeys as their environment value ("" for none)."""
         from zmqworker.runtime.worker_process import WorkerServer  # torch: only once placed
 
         rank = self._rank()
+        keys = WorkerKeys.parse(curve_keys) if curve_keys else None
         if self._thread is not None:
             raise RuntimeError(f"rank {rank}: the server runs already")
         self._loop = _new_event_loop()
@@ -89,6 +100,9 @@ class RayWorkerActor:
             data_bind=data_bind,
             worker_kwargs=self._worker_kwargs,
             handle_signals=False,
+            keys=keys,
+            max_request_bytes=max_request_bytes,
+            max_pipeline_bytes=max_pipeline_bytes,
         )
         # Queued before any stop request can be: the server's first step runs first.
         task = self._loop.create_task(self._server.run())

@@ -39,7 +39,14 @@ from messages import WorkerConfig
 from zmqworker.executor.abstract import Executor
 from zmqworker.executor.calls import Liveness
 from zmqworker.executor.errors import ExecutorError, WorkerDiedError, WorkerStartupError
-from zmqworker.executor.handshake import Handshake, bind_router, new_token, polite_shutdown
+from zmqworker.executor.handshake import (
+    STUCK_AFTER_S,
+    Handshake,
+    bind_router,
+    new_token,
+    polite_shutdown,
+)
+from zmqworker.executor.message_limits import message_limits
 from zmqworker.executor.ray_actor import RayWorkerActor
 from zmqworker.executor.ray_cluster import (
     Placement,
@@ -55,6 +62,7 @@ from zmqworker.executor.ray_cluster import (
     warn_split_tp_groups,
 )
 from zmqworker.executor.rpc_client import RpcClient
+from zmqworker.transport.curve import RunKeys, start_zap
 
 log = logging.getLogger("zmqworker.executor")
 
@@ -75,11 +83,15 @@ class RayExecutor(Executor):
         env: dict[str, str] | None = None,
         propagate_env: Sequence[str] = (),
         num_cpus_per_worker: float = 1.0,
+        curve: bool = True,
+        stuck_after_s: float | None = STUCK_AFTER_S,
     ) -> None:
         """address: a running cluster ("auto", "ray://...", host:port); None: the Ray this
         process is connected to, else $RAY_ADDRESS, else a new local one. env: variables
         set in every worker before it is built; propagate_env: names of the driver's
-        variables copied to every worker."""
+        variables copied to every worker. curve: CURVE on every socket of the run (tcp,
+        across the network); False only for a network you trust. stuck_after_s: a rank
+        silent for that long fails the calls with WorkerStuckError and is killed."""
         if num_cpus_per_worker <= 0:
             raise ValueError(f"num_cpus_per_worker must be > 0, got {num_cpus_per_worker}")
         if start_timeout <= 0:
@@ -90,7 +102,11 @@ class RayExecutor(Executor):
         bad = {k: v for k, v in env.items() if not (isinstance(k, str) and isinstance(v, str))}
         if bad:
             raise ValueError(f"env must map str to str, got {bad!r}")
+        if stuck_after_s is not None and not stuck_after_s > 0:
+            raise ValueError(f"stuck_after_s must be > 0 or None, got {stuck_after_s!r}")
         self.config = config
+        self.curve = curve
+        self.stuck_after_s = stuck_after_s
         self.actors: list[Any] = []  # ray actor handles, by rank
         self.placements: list[Placement] = []  # by rank
         self.address = ""
@@ -100,6 +116,7 @@ class RayExecutor(Executor):
         self._watch: _ActorWatch | None = None
         self._serving: list[Any] = []  # the wait_server calls, by rank
         self._sock: zmq.Socket | None = None
+        self._zap: Any = None  # the ZAP handler of the CURVE run
         self._started_ray = connect_ray(address, config.parallel.world_size, num_cpus_per_worker)
         self._ctx = zmq.Context()
         self._finalizer = weakref.finalize(self, release, self.actors, self._groups)
@@ -156,6 +173,8 @@ class RayExecutor(Executor):
             ray.wait(self._serving, num_returns=len(self._serving), timeout=SHUTDOWN_GRACE_S)
         if self._sock is not None:
             self._sock.close(linger=0)
+        if self._zap is not None:
+            self._zap.stop()
         self._ctx.term()
         self._finalizer.detach()
         if self._started_ray:
@@ -251,17 +270,37 @@ class RayExecutor(Executor):
 
         # The data plane: our ROUTER, each actor's WorkerServer, the handshake.
         driver_ip = "127.0.0.1" if local else ray.util.get_node_ip_address()
-        self._sock, self.address = bind_router(self._ctx, f"tcp://{driver_ip}")
+        keys = RunKeys.new() if self.curve else None
+        if keys is not None:
+            self._zap = start_zap(self._ctx, keys.worker_public)
+        limits = message_limits(self.config)
+        self._sock, self.address = bind_router(
+            self._ctx, f"tcp://{driver_ip}", limits.reply_bytes, self.stuck_after_s, keys
+        )
         token = new_token()
+        worker_keys = keys.for_workers().to_env() if keys is not None else ""
         starts = [
-            a.start_server.remote(self.address, token, f"tcp://{'127.0.0.1' if local else p.ip}:*")
+            a.start_server.remote(
+                self.address,
+                token,
+                f"tcp://{'127.0.0.1' if local else p.ip}:*",
+                worker_keys,
+                limits.request_bytes,
+                limits.pipeline_bytes,
+            )
             for a, p in zip(self.actors, self.placements, strict=True)
         ]
         self._gather("start_server", starts, timeout)
         self._serving = [a.wait_server.remote() for a in self.actors]
-        self._watch = _ActorWatch(self._serving, [p.ip for p in self.placements])
+        self._watch = _ActorWatch(self._serving, [p.ip for p in self.placements], self.actors)
         handshake = Handshake(world, token, self.pids)
-        self.rpc = RpcClient(self._sock, self._watch, on_other=handshake.on_hello)
+        self.rpc = RpcClient(
+            self._sock,
+            self._watch,
+            on_other=handshake.on_hello,
+            stuck_after_s=self.stuck_after_s,
+            max_request_bytes=limits.request_bytes,
+        )
         handshake.run(self.rpc, self.config, timeout)
         self.collective_rpc("init_device", timeout=timeout)
         self.collective_rpc("load_model", timeout=timeout)
@@ -291,9 +330,10 @@ class _ActorWatch(Liveness):
     becomes readable, which wakes the RpcClient's poll, and check() names the rank and
     its node."""
 
-    def __init__(self, serving: list[Any], nodes: list[str]) -> None:
+    def __init__(self, serving: list[Any], nodes: list[str], actors: list[Any]) -> None:
         pipes = [os.pipe() for _ in serving]
         super().__init__({read: rank for rank, (read, _) in enumerate(pipes)})
+        self._actors = actors
         self._nodes = nodes
         self._pipes = pipes
         self._rank_of = {ref: rank for rank, ref in enumerate(serving)}
@@ -311,6 +351,9 @@ class _ActorWatch(Liveness):
                 return None
             rank = self._dead[0]
         return WorkerDiedError(rank, None, f" on node {self._nodes[rank]}")
+
+    def kill(self, rank: int) -> None:
+        ray.kill(self._actors[rank], no_restart=True)
 
     def cause(self, rank: int) -> str:
         """How the rank's server ended, in words ("" while it runs)."""

@@ -12,8 +12,15 @@ One design, in three mechanisms, each there for a measured reason:
 - A nudge (transport/nudge.py): a message into the ROUTER from a socket of its own, which
   ends the receiver's wait at once. Senders nudge a receiving thread; so does a watcher
   thread when a worker dies (MultiprocExecutor gives it one pidfd per worker), so that a
-  SIGKILLed worker fails every pending call at once. The receive's timeout (RCVTIMEO)
-  is bounded by the earliest call deadline and POLL_SLICE_S.
+  SIGKILLed worker fails every pending call at once, and when the ROUTER's monitor sees a
+  peer disconnect. The receive's timeout (RCVTIMEO) is bounded by the earliest call
+  deadline and POLL_SLICE_S.
+
+A worker that stops (SIGSTOP) is alive but silent: the ROUTER's ZMTP heartbeats (set
+where the executor binds it; answered by each worker's libzmq I/O thread, without
+Python) find it within stuck_after_s and drop its connection. A Ping to every rank then
+fails for the one whose connection is gone (ROUTER_MANDATORY): its calls fail with
+WorkerStuckError and Liveness.kill ends it.
 """
 
 from __future__ import annotations
@@ -29,7 +36,7 @@ from typing import Any
 
 import zmq
 
-from messages import Decoder, Encoder, ProtocolError, RpcReply, RpcRequest
+from messages import Decoder, Encoder, Ping, ProtocolError, RpcReply, RpcRequest
 from zmqworker.executor.calls import Call, Liveness, RpcFuture
 from zmqworker.executor.errors import (
     ExecutorError,
@@ -45,6 +52,13 @@ log = logging.getLogger("zmqworker.executor")
 
 SEND_TIMEOUT_S = 10.0  # how long a send waits on a live worker that reads nothing
 POLL_SLICE_S = 0.1  # the longest a receive waits before deadlines are looked at again
+# A rank the ROUTER cannot reach is dead or stuck: a death shows within this (its socket
+# closes as it dies, a moment before it can be reaped); after it, the rank is stuck.
+DEATH_GRACE_S = 0.3
+# The ROUTER forgets a disconnected peer a few of its own commands after the monitor tells
+# of it: the ranks are probed at each receive for this long after a disconnect.
+PROBE_WINDOW_S = 1.0
+PROBE_EVERY_S = 0.05
 
 OnOther = Callable[["RpcClient", bytes, Any], None]
 
@@ -56,10 +70,15 @@ class RpcClient:
         liveness: Liveness,
         on_other: OnOther | None = None,
         send_timeout_s: float = SEND_TIMEOUT_S,
+        stuck_after_s: float | None = None,
+        max_request_bytes: int | None = None,
     ) -> None:
         """on_other(client, identity, message): messages that are not replies (the
         handshake's Hellos). send_timeout_s: how long a send may wait for a worker that is
-        alive but leaves its messages unread once the queue to it is full (SNDTIMEO)."""
+        alive but leaves its messages unread once the queue to it is full (SNDTIMEO).
+        stuck_after_s: the heartbeat timeout the ROUTER was bound with (None: none), after
+        which a silent worker is stuck. max_request_bytes: the largest frame the workers
+        take in (message_limits); a larger request fails here, before it is sent."""
         self.sock = sock
         self.liveness = liveness
         self.on_other = on_other
@@ -78,7 +97,15 @@ class RpcClient:
         self._dead: ExecutorError | None = None
         self._deaths: list[int] = []  # ranks whose death signal fired, in order
         self._rcvtimeo_ms = -1
-        self._nudger = Nudger(sock, liveness.fds, self._deaths.append)
+        self.stuck_after_s = stuck_after_s
+        self.max_request_bytes = max_request_bytes
+        self._disconnected = False  # set by the watcher thread: probe the ranks
+        self._probe_until = 0.0  # monotonic: probe every PROBE_EVERY_S until then
+        self._next_probe = 0.0
+        self._unreachable: dict[int, float] = {}  # rank -> when found so, no death seen
+        self._ping = self._enc.encode(Ping())
+        on_disconnect = None if stuck_after_s is None else self._on_disconnect
+        self._nudger = Nudger(sock, liveness.fds, self._deaths.append, on_disconnect)
         self._send_timeout_s = 0.0
         self.send_timeout_s = send_timeout_s
 
@@ -180,7 +207,7 @@ class RpcClient:
         receive), stop watching the liveness fds (close this before them), and release
         the client's own socket and fds (the ROUTER is its owner's)."""
         self.fail_all(ExecutorError(why))
-        self._nudger.close()
+        self._nudger.close(self.sock)
 
     def fail_all(self, error: ExecutorError) -> None:
         with self._cond:
@@ -241,6 +268,7 @@ class RpcClient:
             frames = self._enc.encode(req)
         except (TypeError, ValueError) as e:
             raise TypeError(f"arguments of {method} cannot be encoded: {e}") from None
+        self._check_size(method, frames)
         waiting = {reply_rank} if reply_rank is not None else set(ranks)
         deadline = None if timeout is None else time.monotonic() + timeout
         call = Call(method, waiting, reply_rank, timeout, deadline)
@@ -254,7 +282,7 @@ class RpcClient:
                 try:  # a ROUTER sends to the peer whose identity leads the message
                     send_frames(self.sock, (identity, *frames))
                 except zmq.Again:  # SNDTIMEO: that rank has not read its messages
-                    stuck = WorkerStuckError(rank, method, self.send_timeout_s)
+                    stuck = WorkerStuckError.queue_full(rank, method, self.send_timeout_s)
                     self._failed_send(call_id, call, rank, ranks[0], stuck)
                     break
                 except zmq.ZMQError as e:  # ROUTER_MANDATORY: the peer is gone
@@ -264,6 +292,18 @@ class RpcClient:
                         )
                     break
         return call
+
+    def _check_size(self, method: str, frames: list[bytes | memoryview]) -> None:
+        """A worker would drop a frame past its bound together with the connection."""
+        if self.max_request_bytes is None:
+            return
+        largest = max(f.nbytes if isinstance(f, memoryview) else len(f) for f in frames)
+        if largest > self.max_request_bytes:
+            raise ValueError(
+                f"{method}: the request has a frame of {largest} bytes, more than the "
+                f"{self.max_request_bytes} bytes a worker of this run takes in (the bound "
+                "follows from the run's config: max_num_seqs, max_model_len, the vocabulary)"
+            )
 
     def _failed_send(
         self, call_id: int, call: Call, rank: int, first: int, error: ExecutorError
@@ -329,8 +369,12 @@ class RpcClient:
             else:
                 call.finish([results[r] for r in sorted(results)])
 
+    def _on_disconnect(self) -> None:
+        self._disconnected = True
+
     def _after_receive(self) -> None:
-        """Deaths and expired deadlines, after every receive (under the lock)."""
+        """Deaths, stuck ranks and expired deadlines, after every receive (under the
+        lock, with the socket free)."""
         died = None
         if self._deaths:
             died = self.liveness.check() or WorkerDiedError(self._deaths[0], None)
@@ -339,11 +383,55 @@ class RpcClient:
         if died is not None:
             self._fail_all(died)
         now = time.monotonic()
+        if self._disconnected:
+            self._disconnected = False
+            self._probe_until = now + PROBE_WINDOW_S
+        if now < self._probe_until and now >= self._next_probe:
+            self._next_probe = now + PROBE_EVERY_S
+            self._probe()
+        if self._unreachable:
+            self._judge_unreachable()
         for call_id, call in list(self._calls.items()):
             if call.deadline is not None and now >= call.deadline:
                 del self._calls[call_id]
                 error = RpcTimeoutError(call.method, sorted(call.waiting_for), call.timeout or 0.0)
                 call.finish(error=error)
+
+    def _probe(self) -> None:
+        """A peer disconnected: Ping every rank; note those the ROUTER cannot reach."""
+        now = time.monotonic()
+        self._busy = True  # the lock is held and the socket was free: it is ours
+        try:
+            for rank, identity in self.identities.items():
+                try:
+                    send_frames(self.sock, (identity, *self._ping), zmq.NOBLOCK)
+                except zmq.Again:  # its queue is full: connected, at least
+                    continue
+                except zmq.ZMQError:  # EHOSTUNREACH (ROUTER_MANDATORY): no connection
+                    self._unreachable.setdefault(rank, now)
+                    self._probe_until = 0.0
+        finally:
+            self._busy = False
+
+    def _judge_unreachable(self) -> None:
+        """An unreachable rank whose death shows is dead; one whose death has not shown
+        within DEATH_GRACE_S is stuck (stopped: its heartbeats ended), and is killed."""
+        died = self.liveness.check()
+        if died is not None or self._dead is not None:
+            self._unreachable.clear()
+            if died is not None:
+                self._fail_all(died)
+            return
+        now = time.monotonic()
+        stuck = [r for r, since in self._unreachable.items() if now - since >= DEATH_GRACE_S]
+        if not stuck:
+            return
+        self._unreachable.clear()
+        silent = (self.stuck_after_s or 0.0) + DEATH_GRACE_S
+        log.error("worker rank %d is silent: stopped or wedged; killing it", stuck[0])
+        self._fail_all(WorkerStuckError.silent(stuck[0], silent))
+        for rank in stuck:
+            self.liveness.kill(rank)
 
     def _check_alive(self) -> None:
         # Deaths signalled while nobody received; without signals, look.

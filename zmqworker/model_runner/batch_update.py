@@ -40,6 +40,7 @@ class BatchView(Protocol):
     max_blocks_per_req: int
     block_size: int
     vocab_size: int
+    max_logprobs: int
     num_kv_blocks: int
     num_tokens: np.ndarray
     num_blocks: np.ndarray
@@ -156,8 +157,8 @@ def _check_new_requests(
         except ValueError as err:
             raise ValueError(f"{name}: {err}") from None
         num_logprobs = req.sampling_params.logprobs
-        if num_logprobs is not None and num_logprobs > batch.vocab_size:
-            raise ValueError(f"{name}: logprobs {num_logprobs} > vocabulary {batch.vocab_size}")
+        if num_logprobs is not None and num_logprobs > batch.max_logprobs:
+            raise ValueError(f"{name}: logprobs {num_logprobs} > max_logprobs {batch.max_logprobs}")
         prompt = np.asarray(req.prompt_token_ids)
         if prompt.ndim != 1 or prompt.dtype.kind not in "iu":
             raise ValueError(f"{name}: prompt must be 1-D ints, got {prompt.dtype} {prompt.shape}")
@@ -202,7 +203,7 @@ def _plan_cached(
     new_handles: set[int],
 ) -> CachedPlan:
     cached = so.scheduled_cached_reqs
-    columns = np.asarray(cached.columns)
+    columns = _int32_values(np.asarray(cached.columns), "cached request columns")
     if columns.ndim != 2 or columns.shape[0] != 5:
         raise ValueError(f"cached request columns must be int32 [5, n], got {columns.shape}")
     handles = columns[HANDLE].astype(np.int32)
@@ -327,6 +328,22 @@ def _check_flat_range(
         raise ValueError(
             f"{batch.describe(handles[owner])}: {what} {values[k]} outside [0, {limit})"
         )
+
+
+_INT32 = np.iinfo(np.int32)
+
+
+def _int32_values(values: np.ndarray, name: str) -> np.ndarray:
+    """values as int32, when they are integers that int32 holds: any integer dtype is
+    taken, nothing is cut (a 64-bit handle past 2**31 would name another request) and
+    floats are refused."""
+    if values.dtype.kind not in "iu":
+        raise ValueError(f"{name} must hold integers, got {values.dtype}")
+    if values.dtype.itemsize > 4 or values.dtype == np.uint32:
+        outside = (values < _INT32.min) | (values > _INT32.max)
+        if outside.any():
+            raise ValueError(f"{name}: {values[outside][0]} does not fit in int32")
+    return values.astype(np.int32, copy=False)
 
 
 def _flat(values: np.ndarray | None, counts: np.ndarray, name: str, column: str) -> np.ndarray:

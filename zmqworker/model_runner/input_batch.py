@@ -44,6 +44,7 @@ class InputBatch:
         max_num_batched_tokens: int,
         block_size: int,
         vocab_size: int,
+        max_logprobs: int,
         device: torch.device,
     ) -> None:
         self.max_num_seqs = max_num_seqs
@@ -51,6 +52,7 @@ class InputBatch:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.block_size = block_size
         self.vocab_size = vocab_size
+        self.max_logprobs = vocab_size if max_logprobs < 0 else min(max_logprobs, vocab_size)
         self.device = device
         self.max_blocks_per_req = cdiv(max_model_len, block_size)
         self.num_kv_blocks = 0  # block ids must be below this; 0 until the KV cache exists

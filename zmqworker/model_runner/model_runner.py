@@ -96,6 +96,7 @@ class ModelRunner:
             max_num_batched_tokens=scheduler.max_num_batched_tokens,
             block_size=self.block_size,
             vocab_size=self.model.vocab_size,
+            max_logprobs=config.model.max_logprobs,
             device=self.device,
         )
         self.kv_caches: list[torch.Tensor] = []

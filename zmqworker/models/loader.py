@@ -45,8 +45,10 @@ def checkpoint_index(path: str) -> dict[str, str]:
         if not isinstance(weight_map, dict):
             raise CheckpointError(f"{index_file} has no weight_map")
         return dict(weight_map)
-    files = [folder / SINGLE_FILE] if (folder / SINGLE_FILE).exists() else sorted(
-        folder.glob("*.safetensors")
+    files = (
+        [folder / SINGLE_FILE]
+        if (folder / SINGLE_FILE).exists()
+        else sorted(folder.glob("*.safetensors"))
     )
     if not files:
         raise FileNotFoundError(f"no safetensors weights in checkpoint folder {path}")

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import select
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from typing import Any
@@ -44,6 +45,7 @@ class ComputeThread:
         self._sock = sock
         self._on_message = on_message
         self._jobs: deque[Job] = deque()
+        self.busy_since: float | None = None  # time.monotonic() the running job started
         self._lock = threading.Lock()
         self._idle = False
         self._stopping = False
@@ -114,10 +116,13 @@ class ComputeThread:
             return None
 
     def _execute(self, fn: Callable[[], Any], done: Done) -> None:
+        self.busy_since = time.monotonic()
         try:
             result, error = fn(), None
         except BaseException as e:  # handed to done, which replies with it
             result, error = None, e
+        finally:
+            self.busy_since = None
         try:
             done(result, error)
         except Exception:  # the thread must outlive any one call

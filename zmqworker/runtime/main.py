@@ -1,9 +1,12 @@
 """Command line of the worker process: `zmqworker worker --engine ADDRESS --rank N` (the
 same as `python -m zmqworker worker ...`; executors run `python -m zmqworker.runtime ...`).
 
-An engine spawns it with the address of its ROUTER socket, the rank, and a handshake
-token in the environment (ZMQWORKER_TOKEN; a token on the command line would show in
-ps). Everything else (the model, the layout, the cache) arrives as a message.
+An engine spawns it with the address of its ROUTER socket, the rank, and in the
+environment (a value on the command line would show in ps): the handshake token
+(ZMQWORKER_TOKEN), on tcp the run's CURVE keys (ZMQWORKER_CURVE), and the largest frames
+its sockets take in (ZMQWORKER_MAX_MESSAGE_BYTES). Everything else (the model, the
+layout, the cache) arrives as a message. With --exit-with-parent the kernel signals the
+worker when its parent exits (PR_SET_PDEATHSIG), SIGKILL included.
 """
 
 from __future__ import annotations
@@ -14,7 +17,9 @@ import logging
 import os
 import sys
 
-from zmqworker.transport.spawn_env import TOKEN_ENV
+from zmqworker.runtime.parent_death import exit_with_parent
+from zmqworker.transport.curve import WorkerKeys
+from zmqworker.transport.spawn_env import MAX_MESSAGE_ENV, TOKEN_ENV
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -48,22 +53,49 @@ def run_worker(args: argparse.Namespace) -> int:
     if args.rank < 0:
         print(f"zmqworker worker: error: --rank must be >= 0, got {args.rank}", file=sys.stderr)
         return 2
+    try:
+        keys = WorkerKeys.from_env()
+        max_request, max_pipeline = _limits(os.environ.get(MAX_MESSAGE_ENV, ""))
+    except ValueError as e:
+        print(f"zmqworker worker: error: {e}", file=sys.stderr)
+        return 2
+    parent_pid = os.getppid() if args.exit_with_parent else None
+    if parent_pid is not None and not exit_with_parent(parent_pid):
+        return 0  # the parent is gone already
     from zmqworker.runtime.worker_process import WorkerServer  # torch: only when serving
 
     logging.basicConfig(
         level=args.log_level.upper(), format=f"[rank {args.rank}] %(levelname)s %(message)s"
     )
-    parent_pid = os.getppid() if args.exit_with_parent else None
 
     async def serve() -> int:
-        loop = asyncio.get_running_loop()
-        return await WorkerServer(loop, args.engine, args.rank, token, parent_pid).run()
+        server = WorkerServer(
+            asyncio.get_running_loop(),
+            args.engine,
+            args.rank,
+            token,
+            parent_pid,
+            keys=keys,
+            max_request_bytes=max_request,
+            max_pipeline_bytes=max_pipeline,
+        )
+        return await server.run()
 
     try:
         import uvloop
     except ImportError:  # uvloop is not built for every platform; asyncio serves as well
         return asyncio.run(serve())
     return uvloop.run(serve())
+
+
+def _limits(value: str) -> tuple[int, int]:
+    """(request, pipeline) frame bounds from "REQUEST,PIPELINE" bytes; (-1, -1): none."""
+    if not value:
+        return -1, -1
+    parts = value.split(",")
+    if len(parts) != 2 or not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise ValueError(f"${MAX_MESSAGE_ENV} must be two byte counts, REQUEST,PIPELINE")
+    return int(parts[0]), int(parts[1])
 
 
 def main(argv: list[str] | None = None) -> int:

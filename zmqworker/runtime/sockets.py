@@ -1,5 +1,5 @@
-"""Where a worker's sockets live: its pipeline receiver's address, and the engine's ipc
-socket file that a worker removes when its engine was killed."""
+"""Where a worker's sockets live: its pipeline receiver's address, and the ipc socket
+files a worker removes when it leaves (the engine's too, when the engine was killed)."""
 
 from __future__ import annotations
 
@@ -26,8 +26,9 @@ def _local_ip_towards(host: str) -> str:
         return probe.getsockname()[0]
 
 
-def remove_engine_socket(address: str) -> None:
-    """An engine killed outright cannot remove its ipc socket file: its workers do."""
+def remove_socket_file(address: str) -> None:
+    """Remove an ipc address's socket file, then its folder if that is empty now (an
+    engine killed outright cannot remove its own: its workers do)."""
     if not address.startswith("ipc://"):
         return
     path = Path(address[len("ipc://") :])

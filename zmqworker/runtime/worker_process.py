@@ -11,15 +11,23 @@ routed and run there, with no hand-off between threads.
 The server builds the worker when the Welcome comes (the engine's configuration and this
 rank's environment), with the pipeline stage this rank's steps use; the step's own logic
 is the worker's (Worker.execute_model).
+
+Faults: every receiving socket bounds its frames (the engine's limits, MAX_MESSAGE_ENV);
+on tcp every socket is CURVE-authenticated with the run's keys. A process whose engine is
+gone, or that gets SIGTERM, leaves at once (fast_exit.py). A call that runs longer than
+STACK_DUMP_AFTER_S has every thread's stack written to stderr (once per call), so that a
+long step shows where it is.
 """
 
 from __future__ import annotations
 
 import asyncio
+import faulthandler
 import logging
 import os
 import signal
 import socket
+import sys
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -32,18 +40,24 @@ from messages import (
     PROTOCOL_VERSION,
     Decoder,
     Hello,
+    Ping,
     ProtocolError,
     RpcRequest,
     Welcome,
 )
 from zmqworker.distributed.pipeline_stage import PipelineStage
-from zmqworker.distributed.pp_channel import PipelineReceiver, PipelineSender
+from zmqworker.distributed.pp_receiver import PipelineReceiver
+from zmqworker.distributed.pp_sender import PipelineSender
 from zmqworker.model_runner.async_output import AsyncModelRunnerOutput
 from zmqworker.runtime.compute_thread import ComputeThread, Job
 from zmqworker.runtime.engine_watch import EngineWatch
+from zmqworker.runtime.fast_exit import fast_exit
+from zmqworker.runtime.parent_death import PARENT_DEATH_SIGNAL
 from zmqworker.runtime.replies import Replier, peek_call_id
-from zmqworker.runtime.sockets import default_data_bind, remove_engine_socket
+from zmqworker.runtime.sockets import default_data_bind, remove_socket_file
 from zmqworker.transport.async_socket import AsyncSocket
+from zmqworker.transport.curve import WorkerKeys, make_client, start_zap
+from zmqworker.transport.drops import DropCounter
 from zmqworker.worker.worker_base import CONCURRENT_METHODS
 from zmqworker.worker.wrapper import WorkerWrapper
 
@@ -53,6 +67,8 @@ HANDSHAKE_TIMEOUT_S = 60.0
 SHUTDOWN_TIMEOUT_S = 10.0
 COMPUTE_JOIN_S = 1.0  # how long an exiting worker lets its compute thread finish
 STOP_AFTER = frozenset({"shutdown"})  # the server stops once it has answered these
+STACK_DUMP_AFTER_S = 120.0  # a call running longer has its threads' stacks logged
+WATCH_EVERY_S = 1.0
 
 
 class WorkerServer:
@@ -60,8 +76,9 @@ class WorkerServer:
     receiver too, whose address the Hello carries); run() does the handshake and serves.
 
     worker_kwargs: the worker's constructor arguments besides its config and rank (a Ray
-    actor's local_rank and rendezvous address). handle_signals: SIGTERM/SIGINT stop the
-    server (main thread only)."""
+    actor's local_rank and rendezvous address). handle_signals: SIGINT stops the server,
+    SIGTERM ends the process at once (main thread only). keys: the run's CURVE keys (tcp);
+    max_*_bytes: the largest frame the engine's and the pipeline's sockets take in."""
 
     def __init__(
         self,
@@ -73,11 +90,14 @@ class WorkerServer:
         data_bind: str | None = None,
         worker_kwargs: dict[str, Any] | None = None,
         handle_signals: bool = True,
+        keys: WorkerKeys | None = None,
+        max_request_bytes: int = -1,
+        max_pipeline_bytes: int = -1,
     ) -> None:
         self.engine_address = engine_address
         self.rank = rank
         self.token = token
-        self.protocol_errors = 0
+        self.drops = DropCounter(log, f"messages at rank {rank}")
         self.wrapper = WorkerWrapper(rpc_rank=rank)
         self._loop = loop
         self._worker_kwargs = dict(worker_kwargs or {})
@@ -91,13 +111,23 @@ class WorkerServer:
         self._welcome_taken = False  # set by whichever thread receives the Welcome
         self._engine_lost = ""
         self._pipeline: PipelineStage | None = None
+        self._keys = keys
+        self._dumped_for: float | None = None  # the busy_since of the call last dumped
         ctx = zmq.Context.instance()
+        self._zap = start_zap(ctx, keys.public) if keys is not None else None
         self._pp_in = PipelineReceiver(
-            ctx, data_bind or default_data_bind(engine_address, rank), rank
+            ctx,
+            data_bind or default_data_bind(engine_address, rank),
+            rank,
+            max_pipeline_bytes,
+            keys,
         )
         self._pp_in.start(loop)
         sock = ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, max_request_bytes)
+        if keys is not None:
+            make_client(sock, keys, keys.engine_public)
         sock.connect(engine_address)
         # Before the compute thread exists: it uses the socket as soon as it starts.
         self._watch = EngineWatch(sock, loop, self._on_engine_lost, parent_pid)
@@ -106,10 +136,18 @@ class WorkerServer:
         self._compute_reply = Replier(rank, self._sock.send_threadsafe)
         self._compute = ComputeThread(f"compute-{rank}", self._sock, self._on_idle_message)
 
+    @property
+    def protocol_errors(self) -> int:
+        return self.drops.total
+
     async def run(self) -> int:
         if self._handle_signals:
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                self._loop.add_signal_handler(sig, self._stop, f"signal {sig.name}")
+            self._loop.add_signal_handler(signal.SIGINT, self._stop, "signal SIGINT")
+            self._loop.add_signal_handler(signal.SIGTERM, self._leave_now, "signal SIGTERM")
+            self._loop.add_signal_handler(
+                PARENT_DEATH_SIGNAL, self._on_engine_lost, "the engine process exited"
+            )
+        self._loop.call_later(WATCH_EVERY_S, self._watch_calls)
         try:
             self._sock.send(self._loop_reply.enc.encode(self._hello()))
             try:
@@ -159,21 +197,21 @@ class WorkerServer:
         try:
             msg = dec.decode(frames)
         except ProtocolError as e:
-            self.protocol_errors += 1
-            log.warning("dropped a message that did not decode: %s", e)
+            self.drops.count(f"did not decode: {e}")
             reply.error(peek_call_id(frames), e)
             return None
         if isinstance(msg, Welcome):
             if self._welcome_taken:
-                self.protocol_errors += 1
-                log.warning("a second Welcome dropped")
+                self.drops.count("a second Welcome")
                 return None
             self._welcome_taken = True
             return partial(self._init_worker, msg), self._on_init_done
-        if not isinstance(msg, RpcRequest):
-            self.protocol_errors += 1
-            log.warning("unexpected %s message dropped", type(msg).__name__)
+        if isinstance(msg, Ping):  # the engine's check that it can still reach this rank
             return None
+        if not isinstance(msg, RpcRequest):
+            self.drops.count(f"an unexpected {type(msg).__name__}")
+            return None
+        self._pp_in.note_call(msg.call_id)
         if msg.deadline and time.time() > msg.deadline:
             reply.error(msg.call_id, TimeoutError(f"{msg.method} arrived after its deadline"))
             return None
@@ -221,8 +259,12 @@ class WorkerServer:
         sender = None
         if pp_rank < pp - 1:
             peer = welcome.data_addresses[self.rank + tp]
-            sender = PipelineSender(zmq.Context.instance(), peer, self.rank)
+            sender = PipelineSender(
+                zmq.Context.instance(), peer, self.rank, welcome.run_id, keys=self._keys
+            )
         previous = self.rank - tp if pp_rank > 0 else None
+        if previous is not None:
+            self._pp_in.admit(welcome.run_id, previous)
         self._pipeline = PipelineStage(self._pp_in, sender, previous)
         self.wrapper.update_environment(welcome.env)
         self.wrapper.init_worker(welcome.config, pipeline=self._pipeline, **self._worker_kwargs)
@@ -240,7 +282,34 @@ class WorkerServer:
 
     def _on_engine_lost(self, why: str) -> None:
         self._engine_lost = why
-        self._stop(why)
+        self._leave_now(why)
+
+    def _leave_now(self, why: str) -> None:
+        """No engine to answer to, or SIGTERM: the socket files go (the engine's too when
+        it is gone: it cannot remove its own), and the process exits."""
+        log.warning("exiting at once: %s", why)
+        paths = [self._pp_in.address]
+        if self._engine_lost:
+            paths.append(self.engine_address)
+        fast_exit(paths)
+
+    def _watch_calls(self) -> None:
+        """Every WATCH_EVERY_S on the loop: a call that runs long has every thread's stack
+        written to stderr, once."""
+        started = self._compute.busy_since
+        if (
+            started is not None
+            and started != self._dumped_for
+            and time.monotonic() - started > STACK_DUMP_AFTER_S
+        ):
+            self._dumped_for = started
+            log.warning(
+                "a call has run for %.0f s; every thread's stack follows",
+                time.monotonic() - started,
+            )
+            faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        if not self._stopped.is_set():
+            self._loop.call_later(WATCH_EVERY_S, self._watch_calls)
 
     def _stop(self, why: str) -> None:
         log.info("stopping: %s", why)
@@ -269,5 +338,7 @@ class WorkerServer:
         if not self._compute.join(COMPUTE_JOIN_S):
             log.warning("exiting while the compute thread is still busy")
         self._side.shutdown(wait=False, cancel_futures=True)
+        if self._zap is not None:
+            self._zap.stop()
         if self._engine_lost:
-            remove_engine_socket(self.engine_address)
+            remove_socket_file(self.engine_address)

@@ -2,3 +2,5 @@
 line (which every local user can read in ps)."""
 
 TOKEN_ENV = "ZMQWORKER_TOKEN"  # the handshake token of the worker's Hello
+# The largest frame a worker's sockets take in: "requests,pipeline" in bytes.
+MAX_MESSAGE_ENV = "ZMQWORKER_MAX_MESSAGE_BYTES"

@@ -1,0 +1,227 @@
+"""Faults and attacks on a run of real worker processes (the model-free EchoWorker): a
+stopped worker, peers without the run's CURVE keys, oversize junk, inputs that must not
+pass, and workers that must not outlive their engine."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import resource
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import msgspec
+import numpy as np
+import pytest
+import torch
+import zmq
+
+from messages import (
+    PROTOCOL_VERSION,
+    CachedRequestData,
+    Decoder,
+    Encoder,
+    Hello,
+    ProtocolError,
+    RpcRequest,
+    SamplingParams,
+    SchedulerOutput,
+)
+from messages.step import HANDLE, NUM_SCHEDULED
+from tests.test_executor import echo_config, wait_gone
+from zmqworker.executor.errors import ExecutorError, WorkerStuckError
+from zmqworker.executor.multiproc import MultiprocExecutor
+from zmqworker.model_runner.input_batch import InputBatch
+from zmqworker.transport.curve import RunKeys, make_client
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_a_stopped_worker_fails_the_step_within_the_bound_and_is_killed() -> None:
+    ex = MultiprocExecutor(echo_config(tp=2), stuck_after_s=2.0)
+    try:
+        pending = ex.collective_rpc("sleep_for", (60.0,), non_block=True)
+        time.sleep(0.2)
+        stopped = time.monotonic()
+        os.kill(ex.pids[1], signal.SIGSTOP)
+        with pytest.raises(WorkerStuckError) as info:
+            pending.result(timeout=30)
+        took = time.monotonic() - stopped
+        assert info.value.rank == 1 and "rank 1" in str(info.value)
+        assert "no sign of life for" in str(info.value)
+        assert 1.5 < took < 5.0, took
+        assert wait_gone([ex.pids[1]], 5.0), "the stuck worker was not killed"
+        with pytest.raises(ExecutorError):  # the run is over: at once, not at a timeout
+            ex.collective_rpc("echo", (1,), timeout=30)
+    finally:
+        ex.shutdown()
+    assert wait_gone(ex.pids, 10.0)
+
+
+def test_a_worker_stopped_mid_generation_fails_it_with_worker_stuck() -> None:
+    from tests.test_engine_e2e import make_llm  # the tiny Llama with its tokenizer
+
+    def executor(config):
+        return MultiprocExecutor(config, stuck_after_s=2.0)
+
+    async def generate(llm) -> int:
+        params = SamplingParams(temperature=0.0, max_tokens=80, ignore_eos=True)
+        seen = 0
+        async for _ in llm.generate_stream([5, 17, 42], params):
+            seen += 1
+            if seen == 3:  # mid-generation: the next steps reach a stopped rank
+                os.kill(llm._core.executor.pids[1], signal.SIGSTOP)
+                stopped.append(time.monotonic())
+        return seen
+
+    stopped: list[float] = []
+    llm = make_llm(pp=2, executor=executor, step_timeout_s=300)
+    pids = llm._core.executor.pids
+    try:
+        with pytest.raises(WorkerStuckError) as info:
+            asyncio.run(generate(llm))
+        took = time.monotonic() - stopped[0]
+        assert info.value.rank == 1 and "rank 1" in str(info.value)
+        assert took < 4.0, took
+    finally:
+        llm.shutdown()
+    assert wait_gone(pids, 10.0), "a worker outlived the run"
+
+
+def test_a_long_call_of_a_live_worker_is_no_wedge() -> None:
+    ex = MultiprocExecutor(echo_config(), stuck_after_s=0.5)
+    try:
+        assert ex.collective_rpc("sleep_for", (2.0,), timeout=30) == [2.0]
+    finally:
+        ex.shutdown()
+
+
+def dealer(address: str, keys=None, server_public: bytes | None = None) -> zmq.Socket:
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    if keys is not None:
+        make_client(sock, keys, server_public)
+    sock.connect(address)
+    return sock
+
+
+def test_on_tcp_a_peer_without_the_run_keys_cannot_even_say_hello() -> None:
+    ex = MultiprocExecutor(echo_config(tp=2), transport="tcp")
+    try:
+        assert ex.curve
+        before = ex.rpc.dropped_messages
+        forged = Hello(PROTOCOL_VERSION, 0, os.getpid(), "token?")
+        strangers = [dealer(ex.address), dealer(ex.address, RunKeys.new().for_workers(), b"0" * 40)]
+        for sock in strangers:
+            sock.send_multipart(Encoder().encode(forged), zmq.NOBLOCK)
+        time.sleep(0.5)
+        assert ex.collective_rpc("echo", ("still",), timeout=30) == ["still", "still"]
+        assert ex.rpc.dropped_messages == before  # refused at the handshake: never read
+        for sock in strangers:
+            sock.close()
+    finally:
+        ex.shutdown()
+
+
+def rss_bytes() -> int:
+    with open(f"/proc/{os.getpid()}/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize()
+
+
+def test_oversize_junk_to_the_engine_leaves_its_memory_alone() -> None:
+    ex = MultiprocExecutor(echo_config())
+    try:
+        before = rss_bytes()
+        junk = np.random.default_rng(0).integers(0, 255, 16 << 20, dtype=np.uint8)
+        for _ in range(24):  # 384 MB if any of it were kept
+            sock = dealer(ex.address)
+            sock.send_multipart([junk], zmq.NOBLOCK)
+            time.sleep(0.02)
+            sock.close()
+        assert ex.collective_rpc("echo", (1,), timeout=30) == [1]
+        assert rss_bytes() - before < 100 << 20
+    finally:
+        ex.shutdown()
+
+
+def test_an_oversize_request_fails_before_it_is_sent() -> None:
+    ex = MultiprocExecutor(echo_config())
+    try:
+        big = np.zeros(64 << 20, np.uint8)  # far past any request of this run
+        with pytest.raises(ValueError, match="more than the .* bytes a worker of this run"):
+            ex.collective_rpc("echo", (big,), timeout=5)
+        assert ex.collective_rpc("echo", (1,), timeout=30) == [1]
+    finally:
+        ex.shutdown()
+
+
+def test_a_worker_drops_an_oversize_frame_with_its_sender() -> None:
+    ex = MultiprocExecutor(echo_config())
+    try:
+        ex.rpc.max_request_bytes = None  # past the engine's own check, as a bad engine would
+        with pytest.raises(ExecutorError):
+            ex.collective_rpc("echo", (np.zeros(64 << 20, np.uint8),), timeout=5)
+    finally:
+        ex.shutdown()
+
+
+def test_a_three_element_envelope_is_refused() -> None:
+    frames = Encoder().encode(RpcRequest(1, "noop"))
+    version, message = msgspec.msgpack.decode(frames[0])
+    body = msgspec.msgpack.encode([version, message, "extra"])
+    with pytest.raises(ProtocolError):
+        Decoder().decode([body])
+
+
+def batch() -> InputBatch:
+    b = InputBatch(4, 64, 64, 4, 100, 20, torch.device("cpu"))
+    b.num_kv_blocks = 16
+    return b
+
+
+@pytest.mark.parametrize(
+    ("dtype", "value", "message"),
+    [
+        (np.int64, 2**32 + 2, "does not fit in int32"),
+        (np.float64, 2.7, "must hold integers"),
+    ],
+)
+def test_columns_that_int32_cannot_hold_are_refused_not_cut(dtype, value, message) -> None:
+    columns = np.zeros((5, 1), dtype)
+    columns[HANDLE], columns[NUM_SCHEDULED] = value, 1
+    step = SchedulerOutput([], CachedRequestData(columns), 1)
+    with pytest.raises(ValueError, match=message):
+        batch().update(step)
+
+
+ENGINE_SCRIPT = textwrap.dedent(
+    """
+    import time
+    from tests.test_executor import echo_config
+    from zmqworker.executor.multiproc import MultiprocExecutor
+    ex = MultiprocExecutor(echo_config(pp=2))
+    print(*ex.pids, flush=True)
+    ex.collective_rpc("sleep_for", (60.0,), non_block=True)  # both busy when it dies
+    time.sleep(600)
+    """
+)
+
+
+def test_workers_leave_at_once_when_their_engine_is_killed() -> None:
+    engine = subprocess.Popen(
+        [sys.executable, "-c", ENGINE_SCRIPT], stdout=subprocess.PIPE, text=True, cwd=ROOT
+    )
+    try:
+        pids = [int(p) for p in engine.stdout.readline().split()]
+        time.sleep(0.5)
+        engine.kill()
+        killed = time.monotonic()
+        engine.wait()
+        assert wait_gone(pids, 5.0), "workers outlived their engine"
+        assert time.monotonic() - killed < 2.0
+    finally:
+        engine.kill()

@@ -1,0 +1,61 @@
+"""The largest message each socket of a run can legitimately receive, from the run's
+configuration: every receiving socket is given its bound (ZMQ_MAXMSGSIZE, per frame), and
+a peer that sends more is disconnected before the frame is taken in.
+
+The bounds are generous (each the largest frame the protocol can make for this run, plus
+room for the message body) but finite: junk of hundreds of megabytes no longer fills the
+engine's memory. The model's shape comes from its config.json when the engine can read it;
+otherwise from bounds large enough for any Llama-family model.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from messages import WorkerConfig
+from zmqworker.cdiv import cdiv
+
+BODY_ROOM = 4 << 20  # a message body, and any frame that is not an array of the step
+LARGE_VOCAB = 1 << 18  # when config.json cannot be read
+LARGE_HIDDEN = 1 << 14
+
+
+@dataclass(frozen=True)
+class MessageLimits:
+    reply_bytes: int  # what the engine's ROUTER takes in: replies, Hellos
+    request_bytes: int  # what a worker's DEALER takes in: requests, the Welcome
+    pipeline_bytes: int  # what a pipeline stage's PULL takes in: one stage's tensors
+
+    def to_env(self) -> str:
+        return f"{self.request_bytes},{self.pipeline_bytes}"
+
+
+def message_limits(config: WorkerConfig) -> MessageLimits:
+    vocab, hidden, max_positions = _model_shape(config.model.path)
+    scheduler = config.scheduler
+    seqs, tokens = scheduler.max_num_seqs, scheduler.max_num_batched_tokens
+    max_len = config.model.max_model_len or max_positions
+    blocks = cdiv(max_len, config.cache.block_size)
+    # Up to max_logprobs top-n logprobs and the sampled one (the worker's own bound).
+    max_logprobs = config.model.max_logprobs
+    per_seq = vocab if max_logprobs < 0 else min(max_logprobs, vocab)
+    reply = seqs * (per_seq + 1) * 4
+    # A prompt, a request's block table, every request's new blocks, a grammar bitmask.
+    request = max(max_len + 1, seqs * blocks, tokens, seqs * cdiv(vocab, 32)) * 4
+    pipeline = tokens * hidden * 4  # hidden states or residual, float32 at most
+    return MessageLimits(reply + BODY_ROOM, request + BODY_ROOM, pipeline + BODY_ROOM)
+
+
+def _model_shape(path: str) -> tuple[int, int, int]:
+    """(vocab_size, hidden_size, max_position_embeddings) from config.json, or bounds
+    for any model when it cannot be read."""
+    try:
+        cfg = json.loads((Path(path) / "config.json").read_text())
+        shape = (cfg["vocab_size"], cfg["hidden_size"], cfg.get("max_position_embeddings", 1))
+        if all(isinstance(v, int) and v > 0 for v in shape):
+            return shape
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    return LARGE_VOCAB, LARGE_HIDDEN, 1 << 17

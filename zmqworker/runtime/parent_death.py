@@ -1,0 +1,30 @@
+"""Dying with the engine: the kernel sends PARENT_DEATH_SIGNAL to a worker whose parent
+exits (PR_SET_PDEATHSIG, Linux), which the worker answers by leaving at once, removing
+the engine's socket file as it goes (fast_exit.py). A signal of its own, not SIGTERM: a
+SIGTERM may come from a live engine, whose files are not the worker's to remove. The
+engine watch (a dropped connection, a changed parent) stays as the slower second way, and
+the only one elsewhere."""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+import signal
+
+PR_SET_PDEATHSIG = 1
+# The worker runs in a session of its own, without a terminal: no other SIGHUP comes.
+PARENT_DEATH_SIGNAL = signal.SIGHUP
+
+
+def exit_with_parent(parent_pid: int) -> bool:
+    """Ask for PARENT_DEATH_SIGNAL when the parent dies; False when it died already (then
+    nothing will come). Without prctl (not Linux), True: the engine watch still works."""
+    libc_name = ctypes.util.find_library("c")
+    if libc_name is not None:
+        libc = ctypes.CDLL(libc_name, use_errno=True)
+        prctl = getattr(libc, "prctl", None)
+        if prctl is not None:
+            prctl(PR_SET_PDEATHSIG, int(PARENT_DEATH_SIGNAL), 0, 0, 0)
+    # The parent may have gone before the request: then the signal never comes.
+    return os.getppid() == parent_pid

@@ -1,0 +1,100 @@
+"""CURVE for a run's tcp sockets: the keys an engine makes per run, how each socket
+takes them, and the ZAP handler that admits only the run's own workers.
+
+A run has two key pairs: the engine's (its ROUTER is the CURVE server) and the workers'
+(every rank's DEALER and pipeline PUSH are clients with it; every pipeline PULL is a
+server with it). A rank gets the engine's public key and the workers' pair with its
+spawn (the environment, or a Ray call; never the command line or a file), and each
+process that serves (the engine, every worker) runs a ZAP handler (pyzmq's zmq.auth)
+that admits the workers' public key alone. ipc sockets live in the engine's 0700 folder
+and skip CURVE.
+"""
+
+from __future__ import annotations
+
+import hmac
+import os
+from dataclasses import dataclass
+
+import zmq
+from zmq.auth.thread import ThreadAuthenticator
+
+CURVE_ENV = "ZMQWORKER_CURVE"  # "engine public,worker public,worker secret" (z85)
+
+
+@dataclass(frozen=True)
+class WorkerKeys:
+    """What a rank holds: the engine's public key and the workers' key pair (z85)."""
+
+    engine_public: bytes
+    public: bytes
+    secret: bytes
+
+    def to_env(self) -> str:
+        return b",".join((self.engine_public, self.public, self.secret)).decode()
+
+    @classmethod
+    def from_env(cls) -> WorkerKeys | None:
+        """This process's keys from its environment (None: the run skips CURVE)."""
+        value = os.environ.get(CURVE_ENV, "")
+        return cls.parse(value) if value else None
+
+    @classmethod
+    def parse(cls, value: str) -> WorkerKeys:
+        """The keys of to_env's value; an error names a malformed one."""
+        parts = value.encode().split(b",")
+        if len(parts) != 3 or any(len(p) != 40 for p in parts):
+            raise ValueError(
+                f"${CURVE_ENV} must hold three z85 keys of 40 characters, comma-separated"
+            )
+        return cls(*parts)
+
+
+@dataclass(frozen=True)
+class RunKeys:
+    """The engine's side: both key pairs of a run."""
+
+    engine_public: bytes
+    engine_secret: bytes
+    worker_public: bytes
+    worker_secret: bytes
+
+    @classmethod
+    def new(cls) -> RunKeys:
+        engine = zmq.curve_keypair()
+        worker = zmq.curve_keypair()
+        return cls(engine[0], engine[1], worker[0], worker[1])
+
+    def for_workers(self) -> WorkerKeys:
+        return WorkerKeys(self.engine_public, self.worker_public, self.worker_secret)
+
+
+def make_server(sock: zmq.Socket, public: bytes, secret: bytes) -> None:
+    """Before bind: sock is a CURVE server with this key pair."""
+    sock.curve_server = True
+    sock.curve_publickey = public
+    sock.curve_secretkey = secret
+
+
+def make_client(sock: zmq.Socket, keys: WorkerKeys, server_public: bytes) -> None:
+    """Before connect: sock is a CURVE client of the server with server_public."""
+    sock.curve_serverkey = server_public
+    sock.curve_publickey = keys.public
+    sock.curve_secretkey = keys.secret
+
+
+class _AdmitOnly:
+    def __init__(self, public: bytes) -> None:
+        self._public = public
+
+    def callback(self, domain: str, client_key: bytes) -> bool:
+        return hmac.compare_digest(client_key, self._public)
+
+
+def start_zap(ctx: zmq.Context, worker_public: bytes) -> ThreadAuthenticator:
+    """The context's ZAP handler (a thread): CURVE peers with worker_public are admitted,
+    every other is refused at its handshake. stop() it before the context ends."""
+    auth = ThreadAuthenticator(ctx)
+    auth.start()
+    auth.configure_curve_callback(domain="*", credentials_provider=_AdmitOnly(worker_public))
+    return auth
