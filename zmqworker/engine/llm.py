@@ -175,6 +175,7 @@ class LLM:
         self._streams: dict[str, tuple[asyncio.Queue[Any], str | None]] = {}
         self._to_add: list[Request] = []
         self._to_abort: list[str] = []
+        self._num_aborted = 0  # streams closed before their request finished
 
     # -- the API ---------------------------------------------------------------------
 
@@ -243,6 +244,7 @@ class LLM:
             self._streams.pop(request.req_id, None)
             if not request.is_finished:
                 self._to_abort.append(request.req_id)
+                self._num_aborted += 1
 
     def encode(self, prompt: Prompt) -> list[int]:
         """The prompt's token ids (text goes through the tokenizer), checked against the
@@ -286,6 +288,7 @@ class LLM:
             num_blocks=kv.num_blocks,
             num_free_blocks=kv.num_free_blocks,
             num_preemptions=core.scheduler.num_preemptions,
+            num_aborted=self._num_aborted,
         )
 
     def shutdown(self) -> None:

@@ -67,3 +67,4 @@ class EngineStats(msgspec.Struct, frozen=True):
     num_blocks: int
     num_free_blocks: int
     num_preemptions: int  # since start
+    num_aborted: int  # streams closed before their request finished, since start

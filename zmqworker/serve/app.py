@@ -22,7 +22,7 @@ from zmqworker.engine.llm import LLM
 from zmqworker.serve.chat import create_chat_completion
 from zmqworker.serve.completions import create_completion
 from zmqworker.serve.errors import APIError
-from zmqworker.serve.generation import now
+from zmqworker.serve.generation import ClientDisconnected, now
 from zmqworker.serve.protocol import ChatCompletionRequest, CompletionRequest
 
 logger = logging.getLogger(__name__)
@@ -91,6 +91,10 @@ def build_app(llm: LLM, model_name: str, api_key: str | None = None) -> FastAPI:
     async def api_error(_: Request, exc: APIError) -> JSONResponse:
         return exc.response()
 
+    @app.exception_handler(ClientDisconnected)
+    async def client_gone(_: Request, exc: ClientDisconnected) -> Response:
+        return Response(status_code=499)  # nobody reads it: nginx's "client closed request"
+
     @app.exception_handler(RequestValidationError)
     async def invalid_request(_: Request, exc: RequestValidationError) -> JSONResponse:
         return _validation_error(exc).response()
@@ -138,6 +142,8 @@ class _EngineCollector:
             ("kv_cache_usage_perc", "KV cache usage (0 to 1)", used / stats.num_blocks),
         ):
             yield GaugeMetricFamily(f"zmqworker:{name}", doc, value=value)
-        yield CounterMetricFamily(
-            "zmqworker:num_preemptions", "requests preempted", value=stats.num_preemptions
-        )
+        for name, doc, value in (
+            ("num_preemptions", "requests preempted", stats.num_preemptions),
+            ("num_requests_aborted", "requests aborted (clients gone)", stats.num_aborted),
+        ):
+            yield CounterMetricFamily(f"zmqworker:{name}", doc, value=value)

@@ -92,9 +92,13 @@ async def run_prompts(
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
+class ClientDisconnected(Exception):
+    """The client went away before its response was ready (answered with 499)."""
+
+
 async def until_disconnected(request: HTTPRequest, work: Awaitable[Any]) -> Any:
     """work's result; if the client disconnects first, work is cancelled (and with it its
-    requests in the engine)."""
+    requests in the engine) and ClientDisconnected raised."""
     task = asyncio.ensure_future(work)
     listener = asyncio.ensure_future(_disconnect(request))
     try:
@@ -104,7 +108,7 @@ async def until_disconnected(request: HTTPRequest, work: Awaitable[Any]) -> Any:
     if not task.done():
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
-        raise asyncio.CancelledError("the client disconnected")
+        raise ClientDisconnected
     return task.result()
 
 
