@@ -1,6 +1,13 @@
-"""A checkpoint folder as the engine reads it, through transformers: the config
-(AutoConfig) before any worker starts, to check the layout and size the KV cache; and the
-text side (tokenizer, GenerationConfig's defaults, EOS ids), loaded while the workers start.
+"""A checkpoint folder as the engine reads it, through transformers: config.json before
+any worker starts (PretrainedConfig's reader), to check the layout and size the KV cache;
+and the text side (tokenizer, GenerationConfig's defaults, EOS ids), loaded while the
+workers start.
+
+Not AutoConfig before the workers start: it imports the model type's config module, which
+in transformers 5 pulls torch.distributed and sympy, 1.5-2.5 s on this 2-core machine
+(against 0.8 s for the reader, most of it importing transformers) on the critical path of
+start-up. The workers build the model's own config themselves; the engine needs six
+numbers, with LlamaConfig's defaults where config.json leaves them out.
 """
 
 from __future__ import annotations
@@ -61,9 +68,9 @@ class TextSide:
 class ModelFolder:
     """A Hugging Face checkpoint folder and its config."""
 
-    def __init__(self, path: Path, config: Any) -> None:
+    def __init__(self, path: Path, config: dict[str, Any]) -> None:
         self.path = path
-        self.config = config
+        self.config = config  # config.json, as transformers reads it
 
     @classmethod
     def open(cls, model: str | None) -> ModelFolder:
@@ -79,35 +86,36 @@ class ModelFolder:
             raise FileNotFoundError(
                 f"model folder {model!r} has no config.json: not a Hugging Face checkpoint"
             )
-        from transformers import AutoConfig
+        from transformers import PretrainedConfig
 
         try:
-            config = AutoConfig.from_pretrained(str(path))
-        except (OSError, ValueError, KeyError) as exc:
+            config, _ = PretrainedConfig.get_config_dict(str(path))
+        except (OSError, ValueError) as exc:
             raise ValueError(f"cannot read {path / 'config.json'}: {exc}") from exc
+        for key in ("num_hidden_layers", "num_attention_heads", "hidden_size"):
+            if not isinstance(config.get(key), int) or config[key] < 1:
+                raise ValueError(f"{path / 'config.json'}: {key} must be a positive int")
         return cls(path.resolve(), config)
 
     @property
     def num_layers(self) -> int:
-        return int(self.config.num_hidden_layers)
+        return self.config["num_hidden_layers"]
 
     @property
     def num_heads(self) -> int:
-        return int(self.config.num_attention_heads)
+        return self.config["num_attention_heads"]
 
     @property
     def num_kv_heads(self) -> int:
-        return int(getattr(self.config, "num_key_value_heads", None) or self.num_heads)
+        return int(self.config.get("num_key_value_heads") or self.num_heads)
 
     @property
     def head_dim(self) -> int:
-        return int(
-            getattr(self.config, "head_dim", None) or self.config.hidden_size // self.num_heads
-        )
+        return int(self.config.get("head_dim") or self.config["hidden_size"] // self.num_heads)
 
     @property
     def vocab_size(self) -> int | None:
-        return getattr(self.config, "vocab_size", None)
+        return self.config.get("vocab_size")
 
     def tensor_parallel_sizes(self) -> list[int]:
         """The tensor-parallel sizes the model can be cut into."""
@@ -127,7 +135,7 @@ class ModelFolder:
             )
 
     def max_model_len(self, requested: int | None) -> int:
-        limit = getattr(self.config, "max_position_embeddings", None)
+        limit = self.config.get("max_position_embeddings")
         if requested is None:
             if limit is None:
                 raise ValueError("config.json has no max_position_embeddings: give max_model_len")
@@ -159,7 +167,7 @@ class ModelFolder:
         except msgspec.ValidationError as exc:
             raise ValueError(f"{self.path / 'generation_config.json'}: {exc}") from None
         ids: set[int] = set()
-        sources = [self.config.eos_token_id, generation.eos_token_id if generation else None]
+        sources = [self.config.get("eos_token_id"), generation.eos_token_id if generation else None]
         if tokenizer is not None:
             sources.append(tokenizer.eos_token_id)
         for source in sources:
