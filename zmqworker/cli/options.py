@@ -34,6 +34,11 @@ class Option:
     flags: tuple[str, ...]
     unit: str | None
 
+    @property
+    def dest(self) -> str:
+        """Its attribute in the parsed namespace: its flag's (seed and engine_seed differ)."""
+        return self.flags[0].lstrip("-").replace("-", "_")
+
 
 def options_of(defaults: dict[str, Any], hints: dict[str, Any]) -> list[Option]:
     out = []
@@ -79,7 +84,7 @@ def add_options(group: Any, options: Iterable[Option], defaults: dict[str, Any] 
             help_text += f" (default: {shown})"
         if option.unit == "bytes":
             help_text += "; 268435456, 256MiB or 1G"
-        kwargs: dict[str, Any] = {"dest": option.name, "default": argparse.SUPPRESS}
+        kwargs: dict[str, Any] = {"dest": option.dest, "default": argparse.SUPPRESS}
         base, item, choices = _parts(option.hint)
         if base is bool:
             kwargs["action"] = argparse.BooleanOptionalAction
@@ -99,7 +104,7 @@ def add_options(group: Any, options: Iterable[Option], defaults: dict[str, Any] 
 
 def given(args: argparse.Namespace, options: Iterable[Option]) -> dict[str, Any]:
     """The options the user gave, by the name they set."""
-    return {o.name: getattr(args, o.name) for o in options if hasattr(args, o.name)}
+    return {o.name: getattr(args, o.dest) for o in options if hasattr(args, o.dest)}
 
 
 def parse_size(text: str) -> int:
