@@ -1,6 +1,7 @@
 """Start-up of `zmqworker generate` on the embedded model, as a user waits for it: from
 starting the command to the engine being ready (the "ready" line on stderr), with the
-phases the engine prints (workers and weights, memory profile, KV cache, warm-up).
+phases the engine prints (engine_ready_s: LLM() from its call to ready, the command's own
+imports left out; workers and weights, memory profile, KV cache, warm-up).
 
 Measured in the same run: the floor, a Python process that imports torch (every worker
 and the engine do at least that), and the reference, a process that loads the same
@@ -27,6 +28,7 @@ from zmqworker.models.embedded import default_model_path
 
 ROOT = Path(__file__).resolve().parent.parent
 PHASES = {
+    "engine_ready_s": r"zmqworker: ready: ([\d.]+) s",
     "workers_weights_s": r"workers up, weights loaded: ([\d.]+) s",
     "profile_s": r"memory profile: ([\d.]+) s",
     "kv_cache_s": r"KV cache: .*: ([\d.]+) s",

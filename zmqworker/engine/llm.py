@@ -150,9 +150,10 @@ class LLM:
         with ThreadPoolExecutor(1, thread_name_prefix="zmqworker-tokenizer") as pool:
             # The tokenizer loads while the workers start: most of that is their wait.
             text_side = pool.submit(folder.load_text_side)
+            spawned = time.perf_counter()
             executor_instance = executor_factory(executor)(self.worker_config)
             try:
-                logger.info("workers up, weights loaded: %.1f s", time.perf_counter() - started)
+                logger.info("workers up, weights loaded: %.1f s", time.perf_counter() - spawned)
                 executor_instance.step_timeout_s = step_timeout_s
                 texts = text_side.result()
                 self._core = EngineCore(
