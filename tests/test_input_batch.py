@@ -424,10 +424,6 @@ BAD_STEPS = {
         lambda: step(preempted=[42]),
         "request handle 42: preempted but not in the batch",
     ),
-    "bad sampling params": (
-        lambda: step([new_req(5, [1], [6], 1, params=SamplingParams(top_p=0.0))]),
-        "request 'req-5' (handle 5): top_p",
-    ),
     "batch full": (
         lambda: step([new_req(10 + i, [1], [10 + i], 1) for i in range(MAX_SEQS + 1)]),
         "max_num_seqs",
