@@ -39,13 +39,14 @@ def arg_types(function: Callable[..., Any]) -> dict[str, Any]:
 
 
 def check_args(types_by_name: dict[str, Any], values: dict[str, Any]) -> None:
-    """Raise ValueError naming the first argument outside its type or range. Callables
-    (an executor factory) are taken as they are."""
+    """Raise ValueError naming the first argument outside its type or range. A callable
+    where the type allows one (an executor factory) is taken as it is."""
     for name, value in values.items():
-        if callable(value):
+        checkable = _without_callables(types_by_name[name])
+        if callable(value) and checkable != types_by_name[name]:
             continue
         try:
-            msgspec.convert(value, _without_callables(types_by_name[name]))
+            msgspec.convert(value, checkable)
         except msgspec.ValidationError as exc:
             raise ValueError(f"{name}={value!r}: {exc}") from None
 

@@ -17,12 +17,12 @@ from messages import SamplingParams
 from zmqworker.engine.llm import LLM
 from zmqworker.engine.outputs import RequestOutput
 from zmqworker.serve.errors import APIError
-from zmqworker.serve.protocol import _Sampling
+from zmqworker.serve.protocol import SamplingRequest
 
 
 def sampling_params(
     llm: LLM,
-    request: _Sampling,
+    request: SamplingRequest,
     prompt_len: int,
     max_tokens: int | None,
     logprobs: int | None,

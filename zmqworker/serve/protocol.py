@@ -20,7 +20,7 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class _Sampling(BaseModel):
+class SamplingRequest(BaseModel):
     """What both endpoints take."""
 
     model_config = ConfigDict(extra="forbid")
@@ -43,7 +43,7 @@ class _Sampling(BaseModel):
     user: str | None = None
 
     @model_validator(mode="after")
-    def _neutral(self) -> _Sampling:
+    def _neutral(self) -> SamplingRequest:
         if self.logit_bias:
             raise APIError("logit_bias is not supported", param="logit_bias")
         if self.stream_options is not None and not self.stream:
@@ -54,7 +54,7 @@ class _Sampling(BaseModel):
         return [self.stop] if isinstance(self.stop, str) else self.stop
 
 
-class CompletionRequest(_Sampling):
+class CompletionRequest(SamplingRequest):
     prompt: str | list[str] | TokenIds | list[TokenIds]
     max_tokens: Annotated[int, Field(ge=1)] | None = 16
     logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
@@ -107,7 +107,7 @@ class ResponseFormat(BaseModel):
     type: Literal["text"]
 
 
-class ChatCompletionRequest(_Sampling):
+class ChatCompletionRequest(SamplingRequest):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_tokens: Annotated[int, Field(ge=1)] | None = None
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
