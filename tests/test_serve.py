@@ -9,6 +9,7 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -41,7 +42,7 @@ class Server:
         require_embedded_model()
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
-        self.log = open(ROOT / ".pytest_cache" / f"serve-{self.port}.log", "w+b")  # noqa: SIM115
+        self.log = tempfile.TemporaryFile()  # noqa: SIM115 (closed by stop())
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "zmqworker", "serve", "--port", str(self.port),
              "--max-model-len", "512", "--max-num-seqs", "8", *options],
