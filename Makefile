@@ -1,11 +1,15 @@
 # The two commands of the README. Each sets up what it needs on a fresh machine, once:
 # a second run reinstalls nothing unless pyproject.toml changed.
+SHELL := /bin/bash
 VENV ?= .venv
 PY := $(VENV)/bin/python
 RUN_STAMP := $(VENV)/.run-installed
 TEST_STAMP := $(VENV)/.test-installed
 
-.PHONY: demo test lint
+# make serve SERVE_ARGS="--port 9000": anything zmqworker serve takes.
+SERVE_ARGS ?= --max-model-len 2048 --max-num-seqs 16
+
+.PHONY: demo serve test lint
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -24,9 +28,15 @@ $(TEST_STAMP): $(RUN_STAMP)
 	$(PY) -m pip install -q -e '.[test,ray]'
 	touch $@
 
-# The main job: the embedded SmolLM2-135M-Instruct model, two pipeline stages, greedy.
+# The main job: the embedded SmolLM2-135M-Instruct model, two pipeline stages, greedy,
+# up to the end of the line.
 demo: $(RUN_STAMP)
-	$(PY) -m zmqworker generate "The capital of France is" --pp 2 --max-tokens 16
+	$(PY) -m zmqworker generate "The capital of France is" --pp 2 --max-tokens 16 \
+		--temperature 0 --stop $$'\n'
+
+# The OpenAI-compatible server on http://127.0.0.1:8000/v1 (Ctrl-C stops it).
+serve: $(RUN_STAMP)
+	$(PY) -m zmqworker serve $(SERVE_ARGS)
 
 test: $(TEST_STAMP)
 	$(PY) -m ruff check zmqworker messages tests bench

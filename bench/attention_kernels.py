@@ -24,6 +24,7 @@ from bench.gpu_decode import hbm_bandwidth
 from zmqworker.attention import triton_attention
 from zmqworker.attention.kv_cache import allocate_kv_cache
 from zmqworker.attention.triton_metadata import TritonAttentionMetadata
+from zmqworker.cdiv import cdiv
 
 BLOCK_SIZE = 16
 CONTEXT = 552
@@ -33,7 +34,7 @@ MODELS = {"smollm2-135m": (9, 3, 64, 576, 1536), "llama-3-8b": (32, 8, 128, 4096
 
 def decode_case(model: str, batch: int, splits: int, warps: int, stages: int):
     heads, kv_heads, head_dim, _, _ = MODELS[model]
-    blocks_per_req = -(-CONTEXT // BLOCK_SIZE)
+    blocks_per_req = cdiv(CONTEXT, BLOCK_SIZE)
     num_blocks = batch * blocks_per_req
     cache = allocate_kv_cache(num_blocks, BLOCK_SIZE, kv_heads, head_dim, torch.bfloat16, "cuda")
     cache.normal_()
@@ -109,7 +110,7 @@ def main() -> None:
             kv_heads = MODELS[model][1]
             for warps, stages in ((4, 2), (4, 3), (8, 2)):
                 for programs in (512, 2048):
-                    want = -(-programs // (batch * kv_heads))
+                    want = cdiv(programs, batch * kv_heads)
                     splits = 1
                     while splits * 2 <= min(want, 16):
                         splits *= 2

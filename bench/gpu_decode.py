@@ -46,6 +46,7 @@ from messages import (
     WorkerConfig,
     make_kv_cache_config,
 )
+from zmqworker.cdiv import cdiv
 from zmqworker.distributed.parallel_state import single_rank_state
 from zmqworker.model_runner import ModelRunner
 
@@ -164,7 +165,7 @@ class Ours:
             scheduler=SchedulerConfig(max_num_seqs=max_batch, max_num_batched_tokens=MAX_BATCHED),
         )
         self.runner = ModelRunner(config, single_rank_state(torch.device("cuda")))
-        self.blocks_per_req = -(-config.model.max_model_len // BLOCK_SIZE)
+        self.blocks_per_req = cdiv(config.model.max_model_len, BLOCK_SIZE)
         spec = self.runner.get_kv_cache_spec()
         num_blocks = max_batch * self.blocks_per_req
         self.runner.initialize_kv_cache(make_kv_cache_config([spec], num_blocks))

@@ -36,6 +36,7 @@ from messages import (
     WorkerConfig,
     make_kv_cache_config,
 )
+from zmqworker.cdiv import cdiv
 from zmqworker.distributed.parallel_state import single_rank_state
 from zmqworker.model_runner import ModelRunner
 from zmqworker.models.embedded import default_model_path
@@ -61,7 +62,7 @@ def make_runner(
         scheduler=SchedulerConfig(max_num_seqs=batch, max_num_batched_tokens=PREFILL_CHUNK),
     )
     runner = ModelRunner(config, single_rank_state(device))
-    blocks_per_req = -(-max_len // BLOCK_SIZE)
+    blocks_per_req = cdiv(max_len, BLOCK_SIZE)
     spec = runner.get_kv_cache_spec()
     runner.initialize_kv_cache(make_kv_cache_config([spec], batch * blocks_per_req))
     return runner, blocks_per_req

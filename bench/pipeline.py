@@ -51,6 +51,7 @@ from messages import (
     make_kv_cache_config,
 )
 from tests.tiny import make_tiny_checkpoint
+from zmqworker.cdiv import cdiv
 from zmqworker.distributed.pp_receiver import PipelineReceiver
 from zmqworker.distributed.pp_sender import PipelineSender
 from zmqworker.executor.multiproc import MultiprocExecutor
@@ -66,7 +67,7 @@ class Group:
     """One batch of BATCH requests that the driver steps on its own."""
 
     def __init__(self, first_handle: int, max_len: int) -> None:
-        blocks_each = -(-max_len // BLOCK)
+        blocks_each = cdiv(max_len, BLOCK)
         self.handles = list(range(first_handle, first_handle + BATCH))
         self.blocks = {
             h: np.arange(h * blocks_each, (h + 1) * blocks_each, dtype=np.int32)
@@ -139,7 +140,7 @@ def pipeline_speedup(path: str, steps: int) -> dict:
     )
     with MultiprocExecutor(config, env={"PYTHONPATH": str(ROOT)}) as ex:
         specs = ex.get_kv_cache_specs()
-        ex.initialize_from_config(make_kv_cache_config(specs, 4 * BATCH * -(-max_len // BLOCK)))
+        ex.initialize_from_config(make_kv_cache_config(specs, 4 * BATCH * cdiv(max_len, BLOCK)))
         ex.compile_or_warm_up_model()
         depth1 = decode_throughput(ex, [Group(0, max_len)], steps)
         depth2 = decode_throughput(ex, [Group(BATCH, max_len), Group(2 * BATCH, max_len)], steps)

@@ -30,6 +30,7 @@ from messages import (
     make_kv_cache_config,
 )
 from tests.tiny import cached_tiny_checkpoint
+from zmqworker.cdiv import cdiv
 from zmqworker.distributed.parallel_state import ParallelState, single_rank_state
 from zmqworker.model_runner import AsyncModelRunnerOutput, ModelRunner
 from zmqworker.model_runner.cuda_graphs import Capture
@@ -171,7 +172,7 @@ class MiniScheduler:
         self.preempted.append(req.handle)
 
     def _blocks_for(self, req: Req, end: int) -> list[int]:
-        need = -(-end // BLOCK) - len(req.blocks)
+        need = cdiv(end, BLOCK) - len(req.blocks)
         new, self.free = self.free[:need], self.free[need:]
         req.blocks += new
         return new

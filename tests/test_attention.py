@@ -13,6 +13,7 @@ from zmqworker.attention.decode import AttentionGeometry, build_bag_plan
 from zmqworker.attention.kv_cache import allocate_kv_cache, kv_cache_shape
 from zmqworker.attention.paged_attention import paged_attention, probe_steps
 from zmqworker.attention.workspace import GatherWorkspace
+from zmqworker.cdiv import cdiv
 
 BLOCK = 4
 HEADS, KV_HEADS, HEAD_DIM = 6, 2, 8
@@ -74,7 +75,7 @@ class PagedScenario:
         for r in range(1, len(seq_lens)):
             self.keys[r][:shared] = self.keys[0][:shared]
             self.values[r][:shared] = self.values[0][:shared]
-        needed = [-(-n // BLOCK) - (shared_blocks if r else 0) for r, n in enumerate(seq_lens)]
+        needed = [cdiv(n, BLOCK) - (shared_blocks if r else 0) for r, n in enumerate(seq_lens)]
         ids = self.rng.permutation(num_blocks)[: sum(needed)]
         self.tables, start = [], 0
         for r, n in enumerate(needed):

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import importlib.util
+import stat
 from pathlib import Path
 
 import pytest
@@ -79,3 +80,22 @@ def test_failed_conversion_leaves_nothing_behind(monkeypatch, tmp_path):
     with pytest.raises(RuntimeError, match="disk full"):
         embedded.default_model_path(cache_dir=str(tmp_path), progress=False)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_the_checkpoint_is_readable_by_the_cache_folders_readers(monkeypatch, tmp_path):
+    def private(gguf, out, progress):
+        for name in ("config.json", "model.safetensors"):
+            (out / name).write_text("{}")
+            (out / name).chmod(0o600)  # as safetensors writes them
+
+    monkeypatch.setattr(embedded, "_convert", private)
+    root = tmp_path / "cache"
+    root.mkdir()
+    root.chmod(0o750)
+    path = Path(embedded.default_model_path(cache_dir=str(root), progress=False))
+    assert stat.S_IMODE(path.stat().st_mode) == 0o750
+    assert stat.S_IMODE((path / "model.safetensors").stat().st_mode) == 0o640
+    # A checkpoint converted by an older version is repaired when it is next used.
+    (path / "model.safetensors").chmod(0o600)
+    embedded.default_model_path(cache_dir=str(root), progress=False)
+    assert stat.S_IMODE((path / "model.safetensors").stat().st_mode) == 0o640

@@ -167,6 +167,8 @@ def test_cli_main_job_answers_paris_on_the_embedded_model():
             "2",
             "--max-tokens",
             "4",
+            "--temperature",
+            "0",
         ],
         capture_output=True,
         text=True,

@@ -44,6 +44,7 @@ from tests.runner_helpers import (
     wire,
 )
 from zmqworker.attention.kv_cache import kv_cache_shape
+from zmqworker.cdiv import cdiv
 from zmqworker.model_runner import AsyncModelRunnerOutput, ModelRunner
 
 # Decoded tensors are read-only message memory (the runner copies them); torch warns.
@@ -166,7 +167,7 @@ def test_split_mode_applies_the_grammar_bitmask() -> None:
     greedy = hf_greedy(path, tuple(prompt), 1)[0]
     allowed = [3, 17, 40, 200]
     assert greedy not in allowed
-    words = np.zeros((1, -(-vocab // 32)), np.uint32)
+    words = np.zeros((1, cdiv(vocab, 32)), np.uint32)
     for t in allowed:
         words[0, t // 32] |= np.uint32(1 << (t % 32))
     new = [

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 
+from zmqworker.cdiv import cdiv
 from zmqworker.model_runner.grammar import apply_grammar_bitmask
 from zmqworker.model_runner.sampler import Sampler, SamplingMetadata
 
@@ -208,7 +209,7 @@ def test_zero_logprobs_gives_only_the_sampled_column() -> None:
 def pack_bitmask(allowed: np.ndarray) -> np.ndarray:
     """bool [n, vocab] -> int32 [n, ceil(vocab / 32)], bit j of word j // 32."""
     n, vocab = allowed.shape
-    padded = np.zeros((n, -(-vocab // 32) * 32), bool)
+    padded = np.zeros((n, cdiv(vocab, 32) * 32), bool)
     padded[:, :vocab] = allowed
     weights = (1 << np.arange(32, dtype=np.uint64)).astype(np.uint64)
     words = (padded.reshape(n, -1, 32).astype(np.uint64) * weights).sum(-1)

@@ -21,6 +21,7 @@ from zmqworker.attention.triton_metadata import (  # noqa: E402
     TritonAttentionMetadata,
     decode_splits,
 )
+from zmqworker.cdiv import cdiv
 from zmqworker.models.layers.norm import RMSNorm  # noqa: E402
 from zmqworker.models.layers.rotary import RotaryEmbedding, apply_rotary  # noqa: E402
 from zmqworker.models.layers.triton_ops import rms_norm, silu_and_mul  # noqa: E402
@@ -52,7 +53,7 @@ class Step:
         rng = np.random.default_rng(seed)
         self.reqs, self.heads, self.kv_heads, self.dtype = reqs, heads, kv_heads, dtype
         seq_lens = [c + n for c, n in reqs]
-        need = [-(-s // block_size) for s in seq_lens]
+        need = [cdiv(s, block_size) for s in seq_lens]
         num_blocks = num_blocks or sum(need) + 5
         ids = rng.permutation(num_blocks)[: sum(need)]
         width = max(need) + 2

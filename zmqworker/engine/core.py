@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from typing import TYPE_CHECKING
 
 from messages import KVCacheSpec, SchedulerConfig, make_kv_cache_config
@@ -58,9 +59,11 @@ class EngineCore:
         config = scheduler_config or SchedulerConfig()
         self.executor = executor
         self.max_model_len = max_model_len
+        started = time.perf_counter()
         available = executor.determine_available_memory()
         specs = executor.get_kv_cache_specs()
         num_blocks = num_blocks_from_memory(available, specs)
+        logger.info("memory profile: %.1f s", time.perf_counter() - started)
         self.block_manager = KVBlockManager(num_blocks, specs[0].block_size, enable_prefix_caching)
         depth = executor.max_concurrent_batches
         # Pipeline stages before the last do not sample: they get the tokens in the deltas.
@@ -75,9 +78,18 @@ class EngineCore:
         self.batch_queue = BatchQueue(
             lambda output: executor.execute_model(output, non_block=depth > 1), depth
         )
+        started = time.perf_counter()
         executor.initialize_from_config(make_kv_cache_config(specs, num_blocks))
+        logger.info(
+            "KV cache: %d blocks of %d tokens = %.1f MiB per worker: %.1f s",
+            num_blocks,
+            specs[0].block_size,
+            num_blocks * max(s.page_size_bytes * len(s.layer_names) for s in specs) / (1 << 20),
+            time.perf_counter() - started,
+        )
+        started = time.perf_counter()
         executor.compile_or_warm_up_model()
-        logger.info("KV cache: %d blocks of %d tokens", num_blocks, specs[0].block_size)
+        logger.info("warm-up: %.1f s", time.perf_counter() - started)
 
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)

@@ -1,14 +1,13 @@
 """Incremental detokenization: the text of each new token, as the tokens arrive.
 
-Decoding one token alone is wrong in two ways: a character may span several tokens
-(byte-level BPE and sentencepiece byte fallback split UTF-8 into bytes), and some decoders
-change a token's text by its neighbours (sentencepiece drops the space of a leading
-"▁"). So each step decodes a short window of recent tokens twice, with and without the
-new ones, and emits the difference; while the window ends in an incomplete character
-(U+FFFD), nothing is emitted and the window grows. Sentencepiece byte-fallback tokens
-(<0xNN>), and skipped special tokens within their runs, are held back until another
-token follows: the decoder turns a whole run of byte tokens into U+FFFDs when any byte
-of it is invalid, even bytes that were valid on their own.
+tokenizers' DecodeStream does the streaming: it decodes a window of recent tokens with
+and without the new one and emits the difference, holding text back while it ends in an
+incomplete character. What it leaves to us: its context (the prompt's last tokens, so the
+first output token is decoded as it continues the prompt); sentencepiece byte-fallback
+tokens (<0xNN>) and skipped special tokens, which we hold until another token follows and
+then step as one run (the decoder turns a whole run of byte tokens into U+FFFDs when any
+byte of it is invalid, even bytes that were valid on their own); and the end of a request,
+when held tokens must come out, incomplete characters as U+FFFD, as decode gives them.
 """
 
 from __future__ import annotations
@@ -16,9 +15,23 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from tokenizers.decoders import DecodeStream
+
 # Prompt tokens kept as context for the first output token's text.
 CONTEXT_TOKENS = 6
-_REPLACEMENT = "\ufffd"
+
+
+def backend_tokenizer(tokenizer: Any) -> Any:
+    """The tokenizers.Tokenizer behind a transformers tokenizer (or the object itself)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None and hasattr(tokenizer, "decode_batch"):
+        backend = tokenizer
+    if backend is None:
+        raise ValueError(
+            f"{type(tokenizer).__name__} has no tokenizers backend: streaming text needs a "
+            "fast tokenizer (a tokenizer.json in the model folder)"
+        )
+    return backend
 
 
 class IncrementalDetokenizer:
@@ -26,7 +39,7 @@ class IncrementalDetokenizer:
 
     The concatenation of everything add() and flush() return equals the tokenizer's
     decode of the output tokens, continuing the prompt's text when prompt ids are given.
-    tokenizer is a transformers tokenizer (anything with a compatible decode()).
+    tokenizer is a transformers fast tokenizer or a tokenizers.Tokenizer.
     """
 
     def __init__(
@@ -35,54 +48,55 @@ class IncrementalDetokenizer:
         prompt_token_ids: Sequence[int] = (),
         skip_special_tokens: bool = True,
     ) -> None:
-        self._tokenizer = tokenizer
+        self._backend = backend_tokenizer(tokenizer)
         self._skip_special_tokens = skip_special_tokens
-        # Skipped tokens add no text; holding them keeps a byte run they split whole.
-        self._skipped = frozenset(tokenizer.all_special_ids) if skip_special_tokens else frozenset()
-        start = max(0, len(prompt_token_ids) - CONTEXT_TOKENS)
-        self._ids = [int(t) for t in prompt_token_ids[start:]]
-        # ids[:read] have had their text emitted; ids[prefix:read] are context for the rest.
-        self._prefix = 0
-        self._read = len(self._ids)
-        self._prefix_text: str | None = None
+        added = self._backend.get_added_tokens_decoder()
+        self._skipped = (
+            frozenset(i for i, t in added.items() if t.special)
+            if skip_special_tokens
+            else frozenset()
+        )
+        context = [int(t) for t in prompt_token_ids[-CONTEXT_TOKENS:]]
+        self._stream = DecodeStream(ids=context, skip_special_tokens=skip_special_tokens)
+        # The tokens of the last emitted piece (the context of held tokens); tokens the
+        # stream holds; and tokens not given to the stream yet (a run of byte tokens).
+        self._emitted = context
+        self._held: list[int] = []
+        self._unstepped: list[int] = []
 
     def add(self, token_id: int) -> str:
         """The new text that token_id completes ("" while a character is incomplete)."""
         token_id = int(token_id)
-        self._ids.append(token_id)
-        if token_id in self._skipped or _is_byte_token(
-            self._tokenizer.convert_ids_to_tokens(token_id)
-        ):
+        self._held.append(token_id)
+        if token_id in self._skipped or _is_byte_token(self._backend.id_to_token(token_id)):
+            self._unstepped.append(token_id)
             return ""
-        prefix_text, full_text = self._texts()
-        if len(full_text) <= len(prefix_text) or full_text.endswith(_REPLACEMENT):
+        piece = self._stream.step(self._backend, [*self._unstepped, token_id])
+        self._unstepped = []
+        if piece is None:
             return ""
-        self._advance()
-        return full_text[len(prefix_text) :]
+        self._emitted, self._held = self._held[-CONTEXT_TOKENS:], []
+        return piece
 
     def flush(self) -> str:
         """The text of tokens still held back, incomplete characters as U+FFFD."""
-        prefix_text, full_text = self._texts()
-        self._advance()
-        return full_text[len(prefix_text) :]
+        if not self._held:
+            return ""
+        before = self._decode(self._emitted)
+        after = self._decode(self._emitted + self._held)
+        self._emitted, self._held = (self._emitted + self._held)[-CONTEXT_TOKENS:], []
+        self._unstepped = []
+        self._stream = DecodeStream(
+            ids=self._emitted, skip_special_tokens=self._skip_special_tokens
+        )
+        return after[len(before) :]
 
-    def _texts(self) -> tuple[str, str]:
-        if self._prefix_text is None:
-            self._prefix_text = self._decode(self._ids[self._prefix : self._read])
-        return self._prefix_text, self._decode(self._ids[self._prefix :])
-
-    def _advance(self) -> None:
-        # The emitted tokens become the next window's context; older ones are dropped.
-        del self._ids[: self._read]
-        self._prefix, self._read = 0, len(self._ids)
-        self._prefix_text = None
+    def token_texts(self, ids: list[int]) -> list[str]:
+        """Each token's text decoded alone, special tokens included (for logprobs)."""
+        return self._backend.decode_batch([[i] for i in ids], skip_special_tokens=False)
 
     def _decode(self, ids: list[int]) -> str:
-        return self._tokenizer.decode(
-            ids,
-            skip_special_tokens=self._skip_special_tokens,
-            clean_up_tokenization_spaces=False,
-        )
+        return self._backend.decode(ids, skip_special_tokens=self._skip_special_tokens)
 
 
 def _is_byte_token(token: str | None) -> bool:

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import asyncio
-import importlib
 import itertools
-import json
+import logging
+import time
 from collections.abc import AsyncIterator, Callable, Sequence
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from concurrent.futures import ThreadPoolExecutor
+from typing import Annotated, Any, Literal
 
 from messages import (
     CacheConfig,
@@ -19,90 +19,132 @@ from messages import (
     SchedulerConfig,
     WorkerConfig,
 )
-from messages.kv_cache import DTYPE_BYTES
+from zmqworker.cdiv import cdiv
 from zmqworker.engine.core import EngineCore
 from zmqworker.engine.detokenizer import IncrementalDetokenizer
-from zmqworker.engine.outputs import RequestOutput
+from zmqworker.engine.llm_args import (
+    AtLeastMinusOne,
+    Fraction,
+    Positive,
+    Seconds,
+    arg_types,
+    check_args,
+    executor_factory,
+    opt,
+)
+from zmqworker.engine.model_folder import ModelFolder, cache_config_for, on_cpu
+from zmqworker.engine.outputs import EngineStats, RequestOutput
 from zmqworker.engine.request import Request
-from zmqworker.executor.abstract import STEP_TIMEOUT_S
+from zmqworker.executor.abstract import STEP_TIMEOUT_S, Executor
 
-if TYPE_CHECKING:
-    from zmqworker.executor.abstract import Executor
+logger = logging.getLogger(__name__)
 
 # A prompt is text, or token ids.
 Prompt = str | Sequence[int]
-
-EXECUTORS = {
-    "mp": "zmqworker.executor.multiproc.MultiprocExecutor",
-    "ray": "zmqworker.executor.ray_executor.RayExecutor",
-}
-DEVICES = ("cpu", "cuda", "auto")
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+# A chat: messages with a role ("system", "user", "assistant") and a content.
+Conversation = Sequence[dict[str, Any]]
 
 
 class LLM:
     """Generate text with a model served by worker processes.
 
-    model is a Hugging Face checkpoint folder (None: the embedded default model).
-    executor is "mp" (local processes), "ray", or a callable that makes an Executor from
-    the WorkerConfig. max_model_len defaults to the checkpoint's max_position_embeddings.
-    num_threads: torch threads in each worker (None: OMP_NUM_THREADS if a count, else the
-    host's cores shared evenly among the workers). step_timeout_s: how long a step may
-    go unanswered before it fails (the executor's step_timeout_s; None: no bound).
-    Not thread-safe; generate() and generate_stream() are not to be mixed at one time.
+    Every argument is checked (a ValueError names the one that is wrong), and the layout
+    against the model, before any process starts. The KV cache holds max_num_seqs
+    sequences of max_model_len tokens, capped by memory, unless kv_cache_bytes,
+    cpu_memory_fraction or (on CUDA) gpu_memory_utilization ask otherwise. Not
+    thread-safe; generate() and generate_stream() are not to be mixed at one time.
     """
 
     def __init__(
         self,
-        model: str | None = None,
-        tensor_parallel_size: int = 1,
-        pipeline_parallel_size: int = 1,
-        device: str = "cpu",
-        dtype: str = "float32",
-        executor: str | Callable[[WorkerConfig], Executor] = "mp",
-        max_num_seqs: int = 64,
-        max_num_batched_tokens: int = 2048,
-        block_size: int = 16,
-        kv_cache_bytes: int | None = None,
-        enable_prefix_caching: bool = False,
-        seed: int = 0,
-        max_model_len: int | None = None,
-        num_threads: int | None = None,
-        step_timeout_s: float | None = STEP_TIMEOUT_S,
+        model: Annotated[
+            str | None, opt("Hugging Face checkpoint folder (default: the embedded model)")
+        ] = None,
+        tensor_parallel_size: Annotated[
+            Positive, opt("tensor-parallel size", aliases=["--tp"])
+        ] = 1,
+        pipeline_parallel_size: Annotated[
+            Positive, opt("pipeline-parallel size", aliases=["--pp"])
+        ] = 1,
+        device: Annotated[Literal["cpu", "cuda", "auto"], opt("device of the workers")] = "cpu",
+        dtype: Annotated[
+            Literal["float32", "bfloat16", "float16"], opt("weights and activations dtype")
+        ] = "float32",
+        executor: Annotated[
+            Literal["mp", "ray"] | Callable[[WorkerConfig], Executor],
+            opt("local worker processes (mp) or Ray actors (ray)"),
+        ] = "mp",
+        max_num_seqs: Annotated[Positive, opt("the most requests in one step")] = 64,
+        max_num_batched_tokens: Annotated[Positive, opt("the most tokens in one step")] = 2048,
+        max_model_len: Annotated[
+            Positive | None,
+            opt("the longest sequence, prompt and output (default: the model's)"),
+        ] = None,
+        max_logprobs: Annotated[
+            AtLeastMinusOne, opt("the most top logprobs a request may ask for (-1: all)")
+        ] = 20,
+        block_size: Annotated[Positive, opt("tokens per KV cache block")] = 16,
+        kv_cache_bytes: Annotated[
+            Positive | None, opt("KV cache bytes per worker, exactly", unit="bytes")
+        ] = None,
+        cpu_memory_fraction: Annotated[
+            Fraction | None,
+            opt(
+                "CPU: fill this fraction of the available memory with the KV cache "
+                "(default: what max_num_seqs x max_model_len need, at most 0.25)"
+            ),
+        ] = None,
+        gpu_memory_utilization: Annotated[
+            Fraction, opt("CUDA: the fraction of GPU memory the workers fill")
+        ] = 0.9,
+        enable_prefix_caching: Annotated[bool, opt("share the KV of common prefixes")] = False,
+        seed: Annotated[
+            int, opt("the workers' seed (for requests without one)", flag="--engine-seed")
+        ] = 0,
+        num_threads: Annotated[
+            Positive | None, opt("torch threads per worker (default: cores / workers)")
+        ] = None,
+        step_timeout_s: Annotated[
+            Seconds | None,
+            opt("seconds a step may go unanswered before it fails"),
+        ] = STEP_TIMEOUT_S,
     ) -> None:
         self._core: EngineCore | None = None
-        _check_args(
-            tensor_parallel_size=tensor_parallel_size,
-            pipeline_parallel_size=pipeline_parallel_size,
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            block_size=block_size,
+        check_args(OPTION_TYPES, {k: v for k, v in locals().items() if k in OPTION_TYPES})
+        started = time.perf_counter()
+        folder = ModelFolder.open(model)
+        folder.check_layout(tensor_parallel_size, pipeline_parallel_size)
+        self.model_folder = folder
+        self.max_model_len = folder.max_model_len(max_model_len)
+        world = tensor_parallel_size * pipeline_parallel_size
+        cache = cache_config_for(
+            folder,
+            CacheConfig(
+                block_size=block_size,
+                gpu_memory_utilization=gpu_memory_utilization,
+                cpu_memory_fraction=cpu_memory_fraction or CacheConfig().cpu_memory_fraction,
+                kv_cache_bytes=kv_cache_bytes,
+            ),
+            num_blocks=max_num_seqs * cdiv(self.max_model_len, block_size),
+            fill=cpu_memory_fraction is not None,
+            dtype=dtype,
+            tp=tensor_parallel_size,
+            pp=pipeline_parallel_size,
+            local_cpu=executor == "mp" and on_cpu(device),
         )
-        if device not in DEVICES:
-            raise ValueError(f"device must be one of {DEVICES}, got {device!r}")
-        if dtype not in DTYPE_BYTES:
-            raise ValueError(f"dtype must be one of {sorted(DTYPE_BYTES)}, got {dtype!r}")
-        if kv_cache_bytes is not None and kv_cache_bytes < 1:
-            raise ValueError(f"kv_cache_bytes must be >= 1 or None, got {kv_cache_bytes}")
-        if step_timeout_s is not None and not step_timeout_s > 0:
-            raise ValueError(f"step_timeout_s must be > 0 or None, got {step_timeout_s!r}")
-        make_executor = _executor_factory(executor)
-        path = _model_folder(model)
-        config = _read_json(path / "config.json")
-        _check_layout(config, tensor_parallel_size, pipeline_parallel_size)
-        self.tokenizer = _load_tokenizer(path)
-        self.max_model_len = _max_model_len(config, max_model_len)
-        self.vocab_size: int | None = config.get("vocab_size")
-        self.eos_token_ids = _eos_token_ids(path, config, self.tokenizer)
         self.worker_config = WorkerConfig(
             model=ModelConfig(
-                path=str(path), dtype=dtype, max_model_len=self.max_model_len, seed=seed
+                path=str(folder.path),
+                dtype=dtype,
+                max_model_len=self.max_model_len,
+                seed=seed,
+                max_logprobs=max_logprobs,
             ),
             parallel=ParallelConfig(
                 tensor_parallel_size=tensor_parallel_size,
                 pipeline_parallel_size=pipeline_parallel_size,
             ),
-            cache=CacheConfig(block_size=block_size, kv_cache_bytes=kv_cache_bytes),
+            cache=cache,
             device=DeviceConfig(device=device, num_threads=num_threads),
             scheduler=SchedulerConfig(
                 max_num_seqs=max_num_seqs,
@@ -113,26 +155,43 @@ class LLM:
                 ),
             ),
         )
-        executor_instance = make_executor(self.worker_config)
-        executor_instance.step_timeout_s = step_timeout_s
-        try:
-            self._core = EngineCore(
-                executor_instance,
-                self.max_model_len,
-                self.worker_config.scheduler,
-                enable_prefix_caching=enable_prefix_caching,
-            )
-        except BaseException:
-            executor_instance.shutdown()
-            raise
+        logger.info("starting %d worker(s) on %s; loading %s", world, device, folder.path)
+        with ThreadPoolExecutor(1, thread_name_prefix="zmqworker-tokenizer") as pool:
+            # The tokenizer loads while the workers start: most of that is their wait.
+            text_side = pool.submit(folder.load_text_side)
+            spawned = time.perf_counter()
+            executor_instance = executor_factory(executor)(self.worker_config)
+            try:
+                logger.info("workers up, weights loaded: %.1f s", time.perf_counter() - spawned)
+                executor_instance.step_timeout_s = step_timeout_s
+                texts = text_side.result()
+                self._core = EngineCore(
+                    executor_instance,
+                    self.max_model_len,
+                    self.worker_config.scheduler,
+                    enable_prefix_caching=enable_prefix_caching,
+                )
+            except BaseException:
+                executor_instance.shutdown()
+                raise
+        logger.info("ready: %.1f s", time.perf_counter() - started)
+        self._texts = texts
+        self.tokenizer = texts.tokenizer
+        self.vocab_size = folder.vocab_size
+        self.eos_token_ids = texts.eos_token_ids
         self._ids = itertools.count()
         # generate_stream's state: one asyncio task steps the engine for every stream.
         self._driver: asyncio.Task[None] | None = None
         self._streams: dict[str, tuple[asyncio.Queue[Any], str | None]] = {}
         self._to_add: list[Request] = []
         self._to_abort: list[str] = []
+        self._num_aborted = 0  # streams closed before their request finished
 
     # -- the API ---------------------------------------------------------------------
+
+    def default_sampling_params(self) -> SamplingParams:
+        """SamplingParams() with the defaults the model's generation_config.json sets."""
+        return self._texts.default_sampling_params
 
     def generate(
         self,
@@ -155,11 +214,27 @@ class LLM:
             raise
         return [RequestOutput.from_request(request, text) for request, text in entries]
 
+    def chat(
+        self,
+        conversations: Conversation | Sequence[Conversation],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """generate() on each conversation through the model's chat template."""
+        if conversations and isinstance(conversations[0], dict):
+            conversations = [conversations]  # type: ignore[list-item]
+        prompts = [self.chat_prompt(c) for c in conversations]  # type: ignore[arg-type]
+        return self.generate(prompts, sampling_params)
+
+    def chat_prompt(self, messages: Conversation) -> list[int]:
+        """The prompt of a conversation, ending where the assistant's reply starts."""
+        return self._texts.chat_prompt(messages)
+
     async def generate_stream(
         self, prompt: Prompt, sampling_params: SamplingParams | None = None
     ) -> AsyncIterator[RequestOutput]:
         """Yield the request's output each time it grows (new_text, new_token_ids); the
-        last one has finished=True. Several streams may run at once on one event loop."""
+        last one has finished=True. Several streams may run at once on one event loop;
+        a stream closed early aborts its request."""
         self._require_core()
         [(request, text)] = self._make_requests([prompt], sampling_params)
         queue: asyncio.Queue[Any] = asyncio.Queue()
@@ -179,6 +254,52 @@ class LLM:
             self._streams.pop(request.req_id, None)
             if not request.is_finished:
                 self._to_abort.append(request.req_id)
+                self._num_aborted += 1
+
+    def encode(self, prompt: Prompt) -> list[int]:
+        """The prompt's token ids (text goes through the tokenizer), checked against the
+        model: not empty, within max_model_len and the vocabulary."""
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("the prompt is empty")
+            if self.tokenizer is None:
+                raise ValueError("the model folder has no tokenizer: give prompts as token ids")
+            token_ids = list(self.tokenizer.encode(prompt))
+        elif isinstance(prompt, Sequence) and all(isinstance(t, int) for t in prompt):
+            token_ids = [int(t) for t in prompt]
+        else:
+            raise ValueError(f"a prompt is a str or a list of token ids, got {prompt!r:.80}")
+        if not token_ids:
+            raise ValueError("the prompt is empty")
+        if len(token_ids) > self.max_model_len:
+            raise ValueError(
+                f"the prompt has {len(token_ids)} tokens, more than max_model_len="
+                f"{self.max_model_len}"
+            )
+        if self.vocab_size is not None:
+            bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise ValueError(
+                    f"token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})"
+                )
+        return token_ids
+
+    def check_health(self, timeout: float = 10.0) -> None:
+        """Raise if a worker does not answer within timeout (safe while steps run)."""
+        self._require_core().executor.check_health(timeout=timeout)
+
+    def stats(self) -> EngineStats:
+        """Requests and KV cache blocks now."""
+        core = self._require_core()
+        kv = core.block_manager
+        return EngineStats(
+            num_running=len(core.scheduler.running),
+            num_waiting=len(core.scheduler.waiting),
+            num_blocks=kv.num_blocks,
+            num_free_blocks=kv.num_free_blocks,
+            num_preemptions=core.scheduler.num_preemptions,
+            num_aborted=self._num_aborted,
+        )
 
     def shutdown(self) -> None:
         """Stop the workers. Idempotent."""
@@ -238,7 +359,7 @@ class LLM:
         if not prompts:
             raise ValueError("no prompts given")
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            params = [sampling_params or SamplingParams()] * len(prompts)
+            params = [sampling_params or self.default_sampling_params()] * len(prompts)
         else:
             params = list(sampling_params)
             if len(params) != len(prompts):
@@ -257,32 +378,11 @@ class LLM:
     def _make_request(self, prompt: Prompt, params: SamplingParams) -> tuple[Request, str | None]:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"expected SamplingParams, got {type(params).__name__}")
-        params.validate()
-        text: str | None = None
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("the prompt is empty")
-            if self.tokenizer is None:
-                raise ValueError("the model folder has no tokenizer: give prompts as token ids")
-            text = prompt
-            token_ids = list(self.tokenizer.encode(prompt))
-        elif isinstance(prompt, Sequence) and all(isinstance(t, int) for t in prompt):
-            token_ids = [int(t) for t in prompt]
-        else:
-            raise ValueError(f"a prompt is a str or a list of token ids, got {prompt!r:.80}")
-        if not token_ids:
-            raise ValueError("the prompt is empty")
-        if len(token_ids) > self.max_model_len:
-            raise ValueError(
-                f"the prompt has {len(token_ids)} tokens, more than max_model_len="
-                f"{self.max_model_len}"
-            )
-        if self.vocab_size is not None:
-            bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
-            if bad:
-                raise ValueError(
-                    f"token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})"
-                )
+        max_logprobs = self.worker_config.model.max_logprobs
+        if params.logprobs is not None and 0 <= max_logprobs < params.logprobs:
+            # the workers would refuse the whole step it is in
+            raise ValueError(f"logprobs={params.logprobs} is more than max_logprobs={max_logprobs}")
+        token_ids = self.encode(prompt)
         detokenizer = IncrementalDetokenizer(self.tokenizer, token_ids) if self.tokenizer else None
         request = Request(
             f"req-{next(self._ids)}",
@@ -291,25 +391,7 @@ class LLM:
             eos_token_ids=self.eos_token_ids,
             detokenizer=detokenizer,
         )
-        return request, text
-
-
-def _check_args(**values: int) -> None:
-    for name, value in values.items():
-        if not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-
-
-def _check_layout(config: dict[str, Any], tp: int, pp: int) -> None:
-    """Refuse a layout the model cannot be cut into, before any process starts."""
-    layers = config.get("num_hidden_layers")
-    if isinstance(layers, int) and pp > layers:
-        raise ValueError(f"pipeline_parallel_size={pp} is larger than the model's {layers} layers")
-    heads = config.get("num_attention_heads")
-    if isinstance(heads, int) and heads % tp:
-        raise ValueError(
-            f"tensor_parallel_size={tp} does not divide the model's {heads} attention heads"
-        )
+        return request, prompt if isinstance(prompt, str) else None
 
 
 def _is_token_ids(value: object) -> bool:
@@ -321,81 +403,5 @@ def _is_token_ids(value: object) -> bool:
     )
 
 
-def _executor_factory(
-    executor: str | Callable[[WorkerConfig], Executor],
-) -> Callable[[WorkerConfig], Executor]:
-    """The executor class named by executor (imported lazily), or the callable itself."""
-    if callable(executor):
-        return executor
-    if executor not in EXECUTORS:
-        raise ValueError(
-            f"executor must be one of {sorted(EXECUTORS)} or a callable, got {executor!r}"
-        )
-    module_name, _, class_name = EXECUTORS[executor].rpartition(".")
-
-    def make(config: WorkerConfig) -> Executor:
-        return getattr(importlib.import_module(module_name), class_name)(config)
-
-    return make
-
-
-def _model_folder(model: str | None) -> Path:
-    if model is None:
-        from zmqworker.models.embedded import default_model_path
-
-        model = str(default_model_path())
-    path = Path(model).expanduser()
-    if not path.is_dir():
-        raise FileNotFoundError(f"model folder {model!r} does not exist")
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(
-            f"model folder {model!r} has no config.json: not a Hugging Face checkpoint"
-        )
-    return path.resolve()
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        raise ValueError(f"cannot read {path}: {exc}") from exc
-
-
-def _load_tokenizer(path: Path) -> Any:
-    """The folder's transformers tokenizer, or None when it has none."""
-    if not any((path / name).is_file() for name in _TOKENIZER_FILES):
-        return None
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(path))
-
-
-def _max_model_len(config: dict[str, Any], requested: int | None) -> int:
-    limit = config.get("max_position_embeddings")
-    if requested is None:
-        if limit is None:
-            raise ValueError("config.json has no max_position_embeddings: give max_model_len")
-        return int(limit)
-    if requested < 1:
-        raise ValueError(f"max_model_len must be >= 1, got {requested}")
-    if limit is not None and requested > limit:
-        raise ValueError(
-            f"max_model_len={requested} is more than the model's max_position_embeddings={limit}"
-        )
-    return requested
-
-
-def _eos_token_ids(path: Path, config: dict[str, Any], tokenizer: Any) -> frozenset[int]:
-    """EOS ids from config.json, generation_config.json and the tokenizer, together."""
-    ids: set[int] = set()
-    sources = [config.get("eos_token_id")]
-    if (path / "generation_config.json").is_file():
-        sources.append(_read_json(path / "generation_config.json").get("eos_token_id"))
-    if tokenizer is not None:
-        sources.append(tokenizer.eos_token_id)
-    for source in sources:
-        if isinstance(source, int):
-            ids.add(source)
-        elif isinstance(source, list):
-            ids.update(t for t in source if isinstance(t, int))
-    return frozenset(ids)
+# The options' types, Meta included, for the checks above and for the CLI.
+OPTION_TYPES = arg_types(LLM.__init__)

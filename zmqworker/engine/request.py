@@ -7,7 +7,7 @@ import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from messages import SamplingParams
+from messages import LogprobsLists, SamplingParams
 from zmqworker.engine.detokenizer import IncrementalDetokenizer
 
 
@@ -21,6 +21,26 @@ class FinishReason(str, enum.Enum):
     STOP = "stop"  # EOS, a stop token id or a stop string
     LENGTH = "length"  # max_tokens, or the model's max_model_len
     ABORT = "abort"
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A token and its log probability; text is the token decoded alone (None when the
+    model has no tokenizer)."""
+
+    token_id: int
+    logprob: float
+    text: str | None
+
+
+@dataclass(frozen=True)
+class PositionLogprobs:
+    """One generated position: the sampled token with its rank in the vocabulary (1: the
+    most likely), and the n most likely tokens there, most likely first."""
+
+    sampled: TokenLogprob
+    rank: int
+    top: list[TokenLogprob]
 
 
 @dataclass(frozen=True)
@@ -53,11 +73,8 @@ class Request:
     ) -> None:
         if len(prompt_token_ids) == 0:
             raise ValueError(f"request {req_id!r}: the prompt is empty")
-        sampling_params.validate()
         if sampling_params.stop and detokenizer is None:
             raise ValueError(f"request {req_id!r}: stop strings need a tokenizer (detokenizer)")
-        if any(not s for s in sampling_params.stop):
-            raise ValueError(f"request {req_id!r}: empty stop string")
         self.req_id = req_id
         self.prompt_token_ids = [int(t) for t in prompt_token_ids]
         self.all_token_ids = list(self.prompt_token_ids)
@@ -75,6 +92,10 @@ class Request:
         self.num_cached_tokens = 0  # prefix-cache hits when it was last scheduled as new
         self.num_preemptions = 0
         self.output_text = ""
+        # One entry per output token when sampling_params.logprobs is set, else None.
+        self.logprobs: list[PositionLogprobs] | None = (
+            None if sampling_params.logprobs is None else []
+        )
         self._detokenizer = detokenizer
         # Streamed text stays this many characters behind, since they could still turn
         # out to start a stop string (which is trimmed from the output).
@@ -102,13 +123,21 @@ class Request:
         return self.status is RequestStatus.FINISHED
 
     def append_output_token(
-        self, token_id: int, max_model_len: int, now: float | None = None
+        self,
+        token_id: int,
+        max_model_len: int,
+        now: float | None = None,
+        logprobs: LogprobsLists | None = None,
+        row: int = 0,
     ) -> bool:
-        """Record a sampled token, update the text, apply the stop rules; True if the
-        request is finished now. A stop token's own text is not added to the output."""
+        """Record a sampled token (and its logprobs: row `row` of the step's), update the
+        text, apply the stop rules; True if the request is finished now. A stop token's
+        own text is not added to the output."""
         if self.is_finished:
             raise RuntimeError(f"request {self.req_id!r} is finished; got token {token_id}")
         now = time.monotonic() if now is None else now
+        if self.logprobs is not None:
+            self.logprobs.append(self._position_logprobs(token_id, logprobs, row))
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
         if self.first_token_time is None:
@@ -162,6 +191,27 @@ class Request:
         return RequestTimings(
             ttft=self.first_token_time - self.arrival_time, tpot=tpot, total=end - self.arrival_time
         )
+
+    def _position_logprobs(
+        self, token_id: int, logprobs: LogprobsLists | None, row: int
+    ) -> PositionLogprobs:
+        """The row's sampled token (column 0) and its first n top tokens."""
+        if logprobs is None:
+            raise RuntimeError(
+                f"request {self.req_id!r} asked for logprobs but the step returned none"
+            )
+        n = self.sampling_params.logprobs or 0
+        ids = logprobs.logprob_token_ids[row, : n + 1].tolist()
+        values = logprobs.logprobs[row, : n + 1].tolist()
+        if len(ids) < n + 1 or ids[0] != token_id:
+            raise RuntimeError(
+                f"request {self.req_id!r}: the step's logprobs row {row} ({ids[:1]}, "
+                f"{len(ids) - 1} top) does not hold token {token_id} and {n} top tokens"
+            )
+        texts = self._detokenizer.token_texts(ids) if self._detokenizer else [None] * len(ids)
+        entries = [TokenLogprob(*entry) for entry in zip(ids, values, texts, strict=True)]
+        rank = int(logprobs.sampled_token_ranks[row])
+        return PositionLogprobs(sampled=entries[0], rank=rank, top=entries[1:])
 
     def _append_text(self, text: str) -> bool:
         """Append new output text; on a stop string, trim the text there and return True."""

@@ -294,7 +294,7 @@ class Scheduler:
             )
         now = time.monotonic()
         changed: list[Request] = []
-        for handle, token in zip(handles, tokens, strict=True):
+        for row, (handle, token) in enumerate(zip(handles, tokens, strict=True)):
             request = step.requests[handle]
             if request.is_finished:
                 continue  # aborted while the step was in flight
@@ -308,7 +308,9 @@ class Scheduler:
                     f"token {token} sampled for {request.req_id!r} (handle {handle}) in the "
                     "middle of its prefill"
                 )
-            if request.append_output_token(token, self.max_model_len, now):
+            if request.append_output_token(
+                token, self.max_model_len, now, runner_output.logprobs, row
+            ):
                 self.running.remove(request)
                 self._release(request)
             changed.append(request)

@@ -5,6 +5,6 @@ May import: messages, zmqworker.transport, zmqworker.attention, zmqworker.distri
 """
 
 from zmqworker.models.llama import LlamaForCausalLM
-from zmqworker.models.registry import ARCHITECTURES, CausalLM, build_model, load_hf_config
+from zmqworker.models.registry import CausalLM, build_model, load_hf_config
 
-__all__ = ["ARCHITECTURES", "CausalLM", "LlamaForCausalLM", "build_model", "load_hf_config"]
+__all__ = ["CausalLM", "LlamaForCausalLM", "build_model", "load_hf_config"]

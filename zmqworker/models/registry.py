@@ -12,6 +12,7 @@ import transformers
 
 from messages import ModelConfig
 from zmqworker.distributed.parallel_state import ParallelState
+from zmqworker.models.architectures import SUPPORTED, supported_architecture
 from zmqworker.models.llama import FamilyFlags, LlamaForCausalLM
 
 CausalLM = LlamaForCausalLM
@@ -29,13 +30,14 @@ def _qwen3_flags(cfg: Any) -> FamilyFlags:
     return FamilyFlags(qkv_bias=bias, o_bias=bias, qk_norm=True)
 
 
-# Architecture -> (model_type, flags of that family member).
-ARCHITECTURES: dict[str, tuple[str, Callable[[Any], FamilyFlags]]] = {
-    "LlamaForCausalLM": ("llama", _llama_flags),
-    "MistralForCausalLM": ("mistral", lambda cfg: FamilyFlags()),
-    "Qwen2ForCausalLM": ("qwen2", lambda cfg: FamilyFlags(qkv_bias=True)),
-    "Qwen3ForCausalLM": ("qwen3", _qwen3_flags),
+# Each supported architecture's flags of its family member.
+FAMILY_FLAGS: dict[str, Callable[[Any], FamilyFlags]] = {
+    "LlamaForCausalLM": _llama_flags,
+    "MistralForCausalLM": lambda cfg: FamilyFlags(),
+    "Qwen2ForCausalLM": lambda cfg: FamilyFlags(qkv_bias=True),
+    "Qwen3ForCausalLM": _qwen3_flags,
 }
+assert FAMILY_FLAGS.keys() == SUPPORTED.keys()
 
 
 def load_hf_config(path: str) -> transformers.PretrainedConfig:
@@ -53,17 +55,10 @@ def torch_dtype(name: str) -> torch.dtype:
 
 def family_flags(cfg: Any) -> FamilyFlags:
     """The flags of a supported architecture; an error naming it and the supported list."""
-    by_model_type = {model_type: flags for model_type, flags in ARCHITECTURES.values()}
-    for arch in getattr(cfg, "architectures", None) or []:
-        if arch in ARCHITECTURES:
-            return ARCHITECTURES[arch][1](cfg)
-    model_type = getattr(cfg, "model_type", None)
-    if not getattr(cfg, "architectures", None) and model_type in by_model_type:
-        return by_model_type[model_type](cfg)
-    raise ValueError(
-        f"unsupported architecture {getattr(cfg, 'architectures', None)} "
-        f"(model_type {model_type!r}); supported: {sorted(ARCHITECTURES)}"
+    arch = supported_architecture(
+        getattr(cfg, "architectures", None), getattr(cfg, "model_type", None)
     )
+    return FAMILY_FLAGS[arch](cfg)
 
 
 @contextmanager

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import re
 
+import psutil
 import torch
 
 
@@ -27,17 +28,17 @@ class DeviceOps:
         """Return cached device memory to the system; the CPU keeps no cache."""
 
     def free_and_total_bytes(self) -> tuple[int, int]:
-        info = _meminfo()
-        return info["MemAvailable"], info["MemTotal"]
+        memory = psutil.virtual_memory()
+        return memory.available, memory.total
 
     def reset_peak(self) -> int:
         """Start a peak measurement; returns the bytes in use now."""
         _reset_peak_rss()
-        return _rss_bytes("VmRSS")
+        return psutil.Process().memory_info().rss
 
     def peak_bytes(self) -> int:
-        """Peak bytes in use since reset_peak."""
-        return _rss_bytes("VmHWM")
+        """Peak bytes in use since reset_peak (VmHWM: psutil has no peak that resets)."""
+        return _peak_rss_bytes()
 
 
 class CudaOps(DeviceOps):
@@ -84,18 +85,9 @@ def device_ops(device: str) -> DeviceOps:
     raise ValueError(f"device must be auto, cpu or cuda, got {device!r}")
 
 
-def _meminfo() -> dict[str, int]:
-    out = {}
-    with open("/proc/meminfo") as f:
-        for line in f:
-            key, value = line.split(":", 1)
-            out[key] = int(value.split()[0]) * 1024
-    return out
-
-
-def _rss_bytes(field: str) -> int:
+def _peak_rss_bytes() -> int:
     with open("/proc/self/status") as f:
-        m = re.search(rf"^{field}:\s+(\d+) kB", f.read(), re.M)
+        m = re.search(r"^VmHWM:\s+(\d+) kB", f.read(), re.M)
     return int(m.group(1)) * 1024 if m else 0
 
 

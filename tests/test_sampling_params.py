@@ -1,0 +1,49 @@
+"""SamplingParams' ranges are msgspec Meta constraints: checked when the struct is made
+and when a message decodes, the field named either way."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from messages import SamplingParams
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"temperature": -0.5}, r"Expected `float` >= 0.0 - at `\$.temperature`"),
+        ({"top_p": 0.0}, r"Expected `float` > 0.0 - at `\$.top_p`"),
+        ({"top_p": 1.5}, r"Expected `float` <= 1.0 - at `\$.top_p`"),
+        ({"min_p": -0.1}, r"Expected `float` >= 0.0 - at `\$.min_p`"),
+        ({"top_k": -2}, r"Expected `int` >= -1 - at `\$.top_k`"),
+        ({"max_tokens": 0}, r"Expected `int` >= 1 - at `\$.max_tokens`"),
+        ({"stop": ["ok", ""]}, r"Expected `str` of length >= 1 - at `\$.stop\[1\]`"),
+        ({"stop_token_ids": [-1]}, r"Expected `int` >= 0 - at `\$.stop_token_ids\[0\]`"),
+        ({"logprobs": -1}, r"Expected `int` >= 0 - at `\$.logprobs`"),
+        ({"temperature": float("nan")}, r"Expected `float` >= 0.0 - at `\$.temperature`"),
+        ({"top_p": float("nan")}, r"Expected `float` > 0.0 - at `\$.top_p`"),
+        ({"temperature": float("inf")}, r"temperature must be finite"),
+        ({"temperature": "hot"}, r"Expected `float`, got `str` - at `\$.temperature`"),
+    ],
+)
+def test_a_value_out_of_range_is_refused_by_name(fields, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**fields)
+    # A message carrying it does not decode either.
+    raw = msgspec.msgpack.encode({"type": "SamplingParams", **fields})
+    with pytest.raises(msgspec.ValidationError, match=message):
+        msgspec.msgpack.decode(raw, type=SamplingParams)
+
+
+def test_values_in_range_round_trip():
+    params = SamplingParams(
+        temperature=0.0, top_k=-1, top_p=1.0, min_p=1.0, seed=-3, max_tokens=1,
+        stop=["\n"], stop_token_ids=[0], ignore_eos=True, logprobs=0,
+    )  # fmt: skip
+    params.validate()
+    raw = msgspec.msgpack.encode(params)
+    assert msgspec.msgpack.decode(raw, type=SamplingParams) == params
+    assert msgspec.structs.replace(params, logprobs=20).logprobs == 20
+    with pytest.raises(ValueError, match="logprobs"):
+        msgspec.structs.replace(params, logprobs=-1)

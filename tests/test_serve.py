@@ -1,0 +1,311 @@
+"""zmqworker serve on the embedded model, called as users call it: the official openai
+client against a real server process (completions and chat, streaming and not,
+concurrent requests, a client that disconnects, bad requests, SIGTERM)."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import openai
+import psutil
+import pytest
+
+from tests.test_readme import require_embedded_model
+from tests.test_tp_model import free_port
+
+ROOT = Path(__file__).resolve().parent.parent
+MODEL = "smollm2-135m-instruct"
+START_TIMEOUT_S = 240
+
+
+def get(url: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=30) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+
+
+class Server:
+    """A `zmqworker serve` process on a free port; stopped with SIGTERM, then killed."""
+
+    def __init__(self, *options: str) -> None:
+        require_embedded_model()
+        self.port = free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.log = tempfile.TemporaryFile()  # noqa: SIM115 (closed by stop())
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "zmqworker", "serve", "--port", str(self.port),
+             "--max-model-len", "512", "--max-num-seqs", "8", *options],
+            cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while get_or_none(f"{self.base}/health") != 200:
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"the server did not start:\n{self.output()[-3000:]}")
+            time.sleep(0.3)
+        self.workers = [p.pid for p in psutil.Process(self.proc.pid).children(recursive=True)]
+
+    def client(self, **kw) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.base}/v1", api_key="unused", **kw)
+
+    def metrics(self) -> dict[str, float]:
+        _, text = get(f"{self.base}/metrics")
+        return {
+            m.group(1): float(m.group(2))
+            for m in re.finditer(r"^zmqworker:(\w+) ([\d.e+-]+)$", text, re.M)
+        }
+
+    def wait_idle(self, timeout: float = 60.0) -> dict[str, float]:
+        """Metrics once no request runs and no KV block is held."""
+        deadline = time.monotonic() + timeout
+        while True:
+            metrics = self.metrics()
+            idle = metrics["num_requests_running"] == 0 and metrics["kv_cache_blocks_used"] == 0
+            if idle or time.monotonic() > deadline:
+                return metrics
+            time.sleep(0.1)
+
+    def output(self) -> str:
+        if self.log.closed:
+            return self.final_output
+        self.log.seek(0)
+        return self.log.read().decode(errors="replace")
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        if not self.log.closed:
+            self.final_output = self.output()
+            self.log.close()
+        return self.proc.returncode
+
+
+def get_or_none(url: str) -> int | None:
+    try:
+        return get(url)[0]
+    except OSError:
+        return None
+
+
+@pytest.fixture(scope="module")
+def server():
+    srv = Server()
+    yield srv
+    srv.stop()
+
+
+def test_health_models_and_metrics(server):
+    assert get(f"{server.base}/health")[0] == 200
+    [card] = server.client().models.list().data
+    assert card.id == MODEL and card.model_extra["max_model_len"] == 512
+    assert server.metrics()["kv_cache_blocks"] == 8 * 512 // 16  # sized for the run
+
+
+def test_completion_whole_and_streamed(server):
+    client = server.client()
+    whole = client.completions.create(
+        model=MODEL, prompt="The capital of France is", max_tokens=6, temperature=0
+    )
+    [choice] = whole.choices
+    assert choice.text.startswith(" Paris") and choice.finish_reason == "length"
+    assert whole.usage.completion_tokens == 6 and whole.usage.prompt_tokens == 5
+    assert whole.usage.total_tokens == 11
+    chunks = list(
+        client.completions.create(
+            model=MODEL, prompt="The capital of France is", max_tokens=6, temperature=0,
+            stream=True, stream_options={"include_usage": True},
+        )
+    )  # fmt: skip
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == choice.text
+    assert chunks[-2].choices[0].finish_reason == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 6
+
+
+def test_chat_with_a_system_message(server):
+    client = server.client()
+    messages = [
+        {"role": "system", "content": "You answer with one word."},
+        {"role": "user", "content": "What is the capital of France?"},
+    ]
+    whole = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=8, temperature=0
+    )
+    reply = whole.choices[0].message
+    assert reply.role == "assistant" and "Paris" in reply.content
+    assert "one word" not in reply.content  # the reply only, not the prompt
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=8, temperature=0, stream=True
+        )
+    )
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == reply.content
+    assert chunks[-1].choices[0].finish_reason == whole.choices[0].finish_reason
+    # Without the system message the template's default one applies: another prompt.
+    other = client.chat.completions.create(
+        model=MODEL, messages=messages[1:], max_tokens=1, temperature=0
+    )
+    assert other.usage.prompt_tokens != whole.usage.prompt_tokens
+
+
+def test_logprobs(server):
+    client = server.client()
+    out = client.completions.create(
+        model=MODEL, prompt="The capital of France is", max_tokens=3, temperature=0, logprobs=2
+    )
+    logprobs = out.choices[0].logprobs
+    assert "".join(logprobs.tokens) == out.choices[0].text
+    assert all(len(top) == 2 for top in logprobs.top_logprobs)
+    for token, value, top in zip(
+        logprobs.tokens, logprobs.token_logprobs, logprobs.top_logprobs, strict=True
+    ):
+        assert value <= 0 and max(top, key=top.get) == token  # greedy: the most likely
+    chat = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=3,
+        temperature=0, logprobs=True, top_logprobs=3,
+    )  # fmt: skip
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens
+    for entry in content:
+        assert len(entry.top_logprobs) == 3 and entry.top_logprobs[0].token == entry.token
+        assert bytes(entry.bytes).decode() == entry.token
+
+
+def test_stop_strings_and_seeds(server):
+    client = server.client()
+    stopped = client.completions.create(
+        model=MODEL, prompt="The capital of France is", max_tokens=16, temperature=0, stop=["."]
+    )
+    assert stopped.choices[0].finish_reason == "stop"
+    assert stopped.choices[0].text == " Paris"
+    sampled = [
+        client.completions.create(
+            model=MODEL, prompt="Once upon a time", max_tokens=6, temperature=1.0, seed=7
+        )
+        .choices[0]
+        .text
+        for _ in range(2)
+    ]
+    assert sampled[0] == sampled[1]
+
+
+def test_concurrent_clients_share_the_batch(server):
+    async def scenario() -> tuple[list[str], float]:
+        client = openai.AsyncOpenAI(base_url=f"{server.base}/v1", api_key="unused")
+        most_running = 0.0
+
+        async def one(i: int) -> str:
+            nonlocal most_running
+            text = ""
+            stream = await client.completions.create(
+                model=MODEL, prompt=f"Story {i}:", max_tokens=16, temperature=0,
+                stream=True, extra_body={"ignore_eos": True},
+            )  # fmt: skip
+            async for chunk in stream:
+                text += chunk.choices[0].text
+                if len(text) > 10:
+                    running = (await asyncio.to_thread(server.metrics))["num_requests_running"]
+                    most_running = max(most_running, running)
+            return text
+
+        texts = await asyncio.gather(*(one(i) for i in range(4)))
+        await client.close()
+        return texts, most_running
+
+    texts, most_running = asyncio.run(scenario())
+    assert all(texts) and most_running >= 2
+
+
+def test_a_client_that_disconnects_has_its_request_aborted(server):
+    before = server.metrics()["num_requests_aborted_total"]
+    stream = server.client().completions.create(
+        model=MODEL, prompt="Once upon a time", max_tokens=400, temperature=0, stream=True,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    for i, _ in enumerate(stream):
+        if i == 2:
+            break
+    stream.close()
+    impatient = server.client(timeout=0.5, max_retries=0)
+    with pytest.raises(openai.APITimeoutError):
+        impatient.completions.create(
+            model=MODEL, prompt="Once upon a time", max_tokens=400, temperature=0,
+            extra_body={"ignore_eos": True},
+        )  # fmt: skip
+    metrics = server.wait_idle()
+    assert metrics["num_requests_running"] == 0 and metrics["kv_cache_blocks_used"] == 0
+    assert metrics["num_requests_aborted_total"] == before + 2
+
+
+@pytest.mark.parametrize(
+    ("request_args", "status", "param", "message"),
+    [
+        ({"temperature": -1}, 400, "temperature", "greater than or equal to 0"),
+        ({"extra_body": {"top_k": -5}}, 400, "top_k", "greater than or equal to -1"),
+        ({"n": 2}, 400, "n", "Input should be 1"),
+        ({"max_tokens": 1000}, 400, "max_tokens", "maximum context length is 512"),
+        ({"extra_body": {"best": 1}}, 400, "best", "Unrecognized request argument"),
+        ({"model": "other"}, 404, "model", "does not exist"),
+        ({"prompt": ""}, 400, "prompt", "empty"),
+        ({"stop": [""]}, 400, "stop", "length >= 1"),
+    ],
+)
+def test_bad_requests_get_the_openai_error_shape(server, request_args, status, param, message):
+    args = {"model": MODEL, "prompt": "Hello", "max_tokens": 2, **request_args}
+    with pytest.raises(openai.APIStatusError) as caught:
+        server.client(max_retries=0).completions.create(**args)
+    assert caught.value.status_code == status
+    assert caught.value.body["param"] == param and message in caught.value.body["message"]
+    assert caught.value.body["type"] == "invalid_request_error"
+
+
+def test_a_bad_chat_request_names_the_field(server):
+    with pytest.raises(openai.BadRequestError) as caught:
+        server.client(max_retries=0).chat.completions.create(
+            model=MODEL, messages=[{"role": "robot", "content": "hi"}]
+        )
+    assert caught.value.body["param"] == "messages.0.role"
+
+
+def test_readme_openai_snippet_runs_against_the_server(server):
+    from tests.test_readme import python_blocks
+
+    [snippet] = [block for block in python_blocks() if "import openai" in block]
+    code = snippet.replace("http://localhost:8000", server.base)
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "Paris" in out.stdout
+
+
+def test_sigterm_drains_the_requests_in_flight_then_stops_the_workers():
+    srv = Server("--shutdown-timeout", "300")  # a loaded machine must not cut the drain
+    stream = srv.client().completions.create(
+        model=MODEL, prompt="Once upon a time", max_tokens=12, temperature=0, stream=True,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    chunks = [next(iter(stream))]
+    srv.proc.send_signal(signal.SIGTERM)
+    chunks += list(stream)
+    assert sum(1 for c in chunks if c.choices[0].text) == 12  # every token, then the end
+    assert chunks[-1].choices[0].finish_reason == "length"
+    assert srv.stop() == 0, srv.output()[-2000:]
+    assert srv.workers and not any(psutil.pid_exists(pid) for pid in srv.workers)
+    assert "stopping the workers" in srv.output()

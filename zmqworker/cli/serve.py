@@ -1,0 +1,61 @@
+"""`zmqworker serve`: the OpenAI-compatible server (zmqworker/serve/)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Any
+
+from zmqworker.cli.options import add_options, given, llm_options
+
+LLM_OPTIONS = llm_options()
+API_KEY_ENV = "ZMQWORKER_API_KEY"
+
+
+def add_parser(sub: Any) -> argparse.ArgumentParser:
+    parser = sub.add_parser(
+        "serve",
+        help="serve the model over an OpenAI-compatible HTTP API",
+        description="Serve /v1/completions, /v1/chat/completions, /v1/models, /health and "
+        "/metrics over the reference engine. SIGINT or SIGTERM lets the requests in flight "
+        "finish, then stops the workers.",
+    )
+    parser.add_argument("--host", default="127.0.0.1", help="address (default: 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
+    parser.add_argument(
+        "--served-model-name", help="the model's name in the API (default: its folder's name)"
+    )
+    parser.add_argument(
+        "--api-key", help=f"require this bearer token (default: ${API_KEY_ENV}, if set)"
+    )
+    parser.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        help="seconds requests in flight get to finish on SIGINT/SIGTERM (default: 30)",
+    )
+    parser.add_argument(
+        "--uvicorn-log-level",
+        default="warning",
+        choices=("critical", "error", "warning", "info", "debug"),
+        help="uvicorn's logging (info: one line per request; default: warning)",
+    )
+    add_options(parser.add_argument_group("engine"), LLM_OPTIONS)
+    return parser
+
+
+def run(args: argparse.Namespace) -> int:
+    from zmqworker.serve import serve
+
+    if not 0 < args.port < 65536:
+        raise ValueError(f"--port must be in [1, 65535], got {args.port}")
+    serve(
+        given(args, LLM_OPTIONS),
+        host=args.host,
+        port=args.port,
+        served_model_name=args.served_model_name,
+        api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+        shutdown_timeout_s=args.shutdown_timeout,
+        log_level=args.uvicorn_log_level,
+    )
+    return 0

@@ -1,0 +1,241 @@
+"""A checkpoint folder as the engine reads it, through transformers: config.json before
+any worker starts (PretrainedConfig's reader), to check the architecture and the layout
+and to size the KV cache; and the text side (tokenizer, GenerationConfig's defaults, EOS
+ids), loaded while the workers start.
+
+Not AutoConfig before the workers start: it imports the model type's config module, which
+in transformers 5 pulls torch.distributed and sympy, 1.5-2.5 s on this 2-core machine
+(against 0.8 s for the reader, most of it importing transformers) on the critical path of
+start-up. The workers build the model's own config themselves; the engine needs six
+numbers, with LlamaConfig's defaults where config.json leaves them out.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import psutil
+
+from messages import CacheConfig, KVCacheSpec, SamplingParams
+from zmqworker.cdiv import cdiv
+from zmqworker.models.architectures import supported_architecture
+
+logger = logging.getLogger(__name__)
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+# generation_config.json keys that set a SamplingParams default, and the field they set.
+_GENERATION_DEFAULTS = {
+    "temperature": "temperature",
+    "top_k": "top_k",
+    "top_p": "top_p",
+    "min_p": "min_p",
+    "max_new_tokens": "max_tokens",
+}
+
+
+@dataclass(frozen=True)
+class TextSide:
+    """What turns text into tokens and back, and the model's own generation defaults."""
+
+    tokenizer: Any  # a transformers tokenizer, or None when the folder has none
+    default_sampling_params: SamplingParams
+    eos_token_ids: frozenset[int]
+
+    def chat_prompt(self, messages: Sequence[dict[str, Any]]) -> list[int]:
+        """The token ids of a conversation, ending where the assistant's reply starts."""
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError("the model's tokenizer has no chat template")
+        if not messages:
+            raise ValueError("the conversation has no messages")
+        for i, message in enumerate(messages):
+            if not isinstance(message, dict) or not isinstance(message.get("content"), str):
+                raise ValueError(f"message {i}: expected {{'role': ..., 'content': str}}")
+            if message.get("role") not in ("system", "user", "assistant"):
+                raise ValueError(
+                    f"message {i}: role must be system, user or assistant, "
+                    f"got {message.get('role')!r}"
+                )
+        text = self.tokenizer.apply_chat_template(
+            list(messages), add_generation_prompt=True, tokenize=False
+        )
+        # The template writes the special tokens itself.
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+
+class ModelFolder:
+    """A Hugging Face checkpoint folder and its config."""
+
+    def __init__(self, path: Path, config: dict[str, Any]) -> None:
+        self.path = path
+        self.config = config  # config.json, as transformers reads it
+
+    @classmethod
+    def open(cls, model: str | None) -> ModelFolder:
+        """The folder named by model (None: the embedded model), with its config read."""
+        if model is None:
+            from zmqworker.models.embedded import default_model_path
+
+            model = default_model_path()
+        path = Path(model).expanduser()
+        if not path.is_dir():
+            raise FileNotFoundError(f"model folder {model!r} does not exist")
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(
+                f"model folder {model!r} has no config.json: not a Hugging Face checkpoint"
+            )
+        from transformers import PretrainedConfig
+
+        try:
+            config, _ = PretrainedConfig.get_config_dict(str(path))
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"cannot read {path / 'config.json'}: {exc}") from exc
+        for key in ("num_hidden_layers", "num_attention_heads", "hidden_size"):
+            if not isinstance(config.get(key), int) or config[key] < 1:
+                raise ValueError(f"{path / 'config.json'}: {key} must be a positive int")
+        try:
+            supported_architecture(config.get("architectures"), config.get("model_type"))
+        except ValueError as exc:
+            raise ValueError(f"{path / 'config.json'}: {exc}") from None
+        return cls(path.resolve(), config)
+
+    @property
+    def num_layers(self) -> int:
+        return self.config["num_hidden_layers"]
+
+    @property
+    def num_heads(self) -> int:
+        return self.config["num_attention_heads"]
+
+    @property
+    def num_kv_heads(self) -> int:
+        return int(self.config.get("num_key_value_heads") or self.num_heads)
+
+    @property
+    def head_dim(self) -> int:
+        return int(self.config.get("head_dim") or self.config["hidden_size"] // self.num_heads)
+
+    @property
+    def vocab_size(self) -> int | None:
+        return self.config.get("vocab_size")
+
+    def tensor_parallel_sizes(self) -> list[int]:
+        """The tensor-parallel sizes the model can be cut into."""
+        return [n for n in range(1, self.num_kv_heads + 1) if self._splits(n)]
+
+    def check_layout(self, tp: int, pp: int) -> None:
+        """Refuse a layout the model cannot be cut into, before any process starts."""
+        if not self._splits(tp):
+            raise ValueError(
+                f"tensor_parallel_size={tp} must divide the model's {self.num_heads} attention "
+                f"heads and {self.num_kv_heads} KV heads: it can be "
+                f"{' or '.join(map(str, self.tensor_parallel_sizes()))}"
+            )
+        if pp > self.num_layers:
+            raise ValueError(
+                f"pipeline_parallel_size={pp} is more than the model's {self.num_layers} layers"
+            )
+
+    def max_model_len(self, requested: int | None) -> int:
+        limit = self.config.get("max_position_embeddings")
+        if requested is None:
+            if limit is None:
+                raise ValueError("config.json has no max_position_embeddings: give max_model_len")
+            return int(limit)
+        if limit is not None and requested > limit:
+            raise ValueError(
+                f"max_model_len={requested} is more than the model's "
+                f"max_position_embeddings={limit}"
+            )
+        return requested
+
+    def load_text_side(self) -> TextSide:
+        tokenizer = None
+        if any((self.path / name).is_file() for name in _TOKENIZER_FILES):
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(str(self.path))
+        generation = self._generation_config()
+        set_in_file = generation.to_diff_dict() if generation is not None else {}
+        overrides = {
+            field: set_in_file[key]
+            for key, field in _GENERATION_DEFAULTS.items()
+            if set_in_file.get(key) is not None
+        }
+        try:
+            defaults = msgspec.convert(
+                {"type": "SamplingParams", **overrides}, SamplingParams, strict=False
+            )
+        except msgspec.ValidationError as exc:
+            raise ValueError(f"{self.path / 'generation_config.json'}: {exc}") from None
+        ids: set[int] = set()
+        sources = [self.config.get("eos_token_id"), generation.eos_token_id if generation else None]
+        if tokenizer is not None:
+            sources.append(tokenizer.eos_token_id)
+        for source in sources:
+            if isinstance(source, int):
+                ids.add(source)
+            elif isinstance(source, list):
+                ids.update(t for t in source if isinstance(t, int))
+        return TextSide(tokenizer, defaults, frozenset(ids))
+
+    def _generation_config(self) -> Any:
+        if not (self.path / "generation_config.json").is_file():
+            return None
+        from transformers import GenerationConfig
+
+        try:
+            return GenerationConfig.from_pretrained(str(self.path))
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"cannot read {self.path / 'generation_config.json'}: {exc}") from exc
+
+    def _splits(self, tp: int) -> bool:
+        return self.num_heads % tp == 0 and self.num_kv_heads % tp == 0
+
+
+def cache_config_for(
+    folder: ModelFolder,
+    cache: CacheConfig,
+    num_blocks: int,
+    fill: bool,
+    dtype: str,
+    tp: int,
+    pp: int,
+    local_cpu: bool,
+) -> CacheConfig:
+    """cache, with kv_cache_bytes set for CPU workers on this host (local_cpu) unless the
+    user set it: num_blocks blocks, at most cpu_memory_fraction of the memory available
+    now (shared by the ranks); all of that when fill. The workers then skip profiling.
+    Elsewhere the workers profile and fill their budget."""
+    if cache.kv_cache_bytes is not None or not local_cpu:
+        return cache
+    layers = cdiv(folder.num_layers, pp)  # the stage with the most layers
+    spec = KVCacheSpec(cache.block_size, folder.num_kv_heads // tp, folder.head_dim, dtype, [])
+    block_bytes = spec.page_size_bytes * layers
+    cap = int(psutil.virtual_memory().available * cache.cpu_memory_fraction / (tp * pp))
+    size = num_blocks * block_bytes
+    if fill or size > cap:
+        logger.info(
+            "KV cache: %s of memory per worker (cpu_memory_fraction=%g)",
+            _gib(cap),
+            cache.cpu_memory_fraction,
+        )
+        size = cap
+    return msgspec.structs.replace(cache, kv_cache_bytes=size)
+
+
+def on_cpu(device: str) -> bool:
+    """Whether the workers' device is the CPU ("auto": when no GPU is visible here)."""
+    if device == "auto":
+        import torch
+
+        return not torch.cuda.is_available()
+    return device == "cpu"
+
+
+def _gib(n: int) -> str:
+    return f"{n / (1 << 30):.2f} GiB"

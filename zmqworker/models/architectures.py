@@ -1,0 +1,30 @@
+"""The architectures the workers build, by the name config.json gives them: a table of
+names, read by the engine before any worker starts and by the workers' model registry."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+# config.json "architectures" entry -> its model_type.
+SUPPORTED: dict[str, str] = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+
+
+def supported_architecture(architectures: Sequence[str] | None, model_type: str | None) -> str:
+    """The first supported entry of architectures (a config without any: by model_type);
+    an error naming what the config says and the supported list."""
+    for arch in architectures or []:
+        if arch in SUPPORTED:
+            return arch
+    if not architectures:
+        for arch, arch_model_type in SUPPORTED.items():
+            if arch_model_type == model_type:
+                return arch
+    raise ValueError(
+        f"unsupported architecture {list(architectures) if architectures else None} "
+        f"(model_type {model_type!r}); supported: {sorted(SUPPORTED)}"
+    )

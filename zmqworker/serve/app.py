@@ -1,0 +1,149 @@
+"""The FastAPI application over one LLM: the OpenAI routes, /health, /metrics, errors.
+
+Handlers run on the server's event loop, where the LLM's streams step the engine (off
+the loop, in a thread): concurrent requests share its batches.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from starlette.exceptions import HTTPException
+
+from zmqworker import __version__
+from zmqworker.engine.llm import LLM
+from zmqworker.serve.chat import create_chat_completion
+from zmqworker.serve.completions import create_completion
+from zmqworker.serve.errors import APIError
+from zmqworker.serve.generation import ClientDisconnected, now
+from zmqworker.serve.protocol import ChatCompletionRequest, CompletionRequest
+
+logger = logging.getLogger(__name__)
+HEALTH_TIMEOUT_S = 10.0
+
+
+def build_app(llm: LLM, model_name: str, api_key: str | None = None) -> FastAPI:
+    app = FastAPI(title="zmqworker", version=__version__)
+    registry = CollectorRegistry()
+    registry.register(_EngineCollector(llm))
+
+    async def authorized(request: Request) -> None:
+        if api_key is None:
+            return
+        given = request.headers.get("authorization", "")
+        if not secrets.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+            raise APIError("Incorrect API key provided", 401, code="invalid_api_key")
+
+    def check_model(name: str) -> None:
+        if name != model_name:
+            raise APIError(
+                f"The model `{name}` does not exist (this server serves `{model_name}`).",
+                404,
+                param="model",
+                code="model_not_found",
+            )
+
+    @app.get("/health")
+    async def health() -> Response:
+        try:
+            await asyncio.to_thread(llm.check_health, HEALTH_TIMEOUT_S)
+        except Exception as exc:
+            return APIError(f"unhealthy: {exc}", 503, "server_error").response()
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": __version__}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models", dependencies=[Depends(authorized)])
+    async def models() -> dict:
+        card = {
+            "id": model_name,
+            "object": "model",
+            "created": started,
+            "owned_by": "zmqworker",
+            "max_model_len": llm.max_model_len,
+        }
+        return {"object": "list", "data": [card]}
+
+    @app.post("/v1/completions", dependencies=[Depends(authorized)])
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        check_model(body.model)
+        return await create_completion(llm, model_name, body, request)
+
+    @app.post("/v1/chat/completions", dependencies=[Depends(authorized)])
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        check_model(body.model)
+        return await create_chat_completion(llm, model_name, body, request)
+
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, exc: APIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(ClientDisconnected)
+    async def client_gone(_: Request, exc: ClientDisconnected) -> Response:
+        return Response(status_code=499)  # nobody reads it: nginx's "client closed request"
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_request(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return _validation_error(exc).response()
+
+    @app.exception_handler(HTTPException)
+    async def http_error(_: Request, exc: HTTPException) -> JSONResponse:
+        return APIError(str(exc.detail), exc.status_code).response()
+
+    @app.exception_handler(Exception)
+    async def server_error(_: Request, exc: Exception) -> JSONResponse:
+        logger.exception("request failed")
+        return APIError(f"{type(exc).__name__}: {exc}", 500, "server_error").response()
+
+    started = now()
+    return app
+
+
+def _validation_error(exc: RequestValidationError) -> APIError:
+    """The first problem of the body, naming its field as OpenAI does."""
+    error = exc.errors()[0]
+    loc = [str(part) for part in error.get("loc", ()) if part != "body"]
+    field = ".".join(loc)
+    if error.get("type") == "extra_forbidden":
+        return APIError(f"Unrecognized request argument supplied: {field}", param=field)
+    if isinstance(error.get("ctx", {}).get("error"), APIError):
+        return error["ctx"]["error"]
+    message = error.get("msg", "invalid request")
+    return APIError(f"{field}: {message}" if field else message, param=field or None)
+
+
+class _EngineCollector:
+    """Prometheus metrics read from the engine at each scrape."""
+
+    def __init__(self, llm: LLM) -> None:
+        self.llm = llm
+
+    def collect(self):
+        stats = self.llm.stats()
+        used = stats.num_blocks - stats.num_free_blocks
+        for name, doc, value in (
+            ("num_requests_running", "requests running", stats.num_running),
+            ("num_requests_waiting", "requests waiting", stats.num_waiting),
+            ("kv_cache_blocks", "KV cache blocks", stats.num_blocks),
+            ("kv_cache_blocks_used", "KV cache blocks in use", used),
+            ("kv_cache_usage_perc", "KV cache usage (0 to 1)", used / stats.num_blocks),
+        ):
+            yield GaugeMetricFamily(f"zmqworker:{name}", doc, value=value)
+        for name, doc, value in (
+            ("num_preemptions", "requests preempted", stats.num_preemptions),
+            ("num_requests_aborted", "requests aborted (clients gone)", stats.num_aborted),
+        ):
+            yield CounterMetricFamily(f"zmqworker:{name}", doc, value=value)

@@ -1,0 +1,125 @@
+"""POST /v1/completions: text completion, whole or streamed as server-sent events."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.requests import Request as HTTPRequest
+
+from zmqworker.engine.llm import LLM
+from zmqworker.engine.outputs import PositionLogprobs, RequestOutput
+from zmqworker.serve.errors import APIError
+from zmqworker.serve.generation import (
+    finish_reason,
+    new_id,
+    now,
+    run_prompts,
+    sampling_params,
+    sse,
+    until_disconnected,
+    usage,
+)
+from zmqworker.serve.protocol import CompletionRequest
+
+
+async def create_completion(
+    llm: LLM, model: str, body: CompletionRequest, http: HTTPRequest
+) -> JSONResponse | StreamingResponse:
+    try:
+        prompts = [llm.encode(p) for p in body.prompts()]
+    except ValueError as exc:
+        raise APIError.from_value_error(exc, param="prompt") from None
+    params = sampling_params(
+        llm, body, max(len(p) for p in prompts), body.max_tokens, body.logprobs
+    )
+    echoes = [
+        _echo(llm, p, t) if body.echo else "" for p, t in zip(body.prompts(), prompts, strict=True)
+    ]
+    head = {"id": new_id("cmpl"), "object": "text_completion", "created": now(), "model": model}
+    if body.stream:
+        include_usage = body.stream_options is not None and body.stream_options.include_usage
+        events = _stream(llm, prompts, params, head, echoes, include_usage)
+        return StreamingResponse(events, media_type="text/event-stream")
+    finals = await until_disconnected(http, _collect(llm, prompts, params))
+    choices = [
+        {
+            "index": i,
+            "text": echoes[i] + out.text,
+            "logprobs": _logprobs(out.logprobs) if out.logprobs is not None else None,
+            "finish_reason": finish_reason(out),
+            "stop_reason": out.stop_reason,
+        }
+        for i, out in enumerate(finals)
+    ]
+    return JSONResponse({**head, "choices": choices, "usage": usage(finals)})
+
+
+async def _collect(llm: LLM, prompts: list[list[int]], params: Any) -> list[RequestOutput]:
+    finals: dict[int, RequestOutput] = {}
+    async for index, out in run_prompts(llm, prompts, params):
+        finals[index] = out
+    return [finals[i] for i in range(len(prompts))]
+
+
+async def _stream(
+    llm: LLM,
+    prompts: list[list[int]],
+    params: Any,
+    head: dict[str, Any],
+    echoes: list[str],
+    include_usage: bool,
+) -> AsyncIterator[str]:
+    finals: dict[int, RequestOutput] = {}
+    unechoed = set(range(len(prompts)))
+    sent = [0] * len(prompts)  # positions whose logprobs were sent, per choice
+    try:
+        async for index, out in run_prompts(llm, prompts, params):
+            text = out.new_text
+            if index in unechoed:
+                text = echoes[index] + text
+                unechoed.discard(index)
+            logprobs = None
+            if out.logprobs is not None:
+                logprobs = _logprobs(out.logprobs[sent[index] :])
+                sent[index] = len(out.logprobs)
+            if out.finished:
+                finals[index] = out
+            if text or out.finished or logprobs:
+                choice = {
+                    "index": index,
+                    "text": text,
+                    "logprobs": logprobs,
+                    "finish_reason": finish_reason(out),
+                    "stop_reason": out.stop_reason if out.finished else None,
+                }
+                yield sse({**head, "choices": [choice]})
+        if include_usage:
+            yield sse({**head, "choices": [], "usage": usage(list(finals.values()))})
+    except ValueError as exc:
+        yield sse(APIError.from_value_error(exc).body())
+    except Exception as exc:  # the engine failed: tell the client, then end the stream
+        yield sse(APIError(f"{type(exc).__name__}: {exc}", 500, "server_error").body())
+    yield sse("[DONE]")
+
+
+def _echo(llm: LLM, prompt: str | list[int], token_ids: list[int]) -> str:
+    if isinstance(prompt, str):
+        return prompt
+    return llm.tokenizer.decode(token_ids) if llm.tokenizer is not None else ""
+
+
+def _logprobs(positions: list[PositionLogprobs]) -> dict[str, Any]:
+    """The legacy completions format: parallel lists, and text offsets."""
+    tokens = [p.sampled.text or "" for p in positions]
+    offsets, at = [], 0
+    for token in tokens:
+        offsets.append(at)
+        at += len(token)
+    return {
+        "tokens": tokens,
+        "token_logprobs": [p.sampled.logprob for p in positions],
+        "top_logprobs": [{t.text or "": t.logprob for t in p.top} for p in positions],
+        "text_offset": offsets,
+    }

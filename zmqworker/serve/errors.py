@@ -1,0 +1,50 @@
+"""Errors in the OpenAI shape: {"error": {"message", "type", "param", "code"}}."""
+
+from __future__ import annotations
+
+import re
+
+from fastapi.responses import JSONResponse
+
+# msgspec names the field of a bad value as "- at `$.temperature`".
+_MSGSPEC_PATH = re.compile(r"at `\$\.(\w+)")
+
+
+class APIError(Exception):
+    """An error a request gets back, with its HTTP status."""
+
+    def __init__(
+        self,
+        message: str,
+        status: int = 400,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.type = type
+        self.param = param
+        self.code = code
+
+    @classmethod
+    def from_value_error(cls, exc: ValueError, param: str | None = None) -> APIError:
+        """A bad value the engine refused (a prompt too long, a sampling value out of
+        range): 400, naming the field the message names, else param."""
+        message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        match = _MSGSPEC_PATH.search(message)
+        return cls(message, param=match.group(1) if match else param)
+
+    def body(self) -> dict:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status)

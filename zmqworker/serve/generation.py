@@ -1,0 +1,147 @@
+"""What both endpoints share: sampling parameters from a request, running its prompts as
+one stream of outputs, usage, server-sent events and cancellation on disconnect."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Sequence
+from typing import Any
+
+import msgspec
+from starlette.requests import Request as HTTPRequest
+
+from messages import SamplingParams
+from zmqworker.engine.llm import LLM
+from zmqworker.engine.outputs import RequestOutput
+from zmqworker.serve.errors import APIError
+from zmqworker.serve.protocol import SamplingRequest
+
+
+def sampling_params(
+    llm: LLM,
+    request: SamplingRequest,
+    prompt_len: int,
+    max_tokens: int | None,
+    logprobs: int | None,
+) -> SamplingParams:
+    """The model's defaults with what the request sets. Without max_tokens, the rest of
+    the context. A prompt and max_tokens past max_model_len are refused, as OpenAI does."""
+    room = llm.max_model_len - prompt_len
+    if max_tokens is None:
+        max_tokens = room
+    if room < 1 or max_tokens > room:
+        raise APIError(
+            f"This model's maximum context length is {llm.max_model_len} tokens. However, "
+            f"you requested {prompt_len + max_tokens} tokens ({prompt_len} in the prompt, "
+            f"{max_tokens} in the completion). Please reduce the prompt or max_tokens.",
+            param="max_tokens" if room >= 1 else "prompt",
+        )
+    given = {
+        "temperature": request.temperature,
+        "top_p": request.top_p,
+        "top_k": request.top_k,
+        "min_p": request.min_p,
+        "seed": request.seed,
+        "stop": request.stop_strings(),
+        "stop_token_ids": request.stop_token_ids,
+        "ignore_eos": request.ignore_eos,
+        "logprobs": logprobs,
+        "max_tokens": max_tokens,
+    }
+    try:
+        return msgspec.structs.replace(
+            llm.default_sampling_params(), **{k: v for k, v in given.items() if v is not None}
+        )
+    except ValueError as exc:
+        raise APIError.from_value_error(exc) from None
+
+
+async def run_prompts(
+    llm: LLM, prompts: Sequence[list[int]], params: SamplingParams
+) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Every prompt's outputs as they come, tagged with its index. Closing this early
+    (a client gone) aborts the requests still running, which frees their blocks."""
+    queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
+
+    async def pump(index: int, prompt: list[int]) -> None:
+        try:
+            async for out in llm.generate_stream(prompt, params):
+                queue.put_nowait((index, out))
+        except Exception as exc:
+            queue.put_nowait((index, exc))
+        finally:
+            queue.put_nowait((index, None))
+
+    tasks = [asyncio.create_task(pump(i, p)) for i, p in enumerate(prompts)]
+    try:
+        running = len(tasks)
+        while running:
+            index, item = await queue.get()
+            if item is None:
+                running -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+class ClientDisconnected(Exception):
+    """The client went away before its response was ready (answered with 499)."""
+
+
+async def until_disconnected(request: HTTPRequest, work: Awaitable[Any]) -> Any:
+    """work's result; if the client disconnects first, work is cancelled (and with it its
+    requests in the engine) and ClientDisconnected raised."""
+    task = asyncio.ensure_future(work)
+    listener = asyncio.ensure_future(_disconnect(request))
+    try:
+        await asyncio.wait([task, listener], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        listener.cancel()
+    if not task.done():
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        raise ClientDisconnected
+    return task.result()
+
+
+async def _disconnect(request: HTTPRequest) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def usage(outputs: Sequence[RequestOutput]) -> dict[str, int]:
+    prompt = sum(len(o.prompt_token_ids) for o in outputs)
+    completion = sum(len(o.token_ids) for o in outputs)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+    }
+
+
+def finish_reason(out: RequestOutput) -> str | None:
+    """OpenAI's finish reasons: an aborted request (the server stopping) ends as "stop"."""
+    if not out.finished:
+        return None
+    return "length" if out.finish_reason == "length" else "stop"
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def sse(data: dict[str, Any] | str) -> str:
+    """One server-sent event."""
+    return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
