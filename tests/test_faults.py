@@ -92,6 +92,22 @@ def test_a_worker_stopped_mid_generation_fails_it_with_worker_stuck() -> None:
     assert wait_gone(pids, 10.0), "a worker outlived the run"
 
 
+def test_replies_left_unread_do_not_make_a_live_worker_stuck() -> None:
+    """Thousands of replies pile up while nobody receives: the engine's queue of replies
+    has no bound, so libzmq keeps reading the worker and its heartbeats; a bounded queue
+    stopped that reading, timed the live worker out and could abort the engine process
+    (libzmq's "Assertion failed: !_io_error")."""
+    ex = MultiprocExecutor(echo_config(tp=2), stuck_after_s=0.5)
+    try:
+        payload = "x" * 4096
+        calls = [ex.collective_rpc("echo", (payload,), non_block=True) for _ in range(3000)]
+        time.sleep(1.5)  # three heartbeat timeouts with nothing received
+        assert all(call.result(timeout=60) == [payload, payload] for call in calls)
+        assert ex.collective_rpc("echo", (1,), timeout=30) == [1, 1]
+    finally:
+        ex.shutdown()
+
+
 def test_a_long_call_of_a_live_worker_is_no_wedge() -> None:
     ex = MultiprocExecutor(echo_config(), stuck_after_s=0.5)
     try:

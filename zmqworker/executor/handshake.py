@@ -44,6 +44,11 @@ def bind_router(
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
     sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
+    # Replies come only for the calls this engine made, so their queue needs no bound;
+    # a bound would stop the reading of a peer whose replies wait unread, and with
+    # heartbeats libzmq then times that live peer out and aborts the process (libzmq
+    # issues 3937 and 4364: "Assertion failed: !_io_error", stream_engine_base.cpp).
+    sock.setsockopt(zmq.RCVHWM, 0)
     if stuck_after_s is not None:
         sock.setsockopt(zmq.HEARTBEAT_IVL, max(1, round(stuck_after_s * 1000 / HEARTBEATS)))
         sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, max(1, round(stuck_after_s * 1000)))

@@ -52,6 +52,7 @@ log = logging.getLogger("zmqworker.executor")
 
 SEND_TIMEOUT_S = 10.0  # how long a send waits on a live worker that reads nothing
 POLL_SLICE_S = 0.1  # the longest a receive waits before deadlines are looked at again
+CLOSE_WAIT_S = 5.0  # close(): the longest it waits for a thread to leave the socket
 # A rank the ROUTER cannot reach is dead or stuck: a death shows within this (its socket
 # closes as it dies, a moment before it can be reaped); after it, the rank is stuck.
 DEATH_GRACE_S = 0.3
@@ -95,6 +96,7 @@ class RpcClient:
         self._receiving = False  # ... and waits in its receive
         self._senders = 0  # threads waiting for the socket to send
         self._dead: ExecutorError | None = None
+        self._closed = False  # no thread takes the socket from now on
         self._deaths: list[int] = []  # ranks whose death signal fired, in order
         self._rcvtimeo_ms = -1
         self.stuck_after_s = stuck_after_s
@@ -180,6 +182,8 @@ class RpcClient:
             with self._cond:
                 if done():
                     return
+                if self._closed:
+                    raise self._dead or ExecutorError("the RPC client is closed")
                 left = None if end is None else end - time.monotonic()
                 if left is not None and left <= 0:
                     raise TimeoutError(f"not done within {timeout} s")
@@ -207,6 +211,15 @@ class RpcClient:
         receive), stop watching the liveness fds (close this before them), and release
         the client's own socket and fds (the ROUTER is its owner's)."""
         self.fail_all(ExecutorError(why))
+        # No thread may be inside the ROUTER when its monitor goes and its owner closes
+        # it: zmq sockets are not thread-safe, and libzmq aborts the process on misuse.
+        end = time.monotonic() + CLOSE_WAIT_S
+        with self._cond:
+            self._closed = True
+            while self._busy and time.monotonic() < end:
+                if self._receiving:
+                    self._nudger.nudge()
+                self._cond.wait(POLL_SLICE_S)
         self._nudger.close(self.sock)
 
     def fail_all(self, error: ExecutorError) -> None:
@@ -222,6 +235,8 @@ class RpcClient:
     def _socket(self) -> Iterator[None]:
         """The socket, for a send: a thread that receives is nudged out of its wait."""
         with self._cond:
+            if self._closed:
+                raise self._dead or ExecutorError("the RPC client is closed")
             if self._busy:
                 self._senders += 1
                 try:
@@ -231,6 +246,8 @@ class RpcClient:
                         self._cond.wait()
                 finally:
                     self._senders -= 1
+                if self._closed:
+                    raise self._dead or ExecutorError("the RPC client is closed")
             self._busy = True
         try:
             yield
