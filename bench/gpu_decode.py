@@ -46,6 +46,7 @@ from messages import (
     WorkerConfig,
     make_kv_cache_config,
 )
+from messages.step import HANDLE, NUM_COLUMNS, NUM_COMPUTED, NUM_SCHEDULED
 from zmqworker.cdiv import cdiv
 from zmqworker.distributed.parallel_state import single_rank_state
 from zmqworker.model_runner import ModelRunner
@@ -204,11 +205,11 @@ class Ours:
         return handles
 
     def decode_steps(self, handles: list[int], computed: int, n: int) -> list[SchedulerOutput]:
-        columns = np.zeros((5, len(handles)), np.int32)
-        columns[0], columns[2] = handles, 1
+        columns = np.zeros((NUM_COLUMNS, len(handles)), np.int32)
+        columns[HANDLE], columns[NUM_SCHEDULED] = handles, 1
         steps = []
         for k in range(n):
-            columns[1] = computed + k
+            columns[NUM_COMPUTED] = computed + k
             steps.append(SchedulerOutput([], CachedRequestData(columns.copy()), len(handles)))
         return steps
 

@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # The CUDA checks on a lent GPU machine (torch, Triton and transformers installed; pyzmq
 # and msgspec carried as wheels in .whl/): the Triton kernel tests, the other CUDA tests,
-# then bench.gpu_decode.
-#   bench/run_on_gpu.sh OUT_DIR [kernels,tests,bench] [bench.gpu_decode options...]
+# bench.gpu_decode, then bench.end_to_end_cuda (e2e).
+#   bench/run_on_gpu.sh OUT_DIR [kernels,tests,bench,e2e] [bench.gpu_decode options...]
 # Logs and the benchmark's JSON land in OUT_DIR.
 set -uo pipefail
 out=${1:?usage: bench/run_on_gpu.sh OUT_DIR [tests|bench|all] [bench args]}
-what=,${2:-kernels,tests,bench},
+what=,${2:-kernels,tests,bench,e2e},
 shift $(( $# >= 2 ? 2 : 1 ))
 cd "$(dirname "$0")/.."
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
@@ -28,10 +28,14 @@ if [[ $what == *,kernels,* ]]; then
 fi
 if [[ $what == *,tests,* ]]; then
     run_tests tests tests/test_model_runner.py tests/test_worker.py tests/test_pipeline.py \
-        tests/test_shm_ring.py
+        tests/test_shm_ring.py tests/test_async_scheduling.py
 fi
 if [[ $what == *,bench,* ]]; then
     timeout 480 python3 -m bench.gpu_decode --tmp /dev/shm --out "$out/gpu_decode.json" "$@" \
         2>&1 | tee "$out/bench.log" | grep -v Warning
+fi
+if [[ $what == *,e2e,* ]]; then
+    timeout 480 python3 -m bench.end_to_end_cuda --tmp /dev/shm --out "$out/end_to_end_cuda.json" \
+        2>&1 | tee "$out/e2e.log" | grep -v Warning
 fi
 exit $status

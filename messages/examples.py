@@ -147,6 +147,18 @@ def decode_step(num_reqs: int = 256, new_block_every: int = 16, seed: int = 0) -
     return SchedulerOutput([], cached, total_num_scheduled_tokens=num_reqs)
 
 
+def async_decode_step(num_reqs: int = 8, seed: int = 3) -> SchedulerOutput:
+    """A decode step sent while the step before it is in flight (async scheduling): each
+    request's one scheduled token is a placeholder for the token that step samples."""
+    rng = _Stream(seed)
+    handles = rng.distinct(num_reqs, 4 * num_reqs)
+    computed = rng.ints(num_reqs, 20, 4000)
+    cached = CachedRequestData.build(
+        handles, computed, [1] * num_reqs, num_placeholders=[1] * num_reqs
+    )
+    return SchedulerOutput([], cached, total_num_scheduled_tokens=num_reqs)
+
+
 def chunked_prefill_step(seed: int = 1) -> SchedulerOutput:
     """A token budget of 2048 shared by: 6 decoding requests, one long prompt in the
     middle of its chunked prefill (chunk 2 of 3), and a new long prompt's first chunk,
@@ -367,6 +379,7 @@ EXAMPLES: dict[str, Callable[[], Message]] = {
     "request_prefill": lambda: execute_model_request(prefill_step(num_reqs=3, prompt_len=700)),
     "request_chunked_prefill": lambda: execute_model_request(chunked_prefill_step()),
     "request_decode_256": lambda: execute_model_request(decode_step()),
+    "request_decode_async": lambda: execute_model_request(async_decode_step(), call_id=103),
     "request_finished_resumed": lambda: execute_model_request(finished_and_resumed_step()),
     "request_sample_tokens_grammar": lambda: _step(
         102, "sample_tokens", grammar_output=grammar_output()

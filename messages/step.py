@@ -36,25 +36,28 @@ class NewRequestData(msgspec.Struct, tag=True):
 
 
 # Rows of CachedRequestData.columns.
-HANDLE, NUM_COMPUTED, NUM_SCHEDULED, NUM_NEW_BLOCKS, NUM_NEW_TOKENS = range(5)
+HANDLE, NUM_COMPUTED, NUM_SCHEDULED, NUM_NEW_BLOCKS, NUM_NEW_TOKENS, NUM_PLACEHOLDERS = range(6)
+NUM_COLUMNS = 6
 
 
 class CachedRequestData(msgspec.Struct, tag=True):
     """Requests the worker already holds, as deltas since the previous step.
 
-    columns is one int32 array [5, n], a row per field, a column per request:
-      HANDLE          the request's handle
-      NUM_COMPUTED    tokens already in the KV cache before this step
-      NUM_SCHEDULED   tokens to compute this step
-      NUM_NEW_BLOCKS  how many of new_block_ids belong to this request (in order)
-      NUM_NEW_TOKENS  how many of new_token_ids belong to this request (in order)
+    columns is one int32 array [6, n], a row per field, a column per request:
+      HANDLE            the request's handle
+      NUM_COMPUTED      tokens already in the KV cache before this step
+      NUM_SCHEDULED     tokens to compute this step
+      NUM_NEW_BLOCKS    how many of new_block_ids belong to this request (in order)
+      NUM_NEW_TOKENS    how many of new_token_ids belong to this request (in order)
+      NUM_PLACEHOLDERS  0 or 1: the last scheduled token is one the engine has not seen,
+                        sampled by the worker's previous step (async scheduling)
     new_token_ids carries tokens the worker did not sample itself: those sampled on the
     last pipeline stage, for the other stages. A request in resumed_req_handles was
     preempted and comes back with its KV kept: its block table is replaced by its new
     blocks instead of extended.
     """
 
-    columns: np.ndarray  # int32 [5, n]
+    columns: np.ndarray  # int32 [6, n]
     new_block_ids: np.ndarray | None = None  # int32 [sum of NUM_NEW_BLOCKS]; None if 0
     new_token_ids: np.ndarray | None = None  # int32 [sum of NUM_NEW_TOKENS]; None if 0
     resumed_req_handles: list[int] = []
@@ -68,13 +71,17 @@ class CachedRequestData(msgspec.Struct, tag=True):
         new_block_ids: Sequence[Sequence[int]] | None = None,
         new_token_ids: Sequence[Sequence[int]] | None = None,
         resumed_req_handles: Sequence[int] = (),
+        num_placeholders: Sequence[int] | None = None,
     ) -> CachedRequestData:
-        """From per-request values; None for new blocks or tokens means none for anyone."""
+        """From per-request values; None for new blocks, tokens or placeholders means
+        none for anyone."""
         n = len(req_handles)
-        columns = np.zeros((5, n), np.int32)
+        columns = np.zeros((NUM_COLUMNS, n), np.int32)
         columns[HANDLE] = req_handles
         columns[NUM_COMPUTED] = num_computed_tokens
         columns[NUM_SCHEDULED] = num_scheduled_tokens
+        if num_placeholders is not None:
+            columns[NUM_PLACEHOLDERS] = num_placeholders
         blocks, tokens = _ragged(new_block_ids, n), _ragged(new_token_ids, n)
         columns[NUM_NEW_BLOCKS], columns[NUM_NEW_TOKENS] = blocks[0], tokens[0]
         return cls(columns, blocks[1], tokens[1], list(resumed_req_handles))
@@ -105,6 +112,10 @@ class CachedRequestData(msgspec.Struct, tag=True):
     @property
     def num_new_tokens(self) -> np.ndarray:
         return self.columns[NUM_NEW_TOKENS]
+
+    @property
+    def num_placeholders(self) -> np.ndarray:
+        return self.columns[NUM_PLACEHOLDERS]
 
 
 def _ragged(rows: Sequence[Sequence[int]] | None, n: int) -> tuple[np.ndarray, np.ndarray | None]:

@@ -14,7 +14,7 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, 
 from transformers import PreTrainedTokenizerFast
 
 from messages import KVCacheConfig, KVCacheSpec, ModelRunnerOutput, SchedulerOutput
-from zmqworker.engine.batch_queue import scheduled_handles
+from zmqworker.engine.batch_queue import scheduled_ends
 
 CORPUS = [
     "The capital of France is Paris. The end.",
@@ -88,6 +88,7 @@ class _RequestState:
     tokens: list[int]
     blocks: list[int]
     num_computed: int
+    last_sampled: int = -1  # the position this stage sampled last, for placeholders
 
 
 @dataclass
@@ -155,7 +156,12 @@ class FakeWorker:
                     assert pos == len(state.tokens), f"handle {handle}: gap in new tokens"
                     state.tokens.append(token)
             del tokens[:num_tokens]
-            scheduled.append((handle, int(cached.num_scheduled_tokens[i])))
+            num_scheduled = int(cached.num_scheduled_tokens[i])
+            if cached.num_placeholders[i]:
+                # The engine has not seen the token: it is this stage's last sample.
+                assert self.samples and cached.num_placeholders[i] == 1, handle
+                assert state.last_sampled == state.num_computed + num_scheduled - 1, handle
+            scheduled.append((handle, num_scheduled))
         assert not blocks and not tokens, "ragged columns do not add up"
         assert sum(n for _, n in scheduled) == so.total_num_scheduled_tokens
         owners = Counter(b for state in self.reqs.values() for b in state.blocks)
@@ -178,6 +184,7 @@ class FakeWorker:
             self._check_context(state)
             token = self.token_fn(state.tokens)
             if self.samples:
+                state.last_sampled = len(state.tokens)
                 state.tokens.append(token)
             sampled.append(token)
         return ModelRunnerOutput(
@@ -270,7 +277,7 @@ class FakeExecutor:
         self.calls.append("execute_model")
         if not non_block:
             return self._run(scheduler_output)
-        self.in_flight_at_submit.append([scheduled_handles(so) for so, _ in self.pending])
+        self.in_flight_at_submit.append([set(scheduled_ends(so)) for so, _ in self.pending])
         future: Future[ModelRunnerOutput] = _LazyFuture(self) if self.defer else Future()
         self.pending.append((scheduler_output, future))
         if not self.defer:

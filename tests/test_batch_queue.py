@@ -10,7 +10,7 @@ import pytest
 from engine_helpers import FakeExecutor, reference_tokens
 
 from messages import CachedRequestData, ModelRunnerOutput, SamplingParams, SchedulerOutput
-from zmqworker.engine.batch_queue import BatchQueue, scheduled_handles
+from zmqworker.engine.batch_queue import BatchQueue, scheduled_ends
 from zmqworker.engine.core import EngineCore
 from zmqworker.engine.request import Request
 
@@ -46,7 +46,7 @@ def test_two_disjoint_steps_in_flight_and_outputs_in_order():
     with pytest.raises(ValueError, match=r"requests \[1\] are already in a step in flight"):
         queue.submit(step([1, 3]))
     queue.submit(second)
-    assert queue.full and len(queue) == 2 and queue.in_flight_handles() == {0, 1, 2}
+    assert queue.full and len(queue) == 2 and queue.in_flight_ends() == {0: 5, 1: 5, 2: 5}
     with pytest.raises(RuntimeError, match="full"):
         queue.submit(step([4]))
     # The younger step finishes first; the older one still comes out first.
@@ -76,7 +76,7 @@ def test_failed_step_leaves_the_queue_with_its_error():
 
 
 def test_depth_one_takes_plain_outputs():
-    queue = BatchQueue(lambda so: output(sorted(scheduled_handles(so))), 1)
+    queue = BatchQueue(lambda so: output(sorted(scheduled_ends(so))), 1)
     queue.submit(step([5, 6]))
     assert queue.full
     assert queue.pop()[1].req_handles.tolist() == [5, 6]
@@ -106,7 +106,7 @@ def test_engine_keeps_two_disjoint_steps_in_flight_at_depth_two():
         assert len(in_flight) <= 1
         if in_flight:
             overlapped += 1
-            assert in_flight[0] and not in_flight[0] & scheduled_handles(so)
+            assert in_flight[0] and not in_flight[0] & set(scheduled_ends(so))
     assert overlapped >= len(sent) // 2
     for request in requests:
         assert request.output_token_ids == reference_tokens(

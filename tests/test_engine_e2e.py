@@ -191,3 +191,68 @@ def test_cli_errors_are_one_line(tmp_path):
     assert out.returncode != 0
     assert out.stderr.strip().splitlines()[-1].startswith("zmqworker: error:")
     assert "Traceback" not in out.stderr
+
+
+def test_async_scheduling_gives_the_tokens_and_streams_of_sync_scheduling():
+    """Greedy and seeded sampling, stop tokens, stop strings, max_tokens and a cache small
+    enough to preempt: the same tokens with two steps in flight as with one; a stopped
+    request streams exactly its tokens, none of the step after its stop."""
+
+    def scenario(llm: LLM) -> tuple[list, list]:
+        free = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=20))
+        stop_token = free[0].token_ids[6]
+        params = [
+            SamplingParams(temperature=0.0, max_tokens=25, stop_token_ids=[stop_token]),
+            SamplingParams(temperature=0.8, seed=11, max_tokens=22, ignore_eos=True),
+            SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True),
+            SamplingParams(temperature=0.0, max_tokens=30, stop=[free[3].text[8:11]]),
+        ]
+
+        async def stream() -> list[list[int]]:
+            streamed = []
+            async for out in llm.generate_stream(PROMPTS[0], params[0]):
+                streamed.append(out.new_token_ids)
+            return streamed
+
+        streamed = asyncio.run(stream())
+        outs = llm.generate(PROMPTS, params)
+        return [(o.token_ids, o.text, o.finish_reason) for o in outs], streamed
+
+    results = {}
+    for async_scheduling in (False, True):
+        with make_llm(kv_cache_bytes=25 * 4096, async_scheduling=async_scheduling) as llm:
+            assert llm._core.async_scheduling is async_scheduling
+            results[async_scheduling] = scenario(llm)
+            assert llm._core.scheduler.num_preemptions > 0
+            # generate() returns once the steps in flight are back: every block too.
+            kv = llm._core.block_manager
+            assert len(llm._core.batch_queue) == 0 and kv.num_free_blocks == kv.num_blocks
+    assert results[True] == results[False]
+    (first, _, reason), streamed = results[True][0][0], results[True][1]
+    assert reason == "stop" and [t for chunk in streamed for t in chunk] == first
+
+
+def test_a_worker_death_with_two_steps_in_flight_fails_both_and_leaves_no_hang():
+    from zmqworker.executor.errors import ExecutorError, WorkerDiedError
+
+    llm = make_llm(tp=2)
+    pids = llm._core.executor.pids
+    params = SamplingParams(temperature=0.0, max_tokens=80, ignore_eos=True)
+
+    async def generate() -> None:
+        seen = 0
+        async for _ in llm.generate_stream(PROMPTS[0], params):
+            seen += 1
+            if seen == 3:
+                subprocess.run(["kill", "-9", str(pids[1])], check=True)
+
+    try:
+        with pytest.raises(WorkerDiedError) as info:
+            asyncio.run(generate())
+        assert info.value.rank == 1 and "rank 1" in str(info.value)
+        core = llm._core
+        assert len(core.batch_queue) == 0 and not core.has_work()
+        with pytest.raises(ExecutorError):  # at once: the run is over
+            llm.generate([PROMPTS[1]], params)
+    finally:
+        llm.shutdown()

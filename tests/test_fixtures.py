@@ -93,7 +93,7 @@ def test_a_non_msgspec_reader_reconstructs_the_decode_columns() -> None:
     step = msg["args"][0]
     assert step["type"] == "SchedulerOutput" and step["scheduled_new_reqs"] == []
     dtype, shape, data = parse_ext(step["scheduled_cached_reqs"]["columns"], frames)
-    assert (dtype, shape) == ("int32", (5, 256))
+    assert (dtype, shape) == ("int32", (6, 256))
     columns = np.frombuffer(data, "<i4").reshape(shape)
     expected = ex.decode_step().scheduled_cached_reqs
     assert np.array_equal(columns, expected.columns)

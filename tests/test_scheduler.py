@@ -29,6 +29,7 @@ def make_core(
     max_num_seqs: int = 8,
     max_num_batched_tokens: int = 64,
     prefix_caching: bool = False,
+    async_scheduling: bool = False,
     **executor_args,
 ) -> tuple[EngineCore, FakeExecutor]:
     executor = FakeExecutor(num_blocks=num_blocks, **executor_args)
@@ -37,6 +38,7 @@ def make_core(
         MAX_MODEL_LEN,
         SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens),
         enable_prefix_caching=prefix_caching,
+        async_scheduling=async_scheduling,
     )
     return core, executor
 
@@ -115,18 +117,20 @@ def test_num_blocks_from_memory_checks_its_input():
         num_blocks_from_memory([10**6, 10], [spec, spec])
 
 
-@pytest.mark.parametrize("pp", [1, 2])
+@pytest.mark.parametrize(("pp", "async_scheduling"), [(1, False), (1, True), (2, False)])
 @pytest.mark.parametrize("prefix_caching", [False, True])
 @pytest.mark.parametrize("num_blocks", [12, 64])
-def test_outputs_match_the_reference(pp, prefix_caching, num_blocks):
-    """Tight caches preempt, pipelines keep two steps in flight, shared prefixes hit the
-    cache; every request still gets exactly the reference tokens."""
+def test_outputs_match_the_reference(pp, async_scheduling, prefix_caching, num_blocks):
+    """Tight caches preempt, pipelines and async scheduling keep two steps in flight,
+    shared prefixes hit the cache; every request still gets exactly the reference tokens."""
     core, executor = make_core(
         num_blocks=num_blocks,
         max_num_seqs=4,
         max_num_batched_tokens=10,
         prefix_caching=prefix_caching,
+        async_scheduling=async_scheduling,
         pipeline_parallel_size=pp,
+        defer=True,
     )
     requests = random_requests(10, seed=pp + num_blocks, shared_prefix=True)
     for request in requests:

@@ -3,7 +3,10 @@
 With pipeline parallelism, stage 0 can start step N+1 while stage 1 still computes step
 N, but only if step N+1 does not need step N's tokens: the steps in flight hold disjoint
 request sets (the scheduler never schedules a request whose step is still out; this queue
-checks it). Outputs are consumed oldest first, the order the workers ran the steps.
+checks it). With async scheduling (one stage), step N+1 may go on from step N instead: a
+request in both is a cached request of step N+1 whose computed tokens start exactly where
+step N's end, never a new one. Outputs are consumed oldest first, the order the workers
+ran the steps.
 """
 
 from __future__ import annotations
@@ -19,23 +22,33 @@ from messages import ModelRunnerOutput, SchedulerOutput
 Submit = Callable[[SchedulerOutput], "ModelRunnerOutput | Future[ModelRunnerOutput]"]
 
 
-def scheduled_handles(output: SchedulerOutput) -> set[int]:
-    """Handles of the requests a step computes (not those it drops)."""
-    handles = {data.req_handle for data in output.scheduled_new_reqs}
-    handles.update(output.scheduled_cached_reqs.req_handles.tolist())
-    return handles
+def scheduled_ends(output: SchedulerOutput) -> dict[int, int]:
+    """Handle -> tokens computed once the step has run, for the requests it computes."""
+    ends = {
+        r.req_handle: r.num_computed_tokens + r.num_scheduled_tokens
+        for r in output.scheduled_new_reqs
+    }
+    cached = output.scheduled_cached_reqs
+    computed = cached.num_computed_tokens + cached.num_scheduled_tokens
+    ends.update(zip(cached.req_handles.tolist(), computed.tolist(), strict=True))
+    return ends
 
 
 class BatchQueue:
     """Steps sent to the executor and not yet consumed, oldest first."""
 
-    def __init__(self, submit: Submit, max_concurrent_batches: int) -> None:
+    def __init__(
+        self, submit: Submit, max_concurrent_batches: int, continue_in_flight: bool = False
+    ) -> None:
+        """continue_in_flight: async scheduling; a step may go on from the steps in
+        flight instead of holding other requests."""
         if max_concurrent_batches < 1:
             raise ValueError(f"max_concurrent_batches must be >= 1, got {max_concurrent_batches}")
         self._submit = submit
         self.max_concurrent_batches = max_concurrent_batches
+        self.continue_in_flight = continue_in_flight
         self._steps: deque[
-            tuple[SchedulerOutput, set[int], ModelRunnerOutput | Future[ModelRunnerOutput]]
+            tuple[SchedulerOutput, dict[int, int], ModelRunnerOutput | Future[ModelRunnerOutput]]
         ] = deque()
 
     def __len__(self) -> int:
@@ -45,18 +58,35 @@ class BatchQueue:
     def full(self) -> bool:
         return len(self._steps) >= self.max_concurrent_batches
 
-    def in_flight_handles(self) -> set[int]:
-        return set().union(*(handles for _, handles, _ in self._steps))
+    def in_flight_ends(self) -> dict[int, int]:
+        """Handle -> tokens computed once the steps in flight have run."""
+        ends: dict[int, int] = {}
+        for _, step_ends, _ in self._steps:
+            ends.update(step_ends)
+        return ends
 
     def submit(self, output: SchedulerOutput) -> None:
-        """Send a step. It must not compute a request that a step in flight computes."""
+        """Send a step. A request that a step in flight computes may be in it only as the
+        continuation of that step (continue_in_flight)."""
         if self.full:
             raise RuntimeError(f"{len(self._steps)} steps in flight already: the queue is full")
-        handles = scheduled_handles(output)
-        overlap = handles & self.in_flight_handles()
+        ends = scheduled_ends(output)
+        in_flight = self.in_flight_ends()
+        overlap = sorted(ends.keys() & in_flight.keys())
+        if overlap and not self.continue_in_flight:
+            raise ValueError(f"requests {overlap} are already in a step in flight")
         if overlap:
-            raise ValueError(f"requests {sorted(overlap)} are already in a step in flight")
-        self._steps.append((output, handles, self._submit(output)))
+            cached = output.scheduled_cached_reqs
+            starts = dict(
+                zip(cached.req_handles.tolist(), cached.num_computed_tokens.tolist(), strict=True)
+            )
+            broken = [h for h in overlap if starts.get(h) != in_flight[h]]
+            if broken:
+                raise ValueError(
+                    f"requests {broken} are in a step in flight, and this step does not start "
+                    "where that one ends"
+                )
+        self._steps.append((output, ends, self._submit(output)))
 
     def pop(self, timeout: float | None = None) -> tuple[SchedulerOutput, ModelRunnerOutput]:
         """Wait for the oldest step's output. On timeout the step stays in the queue; a

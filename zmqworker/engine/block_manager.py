@@ -97,29 +97,30 @@ class KVBlockManager:
         num_computed_tokens: int,
         num_new_tokens: int,
         computed_blocks: Sequence[int] = (),
+        num_placeholders: int = 0,
     ) -> list[int] | None:
         """Make room for num_new_tokens more tokens of req_id; return the block ids newly
         taken from the pool, or None (changing nothing) when there are not enough.
 
-        token_ids are all the request's known tokens (at least num_computed_tokens +
-        num_new_tokens of them); computed_blocks, from get_computed_blocks, are prefix-cache
+        token_ids are all the request's known tokens: num_computed_tokens + num_new_tokens
+        of them, but for num_placeholders at the end that a step in flight will sample
+        (async scheduling; a block is registered for prefix caching only once all of its
+        tokens are known). computed_blocks, from get_computed_blocks, are prefix-cache
         hits that start a request holding no blocks yet.
         """
         if num_new_tokens < 1:
             raise ValueError(f"{req_id}: num_new_tokens must be >= 1, got {num_new_tokens}")
         total = num_computed_tokens + num_new_tokens
-        if total > len(token_ids):
+        if total > len(token_ids) + num_placeholders:
             raise ValueError(
                 f"{req_id}: {total} tokens to hold but only {len(token_ids)} token ids known"
             )
+        num_full = min(total, len(token_ids)) // self.block_size
         table = self._tables.get(req_id, [])
         if (
             not computed_blocks
             and total <= len(table) * self.block_size
-            and (
-                not self.enable_prefix_caching
-                or total // self.block_size <= self._num_registered.get(req_id, 0)
-            )
+            and (not self.enable_prefix_caching or num_full <= self._num_registered.get(req_id, 0))
         ):
             return []  # the common decode step: room left, no block newly full
         if computed_blocks and table:
@@ -145,7 +146,7 @@ class KVBlockManager:
         if computed_blocks:
             self._num_registered[req_id] = len(computed_blocks)
         if self.enable_prefix_caching:
-            self._register_full_blocks(req_id, token_ids, total // self.block_size)
+            self._register_full_blocks(req_id, token_ids, num_full)
         return new_blocks
 
     def free(self, req_id: str) -> None:

@@ -47,6 +47,9 @@ class EngineCore:
     Construction runs the start-up the workers expect after load_model:
     determine_available_memory -> (num_blocks) -> initialize_from_config ->
     compile_or_warm_up_model. Not thread-safe: one thread calls step() and the rest.
+
+    Steps in flight: one per pipeline stage; with one stage and async_scheduling, two,
+    the second going on from the first, so that the workers never wait for the engine.
     """
 
     def __init__(
@@ -55,6 +58,7 @@ class EngineCore:
         max_model_len: int,
         scheduler_config: SchedulerConfig | None = None,
         enable_prefix_caching: bool = False,
+        async_scheduling: bool = False,
     ) -> None:
         config = scheduler_config or SchedulerConfig()
         self.executor = executor
@@ -65,18 +69,23 @@ class EngineCore:
         num_blocks = num_blocks_from_memory(available, specs)
         logger.info("memory profile: %.1f s", time.perf_counter() - started)
         self.block_manager = KVBlockManager(num_blocks, specs[0].block_size, enable_prefix_caching)
-        depth = executor.max_concurrent_batches
+        stages = executor.max_concurrent_batches
+        self.async_scheduling = async_scheduling and stages == 1
+        depth = 2 if self.async_scheduling else stages
         # Pipeline stages before the last do not sample: they get the tokens in the deltas.
         self.scheduler = Scheduler(
             self.block_manager,
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=max_model_len,
-            send_token_ids=depth > 1,
+            send_token_ids=stages > 1,
             max_concurrent_batches=depth,
+            async_scheduling=self.async_scheduling,
         )
         self.batch_queue = BatchQueue(
-            lambda output: executor.execute_model(output, non_block=depth > 1), depth
+            lambda output: executor.execute_model(output, non_block=depth > 1),
+            depth,
+            continue_in_flight=self.async_scheduling,
         )
         started = time.perf_counter()
         executor.initialize_from_config(make_kv_cache_config(specs, num_blocks))

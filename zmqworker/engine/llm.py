@@ -70,6 +70,10 @@ class LLM:
         dtype: Annotated[
             Literal["float32", "bfloat16", "float16"], opt("weights and activations dtype")
         ] = "float32",
+        load_format: Annotated[
+            Literal["auto", "dummy"],
+            opt("the checkpoint's weights, or random ones of its shapes (for benchmarks)"),
+        ] = "auto",
         executor: Annotated[
             Literal["mp", "ray"] | Callable[[WorkerConfig], Executor],
             opt("local worker processes (mp) or Ray actors (ray)"),
@@ -98,6 +102,9 @@ class LLM:
             Fraction, opt("CUDA: the fraction of GPU memory the workers fill")
         ] = 0.9,
         enable_prefix_caching: Annotated[bool, opt("share the KV of common prefixes")] = False,
+        async_scheduling: Annotated[
+            bool, opt("schedule the next step while the workers run this one (one stage)")
+        ] = True,
         seed: Annotated[
             int, opt("the workers' seed (for requests without one)", flag="--engine-seed")
         ] = 0,
@@ -137,6 +144,7 @@ class LLM:
                 path=str(folder.path),
                 dtype=dtype,
                 max_model_len=self.max_model_len,
+                load_format=load_format,
                 seed=seed,
                 max_logprobs=max_logprobs,
             ),
@@ -170,6 +178,7 @@ class LLM:
                     self.max_model_len,
                     self.worker_config.scheduler,
                     enable_prefix_caching=enable_prefix_caching,
+                    async_scheduling=async_scheduling,
                 )
             except BaseException:
                 executor_instance.shutdown()
@@ -206,7 +215,9 @@ class LLM:
         for request, _ in entries:
             core.add_request(request)
         try:
-            while any(not request.is_finished for request, _ in entries):
+            # Until the steps in flight are back too (async scheduling sends one past a
+            # finish): the workers go idle and the finished requests' blocks come back.
+            while any(not request.is_finished for request, _ in entries) or core.has_work():
                 core.step()
         except BaseException:
             for request, _ in entries:

@@ -89,6 +89,10 @@ class Request:
         self.stop_reason: int | str | None = None  # the stop token id or stop string hit
         self.handle: int | None = None  # set while the workers hold it
         self.num_computed_tokens = 0
+        # The scheduler's: steps sent and not back yet that compute it, and the tokens
+        # those steps sample for it (placeholders for the next step, async scheduling).
+        self.num_steps_in_flight = 0
+        self.num_pending_samples = 0
         self.num_cached_tokens = 0  # prefix-cache hits when it was last scheduled as new
         self.num_preemptions = 0
         self.output_text = ""

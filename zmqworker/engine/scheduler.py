@@ -6,9 +6,16 @@ requests in the middle of a chunked prefill, then waiting requests in arrival or
 the newest running request is preempted by recompute: its blocks are freed and it waits
 at the front of the queue, to start over with its prompt and its outputs so far as the
 new prompt (NewRequestData, under the handle it had: the workers set it aside when told
-of the preemption, and drop that when it comes back as new). A request that is in a step
-still in flight is never scheduled again (nor preempted) until that step's output has
-come back, so steps in flight hold disjoint request sets.
+of the preemption, and drop that when it comes back as new).
+
+Steps in flight: with pipeline stages, a request in a step still in flight is not
+scheduled again until that step's output has come back, so those steps hold disjoint
+request sets. With async scheduling (one stage, two steps in flight), a decode goes on
+on top of the step in flight: its last scheduled token is a placeholder for the token
+that step samples, which the worker fills in itself. Either way a request in flight is
+never preempted, and a request that finishes (or is aborted) while a step in flight
+still computes it keeps its blocks and handle until that step has come back; the
+token that step samples for it is dropped.
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ class _Step:
 
     output: SchedulerOutput
     requests: dict[int, Request]  # handle -> request scheduled in it
+    sampling: set[int]  # handles whose token this step samples
     finished_handles: list[int] = field(default_factory=list)  # reported by this step
 
 
@@ -42,6 +50,7 @@ class _CachedColumns:
     num_scheduled: list[int] = field(default_factory=list)
     new_blocks: list[list[int]] = field(default_factory=list)
     new_tokens: list[list[int]] = field(default_factory=list)
+    placeholders: list[int] = field(default_factory=list)
 
 
 class Scheduler:
@@ -51,6 +60,8 @@ class Scheduler:
     that do not sample themselves (pipeline stages before the last).
     max_concurrent_batches: steps kept in flight. Above 1, a step takes at most its share
     of the requests, so that the next step has requests to run while it is in flight.
+    async_scheduling: two steps in flight on one stage, the second going on from the
+    first's tokens (placeholders) instead of taking other requests.
     """
 
     def __init__(
@@ -61,6 +72,7 @@ class Scheduler:
         max_model_len: int,
         send_token_ids: bool = False,
         max_concurrent_batches: int = 1,
+        async_scheduling: bool = False,
     ) -> None:
         for name, value in (
             ("max_num_seqs", max_num_seqs),
@@ -70,6 +82,12 @@ class Scheduler:
         ):
             if value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
+        if async_scheduling and (send_token_ids or max_concurrent_batches != 2):
+            raise ValueError(
+                "async_scheduling keeps two steps in flight on one pipeline stage: "
+                f"max_concurrent_batches must be 2 (got {max_concurrent_batches}) and "
+                "send_token_ids off"
+            )
         capacity = block_manager.num_blocks * block_manager.block_size
         if capacity < max_model_len:
             # A request of max_model_len tokens could never fit, even alone.
@@ -85,10 +103,12 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.send_token_ids = send_token_ids
         self.max_concurrent_batches = max_concurrent_batches
+        self.async_scheduling = async_scheduling
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in the order they started: the last is newest
         self._requests: dict[str, Request] = {}
-        self._in_flight: set[str] = set()
+        # Finished while a step in flight still computes them: released once it is back.
+        self._draining: dict[str, Request] = {}
         self._steps: deque[_Step] = deque()
         self._handles = HandlePool()
         # Handles to report in the next step: finished, and preempted requests.
@@ -101,7 +121,7 @@ class Scheduler:
     # -- requests in and out ------------------------------------------------------------
 
     def add_request(self, request: Request) -> None:
-        if request.req_id in self._requests:
+        if request.req_id in self._requests or request.req_id in self._draining:
             raise ValueError(f"request id {request.req_id!r} is already in the scheduler")
         if request.status is not RequestStatus.WAITING or request.output_token_ids:
             raise ValueError(f"request {request.req_id!r} is not a fresh request")
@@ -147,30 +167,42 @@ class Scheduler:
         self.kv.new_step()
         budget = self.max_num_batched_tokens
         active = min(self.max_num_seqs, len(self._requests))
-        max_reqs = max(1, cdiv(active, self.max_concurrent_batches))
+        share = 1 if self.async_scheduling else self.max_concurrent_batches
+        max_reqs = max(1, cdiv(active, share))
         scheduled: dict[int, Request] = {}
         new_reqs: list[NewRequestData] = []
         cached = _CachedColumns()
         num_preempted_before = len(self._preempted_handles)
 
-        # Running requests: decodes first, then chunked prefills in progress.
-        ready = [r for r in self.running if r.req_id not in self._in_flight]
-        ready.sort(key=lambda r: r.num_tokens - r.num_computed_tokens > 1)
-        for request in ready:
+        # Running requests: decodes first, then chunked prefills in progress. num_left:
+        # tokens to compute before it samples again, those in flight will sample included.
+        ready = [
+            (len(r.all_token_ids) + r.num_pending_samples - r.num_computed_tokens, r)
+            for r in self.running
+            if not r.num_steps_in_flight or self._continuable(r)
+        ]
+        ready.sort(key=lambda entry: entry[0] > 1)
+        sampling: set[int] = set()
+        for num_left, request in ready:
             if budget == 0 or len(scheduled) == max_reqs:
                 break
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted to make room for an older request
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            new_blocks = self._allocate_or_preempt(request, num_new, scheduled)
+            num_new = min(num_left, budget)
+            # Positions past the known tokens: what the step in flight samples.
+            placeholders = max(0, request.num_computed_tokens + num_new - request.num_tokens)
+            new_blocks = self._allocate_or_preempt(request, num_new, placeholders, scheduled)
             if new_blocks is None:
                 continue
             assert request.handle is not None
             scheduled[request.handle] = request
+            if num_new == num_left:
+                sampling.add(request.handle)
             cached.handles.append(request.handle)
             cached.num_computed.append(request.num_computed_tokens)
             cached.num_scheduled.append(num_new)
             cached.new_blocks.append(new_blocks)
+            cached.placeholders.append(placeholders)
             if self.send_token_ids:
                 # Tokens from position num_computed on; workers append those they lack.
                 lacking = request.num_tokens > self._num_tokens_sent[request.req_id]
@@ -203,6 +235,8 @@ class Scheduler:
             request.num_computed_tokens = request.num_cached_tokens = num_hit
             self.running.append(request)
             scheduled[request.handle] = request
+            if num_new == request.num_tokens - num_hit:
+                sampling.add(request.handle)
             new_reqs.append(
                 NewRequestData(
                     req_id=request.req_id,
@@ -227,6 +261,7 @@ class Scheduler:
                 cached.num_scheduled,
                 new_block_ids=cached.new_blocks,
                 new_token_ids=cached.new_tokens if self.send_token_ids else None,
+                num_placeholders=cached.placeholders if self.async_scheduling else None,
             ),
             total_num_scheduled_tokens=self.max_num_batched_tokens - budget,
             finished_req_handles=self._finished_handles,
@@ -236,27 +271,55 @@ class Scheduler:
             scheduled[data.req_handle].num_computed_tokens += data.num_scheduled_tokens
         for handle, num in zip(cached.handles, cached.num_scheduled, strict=True):
             scheduled[handle].num_computed_tokens += num
-        self._in_flight.update(r.req_id for r in scheduled.values())
-        self._steps.append(_Step(output, scheduled, self._finished_handles))
+        for request in scheduled.values():
+            request.num_steps_in_flight += 1
+        for handle in sampling:
+            scheduled[handle].num_pending_samples += 1
+        self._steps.append(_Step(output, scheduled, sampling, self._finished_handles))
         self._finished_handles, self._preempted_handles = [], []
         return output
 
+    def _continuable(self, request: Request) -> bool:
+        """Whether a request in a step in flight can go into the next step too: with
+        async scheduling, in one step only, which does not end it by length."""
+        if not self.async_scheduling or request.num_steps_in_flight > 1:
+            return False
+        pending = request.num_pending_samples
+        return (
+            len(request.output_token_ids) + pending < request.sampling_params.max_tokens
+            and len(request.all_token_ids) + pending < self.max_model_len
+        )
+
     def _allocate_or_preempt(
-        self, request: Request, num_new: int, scheduled: dict[int, Request]
+        self,
+        request: Request,
+        num_new: int,
+        placeholders: int,
+        scheduled: dict[int, Request],
     ) -> list[int] | None:
         """Blocks for num_new more tokens of a running request, preempting the newest
-        preemptible running requests until they fit; None if request itself had to go."""
+        preemptible running requests (in no step) until they fit; None if request itself
+        had to go, or there is nothing left to preempt."""
         while True:
             new_blocks = self.kv.allocate_slots(
-                request.req_id, request.all_token_ids, request.num_computed_tokens, num_new
+                request.req_id,
+                request.all_token_ids,
+                request.num_computed_tokens,
+                num_new,
+                num_placeholders=placeholders,
             )
             if new_blocks is not None:
                 return new_blocks
             victim = next(
-                r
-                for r in reversed(self.running)
-                if r.req_id not in self._in_flight and r.handle not in scheduled
+                (
+                    r
+                    for r in reversed(self.running)
+                    if not r.num_steps_in_flight and r.handle not in scheduled
+                ),
+                None,
             )
+            if victim is None:
+                return None  # all in flight: it waits for their steps to come back
             self._preempt(victim)
             if victim is request:
                 return None
@@ -283,11 +346,18 @@ class Scheduler:
         if not self._steps or self._steps[0].output is not scheduler_output:
             raise RuntimeError("step outputs must come back in the order the steps were made")
         step = self._steps.popleft()
-        self._in_flight.difference_update(r.req_id for r in step.requests.values())
+        for request in step.requests.values():
+            request.num_steps_in_flight -= 1
+        for handle in step.sampling:
+            step.requests[handle].num_pending_samples -= 1
         self._handles.release(step.finished_handles)
         handles = runner_output.req_handles.tolist()
         tokens = runner_output.sampled_token_ids.tolist()
-        if len(handles) != len(tokens) or sorted(handles) != sorted(step.requests):
+        if (
+            len(handles) != len(tokens)
+            or len(handles) != len(step.requests)
+            or (step.requests.keys() != set(handles))
+        ):
             raise RuntimeError(
                 f"ModelRunnerOutput names handles {sorted(handles)} with {len(tokens)} tokens; "
                 f"the step scheduled {sorted(step.requests)}"
@@ -297,13 +367,13 @@ class Scheduler:
         for row, (handle, token) in enumerate(zip(handles, tokens, strict=True)):
             request = step.requests[handle]
             if request.is_finished:
-                continue  # aborted while the step was in flight
-            prefill_done = request.num_computed_tokens >= request.num_tokens
+                continue  # aborted, or finished by an earlier step, while this one ran
+            samples = handle in step.sampling
             if token < 0:
-                if prefill_done:
+                if samples:
                     raise RuntimeError(f"no token sampled for {request.req_id!r} (handle {handle})")
                 continue
-            if not prefill_done:
+            if not samples:
                 raise RuntimeError(
                     f"token {token} sampled for {request.req_id!r} (handle {handle}) in the "
                     "middle of its prefill"
@@ -314,6 +384,11 @@ class Scheduler:
                 self.running.remove(request)
                 self._release(request)
             changed.append(request)
+        if self._draining:
+            for request in step.requests.values():
+                if not request.num_steps_in_flight and request.req_id in self._draining:
+                    del self._draining[request.req_id]
+                    self.kv.free(request.req_id)
         return changed
 
     def reset_after_failure(self) -> list[Request]:
@@ -324,24 +399,32 @@ class Scheduler:
         aborted = list(self._requests.values())
         for request in aborted:
             request.finish(FinishReason.ABORT)
+        for request in [*aborted, *self._draining.values()]:
             self.kv.free(request.req_id)
+        for request in aborted:
             request.handle = None
+            request.num_steps_in_flight = request.num_pending_samples = 0
         self._finished_handles = self._handles.live_handles()
         self._preempted_handles = []
         self._requests.clear()
         self.waiting.clear()
         self.running.clear()
-        self._in_flight.clear()
+        self._draining.clear()
         self._steps.clear()
         self._num_tokens_sent.clear()
         return aborted
 
     def _release(self, request: Request) -> None:
-        """Forget a finished request (out of the queues already): its blocks go now, its
-        handle once the step that reports it to the workers has come back."""
+        """Forget a finished request (out of the queues already): the next step tells the
+        workers (their steps run in order, so one in flight still finds it); its blocks
+        go once no step in flight computes it, its handle once the step that tells the
+        workers has come back."""
         del self._requests[request.req_id]
         self._num_tokens_sent.pop(request.req_id, None)
-        self.kv.free(request.req_id)
+        if request.num_steps_in_flight:
+            self._draining[request.req_id] = request
+        else:
+            self.kv.free(request.req_id)
         if request.handle is None:
             return  # the workers never saw it
         if request.handle in self._preempted_handles:

@@ -10,7 +10,9 @@ A request can compute at most the tokens it has (prompt and outputs): after its 
 tokens are appended, num_computed + num_scheduled <= its token count. new_token_ids of a
 request are its tokens at positions [num_computed, num_computed + count): only those
 beyond what the batch holds are appended, so the last pipeline stage, which appended its
-own samples, and the other stages can be sent the same message.
+own samples, and the other stages can be sent the same message. A placeholder (async
+scheduling) is a scheduled last token the engine has not seen: it must be the very
+position this worker sampled last for the request.
 """
 
 from __future__ import annotations
@@ -22,7 +24,15 @@ from typing import Protocol
 import numpy as np
 
 from messages import NewRequestData, SchedulerOutput
-from messages.step import HANDLE, NUM_COMPUTED, NUM_NEW_BLOCKS, NUM_NEW_TOKENS, NUM_SCHEDULED
+from messages.step import (
+    HANDLE,
+    NUM_COLUMNS,
+    NUM_COMPUTED,
+    NUM_NEW_BLOCKS,
+    NUM_NEW_TOKENS,
+    NUM_PLACEHOLDERS,
+    NUM_SCHEDULED,
+)
 
 _MAX_HANDLE = 2**31 - 1
 
@@ -43,6 +53,7 @@ class BatchView(Protocol):
     max_logprobs: int
     num_kv_blocks: int
     num_tokens: np.ndarray
+    last_sampled: np.ndarray  # per row: the position of its latest sample here, or -1
     num_blocks: np.ndarray
     row_of: Mapping[int, int]
     parked: Mapping[int, _Parked]
@@ -204,13 +215,16 @@ def _plan_cached(
 ) -> CachedPlan:
     cached = so.scheduled_cached_reqs
     columns = _int32_values(np.asarray(cached.columns), "cached request columns")
-    if columns.ndim != 2 or columns.shape[0] != 5:
-        raise ValueError(f"cached request columns must be int32 [5, n], got {columns.shape}")
+    if columns.ndim != 2 or columns.shape[0] != NUM_COLUMNS:
+        raise ValueError(
+            f"cached request columns must be int32 [{NUM_COLUMNS}, n], got {columns.shape}"
+        )
     handles = columns[HANDLE].astype(np.int32)
     computed = columns[NUM_COMPUTED].astype(np.int32)
     scheduled = columns[NUM_SCHEDULED].astype(np.int32)
     num_blocks = columns[NUM_NEW_BLOCKS].astype(np.int64)
     num_tokens = columns[NUM_NEW_TOKENS].astype(np.int64)
+    placeholders = columns[NUM_PLACEHOLDERS]
     block_ids = _flat(cached.new_block_ids, num_blocks, "new_block_ids", "NUM_NEW_BLOCKS")
     token_ids = _flat(cached.new_token_ids, num_tokens, "new_token_ids", "NUM_NEW_TOKENS")
     handle_list = handles.tolist()
@@ -261,6 +275,10 @@ def _plan_cached(
         ),
     )
     fail(end > batch.max_model_len, lambda i: f"reaches {end[i]} tokens > max_model_len")
+    if placeholders.any():
+        _check_placeholders(
+            batch, fail, placeholders, row_array, resumed, computed, end, num_tokens
+        )
     blocks_after = existing_blocks + num_blocks
     fail(
         blocks_after > batch.max_blocks_per_req,
@@ -283,6 +301,39 @@ def _plan_cached(
         num_new_tokens=num_tokens,
         new_block_ids=block_ids,
         new_token_ids=token_ids,
+    )
+
+
+def _check_placeholders(
+    batch: BatchView,
+    fail: Callable[[np.ndarray, Callable[[int], str]], None],
+    placeholders: np.ndarray,
+    rows: np.ndarray,
+    resumed: np.ndarray,
+    computed: np.ndarray,
+    end: np.ndarray,
+    num_tokens: np.ndarray,
+) -> None:
+    """A placeholder is the last scheduled position, which this worker sampled last for
+    the request (in the step before this one): the engine cannot send that token."""
+    fail(
+        (placeholders < 0) | (placeholders > 1),
+        lambda i: f"num_placeholders must be 0 or 1, got {placeholders[i]}",
+    )
+    has = placeholders == 1
+    fail(has & ((rows < 0) | resumed), lambda i: "a resumed request cannot have a placeholder")
+    last = np.full(len(rows), -1, np.int64)
+    last[rows >= 0] = batch.last_sampled[rows[rows >= 0]]
+    fail(
+        has & (last != end - 1),
+        lambda i: (
+            f"its placeholder is position {end[i] - 1}, but this worker's last sample for "
+            + (f"it is position {last[i]}" if last[i] >= 0 else "it: none")
+        ),
+    )
+    fail(
+        has & (computed + num_tokens > end - 1),
+        lambda i: f"new_token_ids reach position {end[i] - 1}, its placeholder",
     )
 
 

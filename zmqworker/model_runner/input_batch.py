@@ -60,6 +60,7 @@ class InputBatch:
         # One column more than max_model_len: a request may sample after its last position.
         self.token_ids = np.zeros((max_num_seqs, max_model_len + 1), np.int32)
         self.num_tokens = np.zeros(max_num_seqs, np.int32)
+        self.last_sampled = np.full(max_num_seqs, -1, np.int64)  # a placeholder's position
         self.block_table = np.zeros((max_num_seqs, self.max_blocks_per_req), np.int32)
         self.num_blocks = np.zeros(max_num_seqs, np.int32)
         self.handles = np.full(max_num_seqs, -1, np.int32)
@@ -126,6 +127,7 @@ class InputBatch:
     def append_sampled(self, rows: np.ndarray, token_ids: np.ndarray) -> None:
         """Append each row's sampled token after its known tokens."""
         self.token_ids[rows, self.num_tokens[rows]] = token_ids
+        self.last_sampled[rows] = self.num_tokens[rows]
         self.num_tokens[rows] += 1
 
     # queries --------------------------------------------------------------------------
@@ -225,6 +227,7 @@ class InputBatch:
         row = heapq.heappop(self._free_rows)
         self.row_of[handle] = row
         self.handles[row] = handle
+        self.last_sampled[row] = -1
         self.req_ids[row] = req_id
         return row
 

@@ -37,14 +37,16 @@ class Samples:
 def to_host(
     sampled: SamplerOutput, stream: torch.cuda.Stream | None
 ) -> tuple[torch.Tensor, HostLogprobs | None, torch.cuda.Event | None]:
-    """The sampled ids and logprobs on the host: as they are without a stream (CPU); on
-    CUDA through non_blocking copies into pinned memory, with an event after them."""
+    """The sampled ids and logprobs on the host: copies without a stream (CPU: the ids
+    may sit in the token feed's buffer, which the next step overwrites before its
+    engine reads this one's output, under async scheduling); on CUDA through
+    non_blocking copies into pinned memory, with an event after them."""
     tensors = [sampled.sampled_token_ids]
     if sampled.logprobs is not None:
         assert sampled.logprob_token_ids is not None and sampled.sampled_token_ranks is not None
         tensors += [sampled.logprob_token_ids, sampled.logprobs, sampled.sampled_token_ranks]
     if stream is None:
-        host, event = [t.cpu() for t in tensors], None
+        host, event = [t.clone() for t in tensors], None
     else:
         host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
         for h, t in zip(host, tensors, strict=True):
@@ -61,6 +63,7 @@ def record_samples(
     """Claim each row's next position for its sample; the ids follow (write_samples)."""
     positions = batch.num_tokens[rows].copy()
     batch.num_tokens[rows] += 1
+    batch.last_sampled[rows] = positions
     return Samples(rows, positions, batch.handles[rows].copy(), host_ids, event)
 
 
