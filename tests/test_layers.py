@@ -112,3 +112,14 @@ def test_no_import_cycle_among_files() -> None:
         if node not in state:
             visit(node)
     assert not cycles, "import cycles:\n" + "\n".join(" -> ".join(c) for c in cycles)
+
+
+def test_no_file_over_400_lines() -> None:
+    """Files split along their seams stay small enough to read in one sitting."""
+    long = {
+        str(path.relative_to(ROOT)): n
+        for package in ("zmqworker", "messages")
+        for path in sorted((ROOT / package).rglob("*.py"))
+        if (n := len(path.read_text().splitlines())) > 400
+    }
+    assert not long, f"files over 400 lines: {long}"

@@ -34,13 +34,12 @@ from zmqworker.engine.llm_args import (
 )
 from zmqworker.engine.model_folder import ModelFolder, cache_config_for, on_cpu
 from zmqworker.engine.outputs import EngineStats, RequestOutput
+from zmqworker.engine.prompts import Prompt, prompt_list, prompt_token_ids
 from zmqworker.engine.request import Request
 from zmqworker.executor.abstract import STEP_TIMEOUT_S, Executor
 
 logger = logging.getLogger(__name__)
 
-# A prompt is text, or token ids.
-Prompt = str | Sequence[int]
 # A chat: messages with a role ("system", "user", "assistant") and a content.
 Conversation = Sequence[dict[str, Any]]
 
@@ -270,30 +269,7 @@ class LLM:
     def encode(self, prompt: Prompt) -> list[int]:
         """The prompt's token ids (text goes through the tokenizer), checked against the
         model: not empty, within max_model_len and the vocabulary."""
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("the prompt is empty")
-            if self.tokenizer is None:
-                raise ValueError("the model folder has no tokenizer: give prompts as token ids")
-            token_ids = list(self.tokenizer.encode(prompt))
-        elif isinstance(prompt, Sequence) and all(isinstance(t, int) for t in prompt):
-            token_ids = [int(t) for t in prompt]
-        else:
-            raise ValueError(f"a prompt is a str or a list of token ids, got {prompt!r:.80}")
-        if not token_ids:
-            raise ValueError("the prompt is empty")
-        if len(token_ids) > self.max_model_len:
-            raise ValueError(
-                f"the prompt has {len(token_ids)} tokens, more than max_model_len="
-                f"{self.max_model_len}"
-            )
-        if self.vocab_size is not None:
-            bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
-            if bad:
-                raise ValueError(
-                    f"token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})"
-                )
-        return token_ids
+        return prompt_token_ids(prompt, self.tokenizer, self.max_model_len, self.vocab_size)
 
     def check_health(self, timeout: float = 10.0) -> None:
         """Raise if a worker does not answer within timeout (safe while steps run)."""
@@ -364,11 +340,7 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None,
     ) -> list[tuple[Request, str | None]]:
         """Validated requests for every prompt, or an error before any is made."""
-        if isinstance(prompts, str) or _is_token_ids(prompts):
-            prompts = [prompts]  # type: ignore[list-item]
-        prompts = list(prompts)  # type: ignore[arg-type]
-        if not prompts:
-            raise ValueError("no prompts given")
+        prompts = prompt_list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params = [sampling_params or self.default_sampling_params()] * len(prompts)
         else:
@@ -403,15 +375,6 @@ class LLM:
             detokenizer=detokenizer,
         )
         return request, prompt if isinstance(prompt, str) else None
-
-
-def _is_token_ids(value: object) -> bool:
-    return (
-        isinstance(value, Sequence)
-        and not isinstance(value, str)
-        and bool(value)
-        and all(isinstance(t, int) for t in value)
-    )
 
 
 # The options' types, Meta included, for the checks above and for the CLI.

@@ -14,43 +14,21 @@ request sets. With async scheduling (one stage, two steps in flight), a decode g
 on top of the step in flight: its last scheduled token is a placeholder for the token
 that step samples, which the worker fills in itself. Either way a request in flight is
 never preempted, and a request that finishes (or is aborted) while a step in flight
-still computes it keeps its blocks and handle until that step has come back; the
-token that step samples for it is dropped.
+still computes it keeps its blocks until that step has come back; the token that step
+samples for it is dropped.
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass, field
 
-import numpy as np
-
-from messages import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
+from messages import ModelRunnerOutput, SchedulerOutput
 from zmqworker.cdiv import cdiv
 from zmqworker.engine.block_manager import KVBlockManager
 from zmqworker.engine.handles import HandlePool
 from zmqworker.engine.request import FinishReason, Request, RequestStatus
-
-
-@dataclass
-class _Step:
-    """A step sent to the workers and not yet answered."""
-
-    output: SchedulerOutput
-    requests: dict[int, Request]  # handle -> request scheduled in it
-    sampling: set[int]  # handles whose token this step samples
-    finished_handles: list[int] = field(default_factory=list)  # reported by this step
-
-
-@dataclass
-class _CachedColumns:
-    handles: list[int] = field(default_factory=list)
-    num_computed: list[int] = field(default_factory=list)
-    num_scheduled: list[int] = field(default_factory=list)
-    new_blocks: list[list[int]] = field(default_factory=list)
-    new_tokens: list[list[int]] = field(default_factory=list)
-    placeholders: list[int] = field(default_factory=list)
+from zmqworker.engine.step_draft import SentStep, StepDraft
 
 
 class Scheduler:
@@ -109,7 +87,7 @@ class Scheduler:
         self._requests: dict[str, Request] = {}
         # Finished while a step in flight still computes them: released once it is back.
         self._draining: dict[str, Request] = {}
-        self._steps: deque[_Step] = deque()
+        self._steps: deque[SentStep] = deque()
         self._handles = HandlePool()
         # Handles to report in the next step: finished, and preempted requests.
         self._finished_handles: list[int] = []
@@ -169,9 +147,7 @@ class Scheduler:
         active = min(self.max_num_seqs, len(self._requests))
         share = 1 if self.async_scheduling else self.max_concurrent_batches
         max_reqs = max(1, cdiv(active, share))
-        scheduled: dict[int, Request] = {}
-        new_reqs: list[NewRequestData] = []
-        cached = _CachedColumns()
+        draft = StepDraft()
         num_preempted_before = len(self._preempted_handles)
 
         # Running requests: decodes first, then chunked prefills in progress. num_left:
@@ -182,33 +158,26 @@ class Scheduler:
             if not r.num_steps_in_flight or self._continuable(r)
         ]
         ready.sort(key=lambda entry: entry[0] > 1)
-        sampling: set[int] = set()
         for num_left, request in ready:
-            if budget == 0 or len(scheduled) == max_reqs:
+            if budget == 0 or len(draft) == max_reqs:
                 break
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted to make room for an older request
             num_new = min(num_left, budget)
             # Positions past the known tokens: what the step in flight samples.
             placeholders = max(0, request.num_computed_tokens + num_new - request.num_tokens)
-            new_blocks = self._allocate_or_preempt(request, num_new, placeholders, scheduled)
+            new_blocks = self._allocate_or_preempt(request, num_new, placeholders, draft)
             if new_blocks is None:
                 continue
-            assert request.handle is not None
-            scheduled[request.handle] = request
-            if num_new == num_left:
-                sampling.add(request.handle)
-            cached.handles.append(request.handle)
-            cached.num_computed.append(request.num_computed_tokens)
-            cached.num_scheduled.append(num_new)
-            cached.new_blocks.append(new_blocks)
-            cached.placeholders.append(placeholders)
+            new_tokens = None
             if self.send_token_ids:
                 # Tokens from position num_computed on; workers append those they lack.
                 lacking = request.num_tokens > self._num_tokens_sent[request.req_id]
-                start = request.num_computed_tokens
-                cached.new_tokens.append(request.all_token_ids[start:] if lacking else [])
+                new_tokens = request.all_token_ids[request.num_computed_tokens :] if lacking else []
                 self._num_tokens_sent[request.req_id] = request.num_tokens
+            draft.add_cached(
+                request, num_new, new_blocks, placeholders, num_new == num_left, new_tokens
+            )
             budget -= num_new
 
         # Waiting requests, in order; none after a preemption (the cache is full).
@@ -216,7 +185,7 @@ class Scheduler:
         while (
             self.waiting
             and budget > 0
-            and len(scheduled) < max_reqs
+            and len(draft) < max_reqs
             and not preempted_now
             and len(self.running) < self.max_num_seqs
         ):
@@ -234,50 +203,23 @@ class Scheduler:
                 request.handle = self._handles.acquire()
             request.num_computed_tokens = request.num_cached_tokens = num_hit
             self.running.append(request)
-            scheduled[request.handle] = request
-            if num_new == request.num_tokens - num_hit:
-                sampling.add(request.handle)
-            new_reqs.append(
-                NewRequestData(
-                    req_id=request.req_id,
-                    req_handle=request.handle,
-                    prompt_token_ids=np.array(request.all_token_ids, np.int32),
-                    sampling_params=request.sampling_params,
-                    block_ids=np.array(self.kv.block_ids(request.req_id), np.int32),
-                    num_scheduled_tokens=num_new,
-                    num_computed_tokens=num_hit,
-                )
-            )
+            samples = num_new == request.num_tokens - num_hit
+            draft.add_new(request, num_new, self.kv.block_ids(request.req_id), samples)
             self._num_tokens_sent[request.req_id] = request.num_tokens
             budget -= num_new
 
-        if not scheduled:
+        if not draft:
             return None
-        output = SchedulerOutput(
-            scheduled_new_reqs=new_reqs,
-            scheduled_cached_reqs=CachedRequestData.build(
-                cached.handles,
-                cached.num_computed,
-                cached.num_scheduled,
-                new_block_ids=cached.new_blocks,
-                new_token_ids=cached.new_tokens if self.send_token_ids else None,
-                num_placeholders=cached.placeholders if self.async_scheduling else None,
-            ),
-            total_num_scheduled_tokens=self.max_num_batched_tokens - budget,
-            finished_req_handles=self._finished_handles,
-            preempted_req_handles=self._preempted_handles,
+        step = draft.send(
+            self.max_num_batched_tokens - budget,
+            self._finished_handles,
+            self._preempted_handles,
+            self.send_token_ids,
+            self.async_scheduling,
         )
-        for data in new_reqs:
-            scheduled[data.req_handle].num_computed_tokens += data.num_scheduled_tokens
-        for handle, num in zip(cached.handles, cached.num_scheduled, strict=True):
-            scheduled[handle].num_computed_tokens += num
-        for request in scheduled.values():
-            request.num_steps_in_flight += 1
-        for handle in sampling:
-            scheduled[handle].num_pending_samples += 1
-        self._steps.append(_Step(output, scheduled, sampling, self._finished_handles))
+        self._steps.append(step)
         self._finished_handles, self._preempted_handles = [], []
-        return output
+        return step.output
 
     def _continuable(self, request: Request) -> bool:
         """Whether a request in a step in flight can go into the next step too: with
@@ -295,7 +237,7 @@ class Scheduler:
         request: Request,
         num_new: int,
         placeholders: int,
-        scheduled: dict[int, Request],
+        draft: StepDraft,
     ) -> list[int] | None:
         """Blocks for num_new more tokens of a running request, preempting the newest
         preemptible running requests (in no step) until they fit; None if request itself
@@ -314,7 +256,7 @@ class Scheduler:
                 (
                     r
                     for r in reversed(self.running)
-                    if not r.num_steps_in_flight and r.handle not in scheduled
+                    if not r.num_steps_in_flight and r.handle not in draft.scheduled
                 ),
                 None,
             )

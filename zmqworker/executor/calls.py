@@ -78,6 +78,20 @@ class Call:
         a method here costs a Python frame each time."""
         return partial(getattr, self, "done")
 
+    def add_result(self, rank: int, result: Any) -> bool:
+        """rank's result; True once no rank is waited for (then finish_with_results)."""
+        self.results[rank] = result
+        self.waiting_for.discard(rank)
+        return not self.waiting_for
+
+    def finish_with_results(self) -> None:
+        """Finish with the results by rank, or single_rank's alone."""
+        results = self.results
+        if self.single_rank is not None:
+            self.finish(results[self.single_rank])
+        else:
+            self.finish([results[r] for r in sorted(results)])
+
     def finish(self, value: Any = None, error: BaseException | None = None) -> None:
         # The fields first: a thread that sees the future done reads them at once.
         self.value, self.error, self.done = value, error, True

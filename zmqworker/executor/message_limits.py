@@ -11,6 +11,7 @@ otherwise from bounds large enough for any Llama-family model.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,6 +31,17 @@ class MessageLimits:
 
     def to_env(self) -> str:
         return f"{self.request_bytes},{self.pipeline_bytes}"
+
+
+def check_request_frames(method: str, frames: Sequence[bytes | memoryview], limit: int) -> None:
+    """Refuse a request a worker would drop, with the connection, for a frame past limit."""
+    largest = max(f.nbytes if isinstance(f, memoryview) else len(f) for f in frames)
+    if largest > limit:
+        raise ValueError(
+            f"{method}: the request has a frame of {largest} bytes, more than the {limit} "
+            "bytes a worker of this run takes in (the bound follows from the run's config: "
+            "max_num_seqs, max_model_len, the vocabulary)"
+        )
 
 
 def message_limits(config: WorkerConfig) -> MessageLimits:

@@ -11,16 +11,12 @@ One design, in three mechanisms, each there for a measured reason:
   that the receiver lets it have the socket before it receives again.
 - A nudge (transport/nudge.py): a message into the ROUTER from a socket of its own, which
   ends the receiver's wait at once. Senders nudge a receiving thread; so does a watcher
-  thread when a worker dies (MultiprocExecutor gives it one pidfd per worker), so that a
-  SIGKILLed worker fails every pending call at once, and when the ROUTER's monitor sees a
-  peer disconnect. The receive's timeout (RCVTIMEO) is bounded by the earliest call
-  deadline and POLL_SLICE_S.
+  thread when a worker dies (one pidfd per worker) or the ROUTER's monitor sees a peer
+  disconnect. RCVTIMEO is bounded by the earliest call deadline and POLL_SLICE_S.
 
-A worker that stops (SIGSTOP) is alive but silent: the ROUTER's ZMTP heartbeats (set
-where the executor binds it; answered by each worker's libzmq I/O thread, without
-Python) find it within stuck_after_s and drop its connection. A Ping to every rank then
-fails for the one whose connection is gone (ROUTER_MANDATORY): its calls fail with
-WorkerStuckError and Liveness.kill ends it.
+A worker that stops (SIGSTOP) is alive but silent: heartbeats drop its connection, a
+Ping then fails for it, its calls fail with WorkerStuckError and it is killed
+(stuck_ranks.py).
 """
 
 from __future__ import annotations
@@ -36,7 +32,7 @@ from typing import Any
 
 import zmq
 
-from messages import Decoder, Encoder, Ping, ProtocolError, RpcReply, RpcRequest
+from messages import Decoder, Encoder, ProtocolError, RpcReply, RpcRequest
 from zmqworker.executor.calls import Call, Liveness, RpcFuture
 from zmqworker.executor.errors import (
     ExecutorError,
@@ -45,6 +41,8 @@ from zmqworker.executor.errors import (
     WorkerError,
     WorkerStuckError,
 )
+from zmqworker.executor.message_limits import check_request_frames
+from zmqworker.executor.stuck_ranks import StuckRanks
 from zmqworker.transport.frames import recv_frames, send_frames
 from zmqworker.transport.nudge import NUDGE_IDENTITY, Nudger
 
@@ -53,13 +51,6 @@ log = logging.getLogger("zmqworker.executor")
 SEND_TIMEOUT_S = 10.0  # how long a send waits on a live worker that reads nothing
 POLL_SLICE_S = 0.1  # the longest a receive waits before deadlines are looked at again
 CLOSE_WAIT_S = 5.0  # close(): the longest it waits for a thread to leave the socket
-# A rank the ROUTER cannot reach is dead or stuck: a death shows within this (its socket
-# closes as it dies, a moment before it can be reaped); after it, the rank is stuck.
-DEATH_GRACE_S = 0.3
-# The ROUTER forgets a disconnected peer a few of its own commands after the monitor tells
-# of it: the ranks are probed at each receive for this long after a disconnect.
-PROBE_WINDOW_S = 1.0
-PROBE_EVERY_S = 0.05
 
 OnOther = Callable[["RpcClient", bytes, Any], None]
 
@@ -99,14 +90,9 @@ class RpcClient:
         self._closed = False  # no thread takes the socket from now on
         self._deaths: list[int] = []  # ranks whose death signal fired, in order
         self._rcvtimeo_ms = -1
-        self.stuck_after_s = stuck_after_s
         self.max_request_bytes = max_request_bytes
-        self._disconnected = False  # set by the watcher thread: probe the ranks
-        self._probe_until = 0.0  # monotonic: probe every PROBE_EVERY_S until then
-        self._next_probe = 0.0
-        self._unreachable: dict[int, float] = {}  # rank -> when found so, no death seen
-        self._ping = self._enc.encode(Ping())
-        on_disconnect = None if stuck_after_s is None else self._on_disconnect
+        self._stuck = None if stuck_after_s is None else StuckRanks(stuck_after_s)
+        on_disconnect = None if self._stuck is None else self._stuck.on_disconnect
         self._nudger = Nudger(sock, liveness.fds, self._deaths.append, on_disconnect)
         self._send_timeout_s = 0.0
         self.send_timeout_s = send_timeout_s
@@ -125,7 +111,7 @@ class RpcClient:
             raise ValueError(f"send_timeout_s must be > 0, got {seconds!r}")
         with self._socket():
             self.sock.setsockopt(zmq.SNDTIMEO, max(1, round(seconds * 1000)))
-            self._send_timeout_s = seconds
+        self._send_timeout_s = seconds
 
     def add_peer(self, rank: int, identity: bytes) -> None:
         """rank answers from the ROUTER identity identity (it said hello)."""
@@ -285,7 +271,8 @@ class RpcClient:
             frames = self._enc.encode(req)
         except (TypeError, ValueError) as e:
             raise TypeError(f"arguments of {method} cannot be encoded: {e}") from None
-        self._check_size(method, frames)
+        if self.max_request_bytes is not None:
+            check_request_frames(method, frames, self.max_request_bytes)
         waiting = {reply_rank} if reply_rank is not None else set(ranks)
         deadline = None if timeout is None else time.monotonic() + timeout
         call = Call(method, waiting, reply_rank, timeout, deadline)
@@ -300,7 +287,11 @@ class RpcClient:
                     send_frames(self.sock, (identity, *frames))
                 except zmq.Again:  # SNDTIMEO: that rank has not read its messages
                     stuck = WorkerStuckError.queue_full(rank, method, self.send_timeout_s)
-                    self._failed_send(call_id, call, rank, ranks[0], stuck)
+                    with self._cond:
+                        if rank != ranks[0]:  # the ranks before it run it: out of step
+                            self._fail_all(stuck)
+                        elif self._calls.pop(call_id, None) is not None:
+                            call.finish(error=stuck)
                     break
                 except zmq.ZMQError as e:  # ROUTER_MANDATORY: the peer is gone
                     with self._cond:
@@ -310,34 +301,13 @@ class RpcClient:
                     break
         return call
 
-    def _check_size(self, method: str, frames: list[bytes | memoryview]) -> None:
-        """A worker would drop a frame past its bound together with the connection."""
-        if self.max_request_bytes is None:
-            return
-        largest = max(f.nbytes if isinstance(f, memoryview) else len(f) for f in frames)
-        if largest > self.max_request_bytes:
-            raise ValueError(
-                f"{method}: the request has a frame of {largest} bytes, more than the "
-                f"{self.max_request_bytes} bytes a worker of this run takes in (the bound "
-                "follows from the run's config: max_num_seqs, max_model_len, the vocabulary)"
-            )
-
-    def _failed_send(
-        self, call_id: int, call: Call, rank: int, first: int, error: ExecutorError
-    ) -> None:
-        with self._cond:
-            if rank != first:  # the ranks before it run the call: they are out of step
-                self._fail_all(error)
-            elif self._calls.pop(call_id, None) is not None:
-                call.finish(error=error)
-
     def _set_receive_timeout(self, caller_left: float | None) -> None:
         """RCVTIMEO for the next receive: the caller's time left, the earliest deadline
         and POLL_SLICE_S, whichever comes first. Under the lock, with the socket."""
         wait_s = POLL_SLICE_S if caller_left is None else min(caller_left, POLL_SLICE_S)
-        deadlines = [c.deadline for c in self._calls.values() if c.deadline is not None]
-        if deadlines:
-            wait_s = min(wait_s, min(deadlines) - time.monotonic())
+        deadline = min((c.deadline for c in self._calls.values() if c.deadline), default=None)
+        if deadline is not None:
+            wait_s = min(wait_s, deadline - time.monotonic())
         wait_ms = max(0, math.ceil(wait_s * 1000))
         if wait_ms != self._rcvtimeo_ms:
             self.sock.setsockopt(zmq.RCVTIMEO, wait_ms)
@@ -374,20 +344,9 @@ class RpcClient:
             call.finish(error=WorkerError(call.method, reply.error))
         elif reply.rank not in call.waiting_for:
             self.late_replies += 1
-        else:
-            call.results[reply.rank] = reply.result
-            call.waiting_for.discard(reply.rank)
-            if call.waiting_for:
-                return
-            del self._calls[reply.call_id]
-            results = call.results
-            if call.single_rank is not None:
-                call.finish(results[call.single_rank])
-            else:
-                call.finish([results[r] for r in sorted(results)])
-
-    def _on_disconnect(self) -> None:
-        self._disconnected = True
+        elif call.add_result(reply.rank, reply.result):
+            del self._calls[reply.call_id]  # before the callbacks, which may call again
+            call.finish_with_results()
 
     def _after_receive(self) -> None:
         """Deaths, stuck ranks and expired deadlines, after every receive (under the
@@ -400,55 +359,22 @@ class RpcClient:
         if died is not None:
             self._fail_all(died)
         now = time.monotonic()
-        if self._disconnected:
-            self._disconnected = False
-            self._probe_until = now + PROBE_WINDOW_S
-        if now < self._probe_until and now >= self._next_probe:
-            self._next_probe = now + PROBE_EVERY_S
-            self._probe()
-        if self._unreachable:
-            self._judge_unreachable()
+        stuck = self._stuck
+        if stuck is not None:
+            if stuck.probe_due(now):
+                self._busy = True  # the lock is held and the socket was free: it is ours
+                try:
+                    stuck.probe(self.sock, self.identities, now)
+                finally:
+                    self._busy = False
+            error = stuck.judge(self.liveness, self._dead is not None)
+            if error is not None:
+                self._fail_all(error)
         for call_id, call in list(self._calls.items()):
             if call.deadline is not None and now >= call.deadline:
                 del self._calls[call_id]
                 error = RpcTimeoutError(call.method, sorted(call.waiting_for), call.timeout or 0.0)
                 call.finish(error=error)
-
-    def _probe(self) -> None:
-        """A peer disconnected: Ping every rank; note those the ROUTER cannot reach."""
-        now = time.monotonic()
-        self._busy = True  # the lock is held and the socket was free: it is ours
-        try:
-            for rank, identity in self.identities.items():
-                try:
-                    send_frames(self.sock, (identity, *self._ping), zmq.NOBLOCK)
-                except zmq.Again:  # its queue is full: connected, at least
-                    continue
-                except zmq.ZMQError:  # EHOSTUNREACH (ROUTER_MANDATORY): no connection
-                    self._unreachable.setdefault(rank, now)
-                    self._probe_until = 0.0
-        finally:
-            self._busy = False
-
-    def _judge_unreachable(self) -> None:
-        """An unreachable rank whose death shows is dead; one whose death has not shown
-        within DEATH_GRACE_S is stuck (stopped: its heartbeats ended), and is killed."""
-        died = self.liveness.check()
-        if died is not None or self._dead is not None:
-            self._unreachable.clear()
-            if died is not None:
-                self._fail_all(died)
-            return
-        now = time.monotonic()
-        stuck = [r for r, since in self._unreachable.items() if now - since >= DEATH_GRACE_S]
-        if not stuck:
-            return
-        self._unreachable.clear()
-        silent = (self.stuck_after_s or 0.0) + DEATH_GRACE_S
-        log.error("worker rank %d is silent: stopped or wedged; killing it", stuck[0])
-        self._fail_all(WorkerStuckError.silent(stuck[0], silent))
-        for rank in stuck:
-            self.liveness.kill(rank)
 
     def _check_alive(self) -> None:
         # Deaths signalled while nobody received; without signals, look.

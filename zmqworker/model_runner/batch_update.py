@@ -33,6 +33,7 @@ from messages.step import (
     NUM_PLACEHOLDERS,
     NUM_SCHEDULED,
 )
+from zmqworker.model_runner.placeholders import check_placeholders
 
 _MAX_HANDLE = 2**31 - 1
 
@@ -276,8 +277,8 @@ def _plan_cached(
     )
     fail(end > batch.max_model_len, lambda i: f"reaches {end[i]} tokens > max_model_len")
     if placeholders.any():
-        _check_placeholders(
-            batch, fail, placeholders, row_array, resumed, computed, end, num_tokens
+        check_placeholders(
+            batch.last_sampled, fail, placeholders, row_array, resumed, computed, end, num_tokens
         )
     blocks_after = existing_blocks + num_blocks
     fail(
@@ -301,39 +302,6 @@ def _plan_cached(
         num_new_tokens=num_tokens,
         new_block_ids=block_ids,
         new_token_ids=token_ids,
-    )
-
-
-def _check_placeholders(
-    batch: BatchView,
-    fail: Callable[[np.ndarray, Callable[[int], str]], None],
-    placeholders: np.ndarray,
-    rows: np.ndarray,
-    resumed: np.ndarray,
-    computed: np.ndarray,
-    end: np.ndarray,
-    num_tokens: np.ndarray,
-) -> None:
-    """A placeholder is the last scheduled position, which this worker sampled last for
-    the request (in the step before this one): the engine cannot send that token."""
-    fail(
-        (placeholders < 0) | (placeholders > 1),
-        lambda i: f"num_placeholders must be 0 or 1, got {placeholders[i]}",
-    )
-    has = placeholders == 1
-    fail(has & ((rows < 0) | resumed), lambda i: "a resumed request cannot have a placeholder")
-    last = np.full(len(rows), -1, np.int64)
-    last[rows >= 0] = batch.last_sampled[rows[rows >= 0]]
-    fail(
-        has & (last != end - 1),
-        lambda i: (
-            f"its placeholder is position {end[i] - 1}, but this worker's last sample for "
-            + (f"it is position {last[i]}" if last[i] >= 0 else "it: none")
-        ),
-    )
-    fail(
-        has & (computed + num_tokens > end - 1),
-        lambda i: f"new_token_ids reach position {end[i] - 1}, its placeholder",
     )
 
 

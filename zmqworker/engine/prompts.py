@@ -1,0 +1,56 @@
+"""Prompts as the LLM takes them: text, or token ids, checked against the model."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+# A prompt is text, or token ids.
+Prompt = str | Sequence[int]
+
+
+def prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    """One prompt or several, as a list; an error when there are none."""
+    if isinstance(prompts, str) or is_token_ids(prompts):
+        prompts = [prompts]  # type: ignore[list-item]
+    listed = list(prompts)  # type: ignore[arg-type]
+    if not listed:
+        raise ValueError("no prompts given")
+    return listed
+
+
+def prompt_token_ids(
+    prompt: Prompt, tokenizer: Any, max_model_len: int, vocab_size: int | None
+) -> list[int]:
+    """The prompt's token ids (text goes through the tokenizer): not empty, within
+    max_model_len and the vocabulary."""
+    if isinstance(prompt, str):
+        if not prompt:
+            raise ValueError("the prompt is empty")
+        if tokenizer is None:
+            raise ValueError("the model folder has no tokenizer: give prompts as token ids")
+        token_ids = list(tokenizer.encode(prompt))
+    elif isinstance(prompt, Sequence) and all(isinstance(t, int) for t in prompt):
+        token_ids = [int(t) for t in prompt]
+    else:
+        raise ValueError(f"a prompt is a str or a list of token ids, got {prompt!r:.80}")
+    if not token_ids:
+        raise ValueError("the prompt is empty")
+    if len(token_ids) > max_model_len:
+        raise ValueError(
+            f"the prompt has {len(token_ids)} tokens, more than max_model_len={max_model_len}"
+        )
+    if vocab_size is not None:
+        bad = [t for t in token_ids if not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})")
+    return token_ids
+
+
+def is_token_ids(value: object) -> bool:
+    return (
+        isinstance(value, Sequence)
+        and not isinstance(value, str)
+        and bool(value)
+        and all(isinstance(t, int) for t in value)
+    )
