@@ -292,8 +292,8 @@ def worker_config() -> WorkerConfig:
 
 
 def kv_cache_spec() -> KVCacheSpec:
-    """Rank 1's half of SmolLM2's 30 layers."""
-    names = [f"model.layers.{i}.self_attn.attn" for i in range(15, 30)]
+    """Rank 1's half of SmolLM2's 30 layers, named as a worker reports them."""
+    names = [f"model.layers.{i}.self_attn" for i in range(15, 30)]
     return KVCacheSpec(
         block_size=BLOCK_SIZE, num_kv_heads=3, head_size=64, dtype="bfloat16", layer_names=names
     )

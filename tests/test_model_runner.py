@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from messages import (
+    CacheConfig,
     CachedRequestData,
     GrammarOutput,
     IntermediateTensors,
@@ -26,6 +27,7 @@ from messages import (
     SchedulerConfig,
     SchedulerOutput,
     WorkerConfig,
+    examples,
     make_kv_cache_config,
 )
 from tests.runner_helpers import (
@@ -46,6 +48,7 @@ from tests.runner_helpers import (
 from zmqworker.attention.kv_cache import kv_cache_shape
 from zmqworker.cdiv import cdiv
 from zmqworker.model_runner import AsyncModelRunnerOutput, ModelRunner
+from zmqworker.models.embedded import default_model_path
 
 # Decoded tensors are read-only message memory (the runner copies them); torch warns.
 pytestmark = pytest.mark.filterwarnings("ignore:The given buffer is not writable")
@@ -328,3 +331,20 @@ def test_cuda_steps_never_synchronise_the_host() -> None:
         pipeline.execute(sched.schedule())
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+def test_the_fixtures_kv_cache_spec_is_what_the_embedded_models_last_stage_reports() -> None:
+    """reply_kv_cache_spec is rank 1 of SmolLM2-135M at pp=2 in bfloat16: its layer names
+    are the ones a real worker reports (random weights: only the shapes matter here)."""
+    model = ModelConfig(
+        path=default_model_path(progress=False),
+        dtype="bfloat16",
+        load_format="dummy",
+        max_model_len=64,
+    )
+    config = WorkerConfig(
+        model=model,
+        cache=CacheConfig(block_size=examples.BLOCK_SIZE),
+        scheduler=SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=64),
+    )
+    assert ModelRunner(config, pp_state(1)).get_kv_cache_spec() == examples.kv_cache_spec()
