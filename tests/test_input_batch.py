@@ -10,7 +10,15 @@ import numpy as np
 import pytest
 import torch
 
-from messages import CachedRequestData, NewRequestData, SamplingParams, SchedulerOutput
+from messages import (
+    CachedRequestData,
+    Decoder,
+    Encoder,
+    NewRequestData,
+    RpcRequest,
+    SamplingParams,
+    SchedulerOutput,
+)
 from zmqworker.attention.decode import AttentionGeometry
 from zmqworker.attention.workspace import GatherWorkspace
 from zmqworker.cdiv import cdiv
@@ -443,16 +451,51 @@ BAD_STEPS = {
         "max_num_seqs",
     ),
     "float prompt": (
+        lambda: step([replace(new_req(5, [1], [6], 1), prompt_token_ids=np.array([1.0]))]),
+        "request 'req-5' (handle 5): prompt_token_ids must hold integers, got float64",
+    ),
+    "2-D prompt": (
+        lambda: step([replace(new_req(5, [1], [6], 1), prompt_token_ids=np.array([[1]]))]),
+        "request 'req-5' (handle 5): prompt_token_ids must have 1 dimension(s), got shape [1, 1]",
+    ),
+    "bool block ids": (
+        lambda: step([replace(new_req(5, [1], [6], 1), block_ids=np.array([True]))]),
+        "request 'req-5' (handle 5): block_ids must hold integers, got bool",
+    ),
+    "float columns": (
+        lambda: step(cached=CachedRequestData(np.ones((6, 1)))),
+        "CachedRequestData.columns must hold integers, got float64",
+    ),
+    "five columns": (
+        lambda: step(cached=CachedRequestData(np.zeros((5, 1), np.int32))),
+        "CachedRequestData.columns must be int32 [6, n], got shape [5, 1]",
+    ),
+    "2-D new block ids": (
         lambda: step(
-            [msgspec.structs.replace(new_req(5, [1], [6], 1), prompt_token_ids=np.array([1.0]))]
+            cached=replace(
+                CachedRequestData.build([1], [5], [1], [[6]]), new_block_ids=np.array([[6]])
+            )
         ),
-        "request 'req-5' (handle 5): prompt must be 1-D ints",
+        "new_block_ids must have 1 dimension(s), got shape [1, 1]",
+    ),
+    "new token id past int32": (
+        lambda: step(
+            cached=replace(
+                CachedRequestData.build([1], [5], [1], None, [[9]]),
+                new_token_ids=np.array([2**32 + 9]),
+            )
+        ),
+        "new_token_ids: 4294967305 does not fit in int32",
     ),
     "wrong total": (
         lambda: SchedulerOutput([], CachedRequestData.build([1], [5], [1]), 3),
         "total_num_scheduled_tokens",
     ),
 }
+
+
+def replace(struct, **fields):
+    return msgspec.structs.replace(struct, **fields)
 
 
 @pytest.mark.parametrize("case", sorted(BAD_STEPS))
@@ -478,3 +521,37 @@ def test_bad_step_is_rejected_and_changes_nothing(case: str) -> None:
         step(cached=CachedRequestData.build([1, 3], [5, 3], [1, 1], [[], [6]]))
     )
     assert scheduled.num_tokens == 2
+
+
+def every_int32_field_as(dtype: str) -> SchedulerOutput:
+    """A step of populated() that fills every int32 array field of a step, each in dtype,
+    as an engine that writes that dtype sends it (through the codec)."""
+    cached = CachedRequestData.build(
+        req_handles=[1, 3],
+        num_computed_tokens=[5, 3],
+        num_scheduled_tokens=[1, 2],
+        new_block_ids=[[6], [7]],
+        new_token_ids=[[], [9, 42]],
+    )
+    arrays = dict(
+        columns=cached.columns,
+        new_block_ids=cached.new_block_ids,
+        new_token_ids=cached.new_token_ids,
+    )
+    cached = replace(cached, **{k: v.astype(dtype) for k, v in arrays.items()})
+    new = new_req(5, [1, 2], [11], 2)
+    new = replace(new, prompt_token_ids=np.array([1, 2], dtype), block_ids=np.array([11], dtype))
+    so = step([new], cached)
+    return Decoder().decode(Encoder().encode(RpcRequest(0, "execute_model", [so]))).args[0]
+
+
+@pytest.mark.parametrize("dtype", ["int64", "int16", "uint8"])
+def test_every_int32_field_takes_any_integer_dtype_and_converts_it(dtype: str) -> None:
+    expected, batch = populated(), populated()
+    expected.update(every_int32_field_as("int32"))
+    wide = every_int32_field_as(dtype)
+    assert wide.scheduled_cached_reqs.columns.dtype == np.dtype(dtype)
+    scheduled = batch.update(wide)
+    assert_same(snapshot(expected), snapshot(batch))
+    assert batch.tokens_of(3).tolist() == [1, 1, 1, 9, 42]
+    assert scheduled.handles.dtype == np.int32 and scheduled.handles.tolist() == [1, 3, 5]

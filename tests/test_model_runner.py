@@ -182,9 +182,15 @@ def test_split_mode_applies_the_grammar_bitmask() -> None:
     assert runner.execute_model(wire(RpcRequest(0, "x", [so])).args[0], sample=False) is None
     with pytest.raises(RuntimeError, match="before sample_tokens"):
         runner.execute_model(SchedulerOutput([], CachedRequestData.empty(), 0))
-    grammar = wire(
-        RpcRequest(0, "x", [GrammarOutput(np.array([5], np.int32), words.view(np.int32))])
-    )
+    # int32 fields take any integer dtype whose values int32 holds, and nothing else
+    for bad, message in (
+        (words.astype(np.float64), "GrammarOutput.grammar_bitmask must hold integers"),
+        (words.astype(np.int64) + 2**32, "GrammarOutput.grammar_bitmask: .* does not fit in int32"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            runner.sample_tokens(GrammarOutput(np.array([5], np.int32), bad))
+    wide = GrammarOutput(np.array([5], np.int64), words.view(np.int32).astype(np.int64))
+    grammar = wire(RpcRequest(0, "x", [wide]))
     out = runner.sample_tokens(grammar.args[0]).get_output()
     with torch.no_grad():
         logits = hf_model(path)(torch.tensor([prompt])).logits[0, -1]

@@ -33,6 +33,7 @@ from messages.step import (
     NUM_PLACEHOLDERS,
     NUM_SCHEDULED,
 )
+from zmqworker.model_runner.int32_arrays import int32_array
 from zmqworker.model_runner.placeholders import check_placeholders
 
 _MAX_HANDLE = 2**31 - 1
@@ -171,9 +172,11 @@ def _check_new_requests(
         num_logprobs = req.sampling_params.logprobs
         if num_logprobs is not None and num_logprobs > batch.max_logprobs:
             raise ValueError(f"{name}: logprobs {num_logprobs} > max_logprobs {batch.max_logprobs}")
-        prompt = np.asarray(req.prompt_token_ids)
-        if prompt.ndim != 1 or prompt.dtype.kind not in "iu":
-            raise ValueError(f"{name}: prompt must be 1-D ints, got {prompt.dtype} {prompt.shape}")
+        try:
+            prompt = int32_array(req.prompt_token_ids, "prompt_token_ids", 1)
+            block_ids = int32_array(req.block_ids, "block_ids", 1)
+        except ValueError as err:
+            raise ValueError(f"{name}: {err}") from None
         if not 1 <= len(prompt) <= batch.max_model_len:
             raise ValueError(
                 f"{name}: prompt must hold 1..{batch.max_model_len} tokens, got {len(prompt)}"
@@ -186,9 +189,6 @@ def _check_new_requests(
                 f"{name}: num_computed {computed} + num_scheduled {scheduled} must be within "
                 f"its {len(prompt)} tokens (num_scheduled >= 1)"
             )
-        block_ids = np.asarray(req.block_ids)
-        if block_ids.ndim != 1 or block_ids.dtype.kind not in "iu":
-            raise ValueError(f"{name}: block_ids must be 1-D ints, got {block_ids.dtype}")
         _check_blocks(batch, name, block_ids, computed + scheduled)
     return handles
 
@@ -215,10 +215,11 @@ def _plan_cached(
     new_handles: set[int],
 ) -> CachedPlan:
     cached = so.scheduled_cached_reqs
-    columns = _int32_values(np.asarray(cached.columns), "cached request columns")
-    if columns.ndim != 2 or columns.shape[0] != NUM_COLUMNS:
+    columns = int32_array(cached.columns, "CachedRequestData.columns", 2)
+    if columns.shape[0] != NUM_COLUMNS:
         raise ValueError(
-            f"cached request columns must be int32 [{NUM_COLUMNS}, n], got {columns.shape}"
+            f"CachedRequestData.columns must be int32 [{NUM_COLUMNS}, n], "
+            f"got shape {list(columns.shape)}"
         )
     handles = columns[HANDLE].astype(np.int32)
     computed = columns[NUM_COMPUTED].astype(np.int32)
@@ -349,26 +350,9 @@ def _check_flat_range(
         )
 
 
-_INT32 = np.iinfo(np.int32)
-
-
-def _int32_values(values: np.ndarray, name: str) -> np.ndarray:
-    """values as int32, when they are integers that int32 holds: any integer dtype is
-    taken, nothing is cut (a 64-bit handle past 2**31 would name another request) and
-    floats are refused."""
-    if values.dtype.kind not in "iu":
-        raise ValueError(f"{name} must hold integers, got {values.dtype}")
-    if values.dtype.itemsize > 4 or values.dtype == np.uint32:
-        outside = (values < _INT32.min) | (values > _INT32.max)
-        if outside.any():
-            raise ValueError(f"{name}: {values[outside][0]} does not fit in int32")
-    return values.astype(np.int32, copy=False)
-
-
 def _flat(values: np.ndarray | None, counts: np.ndarray, name: str, column: str) -> np.ndarray:
-    flat = np.zeros(0, np.int32) if values is None else np.asarray(values).reshape(-1)
-    if flat.dtype.kind not in "iu":
-        raise ValueError(f"{name} must hold ints, got {flat.dtype}")
+    """A ragged field's values (nil: none), as many as its count column says."""
+    flat = np.zeros(0, np.int32) if values is None else int32_array(values, name, 1)
     if len(flat) != int(counts.sum()):
         raise ValueError(f"{name} holds {len(flat)} values but {column} sums to {counts.sum()}")
     return flat

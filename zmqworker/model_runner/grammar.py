@@ -26,9 +26,9 @@ def apply_grammar_bitmask(
         )
     if len(rows) == 0:
         return
-    if bitmask.dtype not in (np.int32, np.uint32):
+    if bitmask.dtype != np.int32:  # the model runner converts what the wire brings
         raise ValueError(f"grammar bitmask must be int32 words, got {bitmask.dtype}")
-    packed = np.ascontiguousarray(bitmask).view(np.int32)
+    packed = np.ascontiguousarray(bitmask)
     # Checked on the host, where the bitmask is: a device check would wait for the device.
     allowed_bits = np.unpackbits(packed.view(np.uint8), axis=1, bitorder="little")[:, :vocab]
     empty = np.flatnonzero(~allowed_bits.any(axis=1))

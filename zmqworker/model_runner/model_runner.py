@@ -34,6 +34,7 @@ from zmqworker.model_runner.dummy_steps import DummySteps
 from zmqworker.model_runner.forward_paths import HiddenStates, TorchPath, TritonPath
 from zmqworker.model_runner.grammar import apply_grammar_bitmask
 from zmqworker.model_runner.input_batch import InputBatch
+from zmqworker.model_runner.int32_arrays import int32_array
 from zmqworker.model_runner.kv_cache_config import check_kv_cache_config
 from zmqworker.model_runner.pipeline_inputs import intermediate_inputs
 from zmqworker.model_runner.sampled_tokens import (
@@ -329,7 +330,8 @@ class ModelRunner:
         batch = self.batch
         sampling = {h: i for i, h in enumerate(step.handles[sample_index].tolist())}
         in_step = set(step.handles.tolist())
-        handles = np.asarray(grammar.req_handles).reshape(-1).tolist()
+        handles = int32_array(grammar.req_handles, "GrammarOutput.req_handles", 1).tolist()
+        bitmask = int32_array(grammar.grammar_bitmask, "GrammarOutput.grammar_bitmask", 2)
         keep, targets = [], []
         for k, handle in enumerate(handles):
             if handle in sampling:
@@ -339,8 +341,7 @@ class ModelRunner:
                 raise ValueError(
                     f"{batch.describe(handle)}: grammar bitmask for a request not in this step"
                 )
-        bitmask = np.asarray(grammar.grammar_bitmask)
-        if bitmask.ndim != 2 or bitmask.shape[0] != len(handles):
+        if bitmask.shape[0] != len(handles):
             raise ValueError(
                 f"grammar bitmask shape {bitmask.shape} does not match its "
                 f"{len(handles)} request handles"
