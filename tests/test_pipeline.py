@@ -1,6 +1,7 @@
 """Pipeline parallelism across real worker processes: the PP channel (shared memory
 between these same-host stages, frames with ZMQWORKER_PP_SHM=0), the batch queue at
-depth pp, and a stage dying mid-pipeline."""
+depth pp, split sampling (execute_model(sample=False), then sample_tokens) and a stage
+dying mid-pipeline."""
 
 from __future__ import annotations
 
@@ -9,15 +10,29 @@ import signal
 import threading
 import time
 
+import numpy as np
 import pytest
 import torch
 
-from messages import SamplingParams
+from messages import (
+    CacheConfig,
+    CachedRequestData,
+    DeviceConfig,
+    ModelConfig,
+    NewRequestData,
+    ParallelConfig,
+    SamplingParams,
+    SchedulerConfig,
+    SchedulerOutput,
+    WorkerConfig,
+    make_kv_cache_config,
+)
 from tests.test_executor import wait_gone
 from tests.tiny import cached_tiny_checkpoint
 from zmqworker.distributed.shm_ring import MEMFD_NAME
 from zmqworker.engine.llm import LLM
 from zmqworker.executor.errors import ExecutorError, WorkerDiedError
+from zmqworker.executor.multiproc import MultiprocExecutor
 
 # Prompts of different lengths; a 50-token one is split into chunks by the 16-token budget.
 PROMPTS = [[5, 17, 42, 9, 100, 3, 77], [1, 2, 3], list(range(10, 60)), [200, 201], [9] * 20]
@@ -125,3 +140,33 @@ def test_killing_the_middle_stage_fails_the_step_and_leaves_nothing():
         killer.join()
         llm.shutdown()
     assert wait_gone(pids, 10.0)
+
+
+def test_split_sampling_at_pp2_answers_on_every_rank() -> None:
+    """execute_model(sample=False), then sample_tokens, reach every rank: the first stage
+    has nothing to sample and answers None to both; the last keeps the logits, then
+    samples what the same step with sample=True samples."""
+    config = WorkerConfig(
+        model=ModelConfig(path=checkpoint(), max_model_len=64),
+        parallel=ParallelConfig(pipeline_parallel_size=2),
+        cache=CacheConfig(block_size=4, kv_cache_bytes=1 << 20),
+        scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16),
+        device=DeviceConfig(device=DEVICE),
+    )
+    prompt = np.array(PROMPTS[0], np.int32)
+
+    def prefill(handle: int) -> SchedulerOutput:
+        blocks = np.array([2 * handle, 2 * handle + 1], np.int32)
+        new = NewRequestData(f"r{handle}", handle, prompt, GREEDY, blocks, len(prompt))
+        return SchedulerOutput([new], CachedRequestData.empty(), len(prompt))
+
+    with MultiprocExecutor(config) as ex:
+        ex.initialize_from_config(make_kv_cache_config(ex.get_kv_cache_specs(), 16))
+        split = ex.collective_rpc("execute_model", (prefill(0),), {"sample": False})
+        assert split == [None, None]
+        first, last = ex.collective_rpc("sample_tokens", (None,))
+        assert first is None
+        assert (
+            last.sampled_token_ids.tolist()
+            == ex.execute_model(prefill(1)).sampled_token_ids.tolist()
+        )

@@ -258,9 +258,12 @@ class ModelRunner:
             return None
         return self._sample(step_logits, None)
 
-    def sample_tokens(self, grammar_output: GrammarOutput | None) -> AsyncModelRunnerOutput:
+    def sample_tokens(self, grammar_output: GrammarOutput | None) -> AsyncModelRunnerOutput | None:
         """Sample the logits kept by execute_model(sample=False), after applying the
-        grammar bitmask of the requests it names."""
+        grammar bitmask of the requests it names. A stage before the last samples nothing:
+        None (the engine sends the call to every rank)."""
+        if not self.state.is_last_stage:
+            return None
         if self._step_logits is None:
             raise RuntimeError("sample_tokens without a preceding execute_model(sample=False)")
         # A rejected grammar output leaves the logits pending: the caller may retry.

@@ -114,7 +114,8 @@ class WorkerBase(ABC):
 
     @abstractmethod
     def sample_tokens(self, grammar_output: GrammarOutput | None = None) -> object:
-        """Sample the logits kept by execute_model(sample=False)."""
+        """Sample the logits kept by execute_model(sample=False): a ModelRunnerOutput
+        (possibly async) on the last pipeline stage, None on the others."""
 
     @abstractmethod
     def profile(self, is_start: bool = True) -> None:
