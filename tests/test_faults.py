@@ -34,6 +34,7 @@ from messages import (
 from messages.step import HANDLE, NUM_SCHEDULED
 from tests.test_executor import echo_config, wait_gone
 from zmqworker.executor.errors import ExecutorError, WorkerStuckError
+from zmqworker.executor.handshake import STUCK_AFTER_S
 from zmqworker.executor.multiproc import MultiprocExecutor
 from zmqworker.model_runner.input_batch import InputBatch
 from zmqworker.transport.curve import RunKeys, make_client
@@ -241,3 +242,22 @@ def test_workers_leave_at_once_when_their_engine_is_killed() -> None:
         assert time.monotonic() - killed < 2.0
     finally:
         engine.kill()
+
+
+def test_workers_leave_an_engine_that_goes_silent_within_the_stuck_bound() -> None:
+    """An engine whose host is lost closes no connection. A stopped engine is as silent,
+    and its workers keep their parent: only the heartbeats' TTL (the stuck bound) can
+    tell them, after which each drops its connection and leaves."""
+    engine = subprocess.Popen(
+        [sys.executable, "-c", ENGINE_SCRIPT], stdout=subprocess.PIPE, text=True, cwd=ROOT
+    )
+    try:
+        pids = [int(p) for p in engine.stdout.readline().split()]
+        time.sleep(0.5)  # a heartbeat or two has carried the TTL
+        engine.send_signal(signal.SIGSTOP)
+        stopped = time.monotonic()
+        assert wait_gone(pids, 10.0), "workers outlived their silent engine"
+        assert time.monotonic() - stopped < STUCK_AFTER_S + 1.0
+    finally:
+        engine.kill()
+        engine.wait()

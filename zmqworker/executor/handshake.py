@@ -26,6 +26,7 @@ log = logging.getLogger("zmqworker.executor")
 
 STUCK_AFTER_S = 2.0  # a worker silent (no ZMTP heartbeat) for this long is stuck
 HEARTBEATS = 5  # heartbeats sent within stuck_after_s
+MAX_HEARTBEAT_TTL_MS = 6_553_500
 
 
 def bind_router(
@@ -38,7 +39,8 @@ def bind_router(
     """A ROUTER bound to endpoint: ipc://PATH, or tcp://HOST (a random free port).
     Returns the socket and the address workers connect to. max_message_bytes: the
     largest frame a peer may send (the run's MessageLimits.reply_bytes); stuck_after_s:
-    ZMTP heartbeats drop a peer silent for that long (None: no heartbeats); keys: the
+    ZMTP heartbeats drop a peer silent for that long, and tell the workers to drop an
+    engine silent for that long (None: no heartbeats); keys: the
     ROUTER is the run's CURVE server (its ZAP handler must run)."""
     sock = ctx.socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, 0)
@@ -50,8 +52,13 @@ def bind_router(
     # issues 3937 and 4364: "Assertion failed: !_io_error", stream_engine_base.cpp).
     sock.setsockopt(zmq.RCVHWM, 0)
     if stuck_after_s is not None:
+        bound_ms = max(1, round(stuck_after_s * 1000))
         sock.setsockopt(zmq.HEARTBEAT_IVL, max(1, round(stuck_after_s * 1000 / HEARTBEATS)))
-        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, max(1, round(stuck_after_s * 1000)))
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, bound_ms)
+        # Carried by every heartbeat: a worker that then hears nothing for as long drops
+        # its connection and leaves, as when the engine dies (its host lost, or stopped:
+        # no connection is closed then). The wire holds deciseconds, at most 65535.
+        sock.setsockopt(zmq.HEARTBEAT_TTL, min(max(bound_ms, 100), MAX_HEARTBEAT_TTL_MS))
     if keys is not None:
         make_server(sock, keys.engine_public, keys.engine_secret)
     try:
