@@ -1,8 +1,10 @@
 """The golden fixtures: the encoder reproduces them byte for byte, the decoder reads them back,
-and the plain msgpack library (no msgspec, no numpy tricks) can read every one of them."""
+the plain msgpack library (no msgspec, no numpy tricks) can read every one of them, and the
+conformance JSON beside each is what decoding it gives."""
 
 from __future__ import annotations
 
+import json
 import struct
 from typing import Any
 
@@ -14,7 +16,7 @@ from messages import PROTOCOL_VERSION, Decoder
 from messages import examples as ex
 from messages.codec import DTYPE_NAMES
 from messages.compare import assert_same
-from messages.make_fixtures import FIXTURES_DIR, encode_examples, unpack_frames
+from messages.make_fixtures import FIXTURES_DIR, decoded_json, encode_examples, unpack_frames
 
 pytestmark = pytest.mark.filterwarnings("ignore:The given buffer is not writable")
 
@@ -135,3 +137,51 @@ def test_a_plain_msgpack_writer_is_understood() -> None:
     assert np.array_equal(out.columns, columns)
     assert out.new_block_ids.tolist() == [99] and out.new_token_ids is None
     assert decoded.reply_rank is None and decoded.deadline == 0.0
+
+
+def test_every_fixture_has_its_json_and_no_json_is_stale() -> None:
+    assert {p.stem for p in FIXTURES_DIR.glob("*.json")} == set(ex.EXAMPLES), REGENERATE
+
+
+@pytest.mark.parametrize("name", sorted(ex.EXAMPLES))
+def test_the_json_is_what_decoding_the_fixture_gives(name: str) -> None:
+    on_disk = (FIXTURES_DIR / f"{name}.json").read_text()
+    assert on_disk == decoded_json(fixture(name)), f"{name}: {REGENERATE}"
+
+
+@pytest.mark.parametrize("name", sorted(ex.EXAMPLES))
+def test_the_json_says_what_a_plain_msgpack_reading_says(name: str) -> None:
+    """The JSON against the bytes, with neither msgspec nor our decoder in between."""
+    frames = msgpack.unpackb(fixture(name))
+    version, msg = msgpack.unpackb(frames[0], strict_map_key=False)
+    document = json.loads((FIXTURES_DIR / f"{name}.json").read_text())
+    assert (document["version"], document["data_frames"]) == (version, len(frames) - 1)
+    agree(msg, document["message"], frames, "message")
+
+
+def agree(raw: Any, value: Any, frames: list[bytes], path: str) -> None:
+    """raw (read by the msgpack library) says what value (the JSON) says. Arrays are
+    rebuilt by hand from the ext layout; a struct's fields that the writer left out are
+    at their defaults in the JSON, which lists every field."""
+    if isinstance(raw, msgpack.ExtType):
+        dtype, shape, data = parse_ext(raw, frames)
+        assert value["array"] == ("numpy" if raw.code in (1, 2) else "torch"), path
+        assert (value["dtype"], tuple(value["shape"])) == (dtype, shape), path
+        assert value["values"] == np.frombuffer(data, WIRE_NUMPY[dtype]).tolist(), path
+    elif isinstance(raw, dict):
+        assert isinstance(value, dict), path
+        assert set(raw) <= set(value) if "type" in raw else set(raw) == set(value), path
+        for key in raw:
+            agree(raw[key], value[key], frames, f"{path}.{key}")
+    elif isinstance(raw, list):
+        assert isinstance(value, list) and len(raw) == len(value), path
+        for i, (r, v) in enumerate(zip(raw, value, strict=True)):
+            agree(r, v, frames, f"{path}[{i}]")
+    else:
+        assert type(raw) is type(value) and raw == value, f"{path}: {raw!r} vs {value!r}"
+
+
+# how the JSON writes each dtype's values: 16-bit floats as their raw bits
+WIRE_NUMPY = {"bool": "?", "uint8": "u1", "int8": "i1", "int16": "<i2", "int32": "<i4",
+              "int64": "<i8", "float16": "<u2", "bfloat16": "<u2", "float32": "<f4",
+              "float64": "<f8"}  # fmt: skip
