@@ -294,6 +294,11 @@ def test_which_call_id_an_error_reply_carries(engine: RawEngine) -> None:
     # a body that is no MessagePack array: no id to answer with
     assert answer(b"\x93garbage")[:2] == (-1, "ProtocolError")
     assert answer(msgpack.packb({"call_id": 5}))[:2] == (-1, "ProtocolError")
+    assert answer(msgpack.packb({1: request}))[:2] == (-1, "ProtocolError")
+    assert answer(msgpack.packb([VERSION, {**request, "call_id": True}]))[:2] == (
+        -1,
+        "ProtocolError",
+    )
     # a body whose second element is a map with an integer call_id: that id
     assert answer(body, b"stray frame") == (
         request["call_id"],

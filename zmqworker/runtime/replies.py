@@ -47,12 +47,16 @@ class Replier:
 
 def peek_call_id(frames: list[zmq.Frame]) -> int:
     """The call id of a request that did not decode, when its body still says it, so
-    that the engine fails that call at once instead of waiting for its deadline."""
+    that the engine fails that call at once instead of waiting for its deadline: the
+    body is MessagePack, an array whose second element is a map with an integer
+    "call_id" (docs/protocol.md, "Which call_id an error reply carries")."""
     try:
         body = msgspec.msgpack.decode(frames[0].bytes)
-        call_id = body[1]["call_id"]
     except Exception:
         return PROTOCOL_ERROR_CALL_ID
+    if not isinstance(body, list) or len(body) < 2 or not isinstance(body[1], dict):
+        return PROTOCOL_ERROR_CALL_ID
+    call_id = body[1].get("call_id")
     return (
         call_id
         if isinstance(call_id, int) and not isinstance(call_id, bool)
