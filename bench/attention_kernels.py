@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-from pathlib import Path
 
 import torch
 import triton
@@ -130,10 +129,7 @@ def main() -> None:
     print(f"\nHBM {bandwidth / 1e12:.2f} TB/s; each row: one decoder layer's kernels")
     print_table(rows, precision=2)
     result = {"hbm_bytes_per_s": bandwidth, "rows": rows}
-    if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-    else:
-        write_results("attention_kernels", result)
+    write_results("attention_kernels", result, args.out)
 
 
 if __name__ == "__main__":

@@ -57,10 +57,12 @@ def print_table(rows: Sequence[dict[str, Any]], precision: int = 1) -> None:
         print(line(c))
 
 
-def write_results(name: str, data: dict[str, Any]) -> Path:
-    """Write data as bench/results/<name>.json (creating the folder); the path written."""
-    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-    path = RESULTS_DIR / f"{name}.json"
+def write_results(name: str, data: dict[str, Any], out: str | None = None) -> Path:
+    """Write data as bench/results/<name>.json (creating the folder), or to out when
+    given (a benchmark's --out); the path written."""
+    if out is None:
+        RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    path = Path(out) if out is not None else RESULTS_DIR / f"{name}.json"
     path.write_text(json.dumps(data, indent=2) + "\n")
     return path
 

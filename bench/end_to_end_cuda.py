@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import tempfile
 import time
 from pathlib import Path
@@ -125,11 +124,7 @@ def main() -> None:
         f"async decode over the runner alone: {summary['async_over_floor']:.3f}x "
         f"(target >= 0.9); over sync: {summary['async_over_sync']:.3f}x (target >= 1.3)"
     )
-    if args.out:
-        Path(args.out).write_text(json.dumps(summary, indent=2) + "\n")
-        print(f"wrote {args.out}")
-    else:
-        print(f"wrote {write_results('end_to_end_cuda', summary)}")
+    print(f"wrote {write_results('end_to_end_cuda', summary, args.out)}")
 
 
 if __name__ == "__main__":

@@ -469,11 +469,7 @@ def main() -> None:
         "rows": rows,
         "prefill": prefill,
     }
-    if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-        print(f"wrote {args.out}")
-    else:
-        print(f"wrote {write_results('gpu_decode', result)}")
+    print(f"wrote {write_results('gpu_decode', result, args.out)}")
 
 
 if __name__ == "__main__":

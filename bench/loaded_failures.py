@@ -105,7 +105,7 @@ def cli_after_worker_killed() -> float:
     )
     try:
         for line in cli.stderr:
-            if line.startswith("ready in"):
+            if line.startswith("zmqworker: ready"):
                 break
         else:
             raise RuntimeError(f"the CLI ended before it was ready (exit {cli.wait()})")

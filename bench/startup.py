@@ -15,7 +15,6 @@ processes; the checkpoint is converted beforehand. Writes bench/results/startup.
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import statistics
 import subprocess
@@ -91,11 +90,7 @@ def main() -> None:
     ]
     print_table(rows, precision=2)
     result = {"repeats": args.repeats, "rows": rows}
-    if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-        print(f"wrote {args.out}")
-    else:
-        print(f"wrote {write_results('startup', result)}")
+    print(f"wrote {write_results('startup', result, args.out)}")
 
 
 if __name__ == "__main__":
