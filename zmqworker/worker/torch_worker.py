@@ -163,7 +163,10 @@ class Worker(WorkerBase):
             if pipeline is not None:
                 pipeline.done(call_id)
         if isinstance(output, IntermediateTensors) and pipeline is not None:
-            pipeline.send(call_id, output)  # does not wait for the next stage
+            # A step that computes nothing (it only finishes or preempts requests) has no
+            # tensors for the next stage, which does not wait for any.
+            if scheduler_output.total_num_scheduled_tokens > 0:
+                pipeline.send(call_id, output)  # does not wait for the next stage
             return None
         return output
 
