@@ -124,11 +124,17 @@ class InputBatch:
             num_tokens=plan.total_num_tokens,
         )
 
+    def claim_positions(self, rows: np.ndarray) -> np.ndarray:
+        """Each row's next position, claimed for its sample (the id may come later):
+        the position counters move at once, so the next step is validated against them."""
+        positions = self.num_tokens[rows].copy()
+        self.num_tokens[rows] += 1
+        self.last_sampled[rows] = positions
+        return positions
+
     def append_sampled(self, rows: np.ndarray, token_ids: np.ndarray) -> None:
         """Append each row's sampled token after its known tokens."""
-        self.token_ids[rows, self.num_tokens[rows]] = token_ids
-        self.last_sampled[rows] = self.num_tokens[rows]
-        self.num_tokens[rows] += 1
+        self.token_ids[rows, self.claim_positions(rows)] = token_ids
 
     # queries --------------------------------------------------------------------------
 

@@ -61,9 +61,7 @@ def record_samples(
     batch: InputBatch, rows: np.ndarray, host_ids: torch.Tensor, event: torch.cuda.Event | None
 ) -> Samples:
     """Claim each row's next position for its sample; the ids follow (write_samples)."""
-    positions = batch.num_tokens[rows].copy()
-    batch.num_tokens[rows] += 1
-    batch.last_sampled[rows] = positions
+    positions = batch.claim_positions(rows)
     return Samples(rows, positions, batch.handles[rows].copy(), host_ids, event)
 
 
