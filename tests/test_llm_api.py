@@ -195,6 +195,26 @@ def test_a_stream_closed_early_is_aborted(llm, factory, tok):
     assert llm.generate("Hello", SamplingParams(max_tokens=2))[0].finished
 
 
+def test_a_stream_left_by_its_ended_event_loop_is_aborted_by_the_next_generate(llm, factory):
+    async def first_output():
+        async for out in llm.generate_stream("Hello", SamplingParams(max_tokens=30)):
+            return out  # asyncio.run then ends the loop, and the driver with it
+
+    short = asyncio.run(first_output())
+    assert not short.finished
+    [out] = llm.generate("Hi", SamplingParams(max_tokens=3))
+    assert out.finished and len(out.token_ids) == 3
+    kv = llm._core.block_manager
+    assert not llm._core.has_work() and kv.num_free_blocks == kv.num_blocks
+    assert llm.stats().num_aborted == 1
+    # generate() did not run the orphan on to its 30 tokens.
+    steps = factory.made[0].workers[-1].steps
+    handle = next(
+        r.req_handle for so in steps for r in so.scheduled_new_reqs if r.req_id == short.request_id
+    )
+    assert len([so for so in steps if handle in so.scheduled_cached_reqs.req_handles]) < 10
+
+
 async def _all(stream):
     return [out async for out in stream]
 

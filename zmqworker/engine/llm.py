@@ -211,12 +211,13 @@ class LLM:
         if self._streaming():
             raise RuntimeError("generate() called while generate_stream() streams are running")
         entries = self._make_requests(prompts, sampling_params)
+        self._take_stream_changes(core)  # a loop that ended mid-stream left them behind
         for request, _ in entries:
             core.add_request(request)
         try:
             # Until the steps in flight are back too (async scheduling sends one past a
             # finish): the workers go idle and the finished requests' blocks come back.
-            while any(not request.is_finished for request, _ in entries) or core.has_work():
+            while core.has_work():
                 core.step()
         except BaseException:
             for request, _ in entries:
@@ -311,17 +312,21 @@ class LLM:
         driver = self._driver
         return driver is not None and not driver.done() and not driver.get_loop().is_closed()
 
+    def _take_stream_changes(self, core: EngineCore) -> None:
+        """Add the streams' new requests and abort those of the streams closed early."""
+        for request in self._to_add:
+            core.add_request(request)
+        for req_id in self._to_abort:
+            core.abort_request(req_id)
+        self._to_add, self._to_abort = [], []
+
     async def _drive(self) -> None:
         """Step the engine while streams have work, off the event loop's thread. Requests
         are added and aborted only here, between steps."""
         core = self._require_core()
         try:
             while True:
-                for request in self._to_add:
-                    core.add_request(request)
-                for req_id in self._to_abort:
-                    core.abort_request(req_id)
-                self._to_add, self._to_abort = [], []
+                self._take_stream_changes(core)
                 if not core.has_work():
                     return
                 for request in await asyncio.to_thread(core.step):
