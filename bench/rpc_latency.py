@@ -3,8 +3,9 @@
 Cases: a no-op call on 1, 2 and 4 workers, and a realistic step (the 256-request decode
 SchedulerOutput in, a 256-request ModelRunnerOutput back, no model) on 1, 2 and 4, through
 MultiprocExecutor ("mp", ipc://), and both on 2 workers over tcp:// with CURVE off and
-on (the cost of CURVE: each one's ratio to the plain-tcp floor, against the other's); and,
-where Ray is installed, the no-op on 1 and 2
+on: a CURVE-off and a CURVE-on executor live side by side and take turns with the
+plain-tcp floor, so that the cost of CURVE is their p50s against each other in the same
+rounds; and, where Ray is installed, the no-op on 1 and 2
 workers through RayExecutor ("ray", whose data path is tcp:// on 127.0.0.1 here). The
 floor is a blocking pyzmq ROUTER/DEALER ping-pong between the same number of processes
 with the same payload sizes over the same transport, measured in the same run: the two
@@ -125,17 +126,16 @@ class Floor:
 
 
 def alternate(
-    ours: Callable[[], Any], floor: Callable[[], Any], iters: int, rounds: int = ROUNDS
-) -> tuple[list[float], list[float]]:
+    calls: list[Callable[[], Any]], iters: int, rounds: int = ROUNDS
+) -> list[list[float]]:
     """iters timed calls of each, in rounds that take turns: a burst of someone else's
-    work on this shared machine then falls on both sides alike."""
+    work on this shared machine then falls on every side alike."""
     per_round = max(1, iters // rounds)
-    ours_s = time_calls(ours, per_round)
-    floor_s = time_calls(floor, per_round)
+    timings = [time_calls(call, per_round) for call in calls]
     for _ in range(rounds - 1):
-        ours_s += time_calls(ours, per_round, warmup=10)
-        floor_s += time_calls(floor, per_round, warmup=10)
-    return ours_s, floor_s
+        for samples, call in zip(timings, calls, strict=True):
+            samples += time_calls(call, per_round, warmup=10)
+    return timings
 
 
 NOOP = (lambda ex: partial(ex.collective_rpc, "noop"), [b"x" * 64], 64)
@@ -155,19 +155,43 @@ def run(iters: int) -> list[dict]:
         make = partial(MultiprocExecutor, echo_config(workers), env=env)
         for case, (ours, floor_s) in pooled_pairs(make, workers, cases, "ipc", iters).items():
             rows.append(row("mp", "ipc", case, workers, p50_p99_us(ours), p50_p99_us(floor_s)))
-    for curve in (False, True):  # the floor is plain tcp for both
-        make = partial(MultiprocExecutor, echo_config(2), env=env, transport="tcp", curve=curve)
-        transport = "tcp+curve" if curve else "tcp"
-        for case, (ours, floor_s) in pooled_pairs(make, 2, cases, "tcp", iters).items():
+    for case, (plain, curve, floor_s) in curve_pairs(env, cases, iters).items():
+        for transport, ours in (("tcp", plain), ("tcp+curve", curve)):
             rows.append(row("mp", transport, case, 2, p50_p99_us(ours), p50_p99_us(floor_s)))
     return rows
 
 
+def curve_pairs(
+    env: dict[str, str], cases: dict, iters: int
+) -> dict[str, tuple[list[float], list[float], list[float]]]:
+    """For each case, the timings of a CURVE-off and a CURVE-on executor of 2 workers on
+    tcp and of the plain-tcp floor, taking turns in the same rounds; pooled over PAIRS
+    fresh sets."""
+    pooled: dict[str, tuple[list[float], list[float], list[float]]] = {
+        case: ([], [], []) for case in cases
+    }
+    for _ in range(PAIRS):
+        plain = MultiprocExecutor(echo_config(2), env=env, transport="tcp", curve=False)
+        try:
+            curve = MultiprocExecutor(echo_config(2), env=env, transport="tcp", curve=True)
+            try:
+                for case, (call, payload, reply_bytes) in cases.items():
+                    with Floor(2, payload, reply_bytes, "tcp") as floor:
+                        timed = alternate([call(plain), call(curve), floor.ping], iters // PAIRS)
+                    for samples, more in zip(pooled[case], timed, strict=True):
+                        samples.extend(more)
+            finally:
+                curve.shutdown()
+        finally:
+            plain.shutdown()
+    return pooled
+
+
 def curve_cost_pct(rows: list[dict]) -> dict[str, float]:
-    """What CURVE adds to each case on tcp: its ratio to the floor against CURVE-off's."""
-    ratio = {(r["transport"], r["case"]): r["ratio"] for r in rows if r["executor"] == "mp"}
-    cases = [case for transport, case in ratio if transport == "tcp+curve"]
-    return {case: 100 * (ratio["tcp+curve", case] / ratio["tcp", case] - 1) for case in cases}
+    """What CURVE adds to each case on tcp: its p50 against CURVE-off's, same rounds."""
+    p50 = {(r["transport"], r["case"]): r["p50_us"] for r in rows if r["executor"] == "mp"}
+    cases = [case for transport, case in p50 if transport == "tcp+curve"]
+    return {case: 100 * (p50["tcp+curve", case] / p50["tcp", case] - 1) for case in cases}
 
 
 def pooled_pairs(
@@ -182,7 +206,7 @@ def pooled_pairs(
         try:
             for case, (call, payload, reply_bytes) in cases.items():
                 with Floor(workers, payload, reply_bytes, transport) as floor:
-                    ours, floor_s = alternate(call(ex), floor.ping, iters // PAIRS)
+                    ours, floor_s = alternate([call(ex), floor.ping], iters // PAIRS)
                 pooled[case][0].extend(ours)
                 pooled[case][1].extend(floor_s)
         finally:

@@ -9,19 +9,23 @@ value (docs/protocol.md has the byte layout):
 
 Buffers above the inline limit travel as frames of their own (frame 0 is the body),
 never copied on either side. Every decode failure raises ProtocolError, nothing else.
+
+torch is imported only once a tensor is on the wire: an engine that sends and receives
+numpy columns alone never pays for it (about 2 s of start-up).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import struct
+import sys
 import warnings
 from collections.abc import Sequence
 from typing import Any
 
 import msgspec
 import numpy as np
-import torch
 
 from messages.errors import ProtocolError
 from messages.rpc import Message
@@ -39,18 +43,24 @@ DTYPE_NAMES = (
     "bool", "uint8", "int8", "int16", "int32", "int64",
     "float16", "bfloat16", "float32", "float64",
 )  # fmt: skip
-TORCH_DTYPES = [getattr(torch, name) for name in DTYPE_NAMES]
 NUMPY_DTYPES = [None if name == "bfloat16" else np.dtype(name) for name in DTYPE_NAMES]
-_TORCH_CODE = {dt: i for i, dt in enumerate(TORCH_DTYPES)}
 _NUMPY_CODE = {dt: i for i, dt in enumerate(NUMPY_DTYPES) if dt is not None}
 _BFLOAT16 = DTYPE_NAMES.index("bfloat16")
-# ext kind -> what each dtype code decodes to (None: that kind cannot carry that dtype)
-_DECODED_DTYPES = {
-    EXT_NUMPY_INLINE: NUMPY_DTYPES,
-    EXT_NUMPY_FRAME: NUMPY_DTYPES,
-    EXT_TORCH_INLINE: TORCH_DTYPES,
-    EXT_TORCH_FRAME: TORCH_DTYPES,
-}
+_EXT_KINDS = (EXT_NUMPY_INLINE, EXT_NUMPY_FRAME, EXT_TORCH_INLINE, EXT_TORCH_FRAME)
+
+
+@functools.cache
+def _torch_dtypes() -> list[Any]:
+    """The torch dtype of each wire code (imports torch: called for a tensor only)."""
+    import torch
+
+    return [getattr(torch, name) for name in DTYPE_NAMES]
+
+
+@functools.cache
+def _torch_codes() -> dict[Any, int]:
+    return {dt: i for i, dt in enumerate(_torch_dtypes())}
+
 
 _FRAME = struct.Struct("<I")
 _SHAPES = [struct.Struct(f"<{n}Q") for n in range(MAX_NDIM + 1)]  # after the 2-byte head
@@ -98,10 +108,10 @@ class Encoder:
             kind, code, arr = EXT_NUMPY_INLINE, _NUMPY_CODE.get(obj.dtype), obj
             if code is None:
                 raise ValueError(f"array dtype {obj.dtype} has no wire encoding")
-        elif isinstance(obj, torch.Tensor):
+        elif (torch := sys.modules.get("torch")) is not None and isinstance(obj, torch.Tensor):
             if not obj.is_cpu:
                 raise ValueError(f"tensor on {obj.device}: copy it to the CPU before encoding")
-            kind, code = EXT_TORCH_INLINE, _TORCH_CODE.get(obj.dtype)
+            kind, code = EXT_TORCH_INLINE, _torch_codes().get(obj.dtype)
             if code is None:
                 raise ValueError(f"tensor dtype {obj.dtype} has no wire encoding")
             if obj.requires_grad:
@@ -190,9 +200,9 @@ class Decoder:
         return self._msg.decode(env.msg)
 
     def _ext_hook(self, kind: int, data: memoryview) -> Any:
-        dtypes = _DECODED_DTYPES.get(kind)
-        if dtypes is None:
+        if kind not in _EXT_KINDS:
             raise ProtocolError(f"unknown ext type {kind}")
+        dtypes = NUMPY_DTYPES if kind < EXT_TORCH_INLINE else _torch_dtypes()
         if len(data) < 2:
             raise ProtocolError("array header truncated")
         code, ndim = data[0], data[1]
@@ -219,6 +229,8 @@ class Decoder:
             )
         if kind < EXT_TORCH_INLINE:
             return np.ndarray(shape, dtype, buf, offset)
+        import torch
+
         if size == 0:
             return torch.empty(shape, dtype=dtype)
         return torch.frombuffer(buf, dtype=dtype, count=size, offset=offset).reshape(shape)

@@ -10,11 +10,12 @@ values per request) is a flat array plus a per-request count column.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
+from typing import Any
 
 import msgspec
 import numpy as np
-import torch
 
 from messages.sampling import SamplingParams
 
@@ -169,6 +170,18 @@ class ModelRunnerOutput(msgspec.Struct, tag=True):
 
 
 class IntermediateTensors(msgspec.Struct, tag=True):
-    """What one pipeline stage hands the next: hidden states and residual, by name."""
+    """What one pipeline stage hands the next: hidden states and residual, by name.
 
-    tensors: dict[str, torch.Tensor]
+    The values are torch tensors, checked here rather than typed, so that importing the
+    messages does not import torch (an engine has no use for it)."""
+
+    tensors: dict[str, Any]
+
+    def __post_init__(self) -> None:
+        torch = sys.modules.get("torch")  # a tensor can only exist once torch is imported
+        for name, value in self.tensors.items():
+            if torch is None or not isinstance(value, torch.Tensor):
+                raise TypeError(
+                    f"IntermediateTensors.tensors[{name!r}] must be a torch.Tensor, "
+                    f"got {type(value).__name__}"
+                )

@@ -14,7 +14,8 @@ import transformers
 from messages import ModelConfig
 from tests.tiny import PagedDriver
 from zmqworker.distributed import single_rank_state
-from zmqworker.models import build_model, embedded
+from zmqworker.models import embedded
+from zmqworker.models.registry import build_model
 
 
 def test_greedy_continuation_matches_transformers():

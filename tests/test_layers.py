@@ -1,9 +1,12 @@
 """The packages' layering, read from the code's own imports: no module imports a package
-above its own, and no two modules import each other, directly or around a loop."""
+above its own, and no two modules import each other, directly or around a loop; and the
+engine side stays free of torch and transformers."""
 
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -123,3 +126,16 @@ def test_no_file_over_400_lines() -> None:
         if (n := len(path.read_text().splitlines())) > 400
     }
     assert not long, f"files over 400 lines: {long}"
+
+
+def test_the_engine_side_imports_neither_torch_nor_transformers() -> None:
+    """The messages and the engine up to spawning its workers stay light: torch and
+    transformers cost seconds of start-up, and the workers import them in parallel."""
+    code = (
+        "import sys, messages, zmqworker.engine.llm, zmqworker.cli.generate;"
+        "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
+    )
+    assert out.stdout.strip() == "[]", out.stdout

@@ -11,8 +11,8 @@ from safetensors.torch import load_file, save_file
 from messages import ModelConfig
 from tests.tiny import cached_tiny_checkpoint, make_tiny_checkpoint
 from zmqworker.distributed import ParallelState, single_rank_state
-from zmqworker.models import build_model
 from zmqworker.models.loader import CheckpointError, load_checkpoint
+from zmqworker.models.registry import build_model
 
 CPU = torch.device("cpu")
 

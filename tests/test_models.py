@@ -10,8 +10,8 @@ import transformers
 from messages import ModelConfig
 from tests.tiny import PagedDriver, cached_tiny_checkpoint
 from zmqworker.distributed import ParallelState, single_rank_state
-from zmqworker.models import build_model
 from zmqworker.models.llama import pp_layer_range
+from zmqworker.models.registry import build_model
 
 CPU = torch.device("cpu")
 FAMILIES = ["llama", "mistral", "qwen2", "qwen3"]

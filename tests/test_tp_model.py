@@ -18,7 +18,7 @@ from zmqworker.distributed import (
     init_parallel_state,
     single_rank_state,
 )
-from zmqworker.models import build_model
+from zmqworker.models.registry import build_model
 
 CPU = torch.device("cpu")
 SCHEDULES = [{"a": [5, 9, 200, 31, 7, 64, 3], "b": [11, 12, 13]}, {"a": [40], "b": [249, 1, 77]}]
