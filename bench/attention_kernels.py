@@ -28,7 +28,11 @@ from zmqworker.cdiv import cdiv
 BLOCK_SIZE = 16
 CONTEXT = 552
 # name: (num_heads, num_kv_heads, head_dim, hidden, intermediate)
-MODELS = {"smollm2-135m": (9, 3, 64, 576, 1536), "llama-3-8b": (32, 8, 128, 4096, 14336)}
+MODELS = {
+    "smollm2-135m": (9, 3, 64, 576, 1536),
+    "llama-3.2-1b": (32, 8, 64, 2048, 8192),
+    "llama-3-8b": (32, 8, 128, 4096, 14336),
+}
 
 
 def decode_case(model: str, batch: int, splits: int, warps: int, stages: int):
@@ -91,7 +95,11 @@ def main() -> None:
     args = parser.parse_args()
     bandwidth = hbm_bandwidth()
     rows = []
-    for model, batches in (("smollm2-135m", (1, 32, 256)), ("llama-3-8b", (1, 64, 256))):
+    for model, batches in (
+        ("smollm2-135m", (1, 32, 256)),
+        ("llama-3.2-1b", (1, 64)),
+        ("llama-3-8b", (1, 64, 256)),
+    ):
         for batch in batches:
             ms, nbytes = linear_case(model, batch)
             floor = nbytes / bandwidth * 1e3
@@ -107,8 +115,9 @@ def main() -> None:
             )
             print(json.dumps(rows[-1]), flush=True)
             kv_heads = MODELS[model][1]
-            for warps, stages in ((4, 2), (4, 3), (8, 2)):
-                for programs in (512, 2048):
+            # Today's setting (2 warps, 2 stages, 1024 programs), and its neighbours.
+            for warps, stages in ((2, 2), (1, 2), (4, 2), (2, 3)):
+                for programs in (512, 1024, 2048):
                     want = cdiv(programs, batch * kv_heads)
                     splits = 1
                     while splits * 2 <= min(want, 16):
@@ -119,7 +128,7 @@ def main() -> None:
                         {
                             "what": f"{model} attention",
                             "batch": batch,
-                            "setting": f"w{warps} s{stages} splits{splits}",
+                            "setting": f"w{warps} s{stages} p{programs} splits{splits}",
                             "us": ms * 1e3,
                             "floor_us": floor * 1e3,
                             "x_floor": ms / floor,

@@ -339,6 +339,40 @@ def test_cuda_steps_never_synchronise_the_host() -> None:
         torch.cuda.set_sync_debug_mode("default")
 
 
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="Triton compiles kernels on a GPU only")
+def test_no_triton_kernel_compiles_after_warm_up() -> None:
+    """Steps of every kind and size after warm-up find their kernels compiled: a compile at
+    serving time stalls every request for hundreds of milliseconds."""
+    from zmqworker.attention import triton_cache, triton_kernels
+    from zmqworker.model_runner import token_feed
+    from zmqworker.models.layers import triton_ops
+
+    kernels = [
+        triton_kernels.varlen_kernel,
+        triton_kernels.decode_kernel,
+        triton_kernels.merge_splits_kernel,
+        triton_cache._rope_and_cache_kernel,
+        triton_ops._rms_norm_kernel,
+        triton_ops._silu_and_mul_kernel,
+        token_feed._feed_kernel,
+    ]
+
+    def compiled() -> list[int]:  # Triton keeps each JIT function's binaries per device
+        return [sum(len(cache[0]) for cache in k.device_caches.values()) for k in kernels]
+
+    runner = make_runner(
+        checkpoint("llama"), max_seqs=32, max_tokens=128, graph_sizes=(1, 2, 4, 8, 16, 32)
+    )
+    after_warm_up = compiled()
+    sched = MiniScheduler(budget=128, seed=3)
+    for i, (count, length) in enumerate([(1, 7), (3, 30), (16, 5), (20, 3)]):
+        for j in range(count):
+            sched.add(f"r{i}-{j}", list(range(5 + j, 5 + j + length)), 3, GREEDY)
+        while sched.busy():
+            sched.update(runner.execute_model(sched.schedule()).get_output())
+    assert compiled() == after_warm_up
+
+
 def test_the_fixtures_kv_cache_spec_is_what_the_embedded_models_last_stage_reports() -> None:
     """reply_kv_cache_spec is rank 1 of SmolLM2-135M at pp=2 in bfloat16: its layer names
     are the ones a real worker reports (random weights: only the shapes matter here)."""

@@ -163,8 +163,9 @@ def test_decode_padding_rows_give_zeros_and_touch_nothing():
 
 def test_decode_splits_fill_the_gpu_and_stay_powers_of_two():
     assert decode_splits(1, 8, max_tiles=64) == 16
-    assert decode_splits(64, 8, max_tiles=64) == 1
-    assert decode_splits(8, 8, max_tiles=64) == 8
+    assert decode_splits(64, 8, max_tiles=64) == 2
+    assert decode_splits(128, 8, max_tiles=64) == 1
+    assert decode_splits(8, 8, max_tiles=64) == 16
     assert decode_splits(1, 8, max_tiles=3) == 2  # no more splits than history tiles
 
 

@@ -30,7 +30,9 @@ LOG2E = 1.4426950408889634
 # Query rows of one tile; the first power of two above the group when it is larger.
 MIN_ROWS = 16
 PREFILL_ROWS = 64
-DECODE_LAUNCH = {"num_warps": 4, "num_stages": 2}
+# Small programs, many of them: a decode program streams its history with little math,
+# and more of them in flight hide the memory latency (triton_metadata.py has the sweep).
+DECODE_LAUNCH = {"num_warps": 2, "num_stages": 2}
 
 
 def _rows(group: int, minimum: int) -> int:

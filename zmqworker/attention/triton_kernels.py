@@ -82,7 +82,9 @@ def attend_tiles(
     return acc, m_i, l_i
 
 
-@triton.jit
+# num_reqs changes with every step: specialised (== 1, a multiple of 16), it would cost a
+# compile at serving time for each new kind of value.
+@triton.jit(do_not_specialize=["num_reqs"])
 def varlen_kernel(
     out_ptr,
     q_ptr,

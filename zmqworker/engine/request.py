@@ -137,9 +137,11 @@ class Request:
         """Record a sampled token (and its logprobs: row `row` of the step's), update the
         text, apply the stop rules; True if the request is finished now. A stop token's
         own text is not added to the output."""
-        if self.is_finished:
+        # On the engine's step path for every request: plain attributes, no properties.
+        if self.status is RequestStatus.FINISHED:
             raise RuntimeError(f"request {self.req_id!r} is finished; got token {token_id}")
-        now = time.monotonic() if now is None else now
+        if now is None:
+            now = time.monotonic()
         if self.logprobs is not None:
             self.logprobs.append(self._position_logprobs(token_id, logprobs, row))
         self.output_token_ids.append(token_id)
@@ -147,11 +149,12 @@ class Request:
         if self.first_token_time is None:
             self.first_token_time = now
         params = self.sampling_params
-        stop_token = token_id in params.stop_token_ids or (
-            token_id in self.eos_token_ids and not params.ignore_eos
+        stop_token = (token_id in self.eos_token_ids and not params.ignore_eos) or (
+            token_id in params.stop_token_ids
         )
         out_of_length = (
-            len(self.output_token_ids) >= params.max_tokens or self.num_tokens >= max_model_len
+            len(self.output_token_ids) >= params.max_tokens
+            or len(self.all_token_ids) >= max_model_len
         )
         if self._detokenizer is not None:
             text = "" if stop_token else self._detokenizer.add(token_id)
@@ -164,9 +167,11 @@ class Request:
         if stop_token:
             self.stop_reason = token_id
             self.finish(FinishReason.STOP, now)
-        elif out_of_length:
+            return True
+        if out_of_length:
             self.finish(FinishReason.LENGTH, now)
-        return self.is_finished
+            return True
+        return False
 
     def finish(self, reason: FinishReason, now: float | None = None) -> None:
         self.status = RequestStatus.FINISHED

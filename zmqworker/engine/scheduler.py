@@ -143,50 +143,73 @@ class Scheduler:
         waiting on steps in flight, or no request is left). A returned step must be sent
         to the workers and its output passed to update_from_output, in order."""
         self.kv.new_step()
-        budget = self.max_num_batched_tokens
         active = min(self.max_num_seqs, len(self._requests))
         share = 1 if self.async_scheduling else self.max_concurrent_batches
         max_reqs = max(1, cdiv(active, share))
         draft = StepDraft()
         num_preempted_before = len(self._preempted_handles)
+        budget = self._schedule_running(draft, self.max_num_batched_tokens, max_reqs)
+        # Waiting requests only when nothing was preempted (the cache is full then).
+        if len(self._preempted_handles) == num_preempted_before:
+            budget = self._schedule_waiting(draft, budget, max_reqs)
+        if not draft:
+            return None
+        step = draft.send(
+            self.max_num_batched_tokens - budget,
+            self._finished_handles,
+            self._preempted_handles,
+            self.send_token_ids,
+            self.async_scheduling,
+        )
+        self._steps.append(step)
+        self._finished_handles, self._preempted_handles = [], []
+        return step.output
 
-        # Running requests: decodes first, then chunked prefills in progress. num_left:
-        # tokens to compute before it samples again, those in flight will sample included.
-        ready = [
-            (len(r.all_token_ids) + r.num_pending_samples - r.num_computed_tokens, r)
-            for r in self.running
-            if not r.num_steps_in_flight or self._continuable(r)
-        ]
-        ready.sort(key=lambda entry: entry[0] > 1)
-        for num_left, request in ready:
-            if budget == 0 or len(draft) == max_reqs:
+    def _schedule_running(self, draft: StepDraft, budget: int, max_reqs: int) -> int:
+        """Running requests into draft: decodes first, then chunked prefills in progress;
+        the budget left. On the engine's step path for every request: locals, no sort."""
+        decodes: list[tuple[int, Request]] = []
+        prefills: list[tuple[int, Request]] = []
+        for r in self.running:
+            if r.num_steps_in_flight and not self._continuable(r):
+                continue
+            # Tokens to compute before it samples again, those in flight will sample included.
+            num_left = len(r.all_token_ids) + r.num_pending_samples - r.num_computed_tokens
+            (prefills if num_left > 1 else decodes).append((num_left, r))
+        allocate, add = self.kv.allocate_slots, draft.add_cached
+        send_token_ids = self.send_token_ids
+        num_reqs = 0
+        for num_left, request in decodes + prefills:
+            if budget == 0 or num_reqs == max_reqs:
                 break
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted to make room for an older request
-            num_new = min(num_left, budget)
+            num_new = num_left if num_left < budget else budget
+            computed, known = request.num_computed_tokens, request.all_token_ids
             # Positions past the known tokens: what the step in flight samples.
-            placeholders = max(0, request.num_computed_tokens + num_new - request.num_tokens)
-            new_blocks = self._allocate_or_preempt(request, num_new, placeholders, draft)
+            placeholders = max(0, computed + num_new - len(known))
+            new_blocks = allocate(request.req_id, known, computed, num_new, (), placeholders)
             if new_blocks is None:
-                continue
+                new_blocks = self._preempt_until_fits(request, num_new, placeholders, draft)
+                if new_blocks is None:
+                    continue
             new_tokens = None
-            if self.send_token_ids:
+            if send_token_ids:
                 # Tokens from position num_computed on; workers append those they lack.
-                lacking = request.num_tokens > self._num_tokens_sent[request.req_id]
-                new_tokens = request.all_token_ids[request.num_computed_tokens :] if lacking else []
-                self._num_tokens_sent[request.req_id] = request.num_tokens
-            draft.add_cached(
-                request, num_new, new_blocks, placeholders, num_new == num_left, new_tokens
-            )
+                lacking = len(known) > self._num_tokens_sent[request.req_id]
+                new_tokens = known[computed:] if lacking else []
+                self._num_tokens_sent[request.req_id] = len(known)
+            add(request, num_new, new_blocks, placeholders, num_new == num_left, new_tokens)
             budget -= num_new
+            num_reqs += 1
+        return budget
 
-        # Waiting requests, in order; none after a preemption (the cache is full).
-        preempted_now = len(self._preempted_handles) > num_preempted_before
+    def _schedule_waiting(self, draft: StepDraft, budget: int, max_reqs: int) -> int:
+        """Waiting requests into draft, in order, while they fit; the budget left."""
         while (
             self.waiting
             and budget > 0
             and len(draft) < max_reqs
-            and not preempted_now
             and len(self.running) < self.max_num_seqs
         ):
             request = self.waiting[0]
@@ -207,19 +230,7 @@ class Scheduler:
             draft.add_new(request, num_new, self.kv.block_ids(request.req_id), samples)
             self._num_tokens_sent[request.req_id] = request.num_tokens
             budget -= num_new
-
-        if not draft:
-            return None
-        step = draft.send(
-            self.max_num_batched_tokens - budget,
-            self._finished_handles,
-            self._preempted_handles,
-            self.send_token_ids,
-            self.async_scheduling,
-        )
-        self._steps.append(step)
-        self._finished_handles, self._preempted_handles = [], []
-        return step.output
+        return budget
 
     def _continuable(self, request: Request) -> bool:
         """Whether a request in a step in flight can go into the next step too: with
@@ -232,26 +243,17 @@ class Scheduler:
             and len(request.all_token_ids) + pending < self.max_model_len
         )
 
-    def _allocate_or_preempt(
+    def _preempt_until_fits(
         self,
         request: Request,
         num_new: int,
         placeholders: int,
         draft: StepDraft,
     ) -> list[int] | None:
-        """Blocks for num_new more tokens of a running request, preempting the newest
-        preemptible running requests (in no step) until they fit; None if request itself
-        had to go, or there is nothing left to preempt."""
+        """Blocks for num_new more tokens of a running request that did not fit,
+        preempting the newest preemptible running requests (in no step) until they do;
+        None if request itself had to go, or there is nothing left to preempt."""
         while True:
-            new_blocks = self.kv.allocate_slots(
-                request.req_id,
-                request.all_token_ids,
-                request.num_computed_tokens,
-                num_new,
-                num_placeholders=placeholders,
-            )
-            if new_blocks is not None:
-                return new_blocks
             victim = next(
                 (
                     r
@@ -265,6 +267,15 @@ class Scheduler:
             self._preempt(victim)
             if victim is request:
                 return None
+            new_blocks = self.kv.allocate_slots(
+                request.req_id,
+                request.all_token_ids,
+                request.num_computed_tokens,
+                num_new,
+                num_placeholders=placeholders,
+            )
+            if new_blocks is not None:
+                return new_blocks
 
     def _preempt(self, request: Request) -> None:
         assert request.handle is not None
@@ -288,29 +299,32 @@ class Scheduler:
         if not self._steps or self._steps[0].output is not scheduler_output:
             raise RuntimeError("step outputs must come back in the order the steps were made")
         step = self._steps.popleft()
-        for request in step.requests.values():
-            request.num_steps_in_flight -= 1
-        for handle in step.sampling:
-            step.requests[handle].num_pending_samples -= 1
         self._handles.release(step.finished_handles)
+        requests, sampling = step.requests, step.sampling
         handles = runner_output.req_handles.tolist()
         tokens = runner_output.sampled_token_ids.tolist()
         if (
             len(handles) != len(tokens)
-            or len(handles) != len(step.requests)
-            or (step.requests.keys() != set(handles))
+            or len(handles) != len(requests)
+            or (requests.keys() != set(handles))
         ):
+            for request in requests.values():
+                request.num_steps_in_flight -= 1
             raise RuntimeError(
                 f"ModelRunnerOutput names handles {sorted(handles)} with {len(tokens)} tokens; "
-                f"the step scheduled {sorted(step.requests)}"
+                f"the step scheduled {sorted(requests)}"
             )
         now = time.monotonic()
         changed: list[Request] = []
+        # Every request of the step comes once (checked above): one pass moves it on.
         for row, (handle, token) in enumerate(zip(handles, tokens, strict=True)):
-            request = step.requests[handle]
-            if request.is_finished:
+            request = requests[handle]
+            request.num_steps_in_flight -= 1
+            samples = handle in sampling
+            if samples:
+                request.num_pending_samples -= 1
+            if request.status is RequestStatus.FINISHED:
                 continue  # aborted, or finished by an earlier step, while this one ran
-            samples = handle in step.sampling
             if token < 0:
                 if samples:
                     raise RuntimeError(f"no token sampled for {request.req_id!r} (handle {handle})")

@@ -104,10 +104,12 @@ class StepDraft:
         )
         scheduled = self.scheduled
         for data in self.new_reqs:
-            scheduled[data.req_handle].num_computed_tokens += data.num_scheduled_tokens
+            request = scheduled[data.req_handle]
+            request.num_computed_tokens += data.num_scheduled_tokens
+            request.num_steps_in_flight += 1
         for handle, num in zip(self._handles, self._num_new, strict=True):
-            scheduled[handle].num_computed_tokens += num
-        for request in scheduled.values():
+            request = scheduled[handle]
+            request.num_computed_tokens += num
             request.num_steps_in_flight += 1
         for handle in self.sampling:
             scheduled[handle].num_pending_samples += 1

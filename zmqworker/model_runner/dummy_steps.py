@@ -65,9 +65,17 @@ class DummySteps:
             self._forward(probe_query_lens, context_lens, own_cache=False)
 
     def warm_up(self, batch_sizes: list[int]) -> None:
-        """Decode steps (one block of context per request) at each batch size, through
-        the model and both sampler paths."""
+        """A step of two short prompts (the prefill kernels), then decode steps (one block
+        of context per request) at each batch size, through the model and both sampler
+        paths: what a real step runs is compiled before the engine sends one."""
         runner = self.runner
+        num_prompts = min(2, runner.max_num_reqs)
+        prompt_len = max(1, min(2, runner.config.scheduler.max_num_batched_tokens // num_prompts))
+        self._forward(
+            np.full(num_prompts, prompt_len, np.int32),
+            np.zeros(num_prompts, np.int32),
+            own_cache=True,
+        )
         for size in batch_sizes:
             if not 1 <= size <= runner.max_num_reqs:
                 raise ValueError(f"warm-up batch size {size} is outside [1, {runner.max_num_reqs}]")

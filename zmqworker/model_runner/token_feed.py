@@ -10,7 +10,7 @@ import triton.language as tl
 _BLOCK = 256
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens"])  # one compile whatever the step's size
 def _feed_kernel(input_ids_ptr, feed_index_ptr, sampled_ptr, num_tokens, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < num_tokens
