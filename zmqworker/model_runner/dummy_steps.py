@@ -66,9 +66,13 @@ class DummySteps:
 
     def warm_up(self, batch_sizes: list[int]) -> None:
         """A step of two short prompts (the prefill kernels), then decode steps (one block
-        of context per request) at each batch size, through the model and both sampler
-        paths: what a real step runs is compiled before the engine sends one."""
+        of context per request) at each batch size and at each size that runs kernels of
+        its own, through the model and both sampler paths: what a real step runs is
+        compiled before the engine sends one."""
         runner = self.runner
+        for size in batch_sizes:
+            if not 1 <= size <= runner.max_num_reqs:
+                raise ValueError(f"warm-up batch size {size} is outside [1, {runner.max_num_reqs}]")
         num_prompts = min(2, runner.max_num_reqs)
         prompt_len = max(1, min(2, runner.config.scheduler.max_num_batched_tokens // num_prompts))
         self._forward(
@@ -76,9 +80,8 @@ class DummySteps:
             np.zeros(num_prompts, np.int32),
             own_cache=True,
         )
-        for size in batch_sizes:
-            if not 1 <= size <= runner.max_num_reqs:
-                raise ValueError(f"warm-up batch size {size} is outside [1, {runner.max_num_reqs}]")
+        kernel_sizes = runner.path.decode_kernel_sizes(runner.max_num_reqs)
+        for size in sorted(set(batch_sizes) | set(kernel_sizes)):
             context = np.full(size, runner.block_size - 1, np.int32)
             logits = self._forward(np.ones(size, np.int32), context, own_cache=True)
             if logits is not None:

@@ -71,6 +71,10 @@ class TorchPath:
     def release_buffers(self) -> None:
         self.workspace.release()
 
+    def decode_kernel_sizes(self, max_reqs: int) -> list[int]:
+        """Batch sizes whose eager decode steps run kernels of their own: none here."""
+        return []
+
     def run(
         self,
         token_ids: np.ndarray,
@@ -138,6 +142,14 @@ class TritonPath:
         # The graphs' fixed inputs on later pipeline stages, and the caches they run over.
         self._graph_inputs: HiddenStates = {}
         self._graph_caches: list[torch.Tensor] = []
+
+    def decode_kernel_sizes(self, max_reqs: int) -> list[int]:
+        """The smallest batch size of each decode split count up to max_reqs: an eager
+        decode step compiles the attention kernel of its split count once."""
+        sizes: dict[int, int] = {}
+        for size in range(max_reqs, 0, -1):
+            sizes[self.inputs.splits(size)] = size
+        return sorted(sizes.values())
 
     def run(
         self,
