@@ -86,6 +86,7 @@ def measure_pipeline() -> dict[str, float]:
     from bench import pipeline
 
     torch.set_num_threads(1)
+    # bench.pipeline's model, spelled out here: older trees have no helper that makes it.
     with tempfile.TemporaryDirectory(prefix="zmqworker-compare-") as folder:
         path = pipeline.make_tiny_checkpoint(
             folder,

@@ -15,8 +15,9 @@ from zmqworker.cdiv import cdiv
 # Programs that keep every multiprocessor of a large GPU busy in a decode step: below it,
 # the history of each (request, kv head) is split over several programs. 1024 with
 # two-warp programs (triton_attention.DECODE_LAUNCH) was the best single setting of a
-# sweep on an H200 (bench/attention_kernels.py): 13% less time than 512 with four warps
-# over ten shapes and batches, 22% at 8B's batch 64, never more than 1.3% worse.
+# sweep on an H200 (bench/results/decode_attention_sweep.json): 13% less time than 512
+# with four warps over ten shapes and batches, 22% at 8B's batch 64, never more than
+# 1.3% worse.
 TARGET_DECODE_PROGRAMS = 1024
 MAX_DECODE_SPLITS = 16
 # History positions per attention tile: within one page when pages allow (a power of two

@@ -308,8 +308,10 @@ class Scheduler:
             or len(handles) != len(requests)
             or (requests.keys() != set(handles))
         ):
-            for request in requests.values():
+            for handle, request in requests.items():
                 request.num_steps_in_flight -= 1
+                if handle in sampling:
+                    request.num_pending_samples -= 1
             raise RuntimeError(
                 f"ModelRunnerOutput names handles {sorted(handles)} with {len(tokens)} tokens; "
                 f"the step scheduled {sorted(requests)}"
