@@ -51,9 +51,22 @@ def alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    # a zombie is dead for our purposes
+    return process_state(pid) != "Z"  # a zombie is dead for our purposes
+
+
+def process_state(pid: int) -> str:
     with open(f"/proc/{pid}/stat") as f:
-        return f.read().split(")")[-1].split()[0] != "Z"
+        return f.read().split(")")[-1].split()[0]
+
+
+def stop(pid: int) -> None:
+    """SIGSTOP pid and wait until it is stopped: the signal lands asynchronously, and a
+    process still running for a moment could answer a call sent meanwhile."""
+    os.kill(pid, signal.SIGSTOP)
+    end = time.monotonic() + 10
+    while process_state(pid) not in ("T", "t"):
+        assert time.monotonic() < end, f"process {pid} did not stop"
+        time.sleep(0.001)
 
 
 def wait_gone(pids: list[int], within: float) -> bool:
@@ -233,7 +246,7 @@ def test_a_worker_that_reads_nothing_fails_the_send_after_its_timeout(stopped: i
     ex = MultiprocExecutor(echo_config(tp=2))
     try:
         ex.rpc.send_timeout_s = 0.3
-        os.kill(ex.pids[stopped], signal.SIGSTOP)
+        stop(ex.pids[stopped])
         payload = "x" * 4096  # fills the queues in a few thousand calls
         for _ in range(100_000):
             call = ex.collective_rpc("echo", (payload,), non_block=True)
@@ -305,7 +318,7 @@ def test_a_step_has_a_default_bound():
     try:
         assert ex.step_timeout_s == 300.0
         ex.step_timeout_s = 0.3
-        os.kill(ex.pids[0], signal.SIGSTOP)
+        stop(ex.pids[0])
         with pytest.raises(RpcTimeoutError) as info:
             ex.execute_model(step)
         assert info.value.method == "execute_model" and info.value.missing_ranks == [0]
