@@ -115,7 +115,7 @@ class KVBlockManager:
             raise ValueError(
                 f"{req_id}: {total} tokens to hold but only {len(token_ids)} token ids known"
             )
-        num_full = (total if total < len(token_ids) else len(token_ids)) // self.block_size
+        num_full = min(total, len(token_ids)) // self.block_size
         table = self._tables.get(req_id, [])
         if (
             not computed_blocks

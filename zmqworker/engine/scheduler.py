@@ -184,7 +184,7 @@ class Scheduler:
                 break
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted to make room for an older request
-            num_new = num_left if num_left < budget else budget
+            num_new = min(num_left, budget)
             computed, known = request.num_computed_tokens, request.all_token_ids
             # Positions past the known tokens: what the step in flight samples.
             placeholders = max(0, computed + num_new - len(known))
