@@ -2,7 +2,7 @@
 generate in the same run, same dtype and same total thread count.
 
 16 prompts of mixed lengths, 64 greedy output tokens each. Systems: our engine with
-tp=1, pp=1, with async scheduling on and off (two steps in flight, or one), with pp=2
+tp=1, pp=1, with async scheduling on and off (three steps in flight, or one), with pp=2
 (two worker processes sharing the threads), and transformers. Reports total output tokens
 per second, mean time to first token and mean time per output token, and async over sync
 scheduling. Writes bench/results/end_to_end.json.

@@ -1,5 +1,5 @@
-"""Async scheduling: with one pipeline stage the engine keeps two steps in flight, the
-second going on from the first (a placeholder for the token the first samples). Tokens
+"""Async scheduling: with one pipeline stage the engine keeps several steps in flight,
+each going on from the one before (a placeholder for the token that one samples). Tokens
 must equal those of synchronous scheduling, a request that stops never shows a token of
 the step after, and blocks and handles all come back; the workers fill placeholders
 from their own samples, on both forward paths."""
@@ -24,7 +24,7 @@ from messages import (
 from tests.runner_helpers import GREEDY, NUM_BLOCKS, checkpoint, hf_greedy, make_runner, wire
 from zmqworker.engine.batch_queue import BatchQueue
 from zmqworker.engine.block_manager import KVBlockManager
-from zmqworker.engine.core import EngineCore
+from zmqworker.engine.core import ASYNC_STEPS_IN_FLIGHT, EngineCore
 from zmqworker.engine.detokenizer import IncrementalDetokenizer
 from zmqworker.engine.request import FinishReason, Request
 from zmqworker.engine.scheduler import Scheduler
@@ -33,7 +33,11 @@ MAX_MODEL_LEN = 40
 
 
 def make_core(
-    async_scheduling: bool = True, num_blocks: int = 64, prefix_caching: bool = False, **kwargs
+    async_scheduling: bool = True,
+    num_blocks: int = 64,
+    prefix_caching: bool = False,
+    depth: int = ASYNC_STEPS_IN_FLIGHT,
+    **kwargs,
 ) -> EngineCore:
     executor = FakeExecutor(num_blocks=num_blocks, defer=True, **kwargs)
     config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=12)
@@ -43,6 +47,7 @@ def make_core(
         config,
         enable_prefix_caching=prefix_caching,
         async_scheduling=async_scheduling,
+        async_steps_in_flight=depth,
     )
 
 
@@ -73,7 +78,8 @@ def expected(request: Request, token_fn, stop: set[int] = frozenset()) -> list[i
 
 def test_the_next_step_goes_on_from_the_step_in_flight():
     core = make_core()
-    assert core.async_scheduling and core.batch_queue.max_concurrent_batches == 2
+    assert core.async_scheduling
+    assert core.batch_queue.max_concurrent_batches == ASYNC_STEPS_IN_FLIGHT
     requests = [Request(f"r{i}", [i + 1, 2, 3], SamplingParams(max_tokens=8)) for i in range(3)]
     for request in requests:
         core.add_request(request)
@@ -127,11 +133,14 @@ def test_random_workloads_give_the_tokens_of_synchronous_scheduling(seed):
     assert results[True] == results[False]
 
 
-def test_a_stopped_request_shows_nothing_of_the_step_after_and_frees_its_blocks_then():
+@pytest.mark.parametrize("depth", [2, 3])
+def test_a_stopped_request_shows_nothing_of_the_steps_after_and_frees_its_blocks_then(depth):
     tok = byte_level_tokenizer()
     prompt = tok.encode("The capital of France is")
     script = tok.encode(" Paris. The end. And more text after it")
-    core = make_core(token_fn=lambda seq: script[(len(seq) - len(prompt)) % len(script)])
+    core = make_core(
+        depth=depth, token_fn=lambda seq: script[(len(seq) - len(prompt)) % len(script)]
+    )
     stopped = Request(
         "stopped",
         prompt,
@@ -142,8 +151,8 @@ def test_a_stopped_request_shows_nothing_of_the_step_after_and_frees_its_blocks_
     kv = core.block_manager
     while not stopped.is_finished:
         core.step()
-    # The step after the stop is still in flight, computing it: its blocks wait for it.
-    assert len(core.batch_queue) == 1 and kv.num_free_blocks < kv.num_blocks
+    # The steps after the stop are still in flight, computing it: its blocks wait for them.
+    assert len(core.batch_queue) == depth - 1 and kv.num_free_blocks < kv.num_blocks
     tokens = list(stopped.output_token_ids)
     run(core)
     assert stopped.output_token_ids == tokens and stopped.output_text == " Paris"
@@ -157,22 +166,24 @@ def test_a_stopped_request_shows_nothing_of_the_step_after_and_frees_its_blocks_
     assert [s.req_id for s in core.executor.workers[-1].reqs.values()] == ["next"]
 
 
-def test_max_tokens_is_foreseen_and_an_abort_drops_the_step_in_flight():
-    core = make_core()
+@pytest.mark.parametrize("depth", [2, 3])
+def test_max_tokens_is_foreseen_and_an_abort_drops_the_steps_in_flight(depth):
+    core = make_core(depth=depth)
     short = Request("short", [1, 2], SamplingParams(max_tokens=1))
     long = Request("long", [3, 4], SamplingParams(max_tokens=30))
     for request in (short, long):
         core.add_request(request)
-    core.step()
-    core.step()
-    # short samples its one token in the first step: the second goes on with long alone.
-    [first], [(second, _)] = sent(core), core.executor.pending
+    for _ in range(depth):
+        core.step()
+    # short samples its one token in the first step: the others go on with long alone.
+    [first], [(second, _), *rest] = sent(core), core.executor.pending
+    assert len(rest) == depth - 2
     assert len(first.scheduled_new_reqs) == 2
     assert second.scheduled_cached_reqs.req_handles.tolist() == [long.handle]
     assert second.scheduled_cached_reqs.num_placeholders.tolist() == [1]
     while len(long.output_token_ids) < 3:
         core.step()
-    assert len(core.batch_queue) == 1  # a step computing long is in flight
+    assert len(core.batch_queue) == depth - 1  # steps computing long are in flight
     assert core.abort_request("long") is long
     tokens = list(long.output_token_ids)
     run(core)
@@ -181,15 +192,16 @@ def test_max_tokens_is_foreseen_and_an_abort_drops_the_step_in_flight():
     assert core.block_manager.num_free_blocks == core.block_manager.num_blocks
 
 
-def test_a_failure_with_two_steps_in_flight_fails_both_and_the_engine_goes_on():
-    core = make_core()
+@pytest.mark.parametrize("depth", [2, 3])
+def test_a_failure_with_steps_in_flight_fails_them_all_and_the_engine_goes_on(depth):
+    core = make_core(depth=depth)
     requests = [Request(f"r{i}", [i + 1, 5], SamplingParams(max_tokens=20)) for i in range(3)]
     for request in requests:
         core.add_request(request)
-    for _ in range(4):
-        core.step()
     executor = core.executor
-    assert len(core.batch_queue) == 1 and len(executor.pending) == 1
+    while not sent(core) or len(core.batch_queue) < depth - 1:
+        core.step()
+    assert len(core.batch_queue) == depth - 1 and len(executor.pending) == depth - 1
     run_step = executor._run
     failed = []
 
@@ -199,9 +211,9 @@ def test_a_failure_with_two_steps_in_flight_fails_both_and_the_engine_goes_on():
 
     executor._run = fail
     with pytest.raises(RuntimeError, match="rank 0 died"):
-        core.step()  # sends a second step, then waits for the first
+        core.step()  # sends one more step, then waits for the oldest
     executor._run = run_step
-    assert len(failed) == 2 and executor.in_flight_at_submit[-1]  # both steps failed
+    assert len(failed) == depth and executor.in_flight_at_submit[-1]  # every step failed
     assert len(core.batch_queue) == 0 and not core.has_work()
     assert all(r.finish_reason is FinishReason.ABORT for r in requests)
     kv = core.block_manager
@@ -235,7 +247,7 @@ def test_the_queue_takes_a_continuation_only_where_the_step_in_flight_ends():
 
 def test_async_scheduling_is_refused_where_it_cannot_hold():
     kv = KVBlockManager(16, 4)
-    with pytest.raises(ValueError, match="max_concurrent_batches must be 2"):
+    with pytest.raises(ValueError, match="max_concurrent_batches must be 2 or more"):
         Scheduler(kv, 4, 16, 16, max_concurrent_batches=1, async_scheduling=True)
     core = make_core(pipeline_parallel_size=2)  # two stages: the batch queue's steps
     assert not core.async_scheduling and not core.scheduler.async_scheduling
@@ -251,10 +263,11 @@ class Recorded:
         self.fn()
 
 
+@pytest.mark.parametrize("depth", [2, 3])
 @pytest.mark.parametrize("kernels", ["torch", "triton"])
-def test_the_worker_fills_placeholders_from_its_own_samples(kernels):
-    """The real scheduler, one step ahead of a real runner: each step is executed when it
-    is sent, its output read only after the next one is sent. Greedy tokens equal
+def test_the_worker_fills_placeholders_from_its_own_samples(kernels, depth):
+    """The real scheduler, depth - 1 steps ahead of a real runner: each step is executed
+    when it is sent, its output read only once depth steps are out. Greedy tokens equal
     transformers' on the plain-torch path and on the Triton path (the token feed, decode
     graphs)."""
     if kernels == "triton":
@@ -267,7 +280,7 @@ def test_the_worker_fills_placeholders_from_its_own_samples(kernels):
         max_num_seqs=4,
         max_num_batched_tokens=16,
         max_model_len=256,
-        max_concurrent_batches=2,
+        max_concurrent_batches=depth,
         async_scheduling=True,
     )
     rng = np.random.default_rng(3)
@@ -283,13 +296,13 @@ def test_the_worker_fills_placeholders_from_its_own_samples(kernels):
     for _ in range(200):
         if not scheduler.has_unfinished_requests() and not in_flight:
             break
-        so = scheduler.schedule() if len(in_flight) < 2 else None
+        so = scheduler.schedule() if len(in_flight) < depth else None
         if so is not None:
             placeholders += int(so.scheduled_cached_reqs.num_placeholders.sum())
             in_flight.append(
                 (so, runner.execute_model(wire(RpcRequest(0, "execute_model", [so])).args[0]))
             )
-            if len(in_flight) < 2:
+            if len(in_flight) < depth:
                 continue
         done, output = in_flight.popleft()
         scheduler.update_from_output(done, output.get_output())

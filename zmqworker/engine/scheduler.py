@@ -10,9 +10,9 @@ of the preemption, and drop that when it comes back as new).
 
 Steps in flight: with pipeline stages, a request in a step still in flight is not
 scheduled again until that step's output has come back, so those steps hold disjoint
-request sets. With async scheduling (one stage, two steps in flight), a decode goes on
-on top of the step in flight: its last scheduled token is a placeholder for the token
-that step samples, which the worker fills in itself. Either way a request in flight is
+request sets. With async scheduling (one stage, two or more steps in flight), a decode
+goes on on top of the steps in flight: its last scheduled token is a placeholder for the
+token the step before samples, which the worker fills in itself. Either way a request in flight is
 never preempted, and a request that finishes (or is aborted) while a step in flight
 still computes it keeps its blocks until that step has come back; the token that step
 samples for it is dropped.
@@ -38,8 +38,9 @@ class Scheduler:
     that do not sample themselves (pipeline stages before the last).
     max_concurrent_batches: steps kept in flight. Above 1, a step takes at most its share
     of the requests, so that the next step has requests to run while it is in flight.
-    async_scheduling: two steps in flight on one stage, the second going on from the
-    first's tokens (placeholders) instead of taking other requests.
+    async_scheduling: max_concurrent_batches (at least 2) steps in flight on one stage,
+    each going on from the tokens of the one before (placeholders) instead of taking
+    other requests.
     """
 
     def __init__(
@@ -60,11 +61,11 @@ class Scheduler:
         ):
             if value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
-        if async_scheduling and (send_token_ids or max_concurrent_batches != 2):
+        if async_scheduling and (send_token_ids or max_concurrent_batches < 2):
             raise ValueError(
-                "async_scheduling keeps two steps in flight on one pipeline stage: "
-                f"max_concurrent_batches must be 2 (got {max_concurrent_batches}) and "
-                "send_token_ids off"
+                "async_scheduling keeps steps in flight on one pipeline stage: "
+                f"max_concurrent_batches must be 2 or more (got {max_concurrent_batches}) "
+                "and send_token_ids off"
             )
         capacity = block_manager.num_blocks * block_manager.block_size
         if capacity < max_model_len:
@@ -186,11 +187,12 @@ class Scheduler:
                 continue  # preempted to make room for an older request
             num_new = min(num_left, budget)
             computed, known = request.num_computed_tokens, request.all_token_ids
-            # Positions past the known tokens: what the step in flight samples.
-            placeholders = max(0, computed + num_new - len(known))
-            new_blocks = allocate(request.req_id, known, computed, num_new, (), placeholders)
+            # Positions past the known tokens: what the steps in flight sample. Only the
+            # last of them is this step's placeholder; the others those steps compute.
+            unknown = max(0, computed + num_new - len(known))
+            new_blocks = allocate(request.req_id, known, computed, num_new, (), unknown)
             if new_blocks is None:
-                new_blocks = self._preempt_until_fits(request, num_new, placeholders, draft)
+                new_blocks = self._preempt_until_fits(request, num_new, unknown, draft)
                 if new_blocks is None:
                     continue
             new_tokens = None
@@ -199,7 +201,7 @@ class Scheduler:
                 lacking = len(known) > self._num_tokens_sent[request.req_id]
                 new_tokens = known[computed:] if lacking else []
                 self._num_tokens_sent[request.req_id] = len(known)
-            add(request, num_new, new_blocks, placeholders, num_new == num_left, new_tokens)
+            add(request, num_new, new_blocks, min(1, unknown), num_new == num_left, new_tokens)
             budget -= num_new
             num_reqs += 1
         return budget
@@ -233,9 +235,9 @@ class Scheduler:
         return budget
 
     def _continuable(self, request: Request) -> bool:
-        """Whether a request in a step in flight can go into the next step too: with
-        async scheduling, in one step only, which does not end it by length."""
-        if not self.async_scheduling or request.num_steps_in_flight > 1:
+        """Whether a request in steps in flight can go into the next step too: with
+        async scheduling, if those steps do not end it by length."""
+        if not self.async_scheduling:
             return False
         pending = request.num_pending_samples
         return (
