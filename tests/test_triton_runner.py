@@ -15,6 +15,7 @@ pytest.importorskip("triton")
 from messages import (  # noqa: E402
     CachedRequestData,
     NewRequestData,
+    SamplingParams,
     SchedulerOutput,
 )
 from tests.runner_helpers import (  # noqa: E402
@@ -51,7 +52,13 @@ def small_checkpoint(family: str) -> str:
     return cached_tiny_checkpoint(family=family, num_layers=2, tie_word_embeddings=True)
 
 
-def run(runner, prompts: dict[str, list[int]], max_tokens: dict[str, int], joins: dict[int, str]):
+def run(
+    runner,
+    prompts: dict[str, list[int]],
+    max_tokens: dict[str, int],
+    joins: dict[int, str],
+    params: SamplingParams = GREEDY,
+):
     """Requests joining at the given steps; two in flight at most under a 12-token budget."""
     sched = MiniScheduler(budget=12, seed=7)
     reqs = {}
@@ -60,11 +67,24 @@ def run(runner, prompts: dict[str, list[int]], max_tokens: dict[str, int], joins
     while step == 0 or sched.busy() or len(reqs) < len(prompts):
         name = joins.get(step)
         if name is not None:
-            reqs[name] = sched.add(name, prompts[name], max_tokens[name])
+            reqs[name] = sched.add(name, prompts[name], max_tokens[name], params)
         sched.update(pipeline.step(sched.schedule()))
         step += 1
         assert step < 80
     return {name: r.outputs for name, r in reqs.items()}
+
+
+def spy_on_sampler(runner) -> list[bool]:
+    """The all_greedy flag of every call of the runner's sampler, as it comes."""
+    calls: list[bool] = []
+    sampler = runner.sampler
+
+    def spy(logits, metadata, out=None):
+        calls.append(metadata.all_greedy)
+        return sampler(logits, metadata, out)
+
+    runner.sampler = spy
+    return calls
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
@@ -88,6 +108,35 @@ def test_triton_path_greedy_tokens_match_transformers(family: str) -> None:
     assert Recorded.replays > before
     for name, prompt in prompts.items():
         assert result[name] == hf_greedy(path, tuple(prompt), max_tokens[name]), name
+
+
+def test_a_greedy_decode_graph_samples_in_the_graph() -> None:
+    """Decode graphs take their argmax into the token feed's buffer: an all-greedy graph
+    step calls no sampler and still gives transformers' tokens. Seeded random requests
+    run the sampler after the replay, and get the tokens of the eager path."""
+    path = small_checkpoint("llama")
+    prompts = {"a": [5, 9, 14, 3, 77, 41, 8], "b": [60, 2, 33, 90, 11]}
+    max_tokens = {"a": 8, "b": 8}
+    graphs = {"graph_capture": Recorded, "graph_sizes": (2,)}
+    runner = make_runner(path, max_seqs=2, kernels="triton", **graphs)
+    calls = spy_on_sampler(runner)
+    before = Recorded.replays
+    result = run(runner, prompts, max_tokens, joins={0: "a", 1: "b"})
+    replays = Recorded.replays - before
+    # Only the two steps with a prefill in them (eager) call the sampler.
+    assert replays == 7 and calls == [True, True]
+    for name, prompt in prompts.items():
+        assert result[name] == hf_greedy(path, tuple(prompt), max_tokens[name]), name
+    seeded = SamplingParams(temperature=0.9, seed=11)
+    sampled = {}
+    for options in (graphs, {"enforce_eager": True}):
+        runner = make_runner(path, max_seqs=2, kernels="triton", **options)
+        calls = spy_on_sampler(runner)
+        sampled[bool(options.get("graph_sizes"))] = run(
+            runner, prompts, max_tokens, joins={0: "a", 1: "b"}, params=seeded
+        )
+        assert calls and not any(calls)
+    assert sampled[True] == sampled[False]
 
 
 def test_triton_path_eager_decode_and_preempted_request_resumes() -> None:

@@ -124,10 +124,10 @@ class DummySteps:
 
         last = runner.state.is_last_stage
         sample_index = np.arange(num_reqs) if last else np.zeros(0, np.int64)
-        out = runner.path.run(
+        forward = runner.path.run(
             tokens, table, step, sample_index, previous_stage, caches, use_graphs=False
         )
-        return out if last else None
+        return forward.out if last else None
 
     def _sample(self, logits: torch.Tensor, greedy: bool) -> None:
         runner = self.runner

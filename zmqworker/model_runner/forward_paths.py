@@ -8,12 +8,14 @@
 
 Both run a step over the token and block tables they are given (the batch's, or a dummy
 step's) and return the logits of the requests that sample on the last pipeline stage,
-the hidden states elsewhere.
+the hidden states elsewhere. A decode graph also takes the argmax of its logits into
+DeviceInputs.sampled: a step whose requests are all greedy needs no sampler launch.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -31,6 +33,16 @@ from zmqworker.models.registry import CausalLM
 HiddenStates = dict[str, torch.Tensor]
 Output = torch.Tensor | HiddenStates
 PreviousStage = Callable[[], HiddenStates | None]
+
+
+@dataclass
+class Forward:
+    """A step's forward: out (logits of the requests that sample, or the hidden states
+    on a stage before the last) and, when a decode graph ran with every request
+    sampling, their greedy ids, int32 [num_reqs] on the device (else None)."""
+
+    out: Output
+    greedy_ids: torch.Tensor | None = None
 
 
 def _token_index(step: ScheduledRequests, sample_index: np.ndarray) -> np.ndarray | None:
@@ -85,7 +97,7 @@ class TorchPath:
         caches: list[torch.Tensor],
         feed: TokenFeed | None = None,
         use_graphs: bool = True,
-    ) -> Output:
+    ) -> Forward:
         """previous_stage is called once the inputs are ready; feed and use_graphs are
         the Triton path's."""
         inputs = self._inputs.build(
@@ -98,7 +110,7 @@ class TorchPath:
         with torch.inference_mode():
             meta = inputs.attn_metadata
             out = self.model(inputs.input_ids, inputs.positions, caches, meta, hidden_in)
-            return _logits(self.model, out, index)
+            return Forward(_logits(self.model, out, index))
 
 
 class TritonPath:
@@ -161,7 +173,7 @@ class TritonPath:
         caches: list[torch.Tensor],
         feed: TokenFeed | None = None,
         use_graphs: bool = True,
-    ) -> Output:
+    ) -> Forward:
         """previous_stage is called once the inputs are uploaded; feed: the previous
         step's samples still valid; use_graphs: replay a captured graph when one fits."""
         graph_size = None
@@ -186,7 +198,7 @@ class TritonPath:
                 self._feed(device_step)
             meta = device_step.metadata
             out = self.model(device_step.input_ids, meta.positions, caches, meta, hidden_in)
-            return _logits(self.model, out, device_step.sample_index)
+            return Forward(_logits(self.model, out, device_step.sample_index))
 
     def capture_graphs(self, caches: list[torch.Tensor]) -> None:
         """Capture the decode graphs over these KV caches (again after a wake-up)."""
@@ -212,7 +224,7 @@ class TritonPath:
         num_reqs: int,
         hidden_in: HiddenStates | None,
         sample_index: torch.Tensor | None,
-    ) -> Output:
+    ) -> Forward:
         assert self.graphs is not None
         if hidden_in is not None:
             for name, tensor in hidden_in.items():
@@ -220,9 +232,11 @@ class TritonPath:
         outputs = self.graphs.replay(size)
         if not self.state.is_last_stage:
             # The next replay reuses the graph's buffers; the pipeline sends these later.
-            return {name: t[:num_reqs].clone() for name, t in outputs.items()}
+            return Forward({name: t[:num_reqs].clone() for name, t in outputs.items()})
         logits = outputs["logits"][:num_reqs]
-        return logits if sample_index is None else logits.index_select(0, sample_index)
+        if sample_index is not None:
+            return Forward(logits.index_select(0, sample_index))
+        return Forward(logits, self.inputs.sampled[:num_reqs])
 
     def _graph_body(self, size: int) -> HiddenStates:
         """A decode step of `size` rows over the persistent buffers, as a graph records it."""
@@ -241,4 +255,8 @@ class TritonPath:
             out = model(step.input_ids, meta.positions, self._graph_caches, meta, hidden_in)
             if isinstance(out, dict):
                 return out
-            return {"logits": model.compute_logits(out)}
+            logits = model.compute_logits(out)
+            # After the feed read the previous samples: this step's greedy ids take
+            # their place (a sampler that runs after the replay overwrites them).
+            self.inputs.sampled[:size].copy_(logits.argmax(dim=-1))
+            return {"logits": logits}

@@ -44,7 +44,7 @@ from zmqworker.model_runner.sampled_tokens import (
     token_feed,
     write_samples,
 )
-from zmqworker.model_runner.sampler import Sampler, SamplingMetadata
+from zmqworker.model_runner.sampler import Sampler, SamplerOutput, SamplingMetadata
 from zmqworker.models.registry import build_model, torch_dtype
 
 KERNELS = ("auto", "torch", "triton")
@@ -57,6 +57,7 @@ class _StepLogits:
     step: ScheduledRequests
     sample_index: np.ndarray  # positions in step of the requests that sample
     logits: torch.Tensor  # float32 [len(sample_index), vocab]
+    greedy_ids: torch.Tensor | None = None  # their argmax, when a decode graph took it
 
 
 def uses_triton(kernels: str, device: torch.device) -> bool:
@@ -239,7 +240,7 @@ class ModelRunner:
         sample_index = self._sample_index(step)
         batch = self.batch
         feed = token_feed(batch, self._samples) if self.fused else None
-        out = self.path.run(
+        forward = self.path.run(
             batch.token_ids,
             batch.block_table,
             step,
@@ -248,11 +249,12 @@ class ModelRunner:
             self.kv_caches,
             feed,
         )
+        out = forward.out
         if not self.state.is_last_stage:
             assert isinstance(out, dict)
             return IntermediateTensors(out)
         assert isinstance(out, torch.Tensor)
-        step_logits = _StepLogits(step, sample_index, out)
+        step_logits = _StepLogits(step, sample_index, out, forward.greedy_ids)
         if not sample:
             self._step_logits = step_logits
             return None
@@ -312,10 +314,19 @@ class ModelRunner:
         out = None
         if isinstance(self.path, TritonPath):
             out = self.path.inputs.sampled[: len(rows)]  # where the token feed reads
-        with torch.inference_mode():
-            if grammar_output is not None:
-                self._apply_grammar(step, index, logits, grammar_output)
-            sampled = self.sampler(logits, metadata, out)
+        greedy_ids = step_logits.greedy_ids
+        if (
+            greedy_ids is not None
+            and grammar_output is None
+            and metadata.all_greedy
+            and metadata.max_num_logprobs is None
+        ):
+            sampled = SamplerOutput(greedy_ids)  # the graph's argmax is this step's sample
+        else:
+            with torch.inference_mode():
+                if grammar_output is not None:
+                    self._apply_grammar(step, index, logits, grammar_output)
+                sampled = self.sampler(logits, metadata, out)
         host_ids, host_logprobs, event = to_host(sampled, self._stream)
         if len(rows):
             self._samples = record_samples(batch, rows, host_ids, event)
