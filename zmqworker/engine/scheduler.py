@@ -249,12 +249,13 @@ class Scheduler:
         self,
         request: Request,
         num_new: int,
-        placeholders: int,
+        unknown: int,
         draft: StepDraft,
     ) -> list[int] | None:
-        """Blocks for num_new more tokens of a running request that did not fit,
-        preempting the newest preemptible running requests (in no step) until they do;
-        None if request itself had to go, or there is nothing left to preempt."""
+        """Blocks for num_new more tokens of a running request that did not fit (unknown:
+        its positions that steps in flight sample), preempting the newest preemptible
+        running requests (in no step) until they do; None if request itself had to go,
+        or there is nothing left to preempt."""
         while True:
             victim = next(
                 (
@@ -274,7 +275,7 @@ class Scheduler:
                 request.all_token_ids,
                 request.num_computed_tokens,
                 num_new,
-                num_placeholders=placeholders,
+                num_placeholders=unknown,
             )
             if new_blocks is not None:
                 return new_blocks
