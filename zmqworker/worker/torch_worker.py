@@ -27,6 +27,7 @@ from zmqworker.distributed.parallel_state import (
 from zmqworker.distributed.pipeline_stage import PipelineStage
 from zmqworker.model_runner.model_runner import ModelRunner
 from zmqworker.worker.device import DeviceOps, device_ops
+from zmqworker.worker.host_malloc import keep_freed_memory
 from zmqworker.worker.sleep_mode import SleepState
 from zmqworker.worker.worker_base import WorkerBase, freeze_startup_heap
 
@@ -76,6 +77,8 @@ class Worker(WorkerBase):
             threads = _omp_num_threads() or max(1, cores // self.config.parallel.world_size)
         if threads:
             torch.set_num_threads(threads)
+        if self.device.type == "cpu":
+            keep_freed_memory()  # a CPU step's activations: host_malloc.py says why
         parallel = self.config.parallel
         if self.distributed_init_method != parallel.distributed_init_method:
             parallel = msgspec.structs.replace(
