@@ -254,12 +254,9 @@ def test_cpu_threads_follow_omp_num_threads_else_the_cores(at_start, late, expec
 STEP_MEMORY_SCRIPT = """
 import resource, sys
 import torch
-from messages import DeviceConfig, ModelConfig, WorkerConfig
-from zmqworker.worker.wrapper import WorkerWrapper
-if sys.argv[1] == "worker":
-    w = WorkerWrapper(rpc_rank=0)
-    w.init_worker(WorkerConfig(model=ModelConfig(path="unused"), device=DeviceConfig("cpu")))
-    w.init_device()
+from zmqworker.worker.host_malloc import keep_freed_memory
+if sys.argv[1] == "kept":
+    assert keep_freed_memory()
 def step():
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     temporaries = [torch.ones(n << 18) for n in (24, 8, 16, 4, 12)]  # MB, as activations
@@ -270,17 +267,17 @@ print(*[step() for _ in range(4)])
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc")
-def test_a_cpu_worker_keeps_its_steps_memory_mapped():
-    """After init_device, a CPU process's step-sized temporaries are mostly reused from
-    the second step on; without it, glibc gives them back and every step faults them in
-    again (host_malloc.py)."""
+def test_freed_step_memory_stays_mapped_once_kept():
+    """With keep_freed_memory (a CPU worker's, after warm-up), step-sized temporaries are
+    mostly reused from the second step on; without it, glibc gives them back and every
+    step faults them in again (host_malloc.py)."""
     root = Path(__file__).resolve().parent.parent
     faults = {}
-    for how in ("worker", "plain"):
+    for how in ("kept", "plain"):
         out = subprocess.run([sys.executable, "-c", STEP_MEMORY_SCRIPT, how], cwd=root,
                              capture_output=True, text=True, timeout=120, check=True)  # fmt: skip
         faults[how] = [int(n) for n in out.stdout.split()]
-    assert 4 * sum(faults["worker"][1:]) < sum(faults["plain"][1:]), faults
+    assert 4 * sum(faults["kept"][1:]) < sum(faults["plain"][1:]), faults
 
 
 class Extension:

@@ -77,8 +77,6 @@ class Worker(WorkerBase):
             threads = _omp_num_threads() or max(1, cores // self.config.parallel.world_size)
         if threads:
             torch.set_num_threads(threads)
-        if self.device.type == "cpu":
-            keep_freed_memory()  # a CPU step's activations: host_malloc.py says why
         parallel = self.config.parallel
         if self.distributed_init_method != parallel.distributed_init_method:
             parallel = msgspec.structs.replace(
@@ -146,6 +144,8 @@ class Worker(WorkerBase):
         self._runner().warm_up(list(self.config.scheduler.warmup_batch_sizes))
         self.ops.synchronize()
         freeze_startup_heap()
+        if self.device.type == "cpu":
+            keep_freed_memory()  # for the steps from here on: host_malloc.py says why
         return time.perf_counter() - start
 
     # steps ----------------------------------------------------------------------------
