@@ -12,10 +12,10 @@ Steps in flight: with pipeline stages, a request in a step still in flight is no
 scheduled again until that step's output has come back, so those steps hold disjoint
 request sets. With async scheduling (one stage, two or more steps in flight), a decode
 goes on on top of the steps in flight: its last scheduled token is a placeholder for the
-token the step before samples, which the worker fills in itself. Either way a request in flight is
-never preempted, and a request that finishes (or is aborted) while a step in flight
-still computes it keeps its blocks until that step has come back; the token that step
-samples for it is dropped.
+token the step before samples, which the worker fills in itself. Either way a request
+in flight is never preempted, and a request that finishes (or is aborted) while steps in
+flight still compute it keeps its blocks until they have come back; the tokens they
+sample for it are dropped.
 """
 
 from __future__ import annotations
