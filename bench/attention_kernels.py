@@ -54,6 +54,7 @@ def decode_case(model: str, batch: int, splits: int, warps: int, stages: int):
         torch.arange(batch + 1, dtype=torch.int32, device="cuda"),
         seq_lens,
         tables,
+        torch.zeros(batch * kv_heads, dtype=torch.int32, device="cuda"),
     )
     q = torch.randn(batch, heads, head_dim, dtype=torch.bfloat16, device="cuda")
     saved = triton_attention.DECODE_LAUNCH

@@ -6,6 +6,7 @@ exact there; bfloat16 is not, so it is checked with ZMQWORKER_TEST_DEVICE=cuda).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import numpy as np
@@ -24,6 +25,7 @@ from zmqworker.attention.triton_metadata import (  # noqa: E402
 from zmqworker.cdiv import cdiv
 from zmqworker.models.layers.norm import RMSNorm  # noqa: E402
 from zmqworker.models.layers.rotary import RotaryEmbedding, apply_rotary  # noqa: E402
+from zmqworker.models.layers.skinny_gate_up import MAX_ROWS, gate_up_silu  # noqa: E402
 from zmqworker.models.layers.triton_ops import rms_norm, silu_and_mul  # noqa: E402
 
 DEVICE = torch.device(os.environ.get("ZMQWORKER_TEST_DEVICE", "cpu"))
@@ -98,6 +100,9 @@ class Step:
             query_start_loc=dev(start),
             seq_lens=dev(self.seq_lens),
             block_tables=dev(self.tables),
+            split_counters=torch.zeros(len(self.reqs) * self.kv_heads, dtype=torch.int32).to(
+                DEVICE
+            ),
         )
 
     def check(self, out):
@@ -115,9 +120,11 @@ class Step:
     def run(self, num_splits=1):
         meta = self.metadata(num_splits)
         q = torch.cat(self.queries)
-        out = paged_attention(q, self.cache, meta, HEAD_DIM**-0.5)
-        assert out.shape == q.shape and out.dtype == self.dtype
-        self.check(out)
+        for _ in range(2):  # the second call starts from the counters the first left
+            out = paged_attention(q, self.cache, meta, HEAD_DIM**-0.5)
+            assert out.shape == q.shape and out.dtype == self.dtype
+            self.check(out)
+        assert not meta.split_counters.any()
 
 
 GQA = [(4, 4), (6, 2), (8, 2)]  # group sizes 1, 3 and 4
@@ -153,12 +160,21 @@ def test_decode_padding_rows_give_zeros_and_touch_nothing():
     seq_lens = torch.cat([meta.seq_lens, torch.zeros(2, dtype=torch.int32, device=DEVICE)])
     tables = torch.cat([meta.block_tables, meta.block_tables])
     padded = TritonAttentionMetadata(
-        4, 4, 1, True, 2, meta.slot_mapping, meta.positions, meta.query_start_loc, seq_lens, tables
-    )
+        4, 4, 1, True, 2, meta.slot_mapping, meta.positions, meta.query_start_loc, seq_lens, tables,
+        torch.zeros(4 * 2, dtype=torch.int32, device=DEVICE),
+    )  # fmt: skip
     q = torch.cat(step.queries + [torch.randn(2, 6, HEAD_DIM, device=DEVICE)])
     out = paged_attention(q, step.cache, padded, HEAD_DIM**-0.5)
     step.check(out[:2])
     assert torch.equal(out[2:], torch.zeros_like(out[2:]))
+    assert not padded.split_counters.any()
+
+
+def test_decode_with_splits_needs_its_counters():
+    step = Step([(10, 1)], 4, 2, block_size=4, dtype=torch.float32, seed=4)
+    meta = dataclasses.replace(step.metadata(num_splits=2), split_counters=None)
+    with pytest.raises(ValueError, match="needs split_counters"):
+        paged_attention(torch.cat(step.queries), step.cache, meta, HEAD_DIM**-0.5)
 
 
 def test_decode_splits_fill_the_gpu_and_stay_powers_of_two():
@@ -245,3 +261,26 @@ def test_rms_norm_kernel_in_place_over_heads():
     norm.normalize_(qkv[:, 6:8])
     torch.testing.assert_close(qkv[:, 6:8], want, atol=1e-6, rtol=1e-5)
     assert torch.equal(qkv[:, 8:], untouched)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 5, 16, 40, 64])
+@pytest.mark.parametrize("bias", [False, True])
+def test_gate_up_silu_matches_the_projection_then_silu_and_mul(dtype, rows, bias):
+    # 72 features and 200 inputs: neither a multiple of the kernel's tiles.
+    gen = torch.Generator().manual_seed(9)
+    x = torch.randn(rows, 200, generator=gen).to(dtype).to(DEVICE)
+    weight = (torch.randn(2 * 72, 200, generator=gen) / 200**0.5).to(dtype).to(DEVICE)
+    b = torch.randn(2 * 72, generator=gen).to(dtype).to(DEVICE) if bias else None
+    expected = silu_and_mul(torch.nn.functional.linear(x, weight, b))
+    # The product's summation order differs from the BLAS's: one rounding of the output.
+    ulp = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}[dtype]
+    torch.testing.assert_close(gate_up_silu(x, weight, b), expected, atol=ulp, rtol=ulp)
+
+
+def test_gate_up_silu_refuses_more_rows_than_its_tile():
+    x = torch.zeros(MAX_ROWS + 1, 32, device=DEVICE)
+    with pytest.raises(ValueError, match="gate_up_silu needs x"):
+        gate_up_silu(x, torch.zeros(64, 32, device=DEVICE))
+    with pytest.raises(ValueError, match="must be contiguous"):
+        gate_up_silu(x[:2], torch.zeros(32, 64, device=DEVICE).T)

@@ -182,3 +182,23 @@ def test_token_feed_skips_a_row_taken_by_another_request() -> None:
     out = pipeline.step(SchedulerOutput([b], CachedRequestData.empty(), 12, [1]))
     assert runner.batch.row_of[2] == 0  # the row A had
     assert int(out.sampled_token_ids[0]) == hf_greedy(path, tuple(prompt), 1)[0]
+
+
+def test_warm_up_runs_the_skinny_mlp_kernel_at_each_of_its_row_tiles(monkeypatch) -> None:
+    """Each row tile is a compile of its own: decodes of up to max_num_seqs requests reach
+    the first, only prefills the others, and warm-up must run all of them."""
+    from zmqworker.models.layers import skinny_gate_up
+
+    tiles = set()
+    kernel = skinny_gate_up.gate_up_silu
+
+    def spy(x, *args, **kwargs):
+        tiles.add(skinny_gate_up.row_tile(x.shape[0]))
+        return kernel(x, *args, **kwargs)
+
+    monkeypatch.setattr(skinny_gate_up, "gate_up_silu", spy)
+    runner = make_runner(small_checkpoint("llama"), max_seqs=8, max_tokens=40, kernels="triton")
+    assert tiles == set(skinny_gate_up.ROW_TILES)
+    assert runner.path.prefill_kernel_lengths(8, 40) == [17, 33]
+    assert runner.path.prefill_kernel_lengths(8, 20) == [17]
+    assert {1, 17, 33} <= set(runner.path.decode_kernel_sizes(40))

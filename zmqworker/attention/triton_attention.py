@@ -14,8 +14,9 @@ reads its kv head's history once.
   The step's own keys are already in the cache (written first), so one causal loop over
   the cache covers the cached prefix and the new tokens alike.
 - decode_attention: steps whose requests all schedule one token (the CUDA-graph path).
-  One program per (request, kv head, split of the history); with more than one split, a
-  second kernel merges the splits' partial results by their softmax statistics.
+  One program per (request, kv head, split of the history); with more than one split,
+  the split that finishes last merges the partial results by their softmax statistics
+  (a counter per (request, kv head) in the metadata tells it), in the same launch.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from __future__ import annotations
 import torch
 import triton
 
-from zmqworker.attention.triton_kernels import decode_kernel, merge_splits_kernel, varlen_kernel
+from zmqworker.attention.triton_kernels import decode_kernel, varlen_kernel
 from zmqworker.attention.triton_metadata import TritonAttentionMetadata, tile_size
 
 LOG2E = 1.4426950408889634
@@ -85,10 +86,17 @@ def paged_attention(
             )
         else:
             part_out = part_stats = out  # unused
+        counters = meta.split_counters
+        if splits > 1 and (counters is None or counters.numel() < meta.num_reqs * num_kv_heads):
+            raise ValueError(
+                f"decode with {splits} splits needs split_counters of at least "
+                f"{meta.num_reqs} x {num_kv_heads} int32 zeros"
+            )
         decode_kernel[(meta.num_reqs, num_kv_heads, splits)](
             out,
             part_out,
             part_stats,
+            out if counters is None else counters,
             query,
             kv_cache,
             v_offset,
@@ -105,18 +113,6 @@ def paged_attention(
             **common,
             **DECODE_LAUNCH,
         )
-        if splits > 1:
-            merge_splits_kernel[(meta.num_reqs, num_heads)](
-                out,
-                part_out,
-                part_stats,
-                out.stride(0),
-                out.stride(1),
-                NUM_HEADS=num_heads,
-                HEAD_DIM=head_dim,
-                HEAD_DIM_P=head_dim_p,
-                NUM_SPLITS=splits,
-            )
         return out
     rows = _rows(group, PREFILL_ROWS if meta.max_query_len > 1 else MIN_ROWS)
     block_q = rows // group

@@ -1,5 +1,5 @@
 """The Triton kernels of paged attention (triton_attention.py launches them): the
-varlen kernel of any step, the decode kernel with its splits, and the merge of splits.
+varlen kernel of any step, and the decode kernel, whose splits merge in their last one.
 Every kernel reads the cache in its own layout (kv_cache.py) through the block table."""
 
 from __future__ import annotations
@@ -178,6 +178,7 @@ def decode_kernel(
     out_ptr,
     part_out_ptr,
     part_stats_ptr,
+    counters_ptr,
     q_ptr,
     kv_ptr,
     v_offset,
@@ -247,35 +248,63 @@ def decode_kernel(
     else:
         # Partials [num_reqs, num_heads, NUM_SPLITS, HEAD_DIM_P] and stats [.., .., .., 2].
         num_heads = NUM_KV_HEADS * GROUP
-        part = (req.to(tl.int64) * num_heads + head) * NUM_SPLITS + split
-        tl.store(part_out_ptr + part[:, None] * HEAD_DIM_P + offs_d[None, :], out, mask=mask)
-        tl.store(part_stats_ptr + part * 2, m_i, mask=row_ok)
-        tl.store(part_stats_ptr + part * 2 + 1, l_i, mask=row_ok)
+        part = (req.to(tl.int64) * num_heads + head) * NUM_SPLITS
+        tl.store(
+            part_out_ptr + (part + split)[:, None] * HEAD_DIM_P + offs_d[None, :], out, mask=mask
+        )
+        tl.store(part_stats_ptr + (part + split) * 2, m_i, mask=row_ok)
+        tl.store(part_stats_ptr + (part + split) * 2 + 1, l_i, mask=row_ok)
+        # The split that finishes last merges them all (no second launch), then leaves the
+        # counter at zero for the next call. acq_rel: the others' partials are visible.
+        counter = counters_ptr + req * NUM_KV_HEADS + kv_head
+        if tl.atomic_add(counter, 1, sem="acq_rel") == NUM_SPLITS - 1:
+            tl.store(counter, 0)
+            merge_splits(
+                out_ptr,
+                part_out_ptr,
+                part_stats_ptr,
+                req,
+                kv_head,
+                stride_o_tok,
+                stride_o_head,
+                NUM_KV_HEADS,
+                GROUP,
+                HEAD_DIM,
+                HEAD_DIM_P,
+                NUM_SPLITS,
+            )
 
 
 @triton.jit
-def merge_splits_kernel(
+def merge_splits(
     out_ptr,
     part_out_ptr,
     part_stats_ptr,
+    req,
+    kv_head,
     stride_o_tok,
     stride_o_head,
-    NUM_HEADS: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+    GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_P: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
 ):
-    req = tl.program_id(0)
-    head = tl.program_id(1)
-    part = (req.to(tl.int64) * NUM_HEADS + head) * NUM_SPLITS + tl.arange(0, NUM_SPLITS)
-    m = tl.load(part_stats_ptr + part * 2)
-    total_l = tl.load(part_stats_ptr + part * 2 + 1)
-    m_max = tl.max(m, 0)
-    m_ref = tl.where(m_max == float("-inf"), 0.0, m_max)
-    weight = total_l * tl.exp2(m - m_ref)
-    total = tl.sum(weight, 0)
+    """Each query head of the kv head from its splits' partials, weighted by their softmax
+    statistics. A head's splits load as one tile, and the heads are unrolled: a handful of
+    independent loads, not one round trip per split."""
+    splits = tl.arange(0, NUM_SPLITS)
     offs_d = tl.arange(0, HEAD_DIM_P)
-    parts = tl.load(part_out_ptr + part[:, None] * HEAD_DIM_P + offs_d[None, :])
-    out = tl.sum(parts * weight[:, None], 0) / tl.where(total > 0, total, 1.0)
-    o_ptrs = out_ptr + req.to(tl.int64) * stride_o_tok + head * stride_o_head + offs_d
-    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
+    for g in tl.static_range(GROUP):
+        head = kv_head * GROUP + g
+        part = (req.to(tl.int64) * NUM_KV_HEADS * GROUP + head) * NUM_SPLITS + splits
+        m = tl.load(part_stats_ptr + part * 2)
+        weight = tl.load(part_stats_ptr + part * 2 + 1)
+        parts = tl.load(part_out_ptr + part[:, None] * HEAD_DIM_P + offs_d[None, :])
+        m_max = tl.max(m, 0)
+        m_ref = tl.where(m_max == float("-inf"), 0.0, m_max)
+        weight = weight * tl.exp2(m - m_ref)
+        total = tl.sum(weight, 0)
+        out = tl.sum(parts * weight[:, None], 0) / tl.where(total > 0, total, 1.0)
+        o_ptrs = out_ptr + req.to(tl.int64) * stride_o_tok + head * stride_o_head + offs_d
+        tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)

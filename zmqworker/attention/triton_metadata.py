@@ -39,6 +39,9 @@ class TritonAttentionMetadata:
     query_start_loc: torch.Tensor  # int32 [num_reqs + 1]
     seq_lens: torch.Tensor  # int32 [num_reqs]: context after the step; 0 for padding rows
     block_tables: torch.Tensor  # int32 [num_reqs, max_blocks_per_req], rows may be padded
+    # int32 zeros, >= num_reqs * num_kv_heads: which split of a decode finishes last. The
+    # kernel leaves them zero; a persistent buffer, so that graphs replay over it.
+    split_counters: torch.Tensor | None = None
 
 
 def decode_splits(num_reqs: int, num_kv_heads: int, max_tiles: int) -> int:

@@ -99,6 +99,8 @@ class DeviceInputs:
         self.block_tables = self._device_views["block_tables"].view(reqs, max_blocks_per_req)
         # The previous sampling step's ids, read by the token feed; a fixed address.
         self.sampled = torch.zeros(reqs, dtype=torch.int32, device=device)
+        # The decode attention's per (request, kv head) split counters: zero between steps.
+        self.split_counters = torch.zeros(reqs * num_kv_heads, dtype=torch.int32, device=device)
         # Recorded after each upload: the host buffer is rewritten only once it has fired.
         self._uploaded = torch.cuda.Event() if pinned else None
         self._stream = torch.cuda.current_stream(device) if pinned else None
@@ -163,6 +165,7 @@ class DeviceInputs:
             query_start_loc=device["query_start_loc"][: num_reqs + 1],
             seq_lens=device["seq_lens"][:num_reqs],
             block_tables=self.block_tables[:num_reqs],
+            split_counters=self.split_counters,
         )
         return DeviceStep(
             metadata=metadata,

@@ -87,6 +87,10 @@ class TorchPath:
         """Batch sizes whose eager decode steps run kernels of their own: none here."""
         return []
 
+    def prefill_kernel_lengths(self, max_reqs: int, max_tokens: int) -> list[int]:
+        """Prompt lengths whose one-request prefills run kernels of their own: none here."""
+        return []
+
     def run(
         self,
         token_ids: np.ndarray,
@@ -156,12 +160,22 @@ class TritonPath:
         self._graph_caches: list[torch.Tensor] = []
 
     def decode_kernel_sizes(self, max_reqs: int) -> list[int]:
-        """The smallest batch size of each decode split count up to max_reqs: an eager
-        decode step compiles the attention kernel of its split count once."""
+        """The smallest batch size of each decode split count and of each row tile of the
+        skinny MLP kernel, up to max_reqs: a step compiles each of those kernels once."""
+        from zmqworker.models.layers.skinny_gate_up import tile_starts
+
         sizes: dict[int, int] = {}
         for size in range(max_reqs, 0, -1):
             sizes[self.inputs.splits(size)] = size
-        return sorted(sizes.values())
+        tiles = [s for s in tile_starts() if s <= max_reqs]
+        return sorted(set(sizes.values()) | set(tiles))
+
+    def prefill_kernel_lengths(self, max_reqs: int, max_tokens: int) -> list[int]:
+        """The row tiles of the skinny MLP kernel that only steps of more tokens than
+        requests reach (prefills), by their smallest prompt length."""
+        from zmqworker.models.layers.skinny_gate_up import tile_starts
+
+        return [s for s in tile_starts() if max_reqs < s <= max_tokens]
 
     def run(
         self,

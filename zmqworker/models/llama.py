@@ -164,8 +164,19 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(
             inter, cfg.hidden_size, f"{prefix}.down_proj", flags.mlp_bias, state
         )
+        # Decode-sized steps on the Triton path: the projection and SiLU in one kernel.
+        self._gate_up_silu = None
+        self._skinny_rows = 0
+        if fused and cfg.hidden_act == "silu":
+            from zmqworker.models.layers import skinny_gate_up
+
+            self._gate_up_silu = skinny_gate_up.gate_up_silu
+            self._skinny_rows = skinny_gate_up.MAX_ROWS
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._gate_up_silu is not None and x.shape[0] <= self._skinny_rows:
+            proj = self.gate_up_proj
+            return self.down_proj(self._gate_up_silu(x, proj.weight, proj.bias))
         return self.down_proj(self.act(self.gate_up_proj(x)))
 
 

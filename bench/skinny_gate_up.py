@@ -1,0 +1,106 @@
+"""The MLP's gate/up projection and activation at decode-sized steps: cuBLAS then the
+SiLU-and-multiply kernel, against the one skinny Triton kernel (CUDA only).
+
+Each model's every layer, with its own weights as in a step (so they stream from HBM, not
+L2), timed from a CUDA graph of the whole stack (triton.testing.do_bench_cudagraph),
+against the floor: the weights' bytes at the device-to-device bandwidth measured in the
+same run.
+
+    python -m bench.skinny_gate_up [--out FILE] [--sweep]
+
+--sweep also times the kernel under other tile settings at 1 and 16 rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Callable
+
+import torch
+import triton
+import triton.testing
+
+from bench.attention_kernels import MODELS
+from bench.common import print_table, write_results
+from bench.gpu_decode import hbm_bandwidth
+from zmqworker.models.layers.skinny_gate_up import MAX_ROWS, ROW_TILES, gate_up_silu
+from zmqworker.models.layers.triton_ops import silu_and_mul
+
+LAYERS = {"smollm2-135m": 30, "llama-3.2-1b": 16, "llama-3-8b": 32}
+BATCHES = (1, 4, 8, *ROW_TILES)
+SWEEP = [(n, k, w, s) for n in (16, 32, 64) for k in (64, 128, 256) for w, s in ((4, 3), (8, 4))]
+
+
+def stack_weights(model: str) -> list[torch.Tensor]:
+    hidden, inter = MODELS[model][3:]
+    return [
+        torch.randn(2 * inter, hidden, dtype=torch.bfloat16, device="cuda") / hidden**0.5
+        for _ in range(LAYERS[model])
+    ]
+
+
+def eager(x: torch.Tensor, weights: list[torch.Tensor]) -> Callable[[], None]:
+    return lambda: [silu_and_mul(torch.nn.functional.linear(x, w)) for w in weights]
+
+
+def fused(x: torch.Tensor, weights: list[torch.Tensor], tiles=None) -> Callable[[], None]:
+    return lambda: [gate_up_silu(x, w, tiles=tiles) for w in weights]
+
+
+def timed_us(fn: Callable[[], None], rep: int = 50) -> float:
+    fn()
+    return triton.testing.do_bench_cudagraph(fn, rep=rep) * 1e3
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--sweep", action="store_true")
+    args = parser.parse_args()
+    bandwidth = hbm_bandwidth()
+    rows, sweep = [], []
+    for model in LAYERS:
+        weights = stack_weights(model)
+        hidden = weights[0].shape[1]
+        floor = sum(w.numel() * 2 for w in weights) / bandwidth * 1e6
+        x0 = torch.randn(MAX_ROWS, hidden, dtype=torch.bfloat16, device="cuda")
+        check = (gate_up_silu(x0, weights[0]) - silu_and_mul(x0 @ weights[0].T)).abs().max()
+        for batch in BATCHES:
+            x = x0[:batch]
+            eager_us, fused_us = timed_us(eager(x, weights)), timed_us(fused(x, weights))
+            rows.append(
+                {
+                    "model": model,
+                    "batch": batch,
+                    "eager_us": eager_us,
+                    "fused_us": fused_us,
+                    "floor_us": floor,
+                    "eager_x_floor": eager_us / floor,
+                    "fused_x_floor": fused_us / floor,
+                    "fused_vs_eager": eager_us / fused_us,
+                    "max_abs_diff": float(check),
+                }
+            )
+            print(json.dumps(rows[-1]), flush=True)
+        for batch in (1, MAX_ROWS) if args.sweep else ():
+            x = x0[:batch]
+            best_us, best = min((timed_us(fused(x, weights, t), 20), t) for t in SWEEP)
+            sweep.append(
+                {
+                    "model": model,
+                    "batch": batch,
+                    "best_x_floor": best_us / floor,
+                    "best_tiles": "n{} k{} w{} s{}".format(*best),
+                }
+            )
+            print(json.dumps(sweep[-1]), flush=True)
+    print(f"\nHBM {bandwidth / 1e12:.2f} TB/s; each row: every layer's gate/up and activation")
+    print_table(rows, precision=2)
+    print_table(sweep, precision=2)
+    result = {"hbm_bytes_per_s": bandwidth, "rows": rows, "sweep": sweep}
+    write_results("skinny_gate_up", result, args.out)
+
+
+if __name__ == "__main__":
+    main()
