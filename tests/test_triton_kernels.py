@@ -278,9 +278,25 @@ def test_gate_up_silu_matches_the_projection_then_silu_and_mul(dtype, rows, bias
     torch.testing.assert_close(gate_up_silu(x, weight, b), expected, atol=ulp, rtol=ulp)
 
 
+@pytest.mark.parametrize("tiles", [(64, 128, 4, 3), (64, 64, 4, 3), (16, 256, 4, 3)])
+@pytest.mark.parametrize("rows", [5, 40])
+def test_gate_up_silu_under_each_tile_setting_over_a_strided_input(tiles, rows):
+    # x is a column slice of a wider tensor: its row stride is not its width.
+    gen = torch.Generator().manual_seed(10)
+    wide = torch.randn(rows, 300, generator=gen).to(torch.float16).to(DEVICE)
+    x = wide[:, 50:250]
+    weight = (torch.randn(2 * 72, 200, generator=gen) / 200**0.5).to(torch.float16).to(DEVICE)
+    b = torch.randn(2 * 72, generator=gen).to(torch.float16).to(DEVICE)
+    expected = silu_and_mul(torch.nn.functional.linear(x, weight, b))
+    got = gate_up_silu(x, weight, b, tiles=tiles)
+    torch.testing.assert_close(got, expected, atol=2e-3, rtol=2e-3)
+
+
 def test_gate_up_silu_refuses_more_rows_than_its_tile():
     x = torch.zeros(MAX_ROWS + 1, 32, device=DEVICE)
     with pytest.raises(ValueError, match="gate_up_silu needs x"):
         gate_up_silu(x, torch.zeros(64, 32, device=DEVICE))
     with pytest.raises(ValueError, match="must be contiguous"):
         gate_up_silu(x[:2], torch.zeros(32, 64, device=DEVICE).T)
+    with pytest.raises(ValueError, match="gate_up_silu needs x"):
+        gate_up_silu(torch.zeros(32, device=DEVICE), torch.zeros(64, 32, device=DEVICE))

@@ -184,21 +184,45 @@ def test_token_feed_skips_a_row_taken_by_another_request() -> None:
     assert int(out.sampled_token_ids[0]) == hf_greedy(path, tuple(prompt), 1)[0]
 
 
-def test_warm_up_runs_the_skinny_mlp_kernel_at_each_of_its_row_tiles(monkeypatch) -> None:
-    """Each row tile is a compile of its own: decodes of up to max_num_seqs requests reach
-    the first, only prefills the others, and warm-up must run all of them."""
-    from zmqworker.models.layers import skinny_gate_up
+def spy_on_mlp_kernels(monkeypatch) -> set[int | str]:
+    """The skinny MLP kernel's row tiles that run, and "silu" once the SiLU kernel runs
+    (steps above the tiles); spied on before a runner is built, which binds them."""
+    from zmqworker.models.layers import skinny_gate_up, triton_ops
 
-    tiles = set()
-    kernel = skinny_gate_up.gate_up_silu
+    seen: set[int | str] = set()
+    skinny, silu = skinny_gate_up.gate_up_silu, triton_ops.silu_and_mul
 
-    def spy(x, *args, **kwargs):
-        tiles.add(skinny_gate_up.row_tile(x.shape[0]))
-        return kernel(x, *args, **kwargs)
+    def skinny_spy(x, *args, **kwargs):
+        seen.add(skinny_gate_up.row_tile(x.shape[0]))
+        return skinny(x, *args, **kwargs)
 
-    monkeypatch.setattr(skinny_gate_up, "gate_up_silu", spy)
-    runner = make_runner(small_checkpoint("llama"), max_seqs=8, max_tokens=40, kernels="triton")
-    assert tiles == set(skinny_gate_up.ROW_TILES)
-    assert runner.path.prefill_kernel_lengths(8, 40) == [17, 33]
-    assert runner.path.prefill_kernel_lengths(8, 20) == [17]
-    assert {1, 17, 33} <= set(runner.path.decode_kernel_sizes(40))
+    def silu_spy(x):
+        seen.add("silu")
+        return silu(x)
+
+    monkeypatch.setattr(skinny_gate_up, "gate_up_silu", skinny_spy)
+    monkeypatch.setattr(triton_ops, "silu_and_mul", silu_spy)
+    return seen
+
+
+def test_warm_up_runs_each_kernel_choice_of_the_mlp(monkeypatch) -> None:
+    """Each row tile of the skinny MLP kernel is a compile of its own, and so is the SiLU
+    kernel of larger steps: decodes of up to max_num_seqs requests reach the first tile
+    only, and warm-up runs prefills of the token counts that reach the others."""
+    from zmqworker.models.layers.skinny_gate_up import ROW_TILES
+
+    seen = spy_on_mlp_kernels(monkeypatch)
+    runner = make_runner(small_checkpoint("llama"), max_seqs=8, max_tokens=80, kernels="triton")
+    assert seen == {*ROW_TILES, "silu"}
+    assert runner.path.prefill_kernel_tokens(8, 80) == [17, 33, 65]
+    assert runner.path.prefill_kernel_tokens(8, 20) == [17]
+    assert {1, 17, 33, 65} <= set(runner.path.decode_kernel_sizes(72))
+
+
+def test_warm_up_spreads_its_prefills_over_prompts_that_fit_max_model_len(monkeypatch) -> None:
+    """With 16-token prompts, steps of 17 and 33 tokens take several prompts; 65 tokens
+    would take five, more than max_num_seqs, so no step has that many."""
+    seen = spy_on_mlp_kernels(monkeypatch)
+    path = small_checkpoint("llama")
+    make_runner(path, max_seqs=4, max_tokens=80, kernels="triton", max_model_len=16)
+    assert seen == {16, 32, 64}

@@ -256,7 +256,9 @@ def decode_kernel(
         tl.store(part_stats_ptr + (part + split) * 2 + 1, l_i, mask=row_ok)
         # The split that finishes last merges them all (no second launch), then leaves the
         # counter at zero for the next call. acq_rel: the others' partials are visible.
+        # The barrier: every warp's stores come before the one thread's release.
         counter = counters_ptr + req * NUM_KV_HEADS + kv_head
+        tl.debug_barrier()
         if tl.atomic_add(counter, 1, sem="acq_rel") == NUM_SPLITS - 1:
             tl.store(counter, 0)
             merge_splits(
@@ -300,11 +302,16 @@ def merge_splits(
         part = (req.to(tl.int64) * NUM_KV_HEADS * GROUP + head) * NUM_SPLITS + splits
         m = tl.load(part_stats_ptr + part * 2)
         weight = tl.load(part_stats_ptr + part * 2 + 1)
-        parts = tl.load(part_out_ptr + part[:, None] * HEAD_DIM_P + offs_d[None, :])
+        d_ok = offs_d < HEAD_DIM  # the partials' padding columns were never written
+        parts = tl.load(
+            part_out_ptr + part[:, None] * HEAD_DIM_P + offs_d[None, :],
+            mask=d_ok[None, :],
+            other=0.0,
+        )
         m_max = tl.max(m, 0)
         m_ref = tl.where(m_max == float("-inf"), 0.0, m_max)
         weight = weight * tl.exp2(m - m_ref)
         total = tl.sum(weight, 0)
         out = tl.sum(parts * weight[:, None], 0) / tl.where(total > 0, total, 1.0)
         o_ptrs = out_ptr + req.to(tl.int64) * stride_o_tok + head * stride_o_head + offs_d
-        tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
+        tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=d_ok)

@@ -65,8 +65,8 @@ class DummySteps:
             self._forward(probe_query_lens, context_lens, own_cache=False)
 
     def warm_up(self, batch_sizes: list[int]) -> None:
-        """A step of two short prompts (the prefill kernels) and a prefill of each length
-        that runs kernels of its own, then decode steps (one block of context per request)
+        """A step of two short prompts (the prefill kernels) and a prefill of each token
+        count that runs kernels of its own, then decode steps (one block of context per request)
         at each batch size and at each size that runs kernels of its own, through the
         model and both sampler paths: what a real step runs is compiled before the engine
         sends one."""
@@ -82,9 +82,12 @@ class DummySteps:
             own_cache=True,
         )
         max_tokens = runner.config.scheduler.max_num_batched_tokens
-        for length in runner.path.prefill_kernel_lengths(runner.max_num_reqs, max_tokens):
-            if length <= runner.max_model_len:
-                self._forward(np.array([length], np.int32), np.zeros(1, np.int32), own_cache=True)
+        for num_tokens in runner.path.prefill_kernel_tokens(runner.max_num_reqs, max_tokens):
+            num_prompts = cdiv(num_tokens, runner.max_model_len)
+            if num_prompts <= runner.max_num_reqs:  # else no step has that many tokens
+                query_lens = np.full(num_prompts, num_tokens // num_prompts, np.int32)
+                query_lens[: num_tokens % num_prompts] += 1
+                self._forward(query_lens, np.zeros(num_prompts, np.int32), own_cache=True)
         kernel_sizes = runner.path.decode_kernel_sizes(runner.max_num_reqs)
         for size in sorted(set(batch_sizes) | set(kernel_sizes)):
             context = np.full(size, runner.block_size - 1, np.int32)

@@ -87,8 +87,8 @@ class TorchPath:
         """Batch sizes whose eager decode steps run kernels of their own: none here."""
         return []
 
-    def prefill_kernel_lengths(self, max_reqs: int, max_tokens: int) -> list[int]:
-        """Prompt lengths whose one-request prefills run kernels of their own: none here."""
+    def prefill_kernel_tokens(self, max_reqs: int, max_tokens: int) -> list[int]:
+        """Token counts whose prefill steps run kernels of their own: none here."""
         return []
 
     def run(
@@ -170,9 +170,9 @@ class TritonPath:
         tiles = [s for s in tile_starts() if s <= max_reqs]
         return sorted(set(sizes.values()) | set(tiles))
 
-    def prefill_kernel_lengths(self, max_reqs: int, max_tokens: int) -> list[int]:
-        """The row tiles of the skinny MLP kernel that only steps of more tokens than
-        requests reach (prefills), by their smallest prompt length."""
+    def prefill_kernel_tokens(self, max_reqs: int, max_tokens: int) -> list[int]:
+        """The token counts of the skinny MLP kernel's row tiles (and of the steps above
+        them) that only steps of more tokens than requests reach: prefills."""
         from zmqworker.models.layers.skinny_gate_up import tile_starts
 
         return [s for s in tile_starts() if max_reqs < s <= max_tokens]

@@ -51,7 +51,7 @@ def _gate_up_silu_kernel(
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < size
     gate_rows = w_ptr + offs_n[:, None].to(tl.int64) * K
-    up_rows = gate_rows + size * K
+    up_rows = w_ptr + (offs_n + size)[:, None].to(tl.int64) * K
     x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_x
     gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -80,8 +80,9 @@ def row_tile(rows: int) -> int:
 
 
 def tile_starts() -> list[int]:
-    """The fewest rows of each row tile: a step of that many compiles its kernel."""
-    return [1] + [t + 1 for t in ROW_TILES[:-1]]
+    """The fewest rows of each row tile, and of the steps above them (cuBLAS and the SiLU
+    kernel): a step of each compiles what steps of its range run."""
+    return [1] + [t + 1 for t in ROW_TILES]
 
 
 def _tiles(block_m: int, size: int, k: int) -> tuple[int, int, int, int]:
@@ -103,13 +104,13 @@ def gate_up_silu(
     """silu(gate) * up of [gate | up] = x W^T + b, for x [m <= MAX_ROWS, k] and weight
     [2 * size, k] (gate rows, then up rows): [m, size]. tiles overrides the shape's
     (BLOCK_N, BLOCK_K, num_warps, num_stages) (benchmarks)."""
-    rows, k = x.shape
-    if x.dim() != 2 or x.stride(1) != 1 or rows > MAX_ROWS or weight.shape[0] % 2:
+    if x.dim() != 2 or x.stride(1) != 1 or x.shape[0] > MAX_ROWS or weight.shape[0] % 2:
         raise ValueError(
             f"gate_up_silu needs x [<= {MAX_ROWS}, k] with a unit last stride and an even "
             f"number of weight rows, got x {tuple(x.shape)} strides {x.stride()}, weight "
             f"{tuple(weight.shape)}"
         )
+    rows, k = x.shape
     if weight.shape[1] != k or not weight.is_contiguous():
         raise ValueError(f"weight {tuple(weight.shape)} must be contiguous [2 * size, {k}]")
     size = weight.shape[0] // 2
