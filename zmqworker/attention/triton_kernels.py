@@ -297,12 +297,12 @@ def merge_splits(
     independent loads, not one round trip per split."""
     splits = tl.arange(0, NUM_SPLITS)
     offs_d = tl.arange(0, HEAD_DIM_P)
+    d_ok = offs_d < HEAD_DIM  # the partials' padding columns were never written
     for g in tl.static_range(GROUP):
         head = kv_head * GROUP + g
         part = (req.to(tl.int64) * NUM_KV_HEADS * GROUP + head) * NUM_SPLITS + splits
         m = tl.load(part_stats_ptr + part * 2)
         weight = tl.load(part_stats_ptr + part * 2 + 1)
-        d_ok = offs_d < HEAD_DIM  # the partials' padding columns were never written
         parts = tl.load(
             part_out_ptr + part[:, None] * HEAD_DIM_P + offs_d[None, :],
             mask=d_ok[None, :],

@@ -66,10 +66,10 @@ class DummySteps:
 
     def warm_up(self, batch_sizes: list[int]) -> None:
         """A step of two short prompts (the prefill kernels) and a prefill of each token
-        count that runs kernels of its own, then decode steps (one block of context per request)
-        at each batch size and at each size that runs kernels of its own, through the
-        model and both sampler paths: what a real step runs is compiled before the engine
-        sends one."""
+        count that runs kernels of its own, then decode steps (one block of context per
+        request) at each batch size and at each size that runs kernels of its own, through
+        the model and both sampler paths: what a real step runs is compiled before the
+        engine sends one."""
         runner = self.runner
         for size in batch_sizes:
             if not 1 <= size <= runner.max_num_reqs:

@@ -160,8 +160,9 @@ class TritonPath:
         self._graph_caches: list[torch.Tensor] = []
 
     def decode_kernel_sizes(self, max_reqs: int) -> list[int]:
-        """The smallest batch size of each decode split count and of each row tile of the
-        skinny MLP kernel, up to max_reqs: a step compiles each of those kernels once."""
+        """The smallest batch size of each decode split count, and of each row tile of the
+        skinny MLP kernel and of the steps above them, up to max_reqs: a step compiles
+        each of those kernels once."""
         from zmqworker.models.layers.skinny_gate_up import tile_starts
 
         sizes: dict[int, int] = {}
