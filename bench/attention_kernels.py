@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 
 import torch
 import triton
@@ -22,7 +23,12 @@ from bench.common import print_table, write_results
 from bench.gpu_decode import hbm_bandwidth
 from zmqworker.attention import triton_attention
 from zmqworker.attention.kv_cache import allocate_kv_cache
-from zmqworker.attention.triton_metadata import TritonAttentionMetadata
+from zmqworker.attention.triton_metadata import (
+    DECODE_TILE,
+    MAX_DECODE_PROGRAMS,
+    MAX_DECODE_SPLITS,
+    TritonAttentionMetadata,
+)
 from zmqworker.cdiv import cdiv
 
 BLOCK_SIZE = 16
@@ -35,7 +41,9 @@ MODELS = {
 }
 
 
-def decode_case(model: str, batch: int, splits: int, warps: int, stages: int):
+def decode_case(
+    model: str, batch: int, splits: int, warps: int, stages: int, tile: int = DECODE_TILE
+):
     heads, kv_heads, head_dim, _, _ = MODELS[model]
     blocks_per_req = cdiv(CONTEXT, BLOCK_SIZE)
     num_blocks = batch * blocks_per_req
@@ -57,14 +65,15 @@ def decode_case(model: str, batch: int, splits: int, warps: int, stages: int):
         torch.zeros(batch * kv_heads, dtype=torch.int32, device="cuda"),
     )
     q = torch.randn(batch, heads, head_dim, dtype=torch.bfloat16, device="cuda")
-    saved = triton_attention.DECODE_LAUNCH
+    saved = triton_attention.DECODE_LAUNCH, triton_attention.DECODE_TILE
     triton_attention.DECODE_LAUNCH = {"num_warps": warps, "num_stages": stages}
+    triton_attention.DECODE_TILE = tile
     try:
         fn = lambda: triton_attention.paged_attention(q, cache, meta, head_dim**-0.5)  # noqa: E731
         fn()
         ms = triton.testing.do_bench_cudagraph(fn, rep=50)
     finally:
-        triton_attention.DECODE_LAUNCH = saved
+        triton_attention.DECODE_LAUNCH, triton_attention.DECODE_TILE = saved
     kv_bytes = batch * CONTEXT * kv_heads * head_dim * 2 * 2
     return ms, kv_bytes
 
@@ -116,29 +125,46 @@ def main() -> None:
             )
             print(json.dumps(rows[-1]), flush=True)
             kv_heads = MODELS[model][1]
-            # Today's setting (2 warps, 2 stages, 1024 programs), and its neighbours.
-            for warps, stages in ((2, 2), (1, 2), (4, 2), (2, 3)):
-                for programs in (512, 1024, 2048):
-                    want = cdiv(programs, batch * kv_heads)
-                    splits = 1
-                    while splits * 2 <= min(want, 16):
-                        splits *= 2
-                    ms, nbytes = decode_case(model, batch, splits, warps, stages)
-                    floor = nbytes / bandwidth * 1e3
-                    rows.append(
-                        {
-                            "what": f"{model} attention",
-                            "batch": batch,
-                            "setting": f"w{warps} s{stages} p{programs} splits{splits}",
-                            "us": ms * 1e3,
-                            "floor_us": floor * 1e3,
-                            "x_floor": ms / floor,
-                        }
-                    )
-                    print(json.dumps(rows[-1]), flush=True)
+            # Today's setting (2 warps, 2 stages, tiles of DECODE_TILE, at most
+            # MAX_DECODE_PROGRAMS programs), and its neighbours.
+            for warps, stages in ((2, 2), (4, 2)):
+                for tile in (16, DECODE_TILE):
+                    for programs in (384, MAX_DECODE_PROGRAMS, 1536):
+                        want = programs // (batch * kv_heads)
+                        splits = 1
+                        while splits * 2 <= min(want, MAX_DECODE_SPLITS):
+                            splits *= 2
+                        ms, nbytes = decode_case(model, batch, splits, warps, stages, tile)
+                        floor = nbytes / bandwidth * 1e3
+                        rows.append(
+                            {
+                                "what": f"{model} attention",
+                                "batch": batch,
+                                "setting": f"w{warps} s{stages} p{programs} t{tile}",
+                                "splits": splits,
+                                "us": ms * 1e3,
+                                "floor_us": floor * 1e3,
+                                "x_floor": ms / floor,
+                            }
+                        )
+                        print(json.dumps(rows[-1]), flush=True)
     print(f"\nHBM {bandwidth / 1e12:.2f} TB/s; each row: one decoder layer's kernels")
     print_table(rows, precision=2)
-    result = {"hbm_bytes_per_s": bandwidth, "rows": rows}
+    # Decode settings by the geometric mean of their time over the cases.
+    by_setting: dict[str, list[float]] = {}
+    for row in rows:
+        if row["what"].endswith("attention"):
+            by_setting.setdefault(row["setting"], []).append(row["us"])
+    ranking = sorted(
+        (math.exp(sum(map(math.log, us)) / len(us)), setting) for setting, us in by_setting.items()
+    )
+    for mean, setting in ranking:
+        print(f"{setting}: geometric mean {mean:.2f} us")
+    result = {
+        "hbm_bytes_per_s": bandwidth,
+        "rows": rows,
+        "decode_ranking": [{"setting": s, "geomean_us": m} for m, s in ranking],
+    }
     write_results("attention_kernels", result, args.out)
 
 

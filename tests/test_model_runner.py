@@ -345,12 +345,13 @@ def test_no_triton_kernel_compiles_after_warm_up() -> None:
     serving time stalls every request for hundreds of milliseconds."""
     from zmqworker.attention import triton_cache, triton_kernels
     from zmqworker.model_runner import token_feed
-    from zmqworker.models.layers import skinny_gate_up, triton_ops
+    from zmqworker.models.layers import skinny_gate_up, skinny_linear, triton_ops
 
     kernels = [
         triton_kernels.varlen_kernel,
         triton_kernels.decode_kernel,
         skinny_gate_up._gate_up_silu_kernel,
+        skinny_linear._skinny_linear_kernel,
         triton_cache._rope_and_cache_kernel,
         triton_ops._rms_norm_kernel,
         triton_ops._silu_and_mul_kernel,

@@ -23,6 +23,7 @@ from zmqworker.attention.triton_metadata import (  # noqa: E402
     decode_splits,
 )
 from zmqworker.cdiv import cdiv
+from zmqworker.models.layers import skinny_linear as skinny  # noqa: E402
 from zmqworker.models.layers.norm import RMSNorm  # noqa: E402
 from zmqworker.models.layers.rotary import RotaryEmbedding, apply_rotary  # noqa: E402
 from zmqworker.models.layers.skinny_gate_up import MAX_ROWS, gate_up_silu  # noqa: E402
@@ -146,7 +147,7 @@ def test_varlen_long_prefill_spans_many_tiles(dtype, block_size):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("heads,kv_heads", GQA)
-@pytest.mark.parametrize("num_splits", [1, 4])
+@pytest.mark.parametrize("num_splits", [1, 2, 4])
 @pytest.mark.parametrize("block_size", [16, 128])
 def test_decode_kernel_with_and_without_splits(dtype, heads, kv_heads, num_splits, block_size):
     reqs = [(c, 1) for c in (0, 3, 31, 64, 99, 200)]
@@ -179,9 +180,10 @@ def test_decode_with_splits_needs_its_counters():
 
 def test_decode_splits_fill_the_gpu_and_stay_powers_of_two():
     assert decode_splits(1, 8, max_tiles=64) == 16
-    assert decode_splits(64, 8, max_tiles=64) == 2
-    assert decode_splits(128, 8, max_tiles=64) == 1
-    assert decode_splits(8, 8, max_tiles=64) == 16
+    assert decode_splits(32, 3, max_tiles=64) == 8  # 768 programs
+    assert decode_splits(32, 8, max_tiles=64) == 2  # 512: four splits would be 1024
+    assert decode_splits(64, 8, max_tiles=64) == 1  # one split: no partials to merge
+    assert decode_splits(8, 8, max_tiles=64) == 8
     assert decode_splits(1, 8, max_tiles=3) == 2  # no more splits than history tiles
 
 
@@ -300,3 +302,61 @@ def test_gate_up_silu_refuses_more_rows_than_its_tile():
         gate_up_silu(x[:2], torch.zeros(32, 64, device=DEVICE).T)
     with pytest.raises(ValueError, match="gate_up_silu needs x"):
         gate_up_silu(torch.zeros(32, device=DEVICE), torch.zeros(64, 32, device=DEVICE))
+
+
+def _linear_case(dtype, rows, n, k, bias, seed):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, k, generator=gen).to(dtype).to(DEVICE)
+    weight = (torch.randn(n, k, generator=gen) / k**0.5).to(dtype).to(DEVICE)
+    b = torch.randn(n, generator=gen).to(dtype).to(DEVICE) if bias else None
+    counters = torch.zeros(skinny.counter_slots(n), dtype=torch.int32, device=DEVICE)
+    return x, weight, b, counters
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 5, skinny.MAX_ROWS])
+@pytest.mark.parametrize("bias", [False, True])
+def test_skinny_linear_matches_the_projection(dtype, rows, bias):
+    # 72 outputs and 300 inputs: neither a multiple of the tiles, and split 4 ways.
+    x, weight, b, counters = _linear_case(dtype, rows, 72, 300, bias, 11)
+    ulp = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}[dtype]
+    got = skinny.skinny_linear(x, weight, b, counters)
+    torch.testing.assert_close(got, torch.nn.functional.linear(x, weight, b), atol=ulp, rtol=ulp)
+    assert not counters.any()  # left at zero for the next call
+
+
+# (BLOCK_N, BLOCK_K, SPLIT_K, warps, stages): one split, uneven splits, more splits than
+# K has tiles (some empty), and a tile as small as the counters'.
+@pytest.mark.parametrize(
+    "tiles", [(64, 64, 1, 4, 3), (32, 64, 3, 4, 3), (32, 128, 8, 4, 3), (128, 32, 2, 4, 3)]
+)
+@pytest.mark.parametrize("rows", [3, skinny.MAX_ROWS])
+def test_skinny_linear_under_each_tile_setting_over_a_strided_input(tiles, rows):
+    x, weight, b, counters = _linear_case(torch.float16, rows, 100, 200, True, 12)
+    wide = torch.zeros(rows, 300, dtype=torch.float16, device=DEVICE)
+    wide[:, 50:250] = x
+    expected = torch.nn.functional.linear(x, weight, b)
+    for _ in range(2):  # a second call finds the counters as the first left them
+        got = skinny.skinny_linear(wide[:, 50:250], weight, b, counters, tiles=tiles)
+        torch.testing.assert_close(got, expected, atol=2e-3, rtol=2e-3)
+    assert not counters.any()
+
+
+def test_skinny_linear_is_deterministic_across_calls():
+    x, weight, _, counters = _linear_case(torch.float32, 4, 64, 512, False, 13)
+    first = skinny.skinny_linear(x, weight, None, counters, tiles=(32, 64, 8, 4, 3))
+    again = skinny.skinny_linear(x, weight, None, counters, tiles=(32, 64, 8, 4, 3))
+    assert torch.equal(first, again)
+
+
+def test_skinny_linear_refuses_what_it_cannot_run():
+    x, weight, _, counters = _linear_case(torch.float32, 2, 64, 32, False, 14)
+    with pytest.raises(ValueError, match="skinny_linear needs x"):
+        tall = torch.zeros(skinny.MAX_ROWS + 1, 32, device=DEVICE)
+        skinny.skinny_linear(tall, weight, None, counters)
+    with pytest.raises(ValueError, match="must be contiguous"):
+        skinny.skinny_linear(x, torch.zeros(32, 64, device=DEVICE).T, None, counters)
+    with pytest.raises(ValueError, match="needs at least 2 int32 counters"):
+        skinny.skinny_linear(x, weight, None, counters[:1])
+    with pytest.raises(ValueError, match="below the counters' tile"):
+        skinny.skinny_linear(x, weight, None, counters, tiles=(16, 32, 2, 4, 3))

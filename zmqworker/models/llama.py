@@ -95,8 +95,10 @@ class LlamaAttention(nn.Module):
             ColumnPart(f"{prefix}.k_proj", kv_rows, kv_start, kv_len),
             ColumnPart(f"{prefix}.v_proj", kv_rows, kv_start, kv_len),
         ]
-        self.qkv_proj = ColumnParallelLinear(hidden, parts, bias=flags.qkv_bias)
-        self.o_proj = RowParallelLinear(q_rows, hidden, f"{prefix}.o_proj", flags.o_bias, state)
+        self.qkv_proj = ColumnParallelLinear(hidden, parts, flags.qkv_bias, skinny=fused)
+        self.o_proj = RowParallelLinear(
+            q_rows, hidden, f"{prefix}.o_proj", flags.o_bias, state, skinny=fused
+        )
         self.q_norm = self.k_norm = None
         if flags.qk_norm:
             self.q_norm = RMSNorm(d, cfg.rms_norm_eps, f"{prefix}.q_norm", fused)
@@ -162,7 +164,7 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, parts, bias=flags.mlp_bias)
         self.act = GatedActivation(cfg.hidden_act, fused)
         self.down_proj = RowParallelLinear(
-            inter, cfg.hidden_size, f"{prefix}.down_proj", flags.mlp_bias, state
+            inter, cfg.hidden_size, f"{prefix}.down_proj", flags.mlp_bias, state, skinny=fused
         )
         # Decode-sized steps on the Triton path: the projection and SiLU in one kernel.
         self._gate_up_silu = None

@@ -1,5 +1,6 @@
 """Tensor-parallel linear layers: column-parallel (output rows split, possibly fused from
-several checkpoint tensors) and row-parallel (input columns split, outputs all-reduced)."""
+several checkpoint tensors) and row-parallel (input columns split, outputs all-reduced).
+On the CUDA (Triton) path, skinny=True sends decode-sized steps to skinny_linear.py."""
 
 from __future__ import annotations
 
@@ -25,6 +26,34 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if _ONEDNN_LINEAR and x.device.type == "cpu" and x.dtype == torch.float32:
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)
+
+
+class SkinnyPath(nn.Module):
+    """Decode-sized steps of a CUDA (Triton) layer through the split-K skinny kernel, which
+    needs a persistent counter buffer per layer; other steps, and unfused layers, take
+    linear()."""
+
+    def __init__(self, out_features: int, enabled: bool):
+        super().__init__()
+        self.kernel = None
+        self.max_rows = 0
+        if enabled:
+            from zmqworker.models.layers import skinny_linear
+
+            self.kernel = skinny_linear.skinny_linear
+            self.max_rows = skinny_linear.MAX_ROWS
+            slots = skinny_linear.counter_slots(out_features)
+            self.register_buffer(
+                "counters", torch.zeros(slots, dtype=torch.int32), persistent=False
+            )
+
+    def forward(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        if self.kernel is not None and x.dim() == 2 and x.shape[0] <= self.max_rows:
+            if x.stride(1) == 1:
+                return self.kernel(x, weight, bias, self.counters)
+        return linear(x, weight, bias)
 
 
 @dataclass(frozen=True)
@@ -53,7 +82,7 @@ class ColumnParallelLinear(nn.Module):
     tensors (one part: a plain column-parallel linear; several: a fused one, e.g. q/k/v or
     gate/up). The output stays sharded."""
 
-    def __init__(self, input_size: int, parts: list[ColumnPart], bias: bool):
+    def __init__(self, input_size: int, parts: list[ColumnPart], bias: bool, skinny: bool = False):
         super().__init__()
         self.input_size = input_size
         self.parts = parts
@@ -61,9 +90,10 @@ class ColumnParallelLinear(nn.Module):
         rows = sum(self.output_sizes)
         self.weight = nn.Parameter(torch.empty(rows, input_size), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(rows), requires_grad=False) if bias else None
+        self.project = SkinnyPath(rows, skinny)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        return self.project(x, self.weight, self.bias)
 
     def tensor_slices(self) -> dict[str, list[TensorSlice]]:
         out: dict[str, list[TensorSlice]] = {"weight": []}
@@ -93,7 +123,13 @@ class RowParallelLinear(nn.Module):
     """y = all_reduce(x_shard W_shard^T) + b: the input features are split over TP ranks."""
 
     def __init__(
-        self, input_size: int, output_size: int, prefix: str, bias: bool, state: ParallelState
+        self,
+        input_size: int,
+        output_size: int,
+        prefix: str,
+        bias: bool,
+        state: ParallelState,
+        skinny: bool = False,
     ):
         super().__init__()
         if input_size % state.tp_size:
@@ -108,11 +144,12 @@ class RowParallelLinear(nn.Module):
         self.local_input = input_size // state.tp_size
         self.weight = nn.Parameter(torch.empty(output_size, self.local_input), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False) if bias else None
+        self.project = SkinnyPath(output_size, skinny)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.state.tp_group is None:
-            return linear(x, self.weight, self.bias)
-        y = tp_all_reduce(linear(x, self.weight), self.state)
+            return self.project(x, self.weight, self.bias)
+        y = tp_all_reduce(self.project(x, self.weight, None), self.state)
         return y if self.bias is None else y + self.bias
 
     def tensor_slices(self) -> dict[str, list[TensorSlice]]:

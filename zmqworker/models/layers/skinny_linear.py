@@ -1,0 +1,165 @@
+"""A linear layer of a decode-sized step, split along K: one Triton kernel where cuBLAS runs
+a split-K GEMM and then a second kernel that sums its splits.
+
+At up to MAX_ROWS rows a projection is a read of its weight, and a decode step has a few
+of them per layer (q/k/v, o, down) of a few MB to a hundred MB each. To keep every
+multiprocessor streaming, the K dimension is split over SPLIT_K programs per BLOCK_N
+output features; each writes its float32 partial sums, and the program of a feature tile
+that finishes last (an atomic counter per tile tells it) adds them in split order, adds
+the bias and writes the output. One launch, not two, and the same bits on every run.
+
+The counters are a persistent int32 buffer of the layer (counter_slots), zero at rest:
+the last program sets its tile's back to zero, so CUDA graphs replay over it.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from zmqworker.models.layers.skinny_gate_up import ROW_TILES
+
+# Up to one row tile: at 32 and 64 rows cuBLAS is as fast or faster for all but down.
+MAX_ROWS = ROW_TILES[0]
+MIN_BLOCK_N = 32
+# About three programs per multiprocessor of an H200.
+MAX_PROGRAMS = 384
+
+
+# num_rows changes with every step: specialised, each new kind would cost a compile.
+@triton.jit(do_not_specialize=["num_rows"])
+def _skinny_linear_kernel(
+    out_ptr,
+    part_ptr,
+    counters_ptr,
+    x_ptr,
+    w_ptr,
+    bias_ptr,
+    num_rows,
+    N,
+    K,
+    stride_x,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    split = tl.program_id(1)
+    offs_m = tl.arange(0, BLOCK_M)
+    m_ok = offs_m < num_rows
+    offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    # Whole BLOCK_K steps per split; the last split takes what is left.
+    per_split = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
+    k_start = split * per_split
+    k_end = tl.minimum(K, k_start + per_split)
+    w_rows = w_ptr + offs_n[:, None].to(tl.int64) * K
+    x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_x
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = offs_k < k_end
+        x = tl.load(x_rows + offs_k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_rows + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
+    mask = m_ok[:, None] & n_ok[None, :]
+    cells = offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
+    if SPLIT_K > 1:
+        # Partials [SPLIT_K, num_rows, N]; the tile's last split sums them in split order.
+        tl.store(part_ptr + split * num_rows * N + cells, acc, mask=mask)
+        tl.debug_barrier()  # every warp's partials come before the one thread's release
+        counter = counters_ptr + tile
+        if tl.atomic_add(counter, 1, sem="acq_rel") == SPLIT_K - 1:
+            tl.store(counter, 0)
+            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for s in tl.static_range(SPLIT_K):
+                acc += tl.load(part_ptr + s * num_rows * N + cells, mask=mask, other=0.0)
+            _finish(out_ptr, bias_ptr, acc, cells, offs_n, n_ok, mask, HAS_BIAS)
+    else:
+        _finish(out_ptr, bias_ptr, acc, cells, offs_n, n_ok, mask, HAS_BIAS)
+
+
+@triton.jit
+def _finish(out_ptr, bias_ptr, acc, cells, offs_n, n_ok, mask, HAS_BIAS: tl.constexpr):
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    tl.store(out_ptr + cells, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def counter_slots(out_features: int) -> int:
+    """The counters a layer of this many output features needs (its smallest tiles')."""
+    return triton.cdiv(out_features, MIN_BLOCK_N)
+
+
+def _tiles(n: int) -> tuple[int, int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages) for a weight of n outputs: narrow
+    tiles for narrow layers, and the most splits (up to 8) that keep the launch within
+    MAX_PROGRAMS. On an H200 (bench/skinny_linear.py --sweep), at 1 row, this is the best
+    setting or within 4% of it for q/k/v, o and down of SmolLM2-135M, Llama-3.2-1B and
+    Llama-3-8B, but for 1B's q/k/v (6% off the best, and 10% slower than cuBLAS)."""
+    block_n = 32 if n <= 1024 else 64
+    split_k = 8
+    while split_k > 1 and triton.cdiv(n, block_n) * split_k > MAX_PROGRAMS:
+        split_k //= 2
+    return block_n, 128, split_k, 4, 3
+
+
+def skinny_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    counters: torch.Tensor,
+    tiles: tuple[int, int, int, int, int] | None = None,
+) -> torch.Tensor:
+    """x W^T + b for x [m <= MAX_ROWS, k] and a contiguous weight [n, k]: [m, n].
+    counters: int32 zeros of at least counter_slots(n), left zero. tiles overrides the
+    shape's (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages) (benchmarks)."""
+    if x.dim() != 2 or x.stride(1) != 1 or x.shape[0] > MAX_ROWS:
+        raise ValueError(
+            f"skinny_linear needs x [<= {MAX_ROWS}, k] with a unit last stride, got x "
+            f"{tuple(x.shape)} strides {x.stride()}"
+        )
+    rows, k = x.shape
+    n = weight.shape[0]
+    if weight.dim() != 2 or weight.shape[1] != k or not weight.is_contiguous():
+        raise ValueError(f"weight {tuple(weight.shape)} must be contiguous [n, {k}]")
+    if counters.dtype != torch.int32 or counters.numel() < counter_slots(n):
+        raise ValueError(
+            f"skinny_linear of {n} outputs needs at least {counter_slots(n)} int32 counters, "
+            f"got {counters.numel()} {counters.dtype}"
+        )
+    out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
+    if rows == 0:
+        return out
+    block_n, block_k, split_k, warps, stages = tiles or _tiles(n)
+    if block_n < MIN_BLOCK_N:
+        raise ValueError(f"BLOCK_N {block_n} is below the counters' tile {MIN_BLOCK_N}")
+    split_k = max(1, min(split_k, triton.cdiv(k, block_k)))
+    parts = out  # unused with one split
+    if split_k > 1:
+        parts = torch.empty(split_k * rows * n, dtype=torch.float32, device=x.device)
+    _skinny_linear_kernel[(triton.cdiv(n, block_n), split_k)](
+        out,
+        parts,
+        counters,
+        x,
+        weight,
+        weight if bias is None else bias,
+        rows,
+        n,
+        k,
+        x.stride(0),
+        HAS_BIAS=bias is not None,
+        BLOCK_M=MAX_ROWS,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        SPLIT_K=split_k,
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        num_warps=warps,
+        num_stages=stages,
+    )
+    return out
