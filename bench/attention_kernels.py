@@ -24,10 +24,10 @@ from bench.gpu_decode import hbm_bandwidth
 from zmqworker.attention import triton_attention
 from zmqworker.attention.kv_cache import allocate_kv_cache
 from zmqworker.attention.triton_metadata import (
-    DECODE_TILE,
-    MAX_DECODE_PROGRAMS,
     MAX_DECODE_SPLITS,
+    TARGET_DECODE_PROGRAMS,
     TritonAttentionMetadata,
+    tile_size,
 )
 from zmqworker.cdiv import cdiv
 
@@ -42,8 +42,9 @@ MODELS = {
 
 
 def decode_case(
-    model: str, batch: int, splits: int, warps: int, stages: int, tile: int = DECODE_TILE
+    model: str, batch: int, splits: int, warps: int, stages: int, tile: int | None = None
 ):
+    """tile: history positions per tile, in place of the cache's own (tile_size)."""
     heads, kv_heads, head_dim, _, _ = MODELS[model]
     blocks_per_req = cdiv(CONTEXT, BLOCK_SIZE)
     num_blocks = batch * blocks_per_req
@@ -65,15 +66,16 @@ def decode_case(
         torch.zeros(batch * kv_heads, dtype=torch.int32, device="cuda"),
     )
     q = torch.randn(batch, heads, head_dim, dtype=torch.bfloat16, device="cuda")
-    saved = triton_attention.DECODE_LAUNCH, triton_attention.DECODE_TILE
+    saved = triton_attention.DECODE_LAUNCH, triton_attention.tile_size
     triton_attention.DECODE_LAUNCH = {"num_warps": warps, "num_stages": stages}
-    triton_attention.DECODE_TILE = tile
+    if tile is not None:
+        triton_attention.tile_size = lambda block_size: tile
     try:
         fn = lambda: triton_attention.paged_attention(q, cache, meta, head_dim**-0.5)  # noqa: E731
         fn()
         ms = triton.testing.do_bench_cudagraph(fn, rep=50)
     finally:
-        triton_attention.DECODE_LAUNCH, triton_attention.DECODE_TILE = saved
+        triton_attention.DECODE_LAUNCH, triton_attention.tile_size = saved
     kv_bytes = batch * CONTEXT * kv_heads * head_dim * 2 * 2
     return ms, kv_bytes
 
@@ -125,12 +127,12 @@ def main() -> None:
             )
             print(json.dumps(rows[-1]), flush=True)
             kv_heads = MODELS[model][1]
-            # Today's setting (2 warps, 2 stages, tiles of DECODE_TILE, at most
-            # MAX_DECODE_PROGRAMS programs), and its neighbours.
+            # Today's setting (2 warps, 2 stages, the cache's tiles, a target of
+            # TARGET_DECODE_PROGRAMS programs), and its neighbours.
             for warps, stages in ((2, 2), (4, 2)):
-                for tile in (16, DECODE_TILE):
-                    for programs in (384, MAX_DECODE_PROGRAMS, 1536):
-                        want = programs // (batch * kv_heads)
+                for tile in (tile_size(BLOCK_SIZE), 64):
+                    for programs in (TARGET_DECODE_PROGRAMS // 2, TARGET_DECODE_PROGRAMS, 1536):
+                        want = cdiv(programs, batch * kv_heads)
                         splits = 1
                         while splits * 2 <= min(want, MAX_DECODE_SPLITS):
                             splits *= 2

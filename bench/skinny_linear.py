@@ -8,7 +8,8 @@ same run.
 
     python -m bench.skinny_linear [--out FILE] [--sweep]
 
---sweep also times the kernel under other tile settings at 1, 16 and 64 rows.
+--sweep also times the kernel under other tile settings at 1 and 16 rows. Rows say
+whether the model's layers of that shape take the kernel (skinny_linear.pays).
 """
 
 from __future__ import annotations
@@ -24,9 +25,9 @@ from bench.attention_kernels import MODELS
 from bench.common import print_table, write_results
 from bench.gpu_decode import hbm_bandwidth
 from bench.skinny_gate_up import LAYERS, timed_us
-from zmqworker.models.layers.skinny_linear import MAX_ROWS, counter_slots, skinny_linear
+from zmqworker.models.layers.skinny_linear import MAX_ROWS, counter_slots, pays, skinny_linear
 
-BATCHES = (1, 4, 16, 32, 64)
+BATCHES = (1, 4, 8, MAX_ROWS)
 SWEEP = [(n, k, split, 4, 3) for n in (32, 64, 128) for k in (128, 256) for split in (1, 2, 4, 8)]
 
 
@@ -76,6 +77,7 @@ def main() -> None:
                         "model": model,
                         "op": op,
                         "batch": batch,
+                        "used": pays(n, k),
                         "cublas_us": cublas_us,
                         "skinny_us": skinny_us,
                         "floor_us": floor,
@@ -86,7 +88,7 @@ def main() -> None:
                     }
                 )
                 print(json.dumps(rows[-1]), flush=True)
-            for batch in (1, 16, MAX_ROWS) if args.sweep else ():
+            for batch in (1, MAX_ROWS) if args.sweep else ():
                 x = x0[:batch]
                 timed = []
                 for tiles in SWEEP:

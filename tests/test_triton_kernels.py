@@ -24,6 +24,7 @@ from zmqworker.attention.triton_metadata import (  # noqa: E402
 )
 from zmqworker.cdiv import cdiv
 from zmqworker.models.layers import skinny_linear as skinny  # noqa: E402
+from zmqworker.models.layers.linear import SkinnyPath  # noqa: E402
 from zmqworker.models.layers.norm import RMSNorm  # noqa: E402
 from zmqworker.models.layers.rotary import RotaryEmbedding, apply_rotary  # noqa: E402
 from zmqworker.models.layers.skinny_gate_up import MAX_ROWS, gate_up_silu  # noqa: E402
@@ -180,10 +181,9 @@ def test_decode_with_splits_needs_its_counters():
 
 def test_decode_splits_fill_the_gpu_and_stay_powers_of_two():
     assert decode_splits(1, 8, max_tiles=64) == 16
-    assert decode_splits(32, 3, max_tiles=64) == 8  # 768 programs
-    assert decode_splits(32, 8, max_tiles=64) == 2  # 512: four splits would be 1024
-    assert decode_splits(64, 8, max_tiles=64) == 1  # one split: no partials to merge
-    assert decode_splits(8, 8, max_tiles=64) == 8
+    assert decode_splits(64, 8, max_tiles=64) == 2
+    assert decode_splits(128, 8, max_tiles=64) == 1
+    assert decode_splits(8, 8, max_tiles=64) == 16
     assert decode_splits(1, 8, max_tiles=3) == 2  # no more splits than history tiles
 
 
@@ -360,3 +360,17 @@ def test_skinny_linear_refuses_what_it_cannot_run():
         skinny.skinny_linear(x, weight, None, counters[:1])
     with pytest.raises(ValueError, match="below the counters' tile"):
         skinny.skinny_linear(x, weight, None, counters, tiles=(16, 32, 2, 4, 3))
+
+
+def test_skinny_path_takes_the_kernel_where_it_pays_and_for_decode_sized_steps():
+    assert skinny.pays(576, 1536) and skinny.pays(4096, 4096)  # down, o
+    assert skinny.pays(960, 576)  # SmolLM2's q/k/v: small
+    assert not skinny.pays(6144, 4096) and not skinny.pays(3072, 2048)  # 8B's, 1B's q/k/v
+    assert SkinnyPath(6144, 4096, enabled=True).kernel is None
+    path = SkinnyPath(72, 300, enabled=True).to(DEVICE)
+    assert path.kernel is not None and not path.counters.any()
+    for rows in (3, skinny.MAX_ROWS, skinny.MAX_ROWS + 5):  # the last one: cuBLAS
+        x, weight, b, _ = _linear_case(torch.float32, rows, 72, 300, True, 15)
+        want = torch.nn.functional.linear(x, weight, b)
+        torch.testing.assert_close(path(x, weight, b), want, atol=1e-5, rtol=1e-5)
+    assert SkinnyPath(72, 300, enabled=False).kernel is None

@@ -14,8 +14,7 @@ reads its kv head's history once.
   The step's own keys are already in the cache (written first), so one causal loop over
   the cache covers the cached prefix and the new tokens alike.
 - decode_attention: steps whose requests all schedule one token (the CUDA-graph path).
-  One program per (request, kv head, split of the history), reading it in tiles of
-  DECODE_TILE positions whatever the page size; with more than one split,
+  One program per (request, kv head, split of the history); with more than one split,
   the split that finishes last merges the partial results by their softmax statistics
   (a counter per (request, kv head) in the metadata tells it), in the same launch.
 """
@@ -26,7 +25,7 @@ import torch
 import triton
 
 from zmqworker.attention.triton_kernels import decode_kernel, varlen_kernel
-from zmqworker.attention.triton_metadata import DECODE_TILE, TritonAttentionMetadata, tile_size
+from zmqworker.attention.triton_metadata import TritonAttentionMetadata, tile_size
 
 LOG2E = 1.4426950408889634
 # Query rows of one tile; the first power of two above the group when it is larger.
@@ -68,6 +67,7 @@ def paged_attention(
         HEAD_DIM=head_dim,
         HEAD_DIM_P=head_dim_p,
         BLOCK_SIZE=block_size,
+        TILE_N=tile_size(block_size),
         PRECISION=_precision(query.dtype),
     )
     qk_scale = scale * LOG2E
@@ -109,7 +109,6 @@ def paged_attention(
             out.stride(1),
             tables.stride(0),
             BLOCK_M=rows,
-            TILE_N=DECODE_TILE,
             NUM_SPLITS=splits,
             **common,
             **DECODE_LAUNCH,
@@ -135,7 +134,6 @@ def paged_attention(
         tables.stride(0),
         BLOCK_M=rows,
         BLOCK_Q=block_q,
-        TILE_N=tile_size(block_size),
         **common,
     )
     return out

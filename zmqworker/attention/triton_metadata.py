@@ -10,23 +10,21 @@ from dataclasses import dataclass
 
 import torch
 
-# Decode splits the history of each (request, kv head) over several programs while the
-# step's programs stay within MAX_DECODE_PROGRAMS. With tiles of DECODE_TILE positions, in
-# a sweep on an H200 (bench/results/decode_attention_probe.json), batch 1 wants all 16
-# splits (SmolLM2 5.9 us a layer against 6.8 at 8), SmolLM2 at 32 wants 8 (9.3 against
-# 10.0 at 4), and 8 kv heads at batch 64 want none: partials and their merge cost more
-# than the programs win (Llama-3-8B 43.3 us against 49.7, 1B 26.3 against 31.0).
-MAX_DECODE_PROGRAMS = 768
+from zmqworker.cdiv import cdiv
+
+# Programs that keep every multiprocessor of a large GPU busy in a decode step: below it,
+# the history of each (request, kv head) is split over several programs. 1024 with
+# two-warp programs (triton_attention.DECODE_LAUNCH) was the best single setting of a
+# sweep on an H200 (bench/results/decode_attention_sweep.json): 13% less time than 512
+# with four warps over ten shapes and batches, 22% at 8B's batch 64, never more than
+# 1.3% worse.
+TARGET_DECODE_PROGRAMS = 1024
 MAX_DECODE_SPLITS = 16
 # History positions per attention tile: within one page when pages allow (a power of two
 # of at least MIN_TILE, the tensor cores' smallest), else gathered across pages.
 MIN_TILE = 16
 MAX_TILE = 64
 GATHERED_TILE = 32
-# Decode's tiles: 64 positions, gathered across pages smaller than that. Four times a
-# 16-position page, they cut a layer's decode attention by 8-16% at batch 1 and 20-28%
-# at batch 64 on an H200 (the sweep above): fewer, larger loads per round trip.
-DECODE_TILE = 64
 
 
 @dataclass(frozen=True)
@@ -47,10 +45,10 @@ class TritonAttentionMetadata:
 
 
 def decode_splits(num_reqs: int, num_kv_heads: int, max_tiles: int) -> int:
-    """Splits per (request, kv head) for a decode step: a power of two, as many as keep
-    the step within MAX_DECODE_PROGRAMS programs, at most MAX_DECODE_SPLITS and at most
-    the tiles of the longest history the step can have."""
-    want = MAX_DECODE_PROGRAMS // max(1, num_reqs * num_kv_heads)
+    """Splits per (request, kv head) for a decode step: enough programs to fill the GPU,
+    a power of two, at most MAX_DECODE_SPLITS and at most the tiles of the longest
+    history the step can have."""
+    want = cdiv(TARGET_DECODE_PROGRAMS, max(1, num_reqs * num_kv_heads))
     splits = 1
     while splits * 2 <= min(want, MAX_DECODE_SPLITS, max(1, max_tiles)):
         splits *= 2

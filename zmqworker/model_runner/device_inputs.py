@@ -20,9 +20,9 @@ import numpy as np
 import torch
 
 from zmqworker.attention.triton_metadata import (
-    DECODE_TILE,
     TritonAttentionMetadata,
     decode_splits,
+    tile_size,
 )
 from zmqworker.cdiv import cdiv
 from zmqworker.model_runner.step_inputs import HostStep, StepGather
@@ -65,7 +65,7 @@ class DeviceInputs:
         self.device = device
         self.num_kv_heads = num_kv_heads
         # The attention's tiles in the longest history: more splits than these are empty.
-        self.max_tiles = cdiv(max_model_len, DECODE_TILE)
+        self.max_tiles = cdiv(max_model_len, tile_size(block_size))
         sizes = {
             "input_ids": tokens,
             "positions": tokens,

@@ -29,17 +29,19 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 class SkinnyPath(nn.Module):
-    """Decode-sized steps of a CUDA (Triton) layer through the split-K skinny kernel, which
-    needs a persistent counter buffer per layer; other steps, and unfused layers, take
-    linear()."""
+    """Decode-sized steps of a CUDA (Triton) layer through the split-K skinny kernel where
+    it pays for the layer's shape; it needs a persistent counter buffer per layer. Other
+    steps and shapes, and unfused layers, take linear()."""
 
-    def __init__(self, out_features: int, enabled: bool):
+    def __init__(self, out_features: int, in_features: int, enabled: bool):
         super().__init__()
         self.kernel = None
         self.max_rows = 0
         if enabled:
             from zmqworker.models.layers import skinny_linear
 
+            if not skinny_linear.pays(out_features, in_features):
+                return
             self.kernel = skinny_linear.skinny_linear
             self.max_rows = skinny_linear.MAX_ROWS
             slots = skinny_linear.counter_slots(out_features)
@@ -90,7 +92,7 @@ class ColumnParallelLinear(nn.Module):
         rows = sum(self.output_sizes)
         self.weight = nn.Parameter(torch.empty(rows, input_size), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(rows), requires_grad=False) if bias else None
-        self.project = SkinnyPath(rows, skinny)
+        self.project = SkinnyPath(rows, input_size, skinny)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.project(x, self.weight, self.bias)
@@ -144,7 +146,7 @@ class RowParallelLinear(nn.Module):
         self.local_input = input_size // state.tp_size
         self.weight = nn.Parameter(torch.empty(output_size, self.local_input), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False) if bias else None
-        self.project = SkinnyPath(output_size, skinny)
+        self.project = SkinnyPath(output_size, self.local_input, skinny)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.state.tp_group is None:

@@ -25,6 +25,8 @@ MAX_ROWS = ROW_TILES[0]
 MIN_BLOCK_N = 32
 # About three programs per multiprocessor of an H200.
 MAX_PROGRAMS = 384
+# Weights of fewer elements are launch-bound, and the kernel's one launch pays.
+SMALL_WEIGHT = 1 << 22
 
 
 # num_rows changes with every step: specialised, each new kind would cost a compile.
@@ -88,6 +90,14 @@ def _finish(out_ptr, bias_ptr, acc, cells, offs_n, n_ok, mask, HAS_BIAS: tl.cons
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     tl.store(out_ptr + cells, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def pays(out_features: int, in_features: int) -> bool:
+    """Whether the kernel beats cuBLAS for a weight of this shape at one row, on an H200
+    (bench/skinny_linear.py): where K is at least N (o, down: 1-20% less time for the
+    three shapes measured), and for small weights (SmolLM2-135M's q/k/v, 14% less). Wide
+    and large ones (q/k/v of Llama-3.2-1B and Llama-3-8B) were 3-10% slower."""
+    return in_features >= out_features or out_features * in_features < SMALL_WEIGHT
 
 
 def counter_slots(out_features: int) -> int:
