@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from zmqworker.models.layers.skinny_gate_up import ROW_TILES
+from zmqworker.models.layers.skinny_gate_up import ROW_TILES, dot_precision
 
 # Up to one row tile: at 32 and 64 rows cuBLAS is as fast or faster for all but down.
 MAX_ROWS = ROW_TILES[0]
@@ -168,7 +168,7 @@ def skinny_linear(
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         SPLIT_K=split_k,
-        PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        PRECISION=dot_precision(x.dtype),
         num_warps=warps,
         num_stages=stages,
     )
