@@ -317,7 +317,7 @@ def _linear_case(dtype, rows, n, k, bias, seed):
 @pytest.mark.parametrize("rows", [1, 5, skinny.MAX_ROWS])
 @pytest.mark.parametrize("bias", [False, True])
 def test_skinny_linear_matches_the_projection(dtype, rows, bias):
-    # 72 outputs and 300 inputs: neither a multiple of the tiles, and split 4 ways.
+    # 72 outputs and 300 inputs: neither a multiple of the tiles, and split 3 ways.
     x, weight, b, counters = _linear_case(dtype, rows, 72, 300, bias, 11)
     ulp = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}[dtype]
     got = skinny.skinny_linear(x, weight, b, counters)
@@ -325,8 +325,9 @@ def test_skinny_linear_matches_the_projection(dtype, rows, bias):
     assert not counters.any()  # left at zero for the next call
 
 
-# (BLOCK_N, BLOCK_K, SPLIT_K, warps, stages): one split, uneven splits, more splits than
-# K has tiles (some empty), and a tile as small as the counters'.
+# (BLOCK_N, BLOCK_K, SPLIT_K, warps, stages) over K = 200: one split, three asked of four
+# K steps (two run, the last one short), more splits asked than K has steps, and the
+# widest tile.
 @pytest.mark.parametrize(
     "tiles", [(64, 64, 1, 4, 3), (32, 64, 3, 4, 3), (32, 128, 8, 4, 3), (128, 32, 2, 4, 3)]
 )
@@ -360,6 +361,10 @@ def test_skinny_linear_refuses_what_it_cannot_run():
         skinny.skinny_linear(x, weight, None, counters[:1])
     with pytest.raises(ValueError, match="below the counters' tile"):
         skinny.skinny_linear(x, weight, None, counters, tiles=(16, 32, 2, 4, 3))
+    with pytest.raises(ValueError, match=r"bias \(3,\) torch.float32 on .* must be \[64\]"):
+        skinny.skinny_linear(x, weight, torch.zeros(3, device=DEVICE), counters)
+    with pytest.raises(ValueError, match="weight .* torch.float16 .* must be torch.float32"):
+        skinny.skinny_linear(x, weight.half(), None, counters)
 
 
 def test_skinny_path_takes_the_kernel_where_it_pays_and_for_decode_sized_steps():
@@ -373,4 +378,5 @@ def test_skinny_path_takes_the_kernel_where_it_pays_and_for_decode_sized_steps()
         x, weight, b, _ = _linear_case(torch.float32, rows, 72, 300, True, 15)
         want = torch.nn.functional.linear(x, weight, b)
         torch.testing.assert_close(path(x, weight, b), want, atol=1e-5, rtol=1e-5)
-    assert SkinnyPath(72, 300, enabled=False).kernel is None
+    off = SkinnyPath(72, 300, enabled=False)
+    assert off.kernel is None and off.counters.numel() == 0

@@ -4,6 +4,7 @@ On the CUDA (Triton) path, skinny=True sends decode-sized steps to skinny_linear
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -30,31 +31,29 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 class SkinnyPath(nn.Module):
     """Decode-sized steps of a CUDA (Triton) layer through the split-K skinny kernel where
-    it pays for the layer's shape; it needs a persistent counter buffer per layer. Other
-    steps and shapes, and unfused layers, take linear()."""
+    it pays for the layer's shape, over a persistent counter buffer of the layer (empty
+    where the kernel is off). Other steps and shapes, and unfused layers, take linear()."""
 
     def __init__(self, out_features: int, in_features: int, enabled: bool):
         super().__init__()
-        self.kernel = None
+        self.kernel: Callable[..., torch.Tensor] | None = None
         self.max_rows = 0
+        slots = 0
         if enabled:
             from zmqworker.models.layers import skinny_linear
 
-            if not skinny_linear.pays(out_features, in_features):
-                return
-            self.kernel = skinny_linear.skinny_linear
-            self.max_rows = skinny_linear.MAX_ROWS
-            slots = skinny_linear.counter_slots(out_features)
-            self.register_buffer(
-                "counters", torch.zeros(slots, dtype=torch.int32), persistent=False
-            )
+            if skinny_linear.pays(out_features, in_features):
+                self.kernel = skinny_linear.skinny_linear
+                self.max_rows = skinny_linear.MAX_ROWS
+                slots = skinny_linear.counter_slots(out_features)
+        self.register_buffer("counters", torch.zeros(slots, dtype=torch.int32), persistent=False)
 
     def forward(
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     ) -> torch.Tensor:
-        if self.kernel is not None and x.dim() == 2 and x.shape[0] <= self.max_rows:
-            if x.stride(1) == 1:
-                return self.kernel(x, weight, bias, self.counters)
+        skinny = x.dim() == 2 and x.shape[0] <= self.max_rows and x.stride(1) == 1
+        if self.kernel is not None and skinny:
+            return self.kernel(x, weight, bias, self.counters)
         return linear(x, weight, bias)
 
 

@@ -1,5 +1,6 @@
 """A linear layer of a decode-sized step, split along K: one Triton kernel where cuBLAS runs
-a split-K GEMM and then a second kernel that sums its splits.
+a split-K GEMM and then a second kernel that sums its splits. Layers take it where it
+measured faster than cuBLAS (pays; linear.SkinnyPath).
 
 At up to MAX_ROWS rows a projection is a read of its weight, and a decode step has a few
 of them per layer (q/k/v, o, down) of a few MB to a hundred MB each. To keep every
@@ -18,10 +19,10 @@ import torch
 import triton
 import triton.language as tl
 
-from zmqworker.models.layers.skinny_gate_up import ROW_TILES, dot_precision
+from zmqworker.models.layers.skinny_gate_up import dot_precision
 
-# Up to one row tile: at 32 and 64 rows cuBLAS is as fast or faster for all but down.
-MAX_ROWS = ROW_TILES[0]
+# Rows of a step, and the kernel's row tile: measured at 1 and 16 rows only.
+MAX_ROWS = 16
 MIN_BLOCK_N = 32
 # About three programs per multiprocessor of an H200.
 MAX_PROGRAMS = 384
@@ -41,6 +42,7 @@ def _skinny_linear_kernel(
     num_rows,
     N,
     K,
+    per_split,
     stride_x,
     HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -55,8 +57,7 @@ def _skinny_linear_kernel(
     m_ok = offs_m < num_rows
     offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
-    # Whole BLOCK_K steps per split; the last split takes what is left.
-    per_split = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
+    # per_split: whole BLOCK_K steps; the last split takes what is left, none is empty.
     k_start = split * per_split
     k_end = tl.minimum(K, k_start + per_split)
     w_rows = w_ptr + offs_n[:, None].to(tl.int64) * K
@@ -94,9 +95,10 @@ def _finish(out_ptr, bias_ptr, acc, cells, offs_n, n_ok, mask, HAS_BIAS: tl.cons
 
 def pays(out_features: int, in_features: int) -> bool:
     """Whether the kernel beats cuBLAS for a weight of this shape at one row, on an H200
-    (bench/skinny_linear.py): where K is at least N (o, down: 1-20% less time for the
+    (bench/skinny_linear.py): where K is at least N (o, down: 4-18% less time for the
     three shapes measured), and for small weights (SmolLM2-135M's q/k/v, 14% less). Wide
-    and large ones (q/k/v of Llama-3.2-1B and Llama-3-8B) were 3-10% slower."""
+    and large ones (q/k/v of Llama-3.2-1B and Llama-3-8B) were 3-10% slower. At 16 rows
+    SmolLM2's q/k/v and 1B's o were 4-6% slower than cuBLAS, the rest still faster."""
     return in_features >= out_features or out_features * in_features < SMALL_WEIGHT
 
 
@@ -137,6 +139,14 @@ def skinny_linear(
     n = weight.shape[0]
     if weight.dim() != 2 or weight.shape[1] != k or not weight.is_contiguous():
         raise ValueError(f"weight {tuple(weight.shape)} must be contiguous [n, {k}]")
+    for name, t, shape in (("weight", weight, None), ("bias", bias, (n,))):
+        if t is None:
+            continue
+        if t.dtype != x.dtype or t.device != x.device or shape not in (None, tuple(t.shape)):
+            raise ValueError(
+                f"{name} {tuple(t.shape)} {t.dtype} on {t.device} must be "
+                f"{'[' + str(n) + '] ' if shape else ''}{x.dtype} on {x.device}, as x is"
+            )
     if counters.dtype != torch.int32 or counters.numel() < counter_slots(n):
         raise ValueError(
             f"skinny_linear of {n} outputs needs at least {counter_slots(n)} int32 counters, "
@@ -148,7 +158,10 @@ def skinny_linear(
     block_n, block_k, split_k, warps, stages = tiles or _tiles(n)
     if block_n < MIN_BLOCK_N:
         raise ValueError(f"BLOCK_N {block_n} is below the counters' tile {MIN_BLOCK_N}")
-    split_k = max(1, min(split_k, triton.cdiv(k, block_k)))
+    # As many splits as the K steps fill: none left empty.
+    steps = triton.cdiv(k, block_k)
+    steps_per_split = triton.cdiv(steps, max(1, min(split_k, steps)))
+    split_k = triton.cdiv(steps, steps_per_split)
     parts = out  # unused with one split
     if split_k > 1:
         parts = torch.empty(split_k * rows * n, dtype=torch.float32, device=x.device)
@@ -162,6 +175,7 @@ def skinny_linear(
         rows,
         n,
         k,
+        steps_per_split * block_k,
         x.stride(0),
         HAS_BIAS=bias is not None,
         BLOCK_M=MAX_ROWS,
