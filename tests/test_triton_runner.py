@@ -226,3 +226,29 @@ def test_warm_up_spreads_its_prefills_over_prompts_that_fit_max_model_len(monkey
     path = small_checkpoint("llama")
     make_runner(path, max_seqs=4, max_tokens=80, kernels="triton", max_model_len=16)
     assert seen == {16, 32, 64}
+
+
+def test_split_k_projections_match_transformers_over_graph_replays() -> None:
+    """Layers wide enough that the skinny linear splits K (o over 2 splits, down over 4):
+    decodes replay graphs over the layers' split counters, which each replay must leave at
+    zero for the next, and greedy tokens still equal transformers'."""
+    from zmqworker.models.layers.linear import SkinnyPath
+
+    path = cached_tiny_checkpoint(
+        family="llama", num_layers=1, hidden_size=256, intermediate_size=512
+    )
+    runner = make_runner(
+        path, max_seqs=2, kernels="triton", graph_capture=Recorded, graph_sizes=(2,)
+    )
+    modules = runner.model.modules()
+    paths = [m for m in modules if isinstance(m, SkinnyPath) and m.kernel is not None]
+    assert len(paths) == 3  # q/k/v, o, down; gate/up has its own kernel
+    rng = np.random.default_rng(1)
+    prompts = {"a": rng.integers(3, 250, 6).tolist(), "b": rng.integers(3, 250, 4).tolist()}
+    max_tokens = {"a": 4, "b": 4}
+    before = Recorded.replays
+    result = run(runner, prompts, max_tokens, joins={0: "a", 1: "b"})
+    assert Recorded.replays > before
+    assert not any(p.counters.any() for p in paths)
+    for name, prompt in prompts.items():
+        assert result[name] == hf_greedy(path, tuple(prompt), max_tokens[name]), name
