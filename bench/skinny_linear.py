@@ -25,7 +25,13 @@ from bench.attention_kernels import MODELS
 from bench.common import print_table, write_results
 from bench.gpu_decode import hbm_bandwidth
 from bench.skinny_gate_up import LAYERS, timed_us
-from zmqworker.models.layers.skinny_linear import MAX_ROWS, counter_slots, pays, skinny_linear
+from zmqworker.models.layers.skinny_linear import (
+    MAX_ROWS,
+    counter_slots,
+    k_splits,
+    pays,
+    skinny_linear,
+)
 
 BATCHES = (1, 4, 8, MAX_ROWS)
 SWEEP = [(n, k, split, 4, 3) for n in (32, 64, 128) for k in (128, 256) for split in (1, 2, 4, 8)]
@@ -103,8 +109,10 @@ def main() -> None:
                         "op": op,
                         "batch": batch,
                         "best_x_floor": timed[0][0] / floor,
+                        # s: the splits that ran (k_splits), not those asked.
                         "best": [
-                            "n{} k{} s{} w{} st{}: {:.1f}".format(*t, us) for us, t in timed[:4]
+                            f"n{bn} k{bk} s{k_splits(k, bk, split)[0]} w{w} st{st}: {us:.1f}"
+                            for us, (bn, bk, split, w, st) in timed[:4]
                         ],
                     }
                 )

@@ -380,3 +380,10 @@ def test_skinny_path_takes_the_kernel_where_it_pays_and_for_decode_sized_steps()
         torch.testing.assert_close(path(x, weight, b), want, atol=1e-5, rtol=1e-5)
     off = SkinnyPath(72, 300, enabled=False)
     assert off.kernel is None and off.counters.numel() == 0
+
+
+def test_k_splits_leave_no_split_empty():
+    assert skinny.k_splits(1536, 128, 8) == (6, 2)  # SmolLM2's down: 12 steps
+    assert skinny.k_splits(4096, 128, 4) == (4, 8)
+    assert skinny.k_splits(200, 128, 8) == (2, 1)
+    assert skinny.k_splits(200, 64, 3) == (2, 2)

@@ -107,6 +107,14 @@ def counter_slots(out_features: int) -> int:
     return triton.cdiv(out_features, MIN_BLOCK_N)
 
 
+def k_splits(k: int, block_k: int, split_k: int) -> tuple[int, int]:
+    """(splits, BLOCK_K steps per split) that run for SPLIT_K asked over k inputs: as many
+    as the K steps fill, none left empty."""
+    steps = triton.cdiv(k, block_k)
+    per_split = triton.cdiv(steps, max(1, min(split_k, steps)))
+    return triton.cdiv(steps, per_split), per_split
+
+
 def _tiles(n: int) -> tuple[int, int, int, int, int]:
     """(BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages) for a weight of n outputs: narrow
     tiles for narrow layers, and the most splits (up to 8) that keep the launch within
@@ -158,10 +166,7 @@ def skinny_linear(
     block_n, block_k, split_k, warps, stages = tiles or _tiles(n)
     if block_n < MIN_BLOCK_N:
         raise ValueError(f"BLOCK_N {block_n} is below the counters' tile {MIN_BLOCK_N}")
-    # As many splits as the K steps fill: none left empty.
-    steps = triton.cdiv(k, block_k)
-    steps_per_split = triton.cdiv(steps, max(1, min(split_k, steps)))
-    split_k = triton.cdiv(steps, steps_per_split)
+    split_k, steps_per_split = k_splits(k, block_k, split_k)
     parts = out  # unused with one split
     if split_k > 1:
         parts = torch.empty(split_k * rows * n, dtype=torch.float32, device=x.device)
