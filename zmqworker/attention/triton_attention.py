@@ -26,6 +26,7 @@ import triton
 
 from zmqworker.attention.triton_kernels import decode_kernel, varlen_kernel
 from zmqworker.attention.triton_metadata import TritonAttentionMetadata, tile_size
+from zmqworker.dot_precision import dot_precision
 
 LOG2E = 1.4426950408889634
 # Query rows of one tile; the first power of two above the group when it is larger.
@@ -38,11 +39,6 @@ DECODE_LAUNCH = {"num_warps": 2, "num_stages": 2}
 
 def _rows(group: int, minimum: int) -> int:
     return max(minimum, triton.next_power_of_2(group))
-
-
-def _precision(dtype: torch.dtype) -> str:
-    # float32 keeps float32 products (the CPU path's accuracy); tf32 would cost ~1e-3.
-    return "ieee" if dtype == torch.float32 else "tf32"
 
 
 def paged_attention(
@@ -68,7 +64,7 @@ def paged_attention(
         HEAD_DIM_P=head_dim_p,
         BLOCK_SIZE=block_size,
         TILE_N=tile_size(block_size),
-        PRECISION=_precision(query.dtype),
+        PRECISION=dot_precision(query.dtype),
     )
     qk_scale = scale * LOG2E
     tables = meta.block_tables

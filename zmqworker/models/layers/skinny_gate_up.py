@@ -23,6 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
+from zmqworker.dot_precision import dot_precision
+
 # Row tiles, one compiled kernel each: a step of m rows takes the first >= m, and steps
 # above the last go to cuBLAS.
 ROW_TILES = (16, 32, 64)
@@ -73,12 +75,6 @@ def _gate_up_silu_kernel(
     act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
     out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * size + offs_n[None, :]
     tl.store(out_ptrs, (act * up).to(dtype), mask=m_ok[:, None] & n_ok[None, :])
-
-
-def dot_precision(dtype: torch.dtype) -> str:
-    """float32 keeps float32 products (the eager layers' accuracy); tf32 would cost ~1e-3.
-    For 16-bit inputs the setting changes nothing."""
-    return "ieee" if dtype == torch.float32 else "tf32"
 
 
 def row_tile(rows: int) -> int:

@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from zmqworker.models.layers.skinny_gate_up import dot_precision
+from zmqworker.dot_precision import dot_precision
 
 # Rows of a step, and the kernel's row tile: measured at 1 and 16 rows only.
 MAX_ROWS = 16
