@@ -14,6 +14,7 @@ ROOT = Path(__file__).resolve().parent.parent
 LAYERS = [
     "messages",
     "zmqworker.cdiv",
+    "zmqworker.dot_precision",
     "zmqworker.transport",
     "zmqworker.attention",
     "zmqworker.distributed",
