@@ -1,10 +1,11 @@
 """The decode step's kernels alone, against the bytes they must move (CUDA only).
 
-Decode attention (Triton, with its tile and split settings varied) over a paged cache of
-random data, and the linear layers of the decode step (cuBLAS) at several batch sizes,
-each timed from a CUDA graph of its launches (triton.testing.do_bench_cudagraph), against
-the time its bytes take at the device-to-device bandwidth measured in the same run. The
-rows show where a decode step's time goes, and which kernel settings pay.
+Decode attention (Triton, with its tile and split settings varied; rotary and the write
+of the step's key and value included) over a paged cache of random data, and the linear
+layers of the decode step (cuBLAS) at several batch sizes, each timed from a CUDA graph
+of its launches (triton.testing.do_bench_cudagraph), against the time its bytes take at
+the device-to-device bandwidth measured in the same run. The rows show where a decode
+step's time goes, and which kernel settings pay.
 
     python -m bench.attention_kernels [--out FILE]
 """
@@ -52,26 +53,32 @@ def decode_case(
     cache.normal_()
     tables = torch.randperm(num_blocks, device="cuda", dtype=torch.int32).view(batch, -1)
     seq_lens = torch.full((batch,), CONTEXT, dtype=torch.int32, device="cuda")
+    # The step's token at the last position of each request: rotated and written there.
+    last = CONTEXT - 1
+    slots = tables[:, last // BLOCK_SIZE] * BLOCK_SIZE + last % BLOCK_SIZE
     meta = TritonAttentionMetadata(
         batch,
         batch,
         1,
         True,
         splits,
-        torch.full((batch,), -1, dtype=torch.int32, device="cuda"),
-        torch.zeros(batch, dtype=torch.int32, device="cuda"),
+        slots.to(torch.int32),
+        torch.full((batch,), last, dtype=torch.int32, device="cuda"),
         torch.arange(batch + 1, dtype=torch.int32, device="cuda"),
         seq_lens,
         tables,
         torch.zeros(batch * kv_heads, dtype=torch.int32, device="cuda"),
     )
-    q = torch.randn(batch, heads, head_dim, dtype=torch.bfloat16, device="cuda")
+    qkv = torch.randn(batch, heads + 2 * kv_heads, head_dim, dtype=torch.bfloat16, device="cuda")
+    cos_sin = torch.randn(CONTEXT, head_dim, dtype=torch.bfloat16, device="cuda")
     saved = triton_attention.DECODE_LAUNCH, triton_attention.tile_size
     triton_attention.DECODE_LAUNCH = {"num_warps": warps, "num_stages": stages}
     if tile is not None:
         triton_attention.tile_size = lambda block_size: tile
     try:
-        fn = lambda: triton_attention.paged_attention(q, cache, meta, head_dim**-0.5)  # noqa: E731
+        fn = lambda: triton_attention.decode_attention(  # noqa: E731
+            qkv, heads, cos_sin, cache, meta, head_dim**-0.5
+        )
         fn()
         ms = triton.testing.do_bench_cudagraph(fn, rep=50)
     finally:

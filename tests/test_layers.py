@@ -15,6 +15,7 @@ LAYERS = [
     "messages",
     "zmqworker.cdiv",
     "zmqworker.dot_precision",
+    "zmqworker.pdl",
     "zmqworker.transport",
     "zmqworker.attention",
     "zmqworker.distributed",

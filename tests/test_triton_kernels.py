@@ -16,7 +16,11 @@ import torch
 pytest.importorskip("triton")
 
 from zmqworker.attention.kv_cache import allocate_kv_cache, write_kv  # noqa: E402
-from zmqworker.attention.triton_attention import paged_attention  # noqa: E402
+from zmqworker.attention.triton_attention import (  # noqa: E402
+    decode_attention,
+    paged_attention,
+    varlen_attention,
+)
 from zmqworker.attention.triton_cache import rope_and_cache  # noqa: E402
 from zmqworker.attention.triton_metadata import (  # noqa: E402
     TritonAttentionMetadata,
@@ -29,6 +33,8 @@ from zmqworker.models.layers.norm import RMSNorm  # noqa: E402
 from zmqworker.models.layers.rotary import RotaryEmbedding, apply_rotary  # noqa: E402
 from zmqworker.models.layers.skinny_gate_up import MAX_ROWS, gate_up_silu  # noqa: E402
 from zmqworker.models.layers.triton_ops import rms_norm, silu_and_mul  # noqa: E402
+from zmqworker.pdl import ENABLED as PDL_ENABLED  # noqa: E402
+from zmqworker.pdl import launch_options  # noqa: E402
 
 DEVICE = torch.device(os.environ.get("ZMQWORKER_TEST_DEVICE", "cpu"))
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE.type == "cuda" else [])
@@ -46,6 +52,22 @@ def dense_reference(q, keys, values, context, scale):
     hidden = torch.arange(k.shape[0], device=q.device)[None, :] > q_pos
     scores = scores.masked_fill(hidden, float("-inf"))
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+
+
+def rotary_table(dtype):
+    return RotaryEmbedding(HEAD_DIM, 256, {"rope_theta": 10000.0}, 256, dtype).to(DEVICE)
+
+
+def new_tokens(num_tokens, heads, kv_heads, dtype, positions, rotary, seed=7):
+    """Raw q/k/v of a step's tokens [num_tokens, heads + 2 * kv_heads, HEAD_DIM], and
+    what torch makes of them: (qkv, rotated queries, rotated keys, values)."""
+    gen = torch.Generator().manual_seed(seed)
+    qkv = torch.randn(num_tokens, heads + 2 * kv_heads, HEAD_DIM, generator=gen)
+    qkv = qkv.to(dtype).to(DEVICE)
+    cos, sin = rotary.lookup(torch.as_tensor(positions, dtype=torch.int64, device=DEVICE))
+    q_rot = apply_rotary(qkv[:, :heads], cos, sin)
+    k_rot = apply_rotary(qkv[:, heads : heads + kv_heads], cos, sin)
+    return qkv, q_rot, k_rot, qkv[:, heads + kv_heads :]
 
 
 class Step:
@@ -83,7 +105,7 @@ class Step:
         self.seq_lens = seq_lens
         self.block_size = block_size
 
-    def metadata(self, num_splits=1):
+    def metadata(self, num_splits=1, positions=None, slots=None):
         query_lens = [n for _, n in self.reqs]
         start = np.concatenate([[0], np.cumsum(query_lens)]).astype(np.int32)
         num_tokens = int(start[-1])
@@ -97,8 +119,8 @@ class Step:
             max_query_len=max(query_lens),
             decode_only=all(n == 1 for n in query_lens),
             num_splits=num_splits,
-            slot_mapping=dev(np.full(num_tokens, -1)),
-            positions=dev(np.zeros(num_tokens)),
+            slot_mapping=dev(np.full(num_tokens, -1) if slots is None else slots),
+            positions=dev(np.zeros(num_tokens) if positions is None else positions),
             query_start_loc=dev(start),
             seq_lens=dev(self.seq_lens),
             block_tables=dev(self.tables),
@@ -119,13 +141,48 @@ class Step:
             torch.testing.assert_close(got, expected, atol=tol, rtol=tol)
             start += n
 
-    def run(self, num_splits=1):
-        meta = self.metadata(num_splits)
+    def run(self):
+        """The varlen kernel over the history the cache already holds."""
+        meta = self.metadata()
         q = torch.cat(self.queries)
+        out = varlen_attention(q, self.cache, meta, HEAD_DIM**-0.5)
+        assert out.shape == q.shape and out.dtype == self.dtype
+        self.check(out)
+
+    def last_slots(self):
+        """Each request's last position and the cache slot the block table gives it."""
+        positions = np.array(self.seq_lens) - 1
+        blocks = self.tables[np.arange(len(self.reqs)), positions // self.block_size]
+        return positions, blocks * self.block_size + positions % self.block_size
+
+    def run_decode(self, num_splits, fused=True):
+        """A decode step from raw (unrotated) q/k/v: the kernel rotates the queries and the
+        new keys, writes the new keys and values (garbage in their slots until then) and
+        attends; paged_attention takes the same path. Checked against rotary in torch then
+        dense attention, and the cache against torch's write."""
+        heads, kv_heads = self.heads, self.kv_heads
+        positions, slots = self.last_slots()
+        rotary = rotary_table(self.dtype)
+        qkv, q_rot, k_rot, v = new_tokens(
+            len(self.reqs), heads, kv_heads, self.dtype, positions, rotary
+        )
+        for r in range(len(self.reqs)):
+            self.queries[r] = q_rot[r : r + 1]
+            self.keys[r][-1], self.values[r][-1] = k_rot[r], v[r]
+        blocks = torch.from_numpy(slots // self.block_size).to(DEVICE)
+        offsets = torch.from_numpy(slots % self.block_size).to(DEVICE)
+        expected_cache = self.cache.clone()
+        write_kv(expected_cache, k_rot, v, blocks, offsets)
+        write_kv(self.cache, torch.randn_like(k_rot), torch.randn_like(v), blocks, offsets)
+        meta = self.metadata(num_splits, positions, slots)
+        attend = paged_attention if fused else decode_attention
         for _ in range(2):  # the second call starts from the counters the first left
-            out = paged_attention(q, self.cache, meta, HEAD_DIM**-0.5)
-            assert out.shape == q.shape and out.dtype == self.dtype
+            out = attend(qkv, heads, rotary.cos_sin, self.cache, meta, HEAD_DIM**-0.5)
+            assert out.shape == (len(self.reqs), heads, HEAD_DIM) and out.dtype == self.dtype
             self.check(out)
+        # Exact in the interpreter; compiled, a product may fuse into an FMA (one rounding).
+        ulp = {torch.float32: 1e-6, torch.float16: 1e-3, torch.bfloat16: 8e-3}[self.dtype]
+        torch.testing.assert_close(self.cache, expected_cache, atol=ulp, rtol=ulp)
         assert not meta.split_counters.any()
 
 
@@ -151,32 +208,61 @@ def test_varlen_long_prefill_spans_many_tiles(dtype, block_size):
 @pytest.mark.parametrize("num_splits", [1, 2, 4])
 @pytest.mark.parametrize("block_size", [16, 128])
 def test_decode_kernel_with_and_without_splits(dtype, heads, kv_heads, num_splits, block_size):
+    # Last positions first in a page, mid-page, last in a page; one in an empty history.
     reqs = [(c, 1) for c in (0, 3, 31, 64, 99, 200)]
-    Step(reqs, heads, kv_heads, block_size=block_size, dtype=dtype, seed=2).run(num_splits)
+    step = Step(reqs, heads, kv_heads, block_size=block_size, dtype=dtype, seed=2)
+    step.run_decode(num_splits, fused=num_splits != 2)
 
 
-def test_decode_padding_rows_give_zeros_and_touch_nothing():
+def test_decode_padding_rows_give_zeros_and_write_nothing():
     step = Step([(10, 1), (20, 1)], 6, 2, block_size=4, dtype=torch.float32, seed=3)
-    meta = step.metadata(num_splits=2)
-    # Two padding rows, as a CUDA graph of four replays a step of two: seq_len 0.
-    seq_lens = torch.cat([meta.seq_lens, torch.zeros(2, dtype=torch.int32, device=DEVICE)])
-    tables = torch.cat([meta.block_tables, meta.block_tables])
+    positions, slots = step.last_slots()
+    meta = step.metadata(2, positions, slots)
+
+    def pad(t, value):
+        return torch.cat([t, torch.full((2,), value, dtype=torch.int32, device=DEVICE)])
+
+    # Two padding rows, as a CUDA graph of four replays a step of two: seq_len 0, slot -1.
     padded = TritonAttentionMetadata(
-        4, 4, 1, True, 2, meta.slot_mapping, meta.positions, meta.query_start_loc, seq_lens, tables,
+        4, 4, 1, True, 2, pad(meta.slot_mapping, -1), pad(meta.positions, 0),
+        torch.arange(5, dtype=torch.int32, device=DEVICE), pad(meta.seq_lens, 0),
+        torch.cat([meta.block_tables, meta.block_tables]),
         torch.zeros(4 * 2, dtype=torch.int32, device=DEVICE),
     )  # fmt: skip
-    q = torch.cat(step.queries + [torch.randn(2, 6, HEAD_DIM, device=DEVICE)])
-    out = paged_attention(q, step.cache, padded, HEAD_DIM**-0.5)
-    step.check(out[:2])
+    rotary = rotary_table(torch.float32)
+    qkv, _, k_rot, v = new_tokens(4, 6, 2, torch.float32, np.append(positions, [0, 0]), rotary)
+    expected_cache = step.cache.clone()
+    blocks = torch.from_numpy(slots // 4).to(DEVICE)
+    write_kv(expected_cache, k_rot[:2], v[:2], blocks, torch.from_numpy(slots % 4).to(DEVICE))
+    out = decode_attention(qkv, 6, rotary.cos_sin, step.cache, padded, HEAD_DIM**-0.5)
     assert torch.equal(out[2:], torch.zeros_like(out[2:]))
+    torch.testing.assert_close(step.cache, expected_cache, atol=1e-6, rtol=1e-6)
     assert not padded.split_counters.any()
 
 
 def test_decode_with_splits_needs_its_counters():
     step = Step([(10, 1)], 4, 2, block_size=4, dtype=torch.float32, seed=4)
     meta = dataclasses.replace(step.metadata(num_splits=2), split_counters=None)
+    qkv = torch.randn(1, 8, HEAD_DIM, device=DEVICE)
+    table = rotary_table(torch.float32).cos_sin
     with pytest.raises(ValueError, match="needs split_counters"):
-        paged_attention(torch.cat(step.queries), step.cache, meta, HEAD_DIM**-0.5)
+        decode_attention(qkv, 4, table, step.cache, meta, HEAD_DIM**-0.5)
+
+
+def test_decode_attention_refuses_steps_of_more_tokens_than_requests():
+    step = Step([(10, 3)], 4, 2, block_size=4, dtype=torch.float32, seed=4)
+    qkv = torch.randn(3, 8, HEAD_DIM, device=DEVICE)
+    table = rotary_table(torch.float32).cos_sin
+    with pytest.raises(ValueError, match="one token per request"):
+        decode_attention(qkv, 4, table, step.cache, step.metadata(), HEAD_DIM**-0.5)
+
+
+def test_kernels_launch_dependently_on_hopper_and_newer_only():
+    # gdc_wait needs sm_90; the interpreter and the CPU have no launch to overlap.
+    assert launch_options(torch.device("cpu")) == {"PDL": False, "launch_pdl": False}
+    if DEVICE.type == "cuda":
+        on = PDL_ENABLED and torch.cuda.get_device_capability(DEVICE)[0] >= 9
+        assert launch_options(DEVICE) == {"PDL": on, "launch_pdl": on}
 
 
 def test_decode_splits_fill_the_gpu_and_stay_powers_of_two():

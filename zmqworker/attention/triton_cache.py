@@ -14,14 +14,18 @@ import torch
 import triton
 import triton.language as tl
 
+from zmqworker.pdl import launch_options, release_dependents, wait_for_inputs
+
 
 @triton.jit
-def _rotate(x1, x2, cos, sin, OUT_DTYPE: tl.constexpr):
-    a = (x1 * cos).to(OUT_DTYPE).to(tl.float32)
-    b = (x2 * sin).to(OUT_DTYPE).to(tl.float32)
-    c = (x2 * cos).to(OUT_DTYPE).to(tl.float32)
-    d = (x1 * sin).to(OUT_DTYPE).to(tl.float32)
-    return (a - b).to(OUT_DTYPE), (c + d).to(OUT_DTYPE)
+def rotate(x, partner, cos, signed_sin, OUT_DTYPE: tl.constexpr):
+    """x * cos + partner * signed_sin, each product rounded to OUT_DTYPE first: the first
+    half of a head takes its partner in the second half and -sin, the second half its
+    partner in the first and +sin (negation is exact, so both halves round as torch's
+    x1 * cos - x2 * sin and x2 * cos + x1 * sin)."""
+    a = (x * cos).to(OUT_DTYPE).to(tl.float32)
+    b = (partner * signed_sin).to(OUT_DTYPE).to(tl.float32)
+    return (a + b).to(OUT_DTYPE)
 
 
 @triton.jit
@@ -40,7 +44,10 @@ def _rope_and_cache_kernel(
     HEAD_DIM: tl.constexpr,
     HALF_P: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_inputs(PDL)
+    release_dependents(PDL)
     tok = tl.program_id(0).to(tl.int64)
     half: tl.constexpr = HEAD_DIM // 2
     dtype = qkv_ptr.dtype.element_ty
@@ -56,7 +63,8 @@ def _rope_and_cache_kernel(
     q_ptrs = row + heads[:, None] * HEAD_DIM + offs[None, :]
     x1 = tl.load(q_ptrs, mask=q_mask, other=0.0).to(tl.float32)
     x2 = tl.load(q_ptrs + half, mask=q_mask, other=0.0).to(tl.float32)
-    o1, o2 = _rotate(x1, x2, cos[None, :], sin[None, :], dtype)
+    o1 = rotate(x1, x2, cos[None, :], -sin[None, :], dtype)
+    o2 = rotate(x2, x1, cos[None, :], sin[None, :], dtype)
     tl.store(q_ptrs, o1, mask=q_mask)
     tl.store(q_ptrs + half, o2, mask=q_mask)
 
@@ -67,7 +75,8 @@ def _rope_and_cache_kernel(
         k_ptrs = row + (NUM_HEADS + kv_heads)[:, None] * HEAD_DIM + offs[None, :]
         k1 = tl.load(k_ptrs, mask=k_mask, other=0.0).to(tl.float32)
         k2 = tl.load(k_ptrs + half, mask=k_mask, other=0.0).to(tl.float32)
-        r1, r2 = _rotate(k1, k2, cos[None, :], sin[None, :], dtype)
+        r1 = rotate(k1, k2, cos[None, :], -sin[None, :], dtype)
+        r2 = rotate(k2, k1, cos[None, :], sin[None, :], dtype)
         v_ptrs = k_ptrs + NUM_KV_HEADS * HEAD_DIM
         v1 = tl.load(v_ptrs, mask=k_mask, other=0.0)
         v2 = tl.load(v_ptrs + half, mask=k_mask, other=0.0)
@@ -117,4 +126,5 @@ def rope_and_cache(
         HEAD_DIM=head_dim,
         HALF_P=triton.next_power_of_2(head_dim // 2),
         BLOCK_SIZE=block_size,
+        **launch_options(qkv.device),
     )

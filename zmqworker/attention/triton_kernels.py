@@ -1,11 +1,15 @@
 """The Triton kernels of paged attention (triton_attention.py launches them): the
-varlen kernel of any step, and the decode kernel, whose splits merge in their last one.
-Every kernel reads the cache in its own layout (kv_cache.py) through the block table."""
+varlen kernel of any step, and the decode kernel, which also rotates its token's query
+and key and writes its key and value, and whose splits merge in their last one. Every
+kernel reads the cache in its own layout (kv_cache.py) through the block table."""
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+from zmqworker.attention.triton_cache import rotate
+from zmqworker.pdl import release_dependents, wait_for_inputs
 
 
 @triton.jit
@@ -109,7 +113,9 @@ def varlen_kernel(
     BLOCK_Q: tl.constexpr,
     TILE_N: tl.constexpr,
     PRECISION: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_inputs(PDL)
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     # Request r's tiles start at query_start[r] // BLOCK_Q + r: increasing in r, and each
@@ -164,6 +170,7 @@ def varlen_kernel(
             True,
             PRECISION,
         )
+        release_dependents(PDL)
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         o_ptrs = out_ptr + tok[:, None] * stride_o_tok + head[:, None] * stride_o_head
         tl.store(
@@ -179,17 +186,20 @@ def decode_kernel(
     part_out_ptr,
     part_stats_ptr,
     counters_ptr,
-    q_ptr,
+    qkv_ptr,
+    cos_sin_ptr,
+    positions_ptr,
+    slot_mapping_ptr,
     kv_ptr,
     v_offset,
     block_tables_ptr,
     seq_lens_ptr,
     qk_scale,
-    stride_q_tok,
-    stride_q_head,
+    stride_qkv_tok,
     stride_o_tok,
     stride_o_head,
     stride_table,
+    NUM_HEADS: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -199,7 +209,9 @@ def decode_kernel(
     TILE_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     PRECISION: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_inputs(PDL)
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -213,8 +225,36 @@ def decode_kernel(
     row_ok = rows < GROUP
     offs_d = tl.arange(0, HEAD_DIM_P)
     d_ok = offs_d < HEAD_DIM
-    q_ptrs = q_ptr + req.to(tl.int64) * stride_q_tok + head[:, None] * stride_q_head
-    q = tl.load(q_ptrs + offs_d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    # Rotary of the step's token: each dim d pairs with d +- HEAD_DIM / 2 (rotate()).
+    half: tl.constexpr = HEAD_DIM // 2
+    first_half = offs_d < half
+    partner = tl.where(first_half, offs_d + half, offs_d - half)
+    angle = tl.where(first_half, offs_d, offs_d - half)
+    angles = cos_sin_ptr + tl.load(positions_ptr + req).to(tl.int64) * HEAD_DIM + angle
+    cos = tl.load(angles, mask=d_ok, other=0.0).to(tl.float32)
+    sin = tl.load(angles + half, mask=d_ok, other=0.0).to(tl.float32)
+    signed_sin = tl.where(first_half, -sin, sin)
+    dtype = kv_ptr.dtype.element_ty
+    token = qkv_ptr + req.to(tl.int64) * stride_qkv_tok
+    q_ptrs = token + head[:, None] * HEAD_DIM
+    q_mask = row_ok[:, None] & d_ok[None, :]
+    q_own = tl.load(q_ptrs + offs_d[None, :], mask=q_mask, other=0.0).to(tl.float32)
+    q_partner = tl.load(q_ptrs + partner[None, :], mask=q_mask, other=0.0).to(tl.float32)
+    q = rotate(q_own, q_partner, cos[None, :], signed_sin[None, :], dtype)
+    # The split holding the last position writes the token's key and value into the
+    # cache, and reads them back with the rest of its tiles once every warp has stored.
+    slot = tl.load(slot_mapping_ptr + req).to(tl.int64)
+    if (slot >= 0) & (start < seq_len) & (seq_len <= start + per_split):
+        k_ptrs = token + (NUM_HEADS + kv_head) * HEAD_DIM
+        k_own = tl.load(k_ptrs + offs_d, mask=d_ok, other=0.0).to(tl.float32)
+        k_partner = tl.load(k_ptrs + partner, mask=d_ok, other=0.0).to(tl.float32)
+        value = tl.load(k_ptrs + NUM_KV_HEADS * HEAD_DIM + offs_d, mask=d_ok, other=0.0)
+        page = ((slot // BLOCK_SIZE) * NUM_KV_HEADS + kv_head) * (HEAD_DIM * BLOCK_SIZE)
+        offset = slot % BLOCK_SIZE
+        key = rotate(k_own, k_partner, cos, signed_sin, dtype)
+        tl.store(kv_ptr + page + offs_d * BLOCK_SIZE + offset, key, mask=d_ok)
+        tl.store(kv_ptr + v_offset + page + offset * HEAD_DIM + offs_d, value, mask=d_ok)
+        tl.debug_barrier()
     acc = tl.zeros([BLOCK_M, HEAD_DIM_P], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -239,6 +279,7 @@ def decode_kernel(
         False,
         PRECISION,
     )
+    release_dependents(PDL)
     # An empty range (padding rows of a graph, empty splits) yields zeros, not NaN.
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     mask = row_ok[:, None] & d_ok[None, :]

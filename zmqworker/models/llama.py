@@ -105,9 +105,9 @@ class LlamaAttention(nn.Module):
             self.k_norm = RMSNorm(d, cfg.rms_norm_eps, f"{prefix}.k_norm", fused)
         self._triton = None
         if fused:
-            from zmqworker.attention import triton_attention, triton_cache
+            from zmqworker.attention.triton_attention import paged_attention
 
-            self._triton = (triton_cache.rope_and_cache, triton_attention.paged_attention)
+            self._triton = paged_attention
 
     def forward(
         self, rope: StepRope, hidden: torch.Tensor, kv_cache: torch.Tensor, meta: StepMetadata
@@ -137,18 +137,15 @@ class LlamaAttention(nn.Module):
         kv_cache: torch.Tensor,
         meta: TritonAttentionMetadata,
     ) -> torch.Tensor:
-        """Rotary and the cache write in one kernel, then attention over the cache."""
+        """Rotary, the cache write and attention over the cache: one kernel for a decode
+        step, two for any other (triton_attention.py)."""
         if self._triton is None:
             raise RuntimeError("Triton attention metadata given to a model built unfused")
-        rope_and_cache, attend = self._triton
         heads, kv_heads = self.num_heads, self.num_kv_heads
         if self.q_norm is not None and self.k_norm is not None:
             self.q_norm.normalize_(qkv[:, :heads])
             self.k_norm.normalize_(qkv[:, heads : heads + kv_heads])
-        rope_and_cache(
-            qkv, heads, kv_heads, rope.table, rope.positions, meta.slot_mapping, kv_cache
-        )
-        return attend(qkv[:, :heads], kv_cache, meta, self.scale)
+        return self._triton(qkv, heads, rope.table, kv_cache, meta, self.scale)
 
 
 class LlamaMLP(nn.Module):

@@ -116,11 +116,11 @@ def rope_inv_freq(
 
 @dataclass(frozen=True)
 class StepRope:
-    """One step's rotary inputs, shared by every layer: the table and the positions, and
-    for the plain-torch path the angles looked up once (the fused kernel looks up its own)."""
+    """One step's rotary inputs, shared by every layer: the table, and for the plain-torch
+    path the angles of the step's positions looked up once (the fused kernels look up
+    their own, at the positions of the step's metadata)."""
 
     table: torch.Tensor  # [max_positions, head_dim]: cos then sin
-    positions: torch.Tensor  # [num_tokens]
     cos: torch.Tensor | None = None  # [num_tokens, 1, head_dim / 2]
     sin: torch.Tensor | None = None
 
@@ -143,9 +143,9 @@ class RotaryEmbedding(nn.Module):
 
     def for_step(self, positions: torch.Tensor, look_up: bool) -> StepRope:
         if not look_up:
-            return StepRope(self.cos_sin, positions)
+            return StepRope(self.cos_sin)
         cos, sin = self.lookup(positions)
-        return StepRope(self.cos_sin, positions, cos, sin)
+        return StepRope(self.cos_sin, cos, sin)
 
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, sin), each [num_tokens, 1, head_dim / 2], for positions int64 [num_tokens]."""

@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from zmqworker.dot_precision import dot_precision
+from zmqworker.pdl import launch_options, release_dependents, wait_for_inputs
 
 # Row tiles, one compiled kernel each: a step of m rows takes the first >= m, and steps
 # above the last go to cuBLAS.
@@ -47,7 +48,9 @@ def _gate_up_silu_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     PRECISION: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_inputs(PDL)
     offs_m = tl.arange(0, BLOCK_M)
     m_ok = offs_m < num_rows
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -66,6 +69,7 @@ def _gate_up_silu_kernel(
         w_up = tl.load(up_rows + offs_k[None, :], mask=w_ok, other=0.0)
         gate = tl.dot(x, tl.trans(w_gate), gate, input_precision=PRECISION)
         up = tl.dot(x, tl.trans(w_up), up, input_precision=PRECISION)
+    release_dependents(PDL)
     if HAS_BIAS:
         gate += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
         up += tl.load(bias_ptr + size + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
@@ -137,5 +141,6 @@ def gate_up_silu(
         PRECISION=dot_precision(x.dtype),
         num_warps=warps,
         num_stages=stages,
+        **launch_options(x.device),
     )
     return out

@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from zmqworker.dot_precision import dot_precision
+from zmqworker.pdl import launch_options, release_dependents, wait_for_inputs
 
 # Rows of a step, and the kernel's row tile: measured at 1 and 16 rows only.
 MAX_ROWS = 16
@@ -50,7 +51,9 @@ def _skinny_linear_kernel(
     BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr,
     PRECISION: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_inputs(PDL)
     tile = tl.program_id(0)
     split = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
@@ -69,6 +72,7 @@ def _skinny_linear_kernel(
         x = tl.load(x_rows + offs_k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(w_rows + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
+    release_dependents(PDL)
     mask = m_ok[:, None] & n_ok[None, :]
     cells = offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
     if SPLIT_K > 1:
@@ -190,5 +194,6 @@ def skinny_linear(
         PRECISION=dot_precision(x.dtype),
         num_warps=warps,
         num_stages=stages,
+        **launch_options(x.device),
     )
     return out

@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from zmqworker.pdl import launch_options, release_dependents, wait_for_inputs
+
 
 @triton.jit
 def _rms_norm_kernel(
@@ -28,7 +30,10 @@ def _rms_norm_kernel(
     SIZE: tl.constexpr,
     BLOCK: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_inputs(PDL)
+    release_dependents(PDL)
     # A row is (token, sub-row): sub-rows are heads for q/k norm, one per token otherwise.
     pid = tl.program_id(0).to(tl.int64)
     row, sub = pid // NUM_SUB, pid % NUM_SUB
@@ -95,12 +100,17 @@ def rms_norm(
         SIZE=size,
         BLOCK=triton.next_power_of_2(size),
         HAS_RESIDUAL=residual is not None,
+        **launch_options(x.device),
     )
     return out, residual_out
 
 
 @triton.jit
-def _silu_and_mul_kernel(out_ptr, x_ptr, SIZE: tl.constexpr, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(
+    out_ptr, x_ptr, SIZE: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr
+):
+    wait_for_inputs(PDL)
+    release_dependents(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < SIZE
@@ -120,5 +130,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     if rows == 0:
         return out
     block = min(1024, triton.next_power_of_2(size))
-    _silu_and_mul_kernel[(rows, triton.cdiv(size, block))](out, x, SIZE=size, BLOCK=block)
+    _silu_and_mul_kernel[(rows, triton.cdiv(size, block))](
+        out, x, SIZE=size, BLOCK=block, **launch_options(x.device)
+    )
     return out

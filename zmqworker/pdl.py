@@ -1,0 +1,61 @@
+"""Programmatic dependent launch (PDL) for the Triton kernels of the CUDA step.
+
+A decode step is a chain of a few hundred small kernels, and between two of them the GPU
+waits for the next one to launch and spread its programs, about a microsecond even inside
+a CUDA graph. Launched with PDL (Hopper and newer), a kernel may be placed on the GPU
+while the kernel before it still runs. So every Triton kernel of the step:
+
+- starts with `wait_for_inputs`: it waits until the kernel before it has finished and its
+  writes are visible (gdc_wait). Nothing is read or written before, so a kernel stays
+  correct whatever precedes it (cuBLAS, torch, a kernel that released it early), and the
+  caching allocator's reuse of freed memory in stream order stays safe;
+- calls `release_dependents` once its main loop is done (at once when it has none): the
+  next kernel may then launch, and its programs wait on the GPU for this one to end.
+
+Released at the start instead, the next kernel's programs take their places while this
+one's still stream their weights, and land unevenly over the multiprocessors: the 8B
+shape's batch-1 step took 4.65 ms against 4.46 ms released after the loop, and 4.53 ms
+without PDL (bench/gpu_decode.py, one machine, docs/architecture.md).
+
+Off on the CPU, in Triton's interpreter, before sm_90, and with ZMQWORKER_PDL=0 (a switch
+for measuring it, and for a driver that refuses it in graphs).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+ENABLED = os.environ.get("ZMQWORKER_PDL", "1") != "0"
+
+
+@functools.cache
+def _supported(device_index: int) -> bool:
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return False
+    return torch.cuda.get_device_capability(device_index)[0] >= 9
+
+
+def launch_options(device: torch.device) -> dict[str, bool]:
+    """The keyword arguments of a launch of a kernel that takes a PDL constexpr: the
+    kernel's own switch and Triton's launch option, on together or off together."""
+    on = ENABLED and device.type == "cuda" and _supported(device.index or 0)
+    return {"PDL": on, "launch_pdl": on}
+
+
+@triton.jit
+def wait_for_inputs(PDL: tl.constexpr):
+    """A kernel's first statement: the kernel before it has finished, its writes seen."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+
+
+@triton.jit
+def release_dependents(PDL: tl.constexpr):
+    """The next kernel may launch now; its programs wait for this kernel to end."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
