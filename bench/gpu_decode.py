@@ -171,7 +171,7 @@ class Ours:
         num_blocks = max_batch * self.blocks_per_req
         self.runner.initialize_kv_cache(make_kv_cache_config([spec], num_blocks))
         start = time.perf_counter()
-        self.runner.warm_up([1, 8])
+        self.runner.warm_up([size for size in (1, 8) if size <= max_batch])
         torch.cuda.synchronize()
         self.warm_up_s = time.perf_counter() - start
         # As the worker process does once started: the collector stops walking the heap.
@@ -233,8 +233,9 @@ class Ours:
         return (time.perf_counter() - start) / len(steps)
 
 
-def gpu_busy(run) -> float:
-    """The share of run()'s wall time in which a kernel or a copy ran on the GPU."""
+def profiled_kernels(run) -> tuple[list[tuple[str, int, int]], int, int]:
+    """run() under the profiler: its kernels and copies on the GPU as (name, start ns,
+    end ns), and the wall-clock window (start ns, end ns) around it."""
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=activities) as prof:
         with torch.profiler.record_function("zmqworker_window"):
@@ -245,18 +246,39 @@ def gpu_busy(run) -> float:
     window = next(e for e in events if e.name() == "zmqworker_window" and e.device_type() != cuda)
     lo, hi = window.start_ns(), window.end_ns()
     # Kernels and copies; the annotation's own GPU-side span is not work.
-    spans = sorted(
-        (max(lo, e.start_ns()), min(hi, e.end_ns()))
+    spans = [
+        (e.name(), e.start_ns(), e.end_ns())
         for e in events
         if e.device_type() == cuda and not e.is_user_annotation() and e.end_ns() > lo
-    )
+    ]
+    return spans, lo, hi
+
+
+def gpu_busy(run) -> float:
+    """The share of run()'s wall time in which a kernel or a copy ran on the GPU."""
+    spans, lo, hi = profiled_kernels(run)
     busy, reach = 0, lo
-    for start, end in spans:
+    for start, end in sorted((max(lo, s), min(hi, e)) for _, s, e in spans):
         start = max(start, reach)
         if end > start:
             busy += end - start
             reach = end
     return busy / (hi - lo)
+
+
+def kernel_census(run, steps: int, top: int = 12) -> list[dict]:
+    """The kernels of run()'s steps by total time: launches and microseconds per step.
+    With programmatic dependent launch a kernel's span starts at its launch, so it also
+    counts the time its programs waited for the kernel before them."""
+    spans, _, _ = profiled_kernels(run)
+    by_name: dict[str, list[float]] = {}
+    for name, start, end in spans:
+        by_name.setdefault(name, []).append((end - start) / 1e3)
+    rows = [
+        {"kernel": name[:60], "per_step": len(us) / steps, "us_per_step": sum(us) / steps}
+        for name, us in by_name.items()
+    ]
+    return sorted(rows, key=lambda r: -r["us_per_step"])[:top]
 
 
 def floor_bytes(model: torch.nn.Module, batch: int, context: int, spec) -> int:
@@ -373,6 +395,10 @@ def run_shape(
             busy_pipelined = gpu_busy(lambda s=steps[75:85], o=ours: o.pipelined(s))
             if args.profile_host and batch == batches[0]:
                 profile_host(ours, steps[85:145])
+            if args.census:
+                census = kernel_census(lambda s=steps[145:150], o=ours: o.pipelined(s), 5)
+                print(f"{shape} batch {batch}: kernels of a pipelined step")
+                print_table(census, precision=1)
             context = computed + 40
             row = {
                 "shape": shape,
@@ -418,6 +444,9 @@ def main() -> None:
     parser.add_argument("--no-prefill", action="store_true")
     parser.add_argument(
         "--profile-host", action="store_true", help="cProfile the first batch's steps"
+    )
+    parser.add_argument(
+        "--census", action="store_true", help="each row's kernels by time (profiler)"
     )
     parser.add_argument("--tmp", default=None, help="folder for the random checkpoints")
     parser.add_argument("--out", default=None, help="result file (default bench/results/)")
