@@ -393,12 +393,14 @@ def run_shape(
             busy = gpu_busy(lambda s=steps[35:45], o=ours: o.one_at_a_time(s))
             pipelined = ours.pipelined(steps[45:75])
             busy_pipelined = gpu_busy(lambda s=steps[75:85], o=ours: o.pipelined(s))
-            if args.profile_host and batch == batches[0]:
-                profile_host(ours, steps[85:145])
+            # Steps run in order: each goes on from the tokens the ones before produced.
+            census = None
             if args.census:
-                census = kernel_census(lambda s=steps[145:150], o=ours: o.pipelined(s), 5)
+                census = kernel_census(lambda s=steps[85:90], o=ours: o.pipelined(s), 5)
                 print(f"{shape} batch {batch}: kernels of a pipelined step")
                 print_table(census, precision=1)
+            if args.profile_host and batch == batches[0]:
+                profile_host(ours, steps[90:150])
             context = computed + 40
             row = {
                 "shape": shape,
@@ -410,6 +412,8 @@ def run_shape(
                 "gpu_busy": busy,
                 "gpu_busy_pipelined": busy_pipelined,
             }
+            if census is not None:
+                row["census"] = census
             rows.append(row)
             print(json.dumps(row), flush=True)
         prefill = None
