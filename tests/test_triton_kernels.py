@@ -40,6 +40,9 @@ DEVICE = torch.device(os.environ.get("ZMQWORKER_TEST_DEVICE", "cpu"))
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE.type == "cuda" else [])
 TOLERANCE = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 HEAD_DIM = 16
+# Rotary is exact in the interpreter; compiled, a product may fuse into an FMA (one
+# rounding fewer).
+ROTARY_ULP = {torch.float32: 1e-6, torch.float16: 1e-3, torch.bfloat16: 8e-3}
 
 
 def dense_reference(q, keys, values, context, scale):
@@ -180,8 +183,7 @@ class Step:
             out = attend(qkv, heads, rotary.cos_sin, self.cache, meta, HEAD_DIM**-0.5)
             assert out.shape == (len(self.reqs), heads, HEAD_DIM) and out.dtype == self.dtype
             self.check(out)
-        # Exact in the interpreter; compiled, a product may fuse into an FMA (one rounding).
-        ulp = {torch.float32: 1e-6, torch.float16: 1e-3, torch.bfloat16: 8e-3}[self.dtype]
+        ulp = ROTARY_ULP[self.dtype]
         torch.testing.assert_close(self.cache, expected_cache, atol=ulp, rtol=ulp)
         assert not meta.split_counters.any()
 
@@ -298,8 +300,7 @@ def test_rope_and_cache_matches_rotary_then_write(dtype, heads, kv_heads, block_
     )
     cache = allocate_kv_cache(num_blocks, block_size, kv_heads, HEAD_DIM, dtype, DEVICE)
     rope_and_cache(qkv, heads, kv_heads, rotary.cos_sin, positions.int(), slots.int(), cache)
-    # Exact in the interpreter; compiled, a product may fuse into an FMA (one rounding).
-    ulp = {torch.float32: 1e-6, torch.float16: 1e-3, torch.bfloat16: 8e-3}[dtype]
+    ulp = ROTARY_ULP[dtype]
     torch.testing.assert_close(qkv[:, :heads], q_ref, atol=ulp, rtol=ulp)
     torch.testing.assert_close(cache, expected_cache, atol=ulp, rtol=ulp)
 

@@ -237,9 +237,9 @@ def decode_kernel(
     dtype = kv_ptr.dtype.element_ty
     token = qkv_ptr + req.to(tl.int64) * stride_qkv_tok
     q_ptrs = token + head[:, None] * HEAD_DIM
-    q_mask = row_ok[:, None] & d_ok[None, :]
-    q_own = tl.load(q_ptrs + offs_d[None, :], mask=q_mask, other=0.0).to(tl.float32)
-    q_partner = tl.load(q_ptrs + partner[None, :], mask=q_mask, other=0.0).to(tl.float32)
+    mask = row_ok[:, None] & d_ok[None, :]  # the query heads' cells, loaded and stored
+    q_own = tl.load(q_ptrs + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
+    q_partner = tl.load(q_ptrs + partner[None, :], mask=mask, other=0.0).to(tl.float32)
     q = rotate(q_own, q_partner, cos[None, :], signed_sin[None, :], dtype)
     # The split holding the last position writes the token's key and value into the
     # cache, and reads them back with the rest of its tiles once every warp has stored.
@@ -282,7 +282,6 @@ def decode_kernel(
     release_dependents(PDL)
     # An empty range (padding rows of a graph, empty splits) yields zeros, not NaN.
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    mask = row_ok[:, None] & d_ok[None, :]
     if NUM_SPLITS == 1:
         o_ptrs = out_ptr + req.to(tl.int64) * stride_o_tok + head[:, None] * stride_o_head
         tl.store(o_ptrs + offs_d[None, :], out.to(out_ptr.dtype.element_ty), mask=mask)
