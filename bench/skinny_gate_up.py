@@ -6,9 +6,9 @@ L2), timed from a CUDA graph of the whole stack (triton.testing.do_bench_cudagra
 against the floor: the weights' bytes at the device-to-device bandwidth measured in the
 same run.
 
-    python -m bench.skinny_gate_up [--out FILE] [--sweep]
+    python -m bench.skinny_gate_up [--out FILE] [--models a,b] [--sweep] [--sweep-rows 1,16]
 
---sweep also times the kernel under other tile settings at 1 and 16 rows.
+--sweep also times the kernel under other tile settings at --sweep-rows rows.
 """
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ import triton.testing
 from bench.attention_kernels import MODELS
 from bench.common import print_table, write_results
 from bench.gpu_decode import hbm_bandwidth
-from zmqworker.models.layers.skinny_gate_up import MAX_ROWS, ROW_TILES, gate_up_silu
+from zmqworker.models.layers.row_tiles import MAX_ROWS, ROW_TILES
+from zmqworker.models.layers.skinny_gate_up import gate_up_silu
 from zmqworker.models.layers.triton_ops import silu_and_mul
 
 LAYERS = {"smollm2-135m": 30, "llama-3.2-1b": 16, "llama-3-8b": 32}
@@ -57,10 +58,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=None)
     parser.add_argument("--sweep", action="store_true")
+    parser.add_argument("--models", default=",".join(LAYERS))
+    parser.add_argument("--sweep-rows", default="1,16")
     args = parser.parse_args()
+    sweep_rows = [int(r) for r in args.sweep_rows.split(",")]
     bandwidth = hbm_bandwidth()
     rows, sweep = [], []
-    for model in LAYERS:
+    for model in args.models.split(","):
         weights = stack_weights(model)
         hidden = weights[0].shape[1]
         floor = sum(w.numel() * 2 for w in weights) / bandwidth * 1e6
@@ -83,15 +87,15 @@ def main() -> None:
                 }
             )
             print(json.dumps(rows[-1]), flush=True)
-        for batch in (1, MAX_ROWS) if args.sweep else ():
+        for batch in sweep_rows if args.sweep else ():
             x = x0[:batch]
-            best_us, best = min((timed_us(fused(x, weights, t), 20), t) for t in SWEEP)
+            timed = sorted((timed_us(fused(x, weights, t), 20), t) for t in SWEEP)
             sweep.append(
                 {
                     "model": model,
                     "batch": batch,
-                    "best_x_floor": best_us / floor,
-                    "best_tiles": "n{} k{} w{} s{}".format(*best),
+                    "best_x_floor": timed[0][0] / floor,
+                    "best": [f"n{n} k{k} w{w} s{st}: {us:.1f}" for us, (n, k, w, st) in timed[:4]],
                 }
             )
             print(json.dumps(sweep[-1]), flush=True)

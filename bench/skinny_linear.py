@@ -6,10 +6,11 @@ L2), timed from a CUDA graph of the whole stack (triton.testing.do_bench_cudagra
 against the floor: the weights' bytes at the device-to-device bandwidth measured in the
 same run.
 
-    python -m bench.skinny_linear [--out FILE] [--sweep]
+    python -m bench.skinny_linear [--out FILE] [--models a,b] [--sweep] [--sweep-rows 1,16]
 
---sweep also times the kernel under other tile settings at 1 and 16 rows. Rows say
-whether the model's layers of that shape take the kernel (skinny_linear.pays).
+--sweep also times the kernel under other tile settings at --sweep-rows rows. Rows say
+whether the model's layers of that shape take the kernel at that size
+(skinny_linear.row_limit).
 """
 
 from __future__ import annotations
@@ -25,16 +26,24 @@ from bench.attention_kernels import MODELS
 from bench.common import print_table, write_results
 from bench.gpu_decode import hbm_bandwidth
 from bench.skinny_gate_up import LAYERS, timed_us
+from zmqworker.models.layers.row_tiles import ROW_TILES
 from zmqworker.models.layers.skinny_linear import (
+    LARGE_WEIGHT_ROWS,
     MAX_ROWS,
     counter_slots,
     k_splits,
-    pays,
+    row_limit,
     skinny_linear,
 )
 
-BATCHES = (1, 4, 8, MAX_ROWS)
-SWEEP = [(n, k, split, 4, 3) for n in (32, 64, 128) for k in (128, 256) for split in (1, 2, 4, 8)]
+BATCHES = (1, 4, 8, *ROW_TILES)
+SWEEP = [
+    (n, k, split, w, 3)
+    for n in (16, 32, 64, 128)
+    for k in (64, 128, 256)
+    for split in (1, 2, 4, 8)
+    for w in (2, 4)
+]
 
 
 def op_shapes(model: str) -> dict[str, tuple[int, int]]:
@@ -59,10 +68,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=None)
     parser.add_argument("--sweep", action="store_true")
+    parser.add_argument("--models", default=",".join(LAYERS))
+    parser.add_argument("--sweep-rows", default=f"1,{LARGE_WEIGHT_ROWS}")
     args = parser.parse_args()
+    sweep_rows = [int(r) for r in args.sweep_rows.split(",")]
     bandwidth = hbm_bandwidth()
     rows, sweep = [], []
-    for model in LAYERS:
+    for model in args.models.split(","):
         for op, (n, k) in op_shapes(model).items():
             weights = [
                 torch.randn(n, k, dtype=torch.bfloat16, device="cuda") / k**0.5
@@ -83,7 +95,7 @@ def main() -> None:
                         "model": model,
                         "op": op,
                         "batch": batch,
-                        "used": pays(n, k),
+                        "used": batch <= row_limit(n, k),
                         "cublas_us": cublas_us,
                         "skinny_us": skinny_us,
                         "floor_us": floor,
@@ -94,7 +106,7 @@ def main() -> None:
                     }
                 )
                 print(json.dumps(rows[-1]), flush=True)
-            for batch in (1, MAX_ROWS) if args.sweep else ():
+            for batch in sweep_rows if args.sweep else ():
                 x = x0[:batch]
                 timed = []
                 for tiles in SWEEP:

@@ -401,7 +401,7 @@ def _linear_case(dtype, rows, n, k, bias, seed):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rows", [1, 5, skinny.MAX_ROWS])
+@pytest.mark.parametrize("rows", [1, 5, 20, skinny.MAX_ROWS])  # each row tile
 @pytest.mark.parametrize("bias", [False, True])
 def test_skinny_linear_matches_the_projection(dtype, rows, bias):
     # 72 outputs and 300 inputs: neither a multiple of the tiles, and split 3 ways.
@@ -444,10 +444,10 @@ def test_skinny_linear_refuses_what_it_cannot_run():
         skinny.skinny_linear(tall, weight, None, counters)
     with pytest.raises(ValueError, match="must be contiguous"):
         skinny.skinny_linear(x, torch.zeros(32, 64, device=DEVICE).T, None, counters)
-    with pytest.raises(ValueError, match="needs at least 2 int32 counters"):
+    with pytest.raises(ValueError, match="needs at least 4 int32 counters"):
         skinny.skinny_linear(x, weight, None, counters[:1])
     with pytest.raises(ValueError, match="below the counters' tile"):
-        skinny.skinny_linear(x, weight, None, counters, tiles=(16, 32, 2, 4, 3))
+        skinny.skinny_linear(x, weight, None, counters, tiles=(8, 32, 2, 4, 3))
     with pytest.raises(ValueError, match=r"bias \(3,\) torch.float32 on .* must be \[64\]"):
         skinny.skinny_linear(x, weight, torch.zeros(3, device=DEVICE), counters)
     with pytest.raises(ValueError, match="weight .* torch.float16 .* must be torch.float32"):
@@ -459,9 +459,12 @@ def test_skinny_path_takes_the_kernel_where_it_pays_and_for_decode_sized_steps()
     assert skinny.pays(960, 576)  # SmolLM2's q/k/v: small
     assert not skinny.pays(6144, 4096) and not skinny.pays(3072, 2048)  # 8B's, 1B's q/k/v
     assert SkinnyPath(6144, 4096, enabled=True).kernel is None
+    # Small weights to 32 rows, large ones to 16, as measured.
+    assert skinny.row_limit(960, 576) == skinny.SMALL_WEIGHT_ROWS == 32
+    assert skinny.row_limit(4096, 4096) == 16 and skinny.row_limit(6144, 4096) == 0
     path = SkinnyPath(72, 300, enabled=True).to(DEVICE)
     assert path.kernel is not None and not path.counters.any()
-    for rows in (3, skinny.MAX_ROWS, skinny.MAX_ROWS + 5):  # the last one: cuBLAS
+    for rows in (3, 32, 33):  # the last one: cuBLAS
         x, weight, b, _ = _linear_case(torch.float32, rows, 72, 300, True, 15)
         want = torch.nn.functional.linear(x, weight, b)
         torch.testing.assert_close(path(x, weight, b), want, atol=1e-5, rtol=1e-5)

@@ -187,13 +187,13 @@ def test_token_feed_skips_a_row_taken_by_another_request() -> None:
 def spy_on_mlp_kernels(monkeypatch) -> set[int | str]:
     """The skinny MLP kernel's row tiles that run, and "silu" once the SiLU kernel runs
     (steps above the tiles); spied on before a runner is built, which binds them."""
-    from zmqworker.models.layers import skinny_gate_up, triton_ops
+    from zmqworker.models.layers import row_tiles, skinny_gate_up, triton_ops
 
     seen: set[int | str] = set()
     skinny, silu = skinny_gate_up.gate_up_silu, triton_ops.silu_and_mul
 
     def skinny_spy(x, *args, **kwargs):
-        seen.add(skinny_gate_up.row_tile(x.shape[0]))
+        seen.add(row_tiles.row_tile(x.shape[0]))
         return skinny(x, *args, **kwargs)
 
     def silu_spy(x):
@@ -209,7 +209,7 @@ def test_warm_up_runs_each_kernel_choice_of_the_mlp(monkeypatch) -> None:
     """Each row tile of the skinny MLP kernel is a compile of its own, and so is the SiLU
     kernel of larger steps: decodes of up to max_num_seqs requests reach the first tile
     only, and warm-up runs prefills of the token counts that reach the others."""
-    from zmqworker.models.layers.skinny_gate_up import ROW_TILES
+    from zmqworker.models.layers.row_tiles import ROW_TILES
 
     seen = spy_on_mlp_kernels(monkeypatch)
     runner = make_runner(small_checkpoint("llama"), max_seqs=8, max_tokens=80, kernels="triton")

@@ -161,9 +161,9 @@ class TritonPath:
 
     def decode_kernel_sizes(self, max_reqs: int) -> list[int]:
         """The smallest batch size of each decode split count, and of each row tile of the
-        skinny MLP kernel and of the steps above them, up to max_reqs: a step compiles
-        each of those kernels once."""
-        from zmqworker.models.layers.skinny_gate_up import tile_starts
+        skinny projections (row_tiles.py) and of the steps above them, up to max_reqs: a
+        step compiles each of those kernels once."""
+        from zmqworker.models.layers.row_tiles import tile_starts
 
         sizes: dict[int, int] = {}
         for size in range(max_reqs, 0, -1):
@@ -172,9 +172,9 @@ class TritonPath:
         return sorted(set(sizes.values()) | set(tiles))
 
     def prefill_kernel_tokens(self, max_reqs: int, max_tokens: int) -> list[int]:
-        """The token counts of the skinny MLP kernel's row tiles (and of the steps above
+        """The token counts of the skinny projections' row tiles (and of the steps above
         them) that only steps of more tokens than requests reach: prefills."""
-        from zmqworker.models.layers.skinny_gate_up import tile_starts
+        from zmqworker.models.layers.row_tiles import tile_starts
 
         return [s for s in tile_starts() if max_reqs < s <= max_tokens]
 

@@ -42,9 +42,9 @@ class SkinnyPath(nn.Module):
         if enabled:
             from zmqworker.models.layers import skinny_linear
 
-            if skinny_linear.pays(out_features, in_features):
+            self.max_rows = skinny_linear.row_limit(out_features, in_features)
+            if self.max_rows:
                 self.kernel = skinny_linear.skinny_linear
-                self.max_rows = skinny_linear.MAX_ROWS
                 slots = skinny_linear.counter_slots(out_features)
         self.register_buffer("counters", torch.zeros(slots, dtype=torch.int32), persistent=False)
 

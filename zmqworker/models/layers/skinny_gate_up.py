@@ -24,12 +24,11 @@ import triton
 import triton.language as tl
 
 from zmqworker.dot_precision import dot_precision
+from zmqworker.models.layers import row_tiles
 from zmqworker.pdl import launch_options, release_dependents, wait_for_inputs
 
-# Row tiles, one compiled kernel each: a step of m rows takes the first >= m, and steps
-# above the last go to cuBLAS.
-ROW_TILES = (16, 32, 64)
-MAX_ROWS = ROW_TILES[-1]
+# Steps above the last row tile go to cuBLAS and the SiLU kernel.
+MAX_ROWS = row_tiles.MAX_ROWS
 
 
 # num_rows changes with every step: specialised, each new kind would cost a compile.
@@ -81,16 +80,6 @@ def _gate_up_silu_kernel(
     tl.store(out_ptrs, (act * up).to(dtype), mask=m_ok[:, None] & n_ok[None, :])
 
 
-def row_tile(rows: int) -> int:
-    return next(t for t in ROW_TILES if t >= rows)
-
-
-def tile_starts() -> list[int]:
-    """The fewest rows of each row tile, and of the steps above them (cuBLAS and the SiLU
-    kernel): a step of each compiles what steps of its range run."""
-    return [1] + [t + 1 for t in ROW_TILES]
-
-
 def _tiles(block_m: int, size: int, k: int) -> tuple[int, int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps, num_stages) for a [2 * size, k] weight at a row tile:
     the best of sweeps on an H200 (bench/skinny_gate_up.py --sweep)."""
@@ -123,7 +112,7 @@ def gate_up_silu(
     out = torch.empty(rows, size, dtype=x.dtype, device=x.device)
     if rows == 0:
         return out
-    block_m = row_tile(rows)
+    block_m = row_tiles.row_tile(rows)
     block_n, block_k, warps, stages = tiles or _tiles(block_m, size, k)
     _gate_up_silu_kernel[(triton.cdiv(size, block_n),)](
         out,

@@ -2,7 +2,7 @@
 a split-K GEMM and then a second kernel that sums its splits. Layers take it where it
 measured faster than cuBLAS (pays; linear.SkinnyPath).
 
-At up to MAX_ROWS rows a projection is a read of its weight, and a decode step has a few
+At decode-sized steps a projection is a read of its weight, and a decode step has a few
 of them per layer (q/k/v, o, down) of a few MB to a hundred MB each. To keep every
 multiprocessor streaming, the K dimension is split over SPLIT_K programs per BLOCK_N
 output features; each writes its float32 partial sums, and the program of a feature tile
@@ -20,15 +20,21 @@ import triton
 import triton.language as tl
 
 from zmqworker.dot_precision import dot_precision
+from zmqworker.models.layers import row_tiles
 from zmqworker.pdl import launch_options, release_dependents, wait_for_inputs
 
-# Rows of a step, and the kernel's row tile: measured at 1 and 16 rows only.
-MAX_ROWS = 16
-MIN_BLOCK_N = 32
+# The most rows the kernel takes (its largest row tile, row_tiles.py), and the most a
+# layer sends it unless its weight is small (row_limit).
+MAX_ROWS = row_tiles.MAX_ROWS
+LARGE_WEIGHT_ROWS = 16
+MIN_BLOCK_N = 16
 # About three programs per multiprocessor of an H200.
 MAX_PROGRAMS = 384
 # Weights of fewer elements are launch-bound, and the kernel's one launch pays.
 SMALL_WEIGHT = 1 << 22
+# Measured on an H200 (bench/results/skinny_linear_rows.json): SmolLM2's projections took
+# the kernel over cuBLAS up to 32 rows, and lost to it at 64.
+SMALL_WEIGHT_ROWS = 32
 
 
 # num_rows changes with every step: specialised, each new kind would cost a compile.
@@ -106,6 +112,18 @@ def pays(out_features: int, in_features: int) -> bool:
     return in_features >= out_features or out_features * in_features < SMALL_WEIGHT
 
 
+def row_limit(out_features: int, in_features: int) -> int:
+    """The most rows a layer of this shape sends the kernel (0: none). Small weights are
+    launch-bound at every decode size: up to MAX_ROWS, the whole step's chain of kernels
+    stays in Triton, where each launches before the one ahead of it ends (pdl.py); cuBLAS
+    cannot. Large ones, measured up to 16 rows, stop there."""
+    if not pays(out_features, in_features):
+        return 0
+    if out_features * in_features < SMALL_WEIGHT:
+        return SMALL_WEIGHT_ROWS
+    return LARGE_WEIGHT_ROWS
+
+
 def counter_slots(out_features: int) -> int:
     """The counters a layer of this many output features needs (its smallest tiles')."""
     return triton.cdiv(out_features, MIN_BLOCK_N)
@@ -119,12 +137,16 @@ def k_splits(k: int, block_k: int, split_k: int) -> tuple[int, int]:
     return triton.cdiv(steps, per_split), per_split
 
 
-def _tiles(n: int) -> tuple[int, int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages) for a weight of n outputs: narrow
-    tiles for narrow layers, and the most splits (up to 8) that keep the launch within
-    MAX_PROGRAMS. On an H200 (bench/skinny_linear.py --sweep), at 1 row, this is the best
-    setting or within 4% of it for q/k/v, o and down of SmolLM2-135M, Llama-3.2-1B and
-    Llama-3-8B, but for 1B's q/k/v (6% off the best, and 10% slower than cuBLAS)."""
+def _tiles(n: int, k: int, rows: int) -> tuple[int, int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages) for a weight [n, k] at a step of
+    this many rows: narrow tiles for narrow layers, and the most splits (up to 8) that
+    keep the launch within MAX_PROGRAMS. On an H200 (bench/skinny_linear.py --sweep), at
+    1 row, this is the best setting or within 5% of it for q/k/v, o and down of
+    SmolLM2-135M, Llama-3.2-1B and Llama-3-8B. From 32 rows (small weights only,
+    row_limit) a K of at most 1024 goes unsplit over twice the programs: 17% less time
+    for SmolLM2's q/k/v and o at 32 rows (bench/results/skinny_linear_rows.json)."""
+    if rows > LARGE_WEIGHT_ROWS and k <= 1024:
+        return 16, 128, 1, 4, 3
     block_n = 32 if n <= 1024 else 64
     split_k = 8
     while split_k > 1 and triton.cdiv(n, block_n) * split_k > MAX_PROGRAMS:
@@ -139,7 +161,8 @@ def skinny_linear(
     counters: torch.Tensor,
     tiles: tuple[int, int, int, int, int] | None = None,
 ) -> torch.Tensor:
-    """x W^T + b for x [m <= MAX_ROWS, k] and a contiguous weight [n, k]: [m, n].
+    """x W^T + b for x [m <= MAX_ROWS, k] and a contiguous weight [n, k]: [m, n], through
+    the kernel compiled for m's row tile.
     counters: int32 zeros of at least counter_slots(n), left zero. tiles overrides the
     shape's (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages) (benchmarks)."""
     if x.dim() != 2 or x.stride(1) != 1 or x.shape[0] > MAX_ROWS:
@@ -167,7 +190,7 @@ def skinny_linear(
     out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
     if rows == 0:
         return out
-    block_n, block_k, split_k, warps, stages = tiles or _tiles(n)
+    block_n, block_k, split_k, warps, stages = tiles or _tiles(n, k, rows)
     if block_n < MIN_BLOCK_N:
         raise ValueError(f"BLOCK_N {block_n} is below the counters' tile {MIN_BLOCK_N}")
     split_k, steps_per_split = k_splits(k, block_k, split_k)
@@ -187,7 +210,7 @@ def skinny_linear(
         steps_per_split * block_k,
         x.stride(0),
         HAS_BIAS=bias is not None,
-        BLOCK_M=MAX_ROWS,
+        BLOCK_M=row_tiles.row_tile(rows),
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         SPLIT_K=split_k,
