@@ -344,7 +344,7 @@ def test_no_triton_kernel_compiles_after_warm_up() -> None:
     """Steps of every kind and size after warm-up find their kernels compiled: a compile at
     serving time stalls every request for hundreds of milliseconds."""
     from zmqworker.attention import triton_cache, triton_kernels
-    from zmqworker.model_runner import token_feed
+    from zmqworker.model_runner import greedy_ids, token_feed
     from zmqworker.models.layers import skinny_gate_up, skinny_linear, triton_ops
 
     kernels = [
@@ -356,6 +356,7 @@ def test_no_triton_kernel_compiles_after_warm_up() -> None:
         triton_ops._rms_norm_kernel,
         triton_ops._silu_and_mul_kernel,
         token_feed._feed_kernel,
+        greedy_ids._greedy_ids_kernel,
     ]
 
     def compiled() -> list[int]:  # Triton keeps each JIT function's binaries per device

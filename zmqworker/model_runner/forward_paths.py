@@ -255,6 +255,8 @@ class TritonPath:
 
     def _graph_body(self, size: int) -> HiddenStates:
         """A decode step of `size` rows over the persistent buffers, as a graph records it."""
+        from zmqworker.model_runner.greedy_ids import greedy_ids
+
         model = self.model
         step = self.inputs.views(size, size, 1, None)
         hidden_in = None
@@ -273,5 +275,5 @@ class TritonPath:
             logits = model.compute_logits(out)
             # After the feed read the previous samples: this step's greedy ids take
             # their place (a sampler that runs after the replay overwrites them).
-            self.inputs.sampled[:size].copy_(logits.argmax(dim=-1))
+            greedy_ids(logits, self.inputs.sampled[:size])
             return {"logits": logits}

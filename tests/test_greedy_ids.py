@@ -1,0 +1,60 @@
+"""The decode graph's greedy ids (model_runner/greedy_ids.py) against torch's argmax.
+
+Without a GPU the kernel runs in Triton's interpreter on CPU tensors."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from zmqworker.model_runner.greedy_ids import CHUNK, greedy_ids  # noqa: E402
+
+DEVICE = torch.device(os.environ.get("ZMQWORKER_TEST_DEVICE", "cpu"))
+
+
+def _ids(logits: torch.Tensor) -> torch.Tensor:
+    out = torch.full((logits.shape[0],), -7, dtype=torch.int32, device=logits.device)
+    assert greedy_ids(logits, out) is out
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("vocab", [1000, 2 * CHUNK + 77])
+def test_greedy_ids_are_torchs_argmax(dtype, vocab):
+    gen = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(5, vocab, generator=gen).to(dtype).to(DEVICE)
+    torch.testing.assert_close(_ids(logits), logits.argmax(-1).to(torch.int32))
+
+
+def test_ties_go_to_the_first_largest_within_and_across_chunks():
+    vocab = 2 * CHUNK + 77
+    logits = torch.zeros(4, vocab, device=DEVICE)
+    logits[0, [5, 9]] = 3.0  # within a chunk
+    logits[1, [CHUNK - 1, CHUNK, 2 * CHUNK + 3]] = 3.0  # across chunks: the first
+    logits[2, [2 * CHUNK + 76, CHUNK + 1]] = 3.0  # the later chunk's is first in order
+    logits[3] = float("-inf")  # nothing is larger than -inf: index 0, as torch
+    assert _ids(logits).tolist() == [5, CHUNK - 1, CHUNK + 1, 0]
+    assert logits.argmax(-1).tolist() == [5, CHUNK - 1, CHUNK + 1, 0]
+
+
+def test_nan_wins_and_rows_may_be_strided():
+    wide = torch.randn(3, 3000, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    logits = wide[:, :2500]  # a row stride of 3000
+    logits[1, 1234] = float("nan")
+    logits[2, 2499] = 1e4
+    assert _ids(logits).tolist() == logits.argmax(-1).tolist()
+    assert _ids(logits)[1:].tolist() == [1234, 2499]
+
+
+def test_greedy_ids_refuses_what_it_cannot_write():
+    logits = torch.randn(2, 64, device=DEVICE)
+    with pytest.raises(ValueError, match="unit last stride"):
+        greedy_ids(logits.T, torch.zeros(64, dtype=torch.int32, device=DEVICE))
+    with pytest.raises(ValueError, match=r"out must be int32 \[2\]"):
+        greedy_ids(logits, torch.zeros(2, dtype=torch.int64, device=DEVICE))
+    with pytest.raises(ValueError, match=r"out must be int32 \[2\]"):
+        greedy_ids(logits, torch.zeros(3, dtype=torch.int32, device=DEVICE))
