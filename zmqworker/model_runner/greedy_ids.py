@@ -39,7 +39,8 @@ def _greedy_ids_kernel(
     for c in tl.static_range(NUM_CHUNKS):
         at = c * CHUNK + offs
         values = tl.load(row + at, mask=at < vocab, other=float("-inf")).to(tl.float32)
-        values = tl.where(values != values, float("inf"), values)  # NaN wins, as in torch
+        # NaN counts as +inf: it wins over any number, as in torch.
+        values = tl.where(values != values, float("inf"), values)
         top, top_at = tl.max(values, 0, return_indices=True, return_indices_tie_break_left=True)
         # Strictly larger: on a tie the earlier chunk keeps it. An all -inf row gives 0.
         better = top > best

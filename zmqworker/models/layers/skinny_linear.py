@@ -1,6 +1,7 @@
 """A linear layer of a decode-sized step, split along K: one Triton kernel where cuBLAS runs
 a split-K GEMM and then a second kernel that sums its splits. Layers take it where it
-measured faster than cuBLAS (pays; linear.SkinnyPath).
+measured faster than cuBLAS, up to the rows it was measured faster at (row_limit;
+linear.SkinnyPath).
 
 At decode-sized steps a projection is a read of its weight, and a decode step has a few
 of them per layer (q/k/v, o, down) of a few MB to a hundred MB each. To keep every
@@ -114,9 +115,9 @@ def pays(out_features: int, in_features: int) -> bool:
 
 def row_limit(out_features: int, in_features: int) -> int:
     """The most rows a layer of this shape sends the kernel (0: none). Small weights are
-    launch-bound at every decode size: up to MAX_ROWS, the whole step's chain of kernels
-    stays in Triton, where each launches before the one ahead of it ends (pdl.py); cuBLAS
-    cannot. Large ones, measured up to 16 rows, stop there."""
+    launch-bound at every decode size: up to SMALL_WEIGHT_ROWS, a small model's chain of
+    kernels stays in Triton, where each launches before the one ahead of it ends
+    (pdl.py); cuBLAS cannot. Large ones, measured up to 16 rows, stop there."""
     if not pays(out_features, in_features):
         return 0
     if out_features * in_features < SMALL_WEIGHT:
@@ -141,10 +142,11 @@ def _tiles(n: int, k: int, rows: int) -> tuple[int, int, int, int, int]:
     """(BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages) for a weight [n, k] at a step of
     this many rows: narrow tiles for narrow layers, and the most splits (up to 8) that
     keep the launch within MAX_PROGRAMS. On an H200 (bench/skinny_linear.py --sweep), at
-    1 row, this is the best setting or within 5% of it for q/k/v, o and down of
-    SmolLM2-135M, Llama-3.2-1B and Llama-3-8B. From 32 rows (small weights only,
-    row_limit) a K of at most 1024 goes unsplit over twice the programs: 17% less time
-    for SmolLM2's q/k/v and o at 32 rows (bench/results/skinny_linear_rows.json)."""
+    1 row, this was the best setting or within 4% of it for q/k/v, o and down of
+    SmolLM2-135M, Llama-3.2-1B and Llama-3-8B, but for 1B's q/k/v (6% off the best, and
+    slower than cuBLAS; bench/results/skinny_linear_sweep.json). From 32 rows (small
+    weights only, row_limit) a K of at most 1024 goes unsplit over twice the programs:
+    17% less time for SmolLM2's q/k/v and o at 32 rows (skinny_linear_rows.json)."""
     if rows > LARGE_WEIGHT_ROWS and k <= 1024:
         return 16, 128, 1, 4, 3
     block_n = 32 if n <= 1024 else 64
