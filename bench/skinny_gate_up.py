@@ -89,7 +89,13 @@ def main() -> None:
             print(json.dumps(rows[-1]), flush=True)
         for batch in sweep_rows if args.sweep else ():
             x = x0[:batch]
-            timed = sorted((timed_us(fused(x, weights, t), 20), t) for t in SWEEP)
+            timed = []
+            for tiles in SWEEP:
+                try:
+                    timed.append((timed_us(fused(x, weights, tiles), 20), tiles))
+                except triton.runtime.errors.OutOfResources:
+                    continue  # wide tiles at many rows outgrow shared memory
+            timed.sort()
             sweep.append(
                 {
                     "model": model,
