@@ -262,22 +262,29 @@ def step():
     temporaries = [torch.ones(n << 18) for n in (24, 8, 16, 4, 12)]  # MB, as activations
     del temporaries
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
-print(*[step() for _ in range(4)])
+print(*[step() for _ in range(8)])
 """
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc")
 def test_freed_step_memory_stays_mapped_once_kept():
     """With keep_freed_memory (a CPU worker's, after warm-up), step-sized temporaries are
-    mostly reused from the second step on; without it, glibc gives them back and every
-    step faults them in again (host_malloc.py)."""
+    mostly reused from the second step on; without it, glibc gives them back and the next
+    steps fault them in again (host_malloc.py).
+
+    Which later step faults, and how much, varies from run to run with the address layout
+    (kept: up to 5k of a step's 16k pages fault again, in one or two of seven steps; plain:
+    the second step faults all of them again, later ones all or none). So the test asks
+    that the kept process's seven later steps together fault less than its first one, and
+    that the plain one's second step alone faults more than half as much as its first."""
     root = Path(__file__).resolve().parent.parent
     faults = {}
     for how in ("kept", "plain"):
         out = subprocess.run([sys.executable, "-c", STEP_MEMORY_SCRIPT, how], cwd=root,
                              capture_output=True, text=True, timeout=120, check=True)  # fmt: skip
         faults[how] = [int(n) for n in out.stdout.split()]
-    assert 4 * sum(faults["kept"][1:]) < sum(faults["plain"][1:]), faults
+    kept, plain = faults["kept"], faults["plain"]
+    assert sum(kept[1:]) < kept[0] and plain[1] > plain[0] / 2, faults
 
 
 class Extension:
