@@ -6,7 +6,8 @@ A struct is an object: "type" (its name), then every field in declaration order,
 defaults included. A map is an object, a list an array. An array or tensor is an object
 {"array": "numpy" (ext 1, 2) or "torch" (ext 3, 4), "dtype", "shape", "values": its
 elements flat, in C order}; float16 and bfloat16 values are their raw bits as unsigned
-16-bit integers, float32 values the double they equal.
+16-bit integers, float32 values the double they equal. JSON has no number for infinity or
+NaN: a float that is not finite (a logprob of -inf) is the string "inf", "-inf" or "nan".
 """
 
 from __future__ import annotations
@@ -43,15 +44,25 @@ def plain(value: Any) -> Any:
         return {key: plain(v) for key, v in value.items()}
     if isinstance(value, list | tuple):
         return [plain(v) for v in value]
-    if isinstance(value, float) and not math.isfinite(value):
-        raise ValueError(f"{value} has no JSON form")
+    if isinstance(value, float):
+        return _float(value)
     return value
+
+
+def _float(value: float) -> float | str:
+    """value, or the string that stands for it where JSON has no number."""
+    if math.isfinite(value):
+        return value
+    return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
 
 
 def _array(kind: str, dtype: str, shape: tuple[int, ...], values: np.ndarray) -> dict:
     if dtype not in DTYPE_NAMES:
         raise ValueError(f"dtype {dtype} has no wire code")
-    return {"array": kind, "dtype": dtype, "shape": list(shape), "values": values.ravel().tolist()}
+    flat = values.ravel().tolist()
+    if values.dtype.kind == "f":
+        flat = [_float(v) for v in flat]
+    return {"array": kind, "dtype": dtype, "shape": list(shape), "values": flat}
 
 
 def conformance_json(msg: Any, num_data_frames: int) -> str:

@@ -24,6 +24,7 @@ from messages.config import (
     SchedulerConfig,
     WorkerConfig,
 )
+from messages.example_stream import Stream
 from messages.kv_cache import KVCacheSpec, make_kv_cache_config
 from messages.rpc import (
     Hello,
@@ -51,7 +52,7 @@ from messages.step import (
 from messages.version import PROTOCOL_VERSION
 
 BLOCK_SIZE = 16
-NUM_BLOCKS = 40_000
+NUM_BLOCKS = 4096  # the KV cache of request_initialize_from_config: every block id is below it
 VOCAB_SIZE = 49_152  # SmolLM2's
 HIDDEN_SIZE = 576  # SmolLM2-135M's
 DEADLINE = 1_767_225_600.25  # a fixed instant: fixtures must not depend on the clock
@@ -63,47 +64,14 @@ def req_id(i: int) -> str:
     return f"cmpl-{hashlib.md5(str(i).encode()).hexdigest()}-0"
 
 
-class _Stream:
-    """Deterministic pseudo-random numbers (splitmix64 over a counter). Not
-    np.random.Generator: numpy does not promise its streams stay the same across
-    releases, and the fixtures' bytes must not change with the numpy version."""
-
-    def __init__(self, seed: int) -> None:
-        self._next = seed << 32
-
-    def _u64(self, n: int) -> np.ndarray:
-        x = np.arange(self._next, self._next + n, dtype=np.uint64)
-        self._next += n
-        # integer arrays wrap silently: the multiplications are mod 2**64 on purpose
-        x = x * np.uint64(0x9E3779B97F4A7C15)
-        z = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-        return z ^ (z >> np.uint64(31))
-
-    def ints(self, shape: int | tuple[int, ...], low: int, high: int) -> np.ndarray:
-        """int32 values in [low, high)."""
-        n = math.prod(shape) if isinstance(shape, tuple) else shape
-        values = (self._u64(n) % np.uint64(high - low)).astype(np.int64) + low
-        return values.astype(np.int32).reshape(shape)
-
-    def floats(self, shape: tuple[int, ...], low: float, high: float) -> np.ndarray:
-        """float32 values in [low, high), multiples of (high - low) / 2**24."""
-        unit = (self._u64(math.prod(shape)) >> np.uint64(40)).astype(np.float32) / 2**24
-        return (unit * np.float32(high - low) + np.float32(low)).reshape(shape)
-
-    def distinct(self, n: int, high: int) -> np.ndarray:
-        """n distinct int32 values in [0, high)."""
-        return np.argsort(self._u64(high), kind="stable")[:n].astype(np.int32)
-
-
-def _blocks(rng: _Stream, num_tokens: int) -> np.ndarray:
+def _blocks(rng: Stream, num_tokens: int) -> np.ndarray:
     """A block table covering num_tokens tokens, of distinct random block ids."""
     n = math.ceil(num_tokens / BLOCK_SIZE)
     return rng.distinct(n, NUM_BLOCKS)
 
 
 def _new_request(
-    rng: _Stream,
+    rng: Stream,
     handle: int,
     prompt_len: int,
     num_scheduled: int | None = None,
@@ -124,7 +92,7 @@ def _new_request(
 
 def prefill_step(num_reqs: int = 8, prompt_len: int = 2048, seed: int = 0) -> SchedulerOutput:
     """num_reqs new requests, each computing its whole prompt of prompt_len tokens."""
-    rng = _Stream(seed)
+    rng = Stream(seed)
     new = [_new_request(rng, h, prompt_len) for h in range(num_reqs)]
     return SchedulerOutput(
         scheduled_new_reqs=new,
@@ -135,10 +103,13 @@ def prefill_step(num_reqs: int = 8, prompt_len: int = 2048, seed: int = 0) -> Sc
 
 def decode_step(num_reqs: int = 256, new_block_every: int = 16, seed: int = 0) -> SchedulerOutput:
     """num_reqs running requests computing one token each; every new_block_every-th one
-    crosses a block boundary and gets a new block."""
-    rng = _Stream(seed)
+    crosses a block boundary (its token starts a block) and gets a new block."""
+    rng = Stream(seed)
     handles = rng.distinct(num_reqs, 4 * num_reqs)
     computed = rng.ints(num_reqs, 20, 4000)
+    crossing = np.arange(num_reqs) % new_block_every == 0
+    computed[crossing] -= computed[crossing] % BLOCK_SIZE
+    computed[~crossing] += computed[~crossing] % BLOCK_SIZE == 0
     new_blocks = [
         [int(b)] if i % new_block_every == 0 else []
         for i, b in enumerate(rng.ints(num_reqs, 0, NUM_BLOCKS))
@@ -150,7 +121,7 @@ def decode_step(num_reqs: int = 256, new_block_every: int = 16, seed: int = 0) -
 def async_decode_step(num_reqs: int = 8, seed: int = 3) -> SchedulerOutput:
     """A decode step sent while the step before it is in flight (async scheduling): each
     request's one scheduled token is a placeholder for the token that step samples."""
-    rng = _Stream(seed)
+    rng = Stream(seed)
     handles = rng.distinct(num_reqs, 4 * num_reqs)
     computed = rng.ints(num_reqs, 20, 4000)
     cached = CachedRequestData.build(
@@ -163,7 +134,7 @@ def chunked_prefill_step(seed: int = 1) -> SchedulerOutput:
     """A token budget of 2048 shared by: 6 decoding requests, one long prompt in the
     middle of its chunked prefill (chunk 2 of 3), and a new long prompt's first chunk,
     which reuses 64 prefix-cached tokens."""
-    rng = _Stream(seed)
+    rng = Stream(seed)
     new = _new_request(
         rng,
         20,
@@ -186,7 +157,7 @@ def finished_and_resumed_step(seed: int = 2) -> SchedulerOutput:
     resumed with its KV kept (its block table replaced), one restarts from scratch (its
     prompt followed by the 5 tokens it had generated). As a non-last pipeline stage
     receives it: new_token_ids carries the tokens the last stage sampled."""
-    rng = _Stream(seed)
+    rng = Stream(seed)
     restarted = _new_request(
         rng, 7, prompt_len=45 + 5, params=SamplingParams(seed=1234, stop=["\n\n"], max_tokens=32)
     )
@@ -210,43 +181,67 @@ def finished_and_resumed_step(seed: int = 2) -> SchedulerOutput:
 def grammar_output(seed: int = 3) -> GrammarOutput:
     """Three structured-output requests; a full SmolLM2 vocabulary bitmask each (18 KiB in
     all: the bitmask travels as a frame of its own)."""
-    rng = _Stream(seed)
+    rng = Stream(seed)
     words = math.ceil(VOCAB_SIZE / 32)
     bitmask = rng.ints((3, words), -(2**31), 2**31)
     return GrammarOutput(np.array([4, 9, 12], np.int32), bitmask)
 
 
 def model_runner_output(num_reqs: int = 256, seed: int = 4) -> ModelRunnerOutput:
-    """One sampled token for each of num_reqs requests."""
-    rng = _Stream(seed)
+    """The answer to decode_step(num_reqs): one sampled token for each of its requests,
+    in its order."""
+    rng = Stream(seed)
     return ModelRunnerOutput(
-        req_handles=rng.distinct(num_reqs, 4 * num_reqs),
+        req_handles=decode_step(num_reqs).scheduled_cached_reqs.req_handles.copy(),
         sampled_token_ids=rng.ints(num_reqs, 0, VOCAB_SIZE),
     )
 
 
+# The logprobs example: the sampled token's rank in each request's distribution; 0 for
+# the request mid chunked prefill, which samples nothing.
+LOGPROB_RANKS = (1, 3, 0, 9)
+
+
 def model_runner_output_with_logprobs(seed: int = 5) -> ModelRunnerOutput:
-    """Four requests asking for top-5 logprobs; the third is mid chunked prefill."""
-    rng = _Stream(seed)
-    n, k = 4, 5
-    logprobs = -np.sort(rng.floats((n, k + 1), 0.0, 12.0), axis=1)  # each row descending
-    sampled = rng.ints(n, 0, VOCAB_SIZE)
-    sampled[2] = -1
+    """Four requests, top-5 logprobs each: the first sampled the most likely token, the
+    second the third most likely, the third is mid chunked prefill (it sampled nothing:
+    -1 ids, -inf logprobs, rank -1), the fourth sampled the ninth most likely token,
+    which is not among the top 5. Each row is a possible distribution: probabilities
+    that sum to at most 1, as many tokens more likely than the sampled one as its rank
+    says."""
+    rng = Stream(seed)
+    n, k = len(LOGPROB_RANKS), 5
+    ids = np.full((n, k + 1), -1, np.int32)
+    logprobs = np.full((n, k + 1), -np.inf, np.float32)
+    ranks = np.full(n, -1, np.int32)
+    sampled = np.full(n, -1, np.int32)
+    for i, rank in enumerate(LOGPROB_RANKS):
+        if rank == 0:  # the whole row stays -1 / -inf
+            continue
+        top_ids = rng.distinct(k + 1, VOCAB_SIZE)  # k for the top, one spare
+        # stick breaking: each token takes a share of the mass left, largest first
+        shares = rng.floats((k + 1,), 0.2, 0.6)
+        left = np.cumprod(np.concatenate([[1.0], 1.0 - shares[:-1]]))
+        probs = np.sort(left * shares)[::-1]
+        top = np.log(probs[:k]).astype(np.float32)
+        ids[i, 1:], logprobs[i, 1:] = top_ids[:k], top
+        if rank <= k:  # one of the top k: its own column
+            token, logprob = top_ids[rank - 1], top[rank - 1]
+        else:  # below the top k, with rank - 1 - k unseen tokens between, each likelier
+            token, logprob = top_ids[k], np.float32(np.log(probs[k] / rank))
+        sampled[i], ranks[i] = token, rank
+        ids[i, 0], logprobs[i, 0] = token, logprob
     return ModelRunnerOutput(
         req_handles=np.array([0, 1, 2, 3], np.int32),
         sampled_token_ids=sampled,
-        logprobs=LogprobsLists(
-            logprob_token_ids=rng.ints((n, k + 1), 0, VOCAB_SIZE),
-            logprobs=logprobs,
-            sampled_token_ranks=np.array([1, 3, 0, 1], np.int32),
-        ),
+        logprobs=LogprobsLists(ids, logprobs, ranks),
     )
 
 
 def intermediate_tensors(num_tokens: int = 16, seed: int = 6) -> IntermediateTensors:
     """Hidden states and residual of num_tokens tokens in bfloat16: 18 KiB each at 16
     tokens, above the inline limit, so each travels as a frame of its own."""
-    rng = _Stream(seed)
+    rng = Stream(seed)
 
     def bf16() -> torch.Tensor:
         values = rng.floats((num_tokens, HIDDEN_SIZE), -4.0, 4.0)
@@ -341,18 +336,26 @@ def hello() -> Hello:
         pid=48213,
         token="9c1f5e0a2b7d4c3e8f6a1b2c3d4e5f60",
         hostname="node-0",
-        data_address="ipc:///tmp/zmqworker-48200/data-1",
+        data_address=DATA_ADDRESSES[1],
     )
 
 
-RUN_ID = "3f9a0c1e5b7d42a8"  # a Welcome's secret run id, as the pipeline messages carry it
+# A Welcome's secret run id (32 hex digits, as the engine makes them), as the pipeline
+# messages carry it.
+RUN_ID = "3f9a0c1e5b7d42a86c0e9b17d5f4a203"
+# Where ranks 0 and 1 (pids 48212 and 48213) bind their pipeline receivers: beside the
+# engine's ipc socket, named by rank and pid.
+DATA_ADDRESSES = [
+    "ipc:///tmp/zmqworker-q7x2k9ab/data-0-48212.sock",
+    "ipc:///tmp/zmqworker-q7x2k9ab/data-1-48213.sock",
+]
 
 
 def welcome() -> Welcome:
     return Welcome(
         config=worker_config(),
         env={"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"},
-        data_addresses=["", "ipc:///tmp/zmqworker-48200/data-1"],
+        data_addresses=list(DATA_ADDRESSES),
         run_id=RUN_ID,
     )
 
@@ -370,13 +373,13 @@ EXAMPLES: dict[str, Callable[[], Message]] = {
     "request_get_kv_cache_spec": lambda: _request(4, "get_kv_cache_spec"),
     "reply_kv_cache_spec": lambda: RpcReply(call_id=4, rank=1, result=kv_cache_spec()),
     "request_initialize_from_config": lambda: _request(
-        5, "initialize_from_config", make_kv_cache_config([kv_cache_spec()], 4096)
+        5, "initialize_from_config", make_kv_cache_config([kv_cache_spec()], NUM_BLOCKS)
     ),
     "request_compile_or_warm_up_model": lambda: _request(6, "compile_or_warm_up_model"),
     "request_collective_rpc_plain_values": lambda: _request(
         7, "echo", 3, 0.5, "text", True, None, [1, "two", 3.0], limit=10, tags=["a", "b"]
     ),
-    "request_prefill": lambda: execute_model_request(prefill_step(num_reqs=3, prompt_len=700)),
+    "request_prefill": lambda: execute_model_request(prefill_step(num_reqs=3, prompt_len=640)),
     "request_chunked_prefill": lambda: execute_model_request(chunked_prefill_step()),
     "request_decode_256": lambda: execute_model_request(decode_step()),
     "request_decode_async": lambda: execute_model_request(async_decode_step(), call_id=103),

@@ -5,6 +5,7 @@ conformance JSON beside each is what decoding it gives."""
 from __future__ import annotations
 
 import json
+import math
 import struct
 from typing import Any
 
@@ -12,10 +13,11 @@ import msgpack
 import numpy as np
 import pytest
 
-from messages import PROTOCOL_VERSION, Decoder
+from messages import PROTOCOL_VERSION, Decoder, RpcRequest
 from messages import examples as ex
 from messages.codec import DTYPE_NAMES
 from messages.compare import assert_same
+from messages.conformance import conformance_json
 from messages.make_fixtures import FIXTURES_DIR, decoded_json, encode_examples, unpack_frames
 
 pytestmark = pytest.mark.filterwarnings("ignore:The given buffer is not writable")
@@ -167,7 +169,8 @@ def agree(raw: Any, value: Any, frames: list[bytes], path: str) -> None:
         dtype, shape, data = parse_ext(raw, frames)
         assert value["array"] == ("numpy" if raw.code in (1, 2) else "torch"), path
         assert (value["dtype"], tuple(value["shape"])) == (dtype, shape), path
-        assert value["values"] == np.frombuffer(data, WIRE_NUMPY[dtype]).tolist(), path
+        values = [json_number(v) for v in np.frombuffer(data, WIRE_NUMPY[dtype]).tolist()]
+        assert value["values"] == values, path
     elif isinstance(raw, dict):
         assert isinstance(value, dict), path
         assert set(raw) <= set(value) if "type" in raw else set(raw) == set(value), path
@@ -178,7 +181,27 @@ def agree(raw: Any, value: Any, frames: list[bytes], path: str) -> None:
         for i, (r, v) in enumerate(zip(raw, value, strict=True)):
             agree(r, v, frames, f"{path}[{i}]")
     else:
+        raw = json_number(raw)
         assert type(raw) is type(value) and raw == value, f"{path}: {raw!r} vs {value!r}"
+
+
+def json_number(v: Any) -> Any:
+    """How the JSON writes a value: a float that is not finite as "inf", "-inf", "nan"."""
+    if not isinstance(v, float) or math.isfinite(v):
+        return v
+    return "nan" if math.isnan(v) else ("inf" if v > 0 else "-inf")
+
+
+def test_the_json_writes_non_finite_floats_as_strings() -> None:
+    document = json.loads((FIXTURES_DIR / "reply_logprobs.json").read_text())
+    logprobs = document["message"]["result"]["logprobs"]["logprobs"]["values"]
+    assert "-inf" in logprobs  # the row of the request that sampled nothing
+    assert {v for v in logprobs if isinstance(v, str)} == {"-inf"}
+    values = np.array([np.nan, np.inf, -np.inf, -0.5], np.float64)
+    call = RpcRequest(1, "echo", [values.tolist()], deadline=math.inf)
+    document = json.loads(conformance_json(call, 0))
+    assert document["message"]["args"] == [["nan", "inf", "-inf", -0.5]]
+    assert document["message"]["deadline"] == "inf"
 
 
 # how the JSON writes each dtype's values: 16-bit floats as their raw bits
