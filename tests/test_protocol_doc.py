@@ -6,11 +6,16 @@ are the code's."""
 from __future__ import annotations
 
 import inspect
+import json
 import re
+import types
+import typing
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import msgspec.inspect as mi
+import numpy as np
 import pytest
 
 from messages import (
@@ -26,8 +31,10 @@ from messages import (
     step,
 )
 from messages import examples as ex
+from messages.rpc import Value
 from zmqworker.distributed.pp_channel import RECV_TIMEOUT_S, SHM_ENV
-from zmqworker.executor.handshake import STUCK_AFTER_S
+from zmqworker.executor.handshake import STUCK_AFTER_S, Handshake, bind_router, new_token
+from zmqworker.executor.message_limits import BODY_ROOM, LARGE_HIDDEN, LARGE_VOCAB
 from zmqworker.executor.multiproc import SHUTDOWN_GRACE_S, SIGTERM_GRACE_S
 from zmqworker.runtime.engine_watch import PARENT_POLL_S
 from zmqworker.runtime.main import build_parser
@@ -111,6 +118,131 @@ def test_every_message_type_is_defined_with_every_field(cls: type) -> None:
     assert not missing, f"{cls.__name__}: fields {missing} are not in its definition"
 
 
+def field_table(name: str) -> list[dict[str, str]]:
+    """The rows of the first table in name's definition, each a dict by the header's
+    column names; [] when it has no table (a struct of no fields)."""
+    lines = [line for line in definition(name).splitlines() if line.startswith("|")]
+    if not lines:
+        return []
+    header, _, *rows = ([c.strip() for c in line.strip()[1:-1].split("|")] for line in lines)
+    assert header[:2] == ["field", "type"] and "default" in header, f"{name}: {header}"
+    assert all(len(row) == len(header) for row in rows), f"{name}: a row of another width"
+    return [dict(zip(header, row, strict=True)) for row in rows]
+
+
+def doc_type(hint: Any) -> str:
+    """The pattern of how the tables write a field's type: int, float, str, bool, a struct
+    by its name, "X or nil", "list of X", "map str -> X", Value (an RPC value), tensor
+    (IntermediateTensors' values), and "<dtype> array [shape]", the dtype captured."""
+    if hint == Value:
+        return "Value"
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is typing.Annotated:
+        return doc_type(args[0])
+    if origin in (typing.Union, types.UnionType):
+        [other] = [a for a in args if a is not type(None)]
+        return f"{doc_type(other)} or nil"
+    if origin is list:
+        return f"list of {doc_type(args[0])}"
+    if origin is dict:
+        return f"map {doc_type(args[0])} -> {doc_type(args[1])}"
+    if hint is np.ndarray:
+        return r"(?P<dtype>\w+) array \[[^\]]+\]"
+    if hint is Any:
+        return "tensor"
+    return re.escape(hint.__name__)
+
+
+def doc_range(hint: Any) -> str:
+    """How the range column writes a field's constraints (msgspec.Meta), "" for none:
+    ">= 0", "(0, 1]", "each non-empty", "each >= 0"."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is typing.Annotated:
+        own = [_bounds(m) for m in args[1:] if isinstance(m, msgspec.Meta)]
+        return ", ".join(r for r in [*own, doc_range(args[0])] if r)
+    if origin in (typing.Union, types.UnionType):
+        return "".join(doc_range(a) for a in args)
+    if origin is list:
+        return f"each {doc_range(args[0])}" if doc_range(args[0]) else ""
+    return ""
+
+
+def _bounds(meta: msgspec.Meta) -> str:
+    if meta.min_length == 1:
+        return "non-empty"
+    low = ("[", meta.ge) if meta.ge is not None else ("(", meta.gt)
+    high = ("]", meta.le) if meta.le is not None else (")", meta.lt)
+    if low[1] is not None and high[1] is not None:
+        return f"{low[0]}{low[1]}, {high[1]}{high[0]}"
+    if low[1] is not None:
+        return f"{'>=' if low[0] == '[' else '>'} {low[1]}"
+    assert high[1] is None, meta  # an upper bound alone: say how the table writes it
+    return ""
+
+
+def doc_default(field: msgspec.structs.FieldInfo) -> str:
+    """How the default column writes a field's default: empty for a required field."""
+    if field.default_factory is not msgspec.NODEFAULT:
+        value = field.default_factory()
+    elif field.default is not msgspec.NODEFAULT:
+        value = field.default
+    else:
+        return ""
+    if value is None:
+        return "nil"
+    if isinstance(value, msgspec.Struct):
+        return "its defaults"
+    return f"`{json.dumps(value)}`"
+
+
+def example_dtypes() -> dict[tuple[type, str], set[str]]:
+    """(struct, array field) -> the dtypes the examples' arrays of that field have."""
+    found: dict[tuple[type, str], set[str]] = {}
+
+    def walk(value: Any) -> None:
+        if isinstance(value, msgspec.Struct):
+            for name in value.__struct_fields__:
+                field = getattr(value, name)
+                if isinstance(field, np.ndarray):
+                    found.setdefault((type(value), name), set()).add(str(field.dtype))
+                walk(field)
+        elif isinstance(value, list | tuple):
+            for v in value:
+                walk(v)
+        elif isinstance(value, dict):
+            for v in value.values():
+                walk(v)
+
+    for build in ex.EXAMPLES.values():
+        walk(build())
+    return found
+
+
+EXAMPLE_DTYPES = example_dtypes()
+
+
+@pytest.mark.parametrize("cls", sorted(traveling_structs(), key=lambda c: c.__name__))
+def test_every_field_table_is_the_struct_s(cls: type) -> None:
+    """Every field, in declaration order (the order of the conformance JSON), with its
+    type, its default (none: required), its range; an array field with the dtype the
+    fixtures have."""
+    rows = field_table(cls.__name__)
+    fields = msgspec.structs.fields(cls)
+    assert [r["field"] for r in rows] == [f"`{f.name}`" for f in fields], cls.__name__
+    hints = typing.get_type_hints(cls, include_extras=True)
+    for field, row in zip(fields, rows, strict=True):
+        where = f"{cls.__name__}.{field.name}"
+        hint = hints[field.name]
+        match = re.fullmatch(doc_type(hint), row["type"])
+        assert match, f"{where}: type {row['type']!r}, the struct's {doc_type(hint)!r}"
+        assert row["default"] == doc_default(field), f"{where}: default {row['default']!r}"
+        assert row.get("range", "").startswith(doc_range(hint)), f"{where}: range"
+        if not doc_range(hint):
+            assert row.get("range", "") == "", f"{where}: a range the struct does not check"
+        if "dtype" in match.groupdict():
+            assert EXAMPLE_DTYPES.get((cls, field.name)) == {match["dtype"]}, where
+
+
 def documented_signatures() -> dict[str, str]:
     """method -> its signature, as the table of "### RPC methods" writes it."""
     section = DOC.split("### RPC methods", 1)[1].split("\n#", 1)[0]
@@ -173,10 +305,32 @@ def test_the_worker_command_line_and_environment_are_the_code_s() -> None:
     assert f'`"{worker_cls}"`' in DOC
 
 
+def test_the_run_id_is_what_the_engine_makes() -> None:
+    assert "32 random hex digits (lowercase)" in DOC
+    assert re.fullmatch(r"[0-9a-f]{32}", Handshake(1, new_token(), [1]).run_id)
+
+
+def test_every_socket_option_the_engine_sets_is_named_where_an_engine_is_told_to() -> None:
+    """The heartbeat and size options of the engine's ROUTER: in "Heartbeats" and in
+    "Speaking it from another language"."""
+    options = {
+        f"ZMQ_{o}"
+        for o in re.findall(r"zmq\.(HEARTBEAT_\w+|MAXMSGSIZE)", inspect.getsource(bind_router))
+    }
+    assert {"ZMQ_HEARTBEAT_IVL", "ZMQ_HEARTBEAT_TIMEOUT", "ZMQ_HEARTBEAT_TTL"} <= options
+    heartbeats = DOC.split("- **Heartbeats.**", 1)[1].split("\n- ", 1)[0]
+    speaking = DOC.split("## Speaking it from another language", 1)[1]
+    for option in options:
+        assert option in speaking, option
+        assert option in heartbeats or option == "ZMQ_MAXMSGSIZE", option
+
+
 @pytest.mark.parametrize(
     "quoted",
     [
         f"**{HANDSHAKE_TIMEOUT_S:g} s**",  # the Welcome's timeout
+        f"plus {BODY_ROOM >> 20} MiB",  # the size limits' room for a body
+        f"2**{LARGE_VOCAB.bit_length() - 1}, 2**{LARGE_HIDDEN.bit_length() - 1}",
         f"every {PARENT_POLL_S:g} s",
         f"the stuck bound, {STUCK_AFTER_S:g} s",
         f"waits {SHUTDOWN_GRACE_S:g} s for the reply",
