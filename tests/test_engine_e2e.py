@@ -73,6 +73,19 @@ def test_greedy_output_equals_transformers(tp, pp):
         assert out.finish_reason == "length"
 
 
+def test_max_model_len_below_the_block_size_generates_as_transformers():
+    """Sequences shorter than one block: warm-up and steps stay within max_model_len."""
+    params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    prompts = [[1, 2, 3], [*PROMPTS[0], 8]]  # 3 tokens, and all 8 of max_model_len
+    with LLM(
+        model=checkpoint_with_tokenizer(), block_size=16, max_model_len=8, kv_cache_bytes=1 << 20
+    ) as llm:
+        outs = llm.generate(prompts, params)
+    assert outs[0].token_ids == hf_greedy((1, 2, 3), 5)
+    assert outs[1].token_ids == hf_greedy(tuple(prompts[1]), 1)  # no room for more
+    assert [o.finish_reason for o in outs] == ["length", "length"]
+
+
 def test_kv_cache_overflow_finishes_through_preemption():
     # 4 layers x (K,V x 4 tokens x 2 heads x 16 x fp32) = 4 KiB a block; 25 blocks (the
     # 96-token max_model_len needs 24) for requests whose prompts fit (17 blocks) but

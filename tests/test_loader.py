@@ -9,7 +9,12 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from messages import ModelConfig
-from tests.tiny import cached_tiny_checkpoint, make_tiny_checkpoint
+from tests.tiny import (
+    cached_tiny_checkpoint,
+    make_fp8_checkpoint,
+    make_gptq_checkpoint,
+    make_tiny_checkpoint,
+)
 from zmqworker.distributed import ParallelState, single_rank_state
 from zmqworker.models.loader import CheckpointError, load_checkpoint
 from zmqworker.models.registry import build_model
@@ -135,3 +140,52 @@ def test_half_precision_checkpoint_and_model(tmp_path, dtype):
     assert torch.equal(as_half.model.layers["0"].mlp.down_proj.weight, w)
     assert torch.equal(as_fp32.model.layers["0"].mlp.down_proj.weight, w.float())
     assert as_half.rotary.cos_sin.dtype == dtype
+
+
+def test_float8_weights_are_refused_by_the_loader_itself(tmp_path):
+    """A worker driven by an engine that skipped the engine's check never casts them."""
+    plain = cached_tiny_checkpoint(family="llama", num_layers=2)
+    fp8 = make_fp8_checkpoint(plain, tmp_path / "fp8", with_config=False)
+    model = build_model(ModelConfig(path=plain, load_format="dummy"), single_rank_state(CPU))
+    before = {name: p.clone() for name, p in model.state_dict().items()}
+    with pytest.raises(
+        CheckpointError, match=r"tensor model.layers.0.mlp.down_proj.weight is float8_e4m3fn"
+    ):
+        load_checkpoint(model, fp8)
+    after = model.state_dict()
+    assert all(torch.equal(before[name], after[name]) for name in before)
+
+
+def test_gptq_tensors_are_refused_by_the_loader_as_quantized(tmp_path):
+    plain = cached_tiny_checkpoint(family="llama", num_layers=2)
+    gptq = make_gptq_checkpoint(plain, tmp_path / "gptq", with_config=False)
+    with pytest.raises(CheckpointError, match=r"quantized \(tensor .*down_proj.qweight is int32"):
+        build_model(ModelConfig(path=gptq), single_rank_state(CPU))
+
+
+def test_a_non_float_tensor_is_never_cast_into_a_parameter(tmp_path):
+    """An integer tensor the header check lets by (a bias is no quantized weight) is still
+    refused where it would be cast."""
+    path = tmp_path / "ckpt"
+    shutil.copytree(cached_tiny_checkpoint(family="qwen2", num_layers=2), path)
+    tensors = load_file(path / "model.safetensors")
+    name = "model.layers.1.self_attn.q_proj.bias"
+    tensors[name] = (tensors[name] * 100).to(torch.int32)
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=rf"tensor {name} in checkpoint .* is int32"):
+        build_model(ModelConfig(path=str(path)), single_rank_state(CPU))
+
+
+def test_float32_bfloat16_and_float16_tensors_load_in_any_mix(tmp_path):
+    dtypes = [torch.bfloat16, torch.float16, torch.float32]
+
+    def mix(tensors):
+        for i, name in enumerate(sorted(tensors)):
+            tensors[name] = tensors[name].to(dtypes[i % 3])
+
+    path = copy_with(tmp_path, mix)
+    mixed = load_file(f"{path}/model.safetensors")
+    model = build_model(ModelConfig(path=path), single_rank_state(CPU))
+    down = model.model.layers["1"].mlp.down_proj.weight
+    assert torch.equal(down, mixed["model.layers.1.mlp.down_proj.weight"].float())
+    assert {t.dtype for t in mixed.values()} == set(dtypes)

@@ -252,3 +252,30 @@ def test_split_k_projections_match_transformers_over_graph_replays() -> None:
     assert not any(p.counters.any() for p in paths)
     for name, prompt in prompts.items():
         assert result[name] == hf_greedy(path, tuple(prompt), max_tokens[name]), name
+
+
+@pytest.mark.parametrize("kernels", ["torch", "triton"])
+def test_max_model_len_below_the_block_size(monkeypatch, kernels: str) -> None:
+    """max_model_len 3 under blocks of 4: no profiling or warm-up step reaches position 3,
+    past the rotary table (the torch path raised IndexError there, the Triton kernels read
+    past its end), and greedy tokens equal transformers' up to max_model_len."""
+    from zmqworker.models.layers.rotary import RotaryEmbedding
+
+    positions: list[int] = []
+    for_step = RotaryEmbedding.for_step
+
+    def spy(self, step_positions, look_up):
+        positions.append(int(step_positions.max()))
+        return for_step(self, step_positions, look_up)
+
+    monkeypatch.setattr(RotaryEmbedding, "for_step", spy)
+    path = small_checkpoint("llama")
+    runner = make_runner(path, max_seqs=2, kernels=kernels, max_model_len=3)
+    runner.profile_run()
+    assert positions and max(positions) <= 2
+    prompts = {"a": [5, 9, 77], "b": [31]}
+    max_tokens = {"a": 1, "b": 2}
+    result = run(runner, prompts, max_tokens, joins={0: "a", 1: "b"})
+    for name, prompt in prompts.items():
+        assert result[name] == hf_greedy(path, tuple(prompt), max_tokens[name]), name
+    assert max(positions) <= 2

@@ -108,6 +108,57 @@ def cached_tiny_checkpoint(**kwargs: Any) -> str:
     return str(folder)
 
 
+def _linear_weights(tensors: dict[str, torch.Tensor]) -> list[str]:
+    return [n for n in tensors if n.startswith("model.layers.") and n.endswith("_proj.weight")]
+
+
+def make_fp8_checkpoint(src: str, dst: str | os.PathLike, with_config: bool = True) -> str:
+    """A copy of the checkpoint at src with its linear weights quantized as FP8
+    checkpoints store them (float8_e4m3fn, a per-tensor weight_scale and input_scale);
+    config.json names quant_method "fp8" when with_config."""
+    from safetensors.torch import load_file, save_file
+
+    out = Path(shutil.copytree(src, dst))
+    tensors = load_file(out / "model.safetensors")
+    for name in _linear_weights(tensors):
+        weight = tensors[name]
+        scale = weight.abs().max().float() / torch.finfo(torch.float8_e4m3fn).max
+        tensors[name] = (weight / scale).to(torch.float8_e4m3fn)
+        tensors[f"{name}_scale"] = scale
+        tensors[name.replace(".weight", ".input_scale")] = torch.tensor(1.0)
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    if with_config:
+        config = json.loads((out / "config.json").read_text())
+        config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "static"}
+        (out / "config.json").write_text(json.dumps(config))
+    return str(out)
+
+
+def make_gptq_checkpoint(src: str, dst: str | os.PathLike, with_config: bool = True) -> str:
+    """A copy of the checkpoint at src whose linear weights are laid out as GPTQ stores
+    them (int32 qweight and qzeros, float16 scales, int32 g_idx; no .weight), with
+    AutoGPTQ's quantize_config.json when with_config. The values are random: nothing runs
+    them."""
+    from safetensors.torch import load_file, save_file
+
+    out = Path(shutil.copytree(src, dst))
+    tensors = load_file(out / "model.safetensors")
+    group = 32
+    for name in _linear_weights(tensors):
+        rows, cols = tensors.pop(name).shape  # [out, in]
+        prefix = name.removesuffix(".weight")
+        ints = torch.randint(-(2**31), 2**31 - 1, (cols // 8, rows), dtype=torch.int32)
+        tensors[f"{prefix}.qweight"] = ints
+        tensors[f"{prefix}.qzeros"] = ints[: cols // group, : rows // 8].clone()
+        tensors[f"{prefix}.scales"] = torch.rand(cols // group, rows, dtype=torch.float16)
+        tensors[f"{prefix}.g_idx"] = torch.arange(cols, dtype=torch.int32) // group
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    if with_config:
+        quantize = {"bits": 4, "group_size": group, "desc_act": False, "sym": True}
+        (out / "quantize_config.json").write_text(json.dumps(quantize))
+    return str(out)
+
+
 class PagedDriver:
     """Runs one of our models step by step over a paged KV cache, handing out block ids
     from a shuffled free list (so a request's blocks are neither contiguous nor ordered).

@@ -1,5 +1,6 @@
 """A checkpoint folder as the engine reads it: config.json before any worker starts, to
-check the architecture and the layout and to size the KV cache; and the text side
+check the architecture and the layout and to size the KV cache, and the safetensors
+headers, to refuse a quantized checkpoint (models/quantization.py); and the text side
 (tokenizer, GenerationConfig's defaults, EOS ids, through transformers), loaded while the
 workers start.
 
@@ -24,6 +25,7 @@ import psutil
 from messages import CacheConfig, KVCacheSpec, SamplingParams
 from zmqworker.cdiv import cdiv
 from zmqworker.models.architectures import supported_architecture
+from zmqworker.models.quantization import refuse_quantized
 
 logger = logging.getLogger(__name__)
 
@@ -82,6 +84,8 @@ class ModelFolder:
 
             model = default_model_path()
         path = Path(model).expanduser()
+        if path.is_file():
+            raise NotADirectoryError(_a_file(model, path))
         if not path.is_dir():
             raise FileNotFoundError(f"model folder {model!r} does not exist")
         if not (path / "config.json").is_file():
@@ -92,13 +96,14 @@ class ModelFolder:
             config = msgspec.json.decode((path / "config.json").read_bytes(), type=dict[str, Any])
         except (OSError, msgspec.DecodeError) as exc:
             raise ValueError(f"cannot read {path / 'config.json'}: {exc}") from exc
-        for key in ("num_hidden_layers", "num_attention_heads", "hidden_size"):
-            if not isinstance(config.get(key), int) or config[key] < 1:
-                raise ValueError(f"{path / 'config.json'}: {key} must be a positive int")
-        try:
+        try:  # before the Llama-shaped fields: another family names them otherwise
             supported_architecture(config.get("architectures"), config.get("model_type"))
         except ValueError as exc:
             raise ValueError(f"{path / 'config.json'}: {exc}") from None
+        for key in ("num_hidden_layers", "num_attention_heads", "hidden_size"):
+            if not isinstance(config.get(key), int) or config[key] < 1:
+                raise ValueError(f"{path / 'config.json'}: {key} must be a positive int")
+        refuse_quantized(path, config)  # safetensors headers only: no tensor is read
         return cls(path.resolve(), config)
 
     @property
@@ -233,6 +238,24 @@ def on_cpu(device: str) -> bool:
 
         return not torch.cuda.is_available()
     return device == "cpu"
+
+
+def _a_file(model: str, path: Path) -> str:
+    """What to give instead of the file path."""
+    if path.suffix.lower() == ".gguf":
+        return (
+            f"model {model!r} is a GGUF file: GGUF is not loaded directly; convert it into a "
+            "checkpoint folder with transformers (AutoModelForCausalLM.from_pretrained(folder, "
+            "gguf_file=name).save_pretrained(out), the tokenizer likewise), as the embedded "
+            "model is"
+        )
+    here = (
+        f", here perhaps {str(path.parent)!r}" if path.suffix in (".json", ".safetensors") else ""
+    )
+    return (
+        f"model {model!r} is a file, not a checkpoint folder: give the folder that holds "
+        f"config.json and the *.safetensors weights{here}"
+    )
 
 
 def _gib(n: int) -> str:

@@ -67,15 +67,16 @@ class DummySteps:
     def warm_up(self, batch_sizes: list[int]) -> None:
         """A step of two short prompts (the prefill kernels) and a prefill of each token
         count that runs kernels of its own, then decode steps (one block of context per
-        request) at each batch size and at each size that runs kernels of its own, through
-        the model and both sampler paths: what a real step runs is compiled before the
-        engine sends one."""
+        request, less where max_model_len is shorter) at each batch size and at each size
+        that runs kernels of its own, through the model and both sampler paths: what a
+        real step runs is compiled before the engine sends one."""
         runner = self.runner
         for size in batch_sizes:
             if not 1 <= size <= runner.max_num_reqs:
                 raise ValueError(f"warm-up batch size {size} is outside [1, {runner.max_num_reqs}]")
         num_prompts = min(2, runner.max_num_reqs)
         prompt_len = max(1, min(2, runner.config.scheduler.max_num_batched_tokens // num_prompts))
+        prompt_len = min(prompt_len, runner.max_model_len)
         self._forward(
             np.full(num_prompts, prompt_len, np.int32),
             np.zeros(num_prompts, np.int32),
@@ -89,8 +90,11 @@ class DummySteps:
                 query_lens[: num_tokens % num_prompts] += 1
                 self._forward(query_lens, np.zeros(num_prompts, np.int32), own_cache=True)
         kernel_sizes = runner.path.decode_kernel_sizes(runner.max_num_reqs)
+        # A block of context, or all a request can hold when max_model_len is shorter:
+        # no position reaches past the rotary table (max_model_len rows).
+        context_len = min(runner.block_size, runner.max_model_len) - 1
         for size in sorted(set(batch_sizes) | set(kernel_sizes)):
-            context = np.full(size, runner.block_size - 1, np.int32)
+            context = np.full(size, context_len, np.int32)
             logits = self._forward(np.ones(size, np.int32), context, own_cache=True)
             if logits is not None:
                 self._sample(logits.clone(), greedy=True)

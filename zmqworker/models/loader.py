@@ -1,13 +1,16 @@
 """Weight loading from a Hugging Face checkpoint folder (safetensors, sharded or not).
 
-Every parameter layer describes the checkpoint slices it needs (TensorSlice); this module
-opens only the files that hold them and reads only those slices, so a pipeline stage
-never touches another stage's layers and a TP rank reads only its shard.
+Every parameter layer describes the checkpoint slices it needs (TensorSlice); past every
+file's header, this module opens only the files that hold them and reads only those
+slices, so a pipeline stage never reads another stage's layers and a TP rank reads only
+its shard. Any mix of
+float32, bfloat16 and float16 tensors is cast into the parameters' dtype; a quantized
+checkpoint is refused here too (the engine refuses it before the workers start, but a
+worker may be driven by an engine that did not).
 """
 
 from __future__ import annotations
 
-import json
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,14 +19,9 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from zmqworker.models.checkpoint_files import CheckpointError, SafetensorsFiles
 from zmqworker.models.layers.weights import TensorSlice
-
-INDEX_FILE = "model.safetensors.index.json"
-SINGLE_FILE = "model.safetensors"
-
-
-class CheckpointError(ValueError):
-    """The checkpoint folder does not hold what the model needs."""
+from zmqworker.models.quantization import FLOAT_DTYPES, dtype_name, refuse_quantized_tensors
 
 
 @dataclass
@@ -34,29 +32,16 @@ class LoadReport:
     files: set[str] = field(default_factory=set)
 
 
-def checkpoint_index(path: str) -> dict[str, str]:
-    """Tensor name -> safetensors file name within the folder."""
+def checkpoint_files(path: str) -> SafetensorsFiles:
+    """The folder's safetensors files, their headers read; a quantized one refused."""
     folder = Path(path)
     if not folder.is_dir():
         raise FileNotFoundError(f"checkpoint folder {path} does not exist")
-    index_file = folder / INDEX_FILE
-    if index_file.exists():
-        weight_map = json.loads(index_file.read_text()).get("weight_map")
-        if not isinstance(weight_map, dict):
-            raise CheckpointError(f"{index_file} has no weight_map")
-        return dict(weight_map)
-    files = (
-        [folder / SINGLE_FILE]
-        if (folder / SINGLE_FILE).exists()
-        else sorted(folder.glob("*.safetensors"))
-    )
-    if not files:
+    files = SafetensorsFiles.read(folder)
+    if not files.headers:
         raise FileNotFoundError(f"no safetensors weights in checkpoint folder {path}")
-    index: dict[str, str] = {}
-    for file in files:
-        with safe_open(str(file), framework="pt") as f:
-            index.update((name, file.name) for name in f.keys())
-    return index
+    refuse_quantized_tensors(files)
+    return files
 
 
 def _loading_plan(model: nn.Module) -> list[tuple[torch.Tensor, TensorSlice]]:
@@ -73,6 +58,11 @@ def _loading_plan(model: nn.Module) -> list[tuple[torch.Tensor, TensorSlice]]:
 
 def _read_slice(f, s: TensorSlice, path: str) -> torch.Tensor:
     part = f.get_slice(s.name)
+    if part.get_dtype() not in FLOAT_DTYPES:  # casting it would make a wrong weight
+        raise CheckpointError(
+            f"tensor {s.name} in checkpoint {path} is {dtype_name(part.get_dtype())}: the "
+            "workers load float32, bfloat16 or float16 weights, not quantized ones"
+        )
     shape = tuple(part.get_shape())
     if shape != s.shape:
         raise CheckpointError(
@@ -86,7 +76,7 @@ def _read_slice(f, s: TensorSlice, path: str) -> torch.Tensor:
 @torch.no_grad()
 def load_checkpoint(model: nn.Module, path: str) -> LoadReport:
     """Copy every slice the model's layers ask for from the folder into their parameters."""
-    index = checkpoint_index(path)
+    index = checkpoint_files(path).index()
     plan = _loading_plan(model)
     missing = sorted({s.name for _, s in plan if s.name not in index})
     if missing:

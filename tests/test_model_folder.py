@@ -1,0 +1,129 @@
+"""The checkpoint folder as the engine reads it: a folder the workers cannot run (quantized,
+another architecture, a file instead of a folder) is refused by LLM with an error in the
+user's words before any executor is made, and so before any worker process starts."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from messages import WorkerConfig
+from tests.tiny import cached_tiny_checkpoint, make_fp8_checkpoint, make_gptq_checkpoint
+from zmqworker.engine.llm import LLM
+from zmqworker.engine.model_folder import ModelFolder
+
+SUPPORTED = r"supported: plain float32, bfloat16 or float16 safetensors weights"
+
+
+class NoExecutor:
+    """An executor factory that records being called: none of these runs may get one."""
+
+    def __init__(self) -> None:
+        self.configs: list[WorkerConfig] = []
+
+    def __call__(self, config: WorkerConfig):
+        self.configs.append(config)
+        raise AssertionError("an executor was made for a folder that should be refused")
+
+
+def refused(model: str, error: type[Exception], match: str) -> None:
+    """LLM(model) raises error matching match, and no executor was ever made."""
+    factory = NoExecutor()
+    with pytest.raises(error, match=match):
+        LLM(model, executor=factory)
+    assert factory.configs == []
+
+
+@pytest.fixture(scope="module")
+def plain() -> str:
+    return cached_tiny_checkpoint(family="llama", num_layers=2)
+
+
+def test_a_plain_checkpoint_opens(plain):
+    folder = ModelFolder.open(plain)
+    assert folder.num_layers == 2 and folder.path == Path(plain).resolve()
+
+
+def test_fp8_checkpoint_is_refused_naming_the_method(plain, tmp_path):
+    path = make_fp8_checkpoint(plain, tmp_path / "fp8")
+    refused(
+        path, ValueError, rf"quantized \(fp8, in config.json's quantization_config\).*{SUPPORTED}"
+    )
+
+
+def test_fp8_tensors_without_a_quantization_config_are_refused(plain, tmp_path):
+    path = make_fp8_checkpoint(plain, tmp_path / "fp8", with_config=False)
+    refused(
+        path,
+        ValueError,
+        rf"quantized \(tensor model.layers.0.mlp.down_proj.weight is float8_e4m3fn\).*{SUPPORTED}",
+    )
+
+
+def test_gptq_checkpoint_is_refused_naming_gptq(plain, tmp_path):
+    path = make_gptq_checkpoint(plain, tmp_path / "gptq")
+    refused(path, ValueError, rf"quantized \(gptq, in quantize_config.json\).*{SUPPORTED}")
+    (Path(path) / "quantize_config.json").unlink()
+    refused(path, ValueError, r"tensor model.layers.0.mlp.down_proj.qweight is int32")
+
+
+@pytest.mark.parametrize(
+    "section, method",
+    [
+        ({"quant_method": "awq", "bits": 4}, "awq"),
+        ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "bitsandbytes"),
+        ({"quant_method": "compressed-tensors", "format": "float-quantized"}, "compressed-tensors"),
+        ({"load_in_8bit": True}, "no quant_method given"),
+    ],
+)
+def test_every_quantization_config_is_refused(plain, tmp_path, section, method):
+    """The config alone refuses: its tensors here are plain."""
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    config = json.loads((Path(plain) / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "quantization_config": section}))
+    refused(
+        str(folder), ValueError, rf"quantized \({method}, in config.json's quantization_config\)"
+    )
+
+
+def test_autoawq_quant_config_beside_the_config_is_refused(plain, tmp_path):
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    (folder / "config.json").write_text((Path(plain) / "config.json").read_text())
+    awq = {"zero_point": True, "q_group_size": 128, "w_bit": 4, "version": "GEMM"}
+    (folder / "quant_config.json").write_text(json.dumps(awq))
+    refused(str(folder), ValueError, r"quantized \(awq, in quant_config.json\)")
+
+
+def test_gpt2_config_says_unsupported_architecture(tmp_path):
+    gpt2 = {
+        "architectures": ["GPT2LMHeadModel"],
+        "model_type": "gpt2",
+        "n_layer": 12,
+        "n_head": 12,
+        "n_embd": 768,
+        "n_positions": 1024,
+        "vocab_size": 50257,
+    }
+    (tmp_path / "config.json").write_text(json.dumps(gpt2))
+    refused(
+        str(tmp_path),
+        ValueError,
+        r"unsupported architecture \['GPT2LMHeadModel'\] \(model_type 'gpt2'\); supported: "
+        r"\['LlamaForCausalLM'",
+    )
+
+
+def test_a_file_instead_of_a_folder_says_so(plain, tmp_path):
+    refused(
+        f"{plain}/config.json",
+        NotADirectoryError,
+        rf"is a file, not a checkpoint folder: .*here perhaps '{plain}'",
+    )
+    gguf = tmp_path / "model.Q4_K_M.gguf"
+    gguf.write_bytes(b"GGUF")
+    refused(str(gguf), NotADirectoryError, r"is a GGUF file: GGUF is not loaded directly")
+    refused(str(tmp_path / "nowhere"), FileNotFoundError, r"model folder .*nowhere' does not exist")

@@ -1,0 +1,89 @@
+"""A checkpoint folder's safetensors files and what their headers say, read without torch:
+the engine checks a checkpoint with them before any worker starts, and the workers' loader
+finds its tensors with them.
+
+A safetensors file starts with an 8-byte little-endian length and that many bytes of JSON:
+every tensor's dtype, shape and byte range (and an optional "__metadata__"). Reading it
+touches no tensor data.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+# safetensors refuses larger headers; a larger length means the file is something else.
+_MAX_HEADER_BYTES = 100_000_000
+
+
+class CheckpointError(ValueError):
+    """The checkpoint folder does not hold what the model needs."""
+
+
+class TensorHeader(msgspec.Struct, frozen=True):
+    dtype: str  # safetensors' name: "F32", "BF16", "F8_E4M3", "I32", ...
+    shape: list[int]
+    data_offsets: list[int]
+
+
+@dataclass(frozen=True)
+class SafetensorsFiles:
+    """The weight files of a folder (those an index names, else model.safetensors, else
+    every *.safetensors) and every tensor's header."""
+
+    folder: Path
+    headers: dict[str, dict[str, TensorHeader]]  # file name -> its tensors
+
+    @classmethod
+    def read(cls, folder: Path) -> SafetensorsFiles:
+        """The folder's files and headers; none when it holds no safetensors weights."""
+        names = _weight_file_names(folder)
+        return cls(folder, {name: read_header(folder / name) for name in names})
+
+    def index(self) -> dict[str, str]:
+        """Tensor name -> the file that holds it."""
+        return {tensor: file for file, tensors in self.headers.items() for tensor in tensors}
+
+    def tensors(self) -> dict[str, TensorHeader]:
+        return {name: t for tensors in self.headers.values() for name, t in tensors.items()}
+
+
+def read_header(file: Path) -> dict[str, TensorHeader]:
+    """Tensor name -> its header, from the JSON at the start of a safetensors file."""
+    try:
+        with file.open("rb") as f:
+            length = int.from_bytes(f.read(8), "little")
+            if not 2 <= length <= _MAX_HEADER_BYTES:
+                raise CheckpointError(f"{file} is not a safetensors file")
+            raw = f.read(length)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"checkpoint file {file} does not exist") from None
+    if len(raw) < length:
+        raise CheckpointError(f"{file} is not a safetensors file (cut short)")
+    try:
+        entries = msgspec.json.decode(raw, type=dict[str, Any])
+        entries.pop("__metadata__", None)
+        return msgspec.convert(entries, dict[str, TensorHeader])
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise CheckpointError(f"{file} is not a safetensors file: {exc}") from None
+
+
+def _weight_file_names(folder: Path) -> list[str]:
+    index_file = folder / INDEX_FILE
+    if index_file.exists():
+        try:
+            weight_map = msgspec.json.decode(index_file.read_bytes(), type=dict[str, Any])
+        except msgspec.DecodeError as exc:
+            raise CheckpointError(f"cannot read {index_file}: {exc}") from None
+        files = weight_map.get("weight_map")
+        if not isinstance(files, dict) or not all(isinstance(f, str) for f in files.values()):
+            raise CheckpointError(f"{index_file} has no weight_map of tensor names to files")
+        return sorted(set(files.values()))
+    if (folder / SINGLE_FILE).exists():
+        return [SINGLE_FILE]
+    return sorted(path.name for path in folder.glob("*.safetensors"))
