@@ -88,13 +88,11 @@ def count(model: str, text: str) -> int:
         (["--chat", "--system", "\udcff", "x"], "--system is not valid UTF-8 text: byte 0xff"),
         (["x", "--system", "s"], "--system needs --chat"),
         (["x", "--max-tokens", "10000000"],
-         "prompt 0: the prompt has 1 token; with --max-tokens 10000000 that is 10000001, more "
-         f"than max_model_len={MAX_MODEL_LEN}: at most {MAX_MODEL_LEN - 1} fit after it"),
-        (["x", "--max-model-len", "64", "--max-tokens", "64"],
-         "with --max-tokens 64 that is 65, more than max_model_len=64: at most 63 fit"),
-        (["--chat", "x", "--max-tokens", "10000000"],
-         "prompt 0: --max-tokens 10000000 leaves no room for a prompt in "
-         f"max_model_len={MAX_MODEL_LEN}"),
+         "--max-tokens 10000000 leaves no room for a prompt in "
+         f"max_model_len={MAX_MODEL_LEN}: at most {MAX_MODEL_LEN - 1}"),
+        (["x", "y z", "--max-model-len", "64", "--max-tokens", "63"],
+         "prompt 1: the prompt has 2 tokens; with --max-tokens 63 that is 65, more than "
+         "max_model_len=64: at most 62 fit after it"),
         (["x", "--max-model-len", "9000"], "max_model_len=9000 is more than the model's"),
     ],
 )  # fmt: skip
@@ -181,15 +179,24 @@ def test_generation_config_defaults_take_part_in_the_checks(model, tmp_path, ref
     folder.mkdir()
     for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
         shutil.copy(Path(model) / name, folder / name)
+    prompt = "a b c"
+    max_new_tokens = MAX_MODEL_LEN - count(model, prompt) + 1  # one too many for the prompt
     (folder / "generation_config.json").write_text(
-        json.dumps({"temperature": 0.6, "top_k": 50, "max_new_tokens": 9000, "eos_token_id": 2})
+        json.dumps({"temperature": 0.6, "top_k": 50, "max_new_tokens": max_new_tokens})
     )
     assert ModelFolder.open(str(folder)).default_sampling_params() == SamplingParams(
-        temperature=0.6, top_k=50, max_tokens=9000
+        temperature=0.6, top_k=50, max_tokens=max_new_tokens
     )
+    assert refuse(prompt, "--model", str(folder)).startswith(
+        f"prompt 0: the prompt has {count(model, prompt)} tokens; with the default max_tokens "
+        f"{max_new_tokens} that is {MAX_MODEL_LEN + 1}, more than max_model_len={MAX_MODEL_LEN}"
+    )
+    (folder / "generation_config.json").write_text('{"max_new_tokens": 8192, "top_p": 0}')
+    assert refuse("x", "--model", str(folder)).startswith(f"{folder / 'generation_config.json'}: ")
+    (folder / "generation_config.json").write_text('{"max_new_tokens": 8192}')
     assert refuse("x", "--model", str(folder)) == (
-        "prompt 0: the prompt has 1 token; with max_tokens (the default) 9000 that is 9001, "
-        "more than max_model_len=8192: at most 8191 fit after it"
+        "the default max_tokens 8192 leaves no room for a prompt in max_model_len=8192: at most "
+        "8191"
     )
 
 

@@ -64,6 +64,7 @@ def check_run(
     limits = _Limits(folder.max_model_len(max_model_len), max_logprobs, folder.vocab_size)
     base = msgspec.structs.replace(folder.default_sampling_params(), **options)
     limits.check(base, {k: FLAGS[k] for k in options})
+    limits.check_room(None, base, {k: FLAGS[k] for k in options})  # before any counting
     counts_text = not chat and any(isinstance(i.prompt, str) for i in items)
     tokenizer_json = folder.path / "tokenizer.json"
     tokenizer = _TokenizerJson(tokenizer_json) if counts_text and tokenizer_json.is_file() else None
@@ -179,7 +180,7 @@ class _Limits:
 
 def _name(field: str, names: dict[str, str]) -> str:
     """How the user set field: --max-tokens, "max_tokens" (a JSONL line), or not at all."""
-    return names.get(field, f"{field} (the default)")
+    return names.get(field, f"the default {field}")
 
 
 def _tokens(n: int) -> str:
