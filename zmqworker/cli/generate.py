@@ -100,10 +100,10 @@ async def _run_all(llm: Any, jobs: list[Job], prompts: list[list[int]], as_json:
     async def one(i: int, job: Job, prompt: list[int]) -> Any:
         nonlocal printed
         last = None
+        echo = isinstance(job.item.prompt, str)
         async for out in llm.generate_stream(prompt, job.params):
-            if single and last is None and job.conversation is None:
-                if isinstance(job.item.prompt, str):
-                    sys.stdout.write(job.item.prompt)  # a completion continues its prompt
+            if single and last is None and job.conversation is None and echo:
+                sys.stdout.write(job.item.prompt)  # a completion continues its prompt
             last = out
             if single and out.new_text:
                 sys.stdout.write(out.new_text)
