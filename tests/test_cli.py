@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -93,37 +94,45 @@ def test_version(capsys):
 
 def test_prompts_from_lines_jsonl_and_stdin(tmp_path, monkeypatch):
     lines = tmp_path / "prompts.txt"
-    lines.write_text("first prompt\n\n{not json}\nlast\n")
+    lines.write_text("first prompt\r\n\n{not json}\nlast \u2028 line\n")
     prompts = [p.prompt for p in read_prompts([], str(lines))]
-    assert prompts == ["first prompt", "{not json}", "last"]
+    assert prompts == ["first prompt", "{not json}", "last \u2028 line"]
     jsonl = tmp_path / "prompts.jsonl"
     chat = [{"role": "user", "content": "Hi"}]
     jsonl.write_text(
-        json.dumps({"prompt": "text"}) + "\n" + json.dumps({"prompt": [1, 2]}) + "\n"
-        + json.dumps({"messages": chat}) + "\n"
+        json.dumps({"prompt": "text", "max_tokens": 3}) + "\n" + json.dumps({"prompt": [1, 2]})
+        + "\n\n" + json.dumps({"messages": chat, "stop": ["."]}) + "\n"
     )  # fmt: skip
+    where = f"{jsonl} line"
     assert read_prompts(["cli"], str(jsonl)) == [
-        PromptItem(prompt="cli"), PromptItem(prompt="text"), PromptItem(prompt=[1, 2]),
-        PromptItem(messages=chat),
+        PromptItem(prompt="cli"),
+        PromptItem(prompt="text", sampling={"max_tokens": 3}, source=f"{where} 1"),
+        PromptItem(prompt=[1, 2], source=f"{where} 2"),
+        PromptItem(messages=chat, sampling={"stop": ["."]}, source=f"{where} 4"),
     ]  # fmt: skip
     monkeypatch.setattr(sys, "stdin", open(lines))  # noqa: SIM115
-    assert [p.prompt for p in read_prompts(["-"], None)][0] == "first prompt"
+    [first, *_] = read_prompts(["x", "-"], None)[1:]
+    assert first == PromptItem(prompt="first prompt", source="stdin line 1")
+    assert first.where(1) == "prompt 1 (stdin line 1)"
 
 
 @pytest.mark.parametrize(
     ("content", "message"),
     [
-        ('{"prompt": "a"}\n{"text": "b"}\n', 'line 2: give either "prompt" or "messages"'),
-        ('{"prompt": 3}\n', 'line 1: "prompt" must be text or a list of token ids'),
-        ('{"messages": []}\n', 'line 1: "messages" must be a non-empty list'),
-        ("\n\n", "holds no prompts"),
+        ('{"prompt": "a"}\n{"text": "b"}\n', 'prompt 1 (P line 2): unknown key "text"'),
+        ('{"prompt": "a", "messages": []}\n', 'prompt 0 (P line 1): give either "prompt" or'),
+        ('{"prompt": 3}\n', 'prompt 0 (P line 1): "prompt" must be text or a non-empty list'),
+        ('{"messages": []}\n', 'prompt 0 (P line 1): "messages" must be a non-empty list'),
+        ('{"prompt": "a", "stop": "."}\n', 'prompt 0 (P line 1): "stop": Expected `array`'),
+        ("\n\n", "P holds no prompts"),
     ],
 )
-def test_bad_prompt_files_name_the_line(tmp_path, content, message):
+def test_bad_prompt_files_name_the_prompt_and_line(tmp_path, content, message):
     path = tmp_path / "p.jsonl"
     path.write_text(content)
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(ValueError) as caught:
         read_prompts([], str(path))
+    assert str(caught.value).replace(str(path), "P").startswith(message)
     with pytest.raises(ValueError, match="cannot read prompts from"):
         read_prompts([], str(tmp_path / "missing"))
     with pytest.raises(ValueError, match="no prompts"):
@@ -151,22 +160,44 @@ def test_a_bad_layout_is_refused_before_any_process_starts(layout, message):
     assert "starting" not in out.stderr and "Traceback" not in out.stderr
 
 
-def test_json_lines_from_stdin_with_logprobs():
+def test_json_lines_from_stdin_and_a_jsonl_file_with_its_own_settings(tmp_path):
     require_embedded_model()
+    jsonl = tmp_path / "p.jsonl"
+    jsonl.write_text(
+        json.dumps({"prompt": "The capital of France is", "max_tokens": 2, "logprobs": 2})
+        + "\n" + json.dumps({"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1})
+    )  # fmt: skip
     out = run_cli(
-        "generate", "-", "--json", "--max-tokens", "3", "--temperature", "0", "--logprobs", "1",
+        "generate", "-", "--prompts-file", str(jsonl), "--json", "--max-tokens", "3",
+        "--temperature", "0", "--logprobs", "1", "--max-model-len", "512",
         stdin="The capital of France is\nOnce upon a time\n",
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-2000:]
     records = [json.loads(line) for line in out.stdout.splitlines()]
-    assert [r["index"] for r in records] == [0, 1]
+    assert [r["index"] for r in records] == [0, 1, 2, 3]
     assert records[0]["prompt"] == "The capital of France is"
     assert records[0]["text"].startswith(" Paris")
+    # The JSONL lines' own max_tokens and logprobs; the options elsewhere.
+    assert [len(r["token_ids"]) for r in records] == [3, 3, 2, 1]
+    assert records[2]["token_ids"] == records[0]["token_ids"][:2]
+    assert [len(records[i]["logprobs"][0]["top"]) for i in range(4)] == [1, 1, 2, 1]
     for record in records:
-        assert len(record["token_ids"]) == 3 and record["finish_reason"] == "length"
+        assert record["finish_reason"] == "length"
         assert [p["token_id"] for p in record["logprobs"]] == record["token_ids"]
-        assert all(len(p["top"]) == 1 and p["logprob"] <= 0 for p in record["logprobs"])
-    assert "KV cache: 1024 blocks" in out.stderr  # 2 prompts x 8192 tokens, 16 a block
+        assert all(p["logprob"] <= 0 for p in record["logprobs"])
+    assert "KV cache: 128 blocks" in out.stderr  # 4 prompts x 512 tokens, 16 a block
+
+
+def test_a_conversation_is_counted_once_the_engine_is_up_before_any_output():
+    """The chat template needs transformers, which the engine loads while its workers
+    start: a conversation too long is refused there, before anything is printed."""
+    require_embedded_model()
+    out = run_cli("generate", "--chat", "hello " * 60, "--max-model-len", "64")
+    assert out.returncode == 1 and out.stdout == "", out.stderr[-2000:]
+    last = out.stderr.splitlines()[-1]
+    assert re.fullmatch(
+        r"zmqworker: error: prompt 0: the prompt has \d+ tokens, more than max_model_len=64", last
+    )
 
 
 def test_chat_prints_only_the_reply():

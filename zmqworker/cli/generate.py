@@ -13,10 +13,9 @@ import sys
 import time
 from typing import Any
 
-import msgspec
-
 from zmqworker.cli.options import add_options, given, llm_options, sampling_options
-from zmqworker.cli.prompts import PromptItem, read_prompts
+from zmqworker.cli.preflight import Job, check_run, engine_prompts
+from zmqworker.cli.prompts import read_prompts
 
 LLM_OPTIONS = llm_options()
 SAMPLING_OPTIONS = sampling_options()
@@ -36,7 +35,8 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     gen.add_argument(
         "--prompts-file",
         metavar="PATH",
-        help="one prompt per line, or JSONL with a prompt or messages per line; - is stdin",
+        help="one prompt per line; or JSONL (the first line starts with {): a prompt or "
+        "messages, and any sampling fields, per line; - is stdin",
     )
     gen.add_argument("--chat", action="store_true", help="apply the model's chat template")
     gen.add_argument("--system", help="with --chat: the system message")
@@ -53,18 +53,26 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     from zmqworker.engine.llm import LLM
 
-    items = read_prompts(args.prompts, args.prompts_file)
     if args.system is not None and not args.chat:
         raise ValueError("--system needs --chat")
+    items = read_prompts(args.prompts, args.prompts_file)
     engine = given(args, LLM_OPTIONS)
     engine.setdefault("max_num_seqs", min(len(items), _default("max_num_seqs")))
+    # Everything is checked before the workers start, then again with the engine's own
+    # tokenizer before anything runs.
+    jobs = check_run(
+        items,
+        given(args, SAMPLING_OPTIONS),
+        model=engine.get("model"),
+        max_model_len=engine.get("max_model_len"),
+        max_logprobs=engine.get("max_logprobs", _default("max_logprobs")),
+        chat=args.chat,
+        system=args.system,
+    )
     with LLM(**engine) as llm:
-        params = msgspec.structs.replace(
-            llm.default_sampling_params(), **given(args, SAMPLING_OPTIONS)
-        )
-        prompts = [_prompt(llm, item, args) for item in items]
+        prompts = engine_prompts(llm, jobs)
         began = time.perf_counter()
-        outputs = asyncio.run(_run_all(llm, items, prompts, params, args))
+        outputs = asyncio.run(_run_all(llm, jobs, prompts, args.json))
         elapsed = time.perf_counter() - began
     tokens = sum(len(o.token_ids) for o in outputs)
     ttft = sum(o.timings.ttft for o in outputs) / len(outputs)
@@ -81,52 +89,44 @@ def _default(name: str) -> Any:
     return next(o.default for o in LLM_OPTIONS if o.name == name)
 
 
-def _prompt(llm: Any, item: PromptItem, args: argparse.Namespace) -> str | list[int]:
-    """Text or token ids for the engine: chats go through the chat template."""
-    if item.messages is None and not args.chat:
-        assert item.prompt is not None
-        return item.prompt
-    if item.messages is None and not isinstance(item.prompt, str):
-        raise ValueError("--chat needs text prompts, not token ids")
-    messages = item.messages or [{"role": "user", "content": item.prompt}]
-    if args.system is not None and messages[0].get("role") != "system":
-        messages = [{"role": "system", "content": args.system}, *messages]
-    return llm.chat_prompt(messages)
-
-
-async def _run_all(llm: Any, items: list[PromptItem], prompts: list, params, args) -> list:
-    """Run every prompt at once. One prompt streams its text as it comes; several print
-    each completion whole, as it finishes; --json prints a line per prompt, in order."""
-    single = len(prompts) == 1 and not args.json
+async def _run_all(llm: Any, jobs: list[Job], prompts: list[list[int]], as_json: bool) -> list:
+    """Run every prompt at once. One prompt streams its text as it comes, after its own
+    text once the first token is out; several print each completion whole, as it
+    finishes; --json prints a line per prompt, in order."""
+    single = len(prompts) == 1 and not as_json
     results: dict[int, Any] = {}
     printed = 0
 
-    async def one(i: int, prompt: str | list[int]) -> Any:
+    async def one(i: int, job: Job, prompt: list[int]) -> Any:
         nonlocal printed
         last = None
-        async for out in llm.generate_stream(prompt, params):
+        echo = isinstance(job.item.prompt, str)
+        async for out in llm.generate_stream(prompt, job.params):
+            if single and last is None and job.conversation is None and echo:
+                sys.stdout.write(job.item.prompt)  # a completion continues its prompt
             last = out
             if single and out.new_text:
                 sys.stdout.write(out.new_text)
                 sys.stdout.flush()
-        if args.json:
+        if as_json:
             results[i] = last
             while printed in results:
-                print(json.dumps(_record(printed, items[printed], results[printed])), flush=True)
+                print(json.dumps(_record(printed, jobs[printed], results[printed])), flush=True)
                 printed += 1
         elif not single:
-            print(f"--- [{i}] {items[i].label()}\n{last.text}", flush=True)
+            print(f"--- [{i}] {job.item.label()}\n{last.text}", flush=True)
         return last
 
-    if single and isinstance(prompts[0], str):
-        sys.stdout.write(prompts[0])  # a completion continues its prompt
-    outputs = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
+    outputs = await asyncio.gather(
+        *(one(i, job, prompt) for i, (job, prompt) in enumerate(zip(jobs, prompts, strict=True)))
+    )
     if single:
         print(flush=True)
     return list(outputs)
 
 
-def _record(index: int, item: PromptItem, out: Any) -> dict[str, Any]:
+def _record(index: int, job: Job, out: Any) -> dict[str, Any]:
+    item = job.item
     record: dict[str, Any] = {
         "index": index,
         "prompt": item.prompt if item.messages is None else None,

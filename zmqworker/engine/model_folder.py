@@ -1,8 +1,8 @@
 """A checkpoint folder as the engine reads it: config.json before any worker starts, to
 check the architecture and the layout and to size the KV cache, and the safetensors
 headers, to refuse a quantized checkpoint (models/quantization.py); and the text side
-(tokenizer, GenerationConfig's defaults, EOS ids, through transformers), loaded while the
-workers start.
+(the tokenizer, through transformers; generation_config.json's defaults and EOS ids),
+loaded while the workers start.
 
 config.json is read as plain JSON (msgspec), not through transformers: for a local folder
 PretrainedConfig's reader is that same JSON read behind a 0.9 s import of transformers,
@@ -52,21 +52,25 @@ class TextSide:
         """The token ids of a conversation, ending where the assistant's reply starts."""
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("the model's tokenizer has no chat template")
-        if not messages:
-            raise ValueError("the conversation has no messages")
-        for i, message in enumerate(messages):
-            if not isinstance(message, dict) or not isinstance(message.get("content"), str):
-                raise ValueError(f"message {i}: expected {{'role': ..., 'content': str}}")
-            if message.get("role") not in ("system", "user", "assistant"):
-                raise ValueError(
-                    f"message {i}: role must be system, user or assistant, "
-                    f"got {message.get('role')!r}"
-                )
+        check_conversation(messages)
         text = self.tokenizer.apply_chat_template(
             list(messages), add_generation_prompt=True, tokenize=False
         )
         # The template writes the special tokens itself.
         return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+
+def check_conversation(messages: Sequence[dict[str, Any]]) -> None:
+    """Refuse a conversation the chat template cannot take (needs no tokenizer)."""
+    if not messages:
+        raise ValueError("the conversation has no messages")
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("content"), str):
+            raise ValueError(f"message {i}: expected {{'role': ..., 'content': str}}")
+        if message.get("role") not in ("system", "user", "assistant"):
+            raise ValueError(
+                f"message {i}: role must be system, user or assistant, got {message.get('role')!r}"
+            )
 
 
 class ModelFolder:
@@ -156,27 +160,35 @@ class ModelFolder:
             )
         return requested
 
+    @property
+    def has_tokenizer(self) -> bool:
+        return any((self.path / name).is_file() for name in _TOKENIZER_FILES)
+
+    def default_sampling_params(self) -> SamplingParams:
+        """SamplingParams() with the defaults generation_config.json sets. Read as plain
+        JSON, as config.json is: transformers' GenerationConfig leaves these keys None
+        unless the file sets them, so its to_diff_dict() would give the same values."""
+        generation = self._generation_config()
+        overrides = {
+            field: generation[key]
+            for key, field in _GENERATION_DEFAULTS.items()
+            if generation.get(key) is not None
+        }
+        try:
+            return msgspec.convert(
+                {"type": "SamplingParams", **overrides}, SamplingParams, strict=False
+            )
+        except (msgspec.ValidationError, ValueError) as exc:
+            raise ValueError(f"{self.path / 'generation_config.json'}: {exc}") from None
+
     def load_text_side(self) -> TextSide:
         tokenizer = None
-        if any((self.path / name).is_file() for name in _TOKENIZER_FILES):
+        if self.has_tokenizer:
             from transformers import AutoTokenizer
 
             tokenizer = AutoTokenizer.from_pretrained(str(self.path))
-        generation = self._generation_config()
-        set_in_file = generation.to_diff_dict() if generation is not None else {}
-        overrides = {
-            field: set_in_file[key]
-            for key, field in _GENERATION_DEFAULTS.items()
-            if set_in_file.get(key) is not None
-        }
-        try:
-            defaults = msgspec.convert(
-                {"type": "SamplingParams", **overrides}, SamplingParams, strict=False
-            )
-        except msgspec.ValidationError as exc:
-            raise ValueError(f"{self.path / 'generation_config.json'}: {exc}") from None
         ids: set[int] = set()
-        sources = [self.config.get("eos_token_id"), generation.eos_token_id if generation else None]
+        sources = [self.config.get("eos_token_id"), self._generation_config().get("eos_token_id")]
         if tokenizer is not None:
             sources.append(tokenizer.eos_token_id)
         for source in sources:
@@ -184,17 +196,16 @@ class ModelFolder:
                 ids.add(source)
             elif isinstance(source, list):
                 ids.update(t for t in source if isinstance(t, int))
-        return TextSide(tokenizer, defaults, frozenset(ids))
+        return TextSide(tokenizer, self.default_sampling_params(), frozenset(ids))
 
-    def _generation_config(self) -> Any:
-        if not (self.path / "generation_config.json").is_file():
-            return None
-        from transformers import GenerationConfig
-
+    def _generation_config(self) -> dict[str, Any]:
+        path = self.path / "generation_config.json"
+        if not path.is_file():
+            return {}
         try:
-            return GenerationConfig.from_pretrained(str(self.path))
-        except (OSError, ValueError) as exc:
-            raise ValueError(f"cannot read {self.path / 'generation_config.json'}: {exc}") from exc
+            return msgspec.json.decode(path.read_bytes(), type=dict[str, Any])
+        except (OSError, msgspec.DecodeError, msgspec.ValidationError) as exc:
+            raise ValueError(f"cannot read {path}: {exc}") from exc
 
     def _splits(self, tp: int) -> bool:
         return self.num_heads % tp == 0 and self.num_kv_heads % tp == 0
