@@ -24,6 +24,7 @@ from messages.config import (
     SchedulerConfig,
     WorkerConfig,
 )
+from messages.examples_weights import WEIGHT_EXAMPLES
 from messages.kv_cache import KVCacheSpec, make_kv_cache_config
 from messages.rpc import (
     Hello,
@@ -394,4 +395,5 @@ EXAMPLES: dict[str, Callable[[], Message]] = {
     "pipeline_shared_tensors": lambda: PipelineSharedTensors(
         call_id=100, src_rank=0, shared=shared_slot(), run_id=RUN_ID
     ),
+    **WEIGHT_EXAMPLES,
 }

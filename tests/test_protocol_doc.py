@@ -24,6 +24,7 @@ from messages import (
     rpc,
     sampling,
     step,
+    weights,
 )
 from messages import examples as ex
 from zmqworker.distributed.pp_channel import RECV_TIMEOUT_S, SHM_ENV
@@ -67,7 +68,7 @@ def traveling_structs() -> set[type]:
 
 def declared_structs() -> set[type]:
     """The public Structs of the wire contract's modules."""
-    modules = (config, kv_cache, rpc, sampling, step)
+    modules = (config, kv_cache, rpc, sampling, step, weights)
     return {
         value
         for module in modules
