@@ -59,7 +59,8 @@ def checkpoint_index(path: str) -> dict[str, str]:
     return index
 
 
-def _loading_plan(model: nn.Module) -> list[tuple[torch.Tensor, TensorSlice]]:
+def loading_plan(model: nn.Module) -> list[tuple[torch.Tensor, TensorSlice]]:
+    """Every (parameter, checkpoint slice) this rank's layers ask for."""
     plan = []
     for module in model.modules():
         slices_of = getattr(module, "tensor_slices", None)
@@ -71,23 +72,28 @@ def _loading_plan(model: nn.Module) -> list[tuple[torch.Tensor, TensorSlice]]:
     return plan
 
 
-def _read_slice(f, s: TensorSlice, path: str) -> torch.Tensor:
-    part = f.get_slice(s.name)
-    shape = tuple(part.get_shape())
+def _check_shape(f, s: TensorSlice, path: str) -> None:
+    shape = tuple(f.get_slice(s.name).get_shape())
     if shape != s.shape:
         raise CheckpointError(
             f"tensor {s.name} in checkpoint {path} has shape {list(shape)}, the model "
             f"expects {list(s.shape)}"
         )
+
+
+def _read_slice(f, s: TensorSlice) -> torch.Tensor:
+    part = f.get_slice(s.name)
     end = s.start + s.length
     return part[s.start : end] if s.dim == 0 else part[:, s.start : end]
 
 
 @torch.no_grad()
 def load_checkpoint(model: nn.Module, path: str) -> LoadReport:
-    """Copy every slice the model's layers ask for from the folder into their parameters."""
+    """Copy every slice the model's layers ask for from the folder into their parameters,
+    in place. Every name and shape is checked first: a checkpoint that does not fit
+    changes nothing."""
     index = checkpoint_index(path)
-    plan = _loading_plan(model)
+    plan = loading_plan(model)
     missing = sorted({s.name for _, s in plan if s.name not in index})
     if missing:
         more = f" (+{len(missing) - 8} more)" if len(missing) > 8 else ""
@@ -95,11 +101,16 @@ def load_checkpoint(model: nn.Module, path: str) -> LoadReport:
     by_file: dict[str, list[tuple[torch.Tensor, TensorSlice]]] = defaultdict(list)
     for param, s in plan:
         by_file[index[s.name]].append((param, s))
+    files = sorted(by_file.items())
+    for file_name, entries in files:
+        with safe_open(str(Path(path) / file_name), framework="pt", device="cpu") as f:
+            for _, s in entries:
+                _check_shape(f, s, path)
     report = LoadReport()
-    for file_name, entries in sorted(by_file.items()):
+    for file_name, entries in files:
         with safe_open(str(Path(path) / file_name), framework="pt", device="cpu") as f:
             for param, s in entries:
-                values = _read_slice(f, s, path)
+                values = _read_slice(f, s)
                 param.data.narrow(s.dim, s.dst_start, s.length).copy_(values)
                 report.tensors.add(s.name)
         report.files.add(file_name)
