@@ -111,8 +111,10 @@ class WeightTransferEngine:
     def init_group(
         self, host: str, port: int, world_size: int, rank: int, timeout_s: float
     ) -> None:
-        if self._group is not None:
-            raise RuntimeError("this worker is already in a weight-transfer group")
+        """Join a group (leaving the one it was in: a trainer starts anew)."""
+        group, self._group = self._group, None
+        if group is not None:
+            group.close()
         self._group = WeightGroup(host, port, world_size, rank, self.device, timeout_s)
 
     @torch.no_grad()
