@@ -40,6 +40,11 @@ class ControlMethods:
         """Whether sleep gave anything back that wake_up has not taken again."""
         return bool(self._require_core().released)
 
+    @property
+    def generating(self) -> bool:
+        """Whether generate_stream() streams are running (they step the engine)."""
+        return self._streaming()
+
     def not_ready(self) -> str | None:
         """Why generate() would refuse now (asleep, or weights dropped and not loaded
         since); None when it would run."""
