@@ -87,7 +87,7 @@ class CudaOpener:
                 ref.storage_offset_bytes,
                 ref.ref_counter_handle,
                 ref.ref_counter_offset,
-                ref.event_handle or None,
+                ref.event_handle,
                 ref.event_sync_required,
             )
             self._storages[key] = storage
