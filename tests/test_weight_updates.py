@@ -82,6 +82,7 @@ def layout(request):
         max_num_batched_tokens=24,
         kv_cache_bytes=1 << 20,
         enable_prefix_caching=True,  # an update must not reuse KV of the old weights
+        worker_extension_cls="bench.echo_worker.EchoExtension",
     )
     with llm:
         yield llm, tied
@@ -190,7 +191,12 @@ def test_sleep_and_wake_cycles_keep_generating(layout):
     assert not llm.is_sleeping
     with pytest.raises(RuntimeError, match=r"released by sleep\(level=2\)"):
         llm.generate(PROMPTS, PARAMS)
-    # The workers refuse a step too, whatever engine sends it.
+    # The workers refuse a step too, whatever engine sends it: through collective_rpc,
+    # which reaches the allowlist and the extension's methods, and nothing else.
+    world = llm.worker_config.parallel.world_size
+    assert llm.collective_rpc("echo", ("hi",)) == ["hi"] * world
+    with pytest.raises(WorkerError, match="not callable over RPC"):
+        llm.collective_rpc("_runner")
     empty = SchedulerOutput([], CachedRequestData.empty(), 0)
     with pytest.raises(WorkerError, match=r"released by sleep\(level=2\)"):
         llm.collective_rpc("execute_model", (empty,))

@@ -91,7 +91,11 @@ class MappedSegment:
         try:
             target = os.readlink(path)
         except OSError as e:
-            raise RuntimeError(f"cannot open the engine's shared memory {path}: {e}") from None
+            raise RuntimeError(
+                f"cannot open the engine's shared memory {path} ({e}): an update from the "
+                "engine's process needs its workers on the same host; from elsewhere, send "
+                "it through a weight-transfer group (init_weight_transfer_group)"
+            ) from None
         if not target.startswith(f"/memfd:{MEMFD_NAME}"):
             raise WeightSegmentError(f"{path} is {target!r}, not a weight segment")
         fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)

@@ -192,9 +192,7 @@ class WeightTransferEngine:
                         f"checkpoint {folder} is not of this model's architecture and sizes: "
                         + "; ".join(diffs)
                     )
-            self.model.load_weights(folder)
-        if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()
+            self.model.load_weights(folder)  # copies from host memory: done on return
         self._not_ready = None
 
     def shutdown(self) -> None:
