@@ -14,10 +14,14 @@ CPU device, where the pool is plain host memory.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import nn
 
 from messages import KVCacheConfig
+
+log = logging.getLogger(__name__)
 
 WAKE_TAGS = ("weights", "kv_cache")
 POOL_ALIGN = 512  # each tensor's place in the pool: DMA-friendly
@@ -25,17 +29,31 @@ POOL_ALIGN = 512  # each tensor's place in the pool: DMA-friendly
 
 class HostPool:
     """One host buffer, reused from one sleep to the next; replaced only when a larger
-    one is asked for."""
+    one is asked for. On CUDA it is page-locked in place (cudaHostRegister) at its exact
+    size: torch's pinned allocator would round 16 GB of weights up to 32."""
 
     def __init__(self) -> None:
         self.buffer = torch.empty(0, dtype=torch.uint8)
+        self._registered = False
 
     def take(self, nbytes: int, pin: bool) -> torch.Tensor:
         """At least nbytes of it."""
         if self.buffer.numel() < nbytes:
-            self.buffer = torch.empty(0, dtype=torch.uint8)  # the old one goes first
-            self.buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+            self.release()
+            self.buffer = torch.empty(nbytes, dtype=torch.uint8)
+            if pin:
+                err = torch.cuda.cudart().cudaHostRegister(self.buffer.data_ptr(), nbytes, 0)
+                self._registered = int(err) == 0
+                if not self._registered:
+                    log.warning("pinning the %d-byte sleep pool failed (%s): copies stay "
+                                "pageable, and slower", nbytes, err)  # fmt: skip
         return self.buffer
+
+    def release(self) -> None:
+        if self._registered:
+            torch.cuda.cudart().cudaHostUnregister(self.buffer.data_ptr())
+            self._registered = False
+        self.buffer = torch.empty(0, dtype=torch.uint8)
 
 
 class SleepState:
@@ -107,7 +125,7 @@ class SleepState:
 
     def clear(self) -> None:
         self._released = []
-        self._pool = HostPool()
+        self._pool.release()
 
     @torch.no_grad()
     def _restore_weights(self, device: torch.device) -> None:
