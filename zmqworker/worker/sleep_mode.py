@@ -15,6 +15,7 @@ CPU device, where the pool is plain host memory.
 from __future__ import annotations
 
 import logging
+import mmap
 
 import torch
 from torch import nn
@@ -30,7 +31,8 @@ POOL_ALIGN = 512  # each tensor's place in the pool: DMA-friendly
 class HostPool:
     """One host buffer, reused from one sleep to the next; replaced only when a larger
     one is asked for. On CUDA it is page-locked in place (cudaHostRegister) at its exact
-    size: torch's pinned allocator would round 16 GB of weights up to 32."""
+    size: torch's pinned allocator would round 16 GB of weights up to 32. Its memory is
+    an anonymous mapping of its own (page-aligned), given back when it is released."""
 
     def __init__(self) -> None:
         self.buffer = torch.empty(0, dtype=torch.uint8)
@@ -40,7 +42,7 @@ class HostPool:
         """At least nbytes of it."""
         if self.buffer.numel() < nbytes:
             self.release()
-            self.buffer = torch.empty(nbytes, dtype=torch.uint8)
+            self.buffer = torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8)
             if pin:
                 err = torch.cuda.cudart().cudaHostRegister(self.buffer.data_ptr(), nbytes, 0)
                 self._registered = int(err) == 0
