@@ -40,6 +40,12 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         choices=("critical", "error", "warning", "info", "debug"),
         help="uvicorn's logging (info: one line per request; default: warning)",
     )
+    parser.add_argument(
+        "--enable-admin-endpoints",
+        action="store_true",
+        help="serve /sleep, /wake_up, /reset_prefix_cache, /update_weights_from_disk and "
+        "/is_sleeping (behind the API key when one is set)",
+    )
     add_options(parser.add_argument_group("engine"), LLM_OPTIONS)
     return parser
 
@@ -57,5 +63,6 @@ def run(args: argparse.Namespace) -> int:
         api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
         shutdown_timeout_s=args.shutdown_timeout,
         log_level=args.uvicorn_log_level,
+        enable_admin_endpoints=args.enable_admin_endpoints,
     )
     return 0

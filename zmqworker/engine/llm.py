@@ -32,6 +32,7 @@ from zmqworker.engine.llm_args import (
     executor_factory,
     opt,
 )
+from zmqworker.engine.llm_control import ControlMethods
 from zmqworker.engine.model_folder import ModelFolder, cache_config_for, on_cpu
 from zmqworker.engine.outputs import EngineStats, RequestOutput
 from zmqworker.engine.prompts import Prompt, prompt_list, prompt_token_ids
@@ -44,7 +45,7 @@ logger = logging.getLogger(__name__)
 Conversation = Sequence[dict[str, Any]]
 
 
-class LLM:
+class LLM(ControlMethods):
     """Generate text with a model served by worker processes.
 
     Every argument is checked (a ValueError names the one that is wrong), and the layout
@@ -52,6 +53,7 @@ class LLM:
     sequences of max_model_len tokens, capped by memory, unless kv_cache_bytes,
     cpu_memory_fraction or (on CUDA) gpu_memory_utilization ask otherwise. Not
     thread-safe; generate() and generate_stream() are not to be mixed at one time.
+    Between generations: sleep, wake_up and weight updates (llm_control.py).
     """
 
     def __init__(
@@ -114,6 +116,9 @@ class LLM:
             Seconds | None,
             opt("seconds a step may go unanswered before it fails"),
         ] = STEP_TIMEOUT_S,
+        worker_extension_cls: Annotated[
+            str, opt("package.module.Class whose public methods the workers also serve")
+        ] = "",
     ) -> None:
         self._core: EngineCore | None = None
         check_args(OPTION_TYPES, {k: v for k, v in locals().items() if k in OPTION_TYPES})
@@ -161,6 +166,7 @@ class LLM:
                     {min(size, max_num_seqs) for size in SchedulerConfig().warmup_batch_sizes}
                 ),
             ),
+            worker_extension_cls=worker_extension_cls,
         )
         logger.info("starting %d worker(s) on %s; loading %s", world, device, folder.path)
         with ThreadPoolExecutor(1, thread_name_prefix="zmqworker-tokenizer") as pool:
@@ -210,6 +216,8 @@ class LLM:
         core = self._require_core()
         if self._streaming():
             raise RuntimeError("generate() called while generate_stream() streams are running")
+        if (reason := core.not_ready()) is not None:
+            raise RuntimeError(f"generate(): {reason}")
         entries = self._make_requests(prompts, sampling_params)
         self._take_stream_changes(core)  # a loop that ended mid-stream left them behind
         for request, _ in entries:
@@ -246,7 +254,8 @@ class LLM:
         """Yield the request's output each time it grows (new_text, new_token_ids); the
         last one has finished=True. Several streams may run at once on one event loop;
         a stream closed early aborts its request."""
-        self._require_core()
+        if (reason := self._require_core().not_ready()) is not None:
+            raise RuntimeError(f"generate_stream(): {reason}")
         [(request, text)] = self._make_requests([prompt], sampling_params)
         queue: asyncio.Queue[Any] = asyncio.Queue()
         self._streams[request.req_id] = (queue, text)

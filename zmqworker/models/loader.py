@@ -19,7 +19,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from zmqworker.models.checkpoint_files import CheckpointError, SafetensorsFiles
+from zmqworker.models.checkpoint_files import CheckpointError, SafetensorsFiles, TensorHeader
 from zmqworker.models.layers.weights import TensorSlice
 from zmqworker.models.quantization import FLOAT_DTYPES, dtype_name, refuse_quantized_tensors
 
@@ -44,7 +44,8 @@ def checkpoint_files(path: str) -> SafetensorsFiles:
     return files
 
 
-def _loading_plan(model: nn.Module) -> list[tuple[torch.Tensor, TensorSlice]]:
+def loading_plan(model: nn.Module) -> list[tuple[torch.Tensor, TensorSlice]]:
+    """Every (parameter, checkpoint slice) this rank's layers ask for."""
     plan = []
     for module in model.modules():
         slices_of = getattr(module, "tensor_slices", None)
@@ -56,40 +57,48 @@ def _loading_plan(model: nn.Module) -> list[tuple[torch.Tensor, TensorSlice]]:
     return plan
 
 
-def _read_slice(f, s: TensorSlice, path: str) -> torch.Tensor:
-    part = f.get_slice(s.name)
-    if part.get_dtype() not in FLOAT_DTYPES:  # casting it would make a wrong weight
+def _check_slice(header: TensorHeader, s: TensorSlice, path: str) -> None:
+    """A checkpoint tensor the slice may be read from: a float (casting anything else
+    would make a wrong weight) of the shape the model expects."""
+    if header.dtype not in FLOAT_DTYPES:
         raise CheckpointError(
-            f"tensor {s.name} in checkpoint {path} is {dtype_name(part.get_dtype())}: the "
+            f"tensor {s.name} in checkpoint {path} is {dtype_name(header.dtype)}: the "
             "workers load float32, bfloat16 or float16 weights, not quantized ones"
         )
-    shape = tuple(part.get_shape())
-    if shape != s.shape:
+    if tuple(header.shape) != s.shape:
         raise CheckpointError(
-            f"tensor {s.name} in checkpoint {path} has shape {list(shape)}, the model "
+            f"tensor {s.name} in checkpoint {path} has shape {list(header.shape)}, the model "
             f"expects {list(s.shape)}"
         )
+
+
+def _read_slice(f, s: TensorSlice) -> torch.Tensor:
+    part = f.get_slice(s.name)
     end = s.start + s.length
     return part[s.start : end] if s.dim == 0 else part[:, s.start : end]
 
 
 @torch.no_grad()
 def load_checkpoint(model: nn.Module, path: str) -> LoadReport:
-    """Copy every slice the model's layers ask for from the folder into their parameters."""
-    index = checkpoint_files(path).index()
-    plan = _loading_plan(model)
+    """Copy every slice the model's layers ask for from the folder into their parameters,
+    in place. Every name, dtype and shape is checked first, from the files' headers: a
+    checkpoint that does not fit changes nothing."""
+    files = checkpoint_files(path)
+    index, headers = files.index(), files.tensors()
+    plan = loading_plan(model)
     missing = sorted({s.name for _, s in plan if s.name not in index})
     if missing:
         more = f" (+{len(missing) - 8} more)" if len(missing) > 8 else ""
         raise CheckpointError(f"checkpoint {path} lacks tensor(s): {', '.join(missing[:8])}{more}")
     by_file: dict[str, list[tuple[torch.Tensor, TensorSlice]]] = defaultdict(list)
     for param, s in plan:
+        _check_slice(headers[s.name], s, path)
         by_file[index[s.name]].append((param, s))
     report = LoadReport()
     for file_name, entries in sorted(by_file.items()):
         with safe_open(str(Path(path) / file_name), framework="pt", device="cpu") as f:
             for param, s in entries:
-                values = _read_slice(f, s, path)
+                values = _read_slice(f, s)
                 param.data.narrow(s.dim, s.dst_start, s.length).copy_(values)
                 report.tensors.add(s.name)
         report.files.add(file_name)

@@ -19,6 +19,7 @@ from starlette.exceptions import HTTPException
 
 from zmqworker import __version__
 from zmqworker.engine.llm import LLM
+from zmqworker.serve.admin import install_admin
 from zmqworker.serve.chat import create_chat_completion
 from zmqworker.serve.completions import create_completion
 from zmqworker.serve.errors import APIError
@@ -29,7 +30,9 @@ logger = logging.getLogger(__name__)
 HEALTH_TIMEOUT_S = 10.0
 
 
-def build_app(llm: LLM, model_name: str, api_key: str | None = None) -> FastAPI:
+def build_app(
+    llm: LLM, model_name: str, api_key: str | None = None, enable_admin_endpoints: bool = False
+) -> FastAPI:
     app = FastAPI(title="zmqworker", version=__version__)
     registry = CollectorRegistry()
     registry.register(_EngineCollector(llm))
@@ -40,6 +43,9 @@ def build_app(llm: LLM, model_name: str, api_key: str | None = None) -> FastAPI:
         given = request.headers.get("authorization", "")
         if not secrets.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
             raise APIError("Incorrect API key provided", 401, code="invalid_api_key")
+
+    if enable_admin_endpoints:
+        install_admin(app, llm, authorized)
 
     def check_model(name: str) -> None:
         if name != model_name:

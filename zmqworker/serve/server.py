@@ -27,12 +27,13 @@ def serve(
     api_key: str | None = None,
     shutdown_timeout_s: float = 30.0,
     log_level: str = "warning",
+    enable_admin_endpoints: bool = False,
 ) -> None:
     llm = LLM(**engine_options)
     try:
         name = served_model_name or llm.model_folder.path.name
         config = uvicorn.Config(
-            build_app(llm, name, api_key),
+            build_app(llm, name, api_key, enable_admin_endpoints),
             host=host,
             port=port,
             loop="uvloop",
