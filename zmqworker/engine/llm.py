@@ -65,6 +65,9 @@ class LLM:
         pipeline_parallel_size: Annotated[
             Positive, opt("pipeline-parallel size", aliases=["--pp"])
         ] = 1,
+        enable_expert_parallel: Annotated[
+            bool, opt("mixture-of-experts models: each rank holds its share of the experts whole")
+        ] = False,
         device: Annotated[Literal["cpu", "cuda", "auto"], opt("device of the workers")] = "cpu",
         dtype: Annotated[
             Literal["float32", "bfloat16", "float16"], opt("weights and activations dtype")
@@ -119,7 +122,7 @@ class LLM:
         check_args(OPTION_TYPES, {k: v for k, v in locals().items() if k in OPTION_TYPES})
         started = time.perf_counter()
         folder = ModelFolder.open(model)
-        folder.check_layout(tensor_parallel_size, pipeline_parallel_size)
+        folder.check_layout(tensor_parallel_size, pipeline_parallel_size, enable_expert_parallel)
         self.model_folder = folder
         self.max_model_len = folder.max_model_len(max_model_len)
         world = tensor_parallel_size * pipeline_parallel_size
@@ -150,6 +153,7 @@ class LLM:
             parallel=ParallelConfig(
                 tensor_parallel_size=tensor_parallel_size,
                 pipeline_parallel_size=pipeline_parallel_size,
+                enable_expert_parallel=enable_expert_parallel,
             ),
             cache=cache,
             device=DeviceConfig(device=device, num_threads=num_threads),

@@ -131,22 +131,24 @@ def experts_reference(
     act: nn.Module,
 ) -> torch.Tensor:
     """For each token, the sum over its experts held here (first_expert onwards, as many
-    as w13 stacks) of weight * down(act(gate_up(x))), in x's dtype: expert by expert over
-    the tokens that chose it, as transformers sums them. act: [n, 2 * inter] -> [n, inter]."""
-    out = torch.zeros_like(x)
+    as w13 stacks) of weight * down(act(gate_up(x))), in x's dtype. Expert by expert over
+    the tokens that chose it; each (token, choice)'s product is rounded to x's dtype, and
+    a token's are summed in choice order (as the fused kernel sums them).
+    act: [n, 2 * inter] -> [n, inter]."""
     count, top_k = w13.shape[0], ids.shape[1]
     local = (ids - first_expert).flatten()
     local = torch.where((local >= 0) & (local < count), local, count)  # count: elsewhere
     order = torch.argsort(local, stable=True)
     sizes = torch.bincount(local, minlength=count + 1)[:count].tolist()
     flat_weights = weights.flatten()
+    # Index copies, not index_add_: on a loaded CPU its threaded kernel took milliseconds.
+    products = x.new_zeros(ids.numel(), x.shape[1])
     start = 0
     for expert, size in enumerate(sizes):
         if size:
             pairs = order[start : start + size]
-            tokens = pairs // top_k
-            hidden = act(linear(x[tokens], w13[expert]))
+            hidden = act(linear(x[pairs // top_k], w13[expert]))
             hidden = linear(hidden, w2[expert]) * flat_weights[pairs, None]
-            out.index_add_(0, tokens, hidden.to(x.dtype))
+            products.index_copy_(0, pairs, hidden.to(x.dtype))
         start += size
-    return out
+    return products.view(ids.shape[0], top_k, -1).sum(dim=1)
