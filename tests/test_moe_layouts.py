@@ -14,8 +14,8 @@ import torch
 import torch.multiprocessing as mp
 
 from messages import ModelConfig, ParallelConfig, SamplingParams
-from tests.test_moe import greedy, hf_greedy
 from tests.test_models import prompts
+from tests.test_moe import greedy, hf_greedy
 from tests.test_tp_model import free_port
 from tests.tiny import MOE_CHECKPOINTS, PagedDriver, moe_checkpoint
 from zmqworker.distributed import (

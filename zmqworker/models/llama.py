@@ -347,6 +347,18 @@ class LlamaForCausalLM(nn.Module):
             )
         return self.lm_head(hidden_states)
 
+    def kernel_token_starts(self) -> list[int]:
+        """The fewest tokens of each kernel choice a fused step makes by its token count
+        (the skinny projections' row tiles, the fused experts' tile sets): warm-up runs a
+        step of each, so that none compiles while serving."""
+        from zmqworker.models.layers.row_tiles import tile_starts
+
+        starts = set(tile_starts())
+        for module in self.modules():
+            if isinstance(module, SparseMoeBlock):
+                starts.update(module.token_starts())
+        return sorted(starts)
+
     def load_weights(self, path: str) -> None:
         """Fill this rank's parameters from the checkpoint folder (also used on wake-up)."""
         load_checkpoint(self, path)

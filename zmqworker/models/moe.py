@@ -72,6 +72,14 @@ class SparseMoeBlock(nn.Module):
 
             self._fused = fused_moe
 
+    def token_starts(self) -> list[int]:
+        """The fewest tokens of each of the fused experts' tile sets (none unfused)."""
+        if self._fused is None:
+            return []
+        from zmqworker.models.layers.fused_moe import token_starts
+
+        return token_starts(self.top_k, self.split.count)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = self.gate(x)
         w13, w2 = self.experts.w13, self.experts.w2
