@@ -24,6 +24,7 @@ dtype, then the activation, the product, the weighted product; sums in float32.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -52,9 +53,19 @@ _REGIMES: tuple[tuple[float, MoeTiles], ...] = (
 )
 
 
-def tiles_for(num_tokens: int, top_k: int, num_local: int) -> MoeTiles:
+def tiles_for(num_tokens: int, top_k: int, num_local: int, element_size: int = 2) -> MoeTiles:
+    """The step's tile set; 4-byte elements (float32 models) take half the K tile, so that
+    the software pipeline's stages fit in shared memory."""
     per_expert = num_tokens * top_k / num_local
-    return next(tiles for most, tiles in _REGIMES if per_expert <= most)
+    tiles = next(tiles for most, tiles in _REGIMES if per_expert <= most)
+    if element_size <= 2:
+        return tiles
+    gate_up, down = tiles.gate_up, tiles.down
+    return dataclasses.replace(
+        tiles,
+        gate_up=(gate_up[0], gate_up[1] // 2, *gate_up[2:]),
+        down=(down[0], down[1] // 2, *down[2:]),
+    )
 
 
 def token_starts(top_k: int, num_local: int) -> list[int]:
@@ -225,7 +236,7 @@ def fused_moe(
     out = torch.empty(num_tokens, hidden, dtype=x.dtype, device=x.device)
     if num_tokens == 0:
         return out
-    t = tiles or tiles_for(num_tokens, top_k, num_local)
+    t = tiles or tiles_for(num_tokens, top_k, num_local, x.element_size())
     device, pdl = x.device, launch_options(x.device)
     num_pairs = num_tokens * top_k
     num_chunks = triton.cdiv(num_tokens, t.chunk)
