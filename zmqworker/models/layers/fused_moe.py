@@ -42,14 +42,19 @@ class MoeTiles:
     chunk: int  # tokens a routing program takes
     gate_up: tuple[int, int, int, int]  # BLOCK_N, BLOCK_K, num_warps, num_stages
     down: tuple[int, int, int, int]
+    # Blocks that take each column tile in turn: a block's pairs and an expert's weight
+    # tile are read by programs that run together (L2), as in Triton's matmul tutorial.
+    group_m: int = 1
 
 
-# (the most pairs an expert gets on average, the tiles): the first that holds.
+# (the most pairs an expert gets on average, the tiles): the first that holds. The
+# gate/up GEMM keeps two accumulators (gate and up), so its column tile is half the down's
+# at the larger blocks.
 _REGIMES: tuple[tuple[float, MoeTiles], ...] = (
     (16, MoeTiles(16, 16, (64, 128, 4, 4), (64, 128, 4, 4))),
-    (64, MoeTiles(32, 32, (64, 128, 4, 4), (64, 128, 4, 4))),
-    (256, MoeTiles(64, 64, (128, 64, 4, 4), (128, 64, 4, 4))),
-    (float("inf"), MoeTiles(128, 128, (128, 64, 8, 3), (128, 64, 8, 3))),
+    (64, MoeTiles(32, 32, (64, 128, 4, 4), (64, 128, 4, 4), group_m=4)),
+    (256, MoeTiles(64, 64, (64, 64, 4, 4), (128, 64, 4, 4), group_m=8)),
+    (float("inf"), MoeTiles(128, 128, (64, 64, 8, 3), (128, 64, 8, 3), group_m=8)),
 )
 
 
@@ -77,7 +82,18 @@ def token_starts(top_k: int, num_local: int) -> list[int]:
     return starts
 
 
-@triton.jit(do_not_specialize=["num_pairs"])
+@triton.jit
+def _block_and_tile(num_blocks, num_tiles, GROUP_M: tl.constexpr):
+    """This program's (block of sorted pairs, column tile): GROUP_M blocks take each
+    column tile in turn."""
+    pid = tl.program_id(0)
+    per_group = GROUP_M * num_tiles
+    first = pid // per_group * GROUP_M
+    size = tl.minimum(num_blocks - first, GROUP_M)
+    return first + (pid % per_group) % size, (pid % per_group) // size
+
+
+@triton.jit(do_not_specialize=["num_pairs", "num_blocks"])
 def _gate_up_kernel(
     out_ptr,
     x_ptr,
@@ -85,6 +101,7 @@ def _gate_up_kernel(
     sorted_ptr,
     block_expert_ptr,
     num_pairs,
+    num_blocks,
     inter,
     K,
     stride_x,
@@ -92,11 +109,12 @@ def _gate_up_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
     PRECISION: tl.constexpr,
     PDL: tl.constexpr,
 ):
     wait_for_inputs(PDL)
-    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    pid_m, pid_n = _block_and_tile(num_blocks, tl.cdiv(inter, BLOCK_N), GROUP_M)
     expert = tl.load(block_expert_ptr + pid_m)
     if expert < 0:
         return
@@ -128,7 +146,7 @@ def _gate_up_kernel(
     tl.store(out, (act * up).to(dtype), mask=m_ok[:, None] & n_ok[None, :])
 
 
-@triton.jit(do_not_specialize=["num_pairs"])
+@triton.jit(do_not_specialize=["num_pairs", "num_blocks"])
 def _down_kernel(
     out_ptr,
     act_ptr,
@@ -137,16 +155,18 @@ def _down_kernel(
     sorted_ptr,
     block_expert_ptr,
     num_pairs,
+    num_blocks,
     hidden,
     K,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
     PRECISION: tl.constexpr,
     PDL: tl.constexpr,
 ):
     wait_for_inputs(PDL)
-    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    pid_m, pid_n = _block_and_tile(num_blocks, tl.cdiv(hidden, BLOCK_N), GROUP_M)
     expert = tl.load(block_expert_ptr + pid_m)
     if expert < 0:
         return
@@ -261,17 +281,17 @@ def fused_moe(
     precision = dot_precision(x.dtype)
     activation = torch.empty(num_pairs, inter, dtype=x.dtype, device=device)
     block_n, block_k, warps, stages = t.gate_up
-    _gate_up_kernel[(blocks, triton.cdiv(inter, block_n))](
-        activation, x, w13, sorted_pairs, block_expert, num_pairs, inter, hidden, x.stride(0),
-        TOP_K=top_k, BLOCK_M=t.block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        PRECISION=precision, num_warps=warps, num_stages=stages, **pdl,
+    _gate_up_kernel[(blocks * triton.cdiv(inter, block_n),)](
+        activation, x, w13, sorted_pairs, block_expert, num_pairs, blocks, inter, hidden,
+        x.stride(0), TOP_K=top_k, BLOCK_M=t.block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        GROUP_M=t.group_m, PRECISION=precision, num_warps=warps, num_stages=stages, **pdl,
     )  # fmt: skip
     products = torch.empty(num_pairs, hidden, dtype=x.dtype, device=device)
     block_n, block_k, warps, stages = t.down
-    _down_kernel[(blocks, triton.cdiv(hidden, block_n))](
-        products, activation, w2, weights, sorted_pairs, block_expert, num_pairs, hidden,
-        inter, BLOCK_M=t.block_m, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=precision,
-        num_warps=warps, num_stages=stages, **pdl,
+    _down_kernel[(blocks * triton.cdiv(hidden, block_n),)](
+        products, activation, w2, weights, sorted_pairs, block_expert, num_pairs, blocks,
+        hidden, inter, BLOCK_M=t.block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        GROUP_M=t.group_m, PRECISION=precision, num_warps=warps, num_stages=stages, **pdl,
     )  # fmt: skip
     block = min(128, triton.next_power_of_2(hidden))
     _combine_kernel[(triton.cdiv(num_tokens, 8), triton.cdiv(hidden, block))](
