@@ -67,6 +67,9 @@ class LLM(ControlMethods):
         pipeline_parallel_size: Annotated[
             Positive, opt("pipeline-parallel size", aliases=["--pp"])
         ] = 1,
+        enable_expert_parallel: Annotated[
+            bool, opt("mixture-of-experts models: each rank holds its share of the experts whole")
+        ] = False,
         device: Annotated[Literal["cpu", "cuda", "auto"], opt("device of the workers")] = "cpu",
         dtype: Annotated[
             Literal["float32", "bfloat16", "float16"], opt("weights and activations dtype")
@@ -124,7 +127,7 @@ class LLM(ControlMethods):
         check_args(OPTION_TYPES, {k: v for k, v in locals().items() if k in OPTION_TYPES})
         started = time.perf_counter()
         folder = ModelFolder.open(model)
-        folder.check_layout(tensor_parallel_size, pipeline_parallel_size)
+        folder.check_layout(tensor_parallel_size, pipeline_parallel_size, enable_expert_parallel)
         self.model_folder = folder
         self.max_model_len = folder.max_model_len(max_model_len)
         world = tensor_parallel_size * pipeline_parallel_size
@@ -155,6 +158,7 @@ class LLM(ControlMethods):
             parallel=ParallelConfig(
                 tensor_parallel_size=tensor_parallel_size,
                 pipeline_parallel_size=pipeline_parallel_size,
+                enable_expert_parallel=enable_expert_parallel,
             ),
             cache=cache,
             device=DeviceConfig(device=device, num_threads=num_threads),

@@ -1,17 +1,18 @@
 """Weight loading from a Hugging Face checkpoint folder (safetensors, sharded or not).
 
-Every parameter layer describes the checkpoint slices it needs (TensorSlice); past every
-file's header, this module opens only the files that hold them and reads only those
-slices, so a pipeline stage never reads another stage's layers and a TP rank reads only
-its shard. Any mix of
-float32, bfloat16 and float16 tensors is cast into the parameters' dtype; a quantized
-checkpoint is refused here too (the engine refuses it before the workers start, but a
-worker may be driven by an engine that did not).
+Every parameter layer describes the checkpoint slices it needs (TensorSlice, or OneOf its
+layouts); past every file's header, this module opens only the files that hold them and
+reads only those slices, so a pipeline stage never reads another stage's layers, a TP rank
+reads only its shard and an expert-parallel rank only its experts. Any mix of float32,
+bfloat16 and float16 tensors is cast into the parameters' dtype; a quantized checkpoint is
+refused here too (the engine refuses it before the workers start, but a worker may be
+driven by an engine that did not).
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Container
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -20,7 +21,7 @@ from safetensors import safe_open
 from torch import nn
 
 from zmqworker.models.checkpoint_files import CheckpointError, SafetensorsFiles, TensorHeader
-from zmqworker.models.layers.weights import TensorSlice
+from zmqworker.models.layers.weights import OneOf, TensorSlice
 from zmqworker.models.quantization import FLOAT_DTYPES, dtype_name, refuse_quantized_tensors
 
 
@@ -44,8 +45,11 @@ def checkpoint_files(path: str) -> SafetensorsFiles:
     return files
 
 
-def loading_plan(model: nn.Module) -> list[tuple[torch.Tensor, TensorSlice]]:
-    """Every (parameter, checkpoint slice) this rank's layers ask for."""
+def loading_plan(
+    model: nn.Module, held: Container[str] = ()
+) -> list[tuple[torch.Tensor, TensorSlice]]:
+    """Every (parameter, checkpoint slice) this rank's layers ask for; of a parameter's
+    layouts (OneOf), the first whose tensors are all in held (else the first)."""
     plan = []
     for module in model.modules():
         slices_of = getattr(module, "tensor_slices", None)
@@ -53,8 +57,17 @@ def loading_plan(model: nn.Module) -> list[tuple[torch.Tensor, TensorSlice]]:
             continue
         for attr, slices in slices_of().items():
             param = getattr(module, attr)
+            if isinstance(slices, OneOf):
+                slices = _layout_held(slices, held)
             plan.extend((param, s) for s in slices)
     return plan
+
+
+def _layout_held(choice: OneOf, held: Container[str]) -> tuple[TensorSlice, ...]:
+    for layout in choice.layouts:
+        if all(s.name in held for s in layout):
+            return layout
+    return choice.layouts[0]
 
 
 def _check_slice(header: TensorHeader, s: TensorSlice, path: str) -> None:
@@ -75,7 +88,19 @@ def _check_slice(header: TensorHeader, s: TensorSlice, path: str) -> None:
 def _read_slice(f, s: TensorSlice) -> torch.Tensor:
     part = f.get_slice(s.name)
     end = s.start + s.length
+    if s.src_experts is not None:
+        first, count = s.src_experts
+        experts = slice(first, first + count)
+        return part[experts, s.start : end] if s.dim == 0 else part[experts, :, s.start : end]
     return part[s.start : end] if s.dim == 0 else part[:, s.start : end]
+
+
+def slice_destination(param: torch.Tensor, s: TensorSlice) -> torch.Tensor:
+    """The part of param that slice s fills (an expert of a stacked parameter included)."""
+    if s.src_experts is not None:
+        return param.data.narrow(s.dim + 1, s.dst_start, s.length)
+    target = param.data if s.dst_expert is None else param.data[s.dst_expert]
+    return target.narrow(s.dim, s.dst_start, s.length)
 
 
 @torch.no_grad()
@@ -85,7 +110,7 @@ def load_checkpoint(model: nn.Module, path: str) -> LoadReport:
     checkpoint that does not fit changes nothing."""
     files = checkpoint_files(path)
     index, headers = files.index(), files.tensors()
-    plan = loading_plan(model)
+    plan = loading_plan(model, index)
     missing = sorted({s.name for _, s in plan if s.name not in index})
     if missing:
         more = f" (+{len(missing) - 8} more)" if len(missing) > 8 else ""
@@ -98,8 +123,7 @@ def load_checkpoint(model: nn.Module, path: str) -> LoadReport:
     for file_name, entries in sorted(by_file.items()):
         with safe_open(str(Path(path) / file_name), framework="pt", device="cpu") as f:
             for param, s in entries:
-                values = _read_slice(f, s)
-                param.data.narrow(s.dim, s.dst_start, s.length).copy_(values)
+                slice_destination(param, s).copy_(_read_slice(f, s))
                 report.tensors.add(s.name)
         report.files.add(file_name)
     return report

@@ -15,11 +15,21 @@ Target = tuple[nn.Parameter, TensorSlice]
 
 def write_piece(targets: list[Target], row_start: int, piece: torch.Tensor) -> None:
     """piece holds rows [row_start, row_start + len(piece)) of the tensor the targets
-    take from; copy what each target covers of them (asynchronously on CUDA)."""
+    take from (experts, for a stacked expert tensor); copy what each target covers of
+    them (asynchronously on CUDA)."""
     rows = piece.shape[0]
     row_end = row_start + rows
     for param, s in targets:
-        dst = param.data
+        if s.src_experts is not None:  # rows are experts; each takes its columns
+            first, count = s.src_experts
+            lo, hi = max(first, row_start), min(first + count, row_end)
+            if lo < hi:
+                into = param.data.narrow(0, lo - first, hi - lo)
+                into = into.narrow(s.dim + 1, s.dst_start, s.length)
+                part = piece.narrow(0, lo - row_start, hi - lo).narrow(s.dim + 1, s.start, s.length)
+                into.copy_(part, non_blocking=True)
+            continue
+        dst = param.data if s.dst_expert is None else param.data[s.dst_expert]
         if s.dim == 0:
             lo, hi = max(s.start, row_start), min(s.start + s.length, row_end)
             if lo < hi:
@@ -37,6 +47,7 @@ def whole_parameter(targets: list[Target], shape: list[int]) -> nn.Parameter | N
         return None
     param, s = targets[0]
     whole = s.dim == 0 and s.start == 0 and s.dst_start == 0 and s.length == shape[0]
+    whole = whole and s.dst_expert is None and s.src_experts is None
     if whole and list(param.shape) == list(shape) and param.data.is_contiguous():
         return param
     return None
