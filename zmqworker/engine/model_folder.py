@@ -23,6 +23,7 @@ import psutil
 
 from messages import CacheConfig, KVCacheSpec, SamplingParams
 from zmqworker.cdiv import cdiv
+from zmqworker.engine.prompts import check_text
 from zmqworker.models.architectures import supported_architecture
 
 logger = logging.getLogger(__name__)
@@ -60,6 +61,7 @@ class TextSide:
                     f"message {i}: role must be system, user or assistant, "
                     f"got {message.get('role')!r}"
                 )
+            check_text(message["content"], f"message {i}'s content")
         text = self.tokenizer.apply_chat_template(
             list(messages), add_generation_prompt=True, tokenize=False
         )
