@@ -35,7 +35,7 @@ from zmqworker.engine.llm_args import (
 from zmqworker.engine.llm_control import ControlMethods
 from zmqworker.engine.model_folder import ModelFolder, cache_config_for, on_cpu
 from zmqworker.engine.outputs import EngineStats, RequestOutput
-from zmqworker.engine.prompts import Prompt, prompt_list, prompt_token_ids
+from zmqworker.engine.prompts import Prompt, check_text, prompt_list, prompt_token_ids
 from zmqworker.engine.request import Request
 from zmqworker.executor.abstract import STEP_TIMEOUT_S, Executor
 
@@ -383,6 +383,8 @@ class LLM(ControlMethods):
         if params.logprobs is not None and 0 <= max_logprobs < params.logprobs:
             # the workers would refuse the whole step it is in
             raise ValueError(f"logprobs={params.logprobs} is more than max_logprobs={max_logprobs}")
+        for i, stop in enumerate(params.stop):
+            check_text(stop, f"stop string {i}")  # the request could not cross to the workers
         token_ids = self.encode(prompt)
         detokenizer = IncrementalDetokenizer(self.tokenizer, token_ids) if self.tokenizer else None
         request = Request(

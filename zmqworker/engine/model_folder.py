@@ -24,6 +24,7 @@ import psutil
 
 from messages import CacheConfig, KVCacheSpec, SamplingParams
 from zmqworker.cdiv import cdiv
+from zmqworker.engine.prompts import check_text
 from zmqworker.models.architectures import supported_architecture
 from zmqworker.models.expert_split import check_expert_split, moe_sizes
 from zmqworker.models.quantization import refuse_quantized
@@ -72,6 +73,7 @@ def check_conversation(messages: Sequence[dict[str, Any]]) -> None:
             raise ValueError(
                 f"message {i}: role must be system, user or assistant, got {message.get('role')!r}"
             )
+        check_text(message["content"], f"message {i}'s content")
 
 
 class ModelFolder:
