@@ -172,7 +172,7 @@ def test_text_that_is_not_unicode_is_refused_naming_its_field(server, path, body
     assert answer["error"]["param"] == param
     assert answer["error"]["message"] == (
         f"{param} is not valid Unicode text: it holds a lone surrogate '\\udcff' at "
-        "character 6 (text must be encodable as UTF-8)"
+        "character 7 (text must be encodable as UTF-8)"
     )
     assert "Traceback" not in server.output() and "TypeError" not in server.output()
 
@@ -250,7 +250,7 @@ def test_requests_within_the_bound_still_work(server):
 def test_the_engine_refuses_text_that_is_not_unicode():
     """The check the server, the CLI and the LLM share (zmqworker/engine/prompts.py)."""
     check_text("Hello 👋", "the prompt")
-    with pytest.raises(ValueError, match=r"prompt 2 is not valid Unicode text: .* character 6"):
+    with pytest.raises(ValueError, match=r"prompt 2 is not valid Unicode text: .* character 7"):
         check_text("Hello \udcff", "prompt 2")
     with pytest.raises(ValueError, match="the prompt is not valid Unicode text"):
         prompt_token_ids("Hello \udcff", object(), 512, None)

@@ -381,10 +381,9 @@ class LLM(ControlMethods):
             raise ValueError(f"expected SamplingParams, got {type(params).__name__}")
         max_logprobs = self.worker_config.model.max_logprobs
         if params.logprobs is not None and 0 <= max_logprobs < params.logprobs:
-            # the workers would refuse the whole step it is in
             raise ValueError(f"logprobs={params.logprobs} is more than max_logprobs={max_logprobs}")
         for i, stop in enumerate(params.stop):
-            check_text(stop, f"stop string {i}")  # the request could not cross to the workers
+            check_text(stop, f"stop string {i}")
         token_ids = self.encode(prompt)
         detokenizer = IncrementalDetokenizer(self.tokenizer, token_ids) if self.tokenizer else None
         request = Request(
