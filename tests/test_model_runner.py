@@ -343,13 +343,13 @@ def test_cuda_steps_never_synchronise_the_host() -> None:
 def test_no_triton_kernel_compiles_after_warm_up() -> None:
     """Steps of every kind and size after warm-up find their kernels compiled: a compile at
     serving time stalls every request for hundreds of milliseconds."""
-    from zmqworker.attention import triton_cache, triton_kernels
+    from zmqworker.attention import triton_cache, triton_decode, triton_kernels
     from zmqworker.model_runner import greedy_ids, token_feed
     from zmqworker.models.layers import skinny_gate_up, skinny_linear, triton_ops
 
     kernels = [
         triton_kernels.varlen_kernel,
-        triton_kernels.decode_kernel,
+        triton_decode.decode_kernel,
         skinny_gate_up._gate_up_silu_kernel,
         skinny_linear._skinny_linear_kernel,
         triton_cache._rope_and_cache_kernel,

@@ -22,9 +22,9 @@ import torch
 from zmqworker.attention.triton_metadata import (
     TritonAttentionMetadata,
     decode_splits,
+    split_counter_slots,
     tile_size,
 )
-from zmqworker.cdiv import cdiv
 from zmqworker.model_runner.step_inputs import HostStep, StepGather
 
 
@@ -64,8 +64,8 @@ class DeviceInputs:
         self.width = max_blocks_per_req
         self.device = device
         self.num_kv_heads = num_kv_heads
-        # The attention's tiles in the longest history: more splits than these are empty.
-        self.max_tiles = cdiv(max_model_len, tile_size(block_size))
+        self.max_model_len = max_model_len
+        self.tile = tile_size(block_size)
         sizes = {
             "input_ids": tokens,
             "positions": tokens,
@@ -99,8 +99,10 @@ class DeviceInputs:
         self.block_tables = self._device_views["block_tables"].view(reqs, max_blocks_per_req)
         # The previous sampling step's ids, read by the token feed; a fixed address.
         self.sampled = torch.zeros(reqs, dtype=torch.int32, device=device)
-        # The decode attention's per (request, kv head) split counters: zero between steps.
-        self.split_counters = torch.zeros(reqs * num_kv_heads, dtype=torch.int32, device=device)
+        # The decode attention's split counters, for its largest step: zero between steps.
+        sizes = range(1, reqs + 1)
+        slots = max(split_counter_slots(n, num_kv_heads, self.splits(n)) for n in sizes)
+        self.split_counters = torch.zeros(slots, dtype=torch.int32, device=device)
         # Recorded after each upload: the host buffer is rewritten only once it has fired.
         self._uploaded = torch.cuda.Event() if pinned else None
         self._stream = torch.cuda.current_stream(device) if pinned else None
@@ -186,7 +188,7 @@ class DeviceInputs:
     def splits(self, num_reqs: int) -> int:
         """Decode splits at this batch size: a function of the size alone, so a graph
         captured at a size keeps being right."""
-        return decode_splits(num_reqs, self.num_kv_heads, self.max_tiles)
+        return decode_splits(num_reqs, self.num_kv_heads, self.max_model_len, self.tile)
 
     def _mark_feed(self, feed: TokenFeed, step: HostStep, feed_index: np.ndarray) -> None:
         """feed_index[t] = the sample's index for tokens at a fed (row, position)."""
