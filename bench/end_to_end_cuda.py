@@ -25,7 +25,7 @@ import torch
 import transformers
 
 from bench.common import print_table, write_results
-from bench.gpu_decode import SHAPES, Ours
+from bench.gpu_runner import SHAPES, Ours
 from messages import SamplingParams
 from zmqworker.engine.llm import LLM
 
