@@ -38,6 +38,7 @@ from zmqworker.attention.triton_metadata import (
     MIN_LONG_SPLIT,
     TritonAttentionMetadata,
     split_counter_slots,
+    split_counter_stride,
     tile_size,
 )
 from zmqworker.dot_precision import dot_precision
@@ -156,6 +157,7 @@ def decode_attention(
         FAN_IN=MERGE_FAN_IN,
         MIN_LONG=MIN_LONG_SPLIT,
         MERGE_WIDTH=min(splits, MERGE_FAN_IN),
+        COUNTER_STRIDE=split_counter_stride(splits),
         **common,
         **DECODE_LAUNCH,
     )

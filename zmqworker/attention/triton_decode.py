@@ -74,6 +74,7 @@ def decode_kernel(
     FAN_IN: tl.constexpr,
     MIN_LONG: tl.constexpr,
     MERGE_WIDTH: tl.constexpr,
+    COUNTER_STRIDE: tl.constexpr,
     PRECISION: tl.constexpr,
     PDL: tl.constexpr,
 ):
@@ -178,6 +179,7 @@ def decode_kernel(
                 NUM_SPLITS,
                 FAN_IN,
                 MERGE_WIDTH,
+                COUNTER_STRIDE,
             )
 
 
@@ -201,14 +203,14 @@ def _merge_when_last(
     NUM_SPLITS: tl.constexpr,
     FAN_IN: tl.constexpr,
     MERGE_WIDTH: tl.constexpr,
+    COUNTER_STRIDE: tl.constexpr,
 ):
     """After a split stored its partial: the last of the working splits merges them all
     (one level), or the last of its group merges the group and the last group the groups.
     acq_rel: the others' partials are visible to the merger; the barriers: every warp's
     stores come before the one thread's release."""
     # Counters of a (request, kv head): [the whole, then one per group when grouped].
-    stride: tl.constexpr = 1 + NUM_SPLITS // FAN_IN if NUM_SPLITS > FAN_IN else 1
-    whole = counters_ptr + (req * NUM_KV_HEADS + kv_head) * stride
+    whole = counters_ptr + (req * NUM_KV_HEADS + kv_head) * COUNTER_STRIDE
     tl.debug_barrier()
     # Tested on the constexpr first: a launch of at most FAN_IN splits has no second level.
     if NUM_SPLITS <= FAN_IN:

@@ -77,11 +77,15 @@ def decode_splits(num_reqs: int, num_kv_heads: int, max_model_len: int, tile: in
     return splits
 
 
+def split_counter_stride(num_splits: int) -> int:
+    """Counters per (request, kv head) of a decode of this many splits: one for the
+    whole, and past MERGE_FAN_IN splits one more per group of them."""
+    return 1 + (num_splits // MERGE_FAN_IN if num_splits > MERGE_FAN_IN else 0)
+
+
 def split_counter_slots(num_reqs: int, num_kv_heads: int, num_splits: int) -> int:
-    """int32 counters a decode of this many splits needs: one per (request, kv head), and
-    past MERGE_FAN_IN splits one more per group of them."""
-    groups = num_splits // MERGE_FAN_IN if num_splits > MERGE_FAN_IN else 0
-    return num_reqs * num_kv_heads * (1 + groups)
+    """int32 counters a decode of this many splits and requests needs."""
+    return num_reqs * num_kv_heads * split_counter_stride(num_splits)
 
 
 def tile_size(block_size: int) -> int:
