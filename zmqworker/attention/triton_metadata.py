@@ -13,11 +13,10 @@ import torch
 from zmqworker.cdiv import cdiv
 
 # Programs that keep every multiprocessor of a large GPU busy in a decode step: below it,
-# the history of each (request, kv head) is split over several programs. 1024 with
-# two-warp programs (triton_attention.DECODE_LAUNCH) was the best single setting of a
-# sweep on an H200 over short histories (bench/results/decode_attention_sweep.json). A
-# decode program's history loop is latency-bound (a tile of keys and values in flight at
-# a time), so one long history needs about as many programs as a large batch.
+# the history of each (request, kv head) is split over several programs. A decode
+# program's history loop is latency-bound (a tile of keys and values in flight at a
+# time), so one long history needs as many programs as a large batch; 1024 two-warp
+# programs (triton_attention.DECODE_LAUNCH) was the best setting of a sweep (docs/cuda.md).
 TARGET_DECODE_PROGRAMS = 1024
 # Splits merged by one program: their partials (FAN_IN x the group's heads x head_dim
 # float32) are about what one small program loads at once. More splits merge in two
