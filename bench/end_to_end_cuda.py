@@ -34,7 +34,7 @@ SHAPE = "smollm2-135m"
 
 def runner_step_s(folder: Path, requests: int, prompt_len: int, output_len: int) -> float:
     """Seconds per decode step of the model runner alone, pipelined, at batch requests."""
-    ours = Ours(folder, dummy=True, max_batch=requests)
+    ours = Ours(folder, dummy=True, loads=[(requests, prompt_len)], decodes=output_len)
     rng = np.random.default_rng(0)
     handles = ours.start(requests, prompt_len, rng)
     steps = ours.decode_steps(handles, prompt_len, output_len - 1)

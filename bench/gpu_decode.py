@@ -3,18 +3,20 @@ transformers' static-cache + torch.compile generate, on real shapes (CUDA only).
 
 Each shape is a Llama-family config.json written here (no weights downloaded,
 gpu_runner.py): SmolLM2-135M and Llama-3.2-1B get random weights from transformers,
-saved and loaded by both sides; Llama-3-8B gets our load_format="dummy" weights. Prompts
-of 512 random tokens are prefilled, then decode steps are timed two ways:
+saved and loaded by both sides; Llama-3-8B and the mixtures of experts (Qwen3-30B-A3B's
+and Mixtral-8x7B's shapes, asked for with --shapes) get our load_format="dummy" weights.
+Prompts of 512 random tokens are prefilled, then decode steps are timed two ways:
 - ours_ms: the median of steps run one at a time, each waiting for its sampled ids (what
   an engine sees when it schedules after every output);
 - ours_pipelined_ms: steps issued while the previous one's ids are still on their way
   (what async scheduling gives), wall time over the steps.
 gpu_busy is the share of a step's wall time in which a kernel or copy ran (profiler), for
 the one-at-a-time steps (gpu_busy_pipelined for the others). The floor is the bytes the step
-must read (every weight but the input embedding's unread rows, plus the KV history) over
-the device-to-device bandwidth measured in this run. The prefill row runs 8 new requests
-of 1024 tokens in one step of the 8B shape, as a share of the bf16 matmul peak measured in
-this run.
+must read (every weight but the input embedding's unread rows, plus the KV history; of a
+mixture of experts' experts only those the step's tokens chose, measured in an eager step
+of the run: bench/moe_floor.py) over the device-to-device bandwidth measured in this run.
+A prefill row runs 8 new requests of 1024 tokens in one step of each --prefill-shapes
+shape, as a share of the bf16 matmul peak measured in this run.
 
 Beyond those rows, each against its floor (gpu_steps.py), on a runner of its own: a
 request's first step at --prompts tokens (its prompt and its sample), a mixed step (a
@@ -25,6 +27,7 @@ bench/results/gpu_decode.json (or --out).
     python -m bench.gpu_decode [--shapes smollm2-135m,llama-3.2-1b,llama-3-8b]
         [--batches 1,8,32,64,128,256] [--hf-batches smollm2-135m:1,32,128;llama-3.2-1b:1,64]
         [--prompts 16,128,512,2048] [--mixed-decodes 63] [--context 8192,32768]
+    python -m bench.gpu_decode --shapes qwen3-30b-a3b,mixtral-8x7b --batches 1,16,64,256
 """
 
 from __future__ import annotations
@@ -43,15 +46,24 @@ import transformers
 
 from bench.common import print_table, write_results
 from bench.gpu_runner import (
-    BLOCK_SIZE,
     DECODE_STEPS,
+    DENSE_SHAPES,
+    PREFILL,
     PROMPT_LEN,
     SHAPES,
     Ours,
     floor_bytes,
     make_checkpoint,
+    model_len,
 )
-from bench.gpu_steps import first_step_rows, mixed_row
+from bench.gpu_steps import first_step_rows, mixed_row, prefill_row
+from bench.moe_floor import (
+    eager_steps,
+    expected_union,
+    experts_chosen,
+    moe_blocks,
+    unread_expert_bytes,
+)
 from messages import SchedulerOutput
 
 
@@ -185,41 +197,16 @@ def profile_host(ours: Ours, steps: list[SchedulerOutput]) -> None:
     pstats.Stats(profiler).sort_stats("tottime").print_stats(30)
 
 
-def prefill_row(ours: Ours, rng: np.random.Generator, peak: float) -> dict:
-    """8 new requests of 1024 tokens in one step: median time and the share of peak."""
-    runner = ours.runner
-    times = []
-    for _ in range(4):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        ours.start(8, 1024, rng)
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    seconds = statistics.median(times[1:])
-    cfg = runner.model.hf_config
-    tokens = 8 * 1024
-    linear = sum(
-        p.numel() for n, p in runner.model.named_parameters() if "layers" in n and p.dim() == 2
-    )
-    head_dim = cfg.hidden_size // cfg.num_attention_heads
-    # QK^T and PV over the causal half, per request and layer.
-    attention = 8 * 2 * 2 * (1024 * 1024 / 2) * head_dim * cfg.num_attention_heads
-    flops = 2 * linear * tokens + attention * cfg.num_hidden_layers
-    flops += 2 * cfg.vocab_size * cfg.hidden_size * 8  # the LM head of the 8 sampled rows
-    return {
-        "shape": "llama-3-8b",
-        "tokens": tokens,
-        "ours_ms": seconds * 1e3,
-        "mfu": flops / seconds / peak,
-    }
-
-
 def decode_row(ours: Ours, shape: str, batch: int, computed: int, bandwidth: float, args) -> dict:
     """Decode steps of the live `batch` requests, each `computed` tokens in: one at a
-    time, pipelined, their GPU busy shares (and census) against the step's floor."""
+    time, pipelined, their GPU busy shares (and census) against the step's floor (of a
+    mixture of experts, the experts chosen in the first step, run eagerly)."""
+    model = ours.runner.model
     spec = ours.runner.get_kv_cache_spec()
     steps = ours.decode_steps(ours.live, computed, DECODE_STEPS - 8)
-    ours.one_at_a_time(steps[:5])
+    with eager_steps(ours.runner), experts_chosen(model) as chosen:
+        ours.one_at_a_time(steps[:1])
+    ours.one_at_a_time(steps[1:5])
     sync_times = ours.one_at_a_time(steps[5:35])
     busy = gpu_busy(lambda s=steps[35:45], o=ours: o.one_at_a_time(s))
     pipelined = ours.pipelined(steps[45:75])
@@ -233,16 +220,21 @@ def decode_row(ours: Ours, shape: str, batch: int, computed: int, bandwidth: flo
     if args.profile_host and batch == args.first_batch:
         profile_host(ours, steps[90:150])
     context = computed + 40
+    floor = floor_bytes(model, batch, context, spec) - unread_expert_bytes(model, chosen)
     row = {
         "shape": shape,
         "batch": batch,
         "ours_ms": statistics.median(sync_times) * 1e3,
         "ours_pipelined_ms": pipelined * 1e3,
         "hf_compiled_ms": None,
-        "floor_ms": floor_bytes(ours.runner.model, batch, context, spec) / bandwidth * 1e3,
+        "floor_ms": floor / bandwidth * 1e3,
         "gpu_busy": busy,
         "gpu_busy_pipelined": busy_pipelined,
     }
+    if chosen:  # a mixture of experts: the experts read, per layer
+        block = moe_blocks(model)[0]
+        row["experts_chosen"] = statistics.mean(chosen)
+        row["experts_uniform"] = expected_union(block.split.num_experts, block.top_k, batch)
     if census is not None:
         row["census"] = census
     print(json.dumps(row), flush=True)
@@ -258,32 +250,30 @@ def shut_down(ours: Ours) -> None:
 def run_shape(
     shape: str, batches: list[int], hf_batches: list[int], bandwidth: float, args
 ) -> tuple[list[dict], dict | None, list[dict]]:
-    """The decode rows, the 8B prefill row, then the first-step and mixed rows (on a
-    runner of their own: longer prompts, and the decode rows' runner as it was)."""
+    """The decode rows, the prefill row if the shape is one of --prefill-shapes, then the
+    first-step and mixed rows (on a runner of their own: longer prompts, and the decode
+    rows' runner as it was)."""
     rows = []
     with tempfile.TemporaryDirectory(dir=args.tmp) as tmp:
         folder = Path(tmp)
         hf = make_checkpoint(shape, folder)
-        ours = Ours(folder, dummy=hf is None, max_batch=max(batches))
+        # KV blocks for the largest batch's requests, or the prefill row's, if more.
+        ours = Ours(folder, dummy=hf is None, loads=[(max(batches), PROMPT_LEN), PREFILL])
         print(f"{shape}: warm-up and graph capture {ours.warm_up_s:.1f} s", flush=True)
         rng = np.random.default_rng(0)
         for batch in batches:
             ours.start(batch, PROMPT_LEN, rng)
             rows.append(decode_row(ours, shape, batch, PROMPT_LEN, bandwidth, args))
         prefill = None
-        if shape == "llama-3-8b" and not args.no_prefill:
-            prefill = prefill_row(ours, rng, args.peak)
+        if shape in args.prefill_shapes.split(","):
+            prefill = prefill_row(ours, rng, args.peak, shape)
             print(json.dumps(prefill), flush=True)
         shut_down(ours)
         step_rows = []
         if args.prompts or args.mixed_decodes:
-            longest = max(args.prompts + [PROMPT_LEN])
-            ours = Ours(
-                folder,
-                dummy=hf is None,
-                max_batch=args.mixed_decodes + 1,
-                max_model_len=longest + DECODE_STEPS + BLOCK_SIZE,
-            )
+            loads = [(1, length) for length in args.prompts + [PROMPT_LEN]]
+            loads.append((args.mixed_decodes + 1, PROMPT_LEN))
+            ours = Ours(folder, dummy=hf is None, loads=loads)
             print(f"{shape}: first-step runner warm-up {ours.warm_up_s:.1f} s", flush=True)
             step_rows = first_step_rows(ours, shape, args.prompts, bandwidth, args.peak, rng)
             if args.mixed_decodes:
@@ -320,11 +310,11 @@ def run_context(
     """Decode rows over histories of each context length (dummy weights; a history
     enters as a cached prefix, in one step of a token per request)."""
     rows = []
-    longest = max(contexts) + DECODE_STEPS + BLOCK_SIZE
+    load = (max(batches), max(contexts) + 1)
     with tempfile.TemporaryDirectory(dir=args.tmp) as tmp:
         folder = Path(tmp)
-        make_checkpoint(shape, folder, max_positions=longest)
-        ours = Ours(folder, True, max(batches), max_model_len=longest, max_batched=256)
+        make_checkpoint(shape, folder, max_positions=model_len(load[1]))
+        ours = Ours(folder, True, loads=[load], max_batched=256)
         print(f"{shape}: long-history runner warm-up {ours.warm_up_s:.1f} s", flush=True)
         rng = np.random.default_rng(0)
         for context in contexts:
@@ -362,14 +352,18 @@ def ints(text: str) -> list[int]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--shapes", default=",".join(SHAPES))
+    parser.add_argument("--shapes", default=",".join(DENSE_SHAPES), help=f"of {', '.join(SHAPES)}")
     parser.add_argument("--batches", default="1,8,32,64,128,256")
     parser.add_argument(
         "--hf-batches",
         default="smollm2-135m:1,32,128;llama-3.2-1b:1,64",
         help="shape:batches;... measured with transformers too (each compiles: slow)",
     )
-    parser.add_argument("--no-prefill", action="store_true")
+    parser.add_argument(
+        "--prefill-shapes",
+        default="llama-3-8b,qwen3-30b-a3b",
+        help="shapes (of those run) measured with a prefill row too ('' for none)",
+    )
     parser.add_argument(
         "--prompts", default="16,128,512,2048", help="first-step rows' prompt lengths ('')"
     )
@@ -399,16 +393,17 @@ def main() -> None:
         hf_batches[shape] = ints(sizes)
     bandwidth = hbm_bandwidth()
     args.peak = matmul_peak()
+    torch.cuda.empty_cache()  # the probes' 8 GiB: Mixtral-8x7B's weights need the room
     print(
         f"HBM {bandwidth / 1e12:.2f} TB/s, bf16 matmul {args.peak / 1e12:.0f} TFLOP/s", flush=True
     )
-    rows, prefill, step_rows = [], None, []
+    rows, prefills, step_rows = [], [], []
     for shape in filter(None, args.shapes.split(",")):
         shape_rows, shape_prefill, shape_steps = run_shape(
             shape, batches, hf_batches.get(shape, []), bandwidth, args
         )
         rows += shape_rows
-        prefill = prefill or shape_prefill
+        prefills += [shape_prefill] if shape_prefill else []
         step_rows += shape_steps
     long_rows = []
     if args.context:
@@ -419,8 +414,7 @@ def main() -> None:
     if step_rows:
         print()
         print_table(step_rows, precision=3)
-    if prefill is not None:
-        p = prefill
+    for p in prefills:
         print(
             f"prefill {p['shape']} {p['tokens']} tokens: {p['ours_ms']:.1f} ms, MFU {p['mfu']:.1%}"
         )
@@ -429,7 +423,7 @@ def main() -> None:
         "bf16_matmul_flops": args.peak,
         "device": torch.cuda.get_device_name(),
         "rows": rows,
-        "prefill": prefill,
+        "prefill": prefills,
         "first_steps": step_rows,
         "long_context": long_rows,
     }

@@ -1,7 +1,8 @@
 """The model runner of bench.gpu_decode's shapes: a Llama-family config.json written
 here (no weights downloaded; random transformers weights for the shapes compared with
-transformers, load_format="dummy" for the others), a runner with KV blocks for a batch
-of requests, and the steps the benchmarks time."""
+transformers, load_format="dummy" for the others and for the mixtures of experts,
+moe_floor.py), a runner with KV blocks for the requests its rows run, and the steps the
+benchmarks time."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import numpy as np
 import torch
 import transformers
 
+from bench.moe_floor import CONFIG_CLASSES, MOE_SHAPES
 from messages import (
     CacheConfig,
     CachedRequestData,
@@ -79,7 +81,10 @@ SHAPES = {
         rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
     ),
 }
-HF_WEIGHTS = ("smollm2-135m", "llama-3.2-1b")  # the 8B shape runs dummy weights
+DENSE_SHAPES = list(SHAPES)
+SHAPES.update(MOE_SHAPES)
+HF_WEIGHTS = ("smollm2-135m", "llama-3.2-1b")  # the others run dummy weights
+PREFILL = (8, 1024)  # the prefill row's requests, tokens each
 
 
 def make_checkpoint(
@@ -91,7 +96,8 @@ def make_checkpoint(
     fields = dict(SHAPES[shape])
     if max_positions is not None:
         fields["max_position_embeddings"] = max(max_positions, fields["max_position_embeddings"])
-    config = transformers.LlamaConfig(**fields, bos_token_id=1, eos_token_id=2)
+    config_class = getattr(transformers, CONFIG_CLASSES.get(shape, "LlamaConfig"))
+    config = config_class(**fields, bos_token_id=1, eos_token_id=2)
     config.save_pretrained(folder)
     if shape not in HF_WEIGHTS or max_positions is not None:
         return None
@@ -102,37 +108,43 @@ def make_checkpoint(
     return model
 
 
+def model_len(prompt_len: int, decodes: int = DECODE_STEPS) -> int:
+    """The most positions a request of prompt_len tokens reaches: its prompt (or history)
+    and `decodes` decode steps after it, and a block more."""
+    return prompt_len + decodes + BLOCK_SIZE
+
+
 class Ours:
-    """One runner per shape, KV blocks for max_batch requests of history up to
-    max_model_len (by default PROMPT_LEN + DECODE_STEPS, or the 8 x 1,024-token prefill
-    row's prompts)."""
+    """One runner per shape, with KV blocks for each of `loads` (requests, prompt length
+    each) in turn, each request with room for `decodes` decode steps: sized per request
+    and load, not max_model_len for every request, so that Mixtral-8x7B's weights leave
+    room. max_num_seqs is the largest load's count."""
 
     def __init__(
         self,
         folder: Path,
         dummy: bool,
-        max_batch: int,
-        max_model_len: int | None = None,
+        loads: list[tuple[int, int]],
         max_batched: int = MAX_BATCHED,
+        decodes: int = DECODE_STEPS,
     ) -> None:
-        if max_model_len is None:
-            max_model_len = max(PROMPT_LEN + DECODE_STEPS + BLOCK_SIZE, 1024 + BLOCK_SIZE)
+        max_batch = max(requests for requests, _ in loads)
         self.max_batched = max_batched
+        self.decodes = decodes
         config = WorkerConfig(
             model=ModelConfig(
                 path=str(folder),
                 dtype="bfloat16",
-                max_model_len=max_model_len,
+                max_model_len=max(model_len(length, decodes) for _, length in loads),
                 load_format="dummy" if dummy else "auto",
             ),
             cache=CacheConfig(block_size=BLOCK_SIZE),
             scheduler=SchedulerConfig(max_num_seqs=max_batch, max_num_batched_tokens=max_batched),
         )
         self.runner = ModelRunner(config, single_rank_state(torch.device("cuda")))
-        self.blocks_per_req = cdiv(config.model.max_model_len, BLOCK_SIZE)
         spec = self.runner.get_kv_cache_spec()
-        num_blocks = max_batch * self.blocks_per_req
-        self.runner.initialize_kv_cache(make_kv_cache_config([spec], num_blocks))
+        self.num_blocks = max(n * self.blocks_per_request(length) for n, length in loads)
+        self.runner.initialize_kv_cache(make_kv_cache_config([spec], self.num_blocks))
         start = time.perf_counter()
         self.runner.warm_up([size for size in (1, 8) if size <= max_batch])
         torch.cuda.synchronize()
@@ -143,6 +155,9 @@ class Ours:
         self.vocab = self.runner.model.vocab_size
         self.next_handle = 0
         self.live: list[int] = []
+
+    def blocks_per_request(self, prompt_len: int) -> int:
+        return cdiv(model_len(prompt_len, self.decodes), BLOCK_SIZE)
 
     def start(
         self, batch: int, prompt_len: int, rng: np.random.Generator, cached: int = 0
@@ -155,11 +170,12 @@ class Ours:
         finished, self.live = self.live, handles
         pending = list(enumerate(handles))
         scheduled = prompt_len - cached
+        per_req = self.blocks_per_request(prompt_len)
         while pending:
             new, budget = [], self.max_batched
             while pending and budget >= scheduled:
                 i, handle = pending.pop(0)
-                new.append(self.new_request(handle, i, prompt_len, rng, cached))
+                new.append(self.new_request(handle, i * per_req, prompt_len, rng, cached))
                 budget -= scheduled
             so = SchedulerOutput(
                 new, CachedRequestData.empty(), self.max_batched - budget, finished
@@ -169,15 +185,26 @@ class Ours:
         return handles
 
     def new_request(
-        self, handle: int, slot: int, prompt_len: int, rng: np.random.Generator, cached: int = 0
+        self,
+        handle: int,
+        first_block: int,
+        prompt_len: int,
+        rng: np.random.Generator,
+        cached: int = 0,
     ) -> NewRequestData:
-        """A request of a random prompt over the blocks of batch slot `slot`."""
+        """A request of a random prompt over blocks_per_request(prompt_len) blocks from
+        first_block."""
+        end = first_block + self.blocks_per_request(prompt_len)
+        if end > self.num_blocks:
+            raise ValueError(
+                f"a request of {prompt_len} tokens from block {first_block} needs blocks up "
+                f"to {end}; the runner has {self.num_blocks} (add its load to Ours' loads)"
+            )
         prompt = rng.integers(0, self.vocab, prompt_len).astype(np.int32)
-        blocks = np.arange(slot * self.blocks_per_req, (slot + 1) * self.blocks_per_req)
+        blocks = np.arange(first_block, end, dtype=np.int32)
         return NewRequestData(
-            f"r{handle}", handle, prompt, GREEDY, blocks.astype(np.int32), prompt_len - cached,
-            cached,
-        )  # fmt: skip
+            f"r{handle}", handle, prompt, GREEDY, blocks, prompt_len - cached, cached
+        )
 
     def decode_steps(self, handles: list[int], computed: int, n: int) -> list[SchedulerOutput]:
         columns = np.zeros((NUM_COLUMNS, len(handles)), np.int32)

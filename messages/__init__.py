@@ -47,6 +47,14 @@ from messages.step import (
     SchedulerOutput,
 )
 from messages.version import PROTOCOL_VERSION
+from messages.weights import (
+    CudaWeightRef,
+    CudaWeights,
+    SharedWeightRef,
+    SharedWeights,
+    WeightSpec,
+    WeightUpdate,
+)
 
 __all__ = [
     "ALL_RANKS",
@@ -54,6 +62,8 @@ __all__ = [
     "PROTOCOL_VERSION",
     "CacheConfig",
     "CachedRequestData",
+    "CudaWeightRef",
+    "CudaWeights",
     "Decoder",
     "DeviceConfig",
     "Encoder",
@@ -83,7 +93,11 @@ __all__ = [
     "SchedulerOutput",
     "SharedSlot",
     "SharedTensorRef",
+    "SharedWeightRef",
+    "SharedWeights",
     "Value",
+    "WeightSpec",
+    "WeightUpdate",
     "Welcome",
     "WorkerConfig",
     "make_kv_cache_config",

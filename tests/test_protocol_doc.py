@@ -29,6 +29,7 @@ from messages import (
     rpc,
     sampling,
     step,
+    weights,
 )
 from messages import examples as ex
 from messages.rpc import Value
@@ -74,7 +75,7 @@ def traveling_structs() -> set[type]:
 
 def declared_structs() -> set[type]:
     """The public Structs of the wire contract's modules."""
-    modules = (config, kv_cache, rpc, sampling, step)
+    modules = (config, kv_cache, rpc, sampling, step, weights)
     return {
         value
         for module in modules
@@ -150,6 +151,8 @@ def doc_type(hint: Any) -> str:
         return r"(?P<dtype>\w+) array \[[^\]]+\]"
     if hint is Any:
         return "tensor"
+    if hint is bytes:
+        return "bin"  # MessagePack's name
     return re.escape(hint.__name__)
 
 

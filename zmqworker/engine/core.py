@@ -2,18 +2,24 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING, Any
 
-from messages import KVCacheSpec, SchedulerConfig, make_kv_cache_config
+from messages import KVCacheSpec, SchedulerConfig, WeightUpdate, make_kv_cache_config
 from zmqworker.engine.batch_queue import BatchQueue
 from zmqworker.engine.block_manager import KVBlockManager
 from zmqworker.engine.request import Request
 from zmqworker.engine.scheduler import Scheduler
+from zmqworker.executor.errors import WorkerError, as_local
 
 if TYPE_CHECKING:
+    import torch
+
     from zmqworker.executor.abstract import Executor
+    from zmqworker.executor.weight_push import WeightPusher
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +63,11 @@ class EngineCore:
     Steps in flight: one per pipeline stage; with one stage and async_scheduling,
     async_steps_in_flight, each going on from the one before, so that the workers never
     wait for the engine.
+
+    Between steps (sleep, wake_up, weight updates, the prefix cache, any worker method):
+    each waits for the steps in flight first (drain), so that it never lands mid-step.
+    The engine keeps what it asked for (released, weights_released) to refuse a step
+    before sending it; the workers refuse one too.
     """
 
     def __init__(
@@ -109,6 +120,9 @@ class EngineCore:
         started = time.perf_counter()
         executor.compile_or_warm_up_model()
         logger.info("warm-up: %.1f s", time.perf_counter() - started)
+        self.released: set[str] = set()  # what sleep gave back and wake_up has not
+        self.weights_released = False  # sleep(2) dropped them; no update or reload since
+        self._pusher: WeightPusher | None = None
 
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)
@@ -121,10 +135,23 @@ class EngineCore:
         """Whether step() has anything to do: unfinished requests or steps in flight."""
         return self.scheduler.has_unfinished_requests() or len(self.batch_queue) > 0
 
+    def not_ready(self) -> str | None:
+        """Why no step can run now (asleep, or weights dropped by sleep(2)); None if one can."""
+        if self.released:
+            return f"asleep ({', '.join(sorted(self.released))} released): call wake_up()"
+        if self.weights_released:
+            return (
+                "the weights were released by sleep(level=2) and have not been loaded since: "
+                "update_weights() or reload_weights() first"
+            )
+        return None
+
     def step(self) -> list[Request]:
         """One turn of the loop: schedule a step if the queue has room, and consume the
         oldest step's output once the queue is full or nothing more can be scheduled.
         Returns the requests that got a token or finished (possibly none)."""
+        if self.released or self.weights_released:
+            raise RuntimeError(f"no step: {self.not_ready()}")
         try:
             if not self.batch_queue.full:
                 output = self.scheduler.schedule()
@@ -151,5 +178,112 @@ class EngineCore:
         aborted = self.scheduler.reset_after_failure()
         logger.warning("a step failed: %d requests aborted", len(aborted))
 
+    # -- between steps ----------------------------------------------------------------
+
+    def drain(self) -> list[Request]:
+        """Wait for the steps in flight and apply their outputs; the requests that got a
+        token or finished. The workers are idle when it returns."""
+        changed: list[Request] = []
+        try:
+            while len(self.batch_queue):
+                output, runner_output = self.batch_queue.pop()
+                changed += self.scheduler.update_from_output(output, runner_output)
+        except Exception:
+            self._recover()
+            raise
+        return changed
+
+    def sleep(self, level: int) -> None:
+        self.drain()
+        unfinished = self.scheduler.num_unfinished
+        if unfinished:
+            raise RuntimeError(
+                f"sleep with {unfinished} request(s) unfinished, whose KV cache it would drop: "
+                "let them finish or abort them first"
+            )
+        with _refusals():
+            self.executor.sleep(level)
+        self.block_manager.reset_prefix_cache()  # the cache's contents are gone
+        self.released = {"weights", "kv_cache"}
+        self.weights_released = self.weights_released or level == 2
+
+    def wake_up(self, tags: list[str] | None) -> None:
+        self.drain()
+        with _refusals():
+            self.executor.wake_up(tags)
+        self.released -= {"weights", "kv_cache"} if tags is None else set(tags)
+
+    def reset_prefix_cache(self) -> None:
+        self.drain()
+        self.block_manager.reset_prefix_cache()
+
+    def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]], chunk_bytes: int) -> None:
+        from zmqworker.executor.weight_push import WeightPusher  # torch: not at start-up
+
+        self.drain()
+        if self._pusher is None:
+            self._pusher = WeightPusher(self.executor)
+        with _refusals():
+            self._pusher.push(weights, chunk_bytes, timeout=self.executor.call_timeout_s)
+        self._weights_changed()
+
+    def init_weight_transfer_group(
+        self, host: str, port: int, world_size: int, rank_offset: int, timeout_s: float
+    ) -> None:
+        self.drain()
+        with _refusals():
+            self.executor.collective_rpc(
+                "init_weight_transfer_group",
+                (host, port, world_size, rank_offset, timeout_s),
+                timeout=timeout_s + 60.0,  # the group's own waits are bounded by timeout_s
+            )
+
+    def update_weights_from_group(self, update: WeightUpdate) -> None:
+        self.drain()
+        with _refusals():
+            self.executor.collective_rpc(
+                "update_weights_from_group", (update,), timeout=self.executor.call_timeout_s
+            )
+        self._weights_changed()
+
+    def reload_weights(self, path: str | None) -> None:
+        self.drain()
+        with _refusals():
+            self.executor.collective_rpc(
+                "reload_weights", (path,), timeout=self.executor.call_timeout_s
+            )
+        self._weights_changed()
+
+    def collective_rpc(
+        self,
+        method: str,
+        args: tuple = (),
+        kwargs: dict[str, Any] | None = None,
+        timeout: float | None = None,
+    ) -> list[Any]:
+        """A worker method on every rank, between steps: the results by rank."""
+        self.drain()
+        return self.executor.collective_rpc(method, args, kwargs, timeout)
+
+    def _weights_changed(self) -> None:
+        """Cached blocks hold keys and values of the old weights."""
+        self.block_manager.reset_prefix_cache()
+        self.weights_released = False
+
     def shutdown(self) -> None:
+        if self._pusher is not None:
+            self._pusher.close()
+            self._pusher = None
         self.executor.shutdown()
+
+
+@contextlib.contextmanager
+def _refusals() -> Iterator[None]:
+    """A worker's refusal raised as the builtin error it was (executor/errors.py)."""
+    try:
+        yield
+    except WorkerError as e:
+        local = as_local(e)
+        if local is e:
+            raise
+        raise local from e

@@ -32,9 +32,10 @@ from zmqworker.engine.llm_args import (
     executor_factory,
     opt,
 )
+from zmqworker.engine.llm_control import ControlMethods
 from zmqworker.engine.model_folder import ModelFolder, cache_config_for, on_cpu
 from zmqworker.engine.outputs import EngineStats, RequestOutput
-from zmqworker.engine.prompts import Prompt, prompt_list, prompt_token_ids
+from zmqworker.engine.prompts import Prompt, check_text, prompt_list, prompt_token_ids
 from zmqworker.engine.request import Request
 from zmqworker.executor.abstract import STEP_TIMEOUT_S, Executor
 
@@ -44,7 +45,7 @@ logger = logging.getLogger(__name__)
 Conversation = Sequence[dict[str, Any]]
 
 
-class LLM:
+class LLM(ControlMethods):
     """Generate text with a model served by worker processes.
 
     Every argument is checked (a ValueError names the one that is wrong), and the layout
@@ -52,6 +53,7 @@ class LLM:
     sequences of max_model_len tokens, capped by memory, unless kv_cache_bytes,
     cpu_memory_fraction or (on CUDA) gpu_memory_utilization ask otherwise. Not
     thread-safe; generate() and generate_stream() are not to be mixed at one time.
+    Between generations: sleep, wake_up and weight updates (llm_control.py).
     """
 
     def __init__(
@@ -65,6 +67,9 @@ class LLM:
         pipeline_parallel_size: Annotated[
             Positive, opt("pipeline-parallel size", aliases=["--pp"])
         ] = 1,
+        enable_expert_parallel: Annotated[
+            bool, opt("mixture-of-experts models: each rank holds its share of the experts whole")
+        ] = False,
         device: Annotated[Literal["cpu", "cuda", "auto"], opt("device of the workers")] = "cpu",
         dtype: Annotated[
             Literal["float32", "bfloat16", "float16"], opt("weights and activations dtype")
@@ -114,12 +119,15 @@ class LLM:
             Seconds | None,
             opt("seconds a step may go unanswered before it fails"),
         ] = STEP_TIMEOUT_S,
+        worker_extension_cls: Annotated[
+            str, opt("package.module.Class whose public methods the workers also serve")
+        ] = "",
     ) -> None:
         self._core: EngineCore | None = None
         check_args(OPTION_TYPES, {k: v for k, v in locals().items() if k in OPTION_TYPES})
         started = time.perf_counter()
         folder = ModelFolder.open(model)
-        folder.check_layout(tensor_parallel_size, pipeline_parallel_size)
+        folder.check_layout(tensor_parallel_size, pipeline_parallel_size, enable_expert_parallel)
         self.model_folder = folder
         self.max_model_len = folder.max_model_len(max_model_len)
         world = tensor_parallel_size * pipeline_parallel_size
@@ -150,6 +158,7 @@ class LLM:
             parallel=ParallelConfig(
                 tensor_parallel_size=tensor_parallel_size,
                 pipeline_parallel_size=pipeline_parallel_size,
+                enable_expert_parallel=enable_expert_parallel,
             ),
             cache=cache,
             device=DeviceConfig(device=device, num_threads=num_threads),
@@ -161,6 +170,7 @@ class LLM:
                     {min(size, max_num_seqs) for size in SchedulerConfig().warmup_batch_sizes}
                 ),
             ),
+            worker_extension_cls=worker_extension_cls,
         )
         logger.info("starting %d worker(s) on %s; loading %s", world, device, folder.path)
         with ThreadPoolExecutor(1, thread_name_prefix="zmqworker-tokenizer") as pool:
@@ -210,6 +220,8 @@ class LLM:
         core = self._require_core()
         if self._streaming():
             raise RuntimeError("generate() called while generate_stream() streams are running")
+        if (reason := core.not_ready()) is not None:
+            raise RuntimeError(f"generate(): {reason}")
         entries = self._make_requests(prompts, sampling_params)
         self._take_stream_changes(core)  # a loop that ended mid-stream left them behind
         for request, _ in entries:
@@ -246,7 +258,8 @@ class LLM:
         """Yield the request's output each time it grows (new_text, new_token_ids); the
         last one has finished=True. Several streams may run at once on one event loop;
         a stream closed early aborts its request."""
-        self._require_core()
+        if (reason := self._require_core().not_ready()) is not None:
+            raise RuntimeError(f"generate_stream(): {reason}")
         [(request, text)] = self._make_requests([prompt], sampling_params)
         queue: asyncio.Queue[Any] = asyncio.Queue()
         self._streams[request.req_id] = (queue, text)
@@ -368,8 +381,9 @@ class LLM:
             raise ValueError(f"expected SamplingParams, got {type(params).__name__}")
         max_logprobs = self.worker_config.model.max_logprobs
         if params.logprobs is not None and 0 <= max_logprobs < params.logprobs:
-            # the workers would refuse the whole step it is in
             raise ValueError(f"logprobs={params.logprobs} is more than max_logprobs={max_logprobs}")
+        for i, stop in enumerate(params.stop):
+            check_text(stop, f"stop string {i}")
         token_ids = self.encode(prompt)
         detokenizer = IncrementalDetokenizer(self.tokenizer, token_ids) if self.tokenizer else None
         request = Request(

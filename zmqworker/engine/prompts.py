@@ -19,6 +19,29 @@ def prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
     return listed
 
 
+def check_text(text: str, what: str, from_bytes: bool = False) -> None:
+    """A ValueError naming what, if text cannot be encoded as UTF-8: it holds a lone
+    surrogate (a JSON "\\udcff" escape). from_bytes: text decoded from bytes with
+    surrogateescape (a command line, stdin, a file), whose lone surrogates U+DC80 to
+    U+DCFF stand for the bytes that were not UTF-8, and are named as those bytes. No
+    tokenizer takes such text and no message carries it: it is refused, not replaced.
+    Characters count from 1."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        code = ord(text[exc.start])
+        if from_bytes and 0xDC80 <= code <= 0xDCFF:
+            raise ValueError(
+                f"{what} is not valid UTF-8 text: byte 0x{code - 0xDC00:02x} at character "
+                f"{exc.start + 1}"
+            ) from None
+        raise ValueError(
+            f"{what} is not valid Unicode text: it holds a lone surrogate "
+            f"{text[exc.start]!r} at character {exc.start + 1} (text must be encodable as "
+            "UTF-8)"
+        ) from None
+
+
 def prompt_token_ids(
     prompt: Prompt, tokenizer: Any, max_model_len: int, vocab_size: int | None
 ) -> list[int]:
@@ -29,6 +52,7 @@ def prompt_token_ids(
             raise ValueError("the prompt is empty")
         if tokenizer is None:
             raise ValueError("the model folder has no tokenizer: give prompts as token ids")
+        check_text(prompt, "the prompt")
         token_ids = list(tokenizer.encode(prompt))
     elif isinstance(prompt, Sequence) and all(isinstance(t, int) for t in prompt):
         token_ids = [int(t) for t in prompt]

@@ -15,6 +15,7 @@ import uvicorn
 
 from zmqworker.engine.llm import LLM
 from zmqworker.serve.app import build_app
+from zmqworker.serve.body_limit import DEFAULT_MAX_REQUEST_BYTES
 
 logger = logging.getLogger(__name__)
 
@@ -27,12 +28,16 @@ def serve(
     api_key: str | None = None,
     shutdown_timeout_s: float = 30.0,
     log_level: str = "warning",
+    enable_admin_endpoints: bool = False,
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
 ) -> None:
+    if max_request_bytes < 1:  # before the workers start
+        raise ValueError(f"max_request_bytes must be positive, got {max_request_bytes}")
     llm = LLM(**engine_options)
     try:
         name = served_model_name or llm.model_folder.path.name
         config = uvicorn.Config(
-            build_app(llm, name, api_key),
+            build_app(llm, name, api_key, max_request_bytes, enable_admin_endpoints),
             host=host,
             port=port,
             loop="uvloop",

@@ -1,0 +1,123 @@
+"""Admin endpoints for RL loops and operators, off unless the server is started with
+--enable-admin-endpoints, and behind the API key when one is set:
+
+    POST /sleep?level=1             give the device memory back (level 2: drop the weights)
+    POST /wake_up?tags=weights      take it again ("weights", "kv_cache"; none: both)
+    POST /reset_prefix_cache        forget every cached prefix
+    POST /update_weights_from_disk  {"model_path": "/ckpt/step-300"} (none: the start-up one)
+    GET  /is_sleeping               {"is_sleeping": true}
+
+An admin call waits for the requests running to finish (at most DRAIN_TIMEOUT_S), then
+runs between steps; admin calls run one at a time. Generation requests do not wait: one
+that arrives while an admin call is under way, while the model sleeps, or while its
+weights are not loaded (after sleep level 2) gets 503 at once, with the reason.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, FastAPI, Query
+from pydantic import BaseModel, ConfigDict
+
+from zmqworker.engine.llm import LLM
+from zmqworker.serve.errors import APIError
+
+DRAIN_TIMEOUT_S = 300.0
+DRAIN_POLL_S = 0.02
+
+
+class UpdateFromDisk(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    model_path: str | None = None
+
+
+class _Gate:
+    """One admin call at a time; while one is under way, generation is refused."""
+
+    def __init__(self, llm: LLM) -> None:
+        self.llm = llm
+        self.busy: str | None = None
+        self._lock = asyncio.Lock()
+
+    def refusal(self) -> str | None:
+        if self.busy is not None:
+            return f"{self.busy} is under way"
+        return self.llm.not_ready()
+
+    async def run(self, what: str, call: Callable[[], Any]) -> None:
+        async with self._lock:
+            self.busy = what
+            try:
+                deadline = time.monotonic() + DRAIN_TIMEOUT_S
+                while self.llm.generating:
+                    if time.monotonic() > deadline:
+                        raise APIError(
+                            f"{what}: requests still running after {DRAIN_TIMEOUT_S:g} s",
+                            503,
+                            "server_error",
+                        )
+                    await asyncio.sleep(DRAIN_POLL_S)
+                await asyncio.to_thread(call)
+            except ValueError as exc:
+                raise APIError.from_value_error(exc) from None
+            except RuntimeError as exc:
+                raise APIError(str(exc), 409, code="conflict") from None
+            finally:
+                self.busy = None
+
+
+def install_admin(app: FastAPI, llm: LLM, authorized: Callable[..., Awaitable[None]]) -> None:
+    """The admin routes, and the refusal of generation while they need the model."""
+    gate = _Gate(llm)
+    router = APIRouter(dependencies=[Depends(authorized)])
+
+    @router.post("/sleep")
+    async def sleep(level: int = 1) -> dict:
+        await gate.run("sleep", lambda: llm.sleep(level))
+        return {}
+
+    @router.post("/wake_up")
+    async def wake_up(tags: Annotated[list[str] | None, Query()] = None) -> dict:
+        await gate.run("wake_up", lambda: llm.wake_up(tags))
+        return {}
+
+    @router.post("/reset_prefix_cache")
+    async def reset_prefix_cache() -> dict:
+        await gate.run("reset_prefix_cache", llm.reset_prefix_cache)
+        return {}
+
+    @router.post("/update_weights_from_disk")
+    async def update_weights_from_disk(body: UpdateFromDisk | None = None) -> dict:
+        path = body.model_path if body is not None else None
+        await gate.run("update_weights_from_disk", lambda: llm.reload_weights(path))
+        return {}
+
+    @router.get("/is_sleeping")
+    async def is_sleeping() -> dict:
+        return {"is_sleeping": llm.is_sleeping}
+
+    app.include_router(router)
+    app.add_middleware(_RefuseWhileUnavailable, gate=gate)
+
+
+class _RefuseWhileUnavailable:
+    """503 for a generation request (POST /v1/...) that the model cannot serve now. A
+    plain ASGI middleware: it leaves streamed responses and disconnects untouched."""
+
+    def __init__(self, app: Any, gate: _Gate) -> None:
+        self.app = app
+        self.gate = gate
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST":
+            if scope["path"].startswith("/v1/"):
+                reason = self.gate.refusal()
+                if reason is not None:
+                    error = APIError(f"unavailable: {reason}", 503, "server_error")
+                    await error.response()(scope, receive, send)
+                    return
+        await self.app(scope, receive, send)
