@@ -15,7 +15,6 @@ bench/results/end_to_end_cuda.json (or --out).
 from __future__ import annotations
 
 import argparse
-import gc
 import tempfile
 import time
 from pathlib import Path
@@ -41,9 +40,7 @@ def runner_step_s(folder: Path, requests: int, prompt_len: int, output_len: int)
     ours.pipelined(steps[:16])  # the graphs' first replays
     handles = ours.start(requests, prompt_len, rng)
     step_s = ours.pipelined(ours.decode_steps(handles, prompt_len, output_len - 1))
-    del ours
-    gc.collect()
-    torch.cuda.empty_cache()
+    ours.close()
     return step_s
 
 

@@ -241,12 +241,6 @@ def decode_row(ours: Ours, shape: str, batch: int, computed: int, bandwidth: flo
     return row
 
 
-def shut_down(ours: Ours) -> None:
-    ours.runner.shutdown()
-    gc.collect()
-    torch.cuda.empty_cache()
-
-
 def run_shape(
     shape: str, batches: list[int], hf_batches: list[int], bandwidth: float, args
 ) -> tuple[list[dict], dict | None, list[dict]]:
@@ -268,7 +262,7 @@ def run_shape(
         if shape in args.prefill_shapes.split(","):
             prefill = prefill_row(ours, rng, args.peak, shape)
             print(json.dumps(prefill), flush=True)
-        shut_down(ours)
+        ours.close()
         step_rows = []
         if args.prompts or args.mixed_decodes:
             loads = [(1, length) for length in args.prompts + [PROMPT_LEN]]
@@ -291,7 +285,7 @@ def run_shape(
                 )
             for row in step_rows:
                 print(json.dumps(row), flush=True)
-            shut_down(ours)
+            ours.close()
         if hf is not None:
             for row in rows:
                 if row["batch"] in hf_batches:
@@ -322,7 +316,7 @@ def run_context(
                 ours.start(batch, context + 1, rng, cached=context)
                 row = decode_row(ours, shape, batch, context + 1, bandwidth, args)
                 rows.append(row | {"context": context})
-        shut_down(ours)
+        ours.close()
     return rows
 
 

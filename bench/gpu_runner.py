@@ -156,6 +156,17 @@ class Ours:
         self.next_handle = 0
         self.live: list[int] = []
 
+    def close(self) -> None:
+        """Shut the runner down and give its memory back: the collector, which gc.freeze
+        stopped from walking the runner's objects, takes back their reference cycles
+        (the graphs' bodies hold the path, the path the model) so that the next runner's
+        weights find the room."""
+        self.runner.shutdown()
+        del self.runner
+        gc.unfreeze()
+        gc.collect()
+        torch.cuda.empty_cache()
+
     def blocks_per_request(self, prompt_len: int) -> int:
         return cdiv(model_len(prompt_len, self.decodes), BLOCK_SIZE)
 
