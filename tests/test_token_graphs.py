@@ -13,7 +13,7 @@ import torch
 pytest.importorskip("triton")
 
 from messages import CachedRequestData, NewRequestData, SchedulerOutput  # noqa: E402
-from tests.runner_helpers import DEVICE, GREEDY, make_runner  # noqa: E402
+from tests.runner_helpers import DEVICE, GREEDY, Pipeline, hf_greedy, make_runner  # noqa: E402
 from tests.test_triton_runner import Recorded, small_checkpoint  # noqa: E402
 from zmqworker.model_runner.cuda_graphs import (  # noqa: E402
     default_token_sizes,
@@ -107,3 +107,29 @@ def test_a_prefill_replays_a_token_graph_writing_only_its_own_slots():
         torch.testing.assert_close(graph_cache, eager_cache, rtol=1e-5, atol=1e-5)
         assert (graph_cache[~prompt_blocks] == 7.0).all()
         assert (graph_cache[prompt_blocks] != 7.0).sum() == 7 * graph_cache[0, 0].numel() // 2
+
+
+@pytest.mark.skipif(DEVICE.type != "cpu", reason="the GPU runs real graphs elsewhere")
+def test_a_step_that_samples_nothing_keeps_the_samples_the_next_step_feeds():
+    """A samples; the next step is only B's first chunk (it samples nothing), a token
+    graph whose logits rows still run; then A's decode reads its sample on the device (the
+    token feed). The graph's argmax must write no row of a step that samples nothing, or
+    A is fed B's argmax (on a GPU: a resumed request's recompute between two decodes)."""
+    path = small_checkpoint("llama")
+    runner = make_runner(path, max_seqs=2, max_tokens=16, kernels="triton", graph_capture=Recorded)
+    pipeline = Pipeline([runner])
+    prompts = {"a": [5, 9, 14, 3, 77, 41, 8], "b": list(range(40, 52))}
+    a = NewRequestData("a", 1, np.array(prompts["a"], np.int32), GREEDY, np.arange(2), 7)
+    tokens = {"a": pipeline.step(SchedulerOutput([a], CachedRequestData.empty(), 7))}
+    sampled = runner.path.inputs.sampled.clone()
+    b = NewRequestData("b", 2, np.array(prompts["b"], np.int32), GREEDY, np.arange(2, 4), 6)
+    before = Recorded.replays
+    out = pipeline.step(SchedulerOutput([b], CachedRequestData.empty(), 6))
+    assert Recorded.replays - before == 1 and out.sampled_token_ids.tolist() == [-1]
+    assert torch.equal(runner.path.inputs.sampled, sampled)
+    step = CachedRequestData.build([1, 2], [7, 6], [1, 6], [[], [4]])
+    out = pipeline.step(SchedulerOutput([], step, 7))
+    tokens["a"] = tokens["a"].sampled_token_ids.tolist() + [int(out.sampled_token_ids[0])]
+    tokens["b"] = [int(out.sampled_token_ids[1])]
+    for name, prompt in prompts.items():
+        assert tokens[name] == hf_greedy(path, tuple(prompt), len(tokens[name])), name

@@ -3,13 +3,16 @@ copy from a pinned host buffer of the same layout.
 
 The host buffer is int32 and holds, at fixed offsets, every per-step array the model and
 the kernels read: input ids, positions, the slot mapping, the token feed, the rows that
-sample, sequence lengths, query starts and the block tables (last, so that a step copies
-only the rows it uses). The device buffer never moves, so a CUDA graph captured over its
-views replays any later step written into it.
+sample and their count, sequence lengths, query starts and the block tables (last, so
+that a step copies only the rows it uses). The device buffer never moves, so a CUDA graph
+captured over its views replays any later step written into it.
 
 The token feed: the previous step's sampled ids stay on the device (`sampled`), and a
 token whose id is one of them (a decode right after its sample) reads it there, so a
-step never waits for the previous step's ids to reach the host.
+step never waits for the previous step's ids to reach the host. They stay there until a
+step that samples replaces them: a graph's argmax writes the rows below the step's
+sample count only (`sample_count`), so a step that samples nothing keeps them for the
+next one's feed.
 """
 
 from __future__ import annotations
@@ -74,6 +77,7 @@ class DeviceInputs:
             "slot_mapping": tokens,
             "feed_index": tokens,
             "sample_index": reqs,
+            "sample_count": 1,
             "seq_lens": rows,
             "query_start_loc": rows + 1,
             "block_tables": rows * max_blocks_per_req,
@@ -101,6 +105,9 @@ class DeviceInputs:
         self.block_tables = self._device_views["block_tables"].view(rows, max_blocks_per_req)
         # The previous sampling step's ids, read by the token feed; a fixed address.
         self.sampled = torch.zeros(reqs, dtype=torch.int32, device=device)
+        # How many of them this step's sample replaces (int32 [1]): a graph's argmax
+        # writes no more (a step that samples nothing must keep them for the feed).
+        self.sample_count = self._device_views["sample_count"]
         # The decode attention's split counters, for its largest step: zero between steps.
         sizes = range(1, reqs + 1)
         slots = max(split_counter_slots(n, num_kv_heads, self.splits(n)) for n in sizes)
@@ -129,7 +136,8 @@ class DeviceInputs:
         logits are sampled (None: all). pad_to: a decode step's graph size; rows past
         the step's requests attend nothing and write no KV. pad_tokens: a token graph's
         (tokens, request slots); padding tokens attend nothing and write no KV, and the
-        sample index is padded with token 0 to as many rows as the graph samples."""
+        sample index is padded with token 0 to as many rows as the graph samples. The
+        sample count (sample_index's length, or num_tokens) bounds a graph's greedy ids."""
         if self._uploaded is not None:
             self._uploaded.synchronize()  # the previous step's copy has read the buffer
         step = self._gather.gather(
@@ -143,6 +151,8 @@ class DeviceInputs:
             self._mark_feed(feed, step, feed_index[:num_tokens])
         if sample_index is not None:
             self._host_views["sample_index"][: len(sample_index)] = sample_index
+        count = num_tokens if sample_index is None else len(sample_index)
+        self._host_views["sample_count"][0] = count
         size = num_reqs
         if pad_to is not None:
             if num_tokens != num_reqs or pad_to < num_reqs:
@@ -198,22 +208,24 @@ class DeviceInputs:
 
     def idle_decode(self, size: int) -> None:
         """Upload a decode step of `size` padding rows (attending nothing, writing no
-        KV): the contents a graph is warmed up and captured over."""
+        KV nor greedy ids): the contents a graph is warmed up and captured over."""
         if self._uploaded is not None:
             self._uploaded.synchronize()
         self._pad(0, size)
         self._host_views["query_start_loc"][0] = 0
+        self._host_views["sample_count"][0] = 0
         self._upload(size)
 
     def idle_tokens(self, num_tokens: int, num_reqs: int) -> None:
         """Upload a step of num_tokens padding tokens over num_reqs request slots (none
-        attending, none writing KV, sampling token 0): what a token graph is warmed up
-        and captured over."""
+        attending, none writing KV nor greedy ids, the logits of token 0): what a token
+        graph is warmed up and captured over."""
         if self._uploaded is not None:
             self._uploaded.synchronize()
         self._pad_tokens(0, 0, num_tokens, num_reqs)
         self._host_views["query_start_loc"][0] = 0
         self._host_views["sample_index"][: min(self.max_num_reqs, num_tokens)] = 0
+        self._host_views["sample_count"][0] = 0
         self._upload(num_reqs)
 
     def splits(self, num_reqs: int) -> int:

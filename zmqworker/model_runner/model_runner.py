@@ -58,7 +58,7 @@ class _StepLogits:
     step: ScheduledRequests
     sample_index: np.ndarray  # positions in step of the requests that sample
     logits: torch.Tensor  # float32 [len(sample_index), vocab]
-    greedy_ids: torch.Tensor | None = None  # their argmax, when a decode graph took it
+    greedy_ids: torch.Tensor | None = None  # their argmax, when a graph took it
 
 
 def uses_triton(kernels: str, device: torch.device) -> bool:

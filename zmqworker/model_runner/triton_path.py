@@ -5,8 +5,9 @@ decode steps a decode graph, any other step of up to max_num_batched_tokens toke
 token graph. Eager (enforce_eager, and the dummy steps) stays the reference.
 
 A graph on the last stage also takes the argmax of its logits into DeviceInputs.sampled
-(after the feed has read the previous samples there): a step whose requests are all
-greedy needs no sampler launch.
+(after the feed has read the previous samples there), for the step's sampling rows only:
+a step whose requests are all greedy needs no sampler launch, and one that samples
+nothing leaves the previous samples for the next step's feed.
 """
 
 from __future__ import annotations
@@ -249,6 +250,9 @@ class TritonPath:
             logits = logits_of(model, out, step.sample_index)
             assert isinstance(logits, torch.Tensor)
             # After the feed read the previous samples: this step's greedy ids take
-            # their place (a sampler that runs after the replay overwrites them).
-            greedy_ids(logits, self.inputs.sampled[: logits.shape[0]])
+            # their place (a sampler that runs after the replay overwrites them), as many
+            # as the step samples. Rows past them (padding, or all of them in a step that
+            # samples nothing) keep the previous samples, which a later feed may read.
+            inputs = self.inputs
+            greedy_ids(logits, inputs.sampled[: logits.shape[0]], inputs.sample_count)
             return {"logits": logits}
