@@ -60,16 +60,21 @@ class UpdateSession:
 
     def take_cuda(self, chunk: CudaWeights) -> None:
         opener = CudaOpener()
+        # The opened tensors live in this list alone (no loop variable of this frame holds
+        # one), so that they go where releasing() says.
         tensors: list[tuple[str, torch.Tensor]] = []
         try:
             for ref in chunk.tensors:  # every ref checked before any is copied
                 tensors.append((ref.name, opener.tensor(ref, self.spec(ref.name))))
-            for name, tensor in tensors:
-                self.take(name, 0, tensor)
+            self._take_all(tensors)
             self.wait_for_copies()  # before the engine's memory is let go
         finally:
             with opener.releasing():
                 tensors.clear()
+
+    def _take_all(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
+        for name, tensor in tensors:
+            self.take(name, 0, tensor)
 
     def wait_for_copies(self) -> None:
         """Until the copies queued on the device are done (one event, no other sync)."""
