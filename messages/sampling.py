@@ -102,7 +102,7 @@ class SamplingParams(msgspec.Struct, tag=True, frozen=True, omit_defaults=True):
     logit_bias: Annotated[
         dict[Annotated[int, Meta(ge=0)], Annotated[float, Meta(ge=-100, le=100)]],
         Meta(
-            description="add a bias in [-100, 100] to a token's logit, as ID=BIAS",
+            description="add BIAS, in [-100, 100], to the logit of token ID",
             extra={"metavar": "ID=BIAS"},
         ),
     ] = {}
@@ -129,9 +129,9 @@ class SamplingParams(msgspec.Struct, tag=True, frozen=True, omit_defaults=True):
         ],
         Meta(
             max_length=MAX_BAD_WORDS,
-            description="token id sequences the output may not hold: the last token of "
-            "each is banned where the output ends with the ones before it, as IDS (1,2,3); "
-            "the engine adds those of bad_words",
+            description="token id sequences the output may not hold, each as IDS (1,2,3): "
+            "its last token is banned where the output ends with the ones before it; the "
+            "engine adds those of bad_words here",
             extra={"metavar": "IDS"},
         ),
     ] = []
