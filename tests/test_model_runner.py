@@ -314,7 +314,8 @@ def test_kv_cache_config_of_another_shape_is_rejected() -> None:
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="host synchronisation is a CUDA matter")
 def test_cuda_steps_never_synchronise_the_host() -> None:
     """Prefill, graph-replayed and eager decode steps, greedy and sampled, with logprobs
-    and a seed, under torch's sync debug mode: any implicit host wait raises."""
+    and a seed, with penalties, biases, min_tokens and bad words, under torch's sync debug
+    mode: any implicit host wait raises."""
     path = checkpoint("llama")
     runner = make_runner(path, max_seqs=8, max_tokens=64, graph_sizes=(1, 2, 4))
     assert runner.graphs is not None and runner.graphs.captured
@@ -325,6 +326,16 @@ def test_cuda_steps_never_synchronise_the_host() -> None:
         SamplingParams(temperature=1.2, top_k=20, min_p=0.05, seed=3),
         GREEDY,
         GREEDY,
+        SamplingParams(
+            temperature=0.0,
+            repetition_penalty=1.2,
+            frequency_penalty=0.5,
+            logit_bias={3: 2.0},
+            min_tokens=2,
+            stop_token_ids=[4],
+            bad_words_token_ids=[[5, 6], [7]],
+        ),
+        SamplingParams(temperature=0.8, presence_penalty=0.7, seed=5),
     ]
     for i, p in enumerate(params):
         sched.add(f"s{i}", list(range(10 + i, 30 + i)), 6, p)
@@ -344,7 +355,7 @@ def test_no_triton_kernel_compiles_after_warm_up() -> None:
     """Steps of every kind and size after warm-up find their kernels compiled: a compile at
     serving time stalls every request for hundreds of milliseconds."""
     from zmqworker.attention import triton_cache, triton_kernels
-    from zmqworker.model_runner import greedy_ids, token_feed
+    from zmqworker.model_runner import greedy_ids, penalty_kernels, token_feed
     from zmqworker.models.layers import skinny_gate_up, skinny_linear, triton_ops
 
     kernels = [
@@ -357,6 +368,9 @@ def test_no_triton_kernel_compiles_after_warm_up() -> None:
         triton_ops._silu_and_mul_kernel,
         token_feed._feed_kernel,
         greedy_ids._greedy_ids_kernel,
+        penalty_kernels._dense_kernel,
+        penalty_kernels._entries_kernel,
+        penalty_kernels._count_kernel,
     ]
 
     def compiled() -> list[int]:  # Triton keeps each JIT function's binaries per device
@@ -367,9 +381,17 @@ def test_no_triton_kernel_compiles_after_warm_up() -> None:
     runner = make_runner(checkpoint("llama"), max_seqs=8, max_tokens=96, graph_sizes=(1, 2, 4))
     after_warm_up = compiled()
     sched = MiniScheduler(budget=96, seed=3)
+    # Every other request with penalties of one kind or another (the prompt bits read or
+    # not, a bias, bans): their kernels, too, were compiled by the warm-up.
+    penalised = [
+        SamplingParams(temperature=0.0, frequency_penalty=0.5),
+        SamplingParams(temperature=0.0, repetition_penalty=1.3, logit_bias={9: 1.0}),
+        SamplingParams(temperature=0.7, min_tokens=2, stop_token_ids=[3], seed=1),
+    ]
     for i, (count, length) in enumerate([(1, 7), (3, 30), (8, 5), (6, 3), (5, 2)]):
         for j in range(count):
-            sched.add(f"r{i}-{j}", list(range(5 + j, 5 + j + length)), 3, GREEDY)
+            params = penalised[(i + j) % 3] if j % 2 else GREEDY
+            sched.add(f"r{i}-{j}", list(range(5 + j, 5 + j + length)), 3, params)
         while sched.busy():
             sched.update(runner.execute_model(sched.schedule()).get_output())
     assert compiled() == after_warm_up

@@ -21,7 +21,10 @@ _DENSE_BLOCK = 2048
 _ENTRY_BLOCK = 256
 
 
-@triton.jit(do_not_specialize=["num_rows"])
+# One binary whatever the step: the counts a step has, and whether it reads the prompt
+# bits, are values (an int argument of 1 would be specialised), and every pointer is
+# 16-byte aligned (penalty_rows.upload pads its arrays), as Triton specialises that too.
+@triton.jit(do_not_specialize=["num_rows", "use_prompt"])
 def _dense_kernel(
     logits_ptr,
     logits_stride,
@@ -33,8 +36,8 @@ def _dense_kernel(
     num_rows,
     vocab,
     words,
+    use_prompt,
     BLOCK: tl.constexpr,
-    USE_PROMPT: tl.constexpr,
     PDL: tl.constexpr,
 ):
     wait_for_inputs(PDL)
@@ -51,7 +54,7 @@ def _dense_kernel(
     counts = tl.load(counts_ptr + row * vocab + offs, mask=ok, other=0)
     in_output = counts > 0
     seen = in_output
-    if USE_PROMPT:
+    if use_prompt != 0:
         word = tl.load(bits_ptr + row * words + offs // 32, mask=ok, other=0)
         seen = seen | (((word >> (offs % 32)) & 1) != 0)
     penalized = tl.where(logits > 0, logits / repetition, logits * repetition)
@@ -140,8 +143,8 @@ def apply_dense(
         num_rows,
         vocab,
         prompt_bits.shape[1],
+        int(use_prompt),
         BLOCK=_DENSE_BLOCK,
-        USE_PROMPT=use_prompt,
         num_warps=8,
         **launch_options(logits.device),
     )

@@ -31,6 +31,7 @@ from zmqworker.model_runner.penalties import Dense, Entries, PenaltyStep
 from zmqworker.model_runner.row_table import RowTable
 
 _BITS = 32
+_ALIGN = 4  # int32 elements: 16 bytes
 
 
 class PenaltyRows:
@@ -279,14 +280,16 @@ def _ends_with_prefix(
 
 def upload(arrays: list[np.ndarray], device: torch.device) -> list[torch.Tensor]:
     """Int32 and float32 arrays to the device in one copy: a view of each there, of its
-    dtype and shape."""
-    flat = np.concatenate([np.ascontiguousarray(a).view(np.int32).ravel() for a in arrays])
+    dtype and shape, each starting 16 bytes aligned (Triton specialises on that)."""
+    starts = np.cumsum([0] + [cdiv(a.size, _ALIGN) * _ALIGN for a in arrays])
+    flat = np.zeros(int(starts[-1]), np.int32)
+    for array, start in zip(arrays, starts, strict=False):
+        flat[start : start + array.size] = np.ascontiguousarray(array).view(np.int32).ravel()
     buffer = to_device(flat, torch.int32, device)
-    views, start = [], 0
-    for array in arrays:
+    views = []
+    for array, start in zip(arrays, starts, strict=False):
         view = buffer[start : start + array.size]
         if array.dtype == np.float32:
             view = view.view(torch.float32)
         views.append(view.view(array.shape))
-        start += array.size
     return views
