@@ -1,7 +1,8 @@
 """The penalties and biases on logits, piece by piece: the torch ops equal transformers'
 RepetitionPenaltyLogitsProcessor and vLLM's frequency and presence formula written out,
 the Triton kernels (through the interpreter) equal the torch ops, and the per-row state
-(penalty_rows.py) resets, counts, and bans what min_tokens and the bad words say."""
+(penalty_rows.py) resets, counts, and bans what min_tokens and the bad words say. On the
+CPU the kernels run in the interpreter; with ZMQWORKER_TEST_DEVICE=cuda, on the GPU."""
 
 from __future__ import annotations
 
@@ -11,12 +12,11 @@ import torch
 import transformers
 
 from messages import SamplingParams
+from tests.runner_helpers import DEVICE
 from zmqworker.model_runner.penalties import apply_penalties, count_outputs
 from zmqworker.model_runner.penalty_rows import PenaltyRows
 
 VOCAB = 300  # not a multiple of 32: the last word of the prompt bits is partial
-ROWS = 6
-CPU = torch.device("cpu")
 
 
 def fused_params() -> list[bool]:
@@ -25,6 +25,10 @@ def fused_params() -> list[bool]:
     except ImportError:
         return [False]
     return [False, True]
+
+
+def random_logits(n: int, seed: int, scale: float) -> torch.Tensor:
+    return (torch.randn(n, VOCAB, generator=torch.Generator().manual_seed(seed)) * scale).to(DEVICE)
 
 
 def random_tokens(rng: np.random.Generator, n: int, high: int = 40) -> np.ndarray:
@@ -63,7 +67,7 @@ PARAMS = [
 @pytest.mark.parametrize("fused", fused_params())
 def test_penalties_change_the_logits_as_transformers_and_the_formula_say(fused):
     rng = np.random.default_rng(0)
-    state = PenaltyRows(8, VOCAB, CPU)
+    state = PenaltyRows(8, VOCAB, DEVICE)
     rows = np.array([5, 0, 7, 2, 3, 1], np.int64)  # batch rows, in sample order
     prompts = [random_tokens(rng, 12) for _ in rows]
     outputs = [random_tokens(rng, int(k)) for k in rng.integers(0, 20, len(rows))]
@@ -75,15 +79,15 @@ def test_penalties_change_the_logits_as_transformers_and_the_formula_say(fused):
         num_tokens[row], num_prompt[row] = len(tokens), len(prompt)
     state.flush()
     table = np.zeros((8, 64), np.int32)
-    logits = torch.randn(len(rows), VOCAB, generator=torch.Generator().manual_seed(1)) * 4
+    logits = random_logits(len(rows), 1, 4.0)
     logits[:, :8] = 0.0  # the repetition penalty leaves a zero logit at zero
     step = state.step(rows, num_tokens, num_prompt, table)
     assert step is not None
     got = logits.clone()
     apply_penalties(got, step, fused)
     for i, (params, prompt, output) in enumerate(zip(PARAMS, prompts, outputs, strict=True)):
-        want = reference(logits[i], prompt, output, params)
-        torch.testing.assert_close(got[i], want, rtol=0, atol=1e-5)
+        want = reference(logits[i].cpu(), prompt, output, params)
+        torch.testing.assert_close(got[i].cpu(), want, rtol=0, atol=1e-5)
     assert torch.equal(got[1], logits[1])
 
 
@@ -91,20 +95,23 @@ def test_penalties_change_the_logits_as_transformers_and_the_formula_say(fused):
 def test_the_triton_kernels_give_the_torch_ops_bits(sampling):
     pytest.importorskip("triton")
     rng = np.random.default_rng(2)
-    state = PenaltyRows(8, VOCAB, CPU)
+    state = PenaltyRows(8, VOCAB, DEVICE)
     for row, params in zip([5, 0, 7, 2, 3, 1], PARAMS, strict=True):
         state.add(row, params, random_tokens(rng, 30), 11, [])
     state.flush()
     rows = np.array(sampling, np.int64)
     step = state.step(rows, np.full(8, 30), np.full(8, 11), np.zeros((8, 64), np.int32))
     assert step is not None and step.dense is not None
-    assert step.dense.use_prompt == (len(sampling) > 1)
-    logits = torch.randn(len(rows), VOCAB, generator=torch.Generator().manual_seed(3)) * 5
+    assert step.dense.repetition == (len(sampling) > 1)
+    logits = random_logits(len(rows), 3, 5.0)
     by_torch, by_triton = logits.clone(), logits.clone()
     apply_penalties(by_torch, step, fused=False)
     apply_penalties(by_triton, step, fused=True)
-    assert torch.equal(by_torch, by_triton)
-    sampled = torch.from_numpy(rng.integers(0, VOCAB, len(rows)).astype(np.int32))
+    if DEVICE.type == "cpu":  # the interpreter computes as numpy, in the torch ops' order
+        assert torch.equal(by_torch, by_triton)
+    else:  # a GPU may fuse a multiply and a subtraction
+        torch.testing.assert_close(by_torch, by_triton, rtol=1e-6, atol=1e-6)
+    sampled = torch.from_numpy(rng.integers(0, VOCAB, len(rows)).astype(np.int32)).to(DEVICE)
     counts = state.counts.clone()
     count_outputs(step, sampled, fused=False)
     by_torch_counts = state.counts.clone()
@@ -115,7 +122,7 @@ def test_the_triton_kernels_give_the_torch_ops_bits(sampling):
 
 
 def test_a_row_counts_its_outputs_and_starts_over_when_reused():
-    state = PenaltyRows(4, VOCAB, CPU)
+    state = PenaltyRows(4, VOCAB, DEVICE)
     params = SamplingParams(frequency_penalty=1.0)
     state.add(2, params, np.array([9, 9, 4, 4, 4, 7], np.int32), 3, [])
     state.flush()
@@ -123,7 +130,7 @@ def test_a_row_counts_its_outputs_and_starts_over_when_reused():
     assert counts[4].item() == 2 and counts[7].item() == 1 and counts[9].item() == 0
     step = state.step(np.array([2]), np.full(4, 6), np.full(4, 3), np.zeros((4, 8), np.int32))
     assert step is not None
-    count_outputs(step, torch.tensor([7], dtype=torch.int32), fused=False)
+    count_outputs(step, torch.tensor([7], dtype=torch.int32, device=DEVICE), fused=False)
     assert state.counts[2, 7].item() == 2
     state.remove(2)
     assert state.step(np.array([2]), np.full(4, 6), np.full(4, 3), np.zeros((4, 8))) is None
@@ -133,18 +140,18 @@ def test_a_row_counts_its_outputs_and_starts_over_when_reused():
 
 
 def test_repetition_reads_the_prompt_bits():
-    state = PenaltyRows(2, VOCAB, CPU)
+    state = PenaltyRows(2, VOCAB, DEVICE)
     prompt = np.array([0, 31, 32, 63, 64, 299], np.int32)  # word edges and the last token
     state.add(1, SamplingParams(repetition_penalty=2.0), prompt, len(prompt), [])
     state.flush()
     step = state.step(np.array([1]), np.full(2, 6), np.full(2, 6), np.zeros((2, 8), np.int32))
-    logits = torch.ones(1, VOCAB)
+    logits = torch.ones(1, VOCAB, device=DEVICE)
     apply_penalties(logits, step, fused=False)
     assert torch.nonzero(logits[0] != 1.0).flatten().tolist() == prompt.tolist()
 
 
 def test_steps_of_requests_without_any_cost_nothing():
-    state = PenaltyRows(4, VOCAB, CPU)
+    state = PenaltyRows(4, VOCAB, DEVICE)
     state.add(0, SamplingParams(temperature=0.5, top_k=3), np.arange(5, dtype=np.int32), 5, [])
     state.flush()
     assert state.step(np.array([0]), np.full(4, 5), np.full(4, 5), np.zeros((4, 8))) is None
@@ -164,7 +171,7 @@ def bans(state: PenaltyRows, rows, num_tokens, num_prompt, table) -> set[tuple[i
 
 
 def test_min_tokens_holds_eos_and_the_stop_ids_back_until_the_output_is_long_enough():
-    state = PenaltyRows(3, VOCAB, CPU)
+    state = PenaltyRows(3, VOCAB, DEVICE)
     params = SamplingParams(min_tokens=3, stop_token_ids=[17, 5000], max_tokens=8)
     state.add(0, params, np.arange(4, dtype=np.int32), 4, eos_token_ids=[2, 9999])
     ignoring = SamplingParams(min_tokens=3, ignore_eos=True, max_tokens=8)
@@ -178,7 +185,7 @@ def test_min_tokens_holds_eos_and_the_stop_ids_back_until_the_output_is_long_eno
 
 
 def test_bad_words_ban_their_last_token_where_the_output_ends_with_the_rest():
-    state = PenaltyRows(2, VOCAB, CPU)
+    state = PenaltyRows(2, VOCAB, DEVICE)
     words = [[7], [10, 11], [20, 21, 22]]
     state.add(1, SamplingParams(bad_words_token_ids=words), np.array([10], np.int32), 1, [])
     table = np.zeros((2, 16), np.int32)
@@ -191,11 +198,11 @@ def test_bad_words_ban_their_last_token_where_the_output_ends_with_the_rest():
 
 
 def test_a_dummy_step_writes_nothing_of_the_batch():
-    state = PenaltyRows(4, VOCAB, CPU)
+    state = PenaltyRows(4, VOCAB, DEVICE)
     state.add(0, SamplingParams(frequency_penalty=1.0), np.array([1, 5, 5], np.int32), 1, [])
     state.flush()
     before = state.counts.clone(), state.prompt_bits.clone()
-    logits = torch.randn(4, VOCAB)
+    logits = torch.randn(4, VOCAB, device=DEVICE)
     apply_penalties(logits, state.dummy_step(4), fused=False)
     assert torch.equal(state.counts, before[0]) and torch.equal(state.prompt_bits, before[1])
     assert torch.isinf(logits[:, 0]).all()

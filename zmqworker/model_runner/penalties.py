@@ -39,7 +39,7 @@ class Dense:
     index: torch.Tensor  # int32 [p]: rows of the step's logits
     rows: torch.Tensor  # int32 [p]: their batch rows (of counts and prompt_bits)
     penalties: torch.Tensor  # float32 [3, p]: repetition, frequency, presence
-    use_prompt: bool  # some repetition penalty is not 1: read the prompt bits
+    repetition: bool  # some repetition penalty is not 1 (its pass reads the prompt bits)
 
 
 @dataclass(frozen=True)
@@ -76,7 +76,7 @@ def apply_penalties(logits: torch.Tensor, step: PenaltyStep, fused: bool) -> Non
             dense.index,
             dense.rows,
             dense.penalties,
-            dense.use_prompt,
+            dense.repetition,
         )
 
 
@@ -117,20 +117,21 @@ def _apply_dense(
     index: torch.Tensor,
     rows: torch.Tensor,
     penalties: torch.Tensor,
-    use_prompt: bool,
+    repetition: bool,
 ) -> None:
     index, rows = index.long(), rows.long()
     values = logits.index_select(0, index)
     row_counts = counts.index_select(0, rows)
     in_output = row_counts > 0
-    seen = in_output
-    if use_prompt:
-        seen = in_output | unpack_bits(prompt_bits.index_select(0, rows), logits.shape[1])
-    repetition, frequency, presence = (p.unsqueeze(1) for p in penalties)
-    penalized = torch.where(values > 0, values / repetition, values * repetition)
-    values = torch.where(seen, penalized, values)
-    values = values - frequency * row_counts
-    values = values - presence * in_output
+    factor, frequency, presence = (p.unsqueeze(1) for p in penalties)
+    if repetition:  # else every factor is 1: the pass would change nothing
+        seen = unpack_bits(prompt_bits.index_select(0, rows), logits.shape[1]).logical_or_(
+            in_output
+        )
+        penalized = torch.where(values > 0, values / factor, values * factor)
+        values = torch.where(seen, penalized, values)
+    values.sub_(frequency * row_counts)
+    values.sub_(presence * in_output)
     logits.index_copy_(0, index, values)
 
 

@@ -24,7 +24,7 @@ _ENTRY_BLOCK = 256
 # One binary whatever the step: the counts a step has, and whether it reads the prompt
 # bits, are values (an int argument of 1 would be specialised), and every pointer is
 # 16-byte aligned (penalty_rows.upload pads its arrays), as Triton specialises that too.
-@triton.jit(do_not_specialize=["num_rows", "use_prompt"])
+@triton.jit(do_not_specialize=["num_rows", "repetition"])
 def _dense_kernel(
     logits_ptr,
     logits_stride,
@@ -36,7 +36,7 @@ def _dense_kernel(
     num_rows,
     vocab,
     words,
-    use_prompt,
+    repetition,
     BLOCK: tl.constexpr,
     PDL: tl.constexpr,
 ):
@@ -54,7 +54,7 @@ def _dense_kernel(
     counts = tl.load(counts_ptr + row * vocab + offs, mask=ok, other=0)
     in_output = counts > 0
     seen = in_output
-    if use_prompt != 0:
+    if repetition != 0:
         word = tl.load(bits_ptr + row * words + offs // 32, mask=ok, other=0)
         seen = seen | (((word >> (offs % 32)) & 1) != 0)
     penalized = tl.where(logits > 0, logits / repetition, logits * repetition)
@@ -124,7 +124,7 @@ def apply_dense(
     index: torch.Tensor,
     rows: torch.Tensor,
     penalties: torch.Tensor,
-    use_prompt: bool,
+    repetition: bool,
 ) -> None:
     """Penalise logits[index[i]] by the request in batch row rows[i]: penalties float32
     [3, p] (repetition, frequency, presence); counts int32 [R, vocab], prompt_bits int32
@@ -143,7 +143,7 @@ def apply_dense(
         num_rows,
         vocab,
         prompt_bits.shape[1],
-        int(use_prompt),
+        int(repetition),
         BLOCK=_DENSE_BLOCK,
         num_warps=8,
         **launch_options(logits.device),

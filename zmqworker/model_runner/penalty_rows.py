@@ -172,8 +172,8 @@ class PenaltyRows:
         device = iter(upload(arrays, self.device))
         dense = None
         if len(dense_at):
-            use_prompt = bool((values[0] != 1.0).any())
-            dense = Dense(next(device), next(device), next(device), use_prompt)
+            repetition = bool((values[0] != 1.0).any())
+            dense = Dense(next(device), next(device), next(device), repetition)
         bans = Entries(next(device), next(device), None) if len(ban_rows) else None
         index = next(device, None)
         return PenaltyStep(
@@ -200,7 +200,7 @@ class PenaltyRows:
             ids,
             Entries(rows_d, tokens_d, None),
             Entries(rows_d, tokens_d, bias_d),
-            Dense(ids, rows_d, values_d, use_prompt=True),
+            Dense(ids, rows_d, values_d, repetition=True),
         )
 
     # helpers ---------------------------------------------------------------------------
