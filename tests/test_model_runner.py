@@ -34,6 +34,7 @@ from tests.runner_helpers import (
     DEVICE,
     GREEDY,
     NUM_BLOCKS,
+    PENALISED,
     MiniScheduler,
     Pipeline,
     checkpoint,
@@ -326,16 +327,7 @@ def test_cuda_steps_never_synchronise_the_host() -> None:
         SamplingParams(temperature=1.2, top_k=20, min_p=0.05, seed=3),
         GREEDY,
         GREEDY,
-        SamplingParams(
-            temperature=0.0,
-            repetition_penalty=1.2,
-            frequency_penalty=0.5,
-            logit_bias={3: 2.0},
-            min_tokens=2,
-            stop_token_ids=[4],
-            bad_words_token_ids=[[5, 6], [7]],
-        ),
-        SamplingParams(temperature=0.8, presence_penalty=0.7, seed=5),
+        *PENALISED,
     ]
     for i, p in enumerate(params):
         sched.add(f"s{i}", list(range(10 + i, 30 + i)), 6, p)
@@ -381,16 +373,10 @@ def test_no_triton_kernel_compiles_after_warm_up() -> None:
     runner = make_runner(checkpoint("llama"), max_seqs=8, max_tokens=96, graph_sizes=(1, 2, 4))
     after_warm_up = compiled()
     sched = MiniScheduler(budget=96, seed=3)
-    # Every other request with penalties of one kind or another (the prompt bits read or
-    # not, a bias, bans): their kernels, too, were compiled by the warm-up.
-    penalised = [
-        SamplingParams(temperature=0.0, frequency_penalty=0.5),
-        SamplingParams(temperature=0.0, repetition_penalty=1.3, logit_bias={9: 1.0}),
-        SamplingParams(temperature=0.7, min_tokens=2, stop_token_ids=[3], seed=1),
-    ]
+    # Every other request with penalties: their kernels, too, were warmed up.
     for i, (count, length) in enumerate([(1, 7), (3, 30), (8, 5), (6, 3), (5, 2)]):
         for j in range(count):
-            params = penalised[(i + j) % 3] if j % 2 else GREEDY
+            params = PENALISED[(i + j) % 3] if j % 2 else GREEDY
             sched.add(f"r{i}-{j}", list(range(5 + j, 5 + j + length)), 3, params)
         while sched.busy():
             sched.update(runner.execute_model(sched.schedule()).get_output())

@@ -206,3 +206,29 @@ def test_a_dummy_step_writes_nothing_of_the_batch():
     apply_penalties(logits, state.dummy_step(4), fused=False)
     assert torch.equal(state.counts, before[0]) and torch.equal(state.prompt_bits, before[1])
     assert torch.isinf(logits[:, 0]).all()
+
+
+def test_a_preempted_request_counts_its_outputs_again_when_it_comes_back():
+    """Resumed with its KV kept, or re-added as new with its outputs in its prompt
+    (num_output_tokens): either way its tokens are those of a run without preemption."""
+    from tests.runner_helpers import MiniScheduler, Pipeline, checkpoint, make_runner
+
+    params = SamplingParams(
+        temperature=0.0, repetition_penalty=1.5, frequency_penalty=0.7, min_tokens=12
+    )
+    prompts = {"a": [5, 9, 14, 3, 77, 41, 8, 9, 9], "b": [60, 2, 33, 90, 11, 60]}
+    results = []
+    for preempt in (False, True):
+        pipeline = Pipeline([make_runner(checkpoint("llama"), max_seqs=2)])
+        sched = MiniScheduler(budget=16, seed=4)
+        reqs = {name: sched.add(name, prompt, 14, params) for name, prompt in prompts.items()}
+        for step in range(40):
+            if preempt and step == 5:
+                sched.preempt(reqs["a"], "resume")
+            if preempt and step == 8:
+                sched.preempt(reqs["b"], "readd")
+            if not sched.busy():
+                break
+            sched.update(pipeline.step(sched.schedule()))
+        results.append({name: req.outputs for name, req in reqs.items()})
+    assert results[0] == results[1] and all(len(out) == 14 for out in results[0].values())
