@@ -5,8 +5,9 @@ A model runner per shape (SmolLM2-135M's and Llama-3-8B's config.json, load_form
 "dummy"; bf16 on CUDA with its decode graphs, float32 on the CPU) runs batches of
 requests whose prompts are random tokens. Each batch is decoded with four settings, and
 each setting's steps are timed pipelined (issued while the previous step's ids are on
-their way, as async scheduling runs them), wall time over the steps, the best of
---repeats runs of --steps steps (a shared machine's load comes and goes):
+their way, as async scheduling runs them), wall time over --steps steps; the settings
+take turns --repeats times, each turn with new requests, and each keeps its best turn (a
+shared machine's load comes and goes):
 - greedy: the decode graph's argmax is the sample, no sampler runs (the floor);
 - greedy+penalties: repetition 1.1, frequency 0.3, presence 0.2 and a 4-token logit_bias
   on every request: the sampler runs after the graph, with the penalties' kernels and the
@@ -154,17 +155,17 @@ def run_shape(shape: str, batches: list[int], device: torch.device, args) -> lis
         transformers.LlamaConfig(**SHAPES[shape], bos_token_id=1, eos_token_id=2).save_pretrained(
             folder
         )
-        total = args.warm_steps + args.steps * args.repeats
+        total = args.warm_steps + args.steps
         runner = Runner(folder, device, max(batches), args.prompt_len, total)
         rng = np.random.default_rng(0)
         for batch in batches:
-            ms = {}
-            for name, params in SETTINGS.items():
-                steps = runner.decode_steps(runner.start(batch, params, rng), total)
-                runner.pipelined(steps[: args.warm_steps])
-                timed = steps[args.warm_steps :]
-                runs = [timed[k : k + args.steps] for k in range(0, len(timed), args.steps)]
-                ms[name] = min(runner.pipelined(run) for run in runs) * 1e3
+            ms = dict.fromkeys(SETTINGS, float("inf"))
+            for _ in range(args.repeats):
+                for name, params in SETTINGS.items():
+                    steps = runner.decode_steps(runner.start(batch, params, rng), total)
+                    runner.pipelined(steps[: args.warm_steps])
+                    turn = runner.pipelined(steps[args.warm_steps :]) * 1e3
+                    ms[name] = min(ms[name], turn)
             row = {"shape": shape, "batch": batch, **{f"{k}_ms": v for k, v in ms.items()}}
             row["greedy_ratio"] = ms["greedy+penalties"] / ms["greedy"]
             row["sampled_ratio"] = ms["sampled+penalties"] / ms["sampled"]
