@@ -3,7 +3,8 @@ golden fixture, written beside it as messages/fixtures/<name>.json by
 messages/make_fixtures.py (docs/protocol.md, "Conformance", describes the form).
 
 A struct is an object: "type" (its name), then every field in declaration order,
-defaults included. A map is an object, a list an array. An array or tensor is an object
+defaults included. A map is an object (an integer key as its decimal string: JSON keys
+are strings), a list an array. An array or tensor is an object
 {"array": "numpy" (ext 1, 2) or "torch" (ext 3, 4), "dtype", "shape", "values": its
 elements flat, in C order}; float16 and bfloat16 values are their raw bits as unsigned
 16-bit integers, float32 values the double they equal. JSON has no number for infinity or
@@ -41,7 +42,7 @@ def plain(value: Any) -> Any:
             flat = flat.numpy()
         return _array("torch", str(value.dtype).removeprefix("torch."), value.shape, flat)
     if isinstance(value, dict):
-        return {key: plain(v) for key, v in value.items()}
+        return {str(key) if isinstance(key, int) else key: plain(v) for key, v in value.items()}
     if isinstance(value, list | tuple):
         return [plain(v) for v in value]
     if isinstance(value, bytes):

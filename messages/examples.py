@@ -66,6 +66,7 @@ def _new_request(
     num_scheduled: int | None = None,
     num_computed: int = 0,
     params: SamplingParams | None = None,
+    num_output_tokens: int = 0,
 ) -> NewRequestData:
     scheduled = prompt_len - num_computed if num_scheduled is None else num_scheduled
     return NewRequestData(
@@ -76,6 +77,8 @@ def _new_request(
         block_ids=_blocks(rng, num_computed + scheduled),
         num_scheduled_tokens=scheduled,
         num_computed_tokens=num_computed,
+        num_output_tokens=num_output_tokens,
+        eos_token_ids=[2],
     )
 
 
@@ -144,12 +147,21 @@ def chunked_prefill_step(seed: int = 1) -> SchedulerOutput:
 def finished_and_resumed_step(seed: int = 2) -> SchedulerOutput:
     """After memory pressure: two requests finished, one is preempted, one comes back
     resumed with its KV kept (its block table replaced), one restarts from scratch (its
-    prompt followed by the 5 tokens it had generated). As a non-last pipeline stage
-    receives it: new_token_ids carries the tokens the last stage sampled."""
+    prompt followed by the 5 tokens it had generated, which its penalties count as
+    outputs). As a non-last pipeline stage receives it: new_token_ids carries the tokens
+    the last stage sampled."""
     rng = Stream(seed)
-    restarted = _new_request(
-        rng, 7, prompt_len=45 + 5, params=SamplingParams(seed=1234, stop=["\n\n"], max_tokens=32)
+    params = SamplingParams(
+        seed=1234,
+        stop=["\n\n"],
+        max_tokens=32,
+        presence_penalty=0.5,
+        repetition_penalty=1.1,
+        logit_bias={100: -5.0, 2001: 2.5},
+        min_tokens=8,
+        bad_words_token_ids=[[11, 12], [99]],
     )
+    restarted = _new_request(rng, 7, prompt_len=45 + 5, params=params, num_output_tokens=5)
     cached = CachedRequestData.build(
         req_handles=[2, 4, 6],
         num_computed_tokens=[300, 88, 129],

@@ -1,4 +1,10 @@
-"""Per-request sampling parameters (the subset a worker needs plus the engine's stop rules)."""
+"""Per-request sampling parameters (the subset a worker needs plus the engine's stop rules).
+
+The penalties, logit_bias, min_tokens and bad words are vLLM's SamplingParams fields, with
+its ranges and meaning; the workers apply them on the device (model_runner/penalties.py).
+bad_words are text, which only the engine can tokenize: it fills bad_words_token_ids from
+them (engine/bad_words.py), and the workers read the token ids alone.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +13,10 @@ from typing import Annotated
 
 import msgspec
 from msgspec import Meta
+
+# Bounds on bad_words_token_ids, which a worker matches against every step's outputs.
+MAX_BAD_WORDS = 1024
+MAX_BAD_WORD_TOKENS = 64
 
 
 class SamplingParams(msgspec.Struct, tag=True, frozen=True, omit_defaults=True):
@@ -63,6 +73,69 @@ class SamplingParams(msgspec.Struct, tag=True, frozen=True, omit_defaults=True):
         ),
     ] = None
 
+    presence_penalty: Annotated[
+        float,
+        Meta(
+            ge=-2,
+            le=2,
+            description="subtract this from the logit of each token the output already "
+            "holds; 0: off",
+        ),
+    ] = 0.0
+    frequency_penalty: Annotated[
+        float,
+        Meta(
+            ge=-2,
+            le=2,
+            description="subtract this times its count in the output from each token's "
+            "logit; 0: off",
+        ),
+    ] = 0.0
+    repetition_penalty: Annotated[
+        float,
+        Meta(
+            gt=0,
+            description="divide the positive logits, and multiply the negative ones, of the "
+            "tokens in the prompt or the output by this; 1: off; finite",
+        ),
+    ] = 1.0
+    logit_bias: Annotated[
+        dict[Annotated[int, Meta(ge=0)], Annotated[float, Meta(ge=-100, le=100)]],
+        Meta(
+            description="add BIAS, in [-100, 100], to the logit of token ID",
+            extra={"metavar": "ID=BIAS"},
+        ),
+    ] = {}
+    min_tokens: Annotated[
+        int,
+        Meta(
+            ge=0,
+            description="generate at least this many tokens before EOS, a stop token id or "
+            "a stop string may end the output (at most max_tokens)",
+        ),
+    ] = 0
+    bad_words: Annotated[
+        list[Annotated[str, Meta(min_length=1)]],
+        Meta(
+            description="words the output may not hold (the engine bans their tokens, "
+            "with and without a leading space)"
+        ),
+    ] = []
+    bad_words_token_ids: Annotated[
+        list[
+            Annotated[
+                list[Annotated[int, Meta(ge=0)]], Meta(min_length=1, max_length=MAX_BAD_WORD_TOKENS)
+            ]
+        ],
+        Meta(
+            max_length=MAX_BAD_WORDS,
+            description="token id sequences the output may not hold, each as IDS (1,2,3): "
+            "its last token is banned where the output ends with the ones before it; the "
+            "engine adds those of bad_words here",
+            extra={"metavar": "IDS"},
+        ),
+    ] = []
+
     def __post_init__(self) -> None:
         self.validate()
 
@@ -73,10 +146,25 @@ class SamplingParams(msgspec.Struct, tag=True, frozen=True, omit_defaults=True):
         msgspec.convert(msgspec.structs.asdict(self), _Checked)
         if math.isinf(self.temperature):
             raise ValueError("temperature must be finite, got inf")
+        if math.isinf(self.repetition_penalty):
+            raise ValueError("repetition_penalty must be finite, got inf")
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens ({self.min_tokens}) must be at most max_tokens ({self.max_tokens})"
+            )
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def penalized(self) -> bool:
+        """True when the repetition, frequency or presence penalty is on."""
+        return (
+            self.repetition_penalty != 1.0
+            or self.frequency_penalty != 0.0
+            or self.presence_penalty != 0.0
+        )
 
 
 def _unchecked_twin(cls: type[msgspec.Struct]) -> type[msgspec.Struct]:

@@ -24,7 +24,9 @@ class NewRequestData(msgspec.Struct, tag=True):
     """A request the worker has not seen (or that starts over after preemption), in full.
 
     prompt_token_ids holds every token to compute: for a request that restarts after
-    preemption, the prompt followed by the tokens it had generated.
+    preemption, the prompt followed by the tokens it had generated (num_output_tokens of
+    them, which the penalties and min_tokens count as outputs). eos_token_ids are the ids
+    min_tokens holds back besides stop_token_ids (unless ignore_eos).
     """
 
     req_id: str
@@ -34,6 +36,8 @@ class NewRequestData(msgspec.Struct, tag=True):
     block_ids: np.ndarray  # int32 [num_blocks]: the request's block table so far
     num_scheduled_tokens: int
     num_computed_tokens: int = 0  # tokens whose KV is already cached (prefix-cache hits)
+    num_output_tokens: int = 0  # of prompt_token_ids, the last ones: generated before
+    eos_token_ids: list[int] = []  # the engine's end-of-sequence ids
 
 
 # Rows of CachedRequestData.columns.

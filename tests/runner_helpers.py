@@ -39,6 +39,14 @@ DEVICE = torch.device(os.environ.get("ZMQWORKER_TEST_DEVICE", "cpu"))
 BLOCK = 4
 NUM_BLOCKS = 96
 GREEDY = SamplingParams(temperature=0.0)
+# Penalties of each kind (the prompt bits read or not, a bias, bans), greedy and sampled.
+PENALISED = [
+    SamplingParams(temperature=0.0, frequency_penalty=0.5, presence_penalty=0.2),
+    SamplingParams(temperature=0.0, repetition_penalty=1.3, logit_bias={9: 1.0, 3: -2.0}),
+    SamplingParams(
+        temperature=0.7, min_tokens=2, stop_token_ids=[4], bad_words_token_ids=[[5, 6], [7]]
+    ),
+]
 
 
 def wire(msg):
@@ -204,6 +212,7 @@ class MiniScheduler:
                         req.params,
                         np.array(self._blocks_for(req, s), np.int32),
                         s,
+                        num_output_tokens=len(req.outputs),
                     )
                 )
             req.state, req.scheduled = "running", s

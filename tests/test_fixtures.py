@@ -173,6 +173,7 @@ def agree(raw: Any, value: Any, frames: list[bytes], path: str) -> None:
         assert value["values"] == values, path
     elif isinstance(raw, dict):
         assert isinstance(value, dict), path
+        raw = {str(k) if isinstance(k, int) else k: v for k, v in raw.items()}  # JSON's keys
         assert set(raw) <= set(value) if "type" in raw else set(raw) == set(value), path
         for key in raw:
             agree(raw[key], value[key], frames, f"{path}.{key}")

@@ -34,6 +34,7 @@ from tests.runner_helpers import (
     DEVICE,
     GREEDY,
     NUM_BLOCKS,
+    PENALISED,
     MiniScheduler,
     Pipeline,
     checkpoint,
@@ -314,7 +315,8 @@ def test_kv_cache_config_of_another_shape_is_rejected() -> None:
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="host synchronisation is a CUDA matter")
 def test_cuda_steps_never_synchronise_the_host() -> None:
     """Prefill, graph-replayed and eager decode steps, greedy and sampled, with logprobs
-    and a seed, under torch's sync debug mode: any implicit host wait raises."""
+    and a seed, with penalties, biases, min_tokens and bad words, under torch's sync debug
+    mode: any implicit host wait raises."""
     path = checkpoint("llama")
     runner = make_runner(path, max_seqs=8, max_tokens=64, graph_sizes=(1, 2, 4))
     assert runner.graphs is not None and runner.graphs.captured
@@ -325,6 +327,7 @@ def test_cuda_steps_never_synchronise_the_host() -> None:
         SamplingParams(temperature=1.2, top_k=20, min_p=0.05, seed=3),
         GREEDY,
         GREEDY,
+        *PENALISED,
     ]
     for i, p in enumerate(params):
         sched.add(f"s{i}", list(range(10 + i, 30 + i)), 6, p)
@@ -347,7 +350,7 @@ def test_no_triton_kernel_compiles_after_warm_up(monkeypatch, enforce_eager: boo
     of up to 4 requests replay decode graphs and every other step a token graph; eager,
     every step runs the kernels of its size."""
     from zmqworker.attention import triton_cache, triton_decode, triton_kernels
-    from zmqworker.model_runner import greedy_ids, token_feed
+    from zmqworker.model_runner import greedy_ids, penalty_kernels, token_feed
     from zmqworker.models.layers import skinny_gate_up, skinny_linear, triton_ops
 
     kernels = [
@@ -360,6 +363,9 @@ def test_no_triton_kernel_compiles_after_warm_up(monkeypatch, enforce_eager: boo
         triton_ops._silu_and_mul_kernel,
         token_feed._feed_kernel,
         greedy_ids._greedy_ids_kernel,
+        penalty_kernels._dense_kernel,
+        penalty_kernels._entries_kernel,
+        penalty_kernels._count_kernel,
     ]
 
     def compiled() -> list[int]:  # Triton keeps each JIT function's binaries per device
@@ -383,9 +389,11 @@ def test_no_triton_kernel_compiles_after_warm_up(monkeypatch, enforce_eager: boo
             monkeypatch.setattr(graphs, "replay", spy)
     after_warm_up = compiled()
     sched = MiniScheduler(budget=96, seed=3)
+    # Every other request with penalties: their kernels, too, were warmed up.
     for i, (count, length) in enumerate([(1, 7), (3, 30), (8, 5), (6, 3), (5, 2), (1, 150)]):
         for j in range(count):
-            sched.add(f"r{i}-{j}", list(range(5 + j, 5 + j + length)), 3, GREEDY)
+            params = PENALISED[(i + j) % 3] if j % 2 else GREEDY
+            sched.add(f"r{i}-{j}", list(range(5 + j, 5 + j + length)), 3, params)
         while sched.busy():
             sched.update(runner.execute_model(sched.schedule()).get_output())
     assert compiled() == after_warm_up

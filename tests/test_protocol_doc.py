@@ -158,7 +158,8 @@ def doc_type(hint: Any) -> str:
 
 def doc_range(hint: Any) -> str:
     """How the range column writes a field's constraints (msgspec.Meta), "" for none:
-    ">= 0", "(0, 1]", "each non-empty", "each >= 0"."""
+    ">= 0", "(0, 1]", "each non-empty", "each >= 0", "length <= 8", "length 1 to 8",
+    "keys >= 0, values [-1, 1]"."""
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     if origin is typing.Annotated:
         own = [_bounds(m) for m in args[1:] if isinstance(m, msgspec.Meta)]
@@ -167,10 +168,16 @@ def doc_range(hint: Any) -> str:
         return "".join(doc_range(a) for a in args)
     if origin is list:
         return f"each {doc_range(args[0])}" if doc_range(args[0]) else ""
+    if origin is dict:
+        keys, values = doc_range(args[0]), doc_range(args[1])
+        return ", ".join(r for r in [keys and f"keys {keys}", values and f"values {values}"] if r)
     return ""
 
 
 def _bounds(meta: msgspec.Meta) -> str:
+    if meta.max_length is not None:
+        low = meta.min_length or 0
+        return f"length {low} to {meta.max_length}" if low else f"length <= {meta.max_length}"
     if meta.min_length == 1:
         return "non-empty"
     low = ("[", meta.ge) if meta.ge is not None else ("(", meta.gt)

@@ -131,3 +131,40 @@ def test_bad_requests_are_refused(tok):
         Request("r", [], SamplingParams())
     with pytest.raises(ValueError, match="stop strings need a tokenizer"):
         Request("r", [1], SamplingParams(stop=["x"]))
+
+
+def test_min_tokens_lets_no_stop_end_the_first_tokens(tok):
+    """vLLM's rule: EOS, a stop id and a stop string end the output only from token
+    min_tokens + 1 on; before, the token and its text are output like any other."""
+    held = Request("r", [1], SamplingParams(max_tokens=10, min_tokens=2), eos_token_ids=[2])
+    assert not held.append_output_token(2, 100)
+    assert not held.append_output_token(2, 100)
+    assert held.append_output_token(2, 100) and held.output_token_ids == [2, 2, 2]
+    period = tok.encode(".")[0]
+    request = text_request(tok, "The", stop=["."], stop_token_ids=[period], min_tokens=3)
+    feed(request, tok, " Paris. The end. More")
+    stop = tok.encode(" Paris. The end. More").index(period, 3)
+    assert request.finish_reason is FinishReason.STOP and request.stop_reason == period
+    assert len(request.output_token_ids) == stop + 1 and request.output_text == " Paris. The end"
+
+
+def test_request_params_tokenize_bad_words_with_and_without_a_space(tok):
+    """A bad word is banned as it starts the text and as it follows a space, where the
+    spaced form is another sequence of as many tokens ("he": one token either way);
+    "ve" after a space is two tokens (a space, then "ve"): banning "ve" covers it."""
+    from zmqworker.engine.request_params import request_params
+
+    def ids(text: str) -> list[int]:
+        return tok.encode(text, add_special_tokens=False)
+
+    assert len(ids("he")) == len(ids(" he")) == 1 and ids("he") != ids(" he")
+    assert ids(" ve") == [*ids(" "), *ids("ve")]
+    params = SamplingParams(bad_words=["he", "  ve"], bad_words_token_ids=[[7]])
+    resolved = request_params(params, tok, len(tok), max_logprobs=20)
+    assert resolved.bad_words == []
+    assert resolved.bad_words_token_ids == [[7], ids("he"), ids(" he"), ids("ve")]
+    assert request_params(resolved, tok, len(tok), 20) == resolved  # checked again: the same
+    with pytest.raises(ValueError, match="bad_words need the model's tokenizer"):
+        request_params(params, None, 320, 20)
+    with pytest.raises(ValueError, match=r"bad_words_token_ids\[0\] holds token id 7, outside"):
+        request_params(SamplingParams(bad_words_token_ids=[[7]]), None, 5, 20)

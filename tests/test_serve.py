@@ -205,6 +205,48 @@ def test_stop_strings_and_seeds(server):
     assert sampled[0] == sampled[1]
 
 
+def test_penalties_logit_bias_and_vllm_s_extras(server):
+    """OpenAI's presence and frequency penalties and logit_bias (token ids as strings),
+    vLLM's repetition_penalty, min_tokens and bad_words (extra_body), streamed too."""
+    client = server.client()
+    base = {"model": MODEL, "prompt": "The capital of France is", "temperature": 0}
+    london = "4528"  # " London" in SmolLM2's vocabulary
+    forced = client.completions.create(**base, max_tokens=3, logit_bias={london: 100})
+    assert forced.choices[0].text == " London" * 3
+    stream = client.completions.create(**base, max_tokens=3, logit_bias={london: 100}, stream=True)
+    assert "".join(chunk.choices[0].text for chunk in stream if chunk.choices) == " London" * 3
+    banned = client.completions.create(**base, max_tokens=4, extra_body={"bad_words": ["Paris"]})
+    assert "Paris" not in banned.choices[0].text
+    # The stop string ends " Paris." at its second token; min_tokens=3 lets it go on.
+    held = client.completions.create(
+        **base, max_tokens=12, stop=["."], extra_body={"min_tokens": 3}
+    )
+    assert held.choices[0].text.startswith(" Paris.") and held.usage.completion_tokens > 3
+    repeat = {"model": MODEL, "prompt": "the the the the the the", "temperature": 0}
+    plain = client.completions.create(**repeat, max_tokens=8).choices[0].text
+    penalised = (
+        client.completions.create(
+            **repeat,
+            max_tokens=8,
+            presence_penalty=1.5,
+            frequency_penalty=2.0,
+            extra_body={"repetition_penalty": 1.3},
+        )
+        .choices[0]
+        .text
+    )
+    assert penalised != plain
+    chat = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Say hello"}],
+        max_tokens=4,
+        temperature=0,
+        frequency_penalty=1.0,
+        logit_bias={london: 100},
+    )
+    assert chat.choices[0].message.content.startswith(" London")
+
+
 def test_concurrent_clients_share_the_batch(server):
     async def scenario() -> tuple[list[str], float]:
         client = openai.AsyncOpenAI(base_url=f"{server.base}/v1", api_key="unused")

@@ -196,9 +196,10 @@ COMPLETIONS, CHAT_COMPLETIONS = "/v1/completions", "/v1/chat/completions"
         (COMPLETIONS, {"n": 2}, "n", "n > 1 is not supported: one choice per prompt"),
         (COMPLETIONS, {"best_of": 3}, "best_of", "best_of is not supported"),
         (COMPLETIONS, {"suffix": "!"}, "suffix", "suffix is not supported"),
-        (COMPLETIONS, {"presence_penalty": 0.5}, "presence_penalty", "presence_penalty is not"),
-        (COMPLETIONS, {"frequency_penalty": 1}, "frequency_penalty", "frequency_penalty is"),
-        (COMPLETIONS, {"logit_bias": {"1": 5}}, "logit_bias", "logit_bias is not supported"),
+        (COMPLETIONS, {"presence_penalty": 2.5}, "presence_penalty", "presence_penalty: must"),
+        (COMPLETIONS, {"repetition_penalty": 0}, "repetition_penalty", "repetition_penalty: "),
+        (COMPLETIONS, {"logit_bias": {"-1": 5}}, "logit_bias", "logit_bias: keys must be"),
+        (COMPLETIONS, {"bad_words": [""]}, "bad_words[0]", "bad_words[0]: must not be empty"),
         (CHAT_COMPLETIONS, {"tools": [{"type": "function"}]}, "tools", "tools are not supported"),
         (CHAT_COMPLETIONS, {"tool_choice": "auto"}, "tool_choice", "tool_choice is not"),
         (

@@ -58,9 +58,10 @@ def run(
     prompts: dict[str, list[int]],
     max_tokens: dict[str, int],
     joins: dict[int, str],
-    params: SamplingParams = GREEDY,
+    params: SamplingParams | dict[str, SamplingParams] = GREEDY,
 ):
-    """Requests joining at the given steps; two in flight at most under a 12-token budget."""
+    """Requests joining at the given steps; two in flight at most under a 12-token budget.
+    params: every request's, or each's by name (GREEDY for the others)."""
     sched = MiniScheduler(budget=12, seed=7)
     reqs = {}
     step = 0
@@ -68,7 +69,8 @@ def run(
     while step == 0 or sched.busy() or len(reqs) < len(prompts):
         name = joins.get(step)
         if name is not None:
-            reqs[name] = sched.add(name, prompts[name], max_tokens[name], params)
+            own = params.get(name, GREEDY) if isinstance(params, dict) else params
+            reqs[name] = sched.add(name, prompts[name], max_tokens[name], own)
         sched.update(pipeline.step(sched.schedule()))
         step += 1
         assert step < 80
@@ -138,6 +140,38 @@ def test_a_greedy_decode_graph_samples_in_the_graph() -> None:
         )
         assert calls and not any(calls)
     assert sampled[True] == sampled[False]
+
+
+def test_penalties_on_the_triton_path_give_the_torch_path_tokens() -> None:
+    """One request with every penalty and bias, one plain greedy one, in decode graphs:
+    the penalised request's steps run the sampler (its kernels through the interpreter)
+    after the replay, and both paths give the same tokens; the plain request still gets
+    transformers' greedy ones."""
+    path = small_checkpoint("llama")
+    prompts = {"a": [5, 9, 14, 3, 77, 41, 8], "b": [60, 2, 33, 90, 11]}
+    max_tokens = {"a": 8, "b": 8}
+    free = hf_greedy(path, tuple(prompts["a"]), 8)
+    penalised = SamplingParams(
+        temperature=0.0,
+        repetition_penalty=1.4,
+        frequency_penalty=0.6,
+        presence_penalty=0.3,
+        logit_bias={free[1]: -3.0, 17: 1.5},
+        min_tokens=3,
+        stop_token_ids=[free[0]],
+        bad_words_token_ids=[[free[2], free[3]]],
+    )
+    params = {"a": penalised}
+    results = {}
+    for kernels, options in (("triton", {"graph_capture": Recorded, "graph_sizes": (2,)}),
+                             ("torch", {})):  # fmt: skip
+        runner = make_runner(path, max_seqs=2, kernels=kernels, **options)
+        calls = spy_on_sampler(runner)
+        results[kernels] = run(runner, prompts, max_tokens, joins={0: "a", 1: "b"}, params=params)
+        assert len(calls) > 2  # more than the prefill steps: the penalised decodes
+    assert results["triton"] == results["torch"]
+    assert results["triton"]["a"] != free
+    assert results["triton"]["b"] == hf_greedy(path, tuple(prompts["b"]), 8)
 
 
 def test_triton_path_eager_decode_and_preempted_request_resumes() -> None:

@@ -3,9 +3,11 @@ SamplingParams, with their names, types, ranges, defaults and help. A new argume
 is a new option; none can fall behind or disagree on a default.
 
 Flags are the names with dashes (max_num_seqs: --max-num-seqs), or the "flag" of the
-definition's Meta extra, plus the "aliases" listed there. Options the user did not give
-stay out of the parsed namespace, so the definitions' own defaults (and the model's
-generation defaults) apply.
+definition's Meta extra, plus the "aliases" listed there ("metavar" names the value in
+the help). A list is given by repeating its option; a list of lists as comma-separated
+values (--bad-words-token-ids 1,2,3), a map as KEY=VALUE (--logit-bias 42=-5), both
+repeated. Options the user did not give stay out of the parsed namespace, so the
+definitions' own defaults (and the model's generation defaults) apply.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ class Option:
     description: str
     flags: tuple[str, ...]
     unit: str | None
+    metavar: str | None = None
 
     @property
     def dest(self) -> str:
@@ -51,7 +54,10 @@ def options_of(defaults: dict[str, Any], hints: dict[str, Any]) -> list[Option]:
             extra.update(meta.extra or {})
             description = meta.description or description
         flags = (extra.get("flag", f"--{name.replace('_', '-')}"), *extra.get("aliases", ()))
-        out.append(Option(name, hint, default, description, flags, extra.get("unit")))
+        option = Option(
+            name, hint, default, description, flags, extra.get("unit"), extra.get("metavar")
+        )
+        out.append(option)
     return out
 
 
@@ -80,7 +86,7 @@ def add_options(group: Any, options: Iterable[Option], defaults: dict[str, Any] 
     for option in options:
         shown = (defaults or {}).get(option.name, option.default)
         help_text = option.description or option.name
-        if shown not in (None, [], ""):
+        if shown not in (None, [], "", {}):
             help_text += f" (default: {shown})"
         if option.unit == "bytes":
             help_text += "; 268435456, 256MiB or 1G"
@@ -93,7 +99,11 @@ def add_options(group: Any, options: Iterable[Option], defaults: dict[str, Any] 
             # prompts after it.
             help_text += "; repeat for more"
             kwargs.update(action="append", type=_checked(item, option.hint, list_item=True))
-            kwargs["metavar"] = _METAVARS.get(item, "VALUE")
+            kwargs["metavar"] = option.metavar or _METAVARS.get(item, "VALUE")
+        elif base is dict:
+            help_text += "; repeat for more"
+            kwargs["metavar"] = option.metavar or "KEY=VALUE"
+            kwargs.update(action=_MergeDict, type=_entry(option.hint, kwargs["metavar"]))
         elif choices:
             kwargs["choices"] = choices
         else:
@@ -130,6 +140,8 @@ def _parts(hint: Any) -> tuple[Any, Any, list[str] | None]:
         return str, None, list(typing.get_args(hint))
     if typing.get_origin(hint) is list:
         return list, _strip(typing.get_args(hint)[0]), None
+    if typing.get_origin(hint) is dict:
+        return dict, None, None
     return hint, None, None
 
 
@@ -144,6 +156,8 @@ def _checked(base: Any, hint: Any, unit: str | None = None, list_item: bool = Fa
 
     def convert(text: str) -> Any:
         try:
+            if typing.get_origin(base) is list:  # a list in a list: comma-separated
+                return msgspec.convert(text.split(","), item_hint, strict=False)
             value = parse_size(text) if unit == "bytes" else base(text)
             return msgspec.convert(value, item_hint)
         except (ValueError, msgspec.ValidationError) as exc:
@@ -151,3 +165,27 @@ def _checked(base: Any, hint: Any, unit: str | None = None, list_item: bool = Fa
 
     convert.__name__ = getattr(base, "__name__", "value")
     return convert
+
+
+def _entry(hint: Any, metavar: str) -> Callable:
+    """An argparse type for one KEY=VALUE entry of a map, checked as the map's type."""
+    map_hint = _strip(hint)
+
+    def convert(text: str) -> dict:
+        key, sep, value = text.partition("=")
+        if not sep:
+            raise argparse.ArgumentTypeError(f"expected {metavar}, got {text!r}")
+        try:
+            return msgspec.convert({key: value}, map_hint, strict=False, str_keys=True)
+        except msgspec.ValidationError as exc:
+            raise argparse.ArgumentTypeError(f"{text}: {exc}") from None
+
+    convert.__name__ = "entry"
+    return convert
+
+
+class _MergeDict(argparse.Action):
+    """Each KEY=VALUE given adds its entry to the option's map."""
+
+    def __call__(self, parser: Any, namespace: Any, values: Any, option_string: Any = None):
+        setattr(namespace, self.dest, {**(getattr(namespace, self.dest, None) or {}), **values})

@@ -3,13 +3,14 @@ the engine's own tokenizer once it is up, before anything is printed (engine_pro
 
 Before the start: each prompt's sampling settings (the model's generation_config.json
 defaults, then the options, then its JSONL line's fields, built into SamplingParams),
-logprobs against max_logprobs, stop token ids against the vocabulary, and each completion
-prompt's tokens: token ids against the vocabulary, text counted with the checkpoint's
-tokenizer.json through the tokenizers library (a fraction of a second; transformers wraps
-the same tokenizer.json, but importing it takes seconds, which the engine spends while its
-workers start). A prompt and its max_tokens must fit in max_model_len, as the server
-requires. Conversations need the model's chat template, which transformers renders: their
-tokens are counted once the engine is up, as every prompt is again there.
+logprobs against max_logprobs, the token ids they name against the vocabulary (bad_words,
+text, are tokenized by the engine), and each completion prompt's tokens: token ids
+against the vocabulary, text counted with the checkpoint's tokenizer.json through the
+tokenizers library (a fraction of a second; transformers wraps the same tokenizer.json,
+but importing it takes seconds, which the engine spends while its workers start). A
+prompt and its max_tokens must fit in max_model_len, as the server requires.
+Conversations need the model's chat template, which transformers renders: their tokens
+are counted once the engine is up, as every prompt is again there.
 """
 
 from __future__ import annotations
@@ -151,12 +152,19 @@ class _Limits:
                 f"{_name('logprobs', names)} {params.logprobs} is more than max_logprobs="
                 f"{self.max_logprobs} (--max-logprobs sets it; -1: no limit)"
             )
-        bad = [t for t in params.stop_token_ids if self.vocab is not None and t >= self.vocab]
-        if bad:
-            raise ValueError(
-                f"{_name('stop_token_ids', names)} {bad[0]} is outside the vocabulary "
-                f"[0, {self.vocab})"
-            )
+        if self.vocab is None:
+            return
+        fields = {
+            "stop_token_ids": params.stop_token_ids,
+            "logit_bias": list(params.logit_bias),
+            "bad_words_token_ids": [t for word in params.bad_words_token_ids for t in word],
+        }
+        for field, ids in fields.items():
+            bad = [t for t in ids if t >= self.vocab]
+            if bad:
+                raise ValueError(
+                    f"{_name(field, names)} {bad[0]} is outside the vocabulary [0, {self.vocab})"
+                )
 
     def check_room(self, num_tokens: int | None, params: SamplingParams, names: dict) -> None:
         """The prompt and max_tokens must fit in max_model_len, as the server requires

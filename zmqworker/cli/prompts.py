@@ -121,7 +121,8 @@ def _jsonl_item(line: str, where: str, source_line: str) -> PromptItem:
     for key, value in obj.items():
         if key in SAMPLING_KEYS:
             try:
-                sampling[key] = msgspec.convert(value, SAMPLING_KEYS[key])
+                # str_keys: JSON's keys are strings (logit_bias maps token ids).
+                sampling[key] = msgspec.convert(value, SAMPLING_KEYS[key], str_keys=True)
             except msgspec.ValidationError as exc:
                 raise ValueError(f'{where}: "{key}": {exc}') from None
     if "messages" in obj:

@@ -35,8 +35,9 @@ from zmqworker.engine.llm_args import (
 from zmqworker.engine.llm_control import ControlMethods
 from zmqworker.engine.model_folder import ModelFolder, cache_config_for, on_cpu
 from zmqworker.engine.outputs import EngineStats, RequestOutput
-from zmqworker.engine.prompts import Prompt, check_text, prompt_list, prompt_token_ids
+from zmqworker.engine.prompts import Prompt, prompt_list, prompt_token_ids
 from zmqworker.engine.request import Request
+from zmqworker.engine.request_params import request_params
 from zmqworker.executor.abstract import STEP_TIMEOUT_S, Executor
 
 logger = logging.getLogger(__name__)
@@ -377,13 +378,8 @@ class LLM(ControlMethods):
         return entries
 
     def _make_request(self, prompt: Prompt, params: SamplingParams) -> tuple[Request, str | None]:
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"expected SamplingParams, got {type(params).__name__}")
         max_logprobs = self.worker_config.model.max_logprobs
-        if params.logprobs is not None and 0 <= max_logprobs < params.logprobs:
-            raise ValueError(f"logprobs={params.logprobs} is more than max_logprobs={max_logprobs}")
-        for i, stop in enumerate(params.stop):
-            check_text(stop, f"stop string {i}")
+        params = request_params(params, self.tokenizer, self.vocab_size, max_logprobs)
         token_ids = self.encode(prompt)
         detokenizer = IncrementalDetokenizer(self.tokenizer, token_ids) if self.tokenizer else None
         request = Request(

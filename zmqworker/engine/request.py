@@ -81,6 +81,7 @@ class Request:
         self.output_token_ids: list[int] = []
         self.sampling_params = sampling_params
         self.eos_token_ids = frozenset(eos_token_ids)
+        self.eos_token_list = sorted(self.eos_token_ids)  # as the workers get them
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
@@ -136,7 +137,9 @@ class Request:
     ) -> bool:
         """Record a sampled token (and its logprobs: row `row` of the step's), update the
         text, apply the stop rules; True if the request is finished now. A stop token's
-        own text is not added to the output."""
+        own text is not added to the output. EOS, the stop token ids and the stop strings
+        end the output only after its first min_tokens tokens (vLLM's rule: the workers
+        hold the stop tokens back until then)."""
         # On the engine's step path for every request: plain attributes, no properties.
         if self.status is RequestStatus.FINISHED:
             raise RuntimeError(f"request {self.req_id!r} is finished; got token {token_id}")
@@ -149,8 +152,10 @@ class Request:
         if self.first_token_time is None:
             self.first_token_time = now
         params = self.sampling_params
-        stop_token = (token_id in self.eos_token_ids and not params.ignore_eos) or (
-            token_id in params.stop_token_ids
+        may_stop = len(self.output_token_ids) > params.min_tokens
+        stop_token = may_stop and (
+            (token_id in self.eos_token_ids and not params.ignore_eos)
+            or token_id in params.stop_token_ids
         )
         out_of_length = (
             len(self.output_token_ids) >= params.max_tokens
@@ -161,7 +166,7 @@ class Request:
             if stop_token or out_of_length:
                 # The last text: bytes of an incomplete character come out as U+FFFD.
                 text += self._detokenizer.flush()
-            if self._append_text(text):
+            if self._append_text(text, may_stop):
                 self.finish(FinishReason.STOP, now)
                 return True
         if stop_token:
@@ -222,12 +227,15 @@ class Request:
         rank = int(logprobs.sampled_token_ranks[row])
         return PositionLogprobs(sampled=entries[0], rank=rank, top=entries[1:])
 
-    def _append_text(self, text: str) -> bool:
-        """Append new output text; on a stop string, trim the text there and return True."""
+    def _append_text(self, text: str, may_stop: bool) -> bool:
+        """Append new output text; on a stop string (looked for when may_stop), trim the
+        text there and return True."""
         if not text:
             return False
         start = len(self.output_text)
         self.output_text += text
+        if not may_stop:
+            return False
         hit: tuple[int, str] | None = None
         for stop in self.sampling_params.stop:
             # Only a match that ends in the new text is new.

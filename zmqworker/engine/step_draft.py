@@ -75,6 +75,8 @@ class StepDraft:
                 block_ids=np.array(block_ids, np.int32),
                 num_scheduled_tokens=num_new,
                 num_computed_tokens=request.num_computed_tokens,
+                num_output_tokens=len(request.output_token_ids),
+                eos_token_ids=request.eos_token_list,
             )
         )
 

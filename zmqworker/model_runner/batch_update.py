@@ -23,7 +23,7 @@ from typing import Protocol
 
 import numpy as np
 
-from messages import NewRequestData, SchedulerOutput
+from messages import NewRequestData, SamplingParams, SchedulerOutput
 from messages.step import (
     HANDLE,
     NUM_COLUMNS,
@@ -181,6 +181,12 @@ def _check_new_requests(
             raise ValueError(
                 f"{name}: prompt must hold 1..{batch.max_model_len} tokens, got {len(prompt)}"
             )
+        if not 0 <= req.num_output_tokens < len(prompt):
+            raise ValueError(
+                f"{name}: num_output_tokens {req.num_output_tokens} must be in "
+                f"[0, {len(prompt)}) (its prompt_token_ids hold {len(prompt)})"
+            )
+        _check_token_ids(name, req.sampling_params, batch.vocab_size)
         if prompt.min() < 0 or prompt.max() >= batch.vocab_size:
             raise ValueError(f"{name}: prompt token ids must be in [0, {batch.vocab_size})")
         computed, scheduled = req.num_computed_tokens, req.num_scheduled_tokens
@@ -191,6 +197,19 @@ def _check_new_requests(
             )
         _check_blocks(batch, name, block_ids, computed + scheduled)
     return handles
+
+
+def _check_token_ids(name: str, params: SamplingParams, vocab_size: int) -> None:
+    """The token ids the sampler indexes the logits with: in the vocabulary."""
+    bias = [t for t in params.logit_bias if t >= vocab_size]
+    if bias:
+        raise ValueError(f"{name}: logit_bias token id {bias[0]} outside [0, {vocab_size})")
+    for i, word in enumerate(params.bad_words_token_ids):
+        if max(word) >= vocab_size:
+            raise ValueError(
+                f"{name}: bad_words_token_ids[{i}] holds token id {max(word)} outside "
+                f"[0, {vocab_size})"
+            )
 
 
 def _check_blocks(batch: BatchView, name: str, block_ids: np.ndarray, num_tokens: int) -> None:

@@ -8,6 +8,7 @@ persistent batch. Profiling uses throwaway KV caches, not the real one.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any, Protocol
 
 import numpy as np
@@ -18,6 +19,8 @@ from zmqworker.attention.paged_attention import probe_steps
 from zmqworker.cdiv import cdiv
 from zmqworker.distributed.parallel_state import ParallelState
 from zmqworker.model_runner.batch_update import ScheduledRequests
+from zmqworker.model_runner.input_batch import InputBatch
+from zmqworker.model_runner.penalties import count_outputs
 from zmqworker.model_runner.sampler import Sampler, SamplingMetadata
 
 
@@ -28,7 +31,9 @@ class Runner(Protocol):
     state: ParallelState
     device: torch.device
     model: Any
+    batch: InputBatch
     sampler: Sampler
+    fused: bool
     block_size: int
     max_model_len: int
     max_num_reqs: int
@@ -37,8 +42,8 @@ class Runner(Protocol):
     path: Any  # forward_paths.TorchPath | TritonPath
 
 
-# The dummy sampling of profiling: every filter on and this many logprobs, the most
-# memory the sampler can need.
+# The dummy sampling of profiling: every filter and penalty on and this many logprobs, the
+# most memory the sampler can need.
 _PROFILE_NUM_LOGPROBS = 20
 
 
@@ -142,8 +147,11 @@ class DummySteps:
         return forward.out if last else None
 
     def _sample(self, logits: torch.Tensor, greedy: bool) -> None:
+        """greedy: the argmax alone; else every filter, penalty and logprobs."""
         runner = self.runner
         n, vocab = logits.shape
+        penalties = runner.batch.penalties
+        step = None if greedy or penalties is None else penalties.dummy_step(n)
         num_logprobs = -1 if greedy else min(_PROFILE_NUM_LOGPROBS, vocab)
         metadata = SamplingMetadata.build(
             temperature=np.full(n, 0.0 if greedy else 1.0, np.float32),
@@ -154,6 +162,16 @@ class DummySteps:
             generators={},
             vocab_size=vocab,
             device=runner.device,
+            penalties=step,
         )
         with torch.inference_mode():
-            runner.sampler(logits, metadata)
+            sampled = runner.sampler(logits, metadata)
+            if step is not None and step.dense is not None:
+                # Counted into a row of its own: the batch's counts stay as they are.
+                dense = replace(step.dense, index=step.dense.index[:1], rows=step.dense.rows[:1])
+                scratch = torch.zeros(1, vocab, dtype=torch.int32, device=runner.device)
+                count_outputs(
+                    replace(step, counts=scratch, dense=dense),
+                    sampled.sampled_token_ids,
+                    runner.fused,
+                )

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import torch
 
+from messages import GrammarOutput
 from zmqworker.cdiv import cdiv
 from zmqworker.model_runner.host_to_device import to_device
+from zmqworker.model_runner.int32_arrays import int32_array
 
 _BITS = 32
 
@@ -42,3 +46,33 @@ def apply_grammar_bitmask(
     allowed = allowed[:, :vocab]
     index = to_device(np.asarray(rows), torch.int64, device)
     logits[index] = logits[index].masked_fill_(~allowed, -torch.inf)
+
+
+def apply_grammar_output(
+    logits: torch.Tensor,
+    handles: np.ndarray,
+    sample_index: np.ndarray,
+    grammar: GrammarOutput,
+    describe: Callable[[int], str],
+) -> None:
+    """Apply a step's GrammarOutput to its sampling requests' logits: handles are the
+    step's requests, sample_index the positions of those that sample (logits' rows);
+    describe names a request by its handle in errors."""
+    sampling = {h: i for i, h in enumerate(handles[sample_index].tolist())}
+    in_step = set(handles.tolist())
+    grammar_handles = int32_array(grammar.req_handles, "GrammarOutput.req_handles", 1).tolist()
+    bitmask = int32_array(grammar.grammar_bitmask, "GrammarOutput.grammar_bitmask", 2)
+    keep, targets = [], []
+    for k, handle in enumerate(grammar_handles):
+        if handle in sampling:
+            keep.append(k)
+            targets.append(sampling[handle])
+        elif handle not in in_step:
+            raise ValueError(f"{describe(handle)}: grammar bitmask for a request not in this step")
+    if bitmask.shape[0] != len(grammar_handles):
+        raise ValueError(
+            f"grammar bitmask shape {bitmask.shape} does not match its "
+            f"{len(grammar_handles)} request handles"
+        )
+    names = [describe(grammar_handles[k]) for k in keep]
+    apply_grammar_bitmask(logits, np.array(targets, np.int64), bitmask[keep], names)

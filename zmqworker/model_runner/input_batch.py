@@ -4,6 +4,8 @@ Per-request state lives in preallocated arrays indexed by row (token ids, block 
 counters, sampling settings), so a step's inputs are gathered with a few vectorised numpy
 operations instead of per-request Python. Requests are found by their int handle. A
 preempted request leaves its row but is kept aside, so that it can come back as resumed.
+On the stage that samples, the penalties' state of each row (penalty_rows.py) joins and
+leaves with it.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from zmqworker.model_runner.batch_update import (
     UpdatePlan,
     plan_update,
 )
+from zmqworker.model_runner.penalty_rows import PenaltyRows
 
 
 @dataclass
@@ -30,12 +33,15 @@ class ParkedRequest:
 
     req_id: str
     token_ids: np.ndarray  # int32: prompt followed by the outputs so far
+    num_prompt: int  # of token_ids, the prompt's
     params: SamplingParams
+    eos_token_ids: list[int]
     generator: torch.Generator | None
 
 
 class InputBatch:
-    """Rows 0..max_num_seqs-1; a free row has handle -1."""
+    """Rows 0..max_num_seqs-1; a free row has handle -1. samples: this stage samples
+    (it keeps the penalties' state)."""
 
     def __init__(
         self,
@@ -46,6 +52,7 @@ class InputBatch:
         vocab_size: int,
         max_logprobs: int,
         device: torch.device,
+        samples: bool = True,
     ) -> None:
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
@@ -60,18 +67,21 @@ class InputBatch:
         # One column more than max_model_len: a request may sample after its last position.
         self.token_ids = np.zeros((max_num_seqs, max_model_len + 1), np.int32)
         self.num_tokens = np.zeros(max_num_seqs, np.int32)
+        self.num_prompt = np.zeros(max_num_seqs, np.int32)  # the first outputs' position
         self.last_sampled = np.full(max_num_seqs, -1, np.int64)  # a placeholder's position
         self.block_table = np.zeros((max_num_seqs, self.max_blocks_per_req), np.int32)
         self.num_blocks = np.zeros(max_num_seqs, np.int32)
         self.handles = np.full(max_num_seqs, -1, np.int32)
         self.req_ids: list[str | None] = [None] * max_num_seqs
         self.params: list[SamplingParams | None] = [None] * max_num_seqs
+        self.eos_token_ids: list[list[int]] = [[] for _ in range(max_num_seqs)]
         self.temperature = np.zeros(max_num_seqs, np.float32)
         self.top_k = np.zeros(max_num_seqs, np.int32)
         self.top_p = np.ones(max_num_seqs, np.float32)
         self.min_p = np.zeros(max_num_seqs, np.float32)
         self.num_logprobs = np.full(max_num_seqs, -1, np.int32)
         self.generators: dict[int, torch.Generator] = {}  # row -> the seeded request's own
+        self.penalties = PenaltyRows(max_num_seqs, vocab_size, device) if samples else None
 
         self.row_of: dict[int, int] = {}
         self.parked: dict[int, ParkedRequest] = {}
@@ -100,7 +110,11 @@ class InputBatch:
             self.num_blocks[rows[cached.resumed]] = 0
             self._append_tokens(cached)
             self._append_blocks(cached)
-        if not plan.new_reqs:
+        new = plan.new_reqs
+        new_rows = [self.add_request(r) for r in new]
+        if self.penalties is not None:
+            self.penalties.flush()
+        if not new:
             return ScheduledRequests(
                 rows,
                 cached.handles,
@@ -108,8 +122,6 @@ class InputBatch:
                 cached.num_scheduled,
                 plan.total_num_tokens,
             )
-        new = plan.new_reqs
-        new_rows = [self.add_request(r) for r in new]
         return ScheduledRequests(
             rows=np.concatenate([rows, np.array(new_rows, np.int64)]),
             handles=np.concatenate(
@@ -174,7 +186,9 @@ class InputBatch:
         self.block_table[row, : len(blocks)] = blocks
         self.num_blocks[row] = len(blocks)
         params = new.sampling_params
-        self._set_params(row, params, _make_generator(params, self.device))
+        self.num_prompt[row] = len(prompt) - new.num_output_tokens
+        generator = _make_generator(params, self.device)
+        self._set_params(row, params, new.eos_token_ids, generator, prompt)
         return row
 
     def remove_request(self, handle: int, park: bool) -> None:
@@ -186,13 +200,18 @@ class InputBatch:
             self.parked[handle] = ParkedRequest(
                 req_id,
                 self.token_ids[row, : self.num_tokens[row]].copy(),
+                int(self.num_prompt[row]),
                 params,
+                self.eos_token_ids[row],
                 self.generators.get(row),
             )
         self.handles[row] = -1
         self.req_ids[row] = None
         self.params[row] = None
+        self.eos_token_ids[row] = []
         self.generators.pop(row, None)
+        if self.penalties is not None:
+            self.penalties.remove(row)
         heapq.heappush(self._free_rows, row)
 
     def resume_request(self, handle: int) -> int:
@@ -201,8 +220,11 @@ class InputBatch:
         row = self._take_row(handle, parked.req_id)
         self.token_ids[row, : len(parked.token_ids)] = parked.token_ids
         self.num_tokens[row] = len(parked.token_ids)
+        self.num_prompt[row] = parked.num_prompt
         self.num_blocks[row] = 0
-        self._set_params(row, parked.params, parked.generator)
+        self._set_params(
+            row, parked.params, parked.eos_token_ids, parked.generator, parked.token_ids
+        )
         return row
 
     def _append_tokens(self, cached: CachedPlan) -> None:
@@ -238,9 +260,16 @@ class InputBatch:
         return row
 
     def _set_params(
-        self, row: int, params: SamplingParams, generator: torch.Generator | None
+        self,
+        row: int,
+        params: SamplingParams,
+        eos_token_ids: list[int],
+        generator: torch.Generator | None,
+        token_ids: np.ndarray,
     ) -> None:
+        """token_ids: the request's tokens (the first num_prompt[row] its prompt)."""
         self.params[row] = params
+        self.eos_token_ids[row] = eos_token_ids
         self.temperature[row] = params.temperature
         self.top_k[row] = params.top_k
         self.top_p[row] = params.top_p
@@ -248,6 +277,8 @@ class InputBatch:
         self.num_logprobs[row] = -1 if params.logprobs is None else params.logprobs
         if generator is not None:
             self.generators[row] = generator
+        if self.penalties is not None:
+            self.penalties.add(row, params, token_ids, int(self.num_prompt[row]), eos_token_ids)
 
 
 def _make_generator(params: SamplingParams, device: torch.device) -> torch.Generator | None:

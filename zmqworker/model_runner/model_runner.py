@@ -32,10 +32,10 @@ from zmqworker.model_runner.batch_update import ScheduledRequests
 from zmqworker.model_runner.cuda_graphs import Capture, StepGraphs
 from zmqworker.model_runner.dummy_steps import DummySteps
 from zmqworker.model_runner.forward_paths import HiddenStates, TorchPath
-from zmqworker.model_runner.grammar import apply_grammar_bitmask
+from zmqworker.model_runner.grammar import apply_grammar_output
 from zmqworker.model_runner.input_batch import InputBatch
-from zmqworker.model_runner.int32_arrays import int32_array
 from zmqworker.model_runner.kv_cache_config import check_kv_cache_config
+from zmqworker.model_runner.penalties import count_outputs
 from zmqworker.model_runner.pipeline_inputs import intermediate_inputs
 from zmqworker.model_runner.sampled_tokens import (
     Samples,
@@ -101,9 +101,10 @@ class ModelRunner:
             vocab_size=self.model.vocab_size,
             max_logprobs=config.model.max_logprobs,
             device=self.device,
+            samples=state.is_last_stage,
         )
         self.kv_caches: list[torch.Tensor] = []
-        self.sampler = Sampler()
+        self.sampler = Sampler(fused=self.fused)
         self.path: TorchPath | TritonPath
         if self.fused:
             self.path = TritonPath(
@@ -302,6 +303,15 @@ class ModelRunner:
         batch = self.batch
         step, index, logits = step_logits.step, step_logits.sample_index, step_logits.logits
         rows = step.rows[index]
+        penalties = None
+        if len(rows):
+            # The previous samples leave the device buffer: the host must hold them. The
+            # bad words are matched against the token table: it holds them all now.
+            write_samples(batch, self._samples, wait=True)
+            assert batch.penalties is not None  # the last stage keeps them
+            penalties = batch.penalties.step(
+                rows, batch.num_tokens, batch.num_prompt, batch.token_ids
+            )
         metadata = SamplingMetadata.build(
             batch.temperature[rows],
             batch.top_k[rows],
@@ -311,10 +321,8 @@ class ModelRunner:
             batch.sampling_generators(rows),
             logits.shape[1],
             self.device,
+            penalties,
         )
-        if len(rows):
-            # The previous samples leave the device buffer: the host must hold them.
-            write_samples(batch, self._samples, wait=True)
         out = None
         if isinstance(self.path, TritonPath):
             out = self.path.inputs.sampled[: len(rows)]  # where the token feed reads
@@ -324,48 +332,24 @@ class ModelRunner:
             and grammar_output is None
             and metadata.all_greedy
             and metadata.max_num_logprobs is None
+            and penalties is None
         ):
             sampled = SamplerOutput(greedy_ids)  # the graph's argmax is this step's sample
         else:
             with torch.inference_mode():
                 if grammar_output is not None:
-                    self._apply_grammar(step, index, logits, grammar_output)
+                    apply_grammar_output(
+                        logits, step.handles, index, grammar_output, batch.describe
+                    )
                 sampled = self.sampler(logits, metadata, out)
+                if penalties is not None:
+                    count_outputs(penalties, sampled.sampled_token_ids, self.fused)
         host_ids, host_logprobs, event = to_host(sampled, self._stream)
         if len(rows):
             self._samples = record_samples(batch, rows, host_ids, event)
             write_samples(batch, self._samples, wait=False)
         sampled_index = None if len(index) == len(step) else index
         return AsyncModelRunnerOutput(step.handles, sampled_index, host_ids, host_logprobs, event)
-
-    def _apply_grammar(
-        self,
-        step: ScheduledRequests,
-        sample_index: np.ndarray,
-        logits: torch.Tensor,
-        grammar: GrammarOutput,
-    ) -> None:
-        batch = self.batch
-        sampling = {h: i for i, h in enumerate(step.handles[sample_index].tolist())}
-        in_step = set(step.handles.tolist())
-        handles = int32_array(grammar.req_handles, "GrammarOutput.req_handles", 1).tolist()
-        bitmask = int32_array(grammar.grammar_bitmask, "GrammarOutput.grammar_bitmask", 2)
-        keep, targets = [], []
-        for k, handle in enumerate(handles):
-            if handle in sampling:
-                keep.append(k)
-                targets.append(sampling[handle])
-            elif handle not in in_step:
-                raise ValueError(
-                    f"{batch.describe(handle)}: grammar bitmask for a request not in this step"
-                )
-        if bitmask.shape[0] != len(handles):
-            raise ValueError(
-                f"grammar bitmask shape {bitmask.shape} does not match its "
-                f"{len(handles)} request handles"
-            )
-        names = [batch.describe(handles[k]) for k in keep]
-        apply_grammar_bitmask(logits, np.array(targets, np.int64), bitmask[keep], names)
 
     def _finish_empty_step(
         self, step: ScheduledRequests, sample: bool

@@ -1,10 +1,11 @@
 """The sampler: one set of logits per request in, one token (and optional logprobs) out.
 
-Vectorised over the batch: greedy, temperature, top-k, top-p and min-p are tensor ops on
-the whole [n, vocab] block, and a batch of greedy requests without logprobs is a single
-argmax. Random sampling uses the exponential race (argmax of probs / Exp(1) noise), so a
-seeded request draws its noise from its own generator and gets the same tokens whatever
-else is in the batch.
+Vectorised over the batch: the penalties and biases (penalties.py) first, on the rows
+that use them, then greedy, temperature, top-k, top-p and min-p as tensor ops on the whole
+[n, vocab] block; a batch of greedy requests without logprobs is a single argmax. Random
+sampling uses the exponential race (argmax of probs / Exp(1) noise), so a seeded request
+draws its noise from its own generator and gets the same tokens whatever else is in the
+batch.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import numpy as np
 import torch
 
 from zmqworker.model_runner.host_to_device import to_device
+from zmqworker.model_runner.penalties import PenaltyStep, apply_penalties
 
 # Temperatures below this count as greedy (the request's temperature is 0).
 _GREEDY_EPS = 1e-5
@@ -35,6 +37,7 @@ class SamplingMetadata:
     min_p: torch.Tensor | None = None  # float32 [n]; 0 = off
     generators: dict[int, torch.Generator] = field(default_factory=dict)  # row -> generator
     max_num_logprobs: int | None = None  # the largest top-n asked for; None: no logprobs
+    penalties: PenaltyStep | None = None  # None: no request samples with any
 
     @classmethod
     def build(
@@ -47,13 +50,14 @@ class SamplingMetadata:
         generators: dict[int, torch.Generator],
         vocab_size: int,
         device: torch.device,
+        penalties: PenaltyStep | None = None,
     ) -> SamplingMetadata:
         """From per-request numpy columns (num_logprobs: -1 for none)."""
         wants_logprobs = num_logprobs >= 0
         max_num_logprobs = int(num_logprobs.max()) if wants_logprobs.any() else None
         greedy = temperature < _GREEDY_EPS
         if greedy.all():
-            return cls(all_greedy=True, max_num_logprobs=max_num_logprobs)
+            return cls(all_greedy=True, max_num_logprobs=max_num_logprobs, penalties=penalties)
         top_k_on = (top_k > 0) & (top_k < vocab_size) & ~greedy
         top_p_on = (top_p < 1.0) & ~greedy
         min_p_on = (min_p > 0.0) & ~greedy
@@ -70,6 +74,7 @@ class SamplingMetadata:
             min_p=tensor(np.where(min_p_on, min_p, 0.0), torch.float32) if min_p_on.any() else None,
             generators={i: g for i, g in generators.items() if not greedy[i]},
             max_num_logprobs=max_num_logprobs,
+            penalties=penalties,
         )
 
 
@@ -85,7 +90,11 @@ class SamplerOutput:
 
 class Sampler:
     """Samples one token per row of logits. The logits are float32 [n, vocab] and are
-    modified in place (the caller hands over a tensor it no longer needs)."""
+    modified in place (the caller hands over a tensor it no longer needs). fused: the
+    penalties through Triton kernels (the CUDA step's), else torch ops."""
+
+    def __init__(self, fused: bool = False) -> None:
+        self.fused = fused
 
     def __call__(
         self, logits: torch.Tensor, metadata: SamplingMetadata, out: torch.Tensor | None = None
@@ -93,10 +102,12 @@ class Sampler:
         """out: an int32 [n] tensor to write the sampled ids into (and return)."""
         if logits.dim() != 2:
             raise ValueError(f"logits must be [num_reqs, vocab], got shape {tuple(logits.shape)}")
-        # Logprobs describe the model's distribution, before temperature and filters.
+        # Logprobs describe the model's distribution, before penalties and filters.
         raw_logprobs = None
         if metadata.max_num_logprobs is not None:
             raw_logprobs = torch.log_softmax(logits, dim=-1, dtype=torch.float32)
+        if metadata.penalties is not None:
+            apply_penalties(logits, metadata.penalties, self.fused)
         if metadata.all_greedy:
             sampled = _argmax(logits)
         else:

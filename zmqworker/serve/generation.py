@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Sequence
@@ -16,6 +17,7 @@ from starlette.requests import Request as HTTPRequest
 from messages import SamplingParams
 from zmqworker.engine.llm import LLM
 from zmqworker.engine.outputs import RequestOutput
+from zmqworker.engine.request_params import request_params
 from zmqworker.serve.errors import APIError
 from zmqworker.serve.protocol import SamplingRequest
 
@@ -48,15 +50,26 @@ def sampling_params(
         "stop": request.stop_strings(),
         "stop_token_ids": request.stop_token_ids,
         "ignore_eos": request.ignore_eos,
+        "presence_penalty": request.presence_penalty,
+        "frequency_penalty": request.frequency_penalty,
+        "repetition_penalty": request.repetition_penalty,
+        "logit_bias": request.token_bias(),
+        "min_tokens": request.min_tokens,
+        "bad_words": request.bad_words,
         "logprobs": logprobs,
         "max_tokens": max_tokens,
     }
     try:
-        return msgspec.structs.replace(
+        params = msgspec.structs.replace(
             llm.default_sampling_params(), **{k: v for k, v in given.items() if v is not None}
         )
+        # Checked here, before a response starts: the vocabulary, the bad words' tokens.
+        max_logprobs = llm.worker_config.model.max_logprobs
+        return request_params(params, llm.tokenizer, llm.vocab_size, max_logprobs)
     except ValueError as exc:
-        raise APIError.from_value_error(exc) from None
+        named = re.match(r"\w+", str(exc))
+        field = named.group() if named and named.group() in given else None
+        raise APIError.from_value_error(exc, param=field) from None
 
 
 async def run_prompts(

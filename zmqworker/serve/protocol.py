@@ -3,7 +3,8 @@ body is decoded straight into them (fast enough to hold the event loop only brie
 the largest body allowed), then check() refuses what no type can say. A field OpenAI
 does not define is a 400 that names it; one it defines and this server does not
 implement is refused as not supported (unsupported.py) unless it has its neutral value.
-top_k, min_p, ignore_eos and stop_token_ids are vLLM's extensions."""
+top_k, min_p, ignore_eos, stop_token_ids, repetition_penalty, min_tokens and bad_words
+are vLLM's extensions."""
 
 from __future__ import annotations
 
@@ -22,6 +23,8 @@ ROLES = ("system", "developer", "user", "assistant")
 
 TokenId = Annotated[int, Meta(ge=0)]
 StopString = Annotated[str, Meta(min_length=1)]
+Penalty = Annotated[float, Meta(ge=-2, le=2)]
+MAX_BIAS = 100.0  # OpenAI's bound on a logit_bias value, either way
 
 
 class StreamOptions(Struct, forbid_unknown_fields=True):
@@ -40,20 +43,44 @@ class SamplingRequest(Struct, forbid_unknown_fields=True, kw_only=True):
     stop: StopString | list[StopString] | None = None
     stop_token_ids: list[TokenId] | None = None
     ignore_eos: bool | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    repetition_penalty: Annotated[float, Meta(gt=0)] | None = None
+    logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias
+    min_tokens: Annotated[int, Meta(ge=0)] | None = None
+    bad_words: list[StopString] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
     # Not supported unless neutral (unsupported.py).
     n: Annotated[int, Meta(ge=1)] | None = None
-    presence_penalty: Annotated[float, Meta(ge=-2, le=2)] | None = None
-    frequency_penalty: Annotated[float, Meta(ge=-2, le=2)] | None = None
-    logit_bias: dict[str, float] | None = None
 
     def check(self) -> None:
         """Refuse what the types cannot: unsupported features, options that need another."""
         refuse_unsupported(self)
         if self.stream_options is not None and not self.stream:
             raise APIError("stream_options needs stream=true", param="stream_options")
+        self.token_bias()
+
+    def token_bias(self) -> dict[int, float] | None:
+        """logit_bias by token id; its keys must be token ids written as strings (as
+        OpenAI's are), its values within [-100, 100]."""
+        if self.logit_bias is None:
+            return None
+        bias = {}
+        for key, value in self.logit_bias.items():
+            if not (key.isascii() and key.isdigit()):
+                raise APIError(
+                    f"logit_bias: keys must be token ids (integers >= 0, as strings), got {key!r}",
+                    param="logit_bias",
+                )
+            if not -MAX_BIAS <= value <= MAX_BIAS:
+                raise APIError(
+                    f"logit_bias: a bias must be in [-100, 100], got {value} for token {key}",
+                    param="logit_bias",
+                )
+            bias[int(key)] = value
+        return bias
 
     def stop_strings(self) -> list[str] | None:
         return [self.stop] if isinstance(self.stop, str) else self.stop

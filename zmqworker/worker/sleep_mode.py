@@ -8,7 +8,8 @@ wake_up gives the weights their memory back, uninitialised, and the worker refus
 steps until they are updated or reloaded (the WeightTransferEngine says so). Both levels
 free the KV cache and the CUDA graphs captured over it; wake_up allocates the cache
 again (its contents are lost) and the worker captures the graphs again. Buffers (rotary
-tables, kernel counters) are small and stay where they are. The same code runs on the
+tables, kernel counters, the penalties' per-row counts: 4 bytes a vocabulary entry a
+batch row) are small beside those and stay where they are. The same code runs on the
 CPU device, where the pool is plain host memory.
 """
 

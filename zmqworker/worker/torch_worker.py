@@ -121,7 +121,10 @@ class Worker(WorkerBase):
             # The host is shared by every worker of the layout: each gets its share.
             share = cache.cpu_memory_fraction / self.config.parallel.world_size
             budget = int(self._host_free_at_start * share)
-            available = budget - _weights_bytes(runner.model) - activation_peak
+            # The penalties' counts were made with the runner (on CUDA: taken already).
+            penalties = runner.batch.penalties
+            held = _weights_bytes(runner.model) + (penalties.nbytes if penalties else 0)
+            available = budget - held - activation_peak
         self._available_kv_bytes = max(0, available)
         return self._available_kv_bytes
 

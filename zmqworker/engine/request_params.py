@@ -1,0 +1,84 @@
+"""A request's SamplingParams checked against the run and made ready for the workers:
+logprobs within max_logprobs, stop strings that are text, the token ids it names within
+the vocabulary, and bad_words (text) tokenized into bad_words_token_ids, which is all a
+worker reads of them (it has no tokenizer). The text is consumed: the params that come
+back have no bad_words left, so that checking them again changes nothing.
+
+A bad word is banned where it would start the text and where it would follow a space, as
+vLLM does: its tokens without and with a leading space, the latter kept only when it is
+another sequence of the same length (one whose first token differs), since a longer
+spaced form bans a different split of the word.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from messages import SamplingParams
+from messages.sampling import MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS
+from zmqworker.engine.prompts import check_text
+
+
+def request_params(
+    params: SamplingParams, tokenizer: Any, vocab_size: int | None, max_logprobs: int
+) -> SamplingParams:
+    """params with bad_words' token ids moved into bad_words_token_ids; a ValueError names
+    what the run cannot take (max_logprobs -1: no limit; vocab_size None: unknown here,
+    the workers check)."""
+    if not isinstance(params, SamplingParams):
+        raise ValueError(f"expected SamplingParams, got {type(params).__name__}")
+    if params.logprobs is not None and 0 <= max_logprobs < params.logprobs:
+        raise ValueError(f"logprobs={params.logprobs} is more than max_logprobs={max_logprobs}")
+    for i, stop in enumerate(params.stop):
+        check_text(stop, f"stop string {i}")
+    for i, word in enumerate(params.bad_words):
+        check_text(word, f"bad_words[{i}]")
+    vocab = vocab_size if vocab_size is not None else float("inf")
+    bias = [t for t in params.logit_bias if t >= vocab]
+    if bias:
+        raise ValueError(
+            f"logit_bias token id {bias[0]} is outside the vocabulary [0, {vocab_size})"
+        )
+    if not params.bad_words:
+        words = params.bad_words_token_ids
+    else:
+        if tokenizer is None:
+            raise ValueError("bad_words need the model's tokenizer: give bad_words_token_ids")
+        words = [*params.bad_words_token_ids, *_tokenize(params.bad_words, tokenizer)]
+    for i, word in enumerate(words):
+        if max(word) >= vocab:
+            raise ValueError(
+                f"bad_words_token_ids[{i}] holds token id {max(word)}, outside the vocabulary "
+                f"[0, {vocab_size})"
+            )
+    if len(words) > MAX_BAD_WORDS:
+        raise ValueError(
+            f"bad_words make {len(words)} token sequences, more than {MAX_BAD_WORDS} (each "
+            "word counts once, or twice when it tokenizes differently after a space)"
+        )
+    if not params.bad_words:
+        return params
+    return msgspec.structs.replace(params, bad_words=[], bad_words_token_ids=words)
+
+
+def _tokenize(bad_words: list[str], tokenizer: Any) -> list[list[int]]:
+    sequences = []
+    for i, word in enumerate(bad_words):
+        text = word.lstrip()
+        if not text:
+            raise ValueError(f"bad_words[{i}] is only whitespace")
+        alone = tokenizer.encode(text, add_special_tokens=False)
+        spaced = tokenizer.encode(" " + text, add_special_tokens=False)
+        forms = [alone]
+        if len(spaced) == len(alone) and spaced[0] != alone[0]:
+            forms.append(spaced)
+        for tokens in forms:
+            if not tokens or len(tokens) > MAX_BAD_WORD_TOKENS:
+                raise ValueError(
+                    f"bad_words[{i}] ({word!r}) is {len(tokens)} tokens: a bad word has 1 to "
+                    f"{MAX_BAD_WORD_TOKENS}"
+                )
+            sequences.append([int(t) for t in tokens])
+    return sequences
