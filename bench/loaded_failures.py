@@ -31,7 +31,7 @@ PROMPT = list(range(100, 100 + PROMPT_LEN))
 ENGINE_SCRIPT = textwrap.dedent(
     f"""
     from messages import SamplingParams
-    from zmqworker.engine.llm import LLM
+    from zmqworker.frontend.llm import LLM
     llm = LLM(pipeline_parallel_size=2, max_num_batched_tokens={CHUNK})
     print(*llm._core.executor.pids, flush=True)
     params = SamplingParams(max_tokens=512, ignore_eos=True)
@@ -67,7 +67,7 @@ def bare_child_of_killed_parent() -> float:
 
 def worker_stopped_mid_step() -> float:
     """Seconds from a worker's SIGSTOP to WorkerStuckError out of generate()."""
-    from zmqworker.engine.llm import LLM
+    from zmqworker.frontend.llm import LLM
 
     caught: list[BaseException] = []
     with LLM(pipeline_parallel_size=2, max_num_batched_tokens=CHUNK) as llm:

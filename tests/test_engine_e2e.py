@@ -18,7 +18,7 @@ import transformers
 from messages import SamplingParams
 from tests.engine_helpers import byte_level_tokenizer
 from tests.tiny import cached_tiny_checkpoint
-from zmqworker.engine.llm import LLM
+from zmqworker.frontend.llm import LLM
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMPTS = [[5, 17, 42, 9, 100, 3, 77], [1, 2, 3], list(range(10, 60)), [200, 201, 7, 7]]

@@ -30,9 +30,9 @@ from messages import (
 from tests.test_executor import wait_gone
 from tests.tiny import cached_tiny_checkpoint
 from zmqworker.distributed.shm_ring import MEMFD_NAME
-from zmqworker.engine.llm import LLM
 from zmqworker.executor.errors import ExecutorError, WorkerDiedError
 from zmqworker.executor.multiproc import MultiprocExecutor
+from zmqworker.frontend.llm import LLM
 
 # Prompts of different lengths; a 50-token one is split into chunks by the 16-token budget.
 PROMPTS = [[5, 17, 42, 9, 100, 3, 77], [1, 2, 3], list(range(10, 60)), [200, 201], [9] * 20]

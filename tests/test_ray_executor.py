@@ -23,7 +23,6 @@ from bench.echo_worker import EchoExtension, EchoWorker  # noqa: E402
 from messages import DeviceConfig, SamplingParams  # noqa: E402
 from tests.test_executor import echo_config  # noqa: E402
 from tests.tiny import cached_tiny_checkpoint  # noqa: E402
-from zmqworker.engine.llm import LLM  # noqa: E402
 from zmqworker.executor.errors import (  # noqa: E402
     ExecutorError,
     WorkerDiedError,
@@ -36,6 +35,7 @@ from zmqworker.executor.ray_executor import (  # noqa: E402
     order_ranks,
     rank_environments,
 )
+from zmqworker.frontend.llm import LLM  # noqa: E402
 
 CLUSTER_CPUS = 4
 

@@ -6,7 +6,13 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
-from messages import KVCacheSpec, SchedulerConfig, make_kv_cache_config
+from messages import (
+    EngineCoreStats,
+    KVCacheSpec,
+    SchedulerConfig,
+    WorkerCall,
+    make_kv_cache_config,
+)
 from zmqworker.engine.batch_queue import BatchQueue
 from zmqworker.engine.block_manager import KVBlockManager
 from zmqworker.engine.request import Request
@@ -109,13 +115,18 @@ class EngineCore:
         started = time.perf_counter()
         executor.compile_or_warm_up_model()
         logger.info("warm-up: %.1f s", time.perf_counter() - started)
+        self.num_aborted = 0  # requests aborted by their clients, since start
 
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)
 
-    def abort_request(self, req_id: str) -> Request | None:
-        """Abort req_id; the aborted request, or None if it was unknown or finished."""
-        return self.scheduler.abort_request(req_id)
+    def abort_request(self, req_id: str, counted: bool = True) -> Request | None:
+        """Abort req_id; the aborted request, or None if it was unknown or finished.
+        counted: its client gave up on it (num_aborted), rather than stopping it."""
+        request = self.scheduler.abort_request(req_id)
+        if request is not None and counted:
+            self.num_aborted += 1
+        return request
 
     def has_work(self) -> bool:
         """Whether step() has anything to do: unfinished requests or steps in flight."""
@@ -139,6 +150,41 @@ class EngineCore:
         except Exception:
             self._recover()
             raise
+
+    def finish_steps_in_flight(self) -> list[Request]:
+        """Wait for every step in flight and apply it, scheduling nothing new (before a
+        call that must not land mid-step); the requests that got a token or finished."""
+        changed: list[Request] = []
+        try:
+            while len(self.batch_queue):
+                changed += self.scheduler.update_from_output(*self.batch_queue.pop())
+        except Exception:
+            self._recover()
+            raise
+        return changed
+
+    def stats(self) -> EngineCoreStats:
+        """Requests and KV cache blocks now."""
+        kv = self.block_manager
+        return EngineCoreStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            num_blocks=kv.num_blocks,
+            num_free_blocks=kv.num_free_blocks,
+            num_preemptions=self.scheduler.num_preemptions,
+            num_aborted=self.num_aborted,
+        )
+
+    def check_health(self, timeout: float = 10.0) -> None:
+        """Raise if a worker does not answer within timeout (they answer beside steps)."""
+        self.executor.check_health(timeout=timeout)
+
+    def collective_rpc(self, call: WorkerCall) -> list:
+        """A worker method on every rank, between steps (the steps in flight first): the
+        results by rank."""
+        return self.executor.collective_rpc(
+            call.method, tuple(call.args), call.kwargs, timeout=call.timeout
+        )
 
     def _recover(self) -> None:
         """After a failed step: wait out the steps still in flight (the workers run them

@@ -18,7 +18,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from starlette.exceptions import HTTPException
 
 from zmqworker import __version__
-from zmqworker.engine.llm import LLM
+from zmqworker.frontend.llm import LLM
 from zmqworker.serve.chat import create_chat_completion
 from zmqworker.serve.completions import create_completion
 from zmqworker.serve.errors import APIError

@@ -9,8 +9,8 @@ from typing import Any
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.requests import Request as HTTPRequest
 
-from zmqworker.engine.llm import LLM
-from zmqworker.engine.outputs import PositionLogprobs, RequestOutput, TokenLogprob
+from zmqworker.frontend.llm import LLM
+from zmqworker.frontend.outputs import PositionLogprobs, RequestOutput, TokenLogprob
 from zmqworker.serve.errors import APIError
 from zmqworker.serve.generation import (
     finish_reason,

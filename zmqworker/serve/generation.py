@@ -14,8 +14,8 @@ import msgspec
 from starlette.requests import Request as HTTPRequest
 
 from messages import SamplingParams
-from zmqworker.engine.llm import LLM
-from zmqworker.engine.outputs import RequestOutput
+from zmqworker.frontend.llm import LLM
+from zmqworker.frontend.outputs import RequestOutput
 from zmqworker.serve.errors import APIError
 from zmqworker.serve.protocol import SamplingRequest
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import uvicorn
 
-from zmqworker.engine.llm import LLM
+from zmqworker.frontend.llm import LLM
 from zmqworker.serve.app import build_app
 
 logger = logging.getLogger(__name__)
