@@ -25,8 +25,8 @@ from messages.config import (
 )
 from messages.example_stream import Stream, req_id
 from messages.examples_engine_core import ENGINE_CORE_EXAMPLES
-from messages.kv_cache import KVCacheSpec, make_kv_cache_config
 from messages.kinds import Message
+from messages.kv_cache import KVCacheSpec, make_kv_cache_config
 from messages.rpc import (
     Hello,
     Ping,

@@ -283,9 +283,8 @@ class EngineCoreServer:
         assert self.core is not None
         for request_id in orphans:
             self.core.abort_request(request_id)
-        log.warning(
-            "engine core %d: %s is gone; %d requests aborted", self.index, client, len(orphans)
-        )
+        level = logging.WARNING if orphans else logging.INFO
+        log.log(level, "%s is gone; %d of its requests aborted", client, len(orphans))
 
     def _fail_requests(self, exc: Exception) -> None:
         """After a failed step (every request aborted): tell each client which of its

@@ -20,7 +20,6 @@ import os
 import select
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import zmq
@@ -41,6 +40,7 @@ from messages import (
     UtilityResult,
 )
 from zmqworker.frontend.core_process import EngineCoreHandle
+from zmqworker.frontend.engine_connection import EngineConnection, Event, Failed
 from zmqworker.frontend.errors import EngineCoreDiedError, EngineCoreError
 from zmqworker.frontend.utility_calls import PendingCall, UtilityCalls
 from zmqworker.transport.drops import DropCounter
@@ -51,42 +51,8 @@ log = logging.getLogger("zmqworker.frontend")
 POLL_SLICE_S = 1.0  # the longest a blocking receive sleeps before it looks around again
 LOST_GRACE_S = 0.3  # a dropped connection whose process has not died by then: stuck
 UTILITY_TIMEOUT_S = 60.0
+SHUTDOWN_CALL_S = 30.0  # the shutdown call's answer: the steps in flight come back first
 _POLLIN = int(zmq.POLLIN)
-
-
-@dataclass
-class Failed:
-    """Requests that failed (error is what their callers raise); fatal: the engine core
-    is gone, or stops."""
-
-    engine_index: int
-    request_ids: list[str]
-    error: Exception
-    fatal: bool
-
-
-Event = EngineCoreOutputs | Failed
-
-
-class _Engine:
-    def __init__(self, index: int, handle: EngineCoreHandle, sock: zmq.Socket) -> None:
-        self.index = index
-        self.handle = handle
-        self.sock = sock
-        self.monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-        self.ready: EngineCoreReady | None = None
-        self.dead: Exception | None = None
-        self.requests: set[str] = set()
-        self.reported_load = 0  # running and waiting, as the engine core last said
-        self.sent_since_report = 0
-        self.disconnected_at: float | None = None
-
-    @property
-    def load(self) -> int:
-        return self.reported_load + self.sent_since_report
-
-    def fds(self) -> list[int]:
-        return [self.sock.getsockopt(zmq.FD), self.monitor.getsockopt(zmq.FD), self.handle.death_fd]
 
 
 class EngineCoreClient:
@@ -101,22 +67,16 @@ class EngineCoreClient:
         self._ctx = zmq.Context()
         self._enc, self._dec = Encoder(), Decoder()
         self.drops = DropCounter(log, "messages from engine cores")
-        self.engines: list[_Engine] = []
+        self.engines: list[EngineConnection] = []
         self._poller = zmq.Poller()
         self._deaths = select.poll()
         for index, (address, handle) in enumerate(zip(addresses, handles, strict=True)):
-            sock = self._ctx.socket(zmq.DEALER)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.SNDHWM, 0)
-            sock.setsockopt(zmq.RCVHWM, 0)
-            sock.setsockopt(zmq.MAXMSGSIZE, max_output_bytes)
-            engine = _Engine(index, handle, sock)
-            sock.connect(address)
+            engine = EngineConnection(index, handle, self._ctx, address, max_output_bytes)
             self.engines.append(engine)
-            for what in (sock, engine.monitor, handle.death_fd):
+            for what in (engine.sock, engine.monitor, handle.death_fd):
                 self._poller.register(what, zmq.POLLIN)
             self._deaths.register(handle.death_fd, select.POLLIN)
-        self._owner: dict[str, _Engine] = {}  # request id -> the engine core running it
+        self._owner: dict[str, EngineConnection] = {}  # request id -> the engine core running it
         self._calls = UtilityCalls()
         self._backlog: list[Event] = []  # received during a blocking utility call
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -154,7 +114,7 @@ class EngineCoreClient:
 
     def abort(self, request_ids: Iterable[str], reason: str = "abort") -> None:
         """Abort requests in the engine cores that run them (those still running)."""
-        by_engine: dict[_Engine, list[str]] = {}
+        by_engine: dict[EngineConnection, list[str]] = {}
         for request_id in request_ids:
             engine = self._forget(request_id)
             if engine is not None and engine.dead is None:
@@ -219,6 +179,18 @@ class EngineCoreClient:
         call.future = self._loop.create_future()
         return await call.future
 
+    def shut_down_engines(self, timeout: float = SHUTDOWN_CALL_S) -> None:
+        """Ask every engine core that is up to shut down (its workers first), and wait
+        for the answers, within timeout; one that cannot is left to be stopped harder."""
+        ready = [e.index for e in self.engines if e.ready is not None and e.dead is None]
+        for index in ready:
+            self.engines[index].stopping = True
+        try:
+            if ready:
+                self.call("shutdown", timeout=timeout, engines=ready)
+        except Exception as exc:
+            log.warning("the engine cores' shutdown call failed: %s", exc)
+
     # an asyncio loop's view -------------------------------------------------------------
 
     def attach(
@@ -253,20 +225,18 @@ class EngineCoreClient:
     def close(self) -> None:
         self.detach()
         for engine in self.engines:
-            engine.sock.disable_monitor()
-            engine.monitor.close(linger=0)
-            engine.sock.close(linger=0)
+            engine.close()
         self._ctx.term()
 
     # internals --------------------------------------------------------------------------
 
-    def _least_loaded(self) -> _Engine:
+    def _least_loaded(self) -> EngineConnection:
         live = [e for e in self.engines if e.dead is None]
         if not live:
             raise self.engines[0].dead.with_traceback(None)  # type: ignore[union-attr]
         return min(live, key=lambda e: (e.load, e.index))
 
-    def _send(self, engine: _Engine, msg: Any) -> None:
+    def _send(self, engine: EngineConnection, msg: Any) -> None:
         send_frames(engine.sock, self._enc.encode(msg), NOBLOCK)  # no HWM: never Again
         if self._loop is not None and engine.sock.getsockopt(zmq.EVENTS) & _POLLIN:
             # The send took in the news of a message, and with it the FD's edge.
@@ -311,7 +281,7 @@ class EngineCoreClient:
                 self._lose(engine, EngineCoreDiedError(engine.index, how), events)
         self._calls.expire(now)
 
-    def _read(self, engine: _Engine, events: list[Event]) -> None:
+    def _read(self, engine: EngineConnection, events: list[Event]) -> None:
         while True:
             try:
                 frames = recv_frames(engine.sock)
@@ -323,9 +293,7 @@ class EngineCoreClient:
                 self.drops.count(f"engine core {engine.index}: {exc}")
                 continue
             if isinstance(msg, EngineCoreOutputs):
-                stats = msg.stats
-                engine.reported_load = stats.num_running + stats.num_waiting
-                engine.sent_since_report = 0
+                engine.report(msg.stats)
                 for out in msg.outputs:
                     if out.finish_reason is not None:
                         self._forget(out.request_id)
@@ -341,7 +309,9 @@ class EngineCoreClient:
             if engine.dead is not None:
                 return
 
-    def _on_failure(self, engine: _Engine, msg: EngineCoreFailure, events: list[Event]) -> None:
+    def _on_failure(
+        self, engine: EngineConnection, msg: EngineCoreFailure, events: list[Event]
+    ) -> None:
         error = EngineCoreError(engine.index, msg.exc_type, msg.message)
         if msg.fatal:
             self._lose(engine, error, events)
@@ -349,9 +319,9 @@ class EngineCoreClient:
         ids = [i for i in msg.request_ids if self._forget(i) is not None]
         events.append(Failed(engine.index, ids, error, fatal=False))
 
-    def _lose(self, engine: _Engine, error: Exception, events: list[Event]) -> None:
+    def _lose(self, engine: EngineConnection, error: Exception, events: list[Event]) -> None:
         """The engine core is gone: every request and call it held fails with error."""
-        log.error("%s", error)
+        log.log(logging.DEBUG if engine.stopping else logging.ERROR, "%s", error)
         engine.dead = error
         if self._loop is not None and not self._loop.is_closed():
             for fd in engine.fds():
@@ -365,7 +335,7 @@ class EngineCoreClient:
         events.append(Failed(engine.index, ids, error, fatal=True))
         self._calls.fail_engine(engine.index, error)
 
-    def _forget(self, request_id: str) -> _Engine | None:
+    def _forget(self, request_id: str) -> EngineConnection | None:
         engine = self._owner.pop(request_id, None)
         if engine is not None:
             engine.requests.discard(request_id)

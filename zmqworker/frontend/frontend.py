@@ -20,8 +20,9 @@ import numpy as np
 
 from messages import EngineCoreReady, EngineCoreRequest, SamplingParams, WorkerCall
 from zmqworker.engine.model_folder import ModelFolder, TextSide
-from zmqworker.frontend.core_client import POLL_SLICE_S, EngineCoreClient, Event, Failed
+from zmqworker.frontend.core_client import POLL_SLICE_S, EngineCoreClient
 from zmqworker.frontend.detokenizer import IncrementalDetokenizer
+from zmqworker.frontend.engine_connection import Event, Failed
 from zmqworker.frontend.output_processor import OutputProcessor
 from zmqworker.frontend.outputs import EngineStats, RequestOutput
 from zmqworker.frontend.prompts import Prompt, prompt_list, prompt_token_ids
@@ -181,6 +182,13 @@ class Frontend:
         call = WorkerCall(method, list(args), dict(kwargs or {}), timeout)
         results = self.client.call("collective_rpc", (call,), timeout=_wait_for(timeout))
         return [result for engine in results for result in engine]
+
+    def close(self) -> None:
+        """Close the connections to the engine cores, which go on serving their other
+        clients (LLM.shutdown() stops them). Idempotent."""
+        if not self._closed:
+            self._closed = True
+            self.client.close()
 
     # -- internals -------------------------------------------------------------------
 

@@ -9,29 +9,11 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Annotated, Literal
 
-import msgspec
-
-from messages import (
-    CacheConfig,
-    DeviceConfig,
-    EngineCoreConfig,
-    ModelConfig,
-    ParallelConfig,
-    SchedulerConfig,
-    WorkerConfig,
-)
-from zmqworker.cdiv import cdiv
-from zmqworker.engine.core_limits import engine_core_limits
-from zmqworker.engine.model_folder import ModelFolder, cache_config_for
+from messages import WorkerConfig
 from zmqworker.executor.abstract import STEP_TIMEOUT_S, Executor
 from zmqworker.frontend.core_client import EngineCoreClient
 from zmqworker.frontend.core_process import EngineCoreLauncher
-from zmqworker.frontend.devices import (
-    check_gpu_layout,
-    resolve_device,
-    resolve_dtype,
-    visible_gpu_count,
-)
+from zmqworker.frontend.engine_plan import EnginePlan
 from zmqworker.frontend.errors import (
     EngineCoreDiedError,
     EngineCoreError,
@@ -51,7 +33,6 @@ from zmqworker.frontend.llm_args import (
 logger = logging.getLogger(__name__)
 
 START_TIMEOUT_S = 3600.0  # an engine core neither ready nor dead by then is given up
-SHUTDOWN_CALL_S = 30.0  # the shutdown call's answer: its steps in flight come back first
 
 
 class LLM(Frontend):
@@ -142,96 +123,24 @@ class LLM(Frontend):
         ] = STEP_TIMEOUT_S,
     ) -> None:
         self._launcher: EngineCoreLauncher | None = None
-        check_args(OPTION_TYPES, {k: v for k, v in locals().items() if k in OPTION_TYPES})
+        options = {k: v for k, v in locals().items() if k in OPTION_TYPES}
+        check_args(OPTION_TYPES, options)
         started = time.perf_counter()
-        tp, pp, dp = tensor_parallel_size, pipeline_parallel_size, data_parallel_size
-        folder = ModelFolder.open(model)
-        folder.check_layout(tp, pp)
-        max_model_len = folder.max_model_len(max_model_len)
-        gpus = visible_gpu_count()
-        device, device_why = resolve_device(device, gpus)
-        saved_dtype = folder.config.get("dtype") or folder.config.get("torch_dtype")
-        dtype, dtype_why = resolve_dtype(dtype, device, saved_dtype)
-        local = not callable(executor) and executor == "mp"
-        if device == "cuda" and local:
-            check_gpu_layout(dp, tp, pp, gpus)
-        cache = cache_config_for(
-            folder,
-            CacheConfig(
-                block_size=block_size,
-                gpu_memory_utilization=gpu_memory_utilization,
-                cpu_memory_fraction=cpu_memory_fraction or CacheConfig().cpu_memory_fraction,
-                kv_cache_bytes=kv_cache_bytes,
-            ),
-            num_blocks=max_num_seqs * cdiv(max_model_len, block_size),
-            fill=cpu_memory_fraction is not None,
-            dtype=dtype,
-            tp=tp,
-            pp=pp,
-            local_cpu=local and device == "cpu",
-            replicas=dp,
-        )
-        self.worker_config = WorkerConfig(
-            model=ModelConfig(
-                path=str(folder.path),
-                dtype=dtype,
-                max_model_len=max_model_len,
-                load_format=load_format,
-                seed=seed,
-                max_logprobs=max_logprobs,
-            ),
-            parallel=ParallelConfig(
-                tensor_parallel_size=tp, pipeline_parallel_size=pp, data_parallel_size=dp
-            ),
-            cache=cache,
-            device=DeviceConfig(device=device, num_threads=num_threads),
-            scheduler=SchedulerConfig(
-                max_num_seqs=max_num_seqs,
-                max_num_batched_tokens=max_num_batched_tokens,
-                # Workers warm up with batches of these sizes: none above max_num_seqs.
-                warmup_batch_sizes=sorted(
-                    {min(size, max_num_seqs) for size in SchedulerConfig().warmup_batch_sizes}
-                ),
-            ),
-        )
-
-        def engine_config(index: int, address: str, token: str) -> EngineCoreConfig:
-            parallel = msgspec.structs.replace(
-                self.worker_config.parallel, data_parallel_rank=index
-            )
-            return EngineCoreConfig(
-                worker=msgspec.structs.replace(self.worker_config, parallel=parallel),
-                address=address,
-                token=token,
-                engine_index=index,
-                executor="mp" if callable(executor) else executor,
-                async_scheduling=async_scheduling,
-                enable_prefix_caching=enable_prefix_caching,
-                step_timeout_s=step_timeout_s,
-                vocab_size=folder.vocab_size,
-                log_level=logging.getLevelName(logging.getLogger("zmqworker").getEffectiveLevel()),
-            )
-
-        logger.info(
-            "starting %d engine core(s) of %d worker(s) on %s (%s), %s (%s); loading %s",
-            dp, tp * pp, device, device_why, dtype, dtype_why, folder.path,
-        )  # fmt: skip
+        plan = EnginePlan.from_options(options)
+        self.worker_config = plan.worker_config
         with ThreadPoolExecutor(1, thread_name_prefix="zmqworker-tokenizer") as pool:
             # The tokenizer loads while the engine cores start their workers.
-            text_side = pool.submit(folder.load_text_side)
-            launcher = EngineCoreLauncher(
-                dp, engine_config, make_executor=executor if callable(executor) else None
-            )
+            text_side = pool.submit(plan.folder.load_text_side)
+            launcher = EngineCoreLauncher(plan.num_engines, plan.engine_config, plan.make_executor)
             try:
-                limits = engine_core_limits(self.worker_config)
                 client = EngineCoreClient(
-                    launcher.addresses, launcher.handles, launcher.token, 0, limits.output_bytes
+                    launcher.addresses, launcher.handles, launcher.token, 0, plan.output_bytes
                 )
                 try:
                     readies = client.wait_ready(START_TIMEOUT_S)
                     texts = text_side.result()
                 except BaseException:
-                    _shut_down_ready(client)
+                    client.shut_down_engines()
                     client.close()
                     raise
             except (EngineCoreError, EngineCoreDiedError, TimeoutError) as exc:
@@ -240,7 +149,7 @@ class LLM(Frontend):
             except BaseException:
                 launcher.stop(polite=False)
                 raise
-        super().__init__(client, readies, texts, folder, max_logprobs)
+        super().__init__(client, readies, texts, plan.folder, plan.max_logprobs)
         self._launcher = launcher
         logger.info("ready: %.1f s", time.perf_counter() - started)
 
@@ -249,11 +158,11 @@ class LLM(Frontend):
         launcher, self._launcher = self._launcher, None
         if launcher is None:
             return
-        self._closed = True
         try:
-            _shut_down_ready(self.client)
+            if not self._closed:
+                self.client.shut_down_engines()
         finally:
-            self.client.close()
+            self.close()
             launcher.stop(polite=True)
 
     def __enter__(self) -> LLM:
@@ -261,17 +170,6 @@ class LLM(Frontend):
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
-
-
-def _shut_down_ready(client: EngineCoreClient) -> None:
-    """Ask every engine core that is up to shut down (its workers first), and wait for
-    the answers, within a bound."""
-    ready = [e.index for e in client.engines if e.ready is not None and e.dead is None]
-    try:
-        if ready:
-            client.call("shutdown", timeout=SHUTDOWN_CALL_S, engines=ready)
-    except Exception as exc:  # an engine core that cannot stop politely is stopped harder
-        logger.warning("the engine cores' shutdown call failed: %s", exc)
 
 
 # The options' types, Meta included, for the checks above and for the CLI.

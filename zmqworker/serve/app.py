@@ -1,12 +1,13 @@
-"""The FastAPI application over one LLM: the OpenAI routes, /health, /metrics, errors.
+"""The FastAPI application of one API server process, over its client of the engine
+cores (a Frontend): the OpenAI routes, /health, /metrics, errors.
 
-Handlers run on the server's event loop, where the LLM's streams step the engine (off
-the loop, in a thread): concurrent requests share its batches.
+Handlers run on the server's event loop, which also watches the engine cores' sockets:
+concurrent requests, of this API server and the others, share the engine cores' steps.
+/metrics and /health cover every engine core, whichever API server answers.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import secrets
 
@@ -18,7 +19,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from starlette.exceptions import HTTPException
 
 from zmqworker import __version__
-from zmqworker.frontend.llm import LLM
+from zmqworker.frontend.frontend import Frontend
+from zmqworker.frontend.outputs import EngineStats
 from zmqworker.serve.chat import create_chat_completion
 from zmqworker.serve.completions import create_completion
 from zmqworker.serve.errors import APIError
@@ -29,10 +31,11 @@ logger = logging.getLogger(__name__)
 HEALTH_TIMEOUT_S = 10.0
 
 
-def build_app(llm: LLM, model_name: str, api_key: str | None = None) -> FastAPI:
+def build_app(llm: Frontend, model_name: str, api_key: str | None = None) -> FastAPI:
     app = FastAPI(title="zmqworker", version=__version__)
     registry = CollectorRegistry()
-    registry.register(_EngineCollector(llm))
+    collector = _EngineCollector()
+    registry.register(collector)
 
     async def authorized(request: Request) -> None:
         if api_key is None:
@@ -53,7 +56,7 @@ def build_app(llm: LLM, model_name: str, api_key: str | None = None) -> FastAPI:
     @app.get("/health")
     async def health() -> Response:
         try:
-            await asyncio.to_thread(llm.check_health, HEALTH_TIMEOUT_S)
+            await llm.check_health_async(HEALTH_TIMEOUT_S)
         except Exception as exc:
             return APIError(f"unhealthy: {exc}", 503, "server_error").response()
         return Response(status_code=200)
@@ -64,6 +67,7 @@ def build_app(llm: LLM, model_name: str, api_key: str | None = None) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics() -> Response:
+        collector.stats = await llm.stats_async()
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models", dependencies=[Depends(authorized)])
@@ -126,13 +130,15 @@ def _validation_error(exc: RequestValidationError) -> APIError:
 
 
 class _EngineCollector:
-    """Prometheus metrics read from the engine at each scrape."""
+    """Prometheus metrics of the engine cores' stats, read afresh at each scrape."""
 
-    def __init__(self, llm: LLM) -> None:
-        self.llm = llm
+    def __init__(self) -> None:
+        self.stats: EngineStats | None = None
 
     def collect(self):
-        stats = self.llm.stats()
+        stats = self.stats
+        if stats is None:
+            return
         used = stats.num_blocks - stats.num_free_blocks
         for name, doc, value in (
             ("num_requests_running", "requests running", stats.num_running),

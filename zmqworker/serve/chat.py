@@ -9,7 +9,7 @@ from typing import Any
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.requests import Request as HTTPRequest
 
-from zmqworker.frontend.llm import LLM
+from zmqworker.frontend.frontend import Frontend
 from zmqworker.frontend.outputs import PositionLogprobs, RequestOutput, TokenLogprob
 from zmqworker.serve.errors import APIError
 from zmqworker.serve.generation import (
@@ -26,7 +26,7 @@ from zmqworker.serve.protocol import ChatCompletionRequest
 
 
 async def create_chat_completion(
-    llm: LLM, model: str, body: ChatCompletionRequest, http: HTTPRequest
+    llm: Frontend, model: str, body: ChatCompletionRequest, http: HTTPRequest
 ) -> JSONResponse | StreamingResponse:
     try:
         prompt = llm.chat_prompt([m.as_template_message() for m in body.messages])
@@ -54,7 +54,7 @@ async def create_chat_completion(
     )
 
 
-async def _final(llm: LLM, prompt: list[int], params: Any) -> RequestOutput:
+async def _final(llm: Frontend, prompt: list[int], params: Any) -> RequestOutput:
     last = None
     async for _, out in run_prompts(llm, [prompt], params):
         last = out
@@ -63,7 +63,7 @@ async def _final(llm: LLM, prompt: list[int], params: Any) -> RequestOutput:
 
 
 async def _stream(
-    llm: LLM, prompt: list[int], params: Any, head: dict[str, Any], include_usage: bool
+    llm: Frontend, prompt: list[int], params: Any, head: dict[str, Any], include_usage: bool
 ) -> AsyncIterator[str]:
     head = {**head, "object": "chat.completion.chunk"}
 

@@ -8,7 +8,7 @@ from typing import Any
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.requests import Request as HTTPRequest
 
-from zmqworker.frontend.llm import LLM
+from zmqworker.frontend.frontend import Frontend
 from zmqworker.frontend.outputs import PositionLogprobs, RequestOutput
 from zmqworker.serve.errors import APIError
 from zmqworker.serve.generation import (
@@ -25,7 +25,7 @@ from zmqworker.serve.protocol import CompletionRequest
 
 
 async def create_completion(
-    llm: LLM, model: str, body: CompletionRequest, http: HTTPRequest
+    llm: Frontend, model: str, body: CompletionRequest, http: HTTPRequest
 ) -> JSONResponse | StreamingResponse:
     try:
         prompts = [llm.encode(p) for p in body.prompts()]
@@ -56,7 +56,7 @@ async def create_completion(
     return JSONResponse({**head, "choices": choices, "usage": usage(finals)})
 
 
-async def _collect(llm: LLM, prompts: list[list[int]], params: Any) -> list[RequestOutput]:
+async def _collect(llm: Frontend, prompts: list[list[int]], params: Any) -> list[RequestOutput]:
     finals: dict[int, RequestOutput] = {}
     async for index, out in run_prompts(llm, prompts, params):
         finals[index] = out
@@ -64,7 +64,7 @@ async def _collect(llm: LLM, prompts: list[list[int]], params: Any) -> list[Requ
 
 
 async def _stream(
-    llm: LLM,
+    llm: Frontend,
     prompts: list[list[int]],
     params: Any,
     head: dict[str, Any],
@@ -104,7 +104,7 @@ async def _stream(
     yield sse("[DONE]")
 
 
-def _echo(llm: LLM, prompt: str | list[int], token_ids: list[int]) -> str:
+def _echo(llm: Frontend, prompt: str | list[int], token_ids: list[int]) -> str:
     if isinstance(prompt, str):
         return prompt
     return llm.tokenizer.decode(token_ids) if llm.tokenizer is not None else ""

@@ -14,14 +14,14 @@ import msgspec
 from starlette.requests import Request as HTTPRequest
 
 from messages import SamplingParams
-from zmqworker.frontend.llm import LLM
+from zmqworker.frontend.frontend import Frontend
 from zmqworker.frontend.outputs import RequestOutput
 from zmqworker.serve.errors import APIError
 from zmqworker.serve.protocol import SamplingRequest
 
 
 def sampling_params(
-    llm: LLM,
+    llm: Frontend,
     request: SamplingRequest,
     prompt_len: int,
     max_tokens: int | None,
@@ -60,7 +60,7 @@ def sampling_params(
 
 
 async def run_prompts(
-    llm: LLM, prompts: Sequence[list[int]], params: SamplingParams
+    llm: Frontend, prompts: Sequence[list[int]], params: SamplingParams
 ) -> AsyncIterator[tuple[int, RequestOutput]]:
     """Every prompt's outputs as they come, tagged with its index. Closing this early
     (a client gone) aborts the requests still running, which frees their blocks."""

@@ -52,7 +52,9 @@ class CudaOps(DeviceOps):
         count = torch.cuda.device_count()
         visible = os.environ.get("CUDA_VISIBLE_DEVICES", "<unset>")
         if count == 0:
-            raise RuntimeError(f"device=cuda but no GPU is visible (CUDA_VISIBLE_DEVICES={visible})")
+            raise RuntimeError(
+                f"device=cuda but no GPU is visible (CUDA_VISIBLE_DEVICES={visible})"
+            )
         if local_rank >= count and os.environ.get(SHARE_GPUS_ENV) != "1":
             raise RuntimeError(
                 f"local rank {local_rank} has no GPU of its own: {count} visible "
