@@ -133,10 +133,14 @@ class EngineCoreServer:
             if self._stop or not core.has_work():
                 continue
             self._step(core.step)
-            # Steps still in flight once every request has finished hold only dropped
-            # tokens: take them back before reading on, so their blocks are free again.
-            while not self._stop and core.has_work() and not core.scheduler.num_unfinished:
-                self._step(core.step)
+            self._settle(core)
+
+    def _settle(self, core: EngineCore) -> None:
+        """Steps still in flight once every request has finished (or was aborted) hold
+        only dropped tokens: take them back before reading on or answering, so that
+        their blocks are free again and an idle engine core's stats are settled."""
+        while not self._stop and core.has_work() and not core.scheduler.num_unfinished:
+            self._step(core.step)
 
     def _step(self, run: Callable[[], list[Request]]) -> None:
         try:
@@ -258,6 +262,7 @@ class EngineCoreServer:
             self._stopped_by = client
             self._send(client, UtilityResult(call.call_id))
             return
+        self._settle(self.core)
         try:
             if waits_for_steps(call.method):
                 self._step(self.core.finish_steps_in_flight)
