@@ -112,7 +112,7 @@ class EngineCoreServer:
             pid=os.getpid(),
             worker_pids=list(getattr(core.executor, "pids", [])),
         )
-        log.info("ready for clients")
+        log.debug("ready for clients")
         try:
             self._loop(core)
         finally:
@@ -257,7 +257,7 @@ class EngineCoreServer:
     def _utility(self, client: Client, call: UtilityCall) -> None:
         assert self.core is not None
         if call.method == SHUTDOWN:
-            log.info("shutdown asked by %s", client)
+            log.debug("shutdown asked by %s", client)
             self._stop = True
             self._stopped_by = client
             self._send(client, UtilityResult(call.call_id))
