@@ -15,11 +15,14 @@ import time
 import numpy as np
 
 from messages import (
+    CudaWeights,
     GrammarOutput,
     KVCacheConfig,
     KVCacheSpec,
     ModelRunnerOutput,
     SchedulerOutput,
+    SharedWeights,
+    WeightUpdate,
 )
 from zmqworker.worker.worker_base import WorkerBase, freeze_startup_heap
 
@@ -69,6 +72,29 @@ class EchoWorker(WorkerBase):
 
     def wake_up(self, tags: list[str] | None = None) -> None:
         self.asleep = 0
+
+    def start_weight_update(self, update: WeightUpdate) -> None:
+        raise RuntimeError("EchoWorker has no weights")
+
+    def load_weight_chunk(self, chunk: SharedWeights | CudaWeights) -> None:
+        raise RuntimeError("EchoWorker has no weights")
+
+    def finish_weight_update(self) -> None:
+        raise RuntimeError("EchoWorker has no weights")
+
+    def abort_weight_update(self) -> None:
+        raise RuntimeError("EchoWorker has no weights")
+
+    def init_weight_transfer_group(
+        self, host: str, port: int, world_size: int, rank_offset: int, timeout_s: float = 300.0
+    ) -> None:
+        raise RuntimeError("EchoWorker has no weights")
+
+    def update_weights_from_group(self, update: WeightUpdate) -> None:
+        raise RuntimeError("EchoWorker has no weights")
+
+    def reload_weights(self, path: str | None = None) -> None:
+        raise RuntimeError("EchoWorker has no weights")
 
     def check_health(self) -> None:
         return None

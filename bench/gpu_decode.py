@@ -3,7 +3,8 @@ transformers' static-cache + torch.compile generate, on real shapes (CUDA only).
 
 Each shape is a Llama-family config.json written here (no weights downloaded): SmolLM2-135M
 and Llama-3.2-1B get random weights from transformers, saved and loaded by both sides;
-Llama-3-8B gets our load_format="dummy" weights. Prompts of 512 random tokens are
+Llama-3-8B and the mixtures of experts (Qwen3-30B-A3B's and Mixtral-8x7B's shapes, asked
+for with --shapes) get our load_format="dummy" weights. Prompts of 512 random tokens are
 prefilled, then decode steps are timed two ways:
 - ours_ms: the median of steps run one at a time, each waiting for its sampled ids (what
   an engine sees when it schedules after every output);
@@ -11,13 +12,16 @@ prefilled, then decode steps are timed two ways:
   (what async scheduling gives), wall time over the steps.
 gpu_busy is the share of a step's wall time in which a kernel or copy ran (profiler), for
 the one-at-a-time steps (gpu_busy_pipelined for the others). The floor is the bytes the step
-must read (every weight but the input embedding's unread rows, plus the KV history) over
-the device-to-device bandwidth measured in this run. The prefill row runs 8 new requests
-of 1024 tokens in one step of the 8B shape, as a share of the bf16 matmul peak measured in
-this run. Writes bench/results/gpu_decode.json (or --out).
+must read (every weight but the input embedding's unread rows, plus the KV history; of a
+mixture of experts' experts only those the step's tokens chose, measured in an eager step
+of the run: bench/moe_floor.py) over the device-to-device bandwidth measured in this run.
+A prefill row runs 8 new requests of 1024 tokens in one step of each --prefill-shapes
+shape, as a share of the bf16 matmul peak measured in this run. Writes
+bench/results/gpu_decode.json (or --out).
 
     python -m bench.gpu_decode [--shapes smollm2-135m,llama-3.2-1b,llama-3-8b]
         [--batches 1,8,32,64,128,256] [--hf-batches smollm2-135m:1,32,128;llama-3.2-1b:1,64]
+    python -m bench.gpu_decode --shapes qwen3-30b-a3b,mixtral-8x7b --batches 1,16,64,256
 """
 
 from __future__ import annotations
@@ -35,6 +39,16 @@ import torch
 import transformers
 
 from bench.common import print_table, write_results
+from bench.moe_floor import (
+    CONFIG_CLASSES,
+    MOE_SHAPES,
+    active_expert_params,
+    eager_steps,
+    expected_union,
+    experts_chosen,
+    moe_blocks,
+    unread_expert_bytes,
+)
 from messages import (
     CacheConfig,
     CachedRequestData,
@@ -101,7 +115,10 @@ SHAPES = {
         rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
     ),
 }
-HF_WEIGHTS = ("smollm2-135m", "llama-3.2-1b")  # the 8B shape runs dummy weights
+DENSE_SHAPES = list(SHAPES)
+SHAPES.update(MOE_SHAPES)
+HF_WEIGHTS = ("smollm2-135m", "llama-3.2-1b")  # the others run dummy weights
+PREFILL = (8, 1024)  # requests, tokens each
 
 
 def hbm_bandwidth() -> float:
@@ -139,7 +156,8 @@ def matmul_peak() -> float:
 def make_checkpoint(shape: str, folder: Path) -> transformers.PreTrainedModel | None:
     """config.json of the shape in folder; random transformers weights beside it (and the
     model, on the GPU) for the shapes compared with transformers."""
-    config = transformers.LlamaConfig(**SHAPES[shape], bos_token_id=1, eos_token_id=2)
+    config_class = getattr(transformers, CONFIG_CLASSES.get(shape, "LlamaConfig"))
+    config = config_class(**SHAPES[shape], bos_token_id=1, eos_token_id=2)
     config.save_pretrained(folder)
     if shape not in HF_WEIGHTS:
         return None
@@ -150,26 +168,32 @@ def make_checkpoint(shape: str, folder: Path) -> transformers.PreTrainedModel | 
     return model
 
 
+def blocks_per_request(prompt_len: int) -> int:
+    return cdiv(prompt_len + DECODE_STEPS + BLOCK_SIZE, BLOCK_SIZE)
+
+
 class Ours:
-    """One runner per shape, KV blocks for max_batch requests of PROMPT_LEN + DECODE_STEPS."""
+    """One runner per shape, KV blocks for max_batch requests of PROMPT_LEN + DECODE_STEPS
+    (or the prefill row's requests, if more): Mixtral-8x7B's weights leave little room."""
 
     def __init__(self, folder: Path, dummy: bool, max_batch: int) -> None:
-        max_len = PROMPT_LEN + DECODE_STEPS + BLOCK_SIZE
         config = WorkerConfig(
             model=ModelConfig(
                 path=str(folder),
                 dtype="bfloat16",
-                max_model_len=max(max_len, 1024 + BLOCK_SIZE),
+                max_model_len=PREFILL[1] + DECODE_STEPS + BLOCK_SIZE,
                 load_format="dummy" if dummy else "auto",
             ),
             cache=CacheConfig(block_size=BLOCK_SIZE),
             scheduler=SchedulerConfig(max_num_seqs=max_batch, max_num_batched_tokens=MAX_BATCHED),
         )
         self.runner = ModelRunner(config, single_rank_state(torch.device("cuda")))
-        self.blocks_per_req = cdiv(config.model.max_model_len, BLOCK_SIZE)
         spec = self.runner.get_kv_cache_spec()
-        num_blocks = max_batch * self.blocks_per_req
-        self.runner.initialize_kv_cache(make_kv_cache_config([spec], num_blocks))
+        self.num_blocks = max(
+            max_batch * blocks_per_request(PROMPT_LEN),
+            PREFILL[0] * blocks_per_request(PREFILL[1]),
+        )
+        self.runner.initialize_kv_cache(make_kv_cache_config([spec], self.num_blocks))
         start = time.perf_counter()
         self.runner.warm_up([size for size in (1, 8) if size <= max_batch])
         torch.cuda.synchronize()
@@ -185,6 +209,8 @@ class Ours:
         """Prefill `batch` new requests (finishing the previous ones in the first step)."""
         handles = list(range(self.next_handle, self.next_handle + batch))
         self.next_handle += batch
+        per_req = blocks_per_request(prompt_len)
+        assert batch * per_req <= self.num_blocks
         finished, self.live = self.live, handles
         pending = list(enumerate(handles))
         while pending:
@@ -192,7 +218,7 @@ class Ours:
             while pending and budget >= prompt_len:
                 i, handle = pending.pop(0)
                 prompt = rng.integers(0, self.vocab, prompt_len).astype(np.int32)
-                blocks = np.arange(i * self.blocks_per_req, (i + 1) * self.blocks_per_req)
+                blocks = np.arange(i * per_req, (i + 1) * per_req)
                 new.append(
                     NewRequestData(
                         f"r{handle}", handle, prompt, GREEDY, blocks.astype(np.int32), prompt_len
@@ -344,29 +370,32 @@ def profile_host(ours: Ours, steps: list[SchedulerOutput]) -> None:
     pstats.Stats(profiler).sort_stats("tottime").print_stats(30)
 
 
-def prefill_row(ours: Ours, rng: np.random.Generator, peak: float) -> dict:
-    """8 new requests of 1024 tokens in one step: median time and the share of peak."""
+def prefill_row(ours: Ours, rng: np.random.Generator, peak: float, shape: str) -> dict:
+    """PREFILL's requests in one step: median time and the share of peak (a mixture of
+    experts' tokens each multiply their top k experts)."""
     runner = ours.runner
+    requests, length = PREFILL
     times = []
     for _ in range(4):
         torch.cuda.synchronize()
         start = time.perf_counter()
-        ours.start(8, 1024, rng)
+        ours.start(requests, length, rng)
         torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
     seconds = statistics.median(times[1:])
     cfg = runner.model.hf_config
-    tokens = 8 * 1024
+    tokens = requests * length
     linear = sum(
         p.numel() for n, p in runner.model.named_parameters() if "layers" in n and p.dim() == 2
     )
-    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    linear += active_expert_params(runner.model)
+    head_dim = runner.model.head_dim
     # QK^T and PV over the causal half, per request and layer.
-    attention = 8 * 2 * 2 * (1024 * 1024 / 2) * head_dim * cfg.num_attention_heads
+    attention = requests * 2 * 2 * (length * length / 2) * head_dim * cfg.num_attention_heads
     flops = 2 * linear * tokens + attention * cfg.num_hidden_layers
-    flops += 2 * cfg.vocab_size * cfg.hidden_size * 8  # the LM head of the 8 sampled rows
+    flops += 2 * cfg.vocab_size * cfg.hidden_size * requests  # the LM head of the sampled rows
     return {
-        "shape": "llama-3-8b",
+        "shape": shape,
         "tokens": tokens,
         "ours_ms": seconds * 1e3,
         "mfu": flops / seconds / peak,
@@ -376,6 +405,7 @@ def prefill_row(ours: Ours, rng: np.random.Generator, peak: float) -> dict:
 def run_shape(
     shape: str, batches: list[int], hf_batches: list[int], bandwidth: float, args
 ) -> tuple[list[dict], dict | None]:
+    """The shape's decode rows, and its prefill row if it is one of --prefill-shapes."""
     rows = []
     with tempfile.TemporaryDirectory(dir=args.tmp) as tmp:
         folder = Path(tmp)
@@ -388,7 +418,10 @@ def run_shape(
             handles = ours.start(batch, PROMPT_LEN, rng)
             computed = PROMPT_LEN
             steps = ours.decode_steps(handles, computed, DECODE_STEPS - 8)
-            ours.one_at_a_time(steps[:5])
+            model = ours.runner.model
+            with eager_steps(ours.runner), experts_chosen(model) as chosen:
+                ours.one_at_a_time(steps[:1])
+            ours.one_at_a_time(steps[1:5])
             sync_times = ours.one_at_a_time(steps[5:35])
             busy = gpu_busy(lambda s=steps[35:45], o=ours: o.one_at_a_time(s))
             pipelined = ours.pipelined(steps[45:75])
@@ -402,23 +435,28 @@ def run_shape(
             if args.profile_host and batch == batches[0]:
                 profile_host(ours, steps[90:150])
             context = computed + 40
+            floor = floor_bytes(model, batch, context, spec) - unread_expert_bytes(model, chosen)
             row = {
                 "shape": shape,
                 "batch": batch,
                 "ours_ms": statistics.median(sync_times) * 1e3,
                 "ours_pipelined_ms": pipelined * 1e3,
                 "hf_compiled_ms": None,
-                "floor_ms": floor_bytes(ours.runner.model, batch, context, spec) / bandwidth * 1e3,
+                "floor_ms": floor / bandwidth * 1e3,
                 "gpu_busy": busy,
                 "gpu_busy_pipelined": busy_pipelined,
             }
+            if chosen:  # a mixture of experts: the experts read, per layer
+                block = moe_blocks(model)[0]
+                row["experts_chosen"] = statistics.mean(chosen)
+                row["experts_uniform"] = expected_union(block.split.num_experts, block.top_k, batch)
             if census is not None:
                 row["census"] = census
             rows.append(row)
             print(json.dumps(row), flush=True)
         prefill = None
-        if shape == "llama-3-8b" and not args.no_prefill:
-            prefill = prefill_row(ours, rng, args.peak)
+        if shape in args.prefill_shapes.split(","):
+            prefill = prefill_row(ours, rng, args.peak, shape)
             print(json.dumps(prefill), flush=True)
         ours.runner.shutdown()
         ours = None
@@ -438,14 +476,18 @@ def run_shape(
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--shapes", default=",".join(SHAPES))
+    parser.add_argument("--shapes", default=",".join(DENSE_SHAPES), help=f"of {', '.join(SHAPES)}")
     parser.add_argument("--batches", default="1,8,32,64,128,256")
     parser.add_argument(
         "--hf-batches",
         default="smollm2-135m:1,32,128;llama-3.2-1b:1,64",
         help="shape:batches;... measured with transformers too (each compiles: slow)",
     )
-    parser.add_argument("--no-prefill", action="store_true")
+    parser.add_argument(
+        "--prefill-shapes",
+        default="llama-3-8b,qwen3-30b-a3b",
+        help="shapes (of those run) measured with a prefill row too ('' for none)",
+    )
     parser.add_argument(
         "--profile-host", action="store_true", help="cProfile the first batch's steps"
     )
@@ -464,16 +506,17 @@ def main() -> None:
         hf_batches[shape] = [int(b) for b in sizes.split(",") if b]
     bandwidth = hbm_bandwidth()
     args.peak = matmul_peak()
+    torch.cuda.empty_cache()  # the probes' 8 GiB: Mixtral-8x7B's weights need the room
     print(
         f"HBM {bandwidth / 1e12:.2f} TB/s, bf16 matmul {args.peak / 1e12:.0f} TFLOP/s", flush=True
     )
-    rows, prefill = [], None
+    rows, prefills = [], []
     for shape in args.shapes.split(","):
         shape_rows, shape_prefill = run_shape(
             shape, batches, hf_batches.get(shape, []), bandwidth, args
         )
         rows += shape_rows
-        prefill = prefill or shape_prefill
+        prefills += [shape_prefill] if shape_prefill else []
     table = [
         {
             "shape": r["shape"],
@@ -490,8 +533,7 @@ def main() -> None:
     ]
     print(f"\nHBM {bandwidth / 1e12:.2f} TB/s, bf16 matmul {args.peak / 1e12:.0f} TFLOP/s")
     print_table(table, precision=3)
-    if prefill is not None:
-        p = prefill
+    for p in prefills:
         print(
             f"prefill {p['shape']} {p['tokens']} tokens: {p['ours_ms']:.1f} ms, MFU {p['mfu']:.1%}"
         )
@@ -500,7 +542,7 @@ def main() -> None:
         "bf16_matmul_flops": args.peak,
         "device": torch.cuda.get_device_name(),
         "rows": rows,
-        "prefill": prefill,
+        "prefill": prefills,
     }
     print(f"wrote {write_results('gpu_decode', result, args.out)}")
 

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The CUDA checks on a lent GPU machine (torch, Triton and transformers installed; pyzmq
 # and msgspec carried as wheels in .whl/): the Triton kernel tests, the other CUDA tests,
-# bench.gpu_decode, then bench.end_to_end_cuda (e2e).
-#   bench/run_on_gpu.sh OUT_DIR [kernels,tests,bench,e2e] [bench.gpu_decode options...]
+# bench.gpu_decode, then bench.end_to_end_cuda (e2e); live weights and sleep (weights: their
+# CUDA tests, bench.weight_update and bench.sleep on Llama-3-8B's shape), when asked for.
+#   bench/run_on_gpu.sh OUT_DIR [kernels,tests,bench,e2e,weights] [bench.gpu_decode options...]
 # Logs and the benchmark's JSON land in OUT_DIR.
 set -uo pipefail
 out=${1:?usage: bench/run_on_gpu.sh OUT_DIR [tests|bench|all] [bench args]}
@@ -37,5 +38,12 @@ fi
 if [[ $what == *,e2e,* ]]; then
     timeout 480 python3 -m bench.end_to_end_cuda --tmp /dev/shm --out "$out/end_to_end_cuda.json" \
         2>&1 | tee "$out/e2e.log" | grep -v Warning
+fi
+if [[ $what == *,weights,* ]]; then
+    run_tests weights tests/test_weight_updates_cuda.py tests/test_worker.py
+    for name in weight_update sleep; do
+        timeout 480 python3 -m bench.$name --device cuda --tmp /dev/shm \
+            --out "$out/${name}_cuda.json" 2>&1 | tee "$out/$name.log" | grep -v Warning
+    done
 fi
 exit $status

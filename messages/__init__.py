@@ -62,6 +62,14 @@ from messages.step import (
     SchedulerOutput,
 )
 from messages.version import PROTOCOL_VERSION
+from messages.weights import (
+    CudaWeightRef,
+    CudaWeights,
+    SharedWeightRef,
+    SharedWeights,
+    WeightSpec,
+    WeightUpdate,
+)
 
 __all__ = [
     "ALL_RANKS",
@@ -70,6 +78,8 @@ __all__ = [
     "PROTOCOL_VERSION",
     "CacheConfig",
     "CachedRequestData",
+    "CudaWeightRef",
+    "CudaWeights",
     "Decoder",
     "DeviceConfig",
     "Encoder",
@@ -107,10 +117,14 @@ __all__ = [
     "SchedulerOutput",
     "SharedSlot",
     "SharedTensorRef",
+    "SharedWeightRef",
+    "SharedWeights",
     "UtilityCall",
     "UtilityResult",
     "UtilityValue",
     "Value",
+    "WeightSpec",
+    "WeightUpdate",
     "Welcome",
     "WorkerCall",
     "WorkerConfig",

@@ -31,6 +31,9 @@ class ParallelConfig(msgspec.Struct, tag=True, frozen=True, omit_defaults=True):
     data_parallel_size: int = 1
     data_parallel_rank: int = 0
     distributed_init_method: str = ""  # torch.distributed init URL, e.g. tcp://127.0.0.1:port
+    # Mixture-of-experts layers: each rank holds its share of the experts whole (over
+    # tensor_parallel_size x data_parallel_size ranks) instead of a slice of every expert.
+    enable_expert_parallel: bool = False
 
     @property
     def world_size(self) -> int:

@@ -44,6 +44,8 @@ def plain(value: Any) -> Any:
         return {key: plain(v) for key, v in value.items()}
     if isinstance(value, list | tuple):
         return [plain(v) for v in value]
+    if isinstance(value, bytes):
+        return {"bin": value.hex()}
     if isinstance(value, float):
         return _float(value)
     return value

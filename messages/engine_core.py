@@ -59,6 +59,7 @@ class EngineCoreReady(msgspec.Struct, tag=True):
     block_size: int
     max_num_seqs: int
     vocab_size: int | None
+    num_workers: int  # tp x pp
     pid: int
     worker_pids: list[int] = []
 

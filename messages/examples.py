@@ -14,21 +14,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from messages.config import (
-    CacheConfig,
-    DeviceConfig,
-    ModelConfig,
-    ParallelConfig,
-    ProfilerConfig,
-    SchedulerConfig,
-    WorkerConfig,
-)
 from messages.example_stream import Stream, req_id
 from messages.examples_engine_core import ENGINE_CORE_EXAMPLES
+from messages.examples_start import BLOCK_SIZE, RUN_ID, hello, kv_cache_spec, welcome
+from messages.examples_weights import WEIGHT_EXAMPLES
 from messages.kinds import Message
-from messages.kv_cache import KVCacheSpec, make_kv_cache_config
+from messages.kv_cache import make_kv_cache_config
 from messages.rpc import (
-    Hello,
     Ping,
     PipelineSharedTensors,
     PipelineTensors,
@@ -37,7 +29,6 @@ from messages.rpc import (
     RpcRequest,
     SharedSlot,
     SharedTensorRef,
-    Welcome,
 )
 from messages.sampling import SamplingParams
 from messages.step import (
@@ -49,9 +40,7 @@ from messages.step import (
     NewRequestData,
     SchedulerOutput,
 )
-from messages.version import PROTOCOL_VERSION
 
-BLOCK_SIZE = 16
 NUM_BLOCKS = 4096  # the KV cache of request_initialize_from_config: every block id is below it
 VOCAB_SIZE = 49_152  # SmolLM2's
 HIDDEN_SIZE = 576  # SmolLM2-135M's
@@ -266,29 +255,6 @@ def shared_slot(num_tokens: int = 16) -> SharedSlot:
     )
 
 
-def worker_config() -> WorkerConfig:
-    return WorkerConfig(
-        model=ModelConfig(
-            path="/models/SmolLM2-135M-Instruct", dtype="bfloat16", max_model_len=4096, seed=7
-        ),
-        parallel=ParallelConfig(
-            pipeline_parallel_size=2, distributed_init_method="tcp://127.0.0.1:29511"
-        ),
-        cache=CacheConfig(block_size=BLOCK_SIZE, kv_cache_bytes=512 * 2**20),
-        device=DeviceConfig(device="cpu", num_threads=1),
-        profiler=ProfilerConfig(profiler="torch", output_dir="/tmp/zmqworker-profile"),
-        scheduler=SchedulerConfig(max_num_seqs=256, max_num_batched_tokens=2048),
-    )
-
-
-def kv_cache_spec() -> KVCacheSpec:
-    """Rank 1's half of SmolLM2's 30 layers, named as a worker reports them."""
-    names = [f"model.layers.{i}.self_attn" for i in range(15, 30)]
-    return KVCacheSpec(
-        block_size=BLOCK_SIZE, num_kv_heads=3, head_size=64, dtype="bfloat16", layer_names=names
-    )
-
-
 def _request(call_id: int, method: str, *args: Any, **kwargs: Any) -> RpcRequest:
     return RpcRequest(call_id, method, list(args), kwargs)
 
@@ -322,37 +288,6 @@ def error_reply() -> RpcReply:
         traceback=trace,
     )
     return RpcReply(call_id=101, rank=1, error=error)
-
-
-def hello() -> Hello:
-    return Hello(
-        protocol_version=PROTOCOL_VERSION,
-        rank=1,
-        pid=48213,
-        token="9c1f5e0a2b7d4c3e8f6a1b2c3d4e5f60",
-        hostname="node-0",
-        data_address=DATA_ADDRESSES[1],
-    )
-
-
-# A Welcome's secret run id (32 hex digits, as the engine makes them), as the pipeline
-# messages carry it.
-RUN_ID = "3f9a0c1e5b7d42a86c0e9b17d5f4a203"
-# Where ranks 0 and 1 (pids 48212 and 48213) bind their pipeline receivers: beside the
-# engine's ipc socket, named by rank and pid.
-DATA_ADDRESSES = [
-    "ipc:///tmp/zmqworker-q7x2k9ab/data-0-48212.sock",
-    "ipc:///tmp/zmqworker-q7x2k9ab/data-1-48213.sock",
-]
-
-
-def welcome() -> Welcome:
-    return Welcome(
-        config=worker_config(),
-        env={"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"},
-        data_addresses=list(DATA_ADDRESSES),
-        run_id=RUN_ID,
-    )
 
 
 # name -> builder. The fixtures are messages/fixtures/<name>.msgpack, in start-up order
@@ -392,5 +327,6 @@ EXAMPLES: dict[str, Callable[[], Message]] = {
     "pipeline_shared_tensors": lambda: PipelineSharedTensors(
         call_id=100, src_rank=0, shared=shared_slot(), run_id=RUN_ID
     ),
+    **WEIGHT_EXAMPLES,
     **ENGINE_CORE_EXAMPLES,  # then a client and an engine core's
 }

@@ -124,6 +124,7 @@ ENGINE_CORE_EXAMPLES: dict[str, Callable[[], EngineCoreMessage]] = {
         block_size=16,
         max_num_seqs=256,
         vocab_size=VOCAB_SIZE,
+        num_workers=1,
         pid=48301,
         worker_pids=[48302],
     ),  # fmt: skip
@@ -151,6 +152,7 @@ ENGINE_CORE_EXAMPLES: dict[str, Callable[[], EngineCoreMessage]] = {
         call_id=3,
         exc_type="AttributeError",
         message="'sleeep' is not an engine core utility; those are check_health, "
-        "collective_rpc, stats",
+        "collective_rpc, init_weight_transfer_group, is_sleeping, not_ready, reload_weights, "
+        "reset_prefix_cache, sleep, stats, update_weights_from_group, wake_up, weights_updated",
     ),
 }

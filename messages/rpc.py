@@ -15,6 +15,7 @@ from messages.step import (
     ModelRunnerOutput,
     SchedulerOutput,
 )
+from messages.weights import CudaWeights, SharedWeights, WeightUpdate
 
 # What an RPC argument or result may be: plain values, or one of the declared messages.
 # Lists hold plain values only. There is deliberately no catch-all: anything else fails
@@ -34,6 +35,9 @@ Value = (
     | KVCacheSpec
     | WorkerConfig
     | SamplingParams
+    | WeightUpdate
+    | SharedWeights
+    | CudaWeights
 )
 
 ALL_RANKS = None

@@ -117,3 +117,22 @@ def test_no_hits_without_prefix_caching():
     kv.allocate_slots("a", [1, 2, 3], 0, 3)
     kv.new_step()
     assert kv.get_computed_blocks("b", [1, 2, 3]) == ([], 0)
+
+
+def test_reset_prefix_cache_forgets_every_cached_block():
+    kv = KVBlockManager(num_blocks=10, block_size=4, enable_prefix_caching=True)
+    prompt = list(range(10))
+    kv.allocate_slots("a", prompt, 0, 10)  # running: holds two full blocks
+    kv.allocate_slots("b", prompt[:5], 0, 5)
+    kv.free("b")  # finished: its full block stays cached while free
+    kv.new_step()
+    assert kv.get_computed_blocks("c", prompt)[1] == 8
+    held = kv.block_ids("a")
+    kv.reset_prefix_cache()
+    assert kv.get_computed_blocks("c", prompt) == ([], 0)
+    assert kv.block_ids("a") == held and all(kv.ref_count(b) == 1 for b in held)
+    # The running request goes on; a new request computes the prefix again and caches it.
+    assert kv.allocate_slots("a", list(range(12)), 10, 2) == []  # room in its last block
+    kv.allocate_slots("e", prompt, 0, 10)
+    kv.new_step()
+    assert kv.get_computed_blocks("f", prompt) == (kv.block_ids("e")[:2], 8)

@@ -22,6 +22,7 @@ from messages import (
     ProtocolError,
     RpcReply,
     RpcRequest,
+    examples_start,
 )
 from messages import examples as ex
 from messages.codec import DTYPE_NAMES
@@ -54,8 +55,8 @@ def test_every_example_round_trips(name: str) -> None:
         ex.model_runner_output(4),
         ex.model_runner_output_with_logprobs(),
         ex.intermediate_tensors(num_tokens=1),
-        ex.kv_cache_spec(),
-        ex.worker_config(),
+        examples_start.kv_cache_spec(),
+        examples_start.worker_config(),
         ex.finished_and_resumed_step().scheduled_new_reqs[0].sampling_params,
     ],
     ids=lambda v: type(v).__name__,

@@ -180,6 +180,8 @@ def agree(raw: Any, value: Any, frames: list[bytes], path: str) -> None:
         assert isinstance(value, list) and len(raw) == len(value), path
         for i, (r, v) in enumerate(zip(raw, value, strict=True)):
             agree(r, v, frames, f"{path}[{i}]")
+    elif isinstance(raw, bytes):  # a bin value: its bytes in hex
+        assert value == {"bin": raw.hex()}, path
     else:
         raw = json_number(raw)
         assert type(raw) is type(value) and raw == value, f"{path}: {raw!r} vs {value!r}"

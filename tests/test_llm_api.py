@@ -109,6 +109,8 @@ def test_generate_honours_stop_strings(llm):
         ([[1] * (MAX_MODEL_LEN + 1)], None, "more than max_model_len=64"),
         ([[1, 10**6]], None, "outside the vocabulary"),
         (["a", "b"], [SamplingParams()], "1 sampling params for 2 prompts"),
+        ("Hello \udcff", None, "prompt 0: the prompt is not valid Unicode text: .* character 6"),
+        ("Hi", SamplingParams(stop=["\udcff"]), "prompt 0: stop string 0 is not valid Unicode"),
     ],
 )
 def test_bad_input_raises_and_the_engine_stays_usable(llm, prompts, params, message):

@@ -27,7 +27,7 @@ from messages import (
     SchedulerConfig,
     SchedulerOutput,
     WorkerConfig,
-    examples,
+    examples_start,
     make_kv_cache_config,
 )
 from tests.runner_helpers import (
@@ -386,7 +386,7 @@ def test_the_fixtures_kv_cache_spec_is_what_the_embedded_models_last_stage_repor
     )
     config = WorkerConfig(
         model=model,
-        cache=CacheConfig(block_size=examples.BLOCK_SIZE),
+        cache=CacheConfig(block_size=examples_start.BLOCK_SIZE),
         scheduler=SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=64),
     )
-    assert ModelRunner(config, pp_state(1)).get_kv_cache_spec() == examples.kv_cache_spec()
+    assert ModelRunner(config, pp_state(1)).get_kv_cache_spec() == examples_start.kv_cache_spec()

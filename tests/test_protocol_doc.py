@@ -31,14 +31,14 @@ from messages import (
     rpc,
     sampling,
     step,
+    weights,
 )
 from messages import examples as ex
 from messages.rpc import Value
 from zmqworker.distributed.pp_channel import RECV_TIMEOUT_S, SHM_ENV
-from zmqworker.engine.core import EngineCore
 from zmqworker.engine.core_clients import PROBE_EVERY_S, PROBE_WINDOW_S
 from zmqworker.engine.core_server import CLIENT_SILENT_S, HEARTBEAT_IVL_S, SHUTDOWN
-from zmqworker.engine.utility import UTILITY_METHODS
+from zmqworker.engine.utility import UTILITY_METHODS, EngineCoreUtilities
 from zmqworker.executor.handshake import STUCK_AFTER_S, Handshake, bind_router, new_token
 from zmqworker.executor.message_limits import BODY_ROOM, LARGE_HIDDEN, LARGE_VOCAB
 from zmqworker.executor.multiproc import SHUTDOWN_GRACE_S, SIGTERM_GRACE_S
@@ -83,7 +83,7 @@ def traveling_structs() -> set[type]:
 
 def declared_structs() -> set[type]:
     """The public Structs of the wire contract's modules."""
-    modules = (config, engine_core, kv_cache, rpc, sampling, step)
+    modules = (config, engine_core, kv_cache, rpc, sampling, step, weights)
     return {
         value
         for module in modules
@@ -163,6 +163,8 @@ def doc_type(hint: Any) -> str:
         return r"(?P<dtype>\w+) array \[[^\]]+\]"
     if hint is Any:
         return "tensor"
+    if hint is bytes:
+        return "bin"  # MessagePack's name
     return re.escape(hint.__name__)
 
 
@@ -290,7 +292,7 @@ def test_every_utility_method_is_in_its_table_with_its_signature() -> None:
     }
     assert set(rows) == {*UTILITY_METHODS, SHUTDOWN}
     for method, waits in UTILITY_METHODS.items():
-        assert rows[method].startswith(f"| `{signature(method, EngineCore)}` |"), method
+        assert rows[method].startswith(f"| `{signature(method, EngineCoreUtilities)}` |"), method
         assert ("*waits*" in rows[method]) == waits, method
 
 

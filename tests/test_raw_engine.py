@@ -19,7 +19,7 @@ import zmq
 
 from tests.runner_helpers import checkpoint, hf_greedy
 
-VERSION = 5  # docs/protocol.md's; a mismatch with the worker's fails the handshake test
+VERSION = 6  # docs/protocol.md's; a mismatch with the worker's fails the handshake test
 BLOCK_SIZE = 4
 KV_CACHE_BYTES = 64 * 1024
 PROMPT = [5, 17, 42, 9, 100, 3, 77]
@@ -308,7 +308,7 @@ def test_which_call_id_an_error_reply_carries(engine: RawEngine) -> None:
     assert answer(msgpack.packb([4, request])) == (
         request["call_id"],
         "ProtocolError",
-        "protocol version 4 is not this side's 5",
+        "protocol version 4 is not this side's 6",
     )
     assert answer(msgpack.packb([VERSION, {**request, "method": 7}]))[:2] == (
         request["call_id"],

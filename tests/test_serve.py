@@ -256,14 +256,13 @@ def test_a_client_that_disconnects_has_its_request_aborted(server):
 @pytest.mark.parametrize(
     ("request_args", "status", "param", "message"),
     [
-        ({"temperature": -1}, 400, "temperature", "greater than or equal to 0"),
-        ({"extra_body": {"top_k": -5}}, 400, "top_k", "greater than or equal to -1"),
-        ({"n": 2}, 400, "n", "Input should be 1"),
+        ({"temperature": -1}, 400, "temperature", "temperature: must be >= 0"),
+        ({"extra_body": {"top_k": -5}}, 400, "top_k", "top_k: must be >= -1"),
         ({"max_tokens": 1000}, 400, "max_tokens", "maximum context length is 512"),
         ({"extra_body": {"best": 1}}, 400, "best", "Unrecognized request argument"),
         ({"model": "other"}, 404, "model", "does not exist"),
         ({"prompt": ""}, 400, "prompt", "empty"),
-        ({"stop": [""]}, 400, "stop", "length >= 1"),
+        ({"stop": [""]}, 400, "stop[0]", "stop[0]: must not be empty"),
     ],
 )
 def test_bad_requests_get_the_openai_error_shape(server, request_args, status, param, message):
@@ -280,7 +279,7 @@ def test_a_bad_chat_request_names_the_field(server):
         server.client(max_retries=0).chat.completions.create(
             model=MODEL, messages=[{"role": "robot", "content": "hi"}]
         )
-    assert caught.value.body["param"] == "messages.0.role"
+    assert caught.value.body["param"] == "messages[0].role"
 
 
 def test_readme_openai_snippet_runs_against_the_server(server):

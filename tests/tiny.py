@@ -20,6 +20,8 @@ FAMILIES: dict[str, tuple[str, str]] = {
     "mistral": ("MistralConfig", "MistralForCausalLM"),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
 }
 
 
@@ -37,13 +39,15 @@ def make_tiny_checkpoint(
     seed: int = 0,
     shard_max_bytes: int | None = None,
     rope_scaling: dict[str, Any] | None = None,
+    router_pairs: list[tuple[int, int, float]] | None = None,
     **overrides: Any,
 ) -> str:
     """Build a random transformers model of `family`, save config + safetensors into `path`
     (sharded with an index when shard_max_bytes is given) and return path as str.
 
     The same arguments give the same weights. rope_scaling is merged into the config's
-    rope_parameters (e.g. {"rope_type": "linear", "factor": 2.0}); overrides go to the config.
+    rope_parameters (e.g. {"rope_type": "linear", "factor": 2.0}); router_pairs makes a
+    mixture of experts' routing uneven (_pair_router_rows); overrides go to the config.
     """
     if family not in FAMILIES:
         raise ValueError(f"unknown family {family!r}; known: {sorted(FAMILIES)}")
@@ -81,6 +85,8 @@ def make_tiny_checkpoint(
                 param.copy_(1.0 + 0.1 * torch.randn(param.shape, generator=generator))
             elif param.dim() >= 2 or name.endswith("bias"):
                 param.copy_(0.08 * torch.randn(param.shape, generator=generator))
+            if router_pairs is not None and name.endswith("mlp.gate.weight"):
+                _pair_router_rows(param, router_pairs)
     model = model.to(dtype).eval()
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
@@ -89,6 +95,18 @@ def make_tiny_checkpoint(
         save_kwargs["max_shard_size"] = shard_max_bytes
     model.save_pretrained(out, **save_kwargs)
     return str(out)
+
+
+def _pair_router_rows(weight: torch.Tensor, pairs: list[tuple[int, int, float]]) -> None:
+    """For each (a, b, scale): expert b's router row is minus expert a's, both times scale,
+    so every token finds one of the two far above the others (its sign picks which);
+    experts in no pair are damped to 5%: with a top-k of at most the pairs, they take no
+    token, and the pairs' scales order the rest."""
+    rows = weight.clone()
+    weight.mul_(0.05)
+    for a, b, scale in pairs:
+        weight[a] = scale * rows[a]
+        weight[b] = -scale * rows[a]
 
 
 _CACHE_ROOT: Path | None = None
@@ -238,3 +256,33 @@ class PagedDriver:
             out[req] = logits[start : start + len(tokens)]
             start += len(tokens)
         return out
+
+
+# Tiny mixtures of experts, in dims no other test uses, several experts a token, and
+# routers skewed so that a few experts take most tokens and some take none.
+MOE_CHECKPOINTS: dict[str, dict[str, Any]] = {
+    "qwen3_moe": dict(
+        family="qwen3_moe",
+        hidden_size=80,
+        num_experts=8,
+        num_experts_per_tok=3,
+        moe_intermediate_size=56,
+        intermediate_size=96,  # the dense MLP of mlp_only_layers
+        mlp_only_layers=[2],
+        norm_topk_prob=False,
+        router_pairs=[(0, 3, 6.0), (1, 5, 3.0), (2, 4, 1.5)],  # 6 and 7 take no token
+    ),
+    "mixtral": dict(
+        family="mixtral",
+        hidden_size=72,
+        num_heads=6,
+        num_local_experts=6,
+        num_experts_per_tok=2,
+        intermediate_size=40,
+        router_pairs=[(1, 3, 5.0), (5, 0, 2.0)],  # 2 and 4 take no token
+    ),
+}
+
+
+def moe_checkpoint(name: str) -> str:
+    return cached_tiny_checkpoint(**MOE_CHECKPOINTS[name])

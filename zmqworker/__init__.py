@@ -14,6 +14,7 @@ __version__ = "0.2.0"
 
 if TYPE_CHECKING:
     from messages import SamplingParams
+    from zmqworker.distributed.trainer_sender import TrainerWeightSender
     from zmqworker.frontend.llm import LLM
     from zmqworker.frontend.outputs import (
         EngineStats,
@@ -29,6 +30,7 @@ _LAZY = {
     "RequestOutput": "zmqworker.frontend.outputs",
     "PositionLogprobs": "zmqworker.frontend.outputs",
     "TokenLogprob": "zmqworker.frontend.outputs",
+    "TrainerWeightSender": "zmqworker.distributed.trainer_sender",
 }
 __all__ = [
     "LLM",
@@ -37,6 +39,7 @@ __all__ = [
     "RequestOutput",
     "SamplingParams",
     "TokenLogprob",
+    "TrainerWeightSender",
     "__version__",
 ]
 

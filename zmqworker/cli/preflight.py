@@ -25,7 +25,7 @@ from messages import SamplingParams
 from zmqworker.cli.options import sampling_options
 from zmqworker.cli.prompts import PromptItem, check_text
 from zmqworker.engine.model_folder import ModelFolder, check_conversation
-from zmqworker.frontend.prompts import prompt_token_ids
+from zmqworker.engine.prompts import prompt_token_ids
 
 # The option that sets each SamplingParams field, for messages.
 FLAGS = {o.name: o.flags[0] for o in sampling_options()}

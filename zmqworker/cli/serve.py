@@ -6,7 +6,7 @@ import argparse
 import os
 from typing import Any
 
-from zmqworker.cli.options import add_options, given, llm_options
+from zmqworker.cli.options import add_options, given, llm_options, parse_size
 from zmqworker.serve.sizing import default_api_server_count
 
 LLM_OPTIONS = llm_options()
@@ -46,10 +46,22 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         help="seconds requests in flight get to finish on SIGINT/SIGTERM (default: 30)",
     )
     parser.add_argument(
+        "--max-request-bytes",
+        type=_size,
+        metavar="BYTES",
+        help="refuse larger request bodies with 413 (default: 4MiB; 4194304, 4MiB or 1G)",
+    )
+    parser.add_argument(
         "--uvicorn-log-level",
         default="warning",
         choices=("critical", "error", "warning", "info", "debug"),
         help="uvicorn's logging (info: one line per request; default: warning)",
+    )
+    parser.add_argument(
+        "--enable-admin-endpoints",
+        action="store_true",
+        help="serve /sleep, /wake_up, /reset_prefix_cache, /update_weights_from_disk and "
+        "/is_sleeping (behind the API key when one is set)",
     )
     add_options(parser.add_argument_group("engine"), LLM_OPTIONS)
     return parser
@@ -69,5 +81,17 @@ def run(args: argparse.Namespace) -> int:
         shutdown_timeout_s=args.shutdown_timeout,
         log_level=args.uvicorn_log_level,
         api_server_count=args.api_server_count,
+        enable_admin_endpoints=args.enable_admin_endpoints,
+        **({} if args.max_request_bytes is None else {"max_request_bytes": args.max_request_bytes}),
     )
     return 0
+
+
+def _size(text: str) -> int:
+    try:
+        size = parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    if size < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1 byte, got {text!r}")
+    return size

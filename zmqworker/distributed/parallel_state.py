@@ -1,7 +1,12 @@
-"""This rank's place in the tensor/pipeline-parallel layout, and the collectives layers use.
+"""This rank's place in the tensor/pipeline/expert-parallel layout, and the collectives
+layers use.
 
 Rank layout: rank = pp_rank * tp_size + tp_rank. TP groups hold the ranks of one pipeline
-stage; PP groups hold the ranks with the same tp_rank across stages.
+stage; PP groups hold the ranks with the same tp_rank across stages. With expert
+parallelism (ParallelConfig.enable_expert_parallel) a stage's mixture-of-experts layers
+deal their experts out over its EP group: its TP ranks in every data-parallel replica, as
+vLLM's (expert_group_ranks). One replica makes a world today, so the EP group is the TP
+group; replicas that join one world make it span them.
 """
 
 from __future__ import annotations
@@ -30,6 +35,10 @@ class ParallelState:
     tp_group: ProcessGroup | None  # None when tp_size == 1
     pp_group: ProcessGroup | None  # None when pp_size == 1
     device: torch.device
+    # Expert parallelism: ep_size 1 when off (experts are cut over the TP group instead).
+    ep_rank: int = 0
+    ep_size: int = 1
+    ep_group: ProcessGroup | None = None  # None when ep_size == 1
 
     @property
     def is_first_stage(self) -> bool:
@@ -38,6 +47,17 @@ class ParallelState:
     @property
     def is_last_stage(self) -> bool:
         return self.pp_rank == self.pp_size - 1
+
+
+def expert_group_ranks(tp_size: int, pp_size: int, dp_size: int, pp_rank: int) -> list[int]:
+    """The global ranks of pipeline stage pp_rank's expert-parallel group, in ep_rank order
+    (ep_rank = dp_rank * tp_size + tp_rank), where a replica's ranks follow the previous
+    replica's: global rank = dp_rank * tp_size * pp_size + pp_rank * tp_size + tp_rank."""
+    return [
+        dp * tp_size * pp_size + pp_rank * tp_size + t
+        for dp in range(dp_size)
+        for t in range(tp_size)
+    ]
 
 
 def single_rank_state(device: torch.device) -> ParallelState:
@@ -61,6 +81,8 @@ def init_parallel_state(
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is outside the layout tp={tp_size} x pp={pp_size}")
     tp_rank, pp_rank = rank % tp_size, rank // tp_size
+    # One data-parallel replica per world for now: its EP group is its TP group.
+    ep_size = tp_size if parallel.enable_expert_parallel else 1
     if world_size == 1:
         return ParallelState(0, 1, 0, 1, 0, 1, None, None, device)
     if not parallel.distributed_init_method:
@@ -85,19 +107,36 @@ def init_parallel_state(
         )
         _initialised_here = True
     # new_group is collective: every rank creates every group, in the same order.
-    tp_group = pp_group = None
+    tp_group = pp_group = ep_group = None
     for stage in range(pp_size):
-        ranks = [stage * tp_size + t for t in range(tp_size)]
-        group = dist.new_group(ranks) if tp_size > 1 else None
+        tp_ranks = [stage * tp_size + t for t in range(tp_size)]
+        group = dist.new_group(tp_ranks) if tp_size > 1 else None
         if stage == pp_rank:
             tp_group = group
+        if ep_size > 1:
+            ep_ranks = expert_group_ranks(tp_size, pp_size, 1, stage)
+            # A world of one replica: the TP group's ranks, and its group.
+            ep = group if ep_ranks == tp_ranks else dist.new_group(ep_ranks)
+            if stage == pp_rank:
+                ep_group = ep
     for t in range(tp_size):
         ranks = [stage * tp_size + t for stage in range(pp_size)]
         group = dist.new_group(ranks) if pp_size > 1 else None
         if t == tp_rank:
             pp_group = group
     return ParallelState(
-        rank, world_size, tp_rank, tp_size, pp_rank, pp_size, tp_group, pp_group, device
+        rank,
+        world_size,
+        tp_rank,
+        tp_size,
+        pp_rank,
+        pp_size,
+        tp_group,
+        pp_group,
+        device,
+        ep_rank=tp_rank,
+        ep_size=ep_size,
+        ep_group=ep_group,
     )
 
 
@@ -125,3 +164,12 @@ def tp_all_gather(x: torch.Tensor, state: ParallelState, dim: int = -1) -> torch
     parts = [torch.empty_like(x) for _ in range(state.tp_size)]
     dist.all_gather(parts, x, group=state.tp_group)
     return torch.cat(parts, dim=dim)
+
+
+def expert_all_reduce(x: torch.Tensor, state: ParallelState) -> torch.Tensor:
+    """Sum x over the ranks that share a mixture-of-experts layer's work (in place): the
+    EP group, or the TP group when every rank holds a slice of every expert."""
+    group = state.ep_group if state.ep_size > 1 else state.tp_group
+    if group is not None:
+        dist.all_reduce(x, group=group)
+    return x

@@ -163,6 +163,14 @@ class KVBlockManager:
                     # Nothing worth keeping in it: hand it out before any cached block.
                     self._free.move_to_end(block, last=False)
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached block (new weights, or a KV cache that slept): no later
+        request finds one. Blocks stay with the requests that hold them, as private
+        blocks; those requests register their next full blocks as before."""
+        self._cached.clear()
+        self._block_hash.clear()
+        self._fresh.clear()
+
     def _take_free_block(self) -> int:
         block, _ = self._free.popitem(last=False)
         block_hash = self._block_hash.pop(block, None)

@@ -2,21 +2,24 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
 
 from messages import (
     EngineCoreStats,
     KVCacheSpec,
     SchedulerConfig,
-    WorkerCall,
+    WeightUpdate,
     make_kv_cache_config,
 )
 from zmqworker.engine.batch_queue import BatchQueue
 from zmqworker.engine.block_manager import KVBlockManager
 from zmqworker.engine.request import Request
 from zmqworker.engine.scheduler import Scheduler
+from zmqworker.executor.errors import WorkerError, as_local
 
 if TYPE_CHECKING:
     from zmqworker.executor.abstract import Executor
@@ -63,6 +66,11 @@ class EngineCore:
     Steps in flight: one per pipeline stage; with one stage and async_scheduling,
     async_steps_in_flight, each going on from the one before, so that the workers never
     wait for the engine.
+
+    Between steps (sleep, wake_up, weight updates, the prefix cache, any worker method):
+    each waits for the steps in flight first (drain), so that it never lands mid-step.
+    The engine keeps what it asked for (released, weights_released) to refuse a step
+    before sending it; the workers refuse one too.
     """
 
     def __init__(
@@ -116,6 +124,8 @@ class EngineCore:
         executor.compile_or_warm_up_model()
         logger.info("warm-up: %.1f s", time.perf_counter() - started)
         self.num_aborted = 0  # requests aborted by their clients, since start
+        self.released: set[str] = set()  # what sleep gave back and wake_up has not
+        self.weights_released = False  # sleep(2) dropped them; no update or reload since
 
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)
@@ -132,10 +142,23 @@ class EngineCore:
         """Whether step() has anything to do: unfinished requests or steps in flight."""
         return self.scheduler.has_unfinished_requests() or len(self.batch_queue) > 0
 
+    def not_ready(self) -> str | None:
+        """Why no step can run now (asleep, or weights dropped by sleep(2)); None if one can."""
+        if self.released:
+            return f"asleep ({', '.join(sorted(self.released))} released): call wake_up()"
+        if self.weights_released:
+            return (
+                "the weights were released by sleep(level=2) and have not been loaded since: "
+                "update_weights() or reload_weights() first"
+            )
+        return None
+
     def step(self) -> list[Request]:
         """One turn of the loop: schedule a step if the queue has room, and consume the
         oldest step's output once the queue is full or nothing more can be scheduled.
         Returns the requests that got a token or finished (possibly none)."""
+        if self.released or self.weights_released:
+            raise RuntimeError(f"no step: {self.not_ready()}")
         try:
             if not self.batch_queue.full:
                 output = self.scheduler.schedule()
@@ -150,18 +173,6 @@ class EngineCore:
         except Exception:
             self._recover()
             raise
-
-    def finish_steps_in_flight(self) -> list[Request]:
-        """Wait for every step in flight and apply it, scheduling nothing new (before a
-        call that must not land mid-step); the requests that got a token or finished."""
-        changed: list[Request] = []
-        try:
-            while len(self.batch_queue):
-                changed += self.scheduler.update_from_output(*self.batch_queue.pop())
-        except Exception:
-            self._recover()
-            raise
-        return changed
 
     def stats(self) -> EngineCoreStats:
         """Requests and KV cache blocks now."""
@@ -179,13 +190,6 @@ class EngineCore:
         """Raise if a worker does not answer within timeout (they answer beside steps)."""
         self.executor.check_health(timeout=timeout)
 
-    def collective_rpc(self, call: WorkerCall) -> list:
-        """A worker method on every rank, between steps (the steps in flight first): the
-        results by rank."""
-        return self.executor.collective_rpc(
-            call.method, tuple(call.args), call.kwargs, timeout=call.timeout
-        )
-
     def _recover(self) -> None:
         """After a failed step: wait out the steps still in flight (the workers run them
         anyway), then abort every request, so the engine can take new ones."""
@@ -197,5 +201,100 @@ class EngineCore:
         aborted = self.scheduler.reset_after_failure()
         logger.warning("a step failed: %d requests aborted", len(aborted))
 
+    # -- between steps ----------------------------------------------------------------
+
+    def drain(self) -> list[Request]:
+        """Wait for the steps in flight and apply their outputs; the requests that got a
+        token or finished. The workers are idle when it returns."""
+        changed: list[Request] = []
+        try:
+            while len(self.batch_queue):
+                output, runner_output = self.batch_queue.pop()
+                changed += self.scheduler.update_from_output(output, runner_output)
+        except Exception:
+            self._recover()
+            raise
+        return changed
+
+    def sleep(self, level: int) -> None:
+        self.drain()
+        unfinished = self.scheduler.num_unfinished
+        if unfinished:
+            raise RuntimeError(
+                f"sleep with {unfinished} request(s) unfinished, whose KV cache it would drop: "
+                "let them finish or abort them first"
+            )
+        with _refusals():
+            self.executor.sleep(level)
+        self.block_manager.reset_prefix_cache()  # the cache's contents are gone
+        self.released = {"weights", "kv_cache"}
+        self.weights_released = self.weights_released or level == 2
+
+    def wake_up(self, tags: list[str] | None) -> None:
+        self.drain()
+        with _refusals():
+            self.executor.wake_up(tags)
+        self.released -= {"weights", "kv_cache"} if tags is None else set(tags)
+
+    def reset_prefix_cache(self) -> None:
+        self.drain()
+        self.block_manager.reset_prefix_cache()
+
+    def init_weight_transfer_group(
+        self, host: str, port: int, world_size: int, rank_offset: int, timeout_s: float
+    ) -> None:
+        self.drain()
+        with _refusals():
+            self.executor.collective_rpc(
+                "init_weight_transfer_group",
+                (host, port, world_size, rank_offset, timeout_s),
+                timeout=timeout_s + 60.0,  # the group's own waits are bounded by timeout_s
+            )
+
+    def update_weights_from_group(self, update: WeightUpdate) -> None:
+        self.drain()
+        with _refusals():
+            self.executor.collective_rpc(
+                "update_weights_from_group", (update,), timeout=self.executor.call_timeout_s
+            )
+        self.weights_updated()
+
+    def reload_weights(self, path: str | None) -> None:
+        self.drain()
+        with _refusals():
+            self.executor.collective_rpc(
+                "reload_weights", (path,), timeout=self.executor.call_timeout_s
+            )
+        self.weights_updated()
+
+    def collective_rpc(
+        self,
+        method: str,
+        args: tuple = (),
+        kwargs: dict[str, Any] | None = None,
+        timeout: float | None = None,
+    ) -> list[Any]:
+        """A worker method on every rank, between steps: the results by rank."""
+        self.drain()
+        return self.executor.collective_rpc(method, args, kwargs, timeout)
+
+    def weights_updated(self) -> None:
+        """New weights are in (a client pushed them, or a group or the disk gave them):
+        cached blocks hold keys and values of the old ones."""
+        self.block_manager.reset_prefix_cache()
+        self.weights_released = False
+
     def shutdown(self) -> None:
         self.executor.shutdown()
+
+
+@contextlib.contextmanager
+def _refusals() -> Iterator[None]:
+    """A worker's refusal raised as the builtin error it was (executor/errors.py)."""
+    try:
+        yield
+    except WorkerError as e:
+        local = as_local(e)
+        if local is e:
+            raise
+        raise local from e

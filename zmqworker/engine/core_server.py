@@ -42,7 +42,7 @@ from zmqworker.engine.core import EngineCore
 from zmqworker.engine.core_clients import Client, Clients
 from zmqworker.engine.core_limits import engine_core_limits
 from zmqworker.engine.request import Request
-from zmqworker.engine.utility import call_utility, waits_for_steps
+from zmqworker.engine.utility import EngineCoreUtilities, call_utility, waits_for_steps
 from zmqworker.executor.errors import WorkerDiedError, WorkerStuckError
 from zmqworker.transport.drops import DropCounter
 from zmqworker.transport.frames import recv_frames, send_frames
@@ -73,6 +73,7 @@ class EngineCoreServer:
         self._told_fatal = False  # every client heard that the engine core stops
         self._stopped_by: Client | None = None  # the client whose shutdown call stops it
         self._ready: EngineCoreReady | None = None
+        self._utilities: EngineCoreUtilities | None = None
         sock = ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
@@ -102,6 +103,7 @@ class EngineCoreServer:
             self._fail_start(exc)
             raise
         core = self.core
+        self._utilities = EngineCoreUtilities(core)
         self._ready = EngineCoreReady(
             engine_index=self.index,
             max_model_len=core.max_model_len,
@@ -109,6 +111,7 @@ class EngineCoreServer:
             block_size=core.block_manager.block_size,
             max_num_seqs=core.scheduler.max_num_seqs,
             vocab_size=self.config.vocab_size,
+            num_workers=self.config.worker.parallel.world_size,
             pid=os.getpid(),
             worker_pids=list(getattr(core.executor, "pids", [])),
         )
@@ -222,6 +225,10 @@ class EngineCoreServer:
 
     def _add_request(self, client: Client, msg: EngineCoreRequest) -> None:
         assert self.core is not None
+        if (reason := self.core.not_ready()) is not None:
+            failure = EngineCoreFailure(self.index, [msg.request_id], "RuntimeError", reason)
+            self._send(client, failure)
+            return
         try:
             if msg.request_id in self.clients.owners:
                 raise ValueError(f"request id {msg.request_id!r} is already running")
@@ -265,8 +272,10 @@ class EngineCoreServer:
         self._settle(self.core)
         try:
             if waits_for_steps(call.method):
-                self._step(self.core.finish_steps_in_flight)
-            frames = self._enc.encode(UtilityResult(call.call_id, call_utility(self.core, call)))
+                self._step(self.core.drain)  # their outputs go out first
+            assert self._utilities is not None
+            result = call_utility(self._utilities, call)
+            frames = self._enc.encode(UtilityResult(call.call_id, result))
         except Exception as exc:
             error = UtilityResult(call.call_id, exc_type=type(exc).__name__, message=str(exc))
             frames = self._enc.encode(error)

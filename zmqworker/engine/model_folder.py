@@ -24,7 +24,9 @@ import psutil
 
 from messages import CacheConfig, KVCacheSpec, SamplingParams
 from zmqworker.cdiv import cdiv
+from zmqworker.engine.prompts import check_text
 from zmqworker.models.architectures import supported_architecture
+from zmqworker.models.expert_split import check_expert_split, moe_sizes
 from zmqworker.models.quantization import refuse_quantized
 
 logger = logging.getLogger(__name__)
@@ -71,6 +73,7 @@ def check_conversation(messages: Sequence[dict[str, Any]]) -> None:
             raise ValueError(
                 f"message {i}: role must be system, user or assistant, got {message.get('role')!r}"
             )
+        check_text(message["content"], f"message {i}'s content")
 
 
 class ModelFolder:
@@ -134,7 +137,7 @@ class ModelFolder:
         """The tensor-parallel sizes the model can be cut into."""
         return [n for n in range(1, self.num_kv_heads + 1) if self._splits(n)]
 
-    def check_layout(self, tp: int, pp: int) -> None:
+    def check_layout(self, tp: int, pp: int, expert_parallel: bool = False) -> None:
         """Refuse a layout the model cannot be cut into, before any process starts."""
         if not self._splits(tp):
             raise ValueError(
@@ -146,6 +149,9 @@ class ModelFolder:
             raise ValueError(
                 f"pipeline_parallel_size={pp} is more than the model's {self.num_layers} layers"
             )
+        sizes = moe_sizes(self.config)
+        if sizes is not None:  # one data-parallel replica: the EP group is the TP group
+            check_expert_split(sizes, tp, tp if expert_parallel else 1)
 
     def max_model_len(self, requested: int | None) -> int:
         limit = self.config.get("max_position_embeddings")

@@ -26,6 +26,26 @@ class WorkerError(ExecutorError):
         super().__init__(text)
 
 
+# Refusals a caller can act on, raised again in the engine as the same kind of error.
+_LOCAL_KINDS = {
+    "ValueError": ValueError,
+    "CheckpointError": ValueError,
+    "RuntimeError": RuntimeError,
+    "TypeError": TypeError,
+    "FileNotFoundError": FileNotFoundError,
+}
+
+
+def as_local(error: WorkerError) -> Exception:
+    """A worker's refusal (a bad argument, a call out of order) as the builtin error it
+    was, with its message and rank, for APIs whose callers catch ValueError and the
+    like; any other error as it is. The remote traceback stays on error."""
+    kind = _LOCAL_KINDS.get(error.exc_type)
+    if kind is None:
+        return error
+    return kind(f"rank {error.rank}: {error.remote_message}")
+
+
 class RpcTimeoutError(ExecutorError, TimeoutError):
     def __init__(self, method: str, missing_ranks: list[int], timeout: float) -> None:
         self.method = method

@@ -82,6 +82,7 @@ class EngineCoreClient:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._on_events: Callable[[list[Event]], None] | None = None
         self._dispatch_due = False
+        self._received = 0  # messages read, for a receive that waits for any
         hello = EngineCoreHello(PROTOCOL_VERSION, token, os.getpid(), client_index)
         for engine in self.engines:
             self._send(engine, hello)
@@ -129,12 +130,14 @@ class EngineCoreClient:
     # events -----------------------------------------------------------------------------
 
     def receive(self, timeout: float) -> list[Event]:
-        """The events there are, waiting up to timeout for some."""
+        """The events there are, waiting up to timeout for something to come in (an
+        event, or a utility call's answer)."""
         end = time.monotonic() + timeout
+        received = self._received
         while True:
             events = self.drain()
             left = end - time.monotonic()
-            if events or left <= 0:
+            if events or left <= 0 or self._received != received:
                 return events
             self._poller.poll(max(1, round(min(left, self._next_wake()) * 1000)))
 
@@ -156,7 +159,21 @@ class EngineCoreClient:
     ) -> list[Any]:
         """method on every engine core (or those of engines), blocking: the results in
         engine order. Events that come meanwhile wait for the next drain."""
-        call = self._start_call(method, args, kwargs, timeout, engines)
+        return self.wait(self.submit(method, args, kwargs, timeout, engines))
+
+    def submit(
+        self,
+        method: str,
+        args: Sequence[Any] = (),
+        kwargs: dict[str, Any] | None = None,
+        timeout: float = UTILITY_TIMEOUT_S,
+        engines: Sequence[int] | None = None,
+    ) -> PendingCall:
+        """Send method to every engine core (or those of engines); wait() for it."""
+        return self._start_call(method, args, kwargs, timeout, engines)
+
+    def wait(self, call: PendingCall) -> list[Any]:
+        """A submitted call's results in engine order (or its error), blocking."""
         while not call.done:
             left = max(0.0, call.deadline - time.monotonic())
             self._backlog += self.receive(min(POLL_SLICE_S, left))
@@ -287,6 +304,7 @@ class EngineCoreClient:
                 frames = recv_frames(engine.sock)
             except zmq.Again:
                 return
+            self._received += 1
             try:
                 msg = self._dec.decode(frames)
             except ProtocolError as exc:

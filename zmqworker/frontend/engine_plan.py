@@ -51,7 +51,7 @@ class EnginePlan:
         o = options
         tp, pp, dp = o["tensor_parallel_size"], o["pipeline_parallel_size"], o["data_parallel_size"]
         folder = ModelFolder.open(o["model"])
-        folder.check_layout(tp, pp)
+        folder.check_layout(tp, pp, o["enable_expert_parallel"])
         max_model_len = folder.max_model_len(o["max_model_len"])
         gpus = visible_gpu_count()
         device, device_why = resolve_device(o["device"], gpus)
@@ -88,7 +88,10 @@ class EnginePlan:
                 max_logprobs=o["max_logprobs"],
             ),
             parallel=ParallelConfig(
-                tensor_parallel_size=tp, pipeline_parallel_size=pp, data_parallel_size=dp
+                tensor_parallel_size=tp,
+                pipeline_parallel_size=pp,
+                data_parallel_size=dp,
+                enable_expert_parallel=o["enable_expert_parallel"],
             ),
             cache=cache,
             device=DeviceConfig(device=device, num_threads=o["num_threads"]),
@@ -100,6 +103,7 @@ class EnginePlan:
                     {min(size, max_num_seqs) for size in SchedulerConfig().warmup_batch_sizes}
                 ),
             ),
+            worker_extension_cls=o["worker_extension_cls"],
         )
         logger.info(
             "%d engine core(s) of %d worker(s) on %s (%s), %s (%s); model %s",

@@ -25,3 +25,21 @@ class EngineCoreDiedError(RuntimeError):
 
 class EngineCoreStartupError(RuntimeError):
     """An engine core did not start: its error, or how it died and its last words."""
+
+
+# Refusals a caller can act on (a bad argument, a call out of order), raised again here as
+# the builtin error they were, as the executor raises a worker's (executor/errors.py).
+LOCAL_KINDS: dict[str, type[Exception]] = {
+    "ValueError": ValueError,
+    "RuntimeError": RuntimeError,
+    "TypeError": TypeError,
+    "FileNotFoundError": FileNotFoundError,
+}
+
+
+def utility_error(engine_index: int, exc_type: str, message: str) -> Exception:
+    """The error a caller gets for a utility call that failed on an engine core."""
+    kind = LOCAL_KINDS.get(exc_type)
+    if kind is None:
+        return EngineCoreError(engine_index, exc_type, message)
+    return kind(f"engine core {engine_index}: {message}")

@@ -14,19 +14,23 @@ import itertools
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from messages import EngineCoreReady, EngineCoreRequest, SamplingParams, WorkerCall
+from messages import EngineCoreReady, EngineCoreRequest, SamplingParams
 from zmqworker.engine.model_folder import ModelFolder, TextSide
+from zmqworker.engine.prompts import Prompt, check_text, prompt_list, prompt_token_ids
 from zmqworker.frontend.core_client import POLL_SLICE_S, EngineCoreClient
 from zmqworker.frontend.detokenizer import IncrementalDetokenizer
 from zmqworker.frontend.engine_connection import Event, Failed
+from zmqworker.frontend.llm_control import ControlMethods
 from zmqworker.frontend.output_processor import OutputProcessor
 from zmqworker.frontend.outputs import EngineStats, RequestOutput
-from zmqworker.frontend.prompts import Prompt, prompt_list, prompt_token_ids
 from zmqworker.frontend.request_state import RequestState
+
+if TYPE_CHECKING:
+    from zmqworker.executor.weight_push import WeightPusher
 
 logger = logging.getLogger(__name__)
 
@@ -36,8 +40,9 @@ Sink = Callable[[RequestOutput | Exception], None]
 HEALTH_TIMEOUT_S = 10.0
 
 
-class Frontend:
-    """A client of running engine cores, with the model's text side."""
+class Frontend(ControlMethods):
+    """A client of running engine cores, with the model's text side; between
+    generations, the control methods (llm_control.py)."""
 
     def __init__(
         self,
@@ -63,6 +68,7 @@ class Frontend:
         self._ids = itertools.count()
         self._id_prefix = f"req-{client_index}-"
         self._closed = False
+        self._pusher: WeightPusher | None = None  # made at the first update from here
 
     # -- the API ---------------------------------------------------------------------
 
@@ -169,26 +175,14 @@ class Frontend:
         self.client.attach(asyncio.get_running_loop(), self._handle)
         return EngineStats.total(await self.client.call_async("stats"))
 
-    def collective_rpc(
-        self,
-        method: str,
-        args: Sequence[Any] = (),
-        kwargs: dict[str, Any] | None = None,
-        timeout: float | None = None,
-    ) -> list[Any]:
-        """A worker method on every worker of every engine core, between steps: the
-        results, by engine core then rank."""
-        self._require_open()
-        call = WorkerCall(method, list(args), dict(kwargs or {}), timeout)
-        results = self.client.call("collective_rpc", (call,), timeout=_wait_for(timeout))
-        return [result for engine in results for result in engine]
-
     def close(self) -> None:
         """Close the connections to the engine cores, which go on serving their other
         clients (LLM.shutdown() stops them). Idempotent."""
         if not self._closed:
             self._closed = True
             self.client.close()
+            if self._pusher is not None:
+                self._pusher.close()  # its shared memory segments
 
     # -- internals -------------------------------------------------------------------
 
@@ -279,6 +273,8 @@ class Frontend:
             raise ValueError(
                 f"logprobs={params.logprobs} is more than max_logprobs={self._max_logprobs}"
             )
+        for i, stop in enumerate(params.stop):
+            check_text(stop, f"stop string {i}")  # the request could not cross to the workers
         token_ids = self.encode(prompt)
         detokenizer = IncrementalDetokenizer(self.tokenizer, token_ids) if self.tokenizer else None
         return RequestState(
@@ -288,9 +284,3 @@ class Frontend:
             params,
             detokenizer,
         )
-
-
-def _wait_for(timeout: float | None) -> float:
-    """How long a client waits for a call bounded by timeout on the workers (None: the
-    executor's own bound, an hour at most)."""
-    return 3600.0 + POLL_SLICE_S if timeout is None else timeout + POLL_SLICE_S

@@ -65,6 +65,9 @@ class LLM(Frontend):
                 "data-parallel replicas: engine cores, each with its own workers", aliases=["--dp"]
             ),
         ] = 1,
+        enable_expert_parallel: Annotated[
+            bool, opt("mixture-of-experts models: each rank holds its share of the experts whole")
+        ] = False,
         device: Annotated[
             Literal["cpu", "cuda", "auto"],
             opt("device of the workers (auto: CUDA when a GPU is visible)"),
@@ -121,6 +124,9 @@ class LLM(Frontend):
             Seconds | None,
             opt("seconds a step may go unanswered before it fails"),
         ] = STEP_TIMEOUT_S,
+        worker_extension_cls: Annotated[
+            str, opt("package.module.Class whose public methods the workers also serve")
+        ] = "",
     ) -> None:
         self._launcher: EngineCoreLauncher | None = None
         options = {k: v for k, v in locals().items() if k in OPTION_TYPES}

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from messages import UtilityCall, UtilityResult
-from zmqworker.frontend.errors import EngineCoreError
+from zmqworker.frontend.errors import utility_error
 
 
 @dataclass
@@ -70,7 +70,7 @@ class UtilityCalls:
             return  # it timed out here already
         call.waiting.discard(engine_index)
         if msg.exc_type is not None:
-            call.error = EngineCoreError(engine_index, msg.exc_type, msg.message)
+            call.error = utility_error(engine_index, msg.exc_type, msg.message)
         else:
             call.results[engine_index] = msg.result
         if call.done:

@@ -160,23 +160,20 @@ class TritonPath:
         self._graph_caches: list[torch.Tensor] = []
 
     def decode_kernel_sizes(self, max_reqs: int) -> list[int]:
-        """The smallest batch size of each decode split count, and of each row tile of the
-        skinny projections (row_tiles.py) and of the steps above them, up to max_reqs: a
-        step compiles each of those kernels once."""
-        from zmqworker.models.layers.row_tiles import tile_starts
-
+        """The smallest batch size of each decode split count, and of each kernel choice
+        the model makes by token count (the skinny projections' row tiles, the fused
+        experts' tile sets: model.kernel_token_starts), up to max_reqs: a step compiles
+        each of those kernels once."""
         sizes: dict[int, int] = {}
         for size in range(max_reqs, 0, -1):
             sizes[self.inputs.splits(size)] = size
-        tiles = [s for s in tile_starts() if s <= max_reqs]
+        tiles = [s for s in self.model.kernel_token_starts() if s <= max_reqs]
         return sorted(set(sizes.values()) | set(tiles))
 
     def prefill_kernel_tokens(self, max_reqs: int, max_tokens: int) -> list[int]:
-        """The token counts of the skinny projections' row tiles (and of the steps above
-        them) that only steps of more tokens than requests reach: prefills."""
-        from zmqworker.models.layers.row_tiles import tile_starts
-
-        return [s for s in tile_starts() if max_reqs < s <= max_tokens]
+        """The token counts of the model's kernel choices (model.kernel_token_starts)
+        that only steps of more tokens than requests reach: prefills."""
+        return [s for s in self.model.kernel_token_starts() if max_reqs < s <= max_tokens]
 
     def run(
         self,

@@ -1,5 +1,6 @@
-"""The Llama family (Llama, Mistral, Qwen2, Qwen3) as one tensor- and pipeline-parallel
-implementation over the paged KV cache. The members differ only in FamilyFlags."""
+"""The Llama family (Llama, Mistral, Qwen2, Qwen3, and the mixtures of experts Qwen3-MoE
+and Mixtral) as one tensor-, pipeline- and expert-parallel implementation over the paged
+KV cache. The members differ only in FamilyFlags."""
 
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ from zmqworker.models.layers.rotary import (
     rope_parameters_of,
 )
 from zmqworker.models.loader import load_checkpoint
+from zmqworker.models.moe import MoeFlags, SparseMoeBlock, sparse_layer
 
 
 @dataclass(frozen=True)
@@ -37,6 +39,7 @@ class FamilyFlags:
     o_bias: bool = False  # the output projection has a bias (Llama/Qwen3 attention_bias)
     mlp_bias: bool = False  # gate/up/down have biases (Llama mlp_bias)
     qk_norm: bool = False  # per-head RMSNorm of q and k before rope (Qwen3)
+    moe: MoeFlags | None = None  # sparse layers' MLP is a mixture of experts (moe.py)
 
 
 # The step metadata decides the attention path: plain torch (CPU) or Triton (CUDA).
@@ -180,12 +183,15 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(
-        self, cfg: Any, flags: FamilyFlags, prefix: str, state: ParallelState, fused: bool
-    ):
+    def __init__(self, cfg: Any, flags: FamilyFlags, layer: int, state: ParallelState, fused: bool):
         super().__init__()
+        prefix = f"model.layers.{layer}"
         self.self_attn = LlamaAttention(cfg, flags, f"{prefix}.self_attn", state, fused)
-        self.mlp = LlamaMLP(cfg, flags, f"{prefix}.mlp", state, fused)
+        self.mlp: nn.Module
+        if flags.moe is not None and sparse_layer(cfg, layer):
+            self.mlp = SparseMoeBlock(cfg, flags.moe, prefix, state, fused)
+        else:
+            self.mlp = LlamaMLP(cfg, flags, f"{prefix}.mlp", state, fused)
         eps = cfg.rms_norm_eps
         self.input_layernorm = RMSNorm(cfg.hidden_size, eps, f"{prefix}.input_layernorm", fused)
         self.post_attention_layernorm = RMSNorm(
@@ -213,8 +219,9 @@ def _check_sliding_window(cfg: Any, max_positions: int) -> None:
     """Full attention equals sliding-window attention while no context exceeds the window."""
     window = getattr(cfg, "sliding_window", None)
     layer_types = getattr(cfg, "layer_types", None) or []
+    # Mistral, Mixtral and Qwen3-MoE window every layer whenever the config sets one.
     uses_window = "sliding_attention" in layer_types or (
-        cfg.model_type == "mistral" and window is not None
+        cfg.model_type in ("mistral", "mixtral", "qwen3_moe") and window is not None
     )
     if uses_window and window is not None and max_positions > window:
         raise ValueError(
@@ -242,10 +249,7 @@ class LlamaModel(nn.Module):
                 cfg.vocab_size, cfg.hidden_size, "model.embed_tokens.weight", state
             )
         self.layers = nn.ModuleDict(
-            {
-                str(i): LlamaDecoderLayer(cfg, flags, f"model.layers.{i}", state, fused)
-                for i in range(start, end)
-            }
+            {str(i): LlamaDecoderLayer(cfg, flags, i, state, fused) for i in range(start, end)}
         )
         self.norm = None
         if state.is_last_stage:
@@ -342,6 +346,18 @@ class LlamaForCausalLM(nn.Module):
                 f"pipeline stage {self.state.pp_rank} of {self.state.pp_size} has no LM head"
             )
         return self.lm_head(hidden_states)
+
+    def kernel_token_starts(self) -> list[int]:
+        """The fewest tokens of each kernel choice a fused step makes by its token count
+        (the skinny projections' row tiles, the fused experts' tile sets): warm-up runs a
+        step of each, so that none compiles while serving."""
+        from zmqworker.models.layers.row_tiles import tile_starts
+
+        starts = set(tile_starts())
+        for module in self.modules():
+            if isinstance(module, SparseMoeBlock):
+                starts.update(module.token_starts())
+        return sorted(starts)
 
     def load_weights(self, path: str) -> None:
         """Fill this rank's parameters from the checkpoint folder (also used on wake-up)."""

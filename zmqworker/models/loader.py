@@ -1,17 +1,18 @@
 """Weight loading from a Hugging Face checkpoint folder (safetensors, sharded or not).
 
-Every parameter layer describes the checkpoint slices it needs (TensorSlice); past every
-file's header, this module opens only the files that hold them and reads only those
-slices, so a pipeline stage never reads another stage's layers and a TP rank reads only
-its shard. Any mix of
-float32, bfloat16 and float16 tensors is cast into the parameters' dtype; a quantized
-checkpoint is refused here too (the engine refuses it before the workers start, but a
-worker may be driven by an engine that did not).
+Every parameter layer describes the checkpoint slices it needs (TensorSlice, or OneOf its
+layouts); past every file's header, this module opens only the files that hold them and
+reads only those slices, so a pipeline stage never reads another stage's layers, a TP rank
+reads only its shard and an expert-parallel rank only its experts. Any mix of float32,
+bfloat16 and float16 tensors is cast into the parameters' dtype; a quantized checkpoint is
+refused here too (the engine refuses it before the workers start, but a worker may be
+driven by an engine that did not).
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Container
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -19,8 +20,8 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from zmqworker.models.checkpoint_files import CheckpointError, SafetensorsFiles
-from zmqworker.models.layers.weights import TensorSlice
+from zmqworker.models.checkpoint_files import CheckpointError, SafetensorsFiles, TensorHeader
+from zmqworker.models.layers.weights import OneOf, TensorSlice
 from zmqworker.models.quantization import FLOAT_DTYPES, dtype_name, refuse_quantized_tensors
 
 
@@ -44,7 +45,11 @@ def checkpoint_files(path: str) -> SafetensorsFiles:
     return files
 
 
-def _loading_plan(model: nn.Module) -> list[tuple[torch.Tensor, TensorSlice]]:
+def loading_plan(
+    model: nn.Module, held: Container[str] = ()
+) -> list[tuple[torch.Tensor, TensorSlice]]:
+    """Every (parameter, checkpoint slice) this rank's layers ask for; of a parameter's
+    layouts (OneOf), the first whose tensors are all in held (else the first)."""
     plan = []
     for module in model.modules():
         slices_of = getattr(module, "tensor_slices", None)
@@ -52,45 +57,73 @@ def _loading_plan(model: nn.Module) -> list[tuple[torch.Tensor, TensorSlice]]:
             continue
         for attr, slices in slices_of().items():
             param = getattr(module, attr)
+            if isinstance(slices, OneOf):
+                slices = _layout_held(slices, held)
             plan.extend((param, s) for s in slices)
     return plan
 
 
-def _read_slice(f, s: TensorSlice, path: str) -> torch.Tensor:
-    part = f.get_slice(s.name)
-    if part.get_dtype() not in FLOAT_DTYPES:  # casting it would make a wrong weight
+def _layout_held(choice: OneOf, held: Container[str]) -> tuple[TensorSlice, ...]:
+    for layout in choice.layouts:
+        if all(s.name in held for s in layout):
+            return layout
+    return choice.layouts[0]
+
+
+def _check_slice(header: TensorHeader, s: TensorSlice, path: str) -> None:
+    """A checkpoint tensor the slice may be read from: a float (casting anything else
+    would make a wrong weight) of the shape the model expects."""
+    if header.dtype not in FLOAT_DTYPES:
         raise CheckpointError(
-            f"tensor {s.name} in checkpoint {path} is {dtype_name(part.get_dtype())}: the "
+            f"tensor {s.name} in checkpoint {path} is {dtype_name(header.dtype)}: the "
             "workers load float32, bfloat16 or float16 weights, not quantized ones"
         )
-    shape = tuple(part.get_shape())
-    if shape != s.shape:
+    if tuple(header.shape) != s.shape:
         raise CheckpointError(
-            f"tensor {s.name} in checkpoint {path} has shape {list(shape)}, the model "
+            f"tensor {s.name} in checkpoint {path} has shape {list(header.shape)}, the model "
             f"expects {list(s.shape)}"
         )
+
+
+def _read_slice(f, s: TensorSlice) -> torch.Tensor:
+    part = f.get_slice(s.name)
     end = s.start + s.length
+    if s.src_experts is not None:
+        first, count = s.src_experts
+        experts = slice(first, first + count)
+        return part[experts, s.start : end] if s.dim == 0 else part[experts, :, s.start : end]
     return part[s.start : end] if s.dim == 0 else part[:, s.start : end]
+
+
+def slice_destination(param: torch.Tensor, s: TensorSlice) -> torch.Tensor:
+    """The part of param that slice s fills (an expert of a stacked parameter included)."""
+    if s.src_experts is not None:
+        return param.data.narrow(s.dim + 1, s.dst_start, s.length)
+    target = param.data if s.dst_expert is None else param.data[s.dst_expert]
+    return target.narrow(s.dim, s.dst_start, s.length)
 
 
 @torch.no_grad()
 def load_checkpoint(model: nn.Module, path: str) -> LoadReport:
-    """Copy every slice the model's layers ask for from the folder into their parameters."""
-    index = checkpoint_files(path).index()
-    plan = _loading_plan(model)
+    """Copy every slice the model's layers ask for from the folder into their parameters,
+    in place. Every name, dtype and shape is checked first, from the files' headers: a
+    checkpoint that does not fit changes nothing."""
+    files = checkpoint_files(path)
+    index, headers = files.index(), files.tensors()
+    plan = loading_plan(model, index)
     missing = sorted({s.name for _, s in plan if s.name not in index})
     if missing:
         more = f" (+{len(missing) - 8} more)" if len(missing) > 8 else ""
         raise CheckpointError(f"checkpoint {path} lacks tensor(s): {', '.join(missing[:8])}{more}")
     by_file: dict[str, list[tuple[torch.Tensor, TensorSlice]]] = defaultdict(list)
     for param, s in plan:
+        _check_slice(headers[s.name], s, path)
         by_file[index[s.name]].append((param, s))
     report = LoadReport()
     for file_name, entries in sorted(by_file.items()):
         with safe_open(str(Path(path) / file_name), framework="pt", device="cpu") as f:
             for param, s in entries:
-                values = _read_slice(f, s, path)
-                param.data.narrow(s.dim, s.dst_start, s.length).copy_(values)
+                slice_destination(param, s).copy_(_read_slice(f, s))
                 report.tensors.add(s.name)
         report.files.add(file_name)
     return report

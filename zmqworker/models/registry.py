@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -13,7 +14,9 @@ import transformers
 from messages import ModelConfig
 from zmqworker.distributed.parallel_state import ParallelState
 from zmqworker.models.architectures import SUPPORTED, supported_architecture
+from zmqworker.models.layers.experts import ExpertNames
 from zmqworker.models.llama import FamilyFlags, LlamaForCausalLM
+from zmqworker.models.moe import MoeFlags
 
 CausalLM = LlamaForCausalLM
 
@@ -30,12 +33,24 @@ def _qwen3_flags(cfg: Any) -> FamilyFlags:
     return FamilyFlags(qkv_bias=bias, o_bias=bias, qk_norm=True)
 
 
+def _qwen3_moe_flags(cfg: Any) -> FamilyFlags:
+    names = ExpertNames("mlp", "gate_proj", "up_proj", "down_proj")
+    moe = MoeFlags(names, renormalize=bool(getattr(cfg, "norm_topk_prob", False)))
+    return dataclasses.replace(_qwen3_flags(cfg), moe=moe)
+
+
+# Mixtral's router renormalises its top k (a softmax over the chosen logits).
+_MIXTRAL = FamilyFlags(moe=MoeFlags(ExpertNames("block_sparse_moe", "w1", "w3", "w2"), True))
+
+
 # Each supported architecture's flags of its family member.
 FAMILY_FLAGS: dict[str, Callable[[Any], FamilyFlags]] = {
     "LlamaForCausalLM": _llama_flags,
     "MistralForCausalLM": lambda cfg: FamilyFlags(),
     "Qwen2ForCausalLM": lambda cfg: FamilyFlags(qkv_bias=True),
     "Qwen3ForCausalLM": _qwen3_flags,
+    "Qwen3MoeForCausalLM": _qwen3_moe_flags,
+    "MixtralForCausalLM": lambda cfg: _MIXTRAL,
 }
 assert FAMILY_FLAGS.keys() == SUPPORTED.keys()
 

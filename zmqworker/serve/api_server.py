@@ -49,6 +49,8 @@ class ApiServerConfig(msgspec.Struct, frozen=True):
     output_bytes: int
     listen_fd: int
     shutdown_timeout_s: float
+    max_request_bytes: int
+    enable_admin_endpoints: bool
     log_level: str  # uvicorn's
     engine_log_level: str  # the zmqworker logger's
 
@@ -74,7 +76,13 @@ def run(config: ApiServerConfig) -> int:
     try:
         server = _Server(
             uvicorn.Config(
-                build_app(frontend, config.served_model_name, config.api_key),
+                build_app(
+                    frontend,
+                    config.served_model_name,
+                    config.api_key,
+                    config.max_request_bytes,
+                    config.enable_admin_endpoints,
+                ),
                 loop="uvloop",
                 timeout_graceful_shutdown=config.shutdown_timeout_s,
                 log_level=config.log_level,

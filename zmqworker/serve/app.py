@@ -3,16 +3,20 @@ cores (a Frontend): the OpenAI routes, /health, /metrics, errors.
 
 Handlers run on the server's event loop, which also watches the engine cores' sockets:
 concurrent requests, of this API server and the others, share the engine cores' steps.
-/metrics and /health cover every engine core, whichever API server answers.
+/metrics and /health cover every engine core, whichever API server answers. What a
+request costs in proportion to its size stays off the loop: its body is bounded
+(body_limit.py), decoded and tokenized in the text pool, so /health and the streams in
+flight keep answering.
 """
 
 from __future__ import annotations
 
 import logging
 import secrets
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 
 from fastapi import Depends, FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -21,18 +25,38 @@ from starlette.exceptions import HTTPException
 from zmqworker import __version__
 from zmqworker.frontend.frontend import Frontend
 from zmqworker.frontend.outputs import EngineStats
+from zmqworker.serve.admin import install_admin
+from zmqworker.serve.body import decode_body
+from zmqworker.serve.body_limit import DEFAULT_MAX_REQUEST_BYTES, BodyLimit
 from zmqworker.serve.chat import create_chat_completion
 from zmqworker.serve.completions import create_completion
 from zmqworker.serve.errors import APIError
 from zmqworker.serve.generation import ClientDisconnected, now
 from zmqworker.serve.protocol import ChatCompletionRequest, CompletionRequest
+from zmqworker.serve.text_pool import TextPool
 
 logger = logging.getLogger(__name__)
 HEALTH_TIMEOUT_S = 10.0
 
 
-def build_app(llm: Frontend, model_name: str, api_key: str | None = None) -> FastAPI:
-    app = FastAPI(title="zmqworker", version=__version__)
+def build_app(
+    llm: Frontend,
+    model_name: str,
+    api_key: str | None = None,
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+    enable_admin_endpoints: bool = False,
+) -> FastAPI:
+    text = TextPool()
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        try:
+            yield
+        finally:
+            text.shutdown()
+
+    app = FastAPI(title="zmqworker", version=__version__, lifespan=lifespan)
+    app.add_middleware(BodyLimit, max_bytes=max_request_bytes)
     registry = CollectorRegistry()
     collector = _EngineCollector()
     registry.register(collector)
@@ -43,6 +67,9 @@ def build_app(llm: Frontend, model_name: str, api_key: str | None = None) -> Fas
         given = request.headers.get("authorization", "")
         if not secrets.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
             raise APIError("Incorrect API key provided", 401, code="invalid_api_key")
+
+    if enable_admin_endpoints:
+        install_admin(app, llm, authorized)
 
     def check_model(name: str) -> None:
         if name != model_name:
@@ -82,14 +109,16 @@ def build_app(llm: Frontend, model_name: str, api_key: str | None = None) -> Fas
         return {"object": "list", "data": [card]}
 
     @app.post("/v1/completions", dependencies=[Depends(authorized)])
-    async def completions(body: CompletionRequest, request: Request) -> Response:
+    async def completions(request: Request) -> Response:
+        body = await text.run(decode_body, await request.body(), CompletionRequest)
         check_model(body.model)
-        return await create_completion(llm, model_name, body, request)
+        return await create_completion(llm, model_name, body, request, text)
 
     @app.post("/v1/chat/completions", dependencies=[Depends(authorized)])
-    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+    async def chat_completions(request: Request) -> Response:
+        body = await text.run(decode_body, await request.body(), ChatCompletionRequest)
         check_model(body.model)
-        return await create_chat_completion(llm, model_name, body, request)
+        return await create_chat_completion(llm, model_name, body, request, text)
 
     @app.exception_handler(APIError)
     async def api_error(_: Request, exc: APIError) -> JSONResponse:
@@ -98,10 +127,6 @@ def build_app(llm: Frontend, model_name: str, api_key: str | None = None) -> Fas
     @app.exception_handler(ClientDisconnected)
     async def client_gone(_: Request, exc: ClientDisconnected) -> Response:
         return Response(status_code=499)  # nobody reads it: nginx's "client closed request"
-
-    @app.exception_handler(RequestValidationError)
-    async def invalid_request(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return _validation_error(exc).response()
 
     @app.exception_handler(HTTPException)
     async def http_error(_: Request, exc: HTTPException) -> JSONResponse:
@@ -114,19 +139,6 @@ def build_app(llm: Frontend, model_name: str, api_key: str | None = None) -> Fas
 
     started = now()
     return app
-
-
-def _validation_error(exc: RequestValidationError) -> APIError:
-    """The first problem of the body, naming its field as OpenAI does."""
-    error = exc.errors()[0]
-    loc = [str(part) for part in error.get("loc", ()) if part != "body"]
-    field = ".".join(loc)
-    if error.get("type") == "extra_forbidden":
-        return APIError(f"Unrecognized request argument supplied: {field}", param=field)
-    if isinstance(error.get("ctx", {}).get("error"), APIError):
-        return error["ctx"]["error"]
-    message = error.get("msg", "invalid request")
-    return APIError(f"{field}: {message}" if field else message, param=field or None)
 
 
 class _EngineCollector:

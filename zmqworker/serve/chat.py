@@ -23,16 +23,13 @@ from zmqworker.serve.generation import (
     usage,
 )
 from zmqworker.serve.protocol import ChatCompletionRequest
+from zmqworker.serve.text_pool import TextPool
 
 
 async def create_chat_completion(
-    llm: Frontend, model: str, body: ChatCompletionRequest, http: HTTPRequest
+    llm: Frontend, model: str, body: ChatCompletionRequest, http: HTTPRequest, text: TextPool
 ) -> JSONResponse | StreamingResponse:
-    try:
-        prompt = llm.chat_prompt([m.as_template_message() for m in body.messages])
-        prompt = llm.encode(prompt)
-    except ValueError as exc:
-        raise APIError.from_value_error(exc, param="messages") from None
+    prompt = await text.run(_prompt, llm, body)
     max_tokens = body.max_completion_tokens or body.max_tokens
     params = sampling_params(llm, body, len(prompt), max_tokens, body.num_logprobs())
     head = {"id": new_id("chatcmpl"), "created": now(), "model": model}
@@ -52,6 +49,15 @@ async def create_chat_completion(
     return JSONResponse(
         {**head, "object": "chat.completion", "choices": [choice], "usage": usage([out])}
     )
+
+
+def _prompt(llm: Frontend, body: ChatCompletionRequest) -> list[int]:
+    """The conversation's token ids through the chat template, checked against the model
+    (text work: in the text pool)."""
+    try:
+        return llm.encode(llm.chat_prompt([m.as_template_message() for m in body.messages]))
+    except ValueError as exc:
+        raise APIError.from_value_error(exc, param="messages") from None
 
 
 async def _final(llm: Frontend, prompt: list[int], params: Any) -> RequestOutput:

@@ -22,21 +22,16 @@ from zmqworker.serve.generation import (
     usage,
 )
 from zmqworker.serve.protocol import CompletionRequest
+from zmqworker.serve.text_pool import TextPool
 
 
 async def create_completion(
-    llm: Frontend, model: str, body: CompletionRequest, http: HTTPRequest
+    llm: Frontend, model: str, body: CompletionRequest, http: HTTPRequest, text: TextPool
 ) -> JSONResponse | StreamingResponse:
-    try:
-        prompts = [llm.encode(p) for p in body.prompts()]
-    except ValueError as exc:
-        raise APIError.from_value_error(exc, param="prompt") from None
+    prompts, echoes = await text.run(_encode, llm, body)
     params = sampling_params(
         llm, body, max(len(p) for p in prompts), body.max_tokens, body.logprobs
     )
-    echoes = [
-        _echo(llm, p, t) if body.echo else "" for p, t in zip(body.prompts(), prompts, strict=True)
-    ]
     head = {"id": new_id("cmpl"), "object": "text_completion", "created": now(), "model": model}
     if body.stream:
         include_usage = body.stream_options is not None and body.stream_options.include_usage
@@ -102,6 +97,20 @@ async def _stream(
     except Exception as exc:  # the engine failed: tell the client, then end the stream
         yield sse(APIError(f"{type(exc).__name__}: {exc}", 500, "server_error").body())
     yield sse("[DONE]")
+
+
+def _encode(llm: Frontend, body: CompletionRequest) -> tuple[list[list[int]], list[str]]:
+    """The prompts' token ids, checked against the model, and the text echo puts before
+    each completion (text work: in the text pool)."""
+    prompts, echoes = [], []
+    for name, prompt in body.named_prompts():
+        try:
+            token_ids = llm.encode(prompt)
+        except ValueError as exc:
+            raise APIError.from_value_error(exc, param=name) from None
+        prompts.append(token_ids)
+        echoes.append(_echo(llm, prompt, token_ids) if body.echo else "")
+    return prompts, echoes
 
 
 def _echo(llm: Frontend, prompt: str | list[int], token_ids: list[int]) -> str:

@@ -22,10 +22,10 @@ class APIError(Exception):
         code: str | None = None,
     ) -> None:
         super().__init__(message)
-        self.message = message
+        self.message = _printable(message)
         self.status = status
         self.type = type
-        self.param = param
+        self.param = None if param is None else _printable(param)
         self.code = code
 
     @classmethod
@@ -48,3 +48,9 @@ class APIError(Exception):
 
     def response(self) -> JSONResponse:
         return JSONResponse(self.body(), status_code=self.status)
+
+
+def _printable(text: str) -> str:
+    """text as UTF-8 can carry it: an error may quote what the request held, lone
+    surrogates included, and a response that cannot be encoded would be a 500."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")

@@ -1,127 +1,167 @@
-"""The request bodies of the OpenAI API that the server takes, as pydantic models
-(FastAPI validates them). Fields OpenAI defines and we do not implement are accepted at
-their neutral value only; any other value, or a field OpenAI does not define, is a 400
-that names it. top_k, min_p, ignore_eos and stop_token_ids are vLLM's extensions."""
+"""The request bodies of the OpenAI API that the server takes, as msgspec structs: the
+body is decoded straight into them (fast enough to hold the event loop only briefly for
+the largest body allowed), then check() refuses what no type can say. A field OpenAI
+does not define is a 400 that names it; one it defines and this server does not
+implement is refused as not supported (unsupported.py) unless it has its neutral value.
+top_k, min_p, ignore_eos and stop_token_ids are vLLM's extensions."""
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from msgspec import Meta, Struct
 
 from zmqworker.serve.errors import APIError
+from zmqworker.serve.unsupported import refuse_unsupported, unsupported_part
 
-TokenIds = list[Annotated[int, Field(ge=0)]]
 MAX_LOGPROBS = 20  # the OpenAI API's bound, and the workers' default max_logprobs
+# The most prompts one completion request may hold: each becomes a request in the engine,
+# added on the event loop (OpenAI's bound on the inputs of one embeddings request).
+MAX_PROMPTS = 2048
+ROLES = ("system", "developer", "user", "assistant")
+
+TokenId = Annotated[int, Meta(ge=0)]
+StopString = Annotated[str, Meta(min_length=1)]
 
 
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class StreamOptions(Struct, forbid_unknown_fields=True):
     include_usage: bool = False
 
 
-class SamplingRequest(BaseModel):
+class SamplingRequest(Struct, forbid_unknown_fields=True, kw_only=True):
     """What both endpoints take."""
 
-    model_config = ConfigDict(extra="forbid")
-
     model: str
-    temperature: Annotated[float, Field(ge=0, le=2)] | None = None
-    top_p: Annotated[float, Field(gt=0, le=1)] | None = None
-    top_k: Annotated[int, Field(ge=-1)] | None = None
-    min_p: Annotated[float, Field(ge=0, le=1)] | None = None
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: TokenIds | None = None
+    temperature: Annotated[float, Meta(ge=0, le=2)] | None = None
+    top_p: Annotated[float, Meta(gt=0, le=1)] | None = None
+    top_k: Annotated[int, Meta(ge=-1)] | None = None
+    min_p: Annotated[float, Meta(ge=0, le=1)] | None = None
+    seed: Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)] | None = None
+    stop: StopString | list[StopString] | None = None
+    stop_token_ids: list[TokenId] | None = None
     ignore_eos: bool | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: Literal[1] = 1
-    presence_penalty: Literal[0] = 0
-    frequency_penalty: Literal[0] = 0
-    logit_bias: dict[str, float] | None = None
     user: str | None = None
+    # Not supported unless neutral (unsupported.py).
+    n: Annotated[int, Meta(ge=1)] | None = None
+    presence_penalty: Annotated[float, Meta(ge=-2, le=2)] | None = None
+    frequency_penalty: Annotated[float, Meta(ge=-2, le=2)] | None = None
+    logit_bias: dict[str, float] | None = None
 
-    @model_validator(mode="after")
-    def _neutral(self) -> SamplingRequest:
-        if self.logit_bias:
-            raise APIError("logit_bias is not supported", param="logit_bias")
+    def check(self) -> None:
+        """Refuse what the types cannot: unsupported features, options that need another."""
+        refuse_unsupported(self)
         if self.stream_options is not None and not self.stream:
             raise APIError("stream_options needs stream=true", param="stream_options")
-        return self
 
     def stop_strings(self) -> list[str] | None:
         return [self.stop] if isinstance(self.stop, str) else self.stop
 
 
-class CompletionRequest(SamplingRequest):
-    prompt: str | list[str] | TokenIds | list[TokenIds]
-    max_tokens: Annotated[int, Field(ge=1)] | None = 16
-    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+class CompletionRequest(SamplingRequest, kw_only=True):
+    prompt: str | list[str | int | list[int]]
+    max_tokens: Annotated[int, Meta(ge=1)] | None = 16
+    logprobs: Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)] | None = None
     echo: bool = False
-    best_of: Literal[1] | None = None
-    suffix: None = None
+    # Not supported unless neutral (unsupported.py).
+    best_of: Annotated[int, Meta(ge=1)] | None = None
+    suffix: str | None = None
 
-    @model_validator(mode="after")
-    def _echo(self) -> CompletionRequest:
+    def check(self) -> None:
+        super().check()
         if self.echo and self.logprobs is not None:
             raise APIError("echo with logprobs is not supported", param="echo")
-        return self
+        self.named_prompts()
 
-    def prompts(self) -> list[str | list[int]]:
-        """The prompts, one per choice: text, or token ids."""
+    def named_prompts(self) -> list[tuple[str, str | list[int]]]:
+        """The prompts, one per choice (text, or token ids each at least 0), with the
+        param naming each: "prompt", or "prompt[i]" in a list of prompts."""
         prompt = self.prompt
-        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
-            prompts: list[Any] = [prompt]
+        if isinstance(prompt, str) or (prompt and all(type(t) is int for t in prompt)):
+            named: list[tuple[str, Any]] = [("prompt", prompt)]
+        elif all(isinstance(p, str) for p in prompt) or all(isinstance(p, list) for p in prompt):
+            named = [(f"prompt[{i}]", p) for i, p in enumerate(prompt)]
         else:
-            prompts = list(prompt)  # type: ignore[arg-type]
-        if not prompts or any(len(p) == 0 for p in prompts):
+            raise APIError(
+                "prompt: expected a text, a list of texts, a list of token ids or a list of "
+                "token id lists, not a mix",
+                param="prompt",
+            )
+        if not named or any(len(p) == 0 for _, p in named):
             raise APIError("prompt is empty", param="prompt")
-        return prompts
+        if len(named) > MAX_PROMPTS:
+            raise APIError(
+                f"prompt: {len(named)} prompts in one request, more than the {MAX_PROMPTS} "
+                "this server takes",
+                param="prompt",
+            )
+        for name, p in named:
+            if isinstance(p, list) and min(p) < 0:
+                at = next(k for k, t in enumerate(p) if t < 0)
+                raise APIError(
+                    f"{name}: token ids must be >= 0, got {p[at]} at index {at}", param=name
+                )
+        return named
 
 
-class TextPart(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    type: Literal["text"]
-    text: str
+class ContentPart(Struct, forbid_unknown_fields=True):
+    """A part of a message's content: text. Other kinds are decoded to be refused by name."""
+
+    type: str
+    text: str | None = None
+    image_url: Any = None
+    input_audio: Any = None
+    file: Any = None
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
+class ChatMessage(Struct, forbid_unknown_fields=True):
+    role: str
+    content: str | list[ContentPart]
     name: str | None = None
+
+    def check(self, where: str) -> None:
+        if self.role not in ROLES:
+            raise APIError(
+                f"{where}.role must be one of {', '.join(ROLES)}, got {self.role!r}",
+                param=f"{where}.role",
+            )
+        if isinstance(self.content, str):
+            return
+        for j, part in enumerate(self.content):
+            at = f"{where}.content[{j}]"
+            if part.type != "text":
+                raise APIError(unsupported_part(part.type), param=at)
+            if part.text is None:
+                raise APIError(f"{at}.text is required in a text part", param=f"{at}.text")
 
     def as_template_message(self) -> dict[str, str]:
         """The message as a chat template takes it ("developer" is OpenAI's new name for
         the system role)."""
         content = self.content
         if not isinstance(content, str):
-            content = "".join(part.text for part in content)
+            content = "".join(part.text or "" for part in content)
         role = "system" if self.role == "developer" else self.role
         return {"role": role, "content": content}
 
 
-class ResponseFormat(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    type: Literal["text"]
-
-
-class ChatCompletionRequest(SamplingRequest):
-    messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    max_tokens: Annotated[int, Field(ge=1)] | None = None
-    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+class ChatCompletionRequest(SamplingRequest, kw_only=True):
+    messages: Annotated[list[ChatMessage], Meta(min_length=1)]
+    max_tokens: Annotated[int, Meta(ge=1)] | None = None
+    max_completion_tokens: Annotated[int, Meta(ge=1)] | None = None
     logprobs: bool = False
-    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
-    response_format: ResponseFormat | None = None
-    tools: Annotated[list[Any], Field(max_length=0)] | None = None
-    tool_choice: Literal["none"] | None = None
+    top_logprobs: Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)] | None = None
+    # Not supported unless neutral (unsupported.py).
+    response_format: dict[str, Any] | None = None
+    tools: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
 
-    @model_validator(mode="after")
-    def _top_logprobs(self) -> ChatCompletionRequest:
+    def check(self) -> None:
+        super().check()
+        for i, message in enumerate(self.messages):
+            message.check(f"messages[{i}]")
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError("top_logprobs needs logprobs=true", param="top_logprobs")
-        return self
 
     def num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None

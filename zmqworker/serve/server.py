@@ -33,6 +33,7 @@ from zmqworker.frontend.engine_plan import EnginePlan
 from zmqworker.frontend.llm import LLM, OPTION_TYPES
 from zmqworker.frontend.llm_args import check_args
 from zmqworker.serve.api_server import ApiServerConfig
+from zmqworker.serve.body_limit import DEFAULT_MAX_REQUEST_BYTES
 from zmqworker.serve.sizing import default_api_server_count
 
 logger = logging.getLogger(__name__)
@@ -50,10 +51,14 @@ def serve(
     shutdown_timeout_s: float = 30.0,
     log_level: str = "warning",
     api_server_count: int | None = None,
+    enable_admin_endpoints: bool = False,
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
 ) -> None:
     count = api_server_count or default_api_server_count()
     if count < 1:
         raise ValueError(f"--api-server-count must be >= 1, got {count}")
+    if max_request_bytes < 1:  # before anything starts
+        raise ValueError(f"max_request_bytes must be positive, got {max_request_bytes}")
     defaults = {n: p.default for n, p in inspect.signature(LLM).parameters.items()}
     options = {**defaults, **engine_options}
     check_args(OPTION_TYPES, options)
@@ -77,6 +82,8 @@ def serve(
             output_bytes=plan.output_bytes,
             listen_fd=listener.fileno(),
             shutdown_timeout_s=shutdown_timeout_s,
+            max_request_bytes=max_request_bytes,
+            enable_admin_endpoints=enable_admin_endpoints,
             log_level=log_level,
             engine_log_level=logging.getLevelName(logger.getEffectiveLevel()),
         )

@@ -1,18 +1,61 @@
 """Sleep mode: give device memory back between bursts of work, and take it again.
 
-Level 1 moves the weights to host memory and frees the KV cache; level 2 frees the
-weights entirely (they are reloaded from the checkpoint on wake), keeping a host copy of
-the model's buffers, which are not in the checkpoint (rotary tables and the like).
+Level 1 copies the weights into one host pool (pinned on CUDA, so that the copies run
+at the bus's speed; made by the first sleep that needs it, then kept and reused), one
+copy per tensor and one wait for them all, and frees them on the device; wake_up gives
+them device memory again and copies them back the same way. Level 2 keeps no copy:
+wake_up gives the weights their memory back, uninitialised, and the worker refuses
+steps until they are updated or reloaded (the WeightTransferEngine says so). Both levels
+free the KV cache and the CUDA graphs captured over it; wake_up allocates the cache
+again (its contents are lost) and the worker captures the graphs again. Buffers (rotary
+tables, kernel counters) are small and stay where they are. The same code runs on the
+CPU device, where the pool is plain host memory.
 """
 
 from __future__ import annotations
 
+import logging
+import mmap
+
 import torch
+from torch import nn
 
 from messages import KVCacheConfig
-from zmqworker.models.registry import load_weights
+
+log = logging.getLogger(__name__)
 
 WAKE_TAGS = ("weights", "kv_cache")
+POOL_ALIGN = 512  # each tensor's place in the pool: DMA-friendly
+
+
+class HostPool:
+    """One host buffer, reused from one sleep to the next; replaced only when a larger
+    one is asked for. On CUDA it is page-locked in place (cudaHostRegister) at its exact
+    size: torch's pinned allocator would round 16 GB of weights up to 32. Its memory is
+    an anonymous mapping of its own (page-aligned), given back when it is released."""
+
+    def __init__(self) -> None:
+        self.buffer = torch.empty(0, dtype=torch.uint8)
+        self._registered = False
+
+    def take(self, nbytes: int, pin: bool) -> torch.Tensor:
+        """At least nbytes of it."""
+        if self.buffer.numel() < nbytes:
+            self.release()
+            self.buffer = torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8)
+            if pin:
+                err = torch.cuda.cudart().cudaHostRegister(self.buffer.data_ptr(), nbytes, 0)
+                self._registered = int(err) == 0
+                if not self._registered:
+                    log.warning("pinning the %d-byte sleep pool failed (%s): copies stay "
+                                "pageable, and slower", nbytes, err)  # fmt: skip
+        return self.buffer
+
+    def release(self) -> None:
+        if self._registered:
+            torch.cuda.cudart().cudaHostUnregister(self.buffer.data_ptr())
+            self._registered = False
+        self.buffer = torch.empty(0, dtype=torch.uint8)
 
 
 class SleepState:
@@ -20,40 +63,44 @@ class SleepState:
 
     def __init__(self) -> None:
         self.level = 0
-        self._weights: dict[str, torch.Tensor] = {}  # level 1: host copies
-        self._shapes: dict[str, tuple[torch.Size, torch.dtype]] = {}  # level 2
-        self._buffers: dict[str, torch.Tensor] = {}  # level 2: host copies
         self.weights_released = False
         self.kv_released = False
+        self._pool = HostPool()
+        # Each released parameter, its shape and dtype, and at level 1 its pool offset.
+        self._released: list[tuple[nn.Parameter, torch.Size, torch.dtype, int]] = []
 
     @property
     def asleep(self) -> bool:
         return self.weights_released or self.kv_released
 
     def describe(self) -> str:
-        parts = [
-            name
-            for name, gone in zip(WAKE_TAGS, (self.weights_released, self.kv_released), strict=True)
-            if gone
-        ]
+        flags = (self.weights_released, self.kv_released)
+        parts = [name for name, gone in zip(WAKE_TAGS, flags, strict=True) if gone]
         return f"level {self.level}, released: {', '.join(parts)}"
 
-    def sleep(self, runner, level: int, pin: bool) -> None:
+    @torch.no_grad()
+    def sleep(self, runner, level: int) -> None:
         if level not in (1, 2):
             raise ValueError(f"sleep level must be 1 or 2, got {level}")
         if self.asleep:
             raise RuntimeError(f"already asleep ({self.describe()}): wake_up first")
-        model: torch.nn.Module = runner.model
-        for name, param in model.named_parameters():
-            if level == 1:
-                self._weights[name] = _to_host(param.data, pin)
-            else:
-                self._shapes[name] = (param.shape, param.dtype)
-            param.data = torch.empty(0, dtype=param.dtype, device=param.device)
-        if level == 2:
-            for name, buf in model.named_buffers():
-                self._buffers[name] = _to_host(buf, pin)
-                _set_buffer(model, name, torch.empty(0, dtype=buf.dtype, device=buf.device))
+        params = list(runner.model.parameters())  # a tied parameter once
+        device = params[0].device
+        offsets, end = [], 0
+        for param in params:
+            offsets.append(end)
+            end += -(-param.nbytes // POOL_ALIGN) * POOL_ALIGN
+        if level == 1:
+            pool = self._pool.take(end, pin=device.type == "cuda")
+            for param, offset in zip(params, offsets, strict=True):
+                _place(pool, offset, param).copy_(param.data, non_blocking=True)
+            _wait_for_copies(device)
+        self._released = [
+            (param, param.shape, param.dtype, offset)
+            for param, offset in zip(params, offsets, strict=True)
+        ]
+        for param in params:
+            param.data = torch.empty(0, dtype=param.dtype, device=device)
         runner.release_kv_cache()
         self.level, self.weights_released, self.kv_released = level, True, True
 
@@ -69,7 +116,7 @@ class SleepState:
         if unknown:
             raise ValueError(f"unknown wake_up tags {unknown}: use {list(WAKE_TAGS)}")
         if "weights" in tags and self.weights_released:
-            self._restore_weights(runner, device)
+            self._restore_weights(device)
             self.weights_released = False
         if "kv_cache" in tags and self.kv_released:
             if kv_cache_config is not None:
@@ -79,34 +126,29 @@ class SleepState:
             self.level = 0
 
     def clear(self) -> None:
-        self._weights.clear()
-        self._shapes.clear()
-        self._buffers.clear()
+        self._released = []
+        self._pool.release()
 
-    def _restore_weights(self, runner, device: torch.device) -> None:
-        model: torch.nn.Module = runner.model
-        params = dict(model.named_parameters())
-        if self.level == 1:
-            for name, host in self._weights.items():
-                params[name].data = host.to(device, non_blocking=False)
-        else:
-            for name, (shape, dtype) in self._shapes.items():
-                params[name].data = torch.empty(shape, dtype=dtype, device=device)
-            for name, host in self._buffers.items():
-                _set_buffer(model, name, host.to(device))
-            load_weights(model, runner.config.model)
-        self.clear()
+    @torch.no_grad()
+    def _restore_weights(self, device: torch.device) -> None:
+        """Device memory for every released weight; at level 1 its values from the pool."""
+        pool = self._pool.buffer
+        for param, shape, dtype, offset in self._released:
+            fresh = torch.empty(shape, dtype=dtype, device=device)
+            if self.level == 1:
+                fresh.copy_(_place(pool, offset, fresh), non_blocking=True)
+            param.data = fresh
+        _wait_for_copies(device)
+        self._released = []
 
 
-def _to_host(t: torch.Tensor, pin: bool) -> torch.Tensor:
-    if t.device.type == "cpu":
-        return t  # already host memory: keep the storage, no copy
-    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=pin)
-    host.copy_(t)
-    return host
+def _place(pool: torch.Tensor, offset: int, like: torch.Tensor) -> torch.Tensor:
+    """The pool's bytes at offset as a tensor of like's shape and dtype."""
+    return pool[offset : offset + like.nbytes].view(like.dtype).view(like.shape)
 
 
-def _set_buffer(model: torch.nn.Module, name: str, value: torch.Tensor) -> None:
-    owner_name, _, attr = name.rpartition(".")
-    owner = model.get_submodule(owner_name) if owner_name else model
-    owner._buffers[attr] = value
+def _wait_for_copies(device: torch.device) -> None:
+    if device.type == "cuda":
+        done = torch.cuda.Event()
+        done.record()
+        done.synchronize()

@@ -12,11 +12,14 @@ import msgspec
 import torch
 
 from messages import (
+    CudaWeights,
     GrammarOutput,
     IntermediateTensors,
     KVCacheConfig,
     KVCacheSpec,
     SchedulerOutput,
+    SharedWeights,
+    WeightUpdate,
     WorkerConfig,
 )
 from zmqworker.distributed.parallel_state import (
@@ -29,6 +32,7 @@ from zmqworker.model_runner.model_runner import ModelRunner
 from zmqworker.worker.device import DeviceOps, device_ops
 from zmqworker.worker.host_malloc import keep_freed_memory
 from zmqworker.worker.sleep_mode import SleepState
+from zmqworker.worker.weight_transfer import WeightTransferEngine
 from zmqworker.worker.worker_base import WorkerBase, freeze_startup_heap
 
 PROFILERS = ("none", "torch", "cuda")
@@ -56,6 +60,7 @@ class Worker(WorkerBase):
         self.device: torch.device | None = None
         self.state: ParallelState | None = None
         self.model_runner: ModelRunner | None = None
+        self.weight_transfer: WeightTransferEngine | None = None
         self._kv_cache_config: KVCacheConfig | None = None
         self._available_kv_bytes: int | None = None
         self._host_free_at_start = 0
@@ -94,6 +99,7 @@ class Worker(WorkerBase):
         if self.model_runner is not None:
             raise RuntimeError(f"rank {self.rank}: the model is already loaded")
         self.model_runner = ModelRunner(self.config, self.state)
+        self.weight_transfer = WeightTransferEngine(self.model_runner.model, self.config.model)
 
     def determine_available_memory(self) -> int:
         runner = self._runner()
@@ -212,7 +218,9 @@ class Worker(WorkerBase):
 
     def sleep(self, level: int = 1) -> None:
         runner = self._runner()
-        self._sleep.sleep(runner, level, pin=self.ops.name == "cuda")
+        self._sleep.sleep(runner, level)
+        if level == 2:
+            self._transfer().weights_released()
         self.ops.empty_cache()
 
     def wake_up(self, tags: list[str] | None = None) -> None:
@@ -240,6 +248,32 @@ class Worker(WorkerBase):
                 f"{HEALTH_OP_TIMEOUT_S} s"
             )
 
+    # weights ------------------------------------------------------------------------
+
+    def start_weight_update(self, update: WeightUpdate) -> None:
+        self._weights_in_place("start_weight_update").start(update)
+
+    def load_weight_chunk(self, chunk: SharedWeights | CudaWeights) -> None:
+        self._weights_in_place("load_weight_chunk").load_chunk(chunk)
+
+    def finish_weight_update(self) -> None:
+        self._transfer().finish()
+
+    def abort_weight_update(self) -> None:
+        self._transfer().abort()
+
+    def init_weight_transfer_group(
+        self, host: str, port: int, world_size: int, rank_offset: int, timeout_s: float = 300.0
+    ) -> None:
+        rank = rank_offset + self.rank
+        self._transfer().init_group(host, port, world_size, rank, timeout_s)
+
+    def update_weights_from_group(self, update: WeightUpdate) -> None:
+        self._weights_in_place("update_weights_from_group").receive_from_group(update)
+
+    def reload_weights(self, path: str | None = None) -> None:
+        self._weights_in_place("reload_weights").reload(path)
+
     def shutdown(self) -> None:
         if self._shut_down:
             return
@@ -247,6 +281,10 @@ class Worker(WorkerBase):
         if self._profiler is not None:
             self._profiler.stop()
             self._profiler = None
+        # The seed's order: KV transfer first (none yet), then weight transfer, then the rest.
+        if self.weight_transfer is not None:
+            self.weight_transfer.shutdown()
+            self.weight_transfer = None
         if self.model_runner is not None:
             self.model_runner.shutdown()
             self.model_runner = None
@@ -266,9 +304,27 @@ class Worker(WorkerBase):
             raise RuntimeError(f"{step} has not run: call it first")
         return self.model_runner
 
+    def _transfer(self) -> WeightTransferEngine:
+        self._runner()  # says which start-up call is missing
+        assert self.weight_transfer is not None
+        return self.weight_transfer
+
+    def _weights_in_place(self, what: str) -> WeightTransferEngine:
+        """The weight-transfer engine, once the weights have device memory."""
+        transfer = self._transfer()
+        if self._sleep.weights_released:
+            raise RuntimeError(
+                f"{what} while the weights are released by sleep ({self._sleep.describe()}): "
+                "call wake_up(['weights']) first"
+            )
+        return transfer
+
     def _require_awake(self, what: str) -> None:
         if self._sleep.asleep:
             raise RuntimeError(f"{what} while asleep ({self._sleep.describe()}): call wake_up")
+        not_ready = self.weight_transfer.not_ready if self.weight_transfer else None
+        if not_ready is not None:
+            raise RuntimeError(f"{what}: {not_ready}")
 
     def _device_probe(self) -> float:
         x = torch.ones(1, device=self.device) + 1

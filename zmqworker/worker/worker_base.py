@@ -10,10 +10,13 @@ import gc
 from abc import ABC, abstractmethod
 
 from messages import (
+    CudaWeights,
     GrammarOutput,
     KVCacheConfig,
     KVCacheSpec,
     SchedulerOutput,
+    SharedWeights,
+    WeightUpdate,
     WorkerConfig,
 )
 from zmqworker.distributed.pipeline_stage import PipelineStage
@@ -34,6 +37,13 @@ RPC_METHODS = frozenset(
         "profile",
         "sleep",
         "wake_up",
+        "start_weight_update",
+        "load_weight_chunk",
+        "finish_weight_update",
+        "abort_weight_update",
+        "init_weight_transfer_group",
+        "update_weights_from_group",
+        "reload_weights",
         "check_health",
         "shutdown",
     }
@@ -130,6 +140,39 @@ class WorkerBase(ABC):
     @abstractmethod
     def wake_up(self, tags: list[str] | None = None) -> None:
         """Restore what sleep released: "weights", "kv_cache", or both (None)."""
+
+    # Weight updates (docs/protocol.md, "Weight updates"): an update is announced whole
+    # and checked before any weight changes; its bytes come in chunks.
+
+    @abstractmethod
+    def start_weight_update(self, update: WeightUpdate) -> None:
+        """Check an update's announcement against the model; chunks may follow."""
+
+    @abstractmethod
+    def load_weight_chunk(self, chunk: SharedWeights | CudaWeights) -> None:
+        """Copy this rank's slices of a chunk's tensors into its weights, in place."""
+
+    @abstractmethod
+    def finish_weight_update(self) -> None:
+        """End the update; every announced tensor must have come."""
+
+    @abstractmethod
+    def abort_weight_update(self) -> None:
+        """End the update where it is (weights half-written refuse steps)."""
+
+    @abstractmethod
+    def init_weight_transfer_group(
+        self, host: str, port: int, world_size: int, rank_offset: int, timeout_s: float = 300.0
+    ) -> None:
+        """Join a trainer's weight-transfer group as rank rank_offset + this rank."""
+
+    @abstractmethod
+    def update_weights_from_group(self, update: WeightUpdate) -> None:
+        """Receive the announced update from the group's trainer."""
+
+    @abstractmethod
+    def reload_weights(self, path: str | None = None) -> None:
+        """Load the weights again from the start-up checkpoint or another of its kind."""
 
     @abstractmethod
     def check_health(self) -> None:

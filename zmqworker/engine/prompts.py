@@ -19,6 +19,20 @@ def prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
     return listed
 
 
+def check_text(text: str, what: str) -> None:
+    """A ValueError naming what, if text cannot be encoded as UTF-8: it holds a lone
+    surrogate (a JSON "\\udcff" escape, or an invalid byte of a command line or stdin
+    decoded with surrogateescape). No tokenizer takes such text and no message carries
+    it: it is refused, not replaced."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(
+            f"{what} is not valid Unicode text: it holds a lone surrogate "
+            f"{text[exc.start]!r} at character {exc.start} (text must be encodable as UTF-8)"
+        ) from None
+
+
 def prompt_token_ids(
     prompt: Prompt, tokenizer: Any, max_model_len: int, vocab_size: int | None
 ) -> list[int]:
@@ -29,6 +43,7 @@ def prompt_token_ids(
             raise ValueError("the prompt is empty")
         if tokenizer is None:
             raise ValueError("the model folder has no tokenizer: give prompts as token ids")
+        check_text(prompt, "the prompt")
         token_ids = list(tokenizer.encode(prompt))
     elif isinstance(prompt, Sequence) and all(isinstance(t, int) for t in prompt):
         token_ids = [int(t) for t in prompt]

@@ -1,0 +1,163 @@
+"""The fused mixture of experts (Triton, run by its interpreter on the CPU) against the
+plain-torch experts: float32 and float16, one token, many tokens, experts that get no
+token, experts held on other ranks, every tile set; and the sorted layout itself."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from zmqworker.models.layers import fused_moe as fm  # noqa: E402
+from zmqworker.models.layers import moe_sort  # noqa: E402
+from zmqworker.models.layers.activation import GatedActivation  # noqa: E402
+from zmqworker.models.layers.experts import experts_reference, route  # noqa: E402
+
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available() and __import__("os").environ.get("TRITON_INTERPRET") != "1",
+    reason="Triton kernels need a GPU or the interpreter",
+)
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+HIDDEN, INTER, EXPERTS = 40, 24, 8
+
+
+def problem(tokens: int, dtype: torch.dtype, local: int = EXPERTS, seed: int = 0, skew=None):
+    """x, router logits, and a rank's experts (w13, w2) of a layer of EXPERTS experts.
+    skew adds to each expert's logits: a large negative value leaves it without tokens."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, HIDDEN, generator=gen)
+    logits = torch.randn(tokens, EXPERTS, generator=gen)
+    if skew is not None:
+        logits = logits + torch.tensor(skew)
+    w13 = 0.2 * torch.randn(local, 2 * INTER, HIDDEN, generator=gen)
+    w2 = 0.2 * torch.randn(local, HIDDEN, INTER, generator=gen)
+    return [t.to(dtype).to(DEVICE) for t in (x, logits, w13, w2)]
+
+
+def reference(x, logits, w13, w2, top_k, renormalize, first_expert) -> torch.Tensor:
+    weights, ids = route(logits.float().cpu(), top_k, renormalize)
+    args = [t.cpu() for t in (x, w13, w2)]
+    if x.dtype == torch.float16:  # half products on the CPU: the same roundings, in float32
+        out = experts_reference(*[a.float() for a in args], weights, ids, first_expert, _Half())
+        return out.half()
+    return experts_reference(args[0], args[1], args[2], weights, ids, first_expert, SILU)
+
+
+SILU = GatedActivation("silu")
+
+
+class _Half(torch.nn.Module):
+    """SiLU-and-multiply rounding as float16 does, over float32 tensors."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.half().float().chunk(2, dim=-1)
+        return (torch.nn.functional.silu(gate).half().float() * up).half().float()
+
+
+def close(dtype: torch.dtype) -> dict[str, float]:
+    return {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
+
+
+@pytest.mark.parametrize(
+    ("dtype", "tokens", "renormalize"),
+    [
+        (torch.float32, 1, False),
+        (torch.float32, 7, True),
+        (torch.float32, 300, True),
+        (torch.float16, 1, True),
+        (torch.float16, 7, False),
+        (torch.float16, 150, False),
+    ],
+)
+def test_fused_moe_matches_the_torch_experts(dtype, tokens, renormalize):
+    """Experts 2 and 5 get no token (their logits are far below)."""
+    x, logits, w13, w2 = problem(tokens, dtype, skew=[0, 0, -30, 0, 2, -30, 0, 1])
+    got = fm.fused_moe(x, logits, w13, w2, 3, renormalize, 0)
+    expected = reference(x, logits, w13, w2, 3, renormalize, 0)
+    torch.testing.assert_close(got.cpu(), expected, **close(dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("regime", range(len(fm._REGIMES)))
+def test_every_tile_set_gives_the_same_result(regime, dtype):
+    """Each regime's tiles as a step of its tokens takes them in this dtype, over 45 tokens."""
+    element_size = torch.empty(0, dtype=dtype).element_size()
+    tiles = fm.tiles_for(fm.token_starts(2, EXPERTS)[regime], 2, EXPERTS, element_size)
+    assert tiles.block_m == fm._REGIMES[regime][1].block_m
+    x, logits, w13, w2 = problem(45, dtype, seed=1)
+    got = fm.fused_moe(x, logits, w13, w2, 2, True, 0, tiles=tiles)
+    torch.testing.assert_close(got.cpu(), reference(x, logits, w13, w2, 2, True, 0), **close(dtype))
+
+
+@pytest.mark.parametrize("first_expert", [0, 4])
+def test_experts_held_elsewhere_add_nothing(first_expert):
+    """Expert parallelism: this rank holds experts [first, first + 4); a token whose
+    choices are all elsewhere gets zeros, and the ranks' parts sum to the whole."""
+    x, logits, w13, w2 = problem(33, torch.float32, seed=2)
+    mine = slice(first_expert, first_expert + 4)
+    got = fm.fused_moe(
+        x, logits, w13[mine].contiguous(), w2[mine].contiguous(), 2, False, first_expert
+    )
+    expected = reference(x, logits, w13[mine], w2[mine], 2, False, first_expert)
+    torch.testing.assert_close(got.cpu(), expected)
+    _, ids = route(logits.cpu(), 2, False)
+    elsewhere = ((ids < first_expert) | (ids >= first_expert + 4)).all(dim=1)
+    assert elsewhere.any() and not got.cpu()[elsewhere].any()
+
+
+def test_pairs_are_sorted_by_expert_in_padded_runs():
+    tokens, top_k, block_m = 37, 3, 16
+    _, logits, _, _ = problem(tokens, torch.float32, skew=[0, 0, -30, 0, 2, -30, 0, 1])
+    tiles = fm.MoeTiles(block_m, 16, (64, 128, 4, 4), (64, 128, 4, 4))
+    ids = torch.empty(tokens, top_k, dtype=torch.int32, device=DEVICE)
+    weights = torch.empty(tokens, top_k, dtype=torch.float32, device=DEVICE)
+    chunks = 3
+    counts = torch.empty(chunks, EXPERTS, dtype=torch.int32, device=DEVICE)
+    moe_sort.route_kernel[(chunks,)](
+        ids, weights, counts, logits, tokens, logits.stride(0), 0, NUM_EXPERTS=EXPERTS,
+        EXPERTS_P2=EXPERTS, NUM_LOCAL=EXPERTS, TOP_K=top_k, TOP_K_P2=4, RENORMALIZE=False,
+        CHUNK=tiles.chunk, SUB=16, PDL=False,
+    )  # fmt: skip
+    expected_weights, expected_ids = route(logits.cpu(), top_k, False)
+    assert torch.equal(ids.cpu().long(), expected_ids)
+    torch.testing.assert_close(weights.cpu(), expected_weights)
+    blocks = moe_sort.max_blocks(tokens * top_k, EXPERTS, block_m)
+    sorted_pairs = torch.full((blocks * block_m,), -7, dtype=torch.int32, device=DEVICE)
+    block_expert = torch.full((blocks,), -7, dtype=torch.int32, device=DEVICE)
+    moe_sort.place_kernel[(chunks,)](
+        sorted_pairs, block_expert, counts, ids, tokens, chunks, blocks,
+        -(-blocks // chunks), 0, NUM_LOCAL=EXPERTS, LOCAL_P2=EXPERTS, TOP_K=top_k,
+        BLOCK_M=block_m, CHUNK=tiles.chunk, SUB_PAIRS=32, CHUNK_TILE=64, BLOCK_TILE=16,
+        PDL=False,
+    )  # fmt: skip
+    per_expert = torch.bincount(expected_ids.flatten(), minlength=EXPERTS)
+    assert per_expert[2] == per_expert[5] == 0
+    used = int(sum(-(-int(n) // block_m) for n in per_expert))
+    assert block_expert[used:].eq(-1).all()
+    runs = sorted_pairs.cpu()[: used * block_m].view(used, block_m)
+    flat_ids = expected_ids.flatten()
+    seen = []
+    for block, expert in zip(runs, block_expert.cpu()[:used].tolist(), strict=True):
+        pairs = block[block < tokens * top_k]
+        assert pairs.numel() and (flat_ids[pairs.long()] == expert).all()
+        assert (block[pairs.numel() :] == tokens * top_k).all()  # the padding, at the end
+        seen += pairs.tolist()
+    assert sorted(seen) == list(range(tokens * top_k))
+
+
+def test_warm_up_token_counts_reach_every_tile_set():
+    starts = fm.token_starts(top_k=8, num_local=128)
+    assert starts == [1, 257, 1025, 4097]
+    assert [fm.tiles_for(n, 8, 128) for n in starts] == [t for _, t in fm._REGIMES]
+    assert fm.tiles_for(256, 8, 128) == fm._REGIMES[0][1]
+    # float32: the same block rows, half the K tile (shared memory)
+    wide = fm.tiles_for(256, 8, 128, element_size=4)
+    assert (wide.block_m, wide.gate_up[1], wide.down[1]) == (16, 64, 64)
+
+
+def test_no_tokens_and_bad_shapes():
+    x, logits, w13, w2 = problem(1, torch.float32)
+    assert fm.fused_moe(x[:0], logits[:0], w13, w2, 2, True, 0).shape == (0, HIDDEN)
+    with pytest.raises(ValueError, match="fused_moe: x"):
+        fm.fused_moe(x, logits, w13, w2[:, :, :-1], 2, True, 0)

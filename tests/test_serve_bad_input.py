@@ -1,0 +1,273 @@
+"""zmqworker serve against bad and outsized input, over real sockets: a maximal body does
+not hold the server (/health and a live stream answer while it is prepared), a body past
+--max-request-bytes is refused before it is read, text that is not valid Unicode and
+unsupported features get a 400 that says so and names the field."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import socket
+import string
+import urllib.error
+import urllib.request
+
+import openai
+import pytest
+from engine_helpers import byte_level_tokenizer
+
+from messages import SamplingParams
+from tests.test_serve import MODEL, Server
+from zmqworker.cli import build_parser
+from zmqworker.engine.model_folder import TextSide
+from zmqworker.engine.prompts import check_text, prompt_token_ids
+from zmqworker.serve.body_limit import DEFAULT_MAX_REQUEST_BYTES
+from zmqworker.serve.protocol import MAX_PROMPTS
+
+LIMIT = 2 << 20  # the test server's --max-request-bytes
+HELLO = {"model": MODEL, "prompt": "Hello", "max_tokens": 2}
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 2}
+TEXT_PART = {"type": "text", "text": "What is this?"}
+IMAGE_PART = {"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}
+
+
+@pytest.fixture(scope="module")
+def server():
+    srv = Server("--max-request-bytes", "2MiB")
+    yield srv
+    srv.stop()
+
+
+def post(server: Server, path: str, body: bytes | dict) -> tuple[int, dict]:
+    """(status, decoded JSON) of a POST whose body is sent exactly as given."""
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    request = urllib.request.Request(
+        f"{server.base}{path}", data=data, headers={"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=120) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def health(server: Server) -> int:
+    with urllib.request.urlopen(f"{server.base}/health", timeout=120) as response:
+        return response.status
+
+
+def send_then_read(server: Server, head: bytes, body_part: bytes) -> bytes:
+    """Send a request's head and part of its body, stop sending, and read the response."""
+    with socket.create_connection(("127.0.0.1", server.port), timeout=60) as sock:
+        sock.sendall(head + body_part)
+        data = b""
+        while b"\r\n\r\n" not in data or not data.endswith(b"}"):
+            chunk = sock.recv(65536)
+            assert chunk, f"the server closed the connection without an answer: {data!r}"
+            data += chunk
+        return data
+
+
+def test_health_and_a_stream_answer_while_a_maximal_request_is_prepared(server):
+    """A prompt just under the bound takes the tokenizer seconds (and is then refused as
+    longer than the model): all that while the event loop serves the others."""
+    head = json.dumps({"model": MODEL, "prompt": ""})[:-2].encode()
+    random.seed(0)  # letters without spaces: among the slowest text to tokenize
+    letters = "".join(random.choices(string.ascii_lowercase, k=LIMIT - len(head) - 2))
+    big_body = head + letters.encode() + b'"}'
+    assert len(big_body) == LIMIT
+
+    async def scenario() -> tuple[list[str], dict]:
+        client = openai.AsyncOpenAI(base_url=f"{server.base}/v1", api_key="unused")
+        stream = await client.completions.create(
+            model=MODEL, prompt="Once upon a time", max_tokens=480, temperature=0,
+            stream=True, extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        tokens = aiter(stream)
+        await anext(tokens)
+        events: list[str] = []
+        big = asyncio.create_task(asyncio.to_thread(post, server, "/v1/completions", big_body))
+        big.add_done_callback(lambda _: events.append("big done"))
+
+        async def next_token() -> None:
+            token = asyncio.ensure_future(anext(tokens))
+            done, _ = await asyncio.wait([token, big], return_when=asyncio.FIRST_COMPLETED)
+            if token not in done:
+                token.cancel()
+            elif token.exception() is None:
+                events.append("token")
+
+        await next_token()  # the server has the big body: a blocked loop streams nothing
+        events.append(f"health {await asyncio.to_thread(health, server)}")
+        await next_token()
+        _, answer = await big
+        await stream.close()
+        await client.close()
+        return events, answer
+
+    events, answer = asyncio.run(scenario())
+    assert events.index("health 200") < events.index("big done"), events
+    assert "token" in events[events.index("health 200") : events.index("big done")], events
+    assert "more than max_model_len=512" in answer["error"]["message"]
+
+
+def test_a_body_declared_over_the_bound_is_refused_before_it_is_read(server):
+    head = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {100 * LIMIT}\r\n\r\n"
+    ).encode()
+    answer = send_then_read(server, head, b'{"model": "x", "prompt": "' + b"a" * 1000)
+    assert answer.startswith(b"HTTP/1.1 413 ")
+    error = json.loads(answer.partition(b"\r\n\r\n")[2])["error"]
+    assert error["message"] == (
+        f"the request body of {100 * LIMIT} bytes is larger than this server takes: "
+        f"at most {LIMIT} bytes (--max-request-bytes)"
+    )
+    assert error["type"] == "invalid_request_error" and error["param"] is None
+
+
+def test_a_chunked_body_over_the_bound_is_refused(server):
+    head = (
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Transfer-Encoding: chunked\r\n\r\n"
+    )
+    piece = b"a" * 65536
+    chunks = b"".join(b"%x\r\n%s\r\n" % (len(piece), piece) for _ in range(LIMIT // 65536 + 1))
+    answer = send_then_read(server, head, chunks)  # no last chunk: the body never ends
+    assert answer.startswith(b"HTTP/1.1 413 ")
+    assert b"at most 2097152 bytes (--max-request-bytes)" in answer
+    assert health(server) == 200
+
+
+SURROGATE = '"Hello \\udcff"'  # a lone surrogate, as JSON writes it
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("/v1/completions", f'{{"model": "{MODEL}", "prompt": {SURROGATE}}}', "prompt"),
+        ("/v1/completions", f'{{"model": "{MODEL}", "prompt": ["Hi", {SURROGATE}]}}', "prompt[1]"),
+        (
+            "/v1/completions",
+            f'{{"model": "{MODEL}", "prompt": "Hi", "stop": [{SURROGATE}]}}',
+            "stop[0]",
+        ),
+        (
+            "/v1/chat/completions",
+            f'{{"model": "{MODEL}", "messages": [{{"role": "user", "content": {SURROGATE}}}]}}',
+            "messages[0].content",
+        ),
+        (
+            "/v1/chat/completions",
+            f'{{"model": "{MODEL}", "messages": [{{"role": "user", "content": "Hi"}}], '
+            f'"stop": {SURROGATE}}}',
+            "stop",
+        ),
+    ],
+)
+def test_text_that_is_not_unicode_is_refused_naming_its_field(server, path, body, param):
+    status, answer = post(server, path, body.encode())
+    assert status == 400, answer
+    assert answer["error"]["param"] == param
+    assert answer["error"]["message"] == (
+        f"{param} is not valid Unicode text: it holds a lone surrogate '\\udcff' at "
+        "character 6 (text must be encodable as UTF-8)"
+    )
+    assert "Traceback" not in server.output() and "TypeError" not in server.output()
+
+
+def test_a_json_syntax_error_gives_line_and_column(server):
+    status, answer = post(server, "/v1/completions", b'{"model": "x",\n  "prompt": "Hi",, }')
+    assert status == 400
+    assert answer["error"]["param"] is None
+    assert answer["error"]["message"] == (
+        "JSON syntax error at line 2, column 18: object keys must be strings"
+    )
+
+
+COMPLETIONS, CHAT_COMPLETIONS = "/v1/completions", "/v1/chat/completions"
+
+
+@pytest.mark.parametrize(
+    ("path", "changes", "param", "message"),
+    [
+        (COMPLETIONS, {"n": 2}, "n", "n > 1 is not supported: one choice per prompt"),
+        (COMPLETIONS, {"best_of": 3}, "best_of", "best_of is not supported"),
+        (COMPLETIONS, {"suffix": "!"}, "suffix", "suffix is not supported"),
+        (COMPLETIONS, {"presence_penalty": 0.5}, "presence_penalty", "presence_penalty is not"),
+        (COMPLETIONS, {"frequency_penalty": 1}, "frequency_penalty", "frequency_penalty is"),
+        (COMPLETIONS, {"logit_bias": {"1": 5}}, "logit_bias", "logit_bias is not supported"),
+        (CHAT_COMPLETIONS, {"tools": [{"type": "function"}]}, "tools", "tools are not supported"),
+        (CHAT_COMPLETIONS, {"tool_choice": "auto"}, "tool_choice", "tool_choice is not"),
+        (
+            CHAT_COMPLETIONS,
+            {"response_format": {"type": "json_object"}},
+            "response_format",
+            "response_format is not supported",
+        ),
+        (
+            CHAT_COMPLETIONS,
+            {"messages": [{"role": "user", "content": [TEXT_PART, IMAGE_PART]}]},
+            "messages[0].content[1]",
+            "image content parts are not supported: only text",
+        ),
+        (
+            COMPLETIONS,
+            {"prompt": [1, 2, 3, -1]},
+            "prompt",
+            "prompt: token ids must be >= 0, got -1 at index 3",
+        ),
+        (COMPLETIONS, {"prompt": [[1], [2, -5]]}, "prompt[1]", "prompt[1]: token ids must be"),
+        (COMPLETIONS, {"prompt": ["Hi", 1]}, "prompt", "prompt: expected a text, a list of"),
+        (
+            COMPLETIONS,
+            {"prompt": [[1]] * (MAX_PROMPTS + 1)},
+            "prompt",
+            f"prompt: {MAX_PROMPTS + 1} prompts in one request, more than the {MAX_PROMPTS} ",
+        ),
+        (COMPLETIONS, {"max_tokens": "8"}, "max_tokens", "max_tokens: expected an integer"),
+        (COMPLETIONS, {"model": None}, "model", "model: expected a string, got null"),
+    ],
+)
+def test_what_is_wrong_or_not_supported_is_said_plainly(server, path, changes, param, message):
+    status, answer = post(
+        server, path, {**(CHAT if path == CHAT_COMPLETIONS else HELLO), **changes}
+    )
+    assert status == 400, answer
+    assert answer["error"]["param"] == param
+    assert answer["error"]["message"].startswith(message), answer
+
+
+def test_requests_within_the_bound_still_work(server):
+    status, answer = post(server, COMPLETIONS, {**HELLO, "prompt": [[1, 2], [3, 4]]})
+    assert status == 200 and len(answer["choices"]) == 2
+    parts = {"messages": [{"role": "user", "content": [TEXT_PART]}]}
+    status, answer = post(server, CHAT_COMPLETIONS, {**CHAT, **parts})
+    assert status == 200 and answer["choices"][0]["message"]["content"]
+
+
+def test_the_engine_refuses_text_that_is_not_unicode():
+    """The check the server, the CLI and the LLM share (zmqworker/engine/prompts.py)."""
+    check_text("Hello 👋", "the prompt")
+    with pytest.raises(ValueError, match=r"prompt 2 is not valid Unicode text: .* character 6"):
+        check_text("Hello \udcff", "prompt 2")
+    with pytest.raises(ValueError, match="the prompt is not valid Unicode text"):
+        prompt_token_ids("Hello \udcff", object(), 512, None)
+    tok = byte_level_tokenizer()
+    tok.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    chat = TextSide(tok, SamplingParams(), frozenset()).chat_prompt
+    assert tok.decode(chat([{"role": "user", "content": "Hi"}])) == "Hi"
+    with pytest.raises(ValueError, match="message 1's content is not valid Unicode text"):
+        chat([{"role": "user", "content": "Hi"}, {"role": "user", "content": "\udcff"}])
+
+
+def test_max_request_bytes_takes_a_size_of_at_least_one_byte(capsys):
+    parser, commands = build_parser()
+    assert parser.parse_args(["serve", "--max-request-bytes", "1MiB"]).max_request_bytes == 2**20
+    for bad in ("0", "4XB"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["serve", "--max-request-bytes", bad])
+        assert "argument --max-request-bytes" in capsys.readouterr().err
+    help_text = " ".join(commands["serve"].format_help().split())
+    assert f"(default: {DEFAULT_MAX_REQUEST_BYTES >> 20}MiB;" in help_text

@@ -1,0 +1,234 @@
+"""Live weight updates and sleep mode against real worker processes, at three layouts:
+a transformers copy of the model is perturbed and pushed in each way (from this process
+through shared memory, from a trainer process through the gloo group, from a saved
+folder), and greedy tokens equal transformers' with the new weights; the old weights
+come back the same ways. Bad updates change nothing; sleep cycles keep the tokens."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+from messages import CachedRequestData, SamplingParams, SchedulerOutput
+from tests.engine_helpers import byte_level_tokenizer
+from tests.tiny import cached_tiny_checkpoint
+from tests.weight_trainer import perturb
+from zmqworker.distributed.weight_group import describe
+from zmqworker.frontend.errors import EngineCoreError
+from zmqworker.frontend.llm import LLM
+
+ROOT = Path(__file__).resolve().parent.parent
+PROMPTS = [[5, 17, 42, 9, 100, 3, 77, 8, 1], [200, 201, 7, 7, 31]]
+PARAMS = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+SEED = 11
+# (tp, pp, tied embeddings): a tied model's last stage takes the embedding for its head.
+LAYOUTS = [(1, 1, False), (1, 2, True), (2, 1, False)]
+
+
+@functools.cache
+def checkpoint(tied: bool) -> str:
+    path = cached_tiny_checkpoint(
+        family="llama", num_layers=4, vocab_size=320, tie_word_embeddings=tied
+    )
+    if not Path(path, "tokenizer.json").exists():
+        byte_level_tokenizer().save_pretrained(path)
+    return path
+
+
+@functools.cache
+def hf_model(tied: bool, seed: int | None) -> transformers.PreTrainedModel:
+    """The checkpoint in transformers; moved by perturb(seed) unless seed is None."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(checkpoint(tied), dtype=torch.float32)
+    if seed is not None:
+        perturb(model, seed)
+    return model.eval()
+
+
+@functools.cache
+def hf_tokens(tied: bool, seed: int | None) -> list[list[int]]:
+    model, out = hf_model(tied, seed), []
+    for prompt in PROMPTS:
+        ids = torch.tensor([prompt])
+        gen = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=PARAMS.max_tokens,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+        out.append(gen[0, len(prompt) :].tolist())
+    return out
+
+
+@pytest.fixture(scope="module", params=LAYOUTS, ids=lambda p: f"tp{p[0]}-pp{p[1]}")
+def layout(request):
+    tp, pp, tied = request.param
+    llm = LLM(
+        model=checkpoint(tied),
+        tensor_parallel_size=tp,
+        pipeline_parallel_size=pp,
+        block_size=4,
+        max_model_len=64,
+        max_num_batched_tokens=24,
+        kv_cache_bytes=1 << 20,
+        enable_prefix_caching=True,  # an update must not reuse KV of the old weights
+        worker_extension_cls="bench.echo_worker.EchoExtension",
+    )
+    with llm:
+        yield llm, tied
+
+
+def tokens(llm: LLM) -> list[list[int]]:
+    return [out.token_ids for out in llm.generate(PROMPTS, PARAMS)]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def push_from_trainer(
+    llm: LLM, tied: bool, seed: int, bad_shape: bool = False
+) -> tuple[int, Exception | None]:
+    """A trainer process joins a new group with the workers and sends its weights: the
+    trainer's exit status, and what update_weights_from_group raised."""
+    port, world = free_port(), 1 + llm.worker_config.parallel.world_size
+    argv = [sys.executable, "-m", "tests.weight_trainer", checkpoint(tied), str(port)]
+    argv += [str(world), str(seed), *(["--bad-shape"] if bad_shape else [])]
+    trainer = subprocess.Popen(argv, cwd=ROOT, stderr=subprocess.PIPE, text=True)
+    error = None
+    try:
+        llm.init_weight_transfer_group("127.0.0.1", port, world, rank_offset=1, timeout_s=60.0)
+        weights = list(hf_model(tied, seed).named_parameters())
+        if bad_shape:
+            weights[0] = (weights[0][0], weights[0][1][1:])
+        llm.update_weights_from_group(describe(weights, piece_bytes=4096))
+    except ValueError as e:
+        error = e
+    finally:
+        _, err = trainer.communicate(timeout=120)
+    if trainer.returncode not in (0, 3):
+        raise AssertionError(f"the trainer failed: {err[-2000:]}")
+    return trainer.returncode, error
+
+
+def test_each_way_in_gives_the_new_weights_and_the_old_come_back(layout, tmp_path):
+    llm, tied = layout
+    old, new = hf_tokens(tied, None), hf_tokens(tied, SEED)
+    assert old != new
+    assert tokens(llm) == old
+    # From this process, through shared memory; a tied model's state_dict carries the
+    # head under its own name too.
+    llm.update_weights(hf_model(tied, SEED).state_dict().items(), chunk_bytes=8192)
+    assert tokens(llm) == new
+    llm.reload_weights()  # the checkpoint it started with
+    assert tokens(llm) == old
+    # From a trainer process, through the gloo group.
+    assert push_from_trainer(llm, tied, SEED) == (0, None)
+    assert tokens(llm) == new
+    # From a folder of the same architecture.
+    llm.update_weights(hf_model(tied, None).named_parameters())
+    assert tokens(llm) == old
+    hf_model(tied, SEED).save_pretrained(tmp_path)
+    llm.reload_weights(str(tmp_path))
+    assert tokens(llm) == new
+    llm.reload_weights()
+    assert tokens(llm) == old
+
+
+def test_bad_updates_change_nothing(layout, tmp_path):
+    llm, tied = layout
+    old = hf_tokens(tied, None)
+    good = list(hf_model(tied, SEED).named_parameters())
+    name, first = good[0]
+    bad = {
+        "is not a weight of this model": [*good[1:], ("model.layers.9.mlp.up_proj.weight", first)],
+        "has shape": [*good[1:], (name, first[:-1])],
+        "is bfloat16, the model's weights are float32": [*good[1:], (name, first.bfloat16())],
+        "comes twice": [*good, good[1]],
+    }
+    for reason, weights in bad.items():
+        with pytest.raises(ValueError, match=reason):
+            llm.update_weights(weights)
+        assert tokens(llm) == old, reason
+    if llm.worker_config.parallel.world_size == 1:  # the same refusal at every layout
+        status, error = push_from_trainer(llm, tied, SEED, bad_shape=True)
+        assert status == 3 and "model.embed_tokens.weight has shape" in str(error)
+        assert tokens(llm) == old
+    other = cached_tiny_checkpoint(family="llama", num_layers=2, vocab_size=320)
+    with pytest.raises(ValueError, match="num_hidden_layers: 4 vs 2"):
+        llm.reload_weights(other)
+    assert tokens(llm) == old
+
+
+def test_sleep_and_wake_cycles_keep_generating(layout):
+    llm, tied = layout
+    old, new = hf_tokens(tied, None), hf_tokens(tied, SEED)
+    for _ in range(2):
+        llm.sleep(1)
+        assert llm.is_sleeping
+        with pytest.raises(RuntimeError, match="asleep"):
+            llm.generate(PROMPTS, PARAMS)
+        llm.wake_up(["kv_cache"])
+        assert llm.is_sleeping
+        llm.wake_up(["weights"])
+        assert not llm.is_sleeping
+        assert tokens(llm) == old
+    # Level 2 keeps no copy: the weights come back as memory only.
+    llm.sleep(2)
+    llm.wake_up()
+    assert not llm.is_sleeping
+    with pytest.raises(RuntimeError, match=r"released by sleep\(level=2\)"):
+        llm.generate(PROMPTS, PARAMS)
+    # The workers refuse a step too, whatever engine sends it: through collective_rpc,
+    # which reaches the allowlist and the extension's methods, and nothing else.
+    world = llm.worker_config.parallel.world_size
+    assert llm.collective_rpc("echo", ("hi",)) == ["hi"] * world
+    with pytest.raises(EngineCoreError, match="not callable over RPC"):
+        llm.collective_rpc("_runner")
+    empty = SchedulerOutput([], CachedRequestData.empty(), 0)
+    with pytest.raises(RuntimeError, match=r"released by sleep\(level=2\)"):  # a refusal
+        llm.collective_rpc("execute_model", (empty,))
+    with pytest.raises(ValueError, match="must give all of them"):
+        llm.update_weights(list(hf_model(tied, SEED).named_parameters())[1:])
+    llm.update_weights(hf_model(tied, SEED).named_parameters())
+    assert tokens(llm) == new
+    llm.sleep(2)
+    llm.wake_up(["weights"])
+    llm.reload_weights()
+    llm.wake_up(["kv_cache"])
+    assert tokens(llm) == old
+
+
+def memfds(pid: int | str) -> list[str]:
+    """The weight segments a process holds open or mapped."""
+    fds = []
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(FileNotFoundError):  # the listing's own, closed since
+            fds.append(os.readlink(f"/proc/{pid}/fd/{fd}"))
+    maps = Path(f"/proc/{pid}/maps").read_text().splitlines()
+    return [x for x in fds + maps if "zmqworker-weights" in x]
+
+
+def test_no_shared_memory_is_left_behind(layout):
+    """Last in the file: it shuts the layout's LLM down."""
+    llm, tied = layout
+    shm_before = set(os.listdir("/dev/shm"))
+    llm.update_weights(hf_model(tied, None).named_parameters(), chunk_bytes=8192)
+    assert shm_before == set(os.listdir("/dev/shm"))  # nothing named, ever
+    workers = llm.worker_pids
+    assert all(memfds(pid) == [] for pid in workers)  # unmapped at the update's end
+    assert memfds("self")  # the engine keeps its two segments for the next update
+    llm.shutdown()
+    assert memfds("self") == []

@@ -1,0 +1,42 @@
+"""The OpenAI features this server does not implement, in one place: a request that asks
+for one is refused with a message that says so. A field here is taken at its neutral
+value only; a feature that comes removes its row."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from zmqworker.serve.errors import APIError
+
+# field: (is its value neutral?, what the refusal says)
+UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "n": (lambda v: v in (None, 1), "n > 1 is not supported: one choice per prompt"),
+    "best_of": (lambda v: v in (None, 1), "best_of is not supported"),
+    "presence_penalty": (lambda v: not v, "presence_penalty is not supported (only 0)"),
+    "frequency_penalty": (lambda v: not v, "frequency_penalty is not supported (only 0)"),
+    "logit_bias": (lambda v: not v, "logit_bias is not supported"),
+    "suffix": (lambda v: not v, "suffix is not supported: a completion only continues its prompt"),
+    "tools": (lambda v: not v, "tools are not supported by this server"),
+    "tool_choice": (lambda v: v in (None, "none"), 'tool_choice is not supported (only "none")'),
+    "response_format": (
+        lambda v: v is None or v == {"type": "text"},
+        'response_format is not supported: only {"type": "text"} (structured outputs are not)',
+    ),
+}
+
+# Content part types OpenAI defines besides text, by what they carry.
+_PART_KINDS = {"image_url": "image", "input_audio": "audio", "file": "file"}
+
+
+def refuse_unsupported(request: object) -> None:
+    """An APIError naming the first field of request that asks for what is not supported."""
+    for field, (neutral, message) in UNSUPPORTED.items():
+        if hasattr(request, field) and not neutral(getattr(request, field)):
+            raise APIError(message, param=field)
+
+
+def unsupported_part(part_type: str) -> str:
+    """The refusal of a message content part that is not text."""
+    kind = _PART_KINDS.get(part_type, repr(part_type))
+    return f"{kind} content parts are not supported: only text"

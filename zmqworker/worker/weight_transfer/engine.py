@@ -1,0 +1,217 @@
+"""The WeightTransferEngine: a worker's weights, replaced while it serves.
+
+Three ways in, one set of rules:
+- from the engine's process: start(update), load_chunk(chunk) for each chunk (shared
+  memory, or CUDA IPC handles), finish();
+- from a trainer through a weight-transfer group: init_group once, then
+  receive_from_group(update) for each update;
+- from disk: reload(path).
+
+An update is checked whole against the model before any weight changes (WeightCatalog);
+its pieces are written into this rank's slices in place. `not_ready` says why the
+weights cannot serve a step: released by sleep(level=2) and not loaded since, an update
+under way, or one that ended half-written. From the first two of these, only an update
+that gives every weight of the rank, or a reload, makes them ready again.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from messages import CudaWeights, ModelConfig, SharedWeights, WeightUpdate
+from zmqworker.distributed.weight_group import (
+    TORCH_DTYPES,
+    WeightGroup,
+    digest,
+    pieces,
+)
+from zmqworker.models.llama import LlamaForCausalLM
+from zmqworker.models.loader import CheckpointError
+from zmqworker.models.registry import fill_dummy_weights, load_hf_config
+from zmqworker.models.weight_names import config_differences
+from zmqworker.worker.weight_transfer.catalog import WeightCatalog
+from zmqworker.worker.weight_transfer.pieces import whole_parameter
+from zmqworker.worker.weight_transfer.session import UpdateSession
+
+RELEASED = (
+    "the weights were released by sleep(level=2) and have not been loaded since: "
+    "update or reload them before a step"
+)
+INTERRUPTED = (
+    "an update ended before all of its tensors came, and some weights had changed: "
+    "send a complete update or reload the weights before a step"
+)
+IN_PROGRESS = "a weight update is in progress: steps wait for its end (finish_weight_update)"
+
+
+class WeightTransferEngine:
+    def __init__(self, model: LlamaForCausalLM, model_config: ModelConfig) -> None:
+        self.model = model
+        self.model_config = model_config
+        self.device = next(model.parameters()).device
+        self.catalog = WeightCatalog(model)
+        self._not_ready: str | None = None
+        self._session: UpdateSession | None = None
+        self._group: WeightGroup | None = None
+
+    @property
+    def not_ready(self) -> str | None:
+        """Why the weights cannot serve a step now; None when they can."""
+        if self._session is not None and self._session.touched:
+            return IN_PROGRESS
+        return self._not_ready
+
+    def weights_released(self) -> None:
+        """sleep(level=2) dropped the weights: steps wait for an update or a reload."""
+        self._end_session()
+        self._not_ready = RELEASED
+
+    # from the engine's process -------------------------------------------------------
+
+    def start(self, update: WeightUpdate) -> None:
+        """Check the announcement whole; an update still open is abandoned."""
+        self._end_session()
+        specs = self.catalog.check(update, require_all=self._not_ready is not None)
+        self._session = UpdateSession(self.catalog, specs, self.device)
+
+    def load_chunk(self, chunk: SharedWeights | CudaWeights) -> None:
+        session = self._open_session()
+        if isinstance(chunk, SharedWeights):
+            session.take_shared(chunk)
+        elif isinstance(chunk, CudaWeights):
+            session.take_cuda(chunk)
+        else:
+            raise TypeError(f"a weight chunk is SharedWeights or CudaWeights, not {chunk!r}")
+
+    def finish(self) -> None:
+        """End the update: every announced tensor must have come whole."""
+        session = self._open_session()
+        missing = session.missing()
+        if missing:
+            more = f" (+{len(missing) - 5} more)" if len(missing) > 5 else ""
+            self._end_session()
+            raise ValueError(
+                f"the update ended without all of {len(missing)} announced tensor(s): "
+                f"{', '.join(missing[:5])}{more}"
+            )
+        session.wait_for_copies()
+        self._session = None
+        session.close()
+        # Complete, and from a not-ready state it had to give every weight (start).
+        self._not_ready = None
+
+    def abort(self) -> None:
+        """End the update where it is (the engine could not finish it)."""
+        self._end_session()
+
+    # from a trainer ----------------------------------------------------------------
+
+    def init_group(
+        self, host: str, port: int, world_size: int, rank: int, timeout_s: float
+    ) -> None:
+        """Join a group (leaving the one it was in: a trainer starts anew)."""
+        group, self._group = self._group, None
+        if group is not None:
+            group.close()
+        self._group = WeightGroup(host, port, world_size, rank, self.device, timeout_s)
+
+    @torch.no_grad()
+    def receive_from_group(self, update: WeightUpdate) -> None:
+        group = self._group
+        if group is None:
+            raise RuntimeError("no weight-transfer group: call init_weight_transfer_group first")
+        self._end_session()
+        error: Exception | None = None
+        specs = {}
+        try:
+            specs = self.catalog.check(update, require_all=self._not_ready is not None)
+        except ValueError as e:
+            error = e
+        count, sent = group.exchange_header(None)
+        if error is None and (count, sent) != (len(update.tensors), digest(update)):
+            error = ValueError(
+                f"the trainer sends another update ({count} tensors) than the one announced "
+                f"to the engine ({len(update.tensors)} tensors, or other names, shapes or "
+                "dtypes)"
+            )
+        if not group.agree(error is None):
+            raise error or RuntimeError(
+                "another rank of the weight-transfer group refused the update; no weight "
+                "has changed"
+            )
+        session = self._session = UpdateSession(self.catalog, specs, self.device)
+        try:
+            self._receive_tensors(group, session, update)
+        except BaseException:
+            self._end_session()
+            raise
+        self.finish()
+
+    def _receive_tensors(
+        self, group: WeightGroup, session: UpdateSession, update: WeightUpdate
+    ) -> None:
+        """Step 3 of the exchange: each piece into its parameter's rows, when one
+        parameter is exactly the tensor, else into a scratch buffer (as large as the
+        largest piece) and from there into this rank's slices."""
+        scratch = torch.empty(0, dtype=torch.uint8, device=self.device)
+        for spec in update.tensors:
+            dtype = TORCH_DTYPES[spec.dtype]
+            into = whole_parameter(self.catalog.targets.get(spec.name, []), spec.shape)
+            for start, rows in pieces(spec.shape, dtype.itemsize, update.piece_bytes):
+                if into is not None:
+                    session.touched = True
+                    group.broadcast(into.data.narrow(0, start, rows))
+                    session.count_rows(spec.name, start, rows)
+                    continue
+                shape = [rows, *spec.shape[1:]]
+                nbytes = math.prod(shape) * dtype.itemsize
+                if scratch.numel() < nbytes:
+                    scratch = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+                piece = scratch[:nbytes].view(dtype).view(shape)
+                group.broadcast(piece)
+                session.take(spec.name, start, piece)
+
+    # from disk ---------------------------------------------------------------------
+
+    @torch.no_grad()
+    def reload(self, path: str | None) -> None:
+        """The checkpoint the worker started with (path None), or another of the same
+        architecture and sizes; every name and shape checked before a weight changes."""
+        self._end_session()
+        config = self.model_config
+        if path is None and config.load_format == "dummy":
+            fill_dummy_weights(self.model, config.seed)
+        else:
+            folder = path or config.path
+            if folder != config.path:
+                diffs = config_differences(self.model.hf_config, load_hf_config(folder))
+                if diffs:
+                    raise CheckpointError(
+                        f"checkpoint {folder} is not of this model's architecture and sizes: "
+                        + "; ".join(diffs)
+                    )
+            self.model.load_weights(folder)  # copies from host memory: done on return
+        self._not_ready = None
+
+    def shutdown(self) -> None:
+        """Leave the group and drop any update in progress; safe to call twice."""
+        self._end_session()
+        group, self._group = self._group, None
+        if group is not None:
+            group.close()
+
+    # helpers -----------------------------------------------------------------------
+
+    def _open_session(self) -> UpdateSession:
+        if self._session is None:
+            raise RuntimeError("no weight update in progress: call start_weight_update first")
+        return self._session
+
+    def _end_session(self) -> None:
+        session, self._session = self._session, None
+        if session is not None:
+            session.close()
+            if session.touched:
+                self._not_ready = self._not_ready or INTERRUPTED
