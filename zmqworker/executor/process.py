@@ -100,7 +100,8 @@ class ChildProcess:
         prefix = f"[{self.name}] "
         assert self.proc.stderr is not None
         for raw in self.proc.stderr:
-            line = raw.decode(errors="replace")
+            # Its last line may lack an end: what the parent writes next starts a line.
+            line = raw.decode(errors="replace").removesuffix("\n") + "\n"
             self._tail.append(line)
             sys.stderr.write(prefix + line)
 
