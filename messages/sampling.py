@@ -40,7 +40,8 @@ class SamplingParams(msgspec.Struct, tag=True, frozen=True, omit_defaults=True):
         ),
     ] = 0.0
     seed: Annotated[
-        int | None, Meta(description="per-request sampling seed (reproducible sampling)")
+        Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)] | None,
+        Meta(description="per-request sampling seed (reproducible sampling); an int64"),
     ] = None
     max_tokens: Annotated[int, Meta(ge=1, description="the most tokens to generate")] = 16
     stop: Annotated[

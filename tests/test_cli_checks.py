@@ -17,7 +17,9 @@ import pytest
 from tokenizers import Tokenizer
 
 from messages import SamplingParams
+from tests import bad_input_table
 from tests.test_readme import require_embedded_model
+from tests.tiny import cached_tiny_checkpoint, make_fp8_checkpoint, make_gptq_checkpoint
 from zmqworker.cli import main
 from zmqworker.cli.preflight import check_run
 from zmqworker.cli.prompts import PromptItem, read_prompts
@@ -225,3 +227,39 @@ def test_the_real_command_refuses_invalid_utf8_in_one_line():
         assert out.returncode == 1 and out.stdout == b"", out.stderr
         assert out.stderr.decode().startswith("zmqworker: error: prompt ")
         assert out.stderr.count(b"\n") == 1 and b"is not valid UTF-8 text" in out.stderr
+
+
+@pytest.fixture(scope="module")
+def made(model, tmp_path_factory) -> dict[str, str]:
+    """What docs/bad_input.md's <names> stand for."""
+    folder = tmp_path_factory.mktemp("bad_input")
+    plain = cached_tiny_checkpoint(family="llama", num_layers=2)
+    (folder / "cut.jsonl").write_text('{"prompt": "a"}\n{"prompt": "b"\n')
+    (folder / "unknown.jsonl").write_text('{"prompt": "a", "max_token": 3}\n')
+    (folder / "gpt2").mkdir()
+    gpt2 = {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "n_layer": 12}
+    (folder / "gpt2" / "config.json").write_text(json.dumps(gpt2))
+    return {
+        "<100,000 characters>": "a" * 100_000,
+        "<Hello, then byte 0xff>": "Hello \udcff",
+        "<JSONL, line 2 cut short>": str(folder / "cut.jsonl"),
+        "<JSONL, an unknown key>": str(folder / "unknown.jsonl"),
+        "<FP8 checkpoint>": make_fp8_checkpoint(plain, folder / "fp8"),
+        "<FP8 tensors, no quantization_config>": make_fp8_checkpoint(
+            plain, folder / "fp8-bare", with_config=False
+        ),
+        "<GPTQ checkpoint>": make_gptq_checkpoint(plain, folder / "gptq"),
+        "<GPT-2 folder>": str(folder / "gpt2"),
+        "<config.json>": f"{model}/config.json",
+        "<embedded model>": model,
+    }
+
+
+@pytest.mark.parametrize(
+    "row", bad_input_table.rows("`zmqworker generate`"), ids=lambda row: row[0].strip("`")
+)
+def test_the_bad_input_page_is_what_generate_says(refuse, made, row):
+    arguments, message = row
+    [expected] = bad_input_table.code(message)
+    got = refuse(*bad_input_table.arguments(arguments, made))
+    assert got == bad_input_table.resolve(expected, made)

@@ -25,6 +25,7 @@ from messages import SamplingParams
         ({"top_p": float("nan")}, r"Expected `float` > 0.0 - at `\$.top_p`"),
         ({"temperature": float("inf")}, r"temperature must be finite"),
         ({"temperature": "hot"}, r"Expected `float`, got `str` - at `\$.temperature`"),
+        ({"seed": 2**63}, r"Expected `int` <= 9223372036854775807 - at `\$.seed`"),
     ],
 )
 def test_a_value_out_of_range_is_refused_by_name(fields, message):

@@ -18,6 +18,7 @@ import pytest
 from engine_helpers import byte_level_tokenizer
 
 from messages import SamplingParams
+from tests import bad_input_table
 from tests.test_serve import MODEL, Server
 from zmqworker.cli import build_parser
 from zmqworker.engine.model_folder import TextSide
@@ -172,7 +173,7 @@ def test_text_that_is_not_unicode_is_refused_naming_its_field(server, path, body
     assert answer["error"]["param"] == param
     assert answer["error"]["message"] == (
         f"{param} is not valid Unicode text: it holds a lone surrogate '\\udcff' at "
-        "character 6 (text must be encodable as UTF-8)"
+        "character 7 (text must be encodable as UTF-8)"
     )
     assert "Traceback" not in server.output() and "TypeError" not in server.output()
 
@@ -250,7 +251,7 @@ def test_requests_within_the_bound_still_work(server):
 def test_the_engine_refuses_text_that_is_not_unicode():
     """The check the server, the CLI and the LLM share (zmqworker/engine/prompts.py)."""
     check_text("Hello 👋", "the prompt")
-    with pytest.raises(ValueError, match=r"prompt 2 is not valid Unicode text: .* character 6"):
+    with pytest.raises(ValueError, match=r"prompt 2 is not valid Unicode text: .* character 7"):
         check_text("Hello \udcff", "prompt 2")
     with pytest.raises(ValueError, match="the prompt is not valid Unicode text"):
         prompt_token_ids("Hello \udcff", object(), 512, None)
@@ -271,3 +272,22 @@ def test_max_request_bytes_takes_a_size_of_at_least_one_byte(capsys):
         assert "argument --max-request-bytes" in capsys.readouterr().err
     help_text = " ".join(commands["serve"].format_help().split())
     assert f"(default: {DEFAULT_MAX_REQUEST_BYTES >> 20}MiB;" in help_text
+
+
+def body_of(size: int) -> bytes:
+    """A completions body of exactly size bytes."""
+    head = json.dumps({"model": MODEL, "prompt": ""})[:-2].encode()
+    return head + b"a" * (size - len(head) - 2) + b'"}'
+
+
+@pytest.mark.parametrize(
+    "row", bad_input_table.rows("`zmqworker serve`"), ids=lambda row: row[0][:60]
+)
+def test_the_bad_input_page_is_what_serve_answers(server, row):
+    request, status, param, message = row
+    path, body = bad_input_table.code(request)
+    made = {"<3,000,000 bytes>": body_of(3_000_000).decode()}
+    got_status, answer = post(server, path, bad_input_table.resolve(body, made).encode())
+    assert got_status == int(status), answer
+    assert answer["error"]["param"] == (bad_input_table.code(param) or [None])[0]
+    assert answer["error"]["message"] == bad_input_table.code(message)[0]

@@ -23,9 +23,9 @@ import msgspec
 
 from messages import SamplingParams
 from zmqworker.cli.options import sampling_options
-from zmqworker.cli.prompts import PromptItem, check_text
+from zmqworker.cli.prompts import PromptItem
 from zmqworker.engine.model_folder import ModelFolder, check_conversation
-from zmqworker.engine.prompts import prompt_token_ids
+from zmqworker.engine.prompts import check_text, prompt_token_ids
 
 # The option that sets each SamplingParams field, for messages.
 FLAGS = {o.name: o.flags[0] for o in sampling_options()}
@@ -57,9 +57,9 @@ def check_run(
     """Every prompt checked, with its settings; options: the sampling options given. The
     other arguments are the LLM's and the command's."""
     if system is not None:
-        check_text(system, "--system")
+        check_text(system, "--system", from_bytes=True)
     for text in options.get("stop", []):
-        check_text(text, "--stop")
+        check_text(text, "--stop", from_bytes=True)
     folder = ModelFolder.open(model)
     limits = _Limits(folder.max_model_len(max_model_len), max_logprobs, folder.vocab_size)
     base = msgspec.structs.replace(folder.default_sampling_params(), **options)

@@ -17,6 +17,7 @@ from typing import Any
 import msgspec
 
 from messages import SamplingParams
+from zmqworker.engine.prompts import check_text
 
 # The sampling fields a JSONL line may set for its prompt, and their types.
 SAMPLING_KEYS = {f.name: f.type for f in msgspec.structs.fields(SamplingParams)}
@@ -53,27 +54,13 @@ def read_prompts(positional: list[str], prompts_file: str | None) -> list[Prompt
         where = f"prompt {len(items)}"
         if not text:
             raise ValueError(f"{where} is empty")
-        check_text(text, where)
+        check_text(text, where, from_bytes=True)
         items.append(PromptItem(prompt=text))
     if prompts_file is not None:
         items.extend(_read_source(prompts_file, len(items)))
     if not items:
         raise ValueError("no prompts: give PROMPT arguments, --prompts-file PATH, or - (stdin)")
     return items
-
-
-def check_text(text: str, what: str) -> None:
-    """Refuse text that is not valid Unicode. Invalid UTF-8 in a command-line argument
-    reaches Python as lone surrogates (surrogateescape: byte 0xff is U+DCFF), which no
-    tokenizer takes."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        code = ord(text[exc.start])
-        bad = f"byte 0x{code - 0xDC00:02x}" if 0xDC80 <= code <= 0xDCFF else f"U+{code:04X}"
-        raise ValueError(
-            f"{what} is not valid UTF-8 text: {bad} at character {exc.start + 1}"
-        ) from None
 
 
 def _read_source(source: str, first_index: int) -> list[PromptItem]:

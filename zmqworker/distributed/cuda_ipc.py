@@ -11,6 +11,8 @@ the engine's device index and a worker's (under its CUDA_VISIBLE_DEVICES) may di
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 
@@ -51,7 +53,7 @@ class CudaSharer:
 
 class CudaOpener:
     """A worker's end for one chunk: the tensors refs name, each distinct storage opened
-    once. Drop the opener (and the tensors) once their copies are done."""
+    once. release() lets them go once their copies are done (drop the tensors first)."""
 
     def __init__(self) -> None:
         if not torch.cuda.is_available():
@@ -93,3 +95,21 @@ class CudaOpener:
             self._storages[key] = storage
         out = torch.empty(0, dtype=dtype, device=torch.device("cuda", index))
         return out.set_(storage, ref.storage_offset, spec.shape, ref.stride)
+
+    def release(self) -> None:
+        """Let the engine's storages go. torch's deleter of an opened storage synchronizes
+        the current stream before it hands the memory back; called after the copies'
+        event, that waits for nothing, so a sync-debug mode set to catch real waits is
+        lifted around it."""
+        with _sync_debug_lifted():
+            self._storages.clear()
+
+
+@contextmanager
+def _sync_debug_lifted() -> Iterator[None]:
+    mode = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode(0)
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(mode)

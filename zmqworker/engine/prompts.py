@@ -19,17 +19,26 @@ def prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
     return listed
 
 
-def check_text(text: str, what: str) -> None:
+def check_text(text: str, what: str, from_bytes: bool = False) -> None:
     """A ValueError naming what, if text cannot be encoded as UTF-8: it holds a lone
-    surrogate (a JSON "\\udcff" escape, or an invalid byte of a command line or stdin
-    decoded with surrogateescape). No tokenizer takes such text and no message carries
-    it: it is refused, not replaced."""
+    surrogate (a JSON "\\udcff" escape). from_bytes: text decoded from bytes with
+    surrogateescape (a command line, stdin, a file), whose lone surrogates U+DC80 to
+    U+DCFF stand for the bytes that were not UTF-8, and are named as those bytes. No
+    tokenizer takes such text and no message carries it: it is refused, not replaced.
+    Characters count from 1."""
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as exc:
+        code = ord(text[exc.start])
+        if from_bytes and 0xDC80 <= code <= 0xDCFF:
+            raise ValueError(
+                f"{what} is not valid UTF-8 text: byte 0x{code - 0xDC00:02x} at character "
+                f"{exc.start + 1}"
+            ) from None
         raise ValueError(
             f"{what} is not valid Unicode text: it holds a lone surrogate "
-            f"{text[exc.start]!r} at character {exc.start} (text must be encodable as UTF-8)"
+            f"{text[exc.start]!r} at character {exc.start + 1} (text must be encodable as "
+            "UTF-8)"
         ) from None
 
 

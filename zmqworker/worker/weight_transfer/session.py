@@ -60,10 +60,16 @@ class UpdateSession:
 
     def take_cuda(self, chunk: CudaWeights) -> None:
         opener = CudaOpener()
-        tensors = [(ref.name, opener.tensor(ref, self.spec(ref.name))) for ref in chunk.tensors]
-        for name, tensor in tensors:
-            self.take(name, 0, tensor)
-        self.wait_for_copies()  # before the engine's memory is let go
+        tensors: list[tuple[str, torch.Tensor]] = []
+        try:
+            for ref in chunk.tensors:  # every ref checked before any is copied
+                tensors.append((ref.name, opener.tensor(ref, self.spec(ref.name))))
+            for name, tensor in tensors:
+                self.take(name, 0, tensor)
+            self.wait_for_copies()  # before the engine's memory is let go
+        finally:
+            tensors.clear()
+            opener.release()
 
     def wait_for_copies(self) -> None:
         """Until the copies queued on the device are done (one event, no other sync)."""
