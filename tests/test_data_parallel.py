@@ -13,6 +13,7 @@ import signal
 
 import psutil
 import pytest
+import torch
 
 from messages import ParallelConfig, SamplingParams, WorkerConfig
 from messages.config import ModelConfig
@@ -109,6 +110,19 @@ def test_a_killed_replica_fails_its_own_requests_and_the_other_serves_on():
     finally:
         llm.shutdown()
     assert wait_gone([*cores, *workers], 10.0)
+
+
+@pytest.mark.skipif(
+    os.environ.get("ZMQWORKER_TEST_DEVICE", "cpu") != "cuda" or torch.cuda.device_count() < 2,
+    reason="two GPUs (ZMQWORKER_TEST_DEVICE=cuda)",
+)
+def test_each_replica_takes_a_gpu_of_its_own():
+    free = [torch.cuda.mem_get_info(i)[0] for i in range(2)]
+    with make_llm(data_parallel_size=2, device="cuda") as llm:
+        used = [free[i] - torch.cuda.mem_get_info(i)[0] for i in range(2)]
+        assert all(u > 64 << 20 for u in used), used  # a worker (its context) on each
+        outs = llm.generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in outs] == [hf_greedy(tuple(p), 10) for p in PROMPTS]
 
 
 def test_more_ranks_than_visible_gpus_is_refused_before_anything_starts(monkeypatch):

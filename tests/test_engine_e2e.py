@@ -53,6 +53,10 @@ def hf_greedy(prompt: tuple[int, ...], n: int) -> list[int]:
 
 
 def make_llm(tp: int = 1, pp: int = 1, **kw) -> LLM:
+    """The tiny Llama on the CPU in float32 (as transformers' reference runs), unless kw
+    says otherwise: "auto" would take a GPU, in bfloat16, where one is visible."""
+    kw.setdefault("device", "cpu")
+    kw.setdefault("dtype", "float32")
     return LLM(
         model=checkpoint_with_tokenizer(),
         tensor_parallel_size=tp,

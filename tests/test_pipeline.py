@@ -51,6 +51,8 @@ def run(tp: int, pp: int, kv_cache_bytes: int = 1 << 20, preempts: bool = False)
         model=checkpoint(),
         tensor_parallel_size=tp,
         pipeline_parallel_size=pp,
+        device=DEVICE,
+        dtype="float32",
         max_num_seqs=4,
         max_num_batched_tokens=16,
         block_size=4,
@@ -112,6 +114,8 @@ def test_killing_the_middle_stage_fails_the_step_and_leaves_nothing():
     llm = LLM(
         model=checkpoint(),
         pipeline_parallel_size=3,
+        device=DEVICE,
+        dtype="float32",
         max_num_seqs=4,
         block_size=4,
         kv_cache_bytes=1 << 20,

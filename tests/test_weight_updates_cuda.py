@@ -21,6 +21,7 @@ def llm():
     with LLM(
         model=checkpoint(False),
         device="cuda",
+        dtype="float32",  # as the reference runs (auto would take bfloat16 on CUDA)
         block_size=4,
         max_model_len=64,
         max_num_seqs=len(PROMPTS),
