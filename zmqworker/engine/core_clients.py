@@ -11,15 +11,12 @@ are aborted.
 from __future__ import annotations
 
 import hmac
-import logging
 from dataclasses import dataclass, field
 
 import zmq
 
 from messages import PROTOCOL_VERSION, Encoder, EngineCoreHello, Ping
 from zmqworker.transport.frames import send_frames
-
-log = logging.getLogger("zmqworker.engine")
 
 PROBE_WINDOW_S = 1.0
 PROBE_EVERY_S = 0.05
@@ -48,14 +45,14 @@ class Clients:
         self._next_probe = 0.0
 
     def admit(self, identity: bytes, hello: EngineCoreHello) -> Client | None:
-        """The new client a Hello makes, or None (and a warning) if it may not be one."""
+        """The new client a Hello makes, or None if it may not be one (the wrong token or
+        protocol version, or a second Hello)."""
         ok = (
             hmac.compare_digest(hello.token.encode(), self._token)
             and hello.protocol_version == PROTOCOL_VERSION
             and identity not in self.by_identity
         )
         if not ok:
-            log.warning("refused a Hello from pid %d (wrong token or version, or twice)", hello.pid)
             return None
         client = Client(identity, hello.pid, hello.client_index)
         self.by_identity[identity] = client

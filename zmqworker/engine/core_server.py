@@ -219,7 +219,7 @@ class EngineCoreServer:
     def _hello(self, identity: bytes, hello: EngineCoreHello) -> None:
         client = self.clients.admit(identity, hello)
         if client is None:
-            self.drops.count("a Hello with the wrong token or version")
+            self.drops.count(f"a Hello from pid {hello.pid}: the wrong token or version, or twice")
         elif self._ready is not None:
             self._send(client, self._ready)
 
