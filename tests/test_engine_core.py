@@ -31,6 +31,7 @@ from tests.test_engine_e2e import PROMPTS, make_llm
 from tests.test_executor import wait_gone
 from zmqworker.frontend.core_client import EngineCoreClient
 from zmqworker.frontend.core_process import WatchedEngineCore
+from zmqworker.frontend.engine_connection import ENGINE_SILENT_S
 from zmqworker.frontend.errors import EngineCoreDiedError, EngineCoreError
 from zmqworker.frontend.llm import LLM
 
@@ -156,6 +157,31 @@ def test_a_killed_engine_core_fails_the_stream_naming_it_and_leaves_nothing():
     finally:
         llm.shutdown()
     assert not folder.exists()
+
+
+def test_a_stopped_engine_core_fails_the_stream_once_its_connection_drops():
+    llm = make_llm()
+    [core] = llm.engine_core_pids
+    workers = llm.worker_pids
+    params = SamplingParams(temperature=0.0, max_tokens=80, ignore_eos=True)
+    stopped: list[float] = []
+
+    async def stream() -> None:
+        async for _ in llm.generate_stream(PROMPTS[0], params):
+            if not stopped:
+                os.kill(core, signal.SIGSTOP)  # alive, silent: no heartbeat answers
+                stopped.append(time.monotonic())
+
+    try:
+        with pytest.raises(
+            EngineCoreDiedError, match=r"engine core 0 \(pid \d+\) stopped answering"
+        ):
+            asyncio.run(stream())
+        took = time.monotonic() - stopped[0]
+        assert ENGINE_SILENT_S <= took < ENGINE_SILENT_S + 5, took
+    finally:
+        llm.shutdown()  # SIGKILL: a stopped process leaves no other way
+    assert wait_gone([core, *workers], 10.0)
 
 
 def test_an_engine_core_and_its_workers_leave_when_their_client_is_killed(tmp_path):

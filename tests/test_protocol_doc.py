@@ -45,6 +45,7 @@ from zmqworker.executor.multiproc import SHUTDOWN_GRACE_S, SIGTERM_GRACE_S
 from zmqworker.frontend.core_client import LOST_GRACE_S
 from zmqworker.frontend.core_process import EXIT_GRACE_S
 from zmqworker.frontend.core_process import SIGTERM_GRACE_S as CORE_SIGTERM_GRACE_S
+from zmqworker.frontend.engine_connection import ENGINE_SILENT_S, PING_EVERY_S
 from zmqworker.runtime.engine_watch import PARENT_POLL_S
 from zmqworker.runtime.main import build_parser
 from zmqworker.runtime.worker_process import HANDSHAKE_TIMEOUT_S
@@ -372,6 +373,8 @@ def test_every_socket_option_the_engine_sets_is_named_where_an_engine_is_told_to
         f"Our clients wait {EXIT_GRACE_S:g} s for that exit",
         f"then send SIGTERM, wait {CORE_SIGTERM_GRACE_S:g} s",
         f"has not exited {LOST_GRACE_S:g} s later",
+        f"it pings every {PING_EVERY_S:g} s and drops a connection that has left a ping "
+        f"unanswered for {ENGINE_SILENT_S:g} s",
     ],
 )
 def test_the_numbers_it_quotes_are_the_code_s(quoted: str) -> None:

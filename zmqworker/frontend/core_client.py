@@ -196,17 +196,25 @@ class EngineCoreClient:
         call.future = self._loop.create_future()
         return await call.future
 
-    def shut_down_engines(self, timeout: float = SHUTDOWN_CALL_S) -> None:
-        """Ask every engine core that is up to shut down (its workers first), and wait
-        for the answers, within timeout; one that cannot is left to be stopped harder."""
-        ready = [e.index for e in self.engines if e.ready is not None and e.dead is None]
-        for index in ready:
-            self.engines[index].stopping = True
-        try:
-            if ready:
-                self.call("shutdown", timeout=timeout, engines=ready)
-        except Exception as exc:
-            log.warning("the engine cores' shutdown call failed: %s", exc)
+    def shut_down_engines(self, timeout: float = SHUTDOWN_CALL_S) -> set[int]:
+        """Ask every engine core that is up to shut down (its workers first), within
+        timeout; the indexes of those that answered (they are leaving). The others are
+        left to be stopped harder."""
+        calls = {}
+        for engine in self.engines:
+            if engine.ready is not None and engine.dead is None:
+                engine.stopping = True
+                calls[engine.index] = self.submit(
+                    "shutdown", timeout=timeout, engines=[engine.index]
+                )
+        answered = set()
+        for index, call in calls.items():
+            try:
+                self.wait(call)
+                answered.add(index)
+            except Exception as exc:
+                log.warning("engine core %d did not answer its shutdown call: %s", index, exc)
+        return answered
 
     # an asyncio loop's view -------------------------------------------------------------
 

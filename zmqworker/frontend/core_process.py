@@ -23,7 +23,7 @@ import tempfile
 import threading
 import weakref
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 import zmq
@@ -187,21 +187,21 @@ class EngineCoreLauncher:
                         )
                     )
         except BaseException:
-            self.stop(polite=False)
+            self.stop()
             raise
 
     @property
     def pids(self) -> list[int]:
         return [h.pid for h in self.handles]
 
-    def stop(self, polite: bool) -> None:
-        """Let every engine core end (polite: each was asked to shut down, and gets
-        EXIT_GRACE_S), then end the rest harder (SIGTERM, then SIGKILL); remove the
-        socket folder. Idempotent."""
+    def stop(self, leaving: Collection[int] = ()) -> None:
+        """Let the engine cores of leaving (they answered their shutdown call) end within
+        EXIT_GRACE_S, end the others and the late ones harder (SIGTERM, then SIGKILL),
+        and remove the socket folder. Idempotent."""
         if not self._finalizer.alive:
             return
         for handle in self.handles:
-            handle.stop(EXIT_GRACE_S if polite else 0.0)
+            handle.stop(EXIT_GRACE_S if handle.index in leaving else 0.0)
         for handle in self.handles:
             handle.close()
         self._spawner.set()

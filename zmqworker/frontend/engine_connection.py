@@ -12,6 +12,9 @@ import zmq
 from messages import EngineCoreOutputs, EngineCoreReady, EngineCoreStats
 from zmqworker.frontend.core_process import EngineCoreHandle
 
+PING_EVERY_S = 1.0
+ENGINE_SILENT_S = 5.0  # an engine core silent this long (stopped, wedged) is gone
+
 
 @dataclass
 class Failed:
@@ -43,6 +46,12 @@ class EngineConnection:
         sock.setsockopt(zmq.SNDHWM, 0)  # a request is never held back here
         sock.setsockopt(zmq.RCVHWM, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, max_output_bytes)
+        # ZMTP heartbeats of its own: the connection drops once the engine core has left
+        # a ping unanswered for ENGINE_SILENT_S (libzmq's I/O thread answers them, so only
+        # a stopped or wedged process goes silent). The engine core's TTL is no help here:
+        # libzmq arms it only while the last message in was a ping, not a step's outputs.
+        sock.setsockopt(zmq.HEARTBEAT_IVL, round(PING_EVERY_S * 1000))
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, round(ENGINE_SILENT_S * 1000))
         self.sock = sock
         self.monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         sock.connect(address)

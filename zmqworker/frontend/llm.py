@@ -146,14 +146,15 @@ class LLM(Frontend):
                     readies = client.wait_ready(START_TIMEOUT_S)
                     texts = text_side.result()
                 except BaseException:
-                    client.shut_down_engines()
+                    leaving = client.shut_down_engines()
                     client.close()
+                    launcher.stop(leaving)
                     raise
             except (EngineCoreError, EngineCoreDiedError, TimeoutError) as exc:
-                launcher.stop(polite=False)
+                launcher.stop()
                 raise EngineCoreStartupError(f"the engine did not start: {exc}") from exc
             except BaseException:
-                launcher.stop(polite=False)
+                launcher.stop()
                 raise
         super().__init__(client, readies, texts, plan.folder, plan.max_logprobs)
         self._launcher = launcher
@@ -164,12 +165,13 @@ class LLM(Frontend):
         launcher, self._launcher = self._launcher, None
         if launcher is None:
             return
+        leaving: set[int] = set()
         try:
             if not self._closed:
-                self.client.shut_down_engines()
+                leaving = self.client.shut_down_engines()
         finally:
             self.close()
-            launcher.stop(polite=True)
+            launcher.stop(leaving)
 
     def __enter__(self) -> LLM:
         return self

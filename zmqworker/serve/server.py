@@ -109,10 +109,11 @@ def serve(
         listener.close()
         logger.info("stopping the workers")
         _stop_servers(servers, grace_s=STOP_MARGIN_S / 3)
+        leaving: set[int] = set()
         if client is not None:
-            client.shut_down_engines()
+            leaving = client.shut_down_engines()
             client.close()
-        launcher.stop(polite=client is not None)
+        launcher.stop(leaving)
         for server in servers:
             server.close()
         spawner.set()
