@@ -5,9 +5,11 @@ of the step's key and value included) over a paged cache of random data, and the
 layers of the decode step (cuBLAS) at several batch sizes, each timed from a CUDA graph
 of its launches (triton.testing.do_bench_cudagraph), against the time its bytes take at
 the device-to-device bandwidth measured in the same run. The rows show where a decode
-step's time goes, and which kernel settings pay.
+step's time goes, and which kernel settings pay. --long: decode attention alone over
+long histories (8B's heads, 8,192 and 32,768 positions, batches 1 and 4) at each split
+count, the chosen one (triton_metadata.decode_splits) marked.
 
-    python -m bench.attention_kernels [--out FILE]
+    python -m bench.attention_kernels [--long] [--out FILE]
 """
 
 from __future__ import annotations
@@ -25,9 +27,11 @@ from bench.gpu_decode import hbm_bandwidth
 from zmqworker.attention import triton_attention
 from zmqworker.attention.kv_cache import allocate_kv_cache
 from zmqworker.attention.triton_metadata import (
-    MAX_DECODE_SPLITS,
+    MERGE_FAN_IN,
     TARGET_DECODE_PROGRAMS,
     TritonAttentionMetadata,
+    decode_splits,
+    split_counter_slots,
     tile_size,
 )
 from zmqworker.cdiv import cdiv
@@ -43,18 +47,24 @@ MODELS = {
 
 
 def decode_case(
-    model: str, batch: int, splits: int, warps: int, stages: int, tile: int | None = None
+    model: str,
+    batch: int,
+    splits: int,
+    warps: int,
+    stages: int,
+    tile: int | None = None,
+    context: int = CONTEXT,
 ):
     """tile: history positions per tile, in place of the cache's own (tile_size)."""
     heads, kv_heads, head_dim, _, _ = MODELS[model]
-    blocks_per_req = cdiv(CONTEXT, BLOCK_SIZE)
+    blocks_per_req = cdiv(context, BLOCK_SIZE)
     num_blocks = batch * blocks_per_req
     cache = allocate_kv_cache(num_blocks, BLOCK_SIZE, kv_heads, head_dim, torch.bfloat16, "cuda")
     cache.normal_()
     tables = torch.randperm(num_blocks, device="cuda", dtype=torch.int32).view(batch, -1)
-    seq_lens = torch.full((batch,), CONTEXT, dtype=torch.int32, device="cuda")
+    seq_lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
     # The step's token at the last position of each request: rotated and written there.
-    last = CONTEXT - 1
+    last = context - 1
     slots = tables[:, last // BLOCK_SIZE] * BLOCK_SIZE + last % BLOCK_SIZE
     meta = TritonAttentionMetadata(
         batch,
@@ -67,10 +77,10 @@ def decode_case(
         torch.arange(batch + 1, dtype=torch.int32, device="cuda"),
         seq_lens,
         tables,
-        torch.zeros(batch * kv_heads, dtype=torch.int32, device="cuda"),
+        torch.zeros(split_counter_slots(batch, kv_heads, splits), dtype=torch.int32, device="cuda"),
     )
     qkv = torch.randn(batch, heads + 2 * kv_heads, head_dim, dtype=torch.bfloat16, device="cuda")
-    cos_sin = torch.randn(CONTEXT, head_dim, dtype=torch.bfloat16, device="cuda")
+    cos_sin = torch.randn(context, head_dim, dtype=torch.bfloat16, device="cuda")
     saved = triton_attention.DECODE_LAUNCH, triton_attention.tile_size
     triton_attention.DECODE_LAUNCH = {"num_warps": warps, "num_stages": stages}
     if tile is not None:
@@ -83,7 +93,7 @@ def decode_case(
         ms = triton.testing.do_bench_cudagraph(fn, rep=50)
     finally:
         triton_attention.DECODE_LAUNCH, triton_attention.tile_size = saved
-    kv_bytes = batch * CONTEXT * kv_heads * head_dim * 2 * 2
+    kv_bytes = batch * context * kv_heads * head_dim * 2 * 2
     return ms, kv_bytes
 
 
@@ -108,11 +118,43 @@ def linear_case(model: str, batch: int):
     return ms, sum(w.numel() * 2 for w in weights)
 
 
+def long_rows(bandwidth: float) -> list[dict]:
+    """8B's decode attention over 8,192 and 32,768 positions at batches 1 and 4, at each
+    split count; the one a runner of max_model_len 32,768 + 256 picks is marked."""
+    rows = []
+    for context in (8192, 32768):
+        for batch in (1, 4):
+            chosen = decode_splits(batch, 8, 32768 + 256, tile_size(BLOCK_SIZE))
+            for splits in (MERGE_FAN_IN, 32, 64, 128, 256):
+                ms, nbytes = decode_case("llama-3-8b", batch, splits, 2, 2, context=context)
+                floor = nbytes / bandwidth * 1e3
+                rows.append(
+                    {
+                        "what": f"llama-3-8b attention at {context}",
+                        "batch": batch,
+                        "setting": f"s{splits}" + (" (chosen)" if splits == chosen else ""),
+                        "splits": splits,
+                        "us": ms * 1e3,
+                        "floor_us": floor * 1e3,
+                        "x_floor": ms / floor,
+                    }
+                )
+                print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--long", action="store_true", help="long histories only")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     bandwidth = hbm_bandwidth()
+    if args.long:
+        rows = long_rows(bandwidth)
+        print(f"\nHBM {bandwidth / 1e12:.2f} TB/s; one decoder layer's decode attention")
+        print_table(rows, precision=2)
+        write_results("attention_long", {"hbm_bytes_per_s": bandwidth, "rows": rows}, args.out)
+        return
     rows = []
     for model, batches in (
         ("smollm2-135m", (1, 32, 256)),
@@ -141,7 +183,7 @@ def main() -> None:
                     for programs in (TARGET_DECODE_PROGRAMS // 2, TARGET_DECODE_PROGRAMS, 1536):
                         want = cdiv(programs, batch * kv_heads)
                         splits = 1
-                        while splits * 2 <= min(want, MAX_DECODE_SPLITS):
+                        while splits * 2 <= min(want, MERGE_FAN_IN):  # a short history's
                             splits *= 2
                         ms, nbytes = decode_case(model, batch, splits, warps, stages, tile)
                         floor = nbytes / bandwidth * 1e3

@@ -15,7 +15,6 @@ bench/results/end_to_end_cuda.json (or --out).
 from __future__ import annotations
 
 import argparse
-import gc
 import tempfile
 import time
 from pathlib import Path
@@ -25,7 +24,7 @@ import torch
 import transformers
 
 from bench.common import print_table, write_results
-from bench.gpu_decode import SHAPES, Ours
+from bench.gpu_runner import SHAPES, Ours
 from messages import SamplingParams
 from zmqworker.frontend.llm import LLM
 
@@ -34,16 +33,14 @@ SHAPE = "smollm2-135m"
 
 def runner_step_s(folder: Path, requests: int, prompt_len: int, output_len: int) -> float:
     """Seconds per decode step of the model runner alone, pipelined, at batch requests."""
-    ours = Ours(folder, dummy=True, max_batch=requests)
+    ours = Ours(folder, dummy=True, loads=[(requests, prompt_len)], decodes=output_len)
     rng = np.random.default_rng(0)
     handles = ours.start(requests, prompt_len, rng)
     steps = ours.decode_steps(handles, prompt_len, output_len - 1)
     ours.pipelined(steps[:16])  # the graphs' first replays
     handles = ours.start(requests, prompt_len, rng)
     step_s = ours.pipelined(ours.decode_steps(handles, prompt_len, output_len - 1))
-    del ours
-    gc.collect()
-    torch.cuda.empty_cache()
+    ours.close()
     return step_s
 
 

@@ -2,7 +2,7 @@
 
 A decode step must read the attention weights, the routers, the experts its tokens chose
 (their union, in each layer) and the KV history: not every expert. The experts chosen
-are measured in the run, from the routers' logits during one eager step of each batch
+are measured in the run, from the routers' logits during one eager step of each row
 (expected_union gives what uniform random routing would choose, for comparison). A
 prefill's work counts each token's top k experts.
 """
@@ -66,13 +66,15 @@ def expected_union(num_experts: int, top_k: int, tokens: int) -> float:
 
 @contextmanager
 def eager_steps(runner) -> Iterator[None]:
-    """The runner's decode steps run eagerly (the routers' hooks see them)."""
+    """The runner's steps run eagerly (the routers' hooks see them): neither its decode
+    graphs nor its token graphs replay."""
     path = runner.path
-    graphs, path.graphs = path.graphs, None
+    graphs = path.graphs, path.token_graphs
+    path.graphs = path.token_graphs = None
     try:
         yield
     finally:
-        path.graphs = graphs
+        path.graphs, path.token_graphs = graphs
 
 
 @contextmanager

@@ -58,3 +58,16 @@ def test_greedy_ids_refuses_what_it_cannot_write():
         greedy_ids(logits, torch.zeros(2, dtype=torch.int64, device=DEVICE))
     with pytest.raises(ValueError, match=r"out must be int32 \[2\]"):
         greedy_ids(logits, torch.zeros(3, dtype=torch.int32, device=DEVICE))
+
+
+def test_a_count_on_the_device_bounds_the_rows_written():
+    """A graph's step samples fewer rows than it computes: the rows past its count keep
+    what they held (an earlier step's samples, for the token feed)."""
+    logits = torch.randn(4, 300, generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    ids = logits.argmax(-1).tolist()
+    for count, expect in [(0, [-7] * 4), (3, [*ids[:3], -7]), (4, ids)]:
+        out = torch.full((4,), -7, dtype=torch.int32, device=DEVICE)
+        greedy_ids(logits, out, torch.tensor([count], dtype=torch.int32, device=DEVICE))
+        assert out.tolist() == expect, count
+    with pytest.raises(ValueError, match="count must be one int32"):
+        greedy_ids(logits, out, torch.tensor([1, 2], dtype=torch.int32, device=DEVICE))

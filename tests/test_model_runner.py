@@ -340,16 +340,19 @@ def test_cuda_steps_never_synchronise_the_host() -> None:
 
 
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="Triton compiles kernels on a GPU only")
-def test_no_triton_kernel_compiles_after_warm_up() -> None:
+@pytest.mark.parametrize("enforce_eager", [False, True])
+def test_no_triton_kernel_compiles_after_warm_up(monkeypatch, enforce_eager: bool) -> None:
     """Steps of every kind and size after warm-up find their kernels compiled: a compile at
-    serving time stalls every request for hundreds of milliseconds."""
-    from zmqworker.attention import triton_cache, triton_kernels
+    serving time stalls every request for hundreds of milliseconds. With graphs, decodes
+    of up to 4 requests replay decode graphs and every other step a token graph; eager,
+    every step runs the kernels of its size."""
+    from zmqworker.attention import triton_cache, triton_decode, triton_kernels
     from zmqworker.model_runner import greedy_ids, token_feed
     from zmqworker.models.layers import skinny_gate_up, skinny_linear, triton_ops
 
     kernels = [
         triton_kernels.varlen_kernel,
-        triton_kernels.decode_kernel,
+        triton_decode.decode_kernel,
         skinny_gate_up._gate_up_silu_kernel,
         skinny_linear._skinny_linear_kernel,
         triton_cache._rope_and_cache_kernel,
@@ -362,17 +365,31 @@ def test_no_triton_kernel_compiles_after_warm_up() -> None:
     def compiled() -> list[int]:  # Triton keeps each JIT function's binaries per device
         return [sum(len(cache[0]) for cache in k.device_caches.values()) for k in kernels]
 
-    # Decodes of up to 4 requests replay graphs; 5 and more run eagerly. 96 tokens: some
-    # steps run the MLP through cuBLAS and the SiLU kernel, past the skinny kernel's rows.
-    runner = make_runner(checkpoint("llama"), max_seqs=8, max_tokens=96, graph_sizes=(1, 2, 4))
+    # 96 tokens: some steps run the MLP through cuBLAS and the SiLU kernel, past the
+    # skinny kernel's rows; a prompt of 150 is chunked over its cached prefix.
+    runner = make_runner(
+        checkpoint("llama"), max_seqs=8, max_tokens=96, graph_sizes=(1, 2, 4),
+        enforce_eager=enforce_eager,
+    )  # fmt: skip
+    replayed: list[str] = []
+    for graphs in (runner.graphs, runner.path.token_graphs):
+        if graphs is not None:
+            replay = graphs.replay
+
+            def spy(size, kind=graphs.kind, replay=replay):
+                replayed.append(kind)
+                return replay(size)
+
+            monkeypatch.setattr(graphs, "replay", spy)
     after_warm_up = compiled()
     sched = MiniScheduler(budget=96, seed=3)
-    for i, (count, length) in enumerate([(1, 7), (3, 30), (8, 5), (6, 3), (5, 2)]):
+    for i, (count, length) in enumerate([(1, 7), (3, 30), (8, 5), (6, 3), (5, 2), (1, 150)]):
         for j in range(count):
             sched.add(f"r{i}-{j}", list(range(5 + j, 5 + j + length)), 3, GREEDY)
         while sched.busy():
             sched.update(runner.execute_model(sched.schedule()).get_output())
     assert compiled() == after_warm_up
+    assert set(replayed) == (set() if enforce_eager else {"decode", "token"})
 
 
 def test_the_fixtures_kv_cache_spec_is_what_the_embedded_models_last_stage_reports() -> None:

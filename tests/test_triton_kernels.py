@@ -23,8 +23,11 @@ from zmqworker.attention.triton_attention import (  # noqa: E402
 )
 from zmqworker.attention.triton_cache import rope_and_cache  # noqa: E402
 from zmqworker.attention.triton_metadata import (  # noqa: E402
+    MERGE_FAN_IN,
     TritonAttentionMetadata,
     decode_splits,
+    split_counter_slots,
+    split_length,
 )
 from zmqworker.cdiv import cdiv
 from zmqworker.models.layers import skinny_linear as skinny  # noqa: E402
@@ -57,8 +60,10 @@ def dense_reference(q, keys, values, context, scale):
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
 
 
-def rotary_table(dtype):
-    return RotaryEmbedding(HEAD_DIM, 256, {"rope_theta": 10000.0}, 256, dtype).to(DEVICE)
+def rotary_table(dtype, positions=256):
+    return RotaryEmbedding(HEAD_DIM, positions, {"rope_theta": 10000.0}, positions, dtype).to(
+        DEVICE
+    )
 
 
 def new_tokens(num_tokens, heads, kv_heads, dtype, positions, rotary, seed=7):
@@ -127,8 +132,10 @@ class Step:
             query_start_loc=dev(start),
             seq_lens=dev(self.seq_lens),
             block_tables=dev(self.tables),
-            split_counters=torch.zeros(len(self.reqs) * self.kv_heads, dtype=torch.int32).to(
-                DEVICE
+            split_counters=torch.zeros(
+                split_counter_slots(len(self.reqs), self.kv_heads, num_splits),
+                dtype=torch.int32,
+                device=DEVICE,
             ),
         )
 
@@ -165,7 +172,7 @@ class Step:
         dense attention, and the cache against torch's write."""
         heads, kv_heads = self.heads, self.kv_heads
         positions, slots = self.last_slots()
-        rotary = rotary_table(self.dtype)
+        rotary = rotary_table(self.dtype, max(256, max(self.seq_lens)))
         qkv, q_rot, k_rot, v = new_tokens(
             len(self.reqs), heads, kv_heads, self.dtype, positions, rotary
         )
@@ -268,11 +275,61 @@ def test_kernels_launch_dependently_on_hopper_and_newer_only():
 
 
 def test_decode_splits_fill_the_gpu_and_stay_powers_of_two():
-    assert decode_splits(1, 8, max_tiles=64) == 16
-    assert decode_splits(64, 8, max_tiles=64) == 2
-    assert decode_splits(128, 8, max_tiles=64) == 1
-    assert decode_splits(8, 8, max_tiles=64) == 16
-    assert decode_splits(1, 8, max_tiles=3) == 2  # no more splits than history tiles
+    # Long histories: one request at batch 1 spreads over as many programs as a batch.
+    assert decode_splits(1, 8, max_model_len=32768, tile=16) == 128
+    assert decode_splits(4, 8, max_model_len=32768, tile=16) == 32
+    assert decode_splits(1, 3, max_model_len=32768, tile=16) == 256
+    assert decode_splits(64, 8, max_model_len=32768, tile=16) == 2
+    assert decode_splits(128, 8, max_model_len=32768, tile=16) == 1
+    # A short max_model_len caps them at what its longest history can use.
+    assert decode_splits(1, 8, max_model_len=1040, tile=16) == 16
+    assert decode_splits(1, 8, max_model_len=4096, tile=16) == 64
+    assert decode_splits(1, 8, max_model_len=48, tile=16) == 2  # no more than its tiles
+
+
+def test_a_short_history_keeps_a_few_splits_whatever_the_split_count():
+    """Past MERGE_FAN_IN splits a split holds at least 64 positions: a short history
+    works in at most MERGE_FAN_IN of them (one merge level), a long one in all."""
+    for seq_len in (1, 16, 100, 552, 1024):
+        for splits in (32, 128, 256):
+            length = split_length(seq_len, splits, 16)
+            assert length % 16 == 0 and cdiv(seq_len, length) <= MERGE_FAN_IN
+            assert length == split_length(seq_len, MERGE_FAN_IN, 16)
+    assert split_length(8192, 128, 16) == 64 and split_length(32768, 128, 16) == 256
+    assert cdiv(32768 + 37, split_length(32768 + 37, 64, 512)) == 33
+    assert split_length(552, 16, 16) == 48  # today's splits below MERGE_FAN_IN
+    assert split_length(0, 4, 16) == 16
+
+
+def test_decode_of_one_long_history_merges_in_two_levels(monkeypatch):
+    """One request of 32k positions of a small head over 64 splits: 33 working splits of
+    1024 positions (31 idle), merged by groups of MERGE_FAN_IN (the last of one), then the
+    groups. Pages and tiles of 512 positions keep the interpreter's loop short."""
+    from zmqworker.attention import triton_attention
+
+    monkeypatch.setattr(triton_attention, "tile_size", lambda block_size: block_size)
+    step = Step([(32768 + 36, 1)], 4, 1, block_size=512, dtype=torch.float32, seed=5)
+    step.run_decode(64)
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="the interpreter takes minutes at this size")
+def test_decode_of_long_histories_at_the_8b_shapes_split_count():
+    """Llama-3-8B's heads (32 over 8 kv heads) at batch 1 with 32k positions, in pages
+    and tiles of 16: the 128 splits that fill an H200, merged in two levels."""
+    splits = decode_splits(1, 8, max_model_len=32768 + 64, tile=16)
+    assert splits == 128
+    reqs = [(32768 + 20, 1)]
+    Step(reqs, 32, 8, block_size=16, dtype=torch.bfloat16, seed=7).run_decode(splits)
+    reqs = [(32768 + 20, 1), (8192, 1), (700, 1), (0, 1)]
+    Step(reqs, 32, 8, block_size=16, dtype=torch.bfloat16, seed=8).run_decode(32)
+
+
+def test_decode_mixes_one_and_two_merge_levels_in_a_launch():
+    """At 32 splits, short requests work in a few splits (one merge level, or none), the
+    long ones in more than MERGE_FAN_IN; an empty history (a padding row) gives zeros."""
+    reqs = [(3, 1), (700, 1), (1100, 1), (0, 1), (2100, 1)]
+    assert [cdiv(c + 1, split_length(c + 1, 32, 64)) for c, _ in reqs] == [1, 11, 18, 1, 17]
+    Step(reqs, 3, 1, block_size=64, dtype=torch.float32, seed=6).run_decode(32)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -1,7 +1,8 @@
 """The model runner's Triton path (the CUDA step) on the CPU, through Triton's
-interpreter: persistent device inputs, the on-device token feed and the decode graphs'
-padded replays, with a recorder standing in for CUDA graph capture. Greedy tokens must
-equal transformers'. The same paths run on a GPU in test_model_runner.py."""
+interpreter: persistent device inputs, the on-device token feed and the graphs' padded
+replays (decode and token graphs), with a recorder standing in for CUDA graph capture.
+Greedy tokens must equal transformers'. The same paths run on a GPU in
+test_model_runner.py."""
 
 from __future__ import annotations
 
@@ -111,9 +112,9 @@ def test_triton_path_greedy_tokens_match_transformers(family: str) -> None:
 
 
 def test_a_greedy_decode_graph_samples_in_the_graph() -> None:
-    """Decode graphs take their argmax into the token feed's buffer: an all-greedy graph
-    step calls no sampler and still gives transformers' tokens. Seeded random requests
-    run the sampler after the replay, and get the tokens of the eager path."""
+    """Graphs take their argmax into the token feed's buffer: an all-greedy step, decode
+    or prefill, calls no sampler and still gives transformers' tokens. Seeded random
+    requests run the sampler after the replay, and get the tokens of the eager path."""
     path = small_checkpoint("llama")
     prompts = {"a": [5, 9, 14, 3, 77, 41, 8], "b": [60, 2, 33, 90, 11]}
     max_tokens = {"a": 8, "b": 8}
@@ -123,8 +124,8 @@ def test_a_greedy_decode_graph_samples_in_the_graph() -> None:
     before = Recorded.replays
     result = run(runner, prompts, max_tokens, joins={0: "a", 1: "b"})
     replays = Recorded.replays - before
-    # Only the two steps with a prefill in them (eager) call the sampler.
-    assert replays == 7 and calls == [True, True]
+    # Seven decode steps and two with a prefill in them (token graphs): no sampler.
+    assert replays == 9 and calls == []
     for name, prompt in prompts.items():
         assert result[name] == hf_greedy(path, tuple(prompt), max_tokens[name]), name
     seeded = SamplingParams(temperature=0.9, seed=11)

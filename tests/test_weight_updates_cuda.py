@@ -1,7 +1,8 @@
 """Live weights and sleep on a GPU (ZMQWORKER_TEST_DEVICE=cuda; skipped on the CPU):
 an update from CUDA tensors of this process goes through CUDA IPC with no host sync in
-the worker, and the decode graphs captured before it replay the new weights; CPU tensors
-go through shared memory; sleep gives the device memory back at both levels."""
+the worker, and the graphs captured before it (the prompts' token graph, the decode
+graphs) replay the new weights; CPU tensors go through shared memory; sleep gives the
+device memory back at both levels and captures both sets of graphs again."""
 
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ def llm():
 
 def test_an_update_from_cuda_tensors_syncs_nothing_and_graphs_see_it(llm):
     old, new = hf_tokens(False, None), hf_tokens(False, SEED)
-    assert tokens(llm) == old  # decode steps replay the graphs captured at start-up
+    assert tokens(llm) == old  # every step replays a graph captured at start-up
     weights = [(n, t.detach().cuda()) for n, t in hf_model(False, SEED).named_parameters()]
     llm.collective_rpc("set_sync_debug_mode", ("error",))
     try:

@@ -13,9 +13,8 @@ while the kernel before it still runs. So every Triton kernel of the step:
   next kernel may then launch, and its programs wait on the GPU for this one to end.
 
 Released at the start instead, the next kernel's programs take their places while this
-one's still stream their weights, and land unevenly over the multiprocessors: the 8B
-shape's batch-1 step took 4.65 ms against 4.46 ms released after the loop, and 4.53 ms
-without PDL (bench/gpu_decode.py, one machine, docs/architecture.md).
+one's still stream their weights, and land unevenly over the multiprocessors: slower
+than no PDL at all (docs/cuda.md).
 
 Off on the CPU, in Triton's interpreter, before sm_90, and with ZMQWORKER_PDL=0 (a switch
 for measuring it, and for a driver that refuses it in graphs).

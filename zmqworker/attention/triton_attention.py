@@ -21,8 +21,8 @@ reads its kv head's history once.
   as it loads them, and the split that holds the last position also rotates the token's
   key and writes it and the value into the cache first: no rotary kernel of its own.
   With more than one split, the split that finishes last merges the partial results by
-  their softmax statistics (a counter per (request, kv head) in the metadata tells it),
-  in the same launch.
+  their softmax statistics (counters in the metadata tell it), in the same launch
+  (triton_decode.py).
 """
 
 from __future__ import annotations
@@ -31,8 +31,16 @@ import torch
 import triton
 
 from zmqworker.attention.triton_cache import rope_and_cache
-from zmqworker.attention.triton_kernels import decode_kernel, varlen_kernel
-from zmqworker.attention.triton_metadata import TritonAttentionMetadata, tile_size
+from zmqworker.attention.triton_decode import decode_kernel
+from zmqworker.attention.triton_kernels import varlen_kernel
+from zmqworker.attention.triton_metadata import (
+    MERGE_FAN_IN,
+    MIN_LONG_SPLIT,
+    TritonAttentionMetadata,
+    split_counter_slots,
+    split_counter_stride,
+    tile_size,
+)
 from zmqworker.dot_precision import dot_precision
 from zmqworker.pdl import launch_options
 
@@ -118,10 +126,11 @@ def decode_attention(
     else:
         part_out = part_stats = out  # unused
     counters = meta.split_counters
-    if splits > 1 and (counters is None or counters.numel() < meta.num_reqs * num_kv_heads):
+    need = split_counter_slots(meta.num_reqs, num_kv_heads, splits)
+    if splits > 1 and (counters is None or counters.numel() < need):
         raise ValueError(
-            f"decode with {splits} splits needs split_counters of at least "
-            f"{meta.num_reqs} x {num_kv_heads} int32 zeros"
+            f"decode with {splits} splits needs split_counters of at least {need} int32 "
+            f"zeros ({meta.num_reqs} requests x {num_kv_heads} kv heads)"
         )
     tables = meta.block_tables
     decode_kernel[(meta.num_reqs, num_kv_heads, splits)](
@@ -145,6 +154,10 @@ def decode_attention(
         NUM_HEADS=num_heads,
         BLOCK_M=_rows(common["GROUP"], MIN_ROWS),
         NUM_SPLITS=splits,
+        FAN_IN=MERGE_FAN_IN,
+        MIN_LONG=MIN_LONG_SPLIT,
+        MERGE_WIDTH=min(splits, MERGE_FAN_IN),
+        COUNTER_STRIDE=split_counter_stride(splits),
         **common,
         **DECODE_LAUNCH,
     )

@@ -13,13 +13,20 @@ import torch
 from zmqworker.cdiv import cdiv
 
 # Programs that keep every multiprocessor of a large GPU busy in a decode step: below it,
-# the history of each (request, kv head) is split over several programs. 1024 with
-# two-warp programs (triton_attention.DECODE_LAUNCH) was the best single setting of a
-# sweep on an H200 (bench/results/decode_attention_sweep.json): 13% less time than 512
-# with four warps over ten shapes and batches, 22% at 8B's batch 64, never more than
-# 1.3% worse.
+# the history of each (request, kv head) is split over several programs. A decode
+# program's history loop is latency-bound (a tile of keys and values in flight at a
+# time), so one long history needs as many programs as a large batch; 1024 two-warp
+# programs (triton_attention.DECODE_LAUNCH) was the best setting of a sweep (docs/cuda.md).
 TARGET_DECODE_PROGRAMS = 1024
-MAX_DECODE_SPLITS = 16
+# Splits merged by one program: their partials (FAN_IN x the group's heads x head_dim
+# float32) are about what one small program loads at once. More splits merge in two
+# levels (groups of MERGE_FAN_IN, then the groups), so at most MERGE_FAN_IN ** 2.
+MERGE_FAN_IN = 16
+MAX_DECODE_SPLITS = MERGE_FAN_IN * MERGE_FAN_IN
+# Beyond MERGE_FAN_IN splits a split holds at least this many positions, so the second
+# merge level comes only where the history's read is long next to it: a short history
+# splits as it would over MERGE_FAN_IN splits whatever the step's split count.
+MIN_LONG_SPLIT = 64
 # History positions per attention tile: within one page when pages allow (a power of two
 # of at least MIN_TILE, the tensor cores' smallest), else gathered across pages.
 MIN_TILE = 16
@@ -39,20 +46,45 @@ class TritonAttentionMetadata:
     query_start_loc: torch.Tensor  # int32 [num_reqs + 1]
     seq_lens: torch.Tensor  # int32 [num_reqs]: context after the step; 0 for padding rows
     block_tables: torch.Tensor  # int32 [num_reqs, max_blocks_per_req], rows may be padded
-    # int32 zeros, >= num_reqs * num_kv_heads: which split of a decode finishes last. The
-    # kernel leaves them zero; a persistent buffer, so that graphs replay over it.
+    # int32 zeros, at least split_counter_slots(): which split of a decode finishes last.
+    # The kernel leaves them zero; a persistent buffer, so that graphs replay over it.
     split_counters: torch.Tensor | None = None
 
 
-def decode_splits(num_reqs: int, num_kv_heads: int, max_tiles: int) -> int:
-    """Splits per (request, kv head) for a decode step: enough programs to fill the GPU,
-    a power of two, at most MAX_DECODE_SPLITS and at most the tiles of the longest
-    history the step can have."""
+def split_length(seq_len: int, num_splits: int, tile: int) -> int:
+    """History positions per split of a decode over seq_len positions (whole tiles); the
+    decode kernel computes the same from the sequence length it reads. Splits past
+    cdiv(seq_len, split_length) have nothing to do."""
+    even = cdiv(seq_len, num_splits)
+    if num_splits > MERGE_FAN_IN:
+        even = max(even, min(cdiv(seq_len, MERGE_FAN_IN), MIN_LONG_SPLIT))
+    return max(1, cdiv(even, tile)) * tile
+
+
+def decode_splits(num_reqs: int, num_kv_heads: int, max_model_len: int, tile: int) -> int:
+    """Splits per (request, kv head) of a decode step: enough programs to fill the GPU, a
+    power of two, at most MAX_DECODE_SPLITS and at most what a history of max_model_len
+    positions can use (split_length). A function of host-known sizes alone, so a graph
+    captured at a batch size holds for any history; a shorter history leaves the last
+    splits idle."""
     want = cdiv(TARGET_DECODE_PROGRAMS, max(1, num_reqs * num_kv_heads))
+    tiles = cdiv(max_model_len, tile)
+    usable = min(tiles, max(MERGE_FAN_IN, cdiv(max_model_len, MIN_LONG_SPLIT)))
     splits = 1
-    while splits * 2 <= min(want, MAX_DECODE_SPLITS, max(1, max_tiles)):
+    while splits * 2 <= min(want, MAX_DECODE_SPLITS, max(1, usable)):
         splits *= 2
     return splits
+
+
+def split_counter_stride(num_splits: int) -> int:
+    """Counters per (request, kv head) of a decode of this many splits: one for the
+    whole, and past MERGE_FAN_IN splits one more per group of them."""
+    return 1 + (num_splits // MERGE_FAN_IN if num_splits > MERGE_FAN_IN else 0)
+
+
+def split_counter_slots(num_reqs: int, num_kv_heads: int, num_splits: int) -> int:
+    """int32 counters a decode of this many splits and requests needs."""
+    return num_reqs * num_kv_heads * split_counter_stride(num_splits)
 
 
 def tile_size(block_size: int) -> int:

@@ -53,7 +53,7 @@ class CudaSharer:
 
 class CudaOpener:
     """A worker's end for one chunk: the tensors refs name, each distinct storage opened
-    once. release() lets them go once their copies are done (drop the tensors first)."""
+    once. Its tensors are dropped inside releasing(), once their copies are done."""
 
     def __init__(self) -> None:
         if not torch.cuda.is_available():
@@ -96,13 +96,17 @@ class CudaOpener:
         out = torch.empty(0, dtype=dtype, device=torch.device("cuda", index))
         return out.set_(storage, ref.storage_offset, spec.shape, ref.stride)
 
-    def release(self) -> None:
-        """Let the engine's storages go. torch's deleter of an opened storage synchronizes
-        the current stream before it hands the memory back; called after the copies'
-        event, that waits for nothing, so a sync-debug mode set to catch real waits is
-        lifted around it."""
+    @contextmanager
+    def releasing(self) -> Iterator[None]:
+        """Drop the tensors made from the storages inside this; the storages go at its
+        end. torch's deleter of an opened storage synchronizes the current stream before
+        it hands the memory back; after the copies' event that waits for nothing, so a
+        sync-debug mode set to catch real waits is lifted for the release."""
         with _sync_debug_lifted():
-            self._storages.clear()
+            try:
+                yield
+            finally:
+                self._storages.clear()
 
 
 @contextmanager

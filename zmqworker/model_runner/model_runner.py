@@ -29,9 +29,9 @@ from zmqworker.distributed.parallel_state import ParallelState
 from zmqworker.distributed.pp_channel import PendingTensors
 from zmqworker.model_runner.async_output import AsyncModelRunnerOutput
 from zmqworker.model_runner.batch_update import ScheduledRequests
-from zmqworker.model_runner.cuda_graphs import Capture, DecodeGraphs
+from zmqworker.model_runner.cuda_graphs import Capture, StepGraphs
 from zmqworker.model_runner.dummy_steps import DummySteps
-from zmqworker.model_runner.forward_paths import HiddenStates, TorchPath, TritonPath
+from zmqworker.model_runner.forward_paths import HiddenStates, TorchPath
 from zmqworker.model_runner.grammar import apply_grammar_bitmask
 from zmqworker.model_runner.input_batch import InputBatch
 from zmqworker.model_runner.int32_arrays import int32_array
@@ -45,6 +45,7 @@ from zmqworker.model_runner.sampled_tokens import (
     write_samples,
 )
 from zmqworker.model_runner.sampler import Sampler, SamplerOutput, SamplingMetadata
+from zmqworker.model_runner.triton_path import TritonPath
 from zmqworker.models.registry import build_model, torch_dtype
 
 KERNELS = ("auto", "torch", "triton")
@@ -57,7 +58,7 @@ class _StepLogits:
     step: ScheduledRequests
     sample_index: np.ndarray  # positions in step of the requests that sample
     logits: torch.Tensor  # float32 [len(sample_index), vocab]
-    greedy_ids: torch.Tensor | None = None  # their argmax, when a decode graph took it
+    greedy_ids: torch.Tensor | None = None  # their argmax, when a graph took it
 
 
 def uses_triton(kernels: str, device: torch.device) -> bool:
@@ -173,18 +174,19 @@ class ModelRunner:
         self.capture_graphs()
 
     @property
-    def graphs(self) -> DecodeGraphs | None:
-        """The decode CUDA graphs (the Triton path's, unless enforce_eager)."""
+    def graphs(self) -> StepGraphs | None:
+        """The decode CUDA graphs (the Triton path's, unless enforce_eager; the token
+        graphs are path.token_graphs)."""
         return self.path.graphs
 
     def capture_graphs(self) -> None:
-        """Capture the decode graphs over the current KV cache (again after a wake-up)."""
+        """Capture the graphs over the current KV cache (again after a wake-up)."""
         if isinstance(self.path, TritonPath) and self.kv_caches:
             self.path.capture_graphs(self.kv_caches)
 
     def probe_graph_memory(self) -> int:
-        """Bytes the decode graphs hold once captured, measured by capturing them over a
-        one-block cache and releasing them: what the KV cache budget must leave free."""
+        """Bytes the graphs hold once captured, measured by capturing them over a one-block
+        cache and releasing them: what the KV cache budget must leave free."""
         path = self.path
         if not isinstance(path, TritonPath) or path.graphs is None or self.device.type != "cuda":
             return 0
@@ -194,6 +196,8 @@ class ModelRunner:
         try:
             path.capture_graphs([self.new_cache(1)] * len(self.model.layer_names))
             torch.cuda.synchronize()
+            # The warm-up runs' activations, cached outside the graphs' pool, go back.
+            torch.cuda.empty_cache()
             used = free_before - torch.cuda.mem_get_info()[0]
         finally:
             path.release_buffers()

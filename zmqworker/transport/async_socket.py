@@ -1,11 +1,11 @@
 """A zmq socket driven by an asyncio loop through its file descriptor.
 
-Each mechanism here is there for a measured reason:
+Each mechanism here is there for a measured reason (docs/cuda.md has the figures):
 - The loop watches the socket's FD (add_reader, then receives until EAGAIN) instead of
-  using zmq.asyncio: 40-60 us per round trip against 95-175 us on a 2-core VM.
+  using zmq.asyncio, which takes about twice as long a round trip.
 - Any thread may send (send_threadsafe), under a lock (zmq lets a socket move between
   threads behind a full memory barrier), so that the compute thread replies without a hop
-  back through the loop (a thread wake-up costs 20-50 us there).
+  back through the loop (a thread wake-up costs tens of microseconds).
 - The FD is edge-triggered and also signals writability, so after every send the
   socket's events are looked at again (a send can swallow the edge of a message that came
   meanwhile), and what the loop must then handle is handed to it.
@@ -36,7 +36,7 @@ from zmqworker.transport.frames import NOBLOCK, recv_frames, send_frames
 log = logging.getLogger("zmqworker.socket")
 
 LEAD_WAIT, LEAD_READY, LEAD_CLOSED = "wait", "ready", "closed"  # what lead() found
-# Plain ints: pyzmq's enum flags cost about 3 us a use here, several uses a message.
+# Plain ints: pyzmq's enum flags cost microseconds a use, several uses a message.
 _POLLIN, _POLLOUT = int(zmq.POLLIN), int(zmq.POLLOUT)
 # The socket's events are read through a zero-timeout zmq_poll, not getsockopt(EVENTS):
 # pyzmq's getsockopt looks the option up in an enum, two Python frames each time.

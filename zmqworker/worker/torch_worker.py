@@ -114,7 +114,7 @@ class Worker(WorkerBase):
         activation_peak = max(0, self.ops.peak_bytes() - in_use)
         self.ops.empty_cache()
         if self.ops.name == "cuda":
-            # The decode graphs' memory stays taken once captured: the KV cache leaves it.
+            # The graphs' memory stays taken once captured: the KV cache leaves it.
             self.graph_bytes = runner.probe_graph_memory()
             free, total = self.ops.free_and_total_bytes()
             budget = int(total * cache.gpu_memory_utilization) - (total - free)

@@ -15,8 +15,8 @@ from zmqworker.distributed.parallel_state import ParallelState, tp_all_reduce
 from zmqworker.models.layers.weights import TensorSlice
 
 # oneDNN's JIT kernels use AVX-512 wherever the CPU has it; the MKL sgemm behind F.linear
-# does not on every vendor's CPU (AMD Zen 4 here: the LM head at 32 rows takes 13.4 ms
-# through oneDNN against 20.5 through MKL, and every shape of the embedded model gains).
+# does not on every vendor's CPU (AMD Zen 4: every shape of the embedded model gains,
+# docs/cuda.md).
 _ONEDNN_LINEAR = torch.backends.mkldnn.is_available() and hasattr(
     torch.ops.mkldnn, "_linear_pointwise"
 )

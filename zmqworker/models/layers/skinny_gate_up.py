@@ -3,18 +3,15 @@ epilogue: one Triton kernel where the eager step runs cuBLAS and the SiLU kernel
 
 At up to 64 rows the projection is a read of its weight. Each program owns BLOCK_N
 features of the activation for every row: it streams the gate rows and the up rows of
-those features once, and writes silu(gate) * up, never the [rows, 2 * size] product. On
-an H200 (bench/skinny_gate_up.py, every layer's weights streaming from HBM), at 1-16 rows
-it takes 1.03x the weight-read floor for Llama-3-8B's shape where cuBLAS and the SiLU
-kernel take 1.06-1.11x; 1.14x against 1.24x for Llama-3.2-1B; 5.5x against 6.8x for
-SmolLM2-135M, whose 3.5 MB layers are launch-bound. At 32 and 64 rows it is 4-12% faster
-than cuBLAS and the SiLU kernel for all three.
+those features once, and writes silu(gate) * up, never the [rows, 2 * size] product:
+closer to the weight-read floor than cuBLAS and the SiLU kernel at every row tile
+(docs/cuda.md, bench/results/skinny_gate_up.json).
 
 The epilogue rounds as the eager layers do (the projection's outputs to the model dtype,
 then the activation, then the product), so the bits differ from the eager step's only by
-the product's summation order. Prologues (fusing the RMSNorm before a projection) were
-tried and measured 2-5x slower than cuBLAS after the norm kernel: work on the input
-between its load and the product stalls Triton's software pipeline.
+the product's summation order. No prologue (the RMSNorm before the projection): work on
+the input between its load and the product stalls Triton's software pipeline, and it
+measured slower than cuBLAS after the norm kernel (docs/cuda.md).
 """
 
 from __future__ import annotations
@@ -82,7 +79,7 @@ def _gate_up_silu_kernel(
 
 def _tiles(block_m: int, size: int, k: int) -> tuple[int, int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps, num_stages) for a [2 * size, k] weight at a row tile:
-    the best of sweeps on an H200 (bench/skinny_gate_up.py --sweep)."""
+    the best of sweeps on an H200 (bench/skinny_gate_up.py --sweep, docs/cuda.md)."""
     if block_m == 64 and size * k >= (1 << 25):
         return 64, 64, 4, 3
     if block_m < 64 and size * k >= (1 << 24):

@@ -33,8 +33,7 @@ MIN_BLOCK_N = 16
 MAX_PROGRAMS = 384
 # Weights of fewer elements are launch-bound, and the kernel's one launch pays.
 SMALL_WEIGHT = 1 << 22
-# Measured on an H200 (bench/results/skinny_linear_rows.json): SmolLM2's projections took
-# the kernel over cuBLAS up to 32 rows, and lost to it at 64.
+# Small weights take the kernel as far as it beat cuBLAS (docs/cuda.md).
 SMALL_WEIGHT_ROWS = 32
 
 
@@ -105,11 +104,9 @@ def _finish(out_ptr, bias_ptr, acc, cells, offs_n, n_ok, mask, HAS_BIAS: tl.cons
 
 
 def pays(out_features: int, in_features: int) -> bool:
-    """Whether the kernel beats cuBLAS for a weight of this shape at one row, on an H200
-    (bench/skinny_linear.py): where K is at least N (o, down: 4-18% less time for the
-    three shapes measured), and for small weights (SmolLM2-135M's q/k/v, 14% less). Wide
-    and large ones (q/k/v of Llama-3.2-1B and Llama-3-8B) were 3-10% slower. At 16 rows
-    SmolLM2's q/k/v and 1B's o were 4-6% slower than cuBLAS, the rest still faster."""
+    """Whether the kernel beats cuBLAS for a weight of this shape at one row: where K is
+    at least N (o, down) and for small weights; wide large ones (the q/k/v of Llama-3.2-1B
+    and Llama-3-8B) stay on cuBLAS, which was faster there (docs/cuda.md)."""
     return in_features >= out_features or out_features * in_features < SMALL_WEIGHT
 
 
@@ -141,12 +138,10 @@ def k_splits(k: int, block_k: int, split_k: int) -> tuple[int, int]:
 def _tiles(n: int, k: int, rows: int) -> tuple[int, int, int, int, int]:
     """(BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages) for a weight [n, k] at a step of
     this many rows: narrow tiles for narrow layers, and the most splits (up to 8) that
-    keep the launch within MAX_PROGRAMS. On an H200 (bench/skinny_linear.py --sweep), at
-    1 row, this was the best setting or within 4% of it for q/k/v, o and down of
-    SmolLM2-135M, Llama-3.2-1B and Llama-3-8B, but for 1B's q/k/v (6% off the best, and
-    slower than cuBLAS; bench/results/skinny_linear_sweep.json). From 32 rows (small
-    weights only, row_limit) a K of at most 1024 goes unsplit over twice the programs:
-    17% less time for SmolLM2's q/k/v and o at 32 rows (skinny_linear_rows.json)."""
+    keep the launch within MAX_PROGRAMS: at one row the best setting of a sweep, or near
+    it, for every layer measured. From 32 rows (small weights only, row_limit) a K of at
+    most 1024 goes unsplit over twice the programs, which was faster there (docs/cuda.md,
+    bench/results/skinny_linear_sweep.json and skinny_linear_rows.json)."""
     if rows > LARGE_WEIGHT_ROWS and k <= 1024:
         return 16, 128, 1, 4, 3
     block_n = 32 if n <= 1024 else 64

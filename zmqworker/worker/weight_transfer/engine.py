@@ -16,6 +16,7 @@ that gives every weight of the rank, or a reload, makes them ready again.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -51,10 +52,16 @@ class WeightTransferEngine:
         self.model = model
         self.model_config = model_config
         self.device = next(model.parameters()).device
-        self.catalog = WeightCatalog(model)
         self._not_ready: str | None = None
         self._session: UpdateSession | None = None
         self._group: WeightGroup | None = None
+
+    @functools.cached_property
+    def catalog(self) -> WeightCatalog:
+        """The model's weights by checkpoint name, made at the first update: it builds the
+        whole model on the meta device, where torch's reference ops import its compiler
+        stack (seconds of a worker's start-up, which serving alone never needs)."""
+        return WeightCatalog(self.model)
 
     @property
     def not_ready(self) -> str | None:

@@ -68,8 +68,8 @@ class UpdateSession:
                 self.take(name, 0, tensor)
             self.wait_for_copies()  # before the engine's memory is let go
         finally:
-            tensors.clear()
-            opener.release()
+            with opener.releasing():
+                tensors.clear()
 
     def wait_for_copies(self) -> None:
         """Until the copies queued on the device are done (one event, no other sync)."""
