@@ -139,7 +139,7 @@ class EngineCoreClient:
             left = end - time.monotonic()
             if events or left <= 0 or self._received != received:
                 return events
-            self._poller.poll(max(1, round(min(left, self._next_wake()) * 1000)))
+            self._sleep(left)
 
     def drain(self) -> list[Event]:
         """The events there are, without waiting."""
@@ -170,13 +170,25 @@ class EngineCoreClient:
         engines: Sequence[int] | None = None,
     ) -> PendingCall:
         """Send method to every engine core (or those of engines); wait() for it."""
-        return self._start_call(method, args, kwargs, timeout, engines)
+        targets = self.engines if engines is None else [self.engines[i] for i in engines]
+        for engine in targets:
+            if engine.dead is not None:
+                raise engine.dead.with_traceback(None)
+        call, msg = self._calls.start(method, args, kwargs, [e.index for e in targets], timeout)
+        for engine in targets:
+            self._send(engine, msg)
+        return call
 
     def wait(self, call: PendingCall) -> list[Any]:
-        """A submitted call's results in engine order (or its error), blocking."""
-        while not call.done:
-            left = max(0.0, call.deadline - time.monotonic())
-            self._backlog += self.receive(min(POLL_SLICE_S, left))
+        """A submitted call's results in engine order (or its error), blocking. Events
+        that come meanwhile wait in the backlog for the next drain."""
+        while True:
+            received = self._received
+            self._collect(self._backlog)  # expires the call at its deadline
+            if call.done:
+                break
+            if self._received == received:
+                self._sleep(call.deadline - time.monotonic())
         if self._backlog and self._loop is not None:
             self._schedule_dispatch()
         return call.outcome()
@@ -192,7 +204,7 @@ class EngineCoreClient:
         """call(), awaited on the loop this client is attached to."""
         if self._loop is None:
             raise RuntimeError("call_async needs a client attached to the running loop")
-        call = self._start_call(method, args, kwargs, timeout, engines)
+        call = self.submit(method, args, kwargs, timeout, engines)
         call.future = self._loop.create_future()
         return await call.future
 
@@ -367,22 +379,9 @@ class EngineCoreClient:
             engine.requests.discard(request_id)
         return engine
 
-    def _start_call(
-        self,
-        method: str,
-        args: Sequence[Any],
-        kwargs: dict[str, Any] | None,
-        timeout: float,
-        engines: Sequence[int] | None,
-    ) -> PendingCall:
-        targets = self.engines if engines is None else [self.engines[i] for i in engines]
-        for engine in targets:
-            if engine.dead is not None:
-                raise engine.dead.with_traceback(None)
-        call, msg = self._calls.start(method, args, kwargs, [e.index for e in targets], timeout)
-        for engine in targets:
-            self._send(engine, msg)
-        return call
+    def _sleep(self, at_most: float) -> None:
+        """Wait for the sockets, the deaths or the next thing due, at most at_most s."""
+        self._poller.poll(max(1, round(min(at_most, self._next_wake()) * 1000)))
 
     def _next_wake(self) -> float:
         """Seconds until something is due without a message: a call's deadline, or the
