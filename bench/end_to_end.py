@@ -20,7 +20,7 @@ import transformers
 
 from bench.common import print_table, write_results
 from messages import SamplingParams
-from zmqworker.engine.llm import LLM
+from zmqworker.frontend.llm import LLM
 from zmqworker.models.embedded import default_model_path
 
 OUTPUT_TOKENS = 64

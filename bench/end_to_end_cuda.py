@@ -26,7 +26,7 @@ import transformers
 from bench.common import print_table, write_results
 from bench.gpu_runner import SHAPES, Ours
 from messages import SamplingParams
-from zmqworker.engine.llm import LLM
+from zmqworker.frontend.llm import LLM
 
 SHAPE = "smollm2-135m"
 

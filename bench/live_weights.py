@@ -13,7 +13,7 @@ import torch
 import transformers
 
 from bench.gpu_decode import SHAPES
-from zmqworker.engine.llm import LLM
+from zmqworker.frontend.llm import LLM
 from zmqworker.models.embedded import default_model_path
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}

@@ -2,9 +2,11 @@
 on a large batch (64 prompts of 256 tokens, chunked at 1024 tokens a step, seconds per
 step on a CPU), then a process is killed or stopped. bench.failure_latency reports them.
 
-- engine SIGKILL: the time until every worker has exited, watched through their pidfds;
-  its floor is the same watch on a bare child that only asked for a parent-death signal.
-- worker SIGSTOP: the time until generate() raises WorkerStuckError (the default bound).
+- engine SIGKILL (the LLM's process): the time until every worker has exited, watched
+  through their pidfds (its engine core leaves first, then they do); its floor is the
+  same watch on a bare child that only asked for a parent-death signal.
+- worker SIGSTOP: the time until generate() raises the engine core's WorkerStuckError
+  (the default bound).
 - worker SIGKILL under `zmqworker generate`: the time until the CLI process has exited.
 """
 
@@ -21,7 +23,7 @@ import time
 from pathlib import Path
 
 from messages import SamplingParams
-from zmqworker.executor.errors import WorkerStuckError
+from zmqworker.frontend.errors import EngineCoreError
 
 ROOT = Path(__file__).resolve().parent.parent
 NUM_PROMPTS, PROMPT_LEN, CHUNK = 64, 256, 1024
@@ -31,9 +33,9 @@ PROMPT = list(range(100, 100 + PROMPT_LEN))
 ENGINE_SCRIPT = textwrap.dedent(
     f"""
     from messages import SamplingParams
-    from zmqworker.engine.llm import LLM
+    from zmqworker.frontend.llm import LLM
     llm = LLM(pipeline_parallel_size=2, max_num_batched_tokens={CHUNK})
-    print(*llm._core.executor.pids, flush=True)
+    print(*llm.worker_pids, flush=True)
     params = SamplingParams(max_tokens=512, ignore_eos=True)
     llm.generate([{PROMPT!r}] * {NUM_PROMPTS}, params)
     """
@@ -67,11 +69,11 @@ def bare_child_of_killed_parent() -> float:
 
 def worker_stopped_mid_step() -> float:
     """Seconds from a worker's SIGSTOP to WorkerStuckError out of generate()."""
-    from zmqworker.engine.llm import LLM
+    from zmqworker.frontend.llm import LLM
 
     caught: list[BaseException] = []
     with LLM(pipeline_parallel_size=2, max_num_batched_tokens=CHUNK) as llm:
-        pid = llm._core.executor.pids[1]
+        pid = llm.worker_pids[1]
         params = SamplingParams(max_tokens=512, ignore_eos=True)
 
         def run() -> None:
@@ -87,7 +89,12 @@ def worker_stopped_mid_step() -> float:
         os.kill(pid, signal.SIGSTOP)
         thread.join(60)
         took = time.perf_counter() - start
-    if not caught or not isinstance(caught[0], WorkerStuckError):
+    stuck = (
+        caught
+        and isinstance(caught[0], EngineCoreError)
+        and caught[0].exc_type == "WorkerStuckError"
+    )
+    if not stuck:
         raise RuntimeError(f"generate() did not fail with WorkerStuckError: {caught}")
     return took
 
@@ -110,9 +117,10 @@ def cli_after_worker_killed() -> float:
         else:
             raise RuntimeError(f"the CLI ended before it was ready (exit {cli.wait()})")
         time.sleep(BUSY_S)
-        workers = _children(cli.pid)
+        [core] = _children(cli.pid)  # the engine core; the workers are its children
+        workers = _children(core)
         if len(workers) != 2:
-            raise RuntimeError(f"expected the CLI's 2 workers, found {workers}")
+            raise RuntimeError(f"expected the engine core's 2 workers, found {workers}")
         start = time.perf_counter()
         os.kill(workers[1], signal.SIGKILL)
         status = cli.wait(60)

@@ -83,7 +83,7 @@ def make_prompts(args: argparse.Namespace) -> list[Any]:
 def offline(options: dict[str, Any], prompts: list[Any], output_len: int) -> dict[str, Any]:
     """LLM.generate on every prompt at once: output tokens/s and mean TPOT."""
     from messages import SamplingParams
-    from zmqworker.engine.llm import LLM
+    from zmqworker.frontend.llm import LLM
 
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     with LLM(**options) as llm:

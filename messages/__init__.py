@@ -13,7 +13,23 @@ from messages.config import (
     SchedulerConfig,
     WorkerConfig,
 )
+from messages.engine_core import (
+    AbortRequests,
+    EngineCoreConfig,
+    EngineCoreFailure,
+    EngineCoreHello,
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreReady,
+    EngineCoreRequest,
+    EngineCoreStats,
+    UtilityCall,
+    UtilityResult,
+    UtilityValue,
+    WorkerCall,
+)
 from messages.errors import ProtocolError
+from messages.kinds import Message
 from messages.kv_cache import (
     KVCacheConfig,
     KVCacheGroup,
@@ -24,7 +40,6 @@ from messages.kv_cache import (
 from messages.rpc import (
     ALL_RANKS,
     Hello,
-    Message,
     Ping,
     PipelineSharedTensors,
     PipelineTensors,
@@ -58,6 +73,7 @@ from messages.weights import (
 
 __all__ = [
     "ALL_RANKS",
+    "AbortRequests",
     "INLINE_MAX_BYTES",
     "PROTOCOL_VERSION",
     "CacheConfig",
@@ -67,6 +83,14 @@ __all__ = [
     "Decoder",
     "DeviceConfig",
     "Encoder",
+    "EngineCoreConfig",
+    "EngineCoreFailure",
+    "EngineCoreHello",
+    "EngineCoreOutput",
+    "EngineCoreOutputs",
+    "EngineCoreReady",
+    "EngineCoreRequest",
+    "EngineCoreStats",
     "GrammarOutput",
     "Hello",
     "IntermediateTensors",
@@ -95,10 +119,14 @@ __all__ = [
     "SharedTensorRef",
     "SharedWeightRef",
     "SharedWeights",
+    "UtilityCall",
+    "UtilityResult",
+    "UtilityValue",
     "Value",
     "WeightSpec",
     "WeightUpdate",
     "Welcome",
+    "WorkerCall",
     "WorkerConfig",
     "make_kv_cache_config",
 ]

@@ -28,7 +28,7 @@ import msgspec
 import numpy as np
 
 from messages.errors import ProtocolError
-from messages.rpc import Message
+from messages.kinds import Message
 from messages.version import PROTOCOL_VERSION
 
 # Buffers larger than this travel as their own frame, zero-copy; smaller ones are

@@ -23,7 +23,8 @@ class ModelConfig(msgspec.Struct, tag=True, frozen=True, omit_defaults=True):
 
 class ParallelConfig(msgspec.Struct, tag=True, frozen=True, omit_defaults=True):
     """The layout. A worker's rank within its data-parallel replica is
-    pp_rank * tensor_parallel_size + tp_rank."""
+    pp_rank * tensor_parallel_size + tp_rank; the replicas of a host run side by side,
+    and a worker's local rank (its GPU) is data_parallel_rank * world_size + rank."""
 
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1

@@ -3,9 +3,15 @@ whose bytes are the golden fixtures': the same numbers on every machine and rele
 
 from __future__ import annotations
 
+import hashlib
 import math
 
 import numpy as np
+
+
+def req_id(i: int) -> str:
+    """A request id shaped like vLLM's completion ids, "cmpl-<32 hex>-0", derived from i."""
+    return f"cmpl-{hashlib.md5(str(i).encode()).hexdigest()}-0"
 
 
 class Stream:

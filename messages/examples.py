@@ -7,7 +7,6 @@ generators, no clocks, no uuid4), so a fixture's bytes change only when a schema
 
 from __future__ import annotations
 
-import hashlib
 import math
 from collections.abc import Callable
 from typing import Any
@@ -15,12 +14,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from messages.example_stream import Stream
+from messages.example_stream import Stream, req_id
+from messages.examples_engine_core import ENGINE_CORE_EXAMPLES
 from messages.examples_start import BLOCK_SIZE, RUN_ID, hello, kv_cache_spec, welcome
 from messages.examples_weights import WEIGHT_EXAMPLES
+from messages.kinds import Message
 from messages.kv_cache import make_kv_cache_config
 from messages.rpc import (
-    Message,
     Ping,
     PipelineSharedTensors,
     PipelineTensors,
@@ -46,11 +46,6 @@ VOCAB_SIZE = 49_152  # SmolLM2's
 HIDDEN_SIZE = 576  # SmolLM2-135M's
 DEADLINE = 1_767_225_600.25  # a fixed instant: fixtures must not depend on the clock
 PP_LAST_RANK = 1  # the examples run tp=1, pp=2: rank 1 samples and replies
-
-
-def req_id(i: int) -> str:
-    """A request id shaped like vLLM's completion ids, "cmpl-<32 hex>-0", derived from i."""
-    return f"cmpl-{hashlib.md5(str(i).encode()).hexdigest()}-0"
 
 
 def _blocks(rng: Stream, num_tokens: int) -> np.ndarray:
@@ -345,4 +340,5 @@ EXAMPLES: dict[str, Callable[[], Message]] = {
         call_id=100, src_rank=0, shared=shared_slot(), run_id=RUN_ID
     ),
     **WEIGHT_EXAMPLES,
+    **ENGINE_CORE_EXAMPLES,  # then a client and an engine core's
 }

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from messages.rpc import Message, RpcRequest
+from messages.kinds import Message
+from messages.rpc import RpcRequest
 from messages.weights import (
     CudaWeightRef,
     CudaWeights,

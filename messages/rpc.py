@@ -150,4 +150,6 @@ class PipelineSharedTensors(msgspec.Struct, tag=True):
     run_id: str = ""
 
 
-Message = RpcRequest | RpcReply | Hello | Welcome | Ping | PipelineTensors | PipelineSharedTensors
+WorkerMessage = (
+    RpcRequest | RpcReply | Hello | Welcome | Ping | PipelineTensors | PipelineSharedTensors
+)

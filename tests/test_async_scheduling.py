@@ -25,7 +25,6 @@ from tests.runner_helpers import GREEDY, NUM_BLOCKS, checkpoint, hf_greedy, make
 from zmqworker.engine.batch_queue import BatchQueue
 from zmqworker.engine.block_manager import KVBlockManager
 from zmqworker.engine.core import ASYNC_STEPS_IN_FLIGHT, EngineCore
-from zmqworker.engine.detokenizer import IncrementalDetokenizer
 from zmqworker.engine.request import FinishReason, Request
 from zmqworker.engine.scheduler import Scheduler
 
@@ -141,12 +140,8 @@ def test_a_stopped_request_shows_nothing_of_the_steps_after_and_frees_its_blocks
     core = make_core(
         depth=depth, token_fn=lambda seq: script[(len(seq) - len(prompt)) % len(script)]
     )
-    stopped = Request(
-        "stopped",
-        prompt,
-        SamplingParams(stop=[". The"], max_tokens=30),
-        detokenizer=IncrementalDetokenizer(tok, prompt),
-    )
+    period = tok.encode(".")[0]
+    stopped = Request("stopped", prompt, SamplingParams(stop_token_ids=[period], max_tokens=30))
     core.add_request(stopped)
     kv = core.block_manager
     while not stopped.is_finished:
@@ -155,8 +150,8 @@ def test_a_stopped_request_shows_nothing_of_the_steps_after_and_frees_its_blocks
     assert len(core.batch_queue) == depth - 1 and kv.num_free_blocks < kv.num_blocks
     tokens = list(stopped.output_token_ids)
     run(core)
-    assert stopped.output_token_ids == tokens and stopped.output_text == " Paris"
-    assert stopped.finish_reason is FinishReason.STOP
+    assert stopped.output_token_ids == tokens and tok.decode(tokens) == " Paris."
+    assert stopped.finish_reason is FinishReason.STOP and stopped.stop_reason == period
     assert kv.num_free_blocks == kv.num_blocks
     # The next step tells the workers, once; then nothing is left in them.
     core.add_request(Request("next", [1], SamplingParams(max_tokens=1)))

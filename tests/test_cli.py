@@ -22,7 +22,7 @@ from zmqworker.cli import build_parser, main
 from zmqworker.cli.generate import LLM_OPTIONS, SAMPLING_OPTIONS
 from zmqworker.cli.options import given, parse_size
 from zmqworker.cli.prompts import PromptItem, read_prompts
-from zmqworker.engine.llm import LLM
+from zmqworker.frontend.llm import LLM
 
 ROOT = Path(__file__).resolve().parent.parent
 

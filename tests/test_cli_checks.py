@@ -23,8 +23,8 @@ from tests.tiny import cached_tiny_checkpoint, make_fp8_checkpoint, make_gptq_ch
 from zmqworker.cli import main
 from zmqworker.cli.preflight import check_run
 from zmqworker.cli.prompts import PromptItem, read_prompts
-from zmqworker.engine import llm as llm_module
 from zmqworker.engine.model_folder import ModelFolder
+from zmqworker.frontend import llm as llm_module
 from zmqworker.models.embedded import default_model_path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -46,9 +46,9 @@ def refuse(monkeypatch, capsys, model):
 
     def spy(*args: object, **kwargs: object) -> None:
         started.append(args)
-        raise AssertionError(f"a worker was started: {args!r:.200}")
+        raise AssertionError(f"an engine core or a worker was started: {args!r:.200}")
 
-    monkeypatch.setattr(llm_module, "executor_factory", spy)
+    monkeypatch.setattr(llm_module, "EngineCoreLauncher", spy)
     monkeypatch.setattr(subprocess, "Popen", spy)
     logger = logging.getLogger("zmqworker")
     handlers, level = list(logger.handlers), logger.level

@@ -7,7 +7,7 @@ import random
 import pytest
 from engine_helpers import byte_level_tokenizer, sentencepiece_tokenizer
 
-from zmqworker.engine.detokenizer import IncrementalDetokenizer
+from zmqworker.frontend.detokenizer import IncrementalDetokenizer
 
 TEXTS = [
     "The capital of France is Paris.",

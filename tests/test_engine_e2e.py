@@ -17,8 +17,10 @@ import transformers
 
 from messages import SamplingParams
 from tests.engine_helpers import byte_level_tokenizer
+from tests.test_executor import wait_gone
 from tests.tiny import cached_tiny_checkpoint
-from zmqworker.engine.llm import LLM
+from zmqworker.frontend.errors import EngineCoreError
+from zmqworker.frontend.llm import LLM
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMPTS = [[5, 17, 42, 9, 100, 3, 77], [1, 2, 3], list(range(10, 60)), [200, 201, 7, 7]]
@@ -51,6 +53,10 @@ def hf_greedy(prompt: tuple[int, ...], n: int) -> list[int]:
 
 
 def make_llm(tp: int = 1, pp: int = 1, **kw) -> LLM:
+    """The tiny Llama on the CPU in float32 (as transformers' reference runs), unless kw
+    says otherwise: "auto" would take a GPU, in bfloat16, where one is visible."""
+    kw.setdefault("device", "cpu")
+    kw.setdefault("dtype", "float32")
     return LLM(
         model=checkpoint_with_tokenizer(),
         tensor_parallel_size=tp,
@@ -93,7 +99,7 @@ def test_kv_cache_overflow_finishes_through_preemption():
     params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
     with make_llm(kv_cache_bytes=25 * 4096) as llm:
         outs = llm.generate(PROMPTS, params)
-        assert llm._core.scheduler.num_preemptions > 0
+        assert llm.stats().num_preemptions > 0
     assert [o.token_ids for o in outs] == [hf_greedy(tuple(p), 30) for p in PROMPTS]
 
 
@@ -234,22 +240,21 @@ def test_async_scheduling_gives_the_tokens_and_streams_of_sync_scheduling():
     results = {}
     for async_scheduling in (False, True):
         with make_llm(kv_cache_bytes=25 * 4096, async_scheduling=async_scheduling) as llm:
-            assert llm._core.async_scheduling is async_scheduling
             results[async_scheduling] = scenario(llm)
-            assert llm._core.scheduler.num_preemptions > 0
-            # generate() returns once the steps in flight are back: every block too.
-            kv = llm._core.block_manager
-            assert len(llm._core.batch_queue) == 0 and kv.num_free_blocks == kv.num_blocks
+            stats = llm.stats()
+            assert stats.num_preemptions > 0
+            # The engine core takes the steps in flight back once every request has
+            # finished, before it reads on: every block is free again.
+            assert stats.num_free_blocks == stats.num_blocks
     assert results[True] == results[False]
     (first, _, reason), streamed = results[True][0][0], results[True][1]
     assert reason == "stop" and [t for chunk in streamed for t in chunk] == first
 
 
 def test_a_worker_death_with_two_steps_in_flight_fails_both_and_leaves_no_hang():
-    from zmqworker.executor.errors import ExecutorError, WorkerDiedError
-
     llm = make_llm(tp=2)
-    pids = llm._core.executor.pids
+    pids = llm.worker_pids
+    [core_pid] = llm.engine_core_pids
     params = SamplingParams(temperature=0.0, max_tokens=80, ignore_eos=True)
 
     async def generate() -> None:
@@ -260,12 +265,12 @@ def test_a_worker_death_with_two_steps_in_flight_fails_both_and_leaves_no_hang()
                 subprocess.run(["kill", "-9", str(pids[1])], check=True)
 
     try:
-        with pytest.raises(WorkerDiedError) as info:
+        with pytest.raises(EngineCoreError) as info:
             asyncio.run(generate())
-        assert info.value.rank == 1 and "rank 1" in str(info.value)
-        core = llm._core
-        assert len(core.batch_queue) == 0 and not core.has_work()
-        with pytest.raises(ExecutorError):  # at once: the run is over
+        assert info.value.exc_type == "WorkerDiedError" and "worker rank 1 died" in str(info.value)
+        with pytest.raises(EngineCoreError, match="worker rank 1"):  # at once: the run is over
             llm.generate([PROMPTS[1]], params)
+        # The engine core stopped its other worker and left.
+        assert wait_gone([core_pid, *pids], 10.0)
     finally:
         llm.shutdown()

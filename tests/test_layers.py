@@ -25,6 +25,7 @@ LAYERS = [
     "zmqworker.runtime",
     "zmqworker.executor",
     "zmqworker.engine",
+    "zmqworker.frontend",
     "zmqworker.serve",
     "zmqworker.cli",
     "zmqworker.__main__",
@@ -134,7 +135,7 @@ def test_the_engine_side_imports_neither_torch_nor_transformers() -> None:
     """The messages and the engine up to spawning its workers stay light: torch and
     transformers cost seconds of start-up, and the workers import them in parallel."""
     code = (
-        "import sys, messages, zmqworker.engine.llm, zmqworker.cli.generate;"
+        "import sys, messages, zmqworker.frontend.llm, zmqworker.cli.generate;"
         "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
     )
     out = subprocess.run(

@@ -1,19 +1,23 @@
-"""The LLM API over a fake executor: generate, streaming, bad input, shutdown."""
+"""The LLM API over a fake executor (its engine core in a thread of this process, over the
+same protocol as a process): generate, streaming, bad input, shutdown."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import json
+import time
 from pathlib import Path
 
 import pytest
 from engine_helpers import FakeExecutor, byte_level_tokenizer, reference_tokens
 
 from messages import SamplingParams, WorkerConfig
-from zmqworker.engine.llm import LLM
+from zmqworker.frontend.errors import EngineCoreStartupError
+from zmqworker.frontend.llm import LLM
 
 MAX_MODEL_LEN = 64
+TOKEN_S = 0.002
 
 
 @pytest.fixture(scope="module")
@@ -49,6 +53,9 @@ class Factory:
         self.configs: list[WorkerConfig] = []
 
     def token_fn(self, seq: list[int]) -> int:
+        # A token takes a moment, as on a model: the engine core's thread does not run a
+        # request to its end before the test's next move (another stream, a close).
+        time.sleep(TOKEN_S)
         return self.script[len(seq) % len(self.script)]
 
     def __call__(self, config: WorkerConfig) -> FakeExecutor:
@@ -109,7 +116,7 @@ def test_generate_honours_stop_strings(llm):
 def test_bad_input_raises_and_the_engine_stays_usable(llm, prompts, params, message):
     with pytest.raises(ValueError, match=message):
         llm.generate(prompts, params)
-    assert not llm._core.has_work()
+    assert idle(llm)
     [out] = llm.generate("Hello", SamplingParams(max_tokens=2))
     assert len(out.token_ids) == 2
 
@@ -133,9 +140,15 @@ def test_unsupported_architecture_fails_before_any_executor(tmp_path, model_dir,
     assert factory.made == []
 
 
+def idle(llm: LLM) -> bool:
+    """No request in the engine cores, and every KV block free."""
+    stats = llm.stats()
+    return stats.num_running == stats.num_waiting == 0 and stats.num_free_blocks == stats.num_blocks
+
+
 def test_step_timeout_reaches_the_executor_and_is_checked(model_dir, tok):
     factory = Factory(tok)
-    LLM(model_dir, executor=factory, step_timeout_s=12.5)
+    LLM(model_dir, executor=factory, step_timeout_s=12.5).shutdown()
     assert factory.made[0].step_timeout_s == 12.5
     with pytest.raises(ValueError, match=r"step_timeout_s=0: Expected `float` > 0.0"):
         LLM(model_dir, executor=factory, step_timeout_s=0)
@@ -144,7 +157,7 @@ def test_step_timeout_reaches_the_executor_and_is_checked(model_dir, tok):
 
 def test_kv_cache_too_small_shuts_the_executor_down(model_dir, tok):
     factory = Factory(tok, num_blocks=4)
-    with pytest.raises(ValueError, match="fewer than max_model_len"):
+    with pytest.raises(EngineCoreStartupError, match="ValueError: .*fewer than max_model_len"):
         LLM(model_dir, executor=factory, block_size=4)
     assert factory.made[0].is_shut_down
 
@@ -184,8 +197,7 @@ def test_a_stream_closed_early_is_aborted(llm, factory, tok):
 
     short, outputs = asyncio.run(main())
     assert not short.finished and outputs[-1].finished and len(outputs[-1].token_ids) == 8
-    kv = llm._core.block_manager
-    assert not llm._core.has_work() and kv.num_free_blocks == kv.num_blocks
+    assert idle(llm)
     # The closed stream's request stopped well before its 30 tokens, and was dropped.
     steps = factory.made[0].workers[-1].steps
     handle = next(
@@ -206,9 +218,7 @@ def test_a_stream_left_by_its_ended_event_loop_is_aborted_by_the_next_generate(l
     assert not short.finished
     [out] = llm.generate("Hi", SamplingParams(max_tokens=3))
     assert out.finished and len(out.token_ids) == 3
-    kv = llm._core.block_manager
-    assert not llm._core.has_work() and kv.num_free_blocks == kv.num_blocks
-    assert llm.stats().num_aborted == 1
+    assert idle(llm) and llm.stats().num_aborted == 1
     # generate() did not run the orphan on to its 30 tokens.
     steps = factory.made[0].workers[-1].steps
     handle = next(

@@ -11,8 +11,8 @@ import pytest
 
 from messages import WorkerConfig
 from tests.tiny import cached_tiny_checkpoint, make_fp8_checkpoint, make_gptq_checkpoint
-from zmqworker.engine.llm import LLM
 from zmqworker.engine.model_folder import ModelFolder
+from zmqworker.frontend.llm import LLM
 
 SUPPORTED = r"supported: plain float32, bfloat16 or float16 safetensors weights"
 

@@ -16,7 +16,7 @@ import transformers
 
 from messages import SamplingParams
 from tests.test_engine_e2e import PROMPTS, checkpoint_with_tokenizer, hf_greedy, make_llm
-from zmqworker.engine.llm import LLM
+from zmqworker.frontend.llm import LLM
 
 
 class OpenAIPenalties(transformers.LogitsProcessor):

@@ -23,8 +23,10 @@ from messages import (
     PROTOCOL_VERSION,
     Message,
     RpcRequest,
+    UtilityValue,
     WorkerConfig,
     config,
+    engine_core,
     kv_cache,
     rpc,
     sampling,
@@ -34,14 +36,21 @@ from messages import (
 from messages import examples as ex
 from messages.rpc import Value
 from zmqworker.distributed.pp_channel import RECV_TIMEOUT_S, SHM_ENV
+from zmqworker.engine.core_clients import PROBE_EVERY_S, PROBE_WINDOW_S
+from zmqworker.engine.core_server import CLIENT_SILENT_S, HEARTBEAT_IVL_S, SHUTDOWN
+from zmqworker.engine.utility import UTILITY_METHODS, EngineCoreUtilities
 from zmqworker.executor.handshake import STUCK_AFTER_S, Handshake, bind_router, new_token
 from zmqworker.executor.message_limits import BODY_ROOM, LARGE_HIDDEN, LARGE_VOCAB
 from zmqworker.executor.multiproc import SHUTDOWN_GRACE_S, SIGTERM_GRACE_S
+from zmqworker.frontend.core_client import LOST_GRACE_S
+from zmqworker.frontend.core_process import EXIT_GRACE_S
+from zmqworker.frontend.core_process import SIGTERM_GRACE_S as CORE_SIGTERM_GRACE_S
+from zmqworker.frontend.engine_connection import ENGINE_SILENT_S, PING_EVERY_S
 from zmqworker.runtime.engine_watch import PARENT_POLL_S
 from zmqworker.runtime.main import build_parser
 from zmqworker.runtime.worker_process import HANDSHAKE_TIMEOUT_S
 from zmqworker.transport.curve import CURVE_ENV
-from zmqworker.transport.spawn_env import MAX_MESSAGE_ENV, TOKEN_ENV
+from zmqworker.transport.spawn_env import MAX_MESSAGE_ENV, SHARE_GPUS_ENV, TOKEN_ENV
 from zmqworker.worker.worker_base import CONCURRENT_METHODS, RPC_METHODS, WorkerBase
 
 DOC = (Path(__file__).resolve().parent.parent / "docs" / "protocol.md").read_text()
@@ -75,7 +84,7 @@ def traveling_structs() -> set[type]:
 
 def declared_structs() -> set[type]:
     """The public Structs of the wire contract's modules."""
-    modules = (config, kv_cache, rpc, sampling, step, weights)
+    modules = (config, engine_core, kv_cache, rpc, sampling, step, weights)
     return {
         value
         for module in modules
@@ -137,7 +146,11 @@ def doc_type(hint: Any) -> str:
     (IntermediateTensors' values), and "<dtype> array [shape]", the dtype captured."""
     if hint == Value:
         return "Value"
+    if hint == UtilityValue:
+        return "UtilityValue"
     origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is typing.Literal:
+        return "str"
     if origin is typing.Annotated:
         return doc_type(args[0])
     if origin in (typing.Union, types.UnionType):
@@ -159,8 +172,10 @@ def doc_type(hint: Any) -> str:
 def doc_range(hint: Any) -> str:
     """How the range column writes a field's constraints (msgspec.Meta), "" for none:
     ">= 0", "(0, 1]", "each non-empty", "each >= 0", "length <= 8", "length 1 to 8",
-    "keys >= 0, values [-1, 1]"."""
+    "keys >= 0, values [-1, 1]", 'one of "a", "b"'."""
     origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is typing.Literal:
+        return "one of " + ", ".join(f'"{a}"' for a in args)
     if origin is typing.Annotated:
         own = [_bounds(m) for m in args[1:] if isinstance(m, msgspec.Meta)]
         return ", ".join(r for r in [*own, doc_range(args[0])] if r)
@@ -259,12 +274,12 @@ def documented_signatures() -> dict[str, str]:
     return {name: sig for sig, name in re.findall(r"^\| `((\w+)\([^`]*\))` \|", section, re.M)}
 
 
-def signature(method: str) -> str:
-    """How the table writes WorkerBase's method: its parameters but self and the
-    reserved keyword-only call_id, defaults as Python writes them."""
+def signature(method: str, cls: type = WorkerBase) -> str:
+    """How a table writes cls's method: its parameters but self and the reserved
+    keyword-only call_id, defaults as Python writes them."""
     params = [
         p
-        for p in inspect.signature(getattr(WorkerBase, method)).parameters.values()
+        for p in inspect.signature(getattr(cls, method)).parameters.values()
         if p.name != "self" and p.kind is not p.KEYWORD_ONLY
     ]
     parts = [p.name if p.default is p.empty else f"{p.name}={p.default!r}" for p in params]
@@ -276,6 +291,17 @@ def test_every_rpc_method_is_in_the_table_with_its_signature() -> None:
     assert set(documented) == set(RPC_METHODS)
     for method in RPC_METHODS:
         assert documented[method] == signature(method)
+
+
+def test_every_utility_method_is_in_its_table_with_its_signature() -> None:
+    section = DOC.split("### Utility methods", 1)[1].split("\n#", 1)[0]
+    rows = {
+        name: line for line in section.splitlines() for name in re.findall(r"^\| `(\w+)\(", line)
+    }
+    assert set(rows) == {*UTILITY_METHODS, SHUTDOWN}
+    for method, waits in UTILITY_METHODS.items():
+        assert rows[method].startswith(f"| `{signature(method, EngineCoreUtilities)}` |"), method
+        assert ("*waits*" in rows[method]) == waits, method
 
 
 def test_the_methods_that_run_beside_the_others_are_named() -> None:
@@ -306,7 +332,7 @@ def test_the_worker_command_line_and_environment_are_the_code_s() -> None:
     assert {"--engine", "--rank"} <= options
     table = DOC.split("## The worker process", 1)[1].split("\n## ", 1)[0]
     assert {o for o in options if f"| `{o}` |" not in table} == set()
-    variables = {TOKEN_ENV, MAX_MESSAGE_ENV, CURVE_ENV, SHM_ENV}
+    variables = {TOKEN_ENV, MAX_MESSAGE_ENV, CURVE_ENV, SHM_ENV, SHARE_GPUS_ENV}
     assert {v for v in variables if f"| `{v}` |" not in table} == set()
     assert set(re.findall(r"ZMQWORKER_\w+", DOC)) == variables  # none of another name
     [worker_cls] = [
@@ -347,6 +373,15 @@ def test_every_socket_option_the_engine_sets_is_named_where_an_engine_is_told_to
         f"waits {SIGTERM_GRACE_S:g} s",
         f"waited {RECV_TIMEOUT_S:g} s",
         f"more than **{INLINE_MAX_BYTES // 1024} KiB**",
+        f"`ZMQ_HEARTBEAT_IVL` {HEARTBEAT_IVL_S:g} s",
+        f"`ZMQ_HEARTBEAT_TTL` {CLIENT_SILENT_S:g} s",
+        f"for {PROBE_WINDOW_S:g} s it then Pings every client",
+        f"ignores) every {PROBE_EVERY_S * 1000:g} ms",
+        f"Our clients wait {EXIT_GRACE_S:g} s for that exit",
+        f"then send SIGTERM, wait {CORE_SIGTERM_GRACE_S:g} s",
+        f"has not exited {LOST_GRACE_S:g} s later",
+        f"it pings every {PING_EVERY_S:g} s and drops a connection that has left a ping "
+        f"unanswered for {ENGINE_SILENT_S:g} s",
     ],
 )
 def test_the_numbers_it_quotes_are_the_code_s(quoted: str) -> None:

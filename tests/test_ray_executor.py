@@ -23,7 +23,6 @@ from bench.echo_worker import EchoExtension, EchoWorker  # noqa: E402
 from messages import DeviceConfig, SamplingParams  # noqa: E402
 from tests.test_executor import echo_config  # noqa: E402
 from tests.tiny import cached_tiny_checkpoint  # noqa: E402
-from zmqworker.engine.llm import LLM  # noqa: E402
 from zmqworker.executor.errors import (  # noqa: E402
     ExecutorError,
     WorkerDiedError,
@@ -36,6 +35,7 @@ from zmqworker.executor.ray_executor import (  # noqa: E402
     order_ranks,
     rank_environments,
 )
+from zmqworker.frontend.llm import LLM  # noqa: E402
 
 CLUSTER_CPUS = 4
 
@@ -95,7 +95,9 @@ def test_greedy_output_equals_multiproc(ray_cluster, tp, pp):
     prompts = [[5, 17, 33, 2 + i] for i in range(3)] + [[9] * 11]
     greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     outputs = {}
-    for executor in ("mp", "ray"):
+    # Ray's executor as a factory of this process: its engine core runs in a thread here,
+    # a driver of this test's cluster.
+    for name, executor in (("mp", "mp"), ("ray", RayExecutor)):
         with LLM(
             model=path,
             executor=executor,
@@ -104,7 +106,7 @@ def test_greedy_output_equals_multiproc(ray_cluster, tp, pp):
             kv_cache_bytes=1 << 20,
             max_num_seqs=4,
         ) as llm:
-            outputs[executor] = [o.token_ids for o in llm.generate(prompts, greedy)]
+            outputs[name] = [o.token_ids for o in llm.generate(prompts, greedy)]
     assert all(len(tokens) == 8 for tokens in outputs["ray"])
     assert outputs["ray"] == outputs["mp"]
     assert_nothing_left()

@@ -1,13 +1,17 @@
-"""Request state: stop rules (max_tokens, EOS, stop ids, stop strings), text, timings."""
+"""A request on both sides of the engine core's boundary: the engine core's stop rules
+(max_tokens, max_model_len, EOS, stop ids) and the outputs it hands on; the client's text,
+stop strings, held-back stream, logprobs and timings built from those outputs."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from engine_helpers import byte_level_tokenizer
 
-from messages import SamplingParams
-from zmqworker.engine.detokenizer import IncrementalDetokenizer
+from messages import EngineCoreOutput, LogprobsLists, SamplingParams
 from zmqworker.engine.request import FinishReason, Request, RequestStatus
+from zmqworker.frontend.detokenizer import IncrementalDetokenizer
+from zmqworker.frontend.request_state import RequestState
 
 
 @pytest.fixture(scope="module")
@@ -15,38 +19,48 @@ def tok():
     return byte_level_tokenizer()
 
 
-def text_request(tok, prompt: str, **params) -> Request:
-    ids = tok.encode(prompt)
-    return Request(
-        "r",
-        ids,
-        SamplingParams(**params),
-        eos_token_ids=[tok.eos_token_id],
-        detokenizer=IncrementalDetokenizer(tok, ids),
-    )
+class Both:
+    """One request as the engine core and its client hold it: each token goes through the
+    engine core's Request, and its output to the client's RequestState."""
+
+    def __init__(self, tok, prompt: str, max_model_len: int = 1000, **params) -> None:
+        ids = tok.encode(prompt)
+        params = SamplingParams(**params)
+        self.engine = Request("r", ids, params, eos_token_ids=[tok.eos_token_id])
+        self.client = RequestState("r", prompt, ids, params, IncrementalDetokenizer(tok, ids))
+        self.max_model_len = max_model_len
+
+    def add(self, token: int, now: float = 0.0) -> str:
+        """Feed one token; the text the stream shows for it."""
+        self.engine.append_output_token(token, self.max_model_len)
+        if self.client.apply(self.engine.take_output(), now):
+            self.engine.finish(FinishReason.ABORT)  # the client aborts it on a stop string
+        return self.client.output().new_text
+
+    def feed(self, text_or_ids) -> list[str]:
+        """Feed tokens until the request finishes; the streamed text pieces."""
+        pieces = []
+        for token in text_or_ids:
+            pieces.append(self.add(token))
+            if self.client.finished:
+                break
+        return pieces
 
 
-def feed(request: Request, tok, text: str, max_model_len: int = 1000) -> list[str]:
-    """Append text's tokens until the request finishes; the streamed text pieces."""
-    pieces = []
-    for token in tok.encode(text):
-        done = request.append_output_token(token, max_model_len)
-        pieces.append(request.take_delta()[1])
-        if done:
-            break
-    return pieces
+# -- the engine core's side ---------------------------------------------------------------
 
 
-def test_max_tokens_finishes_with_length_and_timings():
-    request = Request("r", [1, 2, 3], SamplingParams(max_tokens=3), arrival_time=10.0)
-    assert not request.append_output_token(5, 100, now=11.0)
-    assert not request.append_output_token(6, 100, now=12.0)
-    assert request.append_output_token(7, 100, now=14.0)
+def test_max_tokens_finishes_with_length_and_the_output_says_so():
+    request = Request("r", [1, 2, 3], SamplingParams(max_tokens=3))
+    assert not request.append_output_token(5, 100)
+    assert not request.append_output_token(6, 100)
+    assert request.take_output().new_token_ids == [5, 6]
+    assert request.append_output_token(7, 100)
     assert request.status is RequestStatus.FINISHED
     assert request.finish_reason is FinishReason.LENGTH
     assert request.output_token_ids == [5, 6, 7] and request.all_token_ids == [1, 2, 3, 5, 6, 7]
-    timings = request.timings()
-    assert (timings.ttft, timings.tpot, timings.total) == (1.0, 1.5, 4.0)
+    out = request.take_output()
+    assert (out.new_token_ids, out.finish_reason, out.stop_reason) == ([7], "length", None)
     with pytest.raises(RuntimeError, match="finished"):
         request.append_output_token(8, 100)
 
@@ -71,66 +85,83 @@ def test_eos_stops_unless_ignored():
     assert ignoring.finish_reason is FinishReason.LENGTH
 
 
+def test_the_output_carries_each_new_token_s_logprobs_row():
+    request = Request("r", [1], SamplingParams(max_tokens=5, logprobs=1))
+    step = LogprobsLists(
+        logprob_token_ids=np.array([[9, 9, 4], [7, 3, 7]], np.int32),
+        logprobs=np.array([[-0.5, -0.5, -2.0], [-1.0, -0.25, -1.0]], np.float32),
+        sampled_token_ranks=np.array([1, 2], np.int32),
+    )
+    request.append_output_token(9, 100, step, row=0)
+    request.append_output_token(7, 100, step, row=1)
+    out = request.take_output()
+    assert out.logprobs.logprob_token_ids.tolist() == [[9, 9], [7, 3]]  # the token, top 1
+    assert out.logprobs.sampled_token_ranks.tolist() == [1, 2]
+    assert request.take_output().logprobs is None  # taken
+    with pytest.raises(RuntimeError, match="does not hold token 8"):
+        request.append_output_token(8, 100, step, row=0)
+
+
+def test_bad_requests_are_refused():
+    with pytest.raises(ValueError, match="empty"):
+        Request("r", [], SamplingParams())
+    with pytest.raises(ValueError, match="stop strings need a tokenizer"):
+        RequestState("r", None, [1], SamplingParams(stop=["x"]), None)
+
+
+# -- the client's side --------------------------------------------------------------------
+
+
 def test_stop_token_id_stops_and_its_text_is_left_out(tok):
     period = tok.encode(".")[0]
-    request = text_request(tok, "The capital of France is", stop_token_ids=[period])
-    pieces = feed(request, tok, " Paris. The end")
-    assert request.finish_reason is FinishReason.STOP and request.stop_reason == period
-    assert request.output_text == " Paris" and "".join(pieces) == " Paris"
-    assert request.output_token_ids[-1] == period
+    both = Both(tok, "The capital of France is", stop_token_ids=[period])
+    pieces = both.feed(tok.encode(" Paris. The end"))
+    out = both.client.output()
+    assert out.finish_reason == "stop" and out.stop_reason == period
+    assert out.text == " Paris" and "".join(pieces) == " Paris"
+    assert out.token_ids[-1] == period
 
 
 def test_eos_text_is_left_out(tok):
-    request = text_request(tok, "Hello", max_tokens=50)
-    for token in tok.encode(" world"):
-        request.append_output_token(token, 100)
-    assert request.append_output_token(tok.eos_token_id, 100)
-    assert request.output_text == " world" and request.stop_reason == tok.eos_token_id
+    both = Both(tok, "Hello", max_tokens=50)
+    both.feed([*tok.encode(" world"), tok.eos_token_id])
+    out = both.client.output()
+    assert out.text == " world" and out.stop_reason == tok.eos_token_id
 
 
 @pytest.mark.parametrize("stop", [".", ". The", "is. The"])
 def test_stop_string_is_trimmed_even_across_tokens(tok, stop):
-    request = text_request(tok, "The capital of France is", stop=[stop, "never"], max_tokens=50)
-    pieces = feed(request, tok, " Paris. The end. More text")
-    assert request.finish_reason is FinishReason.STOP and request.stop_reason == stop
+    both = Both(tok, "The capital of France is", stop=[stop, "never"], max_tokens=50)
+    pieces = both.feed(tok.encode(" Paris. The end. More text"))
+    out = both.client.output()
+    assert out.finish_reason == "stop" and out.stop_reason == stop
     expected = " Paris. The end. More text"
     expected = expected[: expected.find(stop)]
-    assert request.output_text == expected
+    assert out.text == expected
     # Streamed text never showed the stop string's start, and adds up to the output.
     assert "".join(pieces) == expected
+    assert both.engine.finish_reason is FinishReason.ABORT  # the engine core was told
 
 
 def test_stream_holds_back_a_possible_stop_string_start(tok):
-    request = text_request(tok, "The", stop=["end!"], max_tokens=50)
+    both = Both(tok, "The", stop=["end!"], max_tokens=50)
     streamed = ""
     for token in tok.encode(" end of the end"):
-        request.append_output_token(token, 1000)
-        streamed += request.take_delta()[1]
-        assert len(streamed) <= max(0, len(request.output_text) - 3)
-        assert request.output_text.startswith(streamed)
-    assert not request.is_finished
+        streamed += both.add(token)
+        assert len(streamed) <= max(0, len(both.client.output_text) - 3)
+        assert both.client.output_text.startswith(streamed)
+    assert not both.client.finished
 
 
 def test_text_of_unfinished_request_streams_completely_once_finished(tok):
     # The last token cuts the emoji: its bytes come out as U+FFFD at the finish.
     ids = tok.encode(" café 😀")
-    request = text_request(tok, "Hi", stop=["zzz"], max_tokens=len(ids) - 1)
-    tokens, text = [], ""
-    while not request.is_finished:
-        request.append_output_token(ids[len(tokens)], 1000)
-        new_tokens, new_text = request.take_delta()
-        tokens += new_tokens
-        text += new_text
-    assert tokens == request.output_token_ids and text == request.output_text
+    both = Both(tok, "Hi", stop=["zzz"], max_tokens=len(ids) - 1)
+    text = "".join(both.feed(ids))
+    out = both.client.output()
+    assert out.token_ids == ids[:-1] and text == out.text
     assert text == tok.decode(ids[:-1]) and text.endswith("\ufffd")
-    assert request.take_delta() == ([], "")
-
-
-def test_bad_requests_are_refused(tok):
-    with pytest.raises(ValueError, match="empty"):
-        Request("r", [], SamplingParams())
-    with pytest.raises(ValueError, match="stop strings need a tokenizer"):
-        Request("r", [1], SamplingParams(stop=["x"]))
+    assert (out.new_token_ids, out.new_text) == ([], "")
 
 
 def test_min_tokens_lets_no_stop_end_the_first_tokens(tok):
@@ -141,18 +172,20 @@ def test_min_tokens_lets_no_stop_end_the_first_tokens(tok):
     assert not held.append_output_token(2, 100)
     assert held.append_output_token(2, 100) and held.output_token_ids == [2, 2, 2]
     period = tok.encode(".")[0]
-    request = text_request(tok, "The", stop=["."], stop_token_ids=[period], min_tokens=3)
-    feed(request, tok, " Paris. The end. More")
-    stop = tok.encode(" Paris. The end. More").index(period, 3)
-    assert request.finish_reason is FinishReason.STOP and request.stop_reason == period
-    assert len(request.output_token_ids) == stop + 1 and request.output_text == " Paris. The end"
+    both = Both(tok, "The", stop=["."], stop_token_ids=[period], min_tokens=3)
+    ids = tok.encode(" Paris. The end. More")
+    text = "".join(both.feed(ids))
+    stop = ids.index(period, 3)
+    out = both.client.output()
+    assert (out.finish_reason, out.stop_reason) == ("stop", period)
+    assert len(out.token_ids) == stop + 1 and text == " Paris. The end"
 
 
 def test_request_params_tokenize_bad_words_with_and_without_a_space(tok):
     """A bad word is banned as it starts the text and as it follows a space, where the
     spaced form is another sequence of as many tokens ("he": one token either way);
     "ve" after a space is two tokens (a space, then "ve"): banning "ve" covers it."""
-    from zmqworker.engine.request_params import request_params
+    from zmqworker.frontend.request_params import request_params
 
     def ids(text: str) -> list[int]:
         return tok.encode(text, add_special_tokens=False)
@@ -168,3 +201,28 @@ def test_request_params_tokenize_bad_words_with_and_without_a_space(tok):
         request_params(params, None, 320, 20)
     with pytest.raises(ValueError, match=r"bad_words_token_ids\[0\] holds token id 7, outside"):
         request_params(SamplingParams(bad_words_token_ids=[[7]]), None, 5, 20)
+
+
+def test_timings_and_logprobs_texts(tok):
+    ids = tok.encode("Hi")
+    state = RequestState(
+        "r", "Hi", ids, SamplingParams(logprobs=1), IncrementalDetokenizer(tok, ids), 10.0
+    )
+    hello = tok.encode(" Hello")
+
+    def rows(token: int) -> LogprobsLists:
+        return LogprobsLists(
+            logprob_token_ids=np.array([[token, ids[0]]], np.int32),
+            logprobs=np.array([[-0.5, -1.5]], np.float32),
+            sampled_token_ranks=np.array([1], np.int32),
+        )
+
+    state.apply(EngineCoreOutput("r", [hello[0]], logprobs=rows(hello[0])), now=11.0)
+    state.apply(EngineCoreOutput("r", [5], finish_reason="length", logprobs=rows(5)), now=14.0)
+    out = state.output()
+    assert (out.timings.ttft, out.timings.tpot, out.timings.total) == (1.0, 3.0, 4.0)
+    with pytest.raises(RuntimeError, match="asked for logprobs"):
+        state.apply(EngineCoreOutput("r", [5]))
+    [position, _] = out.logprobs or [None, None]
+    assert position.sampled.text == tok.decode([hello[0]]) and position.rank == 1
+    assert [t.token_id for t in position.top] == [ids[0]]

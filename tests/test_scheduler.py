@@ -17,7 +17,6 @@ from engine_helpers import (
 
 from messages import ModelRunnerOutput, SamplingParams, SchedulerConfig
 from zmqworker.engine.core import EngineCore, num_blocks_from_memory
-from zmqworker.engine.detokenizer import IncrementalDetokenizer
 from zmqworker.engine.handles import HandlePool
 from zmqworker.engine.request import FinishReason, Request
 
@@ -235,10 +234,11 @@ def test_finished_handles_are_reported_once_and_blocks_freed():
     assert max(handles_of.values()) < 3 + 3
 
 
-def test_stop_strings_and_max_tokens_are_honoured():
+def test_stop_token_ids_and_max_tokens_are_honoured():
     tok = byte_level_tokenizer()
     script = tok.encode(" Paris. The end. And more text after it")
     prompt = tok.encode("The capital of France is")
+    period = tok.encode(".")[0]
 
     def token_fn(seq):
         return script[(len(seq) - len(prompt)) % len(script)]
@@ -246,22 +246,18 @@ def test_stop_strings_and_max_tokens_are_honoured():
     core, executor = make_core(token_fn=token_fn)
 
     def request(req_id, **params):
-        return Request(
-            req_id,
-            prompt,
-            SamplingParams(temperature=0.0, **params),
-            detokenizer=IncrementalDetokenizer(tok, prompt),
-        )
+        return Request(req_id, prompt, SamplingParams(temperature=0.0, **params))
 
-    stopped = request("stopped", stop=[". The"], max_tokens=30)
+    stopped = request("stopped", stop_token_ids=[period], max_tokens=30)
     limited = request("limited", max_tokens=3)
     for r in (stopped, limited):
         core.add_request(r)
     run(core)
-    assert stopped.output_text == " Paris" and stopped.finish_reason is FinishReason.STOP
-    assert stopped.stop_reason == ". The"
+    assert tok.decode(stopped.output_token_ids) == " Paris."
+    assert stopped.finish_reason is FinishReason.STOP and stopped.stop_reason == period
+    assert stopped.take_output().finish_reason == "stop"
     assert len(limited.output_token_ids) == 3 and limited.finish_reason is FinishReason.LENGTH
-    assert limited.output_text == tok.decode(script[:3])
+    assert limited.output_token_ids == script[:3]
     assert core.block_manager.num_free_blocks == core.block_manager.num_blocks
 
 

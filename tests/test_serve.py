@@ -105,7 +105,7 @@ def get_or_none(url: str) -> int | None:
 
 @pytest.fixture(scope="module")
 def server():
-    srv = Server()
+    srv = Server("--api-server-count", "2")  # two processes accepting on the port
     yield srv
     srv.stop()
 
@@ -350,3 +350,47 @@ def test_sigterm_drains_the_requests_in_flight_then_stops_the_workers():
     assert srv.stop() == 0, srv.output()[-2000:]
     assert srv.workers and not any(psutil.pid_exists(pid) for pid in srv.workers)
     assert "stopping the workers" in srv.output()
+
+
+def processes(srv: Server, module: str) -> list[psutil.Process]:
+    """srv's descendants that run python -m module."""
+    return [
+        p
+        for p in psutil.Process(srv.proc.pid).children(recursive=True)
+        if f"-m {module}" in " ".join(p.cmdline())
+    ]
+
+
+def test_a_killed_engine_core_fails_the_stream_naming_it_and_stops_the_server():
+    srv = Server("--api-server-count", "2")
+    everything = psutil.Process(srv.proc.pid).children(recursive=True)
+    try:
+        [core] = processes(srv, "zmqworker.engine")
+        stream = srv.client(max_retries=0).completions.create(
+            model=MODEL, prompt="Once upon a time", max_tokens=400, temperature=0, stream=True,
+            extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        chunks = iter(stream)
+        next(chunks)
+        core.kill()
+        with pytest.raises(openai.APIError, match=r"engine core 0 \(pid \d+\) exited"):
+            for _ in chunks:
+                pass
+        assert srv.proc.wait(60) == 1
+    finally:
+        srv.stop()
+    assert "engine core 0" in srv.output().splitlines()[-1]
+    assert not any(p.is_running() and p.status() != "zombie" for p in everything)
+
+
+def test_a_killed_api_server_stops_the_whole_server():
+    srv = Server("--api-server-count", "2")
+    everything = psutil.Process(srv.proc.pid).children(recursive=True)
+    try:
+        victim = processes(srv, "zmqworker.serve.api_server")[1]
+        victim.kill()
+        assert srv.proc.wait(60) == 1
+    finally:
+        srv.stop()
+    assert re.search(r"api server \d \(pid \d+\) exited \(killed by SIGKILL", srv.output())
+    assert not any(p.is_running() and p.status() != "zombie" for p in everything)

@@ -16,7 +16,7 @@ import uvicorn
 from tests.test_tp_model import free_port
 from tests.test_weight_updates import checkpoint
 from tests.tiny import cached_tiny_checkpoint
-from zmqworker.engine.llm import LLM
+from zmqworker.frontend.llm import LLM
 from zmqworker.serve.app import build_app
 
 KEY = "sekret"

@@ -23,8 +23,8 @@ from tests.engine_helpers import byte_level_tokenizer
 from tests.tiny import cached_tiny_checkpoint
 from tests.weight_trainer import perturb
 from zmqworker.distributed.weight_group import describe
-from zmqworker.engine.llm import LLM
-from zmqworker.executor.errors import WorkerError
+from zmqworker.frontend.errors import EngineCoreError
+from zmqworker.frontend.llm import LLM
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMPTS = [[5, 17, 42, 9, 100, 3, 77, 8, 1], [200, 201, 7, 7, 31]]
@@ -195,10 +195,10 @@ def test_sleep_and_wake_cycles_keep_generating(layout):
     # which reaches the allowlist and the extension's methods, and nothing else.
     world = llm.worker_config.parallel.world_size
     assert llm.collective_rpc("echo", ("hi",)) == ["hi"] * world
-    with pytest.raises(WorkerError, match="not callable over RPC"):
+    with pytest.raises(EngineCoreError, match="not callable over RPC"):
         llm.collective_rpc("_runner")
     empty = SchedulerOutput([], CachedRequestData.empty(), 0)
-    with pytest.raises(WorkerError, match=r"released by sleep\(level=2\)"):
+    with pytest.raises(RuntimeError, match=r"released by sleep\(level=2\)"):  # a refusal
         llm.collective_rpc("execute_model", (empty,))
     with pytest.raises(ValueError, match="must give all of them"):
         llm.update_weights(list(hf_model(tied, SEED).named_parameters())[1:])
@@ -227,7 +227,7 @@ def test_no_shared_memory_is_left_behind(layout):
     shm_before = set(os.listdir("/dev/shm"))
     llm.update_weights(hf_model(tied, None).named_parameters(), chunk_bytes=8192)
     assert shm_before == set(os.listdir("/dev/shm"))  # nothing named, ever
-    workers = llm._core.executor.pids
+    workers = llm.worker_pids
     assert all(memfds(pid) == [] for pid in workers)  # unmapped at the update's end
     assert memfds("self")  # the engine keeps its two segments for the next update
     llm.shutdown()

@@ -11,7 +11,7 @@ import os
 import pytest
 
 from tests.test_weight_updates import PROMPTS, SEED, checkpoint, hf_model, hf_tokens, tokens
-from zmqworker.engine.llm import LLM
+from zmqworker.frontend.llm import LLM
 
 DEVICE = os.environ.get("ZMQWORKER_TEST_DEVICE", "cpu")
 pytestmark = pytest.mark.skipif(DEVICE != "cuda", reason="CUDA IPC and graphs need a GPU")
@@ -22,6 +22,7 @@ def llm():
     with LLM(
         model=checkpoint(False),
         device="cuda",
+        dtype="float32",  # as the reference runs (auto would take bfloat16 on CUDA)
         block_size=4,
         max_model_len=64,
         max_num_seqs=len(PROMPTS),

@@ -15,8 +15,8 @@ __version__ = "0.2.0"
 if TYPE_CHECKING:
     from messages import SamplingParams
     from zmqworker.distributed.trainer_sender import TrainerWeightSender
-    from zmqworker.engine.llm import LLM
-    from zmqworker.engine.outputs import (
+    from zmqworker.frontend.llm import LLM
+    from zmqworker.frontend.outputs import (
         EngineStats,
         PositionLogprobs,
         RequestOutput,
@@ -24,12 +24,12 @@ if TYPE_CHECKING:
     )
 
 _LAZY = {
-    "LLM": "zmqworker.engine.llm",
-    "EngineStats": "zmqworker.engine.outputs",
+    "LLM": "zmqworker.frontend.llm",
+    "EngineStats": "zmqworker.frontend.outputs",
     "SamplingParams": "messages",
-    "RequestOutput": "zmqworker.engine.outputs",
-    "PositionLogprobs": "zmqworker.engine.outputs",
-    "TokenLogprob": "zmqworker.engine.outputs",
+    "RequestOutput": "zmqworker.frontend.outputs",
+    "PositionLogprobs": "zmqworker.frontend.outputs",
+    "TokenLogprob": "zmqworker.frontend.outputs",
     "TrainerWeightSender": "zmqworker.distributed.trainer_sender",
 }
 __all__ = [

@@ -51,7 +51,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    from zmqworker.engine.llm import LLM
+    from zmqworker.frontend.llm import LLM
 
     if args.system is not None and not args.chat:
         raise ValueError("--system needs --chat")

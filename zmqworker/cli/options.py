@@ -62,7 +62,7 @@ def options_of(defaults: dict[str, Any], hints: dict[str, Any]) -> list[Option]:
 
 
 def llm_options(skip: Iterable[str] = ()) -> list[Option]:
-    from zmqworker.engine.llm import LLM, OPTION_TYPES
+    from zmqworker.frontend.llm import LLM, OPTION_TYPES
 
     params = inspect.signature(LLM).parameters
     defaults = {n: p.default for n, p in params.items() if n not in set(skip)}

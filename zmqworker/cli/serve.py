@@ -7,6 +7,7 @@ import os
 from typing import Any
 
 from zmqworker.cli.options import add_options, given, llm_options, parse_size
+from zmqworker.serve.sizing import default_api_server_count
 
 LLM_OPTIONS = llm_options()
 API_KEY_ENV = "ZMQWORKER_API_KEY"
@@ -17,8 +18,10 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         "serve",
         help="serve the model over an OpenAI-compatible HTTP API",
         description="Serve /v1/completions, /v1/chat/completions, /v1/models, /health and "
-        "/metrics over the reference engine. SIGINT or SIGTERM lets the requests in flight "
-        "finish, then stops the workers.",
+        "/metrics over the reference engine: API server processes on one port, each a client "
+        "of the engine core processes (one per data-parallel replica). SIGINT or SIGTERM lets "
+        "the requests in flight finish, then stops the workers; any of the processes dying "
+        "stops the whole server.",
     )
     parser.add_argument("--host", default="127.0.0.1", help="address (default: 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
@@ -27,6 +30,14 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--api-key", help=f"require this bearer token (default: ${API_KEY_ENV}, if set)"
+    )
+    parser.add_argument(
+        "--api-server-count",
+        type=int,
+        default=None,
+        metavar="N",
+        help="API server processes accepting on the port (default: a quarter of the cores, "
+        f"1 to 4: {default_api_server_count()} here)",
     )
     parser.add_argument(
         "--shutdown-timeout",
@@ -57,7 +68,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    from zmqworker.serve import serve
+    from zmqworker.serve.server import serve
 
     if not 0 < args.port < 65536:
         raise ValueError(f"--port must be in [1, 65535], got {args.port}")
@@ -69,6 +80,7 @@ def run(args: argparse.Namespace) -> int:
         api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
         shutdown_timeout_s=args.shutdown_timeout,
         log_level=args.uvicorn_log_level,
+        api_server_count=args.api_server_count,
         enable_admin_endpoints=args.enable_admin_endpoints,
         **({} if args.max_request_bytes is None else {"max_request_bytes": args.max_request_bytes}),
     )

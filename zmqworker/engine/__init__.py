@@ -1,5 +1,6 @@
-"""The reference engine: scheduler, KV block manager, requests, detokenizer, the batch
-queue and the LLM API.
+"""The engine core: scheduler, KV block manager, requests and the batch queue, run by its
+own process's busy loop (core_server.py, core_main.py) over the executor's workers, for
+clients of zmqworker/frontend/. model_folder.py reads a checkpoint for both sides.
 
 May import: everything up to zmqworker.executor.
 """
@@ -7,22 +8,15 @@ May import: everything up to zmqworker.executor.
 from zmqworker.engine.batch_queue import BatchQueue
 from zmqworker.engine.block_manager import KVBlockManager
 from zmqworker.engine.core import EngineCore
-from zmqworker.engine.detokenizer import IncrementalDetokenizer
-from zmqworker.engine.llm import LLM
-from zmqworker.engine.outputs import RequestOutput
-from zmqworker.engine.request import FinishReason, Request, RequestStatus, RequestTimings
+from zmqworker.engine.request import FinishReason, Request, RequestStatus
 from zmqworker.engine.scheduler import Scheduler
 
 __all__ = [
-    "LLM",
     "BatchQueue",
     "EngineCore",
     "FinishReason",
-    "IncrementalDetokenizer",
     "KVBlockManager",
     "Request",
-    "RequestOutput",
     "RequestStatus",
-    "RequestTimings",
     "Scheduler",
 ]

@@ -5,10 +5,16 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from messages import KVCacheSpec, SchedulerConfig, WeightUpdate, make_kv_cache_config
+from messages import (
+    EngineCoreStats,
+    KVCacheSpec,
+    SchedulerConfig,
+    WeightUpdate,
+    make_kv_cache_config,
+)
 from zmqworker.engine.batch_queue import BatchQueue
 from zmqworker.engine.block_manager import KVBlockManager
 from zmqworker.engine.request import Request
@@ -16,10 +22,7 @@ from zmqworker.engine.scheduler import Scheduler
 from zmqworker.executor.errors import WorkerError, as_local
 
 if TYPE_CHECKING:
-    import torch
-
     from zmqworker.executor.abstract import Executor
-    from zmqworker.executor.weight_push import WeightPusher
 
 logger = logging.getLogger(__name__)
 
@@ -120,16 +123,20 @@ class EngineCore:
         started = time.perf_counter()
         executor.compile_or_warm_up_model()
         logger.info("warm-up: %.1f s", time.perf_counter() - started)
+        self.num_aborted = 0  # requests aborted by their clients, since start
         self.released: set[str] = set()  # what sleep gave back and wake_up has not
         self.weights_released = False  # sleep(2) dropped them; no update or reload since
-        self._pusher: WeightPusher | None = None
 
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)
 
-    def abort_request(self, req_id: str) -> Request | None:
-        """Abort req_id; the aborted request, or None if it was unknown or finished."""
-        return self.scheduler.abort_request(req_id)
+    def abort_request(self, req_id: str, counted: bool = True) -> Request | None:
+        """Abort req_id; the aborted request, or None if it was unknown or finished.
+        counted: its client gave up on it (num_aborted), rather than stopping it."""
+        request = self.scheduler.abort_request(req_id)
+        if request is not None and counted:
+            self.num_aborted += 1
+        return request
 
     def has_work(self) -> bool:
         """Whether step() has anything to do: unfinished requests or steps in flight."""
@@ -166,6 +173,22 @@ class EngineCore:
         except Exception:
             self._recover()
             raise
+
+    def stats(self) -> EngineCoreStats:
+        """Requests and KV cache blocks now."""
+        kv = self.block_manager
+        return EngineCoreStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            num_blocks=kv.num_blocks,
+            num_free_blocks=kv.num_free_blocks,
+            num_preemptions=self.scheduler.num_preemptions,
+            num_aborted=self.num_aborted,
+        )
+
+    def check_health(self, timeout: float = 10.0) -> None:
+        """Raise if a worker does not answer within timeout (they answer beside steps)."""
+        self.executor.check_health(timeout=timeout)
 
     def _recover(self) -> None:
         """After a failed step: wait out the steps still in flight (the workers run them
@@ -217,16 +240,6 @@ class EngineCore:
         self.drain()
         self.block_manager.reset_prefix_cache()
 
-    def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]], chunk_bytes: int) -> None:
-        from zmqworker.executor.weight_push import WeightPusher  # torch: not at start-up
-
-        self.drain()
-        if self._pusher is None:
-            self._pusher = WeightPusher(self.executor)
-        with _refusals():
-            self._pusher.push(weights, chunk_bytes, timeout=self.executor.call_timeout_s)
-        self._weights_changed()
-
     def init_weight_transfer_group(
         self, host: str, port: int, world_size: int, rank_offset: int, timeout_s: float
     ) -> None:
@@ -244,7 +257,7 @@ class EngineCore:
             self.executor.collective_rpc(
                 "update_weights_from_group", (update,), timeout=self.executor.call_timeout_s
             )
-        self._weights_changed()
+        self.weights_updated()
 
     def reload_weights(self, path: str | None) -> None:
         self.drain()
@@ -252,7 +265,7 @@ class EngineCore:
             self.executor.collective_rpc(
                 "reload_weights", (path,), timeout=self.executor.call_timeout_s
             )
-        self._weights_changed()
+        self.weights_updated()
 
     def collective_rpc(
         self,
@@ -265,15 +278,13 @@ class EngineCore:
         self.drain()
         return self.executor.collective_rpc(method, args, kwargs, timeout)
 
-    def _weights_changed(self) -> None:
-        """Cached blocks hold keys and values of the old weights."""
+    def weights_updated(self) -> None:
+        """New weights are in (a client pushed them, or a group or the disk gave them):
+        cached blocks hold keys and values of the old ones."""
         self.block_manager.reset_prefix_cache()
         self.weights_released = False
 
     def shutdown(self) -> None:
-        if self._pusher is not None:
-            self._pusher.close()
-            self._pusher = None
         self.executor.shutdown()
 
 

@@ -226,17 +226,18 @@ def cache_config_for(
     tp: int,
     pp: int,
     local_cpu: bool,
+    replicas: int = 1,
 ) -> CacheConfig:
     """cache, with kv_cache_bytes set for CPU workers on this host (local_cpu) unless the
     user set it: num_blocks blocks, at most cpu_memory_fraction of the memory available
-    now (shared by the ranks); all of that when fill. The workers then skip profiling.
-    Elsewhere the workers profile and fill their budget."""
+    now (shared by the ranks of every data-parallel replica); all of that when fill. The
+    workers then skip profiling. Elsewhere the workers profile and fill their budget."""
     if cache.kv_cache_bytes is not None or not local_cpu:
         return cache
     layers = cdiv(folder.num_layers, pp)  # the stage with the most layers
     spec = KVCacheSpec(cache.block_size, folder.num_kv_heads // tp, folder.head_dim, dtype, [])
     block_bytes = spec.page_size_bytes * layers
-    cap = int(psutil.virtual_memory().available * cache.cpu_memory_fraction / (tp * pp))
+    cap = int(psutil.virtual_memory().available * cache.cpu_memory_fraction / (tp * pp * replicas))
     size = num_blocks * block_bytes
     if fill or size > cap:
         logger.info(
@@ -246,15 +247,6 @@ def cache_config_for(
         )
         size = cap
     return msgspec.structs.replace(cache, kv_cache_bytes=size)
-
-
-def on_cpu(device: str) -> bool:
-    """Whether the workers' device is the CPU ("auto": when no GPU is visible here)."""
-    if device == "auto":
-        import torch
-
-        return not torch.cuda.is_available()
-    return device == "cpu"
 
 
 def _a_file(model: str, path: Path) -> str:

@@ -20,7 +20,6 @@ sample for it are dropped.
 
 from __future__ import annotations
 
-import time
 from collections import deque
 
 from messages import ModelRunnerOutput, SchedulerOutput
@@ -319,7 +318,6 @@ class Scheduler:
                 f"ModelRunnerOutput names handles {sorted(handles)} with {len(tokens)} tokens; "
                 f"the step scheduled {sorted(requests)}"
             )
-        now = time.monotonic()
         changed: list[Request] = []
         # Every request of the step comes once (checked above): one pass moves it on.
         for row, (handle, token) in enumerate(zip(handles, tokens, strict=True)):
@@ -339,9 +337,7 @@ class Scheduler:
                     f"token {token} sampled for {request.req_id!r} (handle {handle}) in the "
                     "middle of its prefill"
                 )
-            if request.append_output_token(
-                token, self.max_model_len, now, runner_output.logprobs, row
-            ):
+            if request.append_output_token(token, self.max_model_len, runner_output.logprobs, row):
                 self.running.remove(request)
                 self._release(request)
             changed.append(request)

@@ -60,7 +60,7 @@ class WorkerDiedError(ExecutorError):
     def __init__(self, rank: int, exit_status: int | None, where: str = "") -> None:
         self.rank = rank
         self.exit_status = exit_status
-        status = "unknown exit status" if exit_status is None else _describe(exit_status)
+        status = "unknown exit status" if exit_status is None else describe_exit(exit_status)
         super().__init__(f"worker rank {rank}{where} died ({status})")
 
 
@@ -99,7 +99,8 @@ class WorkerStartupError(ExecutorError):
     """A worker failed to start: its error and the tail of its stderr."""
 
 
-def _describe(status: int) -> str:
+def describe_exit(status: int) -> str:
+    """A process's exit status in words: "exit status 1", "killed by SIGKILL, ..."."""
     if status < 0:
         try:
             return f"killed by {signal.Signals(-status).name}, exit status {status}"

@@ -12,6 +12,7 @@ the thread that spawned it, not the process.
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import socket
@@ -116,10 +117,15 @@ class MultiprocExecutor(Executor):
         if keys is not None:
             child_env[CURVE_ENV] = keys.for_workers().to_env()
         argv = [sys.executable, "-m", "zmqworker.runtime", "--engine", self.address]
-        argv_of = [[*argv, "--rank", str(rank), "--exit-with-parent"] for rank in range(world)]
+        makers = [
+            functools.partial(
+                WorkerProcess, rank, [*argv, "--rank", str(rank), "--exit-with-parent"], child_env
+            )
+            for rank in range(world)
+        ]
         self._spawner = threading.Event()  # set: the spawning thread may end
         try:
-            spawn_all(argv_of, child_env, self.procs, self._spawner)
+            spawn_all(makers, self.procs, self._spawner)
         except BaseException:
             self._release(polite=False)
             raise

@@ -1,4 +1,6 @@
-"""One worker subprocess as the engine holds it: its pidfd, its stderr, how it is stopped."""
+"""A subprocess as its parent holds it (a worker, an engine core, an API server): its
+pidfd, its stderr (relayed line by line, its tail kept), how it is stopped; and the thread
+that spawns a set of them, whose life their parent-death signal follows."""
 
 from __future__ import annotations
 
@@ -8,27 +10,48 @@ import signal
 import subprocess
 import sys
 import threading
+from collections.abc import Callable
+from typing import TypeVar
 
 STDERR_TAIL_LINES = 40
 
 
-class WorkerProcess:
-    def __init__(self, rank: int, argv: list[str], env: dict[str, str]) -> None:
-        self.rank = rank
-        # A session of its own: a Ctrl-C at the terminal reaches the engine only, which
-        # then stops its workers in order.
+class ChildProcess:
+    """name: how its log lines and errors call it ("worker rank 1"). stdin: bytes written
+    to its stdin, which is then closed (its configuration, out of sight of ps); None:
+    no stdin. pass_fds: file descriptors it inherits (a listening socket)."""
+
+    def __init__(
+        self,
+        name: str,
+        argv: list[str],
+        env: dict[str, str],
+        stdin: bytes | None = None,
+        pass_fds: tuple[int, ...] = (),
+    ) -> None:
+        self.name = name
+        # A session of its own: a Ctrl-C at the terminal reaches its parent only, which
+        # then stops it in order.
         self.proc = subprocess.Popen(
             argv,
             env=env,
-            stdin=subprocess.DEVNULL,
+            stdin=subprocess.DEVNULL if stdin is None else subprocess.PIPE,
             stderr=subprocess.PIPE,
             start_new_session=True,
+            pass_fds=pass_fds,
         )
         self.pid = self.proc.pid
         self.pidfd = os.pidfd_open(self.pid) if hasattr(os, "pidfd_open") else None
+        if stdin is not None:
+            assert self.proc.stdin is not None
+            try:
+                self.proc.stdin.write(stdin)
+                self.proc.stdin.close()
+            except BrokenPipeError:  # it died at once: its exit status and stderr say why
+                pass
         self._tail: collections.deque[str] = collections.deque(maxlen=STDERR_TAIL_LINES)
         self._reader = threading.Thread(
-            target=self._read_stderr, name=f"stderr-rank-{rank}", daemon=True
+            target=self._read_stderr, name=f"stderr-{name.replace(' ', '-')}", daemon=True
         )
         self._reader.start()
 
@@ -47,7 +70,7 @@ class WorkerProcess:
             return False
 
     def kill(self) -> None:
-        """SIGKILL, at once (a worker that no longer serves)."""
+        """SIGKILL, at once (a process that no longer serves)."""
         try:
             self.proc.send_signal(signal.SIGKILL)
         except ProcessLookupError:
@@ -74,36 +97,42 @@ class WorkerProcess:
             self.proc.stderr.close()
 
     def _read_stderr(self) -> None:
-        prefix = f"[worker rank {self.rank}] "
+        prefix = f"[{self.name}] "
+        assert self.proc.stderr is not None
         for raw in self.proc.stderr:
-            line = raw.decode(errors="replace")
+            # Its last line may lack an end: what the parent writes next starts a line.
+            line = raw.decode(errors="replace").removesuffix("\n") + "\n"
             self._tail.append(line)
             sys.stderr.write(prefix + line)
 
 
-def spawn_all(
-    argv_of: list[list[str]],
-    env: dict[str, str],
-    procs: list[WorkerProcess],
-    until: threading.Event,
-) -> None:
-    """Start one worker per argv (appended to procs, in rank order) from a thread that
-    stays alive until `until` is set: a worker's parent-death signal fires when the
-    thread that spawned it ends, and must fire only when the engine does."""
+class WorkerProcess(ChildProcess):
+    def __init__(self, rank: int, argv: list[str], env: dict[str, str]) -> None:
+        self.rank = rank
+        super().__init__(f"worker rank {rank}", argv, env)
+
+
+P = TypeVar("P")
+
+
+def spawn_all(makers: list[Callable[[], P]], procs: list[P], until: threading.Event) -> None:
+    """Start a process per maker (appended to procs, in order) from a thread that stays
+    alive until `until` is set: a child's parent-death signal fires when the thread that
+    spawned it ends, and must fire only when its parent process does."""
     done = threading.Event()
     failure: list[BaseException] = []
 
     def run() -> None:
         try:
-            for rank, argv in enumerate(argv_of):
-                procs.append(WorkerProcess(rank, argv, env))
+            for make in makers:
+                procs.append(make())
         except BaseException as e:  # raised again on the caller's thread
             failure.append(e)
         finally:
             done.set()
         until.wait()
 
-    threading.Thread(target=run, name="worker-spawner", daemon=True).start()
+    threading.Thread(target=run, name="spawner", daemon=True).start()
     done.wait()
     if failure:
         raise failure[0]

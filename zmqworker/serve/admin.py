@@ -7,10 +7,13 @@
     POST /update_weights_from_disk  {"model_path": "/ckpt/step-300"} (none: the start-up one)
     GET  /is_sleeping               {"is_sleeping": true}
 
-An admin call waits for the requests running to finish (at most DRAIN_TIMEOUT_S), then
-runs between steps; admin calls run one at a time. Generation requests do not wait: one
-that arrives while an admin call is under way, while the model sleeps, or while its
-weights are not loaded (after sleep level 2) gets 503 at once, with the reason.
+An admin call waits for this API server's requests running to finish (at most
+DRAIN_TIMEOUT_S), then runs on every engine core, between steps; admin calls of one API
+server run one at a time. Generation requests do not wait: one that arrives while an
+admin call of this API server is under way, or while the engine cores cannot serve
+(asleep, or their weights not loaded after sleep level 2), gets 503 at once, with the
+reason. With several API servers, the others' requests still running make a sleep fail
+(409: the engine core will not drop the KV cache of unfinished requests).
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, FastAPI, Query
 from pydantic import BaseModel, ConfigDict
 
-from zmqworker.engine.llm import LLM
+from zmqworker.frontend.frontend import Frontend
 from zmqworker.serve.errors import APIError
 
 DRAIN_TIMEOUT_S = 300.0
@@ -38,17 +41,17 @@ class UpdateFromDisk(BaseModel):
 class _Gate:
     """One admin call at a time; while one is under way, generation is refused."""
 
-    def __init__(self, llm: LLM) -> None:
+    def __init__(self, llm: Frontend) -> None:
         self.llm = llm
         self.busy: str | None = None
         self._lock = asyncio.Lock()
 
-    def refusal(self) -> str | None:
+    async def refusal(self) -> str | None:
         if self.busy is not None:
             return f"{self.busy} is under way"
-        return self.llm.not_ready()
+        return await self.llm.not_ready_async()
 
-    async def run(self, what: str, call: Callable[[], Any]) -> None:
+    async def run(self, what: str, call: Callable[[], Awaitable[Any]]) -> None:
         async with self._lock:
             self.busy = what
             try:
@@ -61,7 +64,7 @@ class _Gate:
                             "server_error",
                         )
                     await asyncio.sleep(DRAIN_POLL_S)
-                await asyncio.to_thread(call)
+                await call()
             except ValueError as exc:
                 raise APIError.from_value_error(exc) from None
             except RuntimeError as exc:
@@ -70,35 +73,35 @@ class _Gate:
                 self.busy = None
 
 
-def install_admin(app: FastAPI, llm: LLM, authorized: Callable[..., Awaitable[None]]) -> None:
+def install_admin(app: FastAPI, llm: Frontend, authorized: Callable[..., Awaitable[None]]) -> None:
     """The admin routes, and the refusal of generation while they need the model."""
     gate = _Gate(llm)
     router = APIRouter(dependencies=[Depends(authorized)])
 
     @router.post("/sleep")
     async def sleep(level: int = 1) -> dict:
-        await gate.run("sleep", lambda: llm.sleep(level))
+        await gate.run("sleep", lambda: llm.call_async("sleep", level))
         return {}
 
     @router.post("/wake_up")
     async def wake_up(tags: Annotated[list[str] | None, Query()] = None) -> dict:
-        await gate.run("wake_up", lambda: llm.wake_up(tags))
+        await gate.run("wake_up", lambda: llm.call_async("wake_up", tags))
         return {}
 
     @router.post("/reset_prefix_cache")
     async def reset_prefix_cache() -> dict:
-        await gate.run("reset_prefix_cache", llm.reset_prefix_cache)
+        await gate.run("reset_prefix_cache", lambda: llm.call_async("reset_prefix_cache"))
         return {}
 
     @router.post("/update_weights_from_disk")
     async def update_weights_from_disk(body: UpdateFromDisk | None = None) -> dict:
         path = body.model_path if body is not None else None
-        await gate.run("update_weights_from_disk", lambda: llm.reload_weights(path))
+        await gate.run("update_weights_from_disk", lambda: llm.call_async("reload_weights", path))
         return {}
 
     @router.get("/is_sleeping")
     async def is_sleeping() -> dict:
-        return {"is_sleeping": llm.is_sleeping}
+        return {"is_sleeping": any(await llm.call_async("is_sleeping"))}
 
     app.include_router(router)
     app.add_middleware(_RefuseWhileUnavailable, gate=gate)
@@ -115,7 +118,7 @@ class _RefuseWhileUnavailable:
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] == "http" and scope["method"] == "POST":
             if scope["path"].startswith("/v1/"):
-                reason = self.gate.refusal()
+                reason = await self.gate.refusal()
                 if reason is not None:
                     error = APIError(f"unavailable: {reason}", 503, "server_error")
                     await error.response()(scope, receive, send)

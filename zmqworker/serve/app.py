@@ -1,14 +1,16 @@
-"""The FastAPI application over one LLM: the OpenAI routes, /health, /metrics, errors.
+"""The FastAPI application of one API server process, over its client of the engine
+cores (a Frontend): the OpenAI routes, /health, /metrics, errors.
 
-Handlers run on the server's event loop, where the LLM's streams step the engine (off
-the loop, in a thread): concurrent requests share its batches. What a request costs in
-proportion to its size stays off the loop: its body is bounded (body_limit.py), decoded
-and tokenized in the text pool, so /health and the streams in flight keep answering.
+Handlers run on the server's event loop, which also watches the engine cores' sockets:
+concurrent requests, of this API server and the others, share the engine cores' steps.
+/metrics and /health cover every engine core, whichever API server answers. What a
+request costs in proportion to its size stays off the loop: its body is bounded
+(body_limit.py), decoded and tokenized in the text pool, so /health and the streams in
+flight keep answering.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import secrets
 from collections.abc import AsyncIterator
@@ -21,7 +23,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from starlette.exceptions import HTTPException
 
 from zmqworker import __version__
-from zmqworker.engine.llm import LLM
+from zmqworker.frontend.frontend import Frontend
+from zmqworker.frontend.outputs import EngineStats
 from zmqworker.serve.admin import install_admin
 from zmqworker.serve.body import decode_body
 from zmqworker.serve.body_limit import DEFAULT_MAX_REQUEST_BYTES, BodyLimit
@@ -37,7 +40,7 @@ HEALTH_TIMEOUT_S = 10.0
 
 
 def build_app(
-    llm: LLM,
+    llm: Frontend,
     model_name: str,
     api_key: str | None = None,
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
@@ -55,7 +58,8 @@ def build_app(
     app = FastAPI(title="zmqworker", version=__version__, lifespan=lifespan)
     app.add_middleware(BodyLimit, max_bytes=max_request_bytes)
     registry = CollectorRegistry()
-    registry.register(_EngineCollector(llm))
+    collector = _EngineCollector()
+    registry.register(collector)
 
     async def authorized(request: Request) -> None:
         if api_key is None:
@@ -79,7 +83,7 @@ def build_app(
     @app.get("/health")
     async def health() -> Response:
         try:
-            await asyncio.to_thread(llm.check_health, HEALTH_TIMEOUT_S)
+            await llm.check_health_async(HEALTH_TIMEOUT_S)
         except Exception as exc:
             return APIError(f"unhealthy: {exc}", 503, "server_error").response()
         return Response(status_code=200)
@@ -90,6 +94,7 @@ def build_app(
 
     @app.get("/metrics")
     async def metrics() -> Response:
+        collector.stats = await llm.stats_async()
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models", dependencies=[Depends(authorized)])
@@ -137,13 +142,15 @@ def build_app(
 
 
 class _EngineCollector:
-    """Prometheus metrics read from the engine at each scrape."""
+    """Prometheus metrics of the engine cores' stats, read afresh at each scrape."""
 
-    def __init__(self, llm: LLM) -> None:
-        self.llm = llm
+    def __init__(self) -> None:
+        self.stats: EngineStats | None = None
 
     def collect(self):
-        stats = self.llm.stats()
+        stats = self.stats
+        if stats is None:
+            return
         used = stats.num_blocks - stats.num_free_blocks
         for name, doc, value in (
             ("num_requests_running", "requests running", stats.num_running),

@@ -9,8 +9,8 @@ from typing import Any
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.requests import Request as HTTPRequest
 
-from zmqworker.engine.llm import LLM
-from zmqworker.engine.outputs import PositionLogprobs, RequestOutput, TokenLogprob
+from zmqworker.frontend.frontend import Frontend
+from zmqworker.frontend.outputs import PositionLogprobs, RequestOutput, TokenLogprob
 from zmqworker.serve.errors import APIError
 from zmqworker.serve.generation import (
     finish_reason,
@@ -27,7 +27,7 @@ from zmqworker.serve.text_pool import TextPool
 
 
 async def create_chat_completion(
-    llm: LLM, model: str, body: ChatCompletionRequest, http: HTTPRequest, text: TextPool
+    llm: Frontend, model: str, body: ChatCompletionRequest, http: HTTPRequest, text: TextPool
 ) -> JSONResponse | StreamingResponse:
     prompt = await text.run(_prompt, llm, body)
     max_tokens = body.max_completion_tokens or body.max_tokens
@@ -51,7 +51,7 @@ async def create_chat_completion(
     )
 
 
-def _prompt(llm: LLM, body: ChatCompletionRequest) -> list[int]:
+def _prompt(llm: Frontend, body: ChatCompletionRequest) -> list[int]:
     """The conversation's token ids through the chat template, checked against the model
     (text work: in the text pool)."""
     try:
@@ -60,7 +60,7 @@ def _prompt(llm: LLM, body: ChatCompletionRequest) -> list[int]:
         raise APIError.from_value_error(exc, param="messages") from None
 
 
-async def _final(llm: LLM, prompt: list[int], params: Any) -> RequestOutput:
+async def _final(llm: Frontend, prompt: list[int], params: Any) -> RequestOutput:
     last = None
     async for _, out in run_prompts(llm, [prompt], params):
         last = out
@@ -69,7 +69,7 @@ async def _final(llm: LLM, prompt: list[int], params: Any) -> RequestOutput:
 
 
 async def _stream(
-    llm: LLM, prompt: list[int], params: Any, head: dict[str, Any], include_usage: bool
+    llm: Frontend, prompt: list[int], params: Any, head: dict[str, Any], include_usage: bool
 ) -> AsyncIterator[str]:
     head = {**head, "object": "chat.completion.chunk"}
 

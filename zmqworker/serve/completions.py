@@ -8,8 +8,8 @@ from typing import Any
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.requests import Request as HTTPRequest
 
-from zmqworker.engine.llm import LLM
-from zmqworker.engine.outputs import PositionLogprobs, RequestOutput
+from zmqworker.frontend.frontend import Frontend
+from zmqworker.frontend.outputs import PositionLogprobs, RequestOutput
 from zmqworker.serve.errors import APIError
 from zmqworker.serve.generation import (
     finish_reason,
@@ -26,7 +26,7 @@ from zmqworker.serve.text_pool import TextPool
 
 
 async def create_completion(
-    llm: LLM, model: str, body: CompletionRequest, http: HTTPRequest, text: TextPool
+    llm: Frontend, model: str, body: CompletionRequest, http: HTTPRequest, text: TextPool
 ) -> JSONResponse | StreamingResponse:
     prompts, echoes = await text.run(_encode, llm, body)
     params = sampling_params(
@@ -51,7 +51,7 @@ async def create_completion(
     return JSONResponse({**head, "choices": choices, "usage": usage(finals)})
 
 
-async def _collect(llm: LLM, prompts: list[list[int]], params: Any) -> list[RequestOutput]:
+async def _collect(llm: Frontend, prompts: list[list[int]], params: Any) -> list[RequestOutput]:
     finals: dict[int, RequestOutput] = {}
     async for index, out in run_prompts(llm, prompts, params):
         finals[index] = out
@@ -59,7 +59,7 @@ async def _collect(llm: LLM, prompts: list[list[int]], params: Any) -> list[Requ
 
 
 async def _stream(
-    llm: LLM,
+    llm: Frontend,
     prompts: list[list[int]],
     params: Any,
     head: dict[str, Any],
@@ -99,7 +99,7 @@ async def _stream(
     yield sse("[DONE]")
 
 
-def _encode(llm: LLM, body: CompletionRequest) -> tuple[list[list[int]], list[str]]:
+def _encode(llm: Frontend, body: CompletionRequest) -> tuple[list[list[int]], list[str]]:
     """The prompts' token ids, checked against the model, and the text echo puts before
     each completion (text work: in the text pool)."""
     prompts, echoes = [], []
@@ -113,7 +113,7 @@ def _encode(llm: LLM, body: CompletionRequest) -> tuple[list[list[int]], list[st
     return prompts, echoes
 
 
-def _echo(llm: LLM, prompt: str | list[int], token_ids: list[int]) -> str:
+def _echo(llm: Frontend, prompt: str | list[int], token_ids: list[int]) -> str:
     if isinstance(prompt, str):
         return prompt
     return llm.tokenizer.decode(token_ids) if llm.tokenizer is not None else ""

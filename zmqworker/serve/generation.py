@@ -15,15 +15,15 @@ import msgspec
 from starlette.requests import Request as HTTPRequest
 
 from messages import SamplingParams
-from zmqworker.engine.llm import LLM
-from zmqworker.engine.outputs import RequestOutput
-from zmqworker.engine.request_params import request_params
+from zmqworker.frontend.frontend import Frontend
+from zmqworker.frontend.outputs import RequestOutput
+from zmqworker.frontend.request_params import request_params
 from zmqworker.serve.errors import APIError
 from zmqworker.serve.protocol import SamplingRequest
 
 
 def sampling_params(
-    llm: LLM,
+    llm: Frontend,
     request: SamplingRequest,
     prompt_len: int,
     max_tokens: int | None,
@@ -64,8 +64,7 @@ def sampling_params(
             llm.default_sampling_params(), **{k: v for k, v in given.items() if v is not None}
         )
         # Checked here, before a response starts: the vocabulary, the bad words' tokens.
-        max_logprobs = llm.worker_config.model.max_logprobs
-        return request_params(params, llm.tokenizer, llm.vocab_size, max_logprobs)
+        return request_params(params, llm.tokenizer, llm.vocab_size, llm.max_logprobs)
     except ValueError as exc:
         named = re.match(r"\w+", str(exc))
         field = named.group() if named and named.group() in given else None
@@ -73,7 +72,7 @@ def sampling_params(
 
 
 async def run_prompts(
-    llm: LLM, prompts: Sequence[list[int]], params: SamplingParams
+    llm: Frontend, prompts: Sequence[list[int]], params: SamplingParams
 ) -> AsyncIterator[tuple[int, RequestOutput]]:
     """Every prompt's outputs as they come, tagged with its index. Closing this early
     (a client gone) aborts the requests still running, which frees their blocks."""

@@ -1,23 +1,45 @@
-"""Run the server: the LLM first (its start-up, logged phase by phase), then uvicorn on
-uvloop. SIGINT or SIGTERM: uvicorn stops taking connections and lets the requests in
-flight finish (at most shutdown_timeout_s, then cancels them: their requests are aborted),
-and then the workers stop."""
+"""`zmqworker serve`'s main process: it plans the engine (every option checked before
+anything starts), binds the port, starts the engine cores (one per data-parallel
+replica) and N API server processes that accept on the same listening socket, each a
+client of every engine core, and then supervises them.
+
+Any of them dying takes the whole server down: the others are stopped in order and the
+command fails with an error naming what died (a server that lost part of itself would
+serve on degraded and unnoticed; let the supervisor above, systemd or Kubernetes, start
+a whole one again). SIGINT or SIGTERM drains: the API servers stop taking connections
+and let the requests in flight finish (at most shutdown_timeout_s), then the engine cores
+stop their workers. Nothing is left running either way.
+"""
 
 from __future__ import annotations
 
-import contextlib
+import functools
+import inspect
 import logging
+import os
 import signal
-from collections.abc import Iterator
+import socket
+import sys
+import threading
 from typing import Any
 
-import uvicorn
+import msgspec
 
-from zmqworker.engine.llm import LLM
-from zmqworker.serve.app import build_app
+from zmqworker.executor.process import ChildProcess, spawn_all
+from zmqworker.frontend.core_client import EngineCoreClient
+from zmqworker.frontend.core_process import EngineCoreLauncher
+from zmqworker.frontend.engine_connection import Failed
+from zmqworker.frontend.engine_plan import EnginePlan
+from zmqworker.frontend.llm import LLM, OPTION_TYPES
+from zmqworker.frontend.llm_args import check_args
+from zmqworker.serve.api_server import ApiServerConfig
 from zmqworker.serve.body_limit import DEFAULT_MAX_REQUEST_BYTES
+from zmqworker.serve.sizing import default_api_server_count
 
 logger = logging.getLogger(__name__)
+
+WATCH_EVERY_S = 0.5  # how often the main process looks at its children
+STOP_MARGIN_S = 10.0  # past the drain's bound, before an API server is stopped harder
 
 
 def serve(
@@ -28,44 +50,150 @@ def serve(
     api_key: str | None = None,
     shutdown_timeout_s: float = 30.0,
     log_level: str = "warning",
+    api_server_count: int | None = None,
     enable_admin_endpoints: bool = False,
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
 ) -> None:
-    if max_request_bytes < 1:  # before the workers start
+    count = api_server_count or default_api_server_count()
+    if count < 1:
+        raise ValueError(f"--api-server-count must be >= 1, got {count}")
+    if max_request_bytes < 1:  # before anything starts
         raise ValueError(f"max_request_bytes must be positive, got {max_request_bytes}")
-    llm = LLM(**engine_options)
+    defaults = {n: p.default for n, p in inspect.signature(LLM).parameters.items()}
+    options = {**defaults, **engine_options}
+    check_args(OPTION_TYPES, options)
+    plan = EnginePlan.from_options(options)
+    name = served_model_name or plan.folder.path.name
+    listener = _listen(host, port)  # a port in use fails here, before anything starts
+    launcher = EngineCoreLauncher(plan.num_engines, plan.engine_config)
+    servers: list[ChildProcess] = []
+    spawner = threading.Event()  # set: the spawning thread may end
+    client = None
     try:
-        name = served_model_name or llm.model_folder.path.name
-        config = uvicorn.Config(
-            build_app(llm, name, api_key, max_request_bytes, enable_admin_endpoints),
-            host=host,
-            port=port,
-            loop="uvloop",
-            timeout_graceful_shutdown=shutdown_timeout_s,
+        config = functools.partial(
+            ApiServerConfig,
+            model=str(plan.folder.path),
+            served_model_name=name,
+            api_key=api_key,
+            engine_addresses=launcher.addresses,
+            engine_pids=launcher.pids,
+            token=launcher.token,
+            max_logprobs=plan.max_logprobs,
+            output_bytes=plan.output_bytes,
+            listen_fd=listener.fileno(),
+            shutdown_timeout_s=shutdown_timeout_s,
+            max_request_bytes=max_request_bytes,
+            enable_admin_endpoints=enable_admin_endpoints,
             log_level=log_level,
-            access_log=log_level in ("debug", "info"),
+            engine_log_level=logging.getLevelName(logger.getEffectiveLevel()),
         )
-        server = _Server(config)
-        logger.info("serving %s on http://%s:%d/v1", name, host, port)
-        server.run()
-        if not server.started:
-            raise OSError(f"could not serve on {host}:{port} (see the error above)")
+        argv = [sys.executable, "-m", "zmqworker.serve.api_server"]
+        makers = [
+            functools.partial(
+                ChildProcess,
+                f"api server {i}",
+                argv,
+                dict(os.environ),
+                stdin=msgspec.msgpack.encode(config(index=i)),
+                pass_fds=(listener.fileno(),),
+            )
+            for i in range(count)
+        ]
+        spawn_all(makers, servers, spawner)
+        listener.close()  # the API servers hold it now
+        client = EngineCoreClient(
+            launcher.addresses, launcher.handles, launcher.token, count, plan.output_bytes
+        )
+        _Supervisor(client, servers, name, f"http://{host}:{port}/v1").run(shutdown_timeout_s)
     finally:
+        listener.close()
         logger.info("stopping the workers")
-        llm.shutdown()
+        _stop_servers(servers, grace_s=STOP_MARGIN_S / 3)
+        leaving: set[int] = set()
+        if client is not None:
+            leaving = client.shut_down_engines()
+            client.close()
+        launcher.stop(leaving)
+        for server in servers:
+            server.close()
+        spawner.set()
 
 
-class _Server(uvicorn.Server):
-    """uvicorn's server, except that a signal ends run() instead of the process: uvicorn
-    raises the signal again once it has shut down, which would kill the process before
-    the workers are stopped."""
+class _Supervisor:
+    """Watches the engine cores (through the main process's own client) and the API
+    servers until a signal asks for a drain, or one of them dies."""
 
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        signals = (signal.SIGINT, signal.SIGTERM)
-        previous = {sig: signal.signal(sig, self.handle_exit) for sig in signals}
+    def __init__(
+        self, client: EngineCoreClient, servers: list[ChildProcess], name: str, url: str
+    ) -> None:
+        self.client = client
+        self.servers = servers
+        self.name = name
+        self.url = url
+        self.signalled: int | None = None
+
+    def run(self, shutdown_timeout_s: float) -> None:
+        """Return after a drain; raise RuntimeError naming what died."""
+        previous = {
+            sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)
+        }
         try:
-            yield
+            announced = False
+            while self.signalled is None:
+                for event in self.client.receive(WATCH_EVERY_S):
+                    if isinstance(event, Failed) and event.fatal:
+                        raise RuntimeError(f"the server stops: {event.error}")
+                for server in self.servers:
+                    if server.exit_status() is not None:
+                        raise RuntimeError(f"the server stops: {_ended(server)}")
+                if not announced and all(e.ready for e in self.client.engines):
+                    announced = True
+                    logger.info(
+                        "serving %s on %s: %d API server(s), %d engine core(s)",
+                        self.name, self.url, len(self.servers), len(self.client.engines),
+                    )  # fmt: skip
+            logger.info("signal %d: draining the requests in flight", self.signalled)
+            _stop_servers(self.servers, grace_s=shutdown_timeout_s + STOP_MARGIN_S)
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
+
+    def _on_signal(self, signum: int, frame: object) -> None:
+        self.signalled = signum
+
+
+def _stop_servers(servers: list[ChildProcess], grace_s: float) -> None:
+    """SIGTERM every API server (a drain), then wait grace_s for each before SIGKILL."""
+    for server in servers:
+        if server.exit_status() is None:
+            try:
+                server.proc.send_signal(signal.SIGTERM)
+            except ProcessLookupError:
+                continue
+    for server in servers:
+        server.stop(grace_s=grace_s, term_s=0.0)
+
+
+def _ended(server: ChildProcess) -> str:
+    from zmqworker.executor.errors import describe_exit
+
+    status = server.exit_status()
+    assert status is not None
+    text = f"{server.name} (pid {server.pid}) exited ({describe_exit(status)})"
+    tail = server.stderr_tail().strip()
+    return f"{text}; its last stderr lines:\n{tail}" if tail else text
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """The listening socket every API server accepts on."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(2048)
+        sock.set_inheritable(True)
+    except OSError as exc:
+        sock.close()
+        raise OSError(f"could not serve on {host}:{port}: {exc.strerror}") from None
+    return sock

@@ -4,3 +4,6 @@ line (which every local user can read in ps)."""
 TOKEN_ENV = "ZMQWORKER_TOKEN"  # the handshake token of the worker's Hello
 # The largest frame a worker's sockets take in: "requests,pipeline" in bytes.
 MAX_MESSAGE_ENV = "ZMQWORKER_MAX_MESSAGE_BYTES"
+# "1": ranks may share GPUs when there are more ranks on a host than GPUs visible (tests
+# of multi-GPU layouts on one GPU); otherwise a rank without a GPU of its own is an error.
+SHARE_GPUS_ENV = "ZMQWORKER_SHARE_GPUS"

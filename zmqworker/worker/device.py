@@ -11,6 +11,8 @@ import re
 import psutil
 import torch
 
+from zmqworker.transport.spawn_env import SHARE_GPUS_ENV
+
 
 class DeviceOps:
     """Host (CPU) behaviour; the base for every device."""
@@ -48,10 +50,15 @@ class CudaOps(DeviceOps):
     def select(self, local_rank: int) -> torch.device:
         # CUDA_VISIBLE_DEVICES is honoured by torch itself: the visible GPUs are 0..n-1.
         count = torch.cuda.device_count()
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES", "<unset>")
         if count == 0:
             raise RuntimeError(
-                "device=cuda but no GPU is visible "
-                f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')})"
+                f"device=cuda but no GPU is visible (CUDA_VISIBLE_DEVICES={visible})"
+            )
+        if local_rank >= count and os.environ.get(SHARE_GPUS_ENV) != "1":
+            raise RuntimeError(
+                f"local rank {local_rank} has no GPU of its own: {count} visible "
+                f"(CUDA_VISIBLE_DEVICES={visible}); set {SHARE_GPUS_ENV}=1 to share them"
             )
         device = torch.device("cuda", local_rank % count)
         torch.cuda.set_device(device)

@@ -79,7 +79,9 @@ class Worker(WorkerBase):
             # The layout's workers share this host's cores; torch's default (every core
             # in each of them) oversubscribes and slows every rank down severalfold.
             cores = len(os.sched_getaffinity(0))
-            threads = _omp_num_threads() or max(1, cores // self.config.parallel.world_size)
+            layout = self.config.parallel
+            ranks = layout.world_size * layout.data_parallel_size  # on this host
+            threads = _omp_num_threads() or max(1, cores // ranks)
         if threads:
             torch.set_num_threads(threads)
         parallel = self.config.parallel

@@ -74,7 +74,9 @@ class WorkerBase(ABC):
         self.config = config
         self.pipeline = pipeline
         self._rank = rank
-        self._local_rank = rank if local_rank is None else local_rank
+        # Data-parallel replicas on one host: each replica's ranks take the next GPUs.
+        replica_offset = config.parallel.data_parallel_rank * world
+        self._local_rank = replica_offset + rank if local_rank is None else local_rank
         self._init_method = distributed_init_method or config.parallel.distributed_init_method
 
     @property

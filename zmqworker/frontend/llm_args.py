@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import importlib
 import inspect
 import types
 import typing
@@ -13,14 +12,6 @@ from typing import Annotated, Any
 import msgspec
 from msgspec import Meta
 
-if typing.TYPE_CHECKING:
-    from messages import WorkerConfig
-    from zmqworker.executor.abstract import Executor
-
-EXECUTORS = {
-    "mp": "zmqworker.executor.multiproc.MultiprocExecutor",
-    "ray": "zmqworker.executor.ray_executor.RayExecutor",
-}
 Positive = Annotated[int, Meta(ge=1)]
 Fraction = Annotated[float, Meta(gt=0, le=1)]
 Seconds = Annotated[float, Meta(gt=0)]
@@ -60,17 +51,3 @@ def _without_callables(hint: Any) -> Any:
         kept = [a for a in typing.get_args(hint) if typing.get_origin(a) is not Callable]
         return typing.Union[tuple(kept)] if len(kept) > 1 else kept[0]  # noqa: UP007
     return hint
-
-
-def executor_factory(
-    executor: str | Callable[[WorkerConfig], Executor],
-) -> Callable[[WorkerConfig], Executor]:
-    """The executor class named by executor (imported when used), or the callable itself."""
-    if callable(executor):
-        return executor
-    module_name, _, class_name = EXECUTORS[executor].rpartition(".")
-
-    def make(config: WorkerConfig) -> Executor:
-        return getattr(importlib.import_module(module_name), class_name)(config)
-
-    return make

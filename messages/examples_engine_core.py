@@ -1,0 +1,158 @@
+"""Canonical example messages between clients and an engine core (the golden fixtures of
+docs/protocol.md, "Clients and the engine core"). Deterministic, as messages/examples.py:
+a fixture's bytes change only when a schema does."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+
+from messages.config import ModelConfig, ParallelConfig, SchedulerConfig, WorkerConfig
+from messages.engine_core import (
+    AbortRequests,
+    EngineCoreConfig,
+    EngineCoreFailure,
+    EngineCoreHello,
+    EngineCoreMessage,
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreReady,
+    EngineCoreRequest,
+    EngineCoreStats,
+    UtilityCall,
+    UtilityResult,
+    WorkerCall,
+)
+from messages.example_stream import Stream, req_id
+from messages.sampling import SamplingParams
+from messages.step import LogprobsLists
+from messages.version import PROTOCOL_VERSION
+
+VOCAB_SIZE = 49_152  # SmolLM2's
+EOS = 2  # SmolLM2-Instruct's <|im_end|>
+TOKEN = "5d0c9e1a7b3f48e2a6c14f0b9d2e7a31"  # an engine core's client token, 32 hex digits
+ARRIVAL = 1_767_225_600.125  # a fixed instant: fixtures must not depend on the clock
+ADDRESS = "ipc:///tmp/zmqworker-core-r4m8t2vq/engine-core-1.sock"
+STATS = EngineCoreStats(
+    num_running=250, num_waiting=6, num_blocks=40_960, num_free_blocks=12_288,
+    num_preemptions=3, num_aborted=1,
+)  # fmt: skip
+
+
+def engine_core_config() -> EngineCoreConfig:
+    """Replica 1 of two (data parallel), SmolLM2-135M in bfloat16 on CUDA."""
+    worker = WorkerConfig(
+        model=ModelConfig(
+            path="/models/SmolLM2-135M-Instruct", dtype="bfloat16", max_model_len=4096
+        ),
+        parallel=ParallelConfig(data_parallel_size=2, data_parallel_rank=1),
+        scheduler=SchedulerConfig(max_num_seqs=256, max_num_batched_tokens=2048),
+    )
+    return EngineCoreConfig(
+        worker=worker,
+        address=ADDRESS,
+        token=TOKEN,
+        engine_index=1,
+        vocab_size=VOCAB_SIZE,
+        log_level="INFO",
+    )
+
+
+def engine_core_request(prompt_len: int = 130, seed: int = 10) -> EngineCoreRequest:
+    """A chat completion's request: greedy, a stop string (the client's to find), top-2
+    logprobs. Its prompt ids travel inline up to 4,096 tokens, in a data frame above."""
+    rng = Stream(seed)
+    params = SamplingParams(temperature=0.0, max_tokens=256, stop=["\n\n"], logprobs=2)
+    return EngineCoreRequest(
+        request_id=req_id(1000 + prompt_len),
+        prompt_token_ids=rng.ints(prompt_len, 0, VOCAB_SIZE),
+        sampling_params=params,
+        eos_token_ids=[EOS],
+        arrival_time=ARRIVAL,
+    )
+
+
+def decode_outputs(num_reqs: int = 256, seed: int = 11) -> EngineCoreOutputs:
+    """A decode step's outputs for one client: a token each; one request ends on EOS,
+    one at max_tokens."""
+    rng = Stream(seed)
+    tokens = rng.ints(num_reqs, 3, VOCAB_SIZE).tolist()
+    outputs = [EngineCoreOutput(req_id(i), [tokens[i]]) for i in range(num_reqs)]
+    outputs[7] = EngineCoreOutput(req_id(7), [EOS], finish_reason="stop", stop_reason=EOS)
+    outputs[9] = EngineCoreOutput(req_id(9), [tokens[9]], finish_reason="length")
+    return EngineCoreOutputs(engine_index=1, outputs=outputs, stats=STATS)
+
+
+def logprobs_outputs(seed: int = 12) -> EngineCoreOutputs:
+    """Two requests' first tokens with top-2 logprobs (a row each, the token first); the
+    second had 64 prompt tokens from the prefix cache."""
+    rng = Stream(seed)
+    ids = rng.ints((2, 3), 0, VOCAB_SIZE)
+    values = -np.sort(rng.floats((2, 3), 0.0, 8.0), axis=1)
+
+    def rows(i: int) -> LogprobsLists:
+        return LogprobsLists(ids[i : i + 1], values[i : i + 1], np.array([1 + i], np.int32))
+
+    outputs = [
+        EngineCoreOutput(req_id(20 + i), [int(ids[i, 0])], logprobs=rows(i)) for i in range(2)
+    ]
+    outputs[1].num_cached_tokens = 64
+    return EngineCoreOutputs(engine_index=0, outputs=outputs, stats=STATS)
+
+
+def worker_death() -> EngineCoreFailure:
+    return EngineCoreFailure(
+        engine_index=1,
+        request_ids=[req_id(i) for i in range(3)],
+        exc_type="WorkerDiedError",
+        message="worker rank 1 died (killed by SIGKILL, exit status -9)",
+        fatal=True,
+    )
+
+
+# name -> builder, in the order of a client's life: hello, requests, outputs, utilities.
+ENGINE_CORE_EXAMPLES: dict[str, Callable[[], EngineCoreMessage]] = {
+    "engine_core_config": engine_core_config,
+    "engine_core_hello": lambda: EngineCoreHello(
+        protocol_version=PROTOCOL_VERSION, token=TOKEN, pid=48300, client_index=2
+    ),
+    "engine_core_ready": lambda: EngineCoreReady(
+        engine_index=1,
+        max_model_len=4096,
+        num_blocks=40_960,
+        block_size=16,
+        max_num_seqs=256,
+        vocab_size=VOCAB_SIZE,
+        num_workers=1,
+        pid=48301,
+        worker_pids=[48302],
+    ),  # fmt: skip
+    "engine_core_request": engine_core_request,
+    "engine_core_request_long": lambda: engine_core_request(prompt_len=8192, seed=13),
+    "abort_requests": lambda: AbortRequests([req_id(3), req_id(5)]),
+    "abort_requests_stop": lambda: AbortRequests([req_id(4)], reason="stop"),
+    "engine_core_outputs_decode_256": decode_outputs,
+    "engine_core_outputs_logprobs": logprobs_outputs,
+    "engine_core_failure_request": lambda: EngineCoreFailure(
+        engine_index=0,
+        request_ids=[req_id(6)],
+        exc_type="ValueError",
+        message="logprobs=30 is more than max_logprobs=20",
+    ),
+    "engine_core_failure_worker_death": worker_death,
+    "utility_call_stats": lambda: UtilityCall(call_id=1, method="stats"),
+    "utility_result_stats": lambda: UtilityResult(call_id=1, result=STATS),
+    "utility_call_collective_rpc": lambda: UtilityCall(
+        call_id=2,
+        method="collective_rpc",
+        args=[WorkerCall("echo", args=[3, "text"], kwargs={"limit": 10}, timeout=30.0)],
+    ),
+    "utility_result_error": lambda: UtilityResult(
+        call_id=3,
+        exc_type="AttributeError",
+        message="'sleeep' is not an engine core utility; those are check_health, "
+        "collective_rpc, init_weight_transfer_group, is_sleeping, not_ready, reload_weights, "
+        "reset_prefix_cache, sleep, stats, update_weights_from_group, wake_up, weights_updated",
+    ),
+}

@@ -1,0 +1,209 @@
+"""The engine core as a process, and its clients: the protocol's rules at the socket (who
+may speak, utility calls, a client gone), an engine core killed under its client, and a
+client killed under its engine core. Nothing may be left running: no engine core, no
+worker, no socket file."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import zmq
+
+from messages import (
+    PROTOCOL_VERSION,
+    Encoder,
+    EngineCoreHello,
+    EngineCoreRequest,
+    SamplingParams,
+)
+from tests.engine_helpers import FakeExecutor, byte_level_tokenizer
+from tests.test_engine_e2e import PROMPTS, make_llm
+from tests.test_executor import wait_gone
+from zmqworker.frontend.core_client import EngineCoreClient
+from zmqworker.frontend.core_process import WatchedEngineCore
+from zmqworker.frontend.engine_connection import ENGINE_SILENT_S
+from zmqworker.frontend.errors import EngineCoreDiedError, EngineCoreError
+from zmqworker.frontend.llm import LLM
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def fake_llm(tmp_path_factory):
+    """An LLM over a fake executor: its engine core serves in a thread of this process."""
+    folder = tmp_path_factory.mktemp("model")
+    tok = byte_level_tokenizer()
+    config = {"model_type": "llama", "vocab_size": len(tok), "max_position_embeddings": 512,
+              "eos_token_id": 2, "num_hidden_layers": 2, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "hidden_size": 64}  # fmt: skip
+    (folder / "config.json").write_text(json.dumps(config))
+    tok.save_pretrained(folder)
+
+    def slow_tokens(seq: list[int]) -> int:
+        time.sleep(0.002)  # a step takes a moment, as on a model
+        return 5 + len(seq) % 50
+
+    with LLM(
+        str(folder),
+        executor=lambda config: FakeExecutor(512, config.cache.block_size, token_fn=slow_tokens),
+        block_size=4,
+        max_model_len=512,
+    ) as llm:
+        yield llm
+
+
+def second_client(llm: LLM, token: str | None = None) -> EngineCoreClient:
+    """Another client of llm's engine cores, as an API server process would be."""
+    launcher = llm._launcher
+    assert launcher is not None
+    handles = [WatchedEngineCore(i, pid) for i, pid in enumerate(llm.engine_core_pids)]
+    return EngineCoreClient(launcher.addresses, handles, token or launcher.token, client_index=7)
+
+
+def test_utility_calls_are_an_allowlist_with_checked_arguments(fake_llm):
+    client = fake_llm.client
+    with pytest.raises(EngineCoreError, match="AttributeError: 'executor' is not an engine core"):
+        client.call("executor")
+    with pytest.raises(ValueError, match="engine core 0: check_health: argument timeout"):
+        client.call("check_health", ("soon",))
+    with pytest.raises(TypeError, match="engine core 0: too many positional arguments"):
+        client.call("stats", (1, 2))
+    [stats] = client.call("stats")
+    assert stats.num_blocks == 512 and stats.num_running == 0
+
+
+def test_a_client_without_the_token_is_not_answered(fake_llm):
+    stranger = second_client(fake_llm, token="0" * 32)
+    try:
+        with pytest.raises(TimeoutError, match=r"engine core\(s\) \[0\] not ready"):
+            stranger.wait_ready(1.0)
+    finally:
+        stranger.close()
+    assert fake_llm.generate("Hello", SamplingParams(max_tokens=2))[0].finished
+
+
+def test_a_client_gone_has_its_requests_aborted_and_their_blocks_freed(fake_llm):
+    before = fake_llm.stats()
+    other = second_client(fake_llm)
+    other.wait_ready(30)
+    params = SamplingParams(max_tokens=400, ignore_eos=True)  # a second or more
+    for i in range(2):
+        other.add_request(EngineCoreRequest(f"other-{i}", np.array([5, 6, 7], np.int32), params))
+    deadline = time.monotonic() + 30
+    while fake_llm.stats().num_running < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    other.close()  # its process would have died: the connection drops
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        stats = fake_llm.stats()
+        if stats.num_running == 0 and stats.num_free_blocks == stats.num_blocks:
+            break
+        time.sleep(0.05)
+    assert stats.num_running == 0 and stats.num_free_blocks == stats.num_blocks
+    assert stats.num_aborted == before.num_aborted + 2
+
+
+def test_junk_and_strangers_at_the_socket_are_dropped():
+    """A peer that has not said hello is not served; junk does not stop the engine."""
+    with make_llm() as llm:
+        sock = zmq.Context.instance().socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(llm._launcher.addresses[0])
+        enc = Encoder()
+        params = SamplingParams(max_tokens=2)
+        sock.send_multipart(enc.encode(EngineCoreRequest("x", np.array([1], np.int32), params)))
+        sock.send_multipart([b"\x92\x06\xc1"])  # not msgpack
+        hello = EngineCoreHello(PROTOCOL_VERSION, "wrong", os.getpid())
+        sock.send_multipart(enc.encode(hello))
+        assert sock.poll(500) == 0  # nothing answers any of them
+        sock.close()
+        out = llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=3))
+        assert len(out[0].token_ids) == 3
+
+
+def test_a_killed_engine_core_fails_the_stream_naming_it_and_leaves_nothing():
+    llm = make_llm(tp=2)
+    folder = Path(llm._launcher.folder)
+    [core] = llm.engine_core_pids
+    workers = llm.worker_pids
+    params = SamplingParams(temperature=0.0, max_tokens=80, ignore_eos=True)
+
+    async def stream() -> int:
+        seen = 0
+        async for _ in llm.generate_stream(PROMPTS[0], params):
+            seen += 1
+            if seen == 2:
+                os.kill(core, signal.SIGKILL)
+        return seen
+
+    try:
+        started = time.monotonic()
+        with pytest.raises(EngineCoreDiedError, match=r"engine core 0 \(pid \d+\) died .*SIGKILL"):
+            asyncio.run(stream())
+        assert time.monotonic() - started < 30
+        with pytest.raises(EngineCoreDiedError, match="engine core 0"):  # at once
+            llm.generate([PROMPTS[1]], params)
+        assert wait_gone(workers, 10.0), "a worker outlived its engine core"
+    finally:
+        llm.shutdown()
+    assert not folder.exists()
+
+
+def test_a_stopped_engine_core_fails_the_stream_once_its_connection_drops():
+    llm = make_llm()
+    [core] = llm.engine_core_pids
+    workers = llm.worker_pids
+    params = SamplingParams(temperature=0.0, max_tokens=80, ignore_eos=True)
+    stopped: list[float] = []
+
+    async def stream() -> None:
+        async for _ in llm.generate_stream(PROMPTS[0], params):
+            if not stopped:
+                os.kill(core, signal.SIGSTOP)  # alive, silent: no heartbeat answers
+                stopped.append(time.monotonic())
+
+    try:
+        with pytest.raises(
+            EngineCoreDiedError, match=r"engine core 0 \(pid \d+\) stopped answering"
+        ):
+            asyncio.run(stream())
+        took = time.monotonic() - stopped[0]
+        assert ENGINE_SILENT_S <= took < ENGINE_SILENT_S + 5, took
+    finally:
+        llm.shutdown()  # SIGKILL: a stopped process leaves no other way
+    assert wait_gone([core, *workers], 10.0)
+
+
+def test_an_engine_core_and_its_workers_leave_when_their_client_is_killed(tmp_path):
+    script = textwrap.dedent(f"""
+        import json, sys, time
+        sys.path.insert(0, {str(ROOT)!r})
+        from tests.test_engine_e2e import make_llm
+        llm = make_llm(tp=2)
+        print(json.dumps([llm.engine_core_pids, llm.worker_pids, llm._launcher.folder]))
+        sys.stdout.flush()
+        time.sleep(600)
+    """)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, cwd=ROOT
+    )
+    try:
+        cores, workers, folder = json.loads(proc.stdout.readline())
+    finally:
+        proc.kill()
+        proc.wait(30)
+    assert wait_gone([*cores, *workers], 15.0), "the engine core or a worker outlived its client"
+    deadline = time.monotonic() + 5
+    while Path(folder).exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not Path(folder).exists(), "the engine core's socket folder was left behind"

@@ -1,0 +1,104 @@
+"""The engine core's clients: who said hello (with the token it was started with), which
+requests each one owns, and which ones are gone.
+
+A client's connection drops when its process dies or closes its socket, and when it goes
+silent for the ROUTER's heartbeat timeout; the ROUTER's monitor says that some peer
+disconnected, not which. So for PROBE_WINDOW_S after that the engine core Pings every
+client: one the ROUTER can no longer reach (ROUTER_MANDATORY) is gone, and its requests
+are aborted.
+"""
+
+from __future__ import annotations
+
+import hmac
+from dataclasses import dataclass, field
+
+import zmq
+
+from messages import PROTOCOL_VERSION, Encoder, EngineCoreHello, Ping
+from zmqworker.transport.frames import send_frames
+
+PROBE_WINDOW_S = 1.0
+PROBE_EVERY_S = 0.05
+
+
+@dataclass
+class Client:
+    identity: bytes
+    pid: int
+    index: int
+    request_ids: set[str] = field(default_factory=set)
+
+    def __str__(self) -> str:
+        return f"client {self.index} (pid {self.pid})"
+
+
+class Clients:
+    """Clients by ROUTER identity, and the owner of every request in the engine core."""
+
+    def __init__(self, token: str) -> None:
+        self._token = token.encode()
+        self.by_identity: dict[bytes, Client] = {}
+        self.owners: dict[str, Client] = {}  # request id -> its client
+        self._ping = Encoder().encode(Ping())
+        self._probe_until = 0.0
+        self._next_probe = 0.0
+
+    def admit(self, identity: bytes, hello: EngineCoreHello) -> Client | None:
+        """The new client a Hello makes, or None if it may not be one (the wrong token or
+        protocol version, or a second Hello)."""
+        ok = (
+            hmac.compare_digest(hello.token.encode(), self._token)
+            and hello.protocol_version == PROTOCOL_VERSION
+            and identity not in self.by_identity
+        )
+        if not ok:
+            return None
+        client = Client(identity, hello.pid, hello.client_index)
+        self.by_identity[identity] = client
+        return client
+
+    def add_request(self, client: Client, request_id: str) -> None:
+        client.request_ids.add(request_id)
+        self.owners[request_id] = client
+
+    def forget_request(self, request_id: str) -> Client | None:
+        """Drop a request that finished or was aborted; its client, if it had one."""
+        client = self.owners.pop(request_id, None)
+        if client is not None:
+            client.request_ids.discard(request_id)
+        return client
+
+    def remove(self, client: Client) -> list[str]:
+        """Forget a client that is gone; the ids of the requests it still had."""
+        self.by_identity.pop(client.identity, None)
+        for request_id in client.request_ids:
+            self.owners.pop(request_id, None)
+        orphans, client.request_ids = sorted(client.request_ids), set()
+        return orphans
+
+    def on_disconnect(self, now: float) -> None:
+        """Some peer's connection dropped: probe every client for a while."""
+        self._probe_until = now + PROBE_WINDOW_S
+        self._next_probe = now
+
+    def next_probe_in(self, now: float) -> float | None:
+        """Seconds until the next probe is due; None when none is."""
+        if now >= self._probe_until:
+            return None
+        return max(0.0, self._next_probe - now)
+
+    def probe(self, sock: zmq.Socket, now: float) -> list[Client]:
+        """Ping every client if a probe is due; those the ROUTER cannot reach."""
+        if now >= self._probe_until or now < self._next_probe:
+            return []
+        self._next_probe = now + PROBE_EVERY_S
+        gone = []
+        for client in list(self.by_identity.values()):
+            try:
+                send_frames(sock, (client.identity, *self._ping), zmq.NOBLOCK)
+            except zmq.Again:  # its queue is full: connected, at least
+                continue
+            except zmq.ZMQError:  # EHOSTUNREACH (ROUTER_MANDATORY): no connection
+                gone.append(client)
+        return gone

@@ -1,0 +1,355 @@
+"""The engine core's busy loop over its ROUTER socket.
+
+Between two steps it takes in what its clients sent (requests, aborts, utility calls;
+without waiting while it has work, blocking while it has none), then runs a step
+(schedule, send, take outputs, update) and sends each client the outputs of its own
+requests, one message per client per step. The engine core never waits for a client:
+outputs queue in the socket (no high-water mark) for as long as the client's connection
+lives, and a client whose connection is gone has its requests aborted.
+
+A step that fails aborts every request (the clients get an EngineCoreFailure naming
+them); one that fails because a worker died or is stuck is fatal: every client hears so,
+and the engine core stops.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable
+
+import numpy as np
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+from messages import (
+    AbortRequests,
+    Decoder,
+    Encoder,
+    EngineCoreConfig,
+    EngineCoreFailure,
+    EngineCoreHello,
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreReady,
+    EngineCoreRequest,
+    ProtocolError,
+    UtilityCall,
+    UtilityResult,
+)
+from zmqworker.engine.core import EngineCore
+from zmqworker.engine.core_clients import Client, Clients
+from zmqworker.engine.core_limits import engine_core_limits
+from zmqworker.engine.request import Request
+from zmqworker.engine.utility import EngineCoreUtilities, call_utility, waits_for_steps
+from zmqworker.executor.errors import WorkerDiedError, WorkerStuckError
+from zmqworker.transport.drops import DropCounter
+from zmqworker.transport.frames import recv_frames, send_frames
+
+log = logging.getLogger("zmqworker.engine")
+
+IDLE_WAIT_S = 1.0  # the longest an idle loop sleeps before it looks around again
+HEARTBEAT_IVL_S = 1.0
+CLIENT_SILENT_S = 5.0  # a client silent this long (stopped, its host lost) is gone
+CLOSE_LINGER_MS = 1000  # what the last messages get to leave before the socket closes
+SHUTDOWN = "shutdown"  # the utility call after which the engine core stops
+FATAL = (WorkerDiedError, WorkerStuckError)  # the executor cannot go on after these
+
+
+class EngineCoreServer:
+    """Complete once constructed: its ROUTER is bound, and clients may connect and say
+    hello while serve() starts the workers."""
+
+    def __init__(self, config: EngineCoreConfig, ctx: zmq.Context) -> None:
+        self.config = config
+        self.index = config.engine_index
+        self.clients = Clients(config.token)
+        self.drops = DropCounter(log, f"messages at engine core {self.index}")
+        self.core: EngineCore | None = None
+        self.exit_status = 0
+        self._enc, self._dec = Encoder(), Decoder()
+        self._stop = False
+        self._told_fatal = False  # every client heard that the engine core stops
+        self._stopped_by: Client | None = None  # the client whose shutdown call stops it
+        self._ready: EngineCoreReady | None = None
+        self._utilities: EngineCoreUtilities | None = None
+        sock = ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        sock.setsockopt(zmq.SNDHWM, 0)  # never wait for a client: see the module's doc
+        sock.setsockopt(zmq.RCVHWM, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, engine_core_limits(config.worker).input_bytes)
+        sock.setsockopt(zmq.HEARTBEAT_IVL, round(HEARTBEAT_IVL_S * 1000))
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, round(CLIENT_SILENT_S * 1000))
+        sock.setsockopt(zmq.HEARTBEAT_TTL, round(CLIENT_SILENT_S * 1000))
+        try:
+            sock.bind(config.address)
+            self._monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        except BaseException:
+            sock.close(linger=0)
+            raise
+        self._sock = sock
+        self._poller = zmq.Poller()
+        self._poller.register(sock, zmq.POLLIN)
+        self._poller.register(self._monitor, zmq.POLLIN)
+
+    def serve(self, make_core: Callable[[], EngineCore]) -> int:
+        """Start the engine (its workers, their KV cache, warm-up), then serve until a
+        client asks for shutdown or a step fails for good; the exit status."""
+        try:
+            self.core = make_core()
+        except BaseException as exc:
+            self._fail_start(exc)
+            raise
+        core = self.core
+        self._utilities = EngineCoreUtilities(core)
+        self._ready = EngineCoreReady(
+            engine_index=self.index,
+            max_model_len=core.max_model_len,
+            num_blocks=core.block_manager.num_blocks,
+            block_size=core.block_manager.block_size,
+            max_num_seqs=core.scheduler.max_num_seqs,
+            vocab_size=self.config.vocab_size,
+            num_workers=self.config.worker.parallel.world_size,
+            pid=os.getpid(),
+            worker_pids=list(getattr(core.executor, "pids", [])),
+        )
+        log.debug("ready for clients")
+        try:
+            self._loop(core)
+        finally:
+            self._shut_down(core)
+        return self.exit_status
+
+    def close(self) -> None:
+        """Close the sockets (the last messages get CLOSE_LINGER_MS to leave)."""
+        self._sock.disable_monitor()
+        self._monitor.close(linger=0)
+        self._sock.close(linger=CLOSE_LINGER_MS)
+
+    # the loop ---------------------------------------------------------------------------
+
+    def _loop(self, core: EngineCore) -> None:
+        while not self._stop:
+            self._take_inputs(wait=not core.has_work())
+            if self._stop or not core.has_work():
+                continue
+            self._step(core.step)
+            self._settle(core)
+
+    def _settle(self, core: EngineCore) -> None:
+        """Steps still in flight once every request has finished (or was aborted) hold
+        only dropped tokens: take them back before reading on or answering, so that
+        their blocks are free again and an idle engine core's stats are settled."""
+        while not self._stop and core.has_work() and not core.scheduler.num_unfinished:
+            self._step(core.step)
+
+    def _step(self, run: Callable[[], list[Request]]) -> None:
+        try:
+            changed = run()
+        except Exception as exc:
+            self._fail_requests(exc)
+            return
+        outputs: dict[bytes, list[EngineCoreOutput]] = {}
+        for request in changed:
+            client = self.clients.owners.get(request.req_id)
+            if client is None:
+                continue  # its client is gone, or aborted it while the step ran
+            outputs.setdefault(client.identity, []).append(request.take_output())
+            if request.is_finished:
+                self.clients.forget_request(request.req_id)
+        if not outputs:
+            return
+        assert self.core is not None
+        stats = self.core.stats()
+        for identity, outs in outputs.items():
+            client = self.clients.by_identity.get(identity)
+            if client is not None:
+                self._send(client, EngineCoreOutputs(self.index, outs, stats))
+
+    def _take_inputs(self, wait: bool) -> None:
+        if wait:
+            now = time.monotonic()
+            probe_in = self.clients.next_probe_in(now)
+            timeout = IDLE_WAIT_S if probe_in is None else min(IDLE_WAIT_S, probe_in)
+            self._poller.poll(round(timeout * 1000))
+        self._read_monitor()
+        for client in self.clients.probe(self._sock, time.monotonic()):
+            self._drop_client(client)
+        while not self._stop:
+            try:
+                frames = recv_frames(self._sock)
+            except zmq.Again:
+                return
+            self._handle(frames[0].bytes, frames[1:])
+
+    def _read_monitor(self) -> None:
+        while self._monitor.poll(0):
+            event = recv_monitor_message(self._monitor)
+            if event["event"] == zmq.EVENT_DISCONNECTED:
+                self.clients.on_disconnect(time.monotonic())
+
+    # messages ---------------------------------------------------------------------------
+
+    def _handle(self, identity: bytes, frames: list[zmq.Frame]) -> None:
+        try:
+            msg = self._dec.decode(frames)
+        except ProtocolError as exc:
+            self.drops.count(f"a message that did not decode: {exc}")
+            return
+        client = self.clients.by_identity.get(identity)
+        if isinstance(msg, EngineCoreHello):
+            self._hello(identity, msg)
+        elif client is None:
+            self.drops.count(f"a {type(msg).__name__} from a peer that has not said hello")
+        elif isinstance(msg, EngineCoreRequest):
+            self._add_request(client, msg)
+        elif isinstance(msg, AbortRequests):
+            for request_id in msg.request_ids:
+                if self.clients.owners.get(request_id) is client:
+                    self.clients.forget_request(request_id)
+                    assert self.core is not None
+                    self.core.abort_request(request_id, counted=msg.reason == "abort")
+        elif isinstance(msg, UtilityCall):
+            self._utility(client, msg)
+        else:
+            self.drops.count(f"a {type(msg).__name__}, which no client sends")
+
+    def _hello(self, identity: bytes, hello: EngineCoreHello) -> None:
+        client = self.clients.admit(identity, hello)
+        if client is None:
+            self.drops.count(f"a Hello from pid {hello.pid}: the wrong token or version, or twice")
+        elif self._ready is not None:
+            self._send(client, self._ready)
+
+    def _add_request(self, client: Client, msg: EngineCoreRequest) -> None:
+        assert self.core is not None
+        if (reason := self.core.not_ready()) is not None:
+            failure = EngineCoreFailure(self.index, [msg.request_id], "RuntimeError", reason)
+            self._send(client, failure)
+            return
+        try:
+            if msg.request_id in self.clients.owners:
+                raise ValueError(f"request id {msg.request_id!r} is already running")
+            request = Request(
+                msg.request_id,
+                self._prompt(msg),
+                msg.sampling_params,
+                eos_token_ids=msg.eos_token_ids,
+                arrival_time=msg.arrival_time,
+            )
+            self.core.add_request(request)
+        except ValueError as exc:
+            failure = EngineCoreFailure(self.index, [msg.request_id], "ValueError", str(exc))
+            self._send(client, failure)
+            return
+        self.clients.add_request(client, msg.request_id)
+
+    def _prompt(self, msg: EngineCoreRequest) -> list[int]:
+        """The prompt's ids, checked as the workers would (a bad one would fail the whole
+        step, and every request in it)."""
+        ids = msg.prompt_token_ids
+        if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer):
+            raise ValueError(f"prompt_token_ids must be one row of integers, got {ids.dtype}")
+        vocab = self.config.vocab_size
+        if len(ids) and (ids.min() < 0 or (vocab is not None and ids.max() >= vocab)):
+            raise ValueError(f"prompt token ids outside the vocabulary [0, {vocab})")
+        max_logprobs = self.config.worker.model.max_logprobs
+        logprobs = msg.sampling_params.logprobs
+        if logprobs is not None and 0 <= max_logprobs < logprobs:
+            raise ValueError(f"logprobs={logprobs} is more than max_logprobs={max_logprobs}")
+        return ids.tolist()
+
+    def _utility(self, client: Client, call: UtilityCall) -> None:
+        assert self.core is not None
+        if call.method == SHUTDOWN:
+            log.debug("shutdown asked by %s", client)
+            self._stop = True
+            self._stopped_by = client
+            self._send(client, UtilityResult(call.call_id))
+            return
+        self._settle(self.core)
+        try:
+            if waits_for_steps(call.method):
+                self._step(self.core.drain)  # their outputs go out first
+            assert self._utilities is not None
+            result = call_utility(self._utilities, call)
+            frames = self._enc.encode(UtilityResult(call.call_id, result))
+        except Exception as exc:
+            error = UtilityResult(call.call_id, exc_type=type(exc).__name__, message=str(exc))
+            frames = self._enc.encode(error)
+        self._send_frames(client, frames)
+
+    def _send(self, client: Client, msg: object) -> None:
+        self._send_frames(client, self._enc.encode(msg))  # type: ignore[arg-type]
+
+    def _send_frames(self, client: Client, frames: list) -> None:
+        try:
+            send_frames(self._sock, (client.identity, *frames), zmq.NOBLOCK)
+        except zmq.ZMQError:  # EHOSTUNREACH (ROUTER_MANDATORY): its connection is gone
+            self._drop_client(client)
+
+    # failures and the end ------------------------------------------------------------
+
+    def _drop_client(self, client: Client) -> None:
+        orphans = self.clients.remove(client)
+        assert self.core is not None
+        for request_id in orphans:
+            self.core.abort_request(request_id)
+        level = logging.WARNING if orphans else logging.INFO
+        log.log(level, "%s is gone; %d of its requests aborted", client, len(orphans))
+
+    def _fail_requests(self, exc: Exception) -> None:
+        """After a failed step (every request aborted): tell each client which of its
+        requests failed; after a fatal one, tell every client and stop."""
+        fatal = isinstance(exc, FATAL)
+        log.error(
+            "engine core %d: a step failed%s: %s", self.index, " for good" if fatal else "", exc
+        )
+        for client in list(self.clients.by_identity.values()):
+            request_ids = sorted(client.request_ids)
+            for request_id in request_ids:
+                self.clients.forget_request(request_id)
+            if request_ids or fatal:
+                failure = EngineCoreFailure(
+                    self.index, request_ids, type(exc).__name__, str(exc), fatal=fatal
+                )
+                self._send(client, failure)
+        if fatal:
+            self._stop = self._told_fatal = True
+            self.exit_status = 1
+
+    def _shut_down(self, core: EngineCore) -> None:
+        """Fail what the clients still wait for, then stop the workers."""
+        for client in [] if self._told_fatal else list(self.clients.by_identity.values()):
+            if client is self._stopped_by:
+                continue
+            failure = EngineCoreFailure(
+                self.index,
+                sorted(client.request_ids),
+                "EngineCoreStopped",
+                f"engine core {self.index} shut down",
+                fatal=True,
+            )
+            self._send(client, failure)
+        core.shutdown()
+
+    def _fail_start(self, exc: BaseException) -> None:
+        """Tell the clients that said hello already why the engine core did not start."""
+        while True:
+            try:
+                frames = recv_frames(self._sock)
+            except zmq.Again:
+                break
+            try:
+                msg = self._dec.decode(frames[1:])
+            except ProtocolError:
+                continue
+            if isinstance(msg, EngineCoreHello):
+                self.clients.admit(frames[0].bytes, msg)
+        message = str(exc) or type(exc).__name__
+        for client in self.clients.by_identity.values():
+            self._send(
+                client, EngineCoreFailure(self.index, [], type(exc).__name__, message, fatal=True)
+            )

@@ -1,0 +1,396 @@
+"""The client's side of its engine cores' sockets: one DEALER per engine core (a
+data-parallel replica each), the handshake, requests balanced over the replicas, aborts
+to the replica that runs the request, utility calls matched by call id, and the engine
+cores' ends.
+
+What comes in is read without blocking (drain) and handed on as events: a step's
+outputs, or requests that failed. A caller either blocks for them (receive: the LLM's
+generate) or lets an asyncio loop watch the sockets and call it back (attach: streams,
+API servers). An engine core is gone when its death fd fires (its process exited), or
+when its connection dropped (its heartbeats stopped: it is stopped or wedged) and it has
+not died LOST_GRACE_S later; every request it held then fails at once with an error that
+names it. Not thread-safe: one thread uses a client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import select
+import time
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+from messages import (
+    PROTOCOL_VERSION,
+    AbortRequests,
+    Decoder,
+    Encoder,
+    EngineCoreFailure,
+    EngineCoreHello,
+    EngineCoreOutputs,
+    EngineCoreReady,
+    EngineCoreRequest,
+    Ping,
+    ProtocolError,
+    UtilityResult,
+)
+from zmqworker.frontend.core_process import EngineCoreHandle
+from zmqworker.frontend.engine_connection import EngineConnection, Event, Failed
+from zmqworker.frontend.errors import EngineCoreDiedError, EngineCoreError
+from zmqworker.frontend.utility_calls import PendingCall, UtilityCalls
+from zmqworker.transport.drops import DropCounter
+from zmqworker.transport.frames import NOBLOCK, recv_frames, send_frames
+
+log = logging.getLogger("zmqworker.frontend")
+
+POLL_SLICE_S = 1.0  # the longest a blocking receive sleeps before it looks around again
+LOST_GRACE_S = 0.3  # a dropped connection whose process has not died by then: stuck
+UTILITY_TIMEOUT_S = 60.0
+SHUTDOWN_CALL_S = 30.0  # the shutdown call's answer: the steps in flight come back first
+_POLLIN = int(zmq.POLLIN)
+
+
+class EngineCoreClient:
+    def __init__(
+        self,
+        addresses: Sequence[str],
+        handles: Sequence[EngineCoreHandle],
+        token: str,
+        client_index: int = 0,
+        max_output_bytes: int = -1,
+    ) -> None:
+        self._ctx = zmq.Context()
+        self._enc, self._dec = Encoder(), Decoder()
+        self.drops = DropCounter(log, "messages from engine cores")
+        self.engines: list[EngineConnection] = []
+        self._poller = zmq.Poller()
+        self._deaths = select.poll()
+        for index, (address, handle) in enumerate(zip(addresses, handles, strict=True)):
+            engine = EngineConnection(index, handle, self._ctx, address, max_output_bytes)
+            self.engines.append(engine)
+            for what in (engine.sock, engine.monitor, handle.death_fd):
+                self._poller.register(what, zmq.POLLIN)
+            self._deaths.register(handle.death_fd, select.POLLIN)
+        self._owner: dict[str, EngineConnection] = {}  # request id -> the engine core running it
+        self._calls = UtilityCalls()
+        self._backlog: list[Event] = []  # received during a blocking utility call
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._on_events: Callable[[list[Event]], None] | None = None
+        self._dispatch_due = False
+        self._received = 0  # messages read, for a receive that waits for any
+        hello = EngineCoreHello(PROTOCOL_VERSION, token, os.getpid(), client_index)
+        for engine in self.engines:
+            self._send(engine, hello)
+
+    # start-up ---------------------------------------------------------------------------
+
+    def wait_ready(self, timeout: float) -> list[EngineCoreReady]:
+        """Every engine core's Ready; EngineCoreError (or EngineCoreDiedError) for the
+        first that failed to start, TimeoutError if one says nothing within timeout."""
+        end = time.monotonic() + timeout
+        while any(e.ready is None for e in self.engines):
+            for event in self.receive(min(POLL_SLICE_S, max(0.0, end - time.monotonic()))):
+                if isinstance(event, Failed):
+                    raise event.error
+            if time.monotonic() >= end:
+                missing = [e.index for e in self.engines if e.ready is None]
+                raise TimeoutError(f"engine core(s) {missing} not ready within {timeout:.0f} s")
+        return [e.ready for e in self.engines if e.ready is not None]
+
+    # requests ---------------------------------------------------------------------------
+
+    def add_request(self, request: EngineCoreRequest) -> int:
+        """Send request to the least loaded engine core that runs; its index."""
+        engine = self._least_loaded()
+        self._send(engine, request)
+        engine.requests.add(request.request_id)
+        engine.sent_since_report += 1
+        self._owner[request.request_id] = engine
+        return engine.index
+
+    def abort(self, request_ids: Iterable[str], reason: str = "abort") -> None:
+        """Abort requests in the engine cores that run them (those still running)."""
+        by_engine: dict[EngineConnection, list[str]] = {}
+        for request_id in request_ids:
+            engine = self._forget(request_id)
+            if engine is not None and engine.dead is None:
+                by_engine.setdefault(engine, []).append(request_id)
+        for engine, ids in by_engine.items():
+            self._send(engine, AbortRequests(ids, reason))  # type: ignore[arg-type]
+
+    def engine_of(self, request_id: str) -> int | None:
+        engine = self._owner.get(request_id)
+        return None if engine is None else engine.index
+
+    # events -----------------------------------------------------------------------------
+
+    def receive(self, timeout: float) -> list[Event]:
+        """The events there are, waiting up to timeout for something to come in (an
+        event, or a utility call's answer)."""
+        end = time.monotonic() + timeout
+        received = self._received
+        while True:
+            events = self.drain()
+            left = end - time.monotonic()
+            if events or left <= 0 or self._received != received:
+                return events
+            self._sleep(left)
+
+    def drain(self) -> list[Event]:
+        """The events there are, without waiting."""
+        events, self._backlog = self._backlog, []
+        self._collect(events)
+        return events
+
+    # utility calls ----------------------------------------------------------------------
+
+    def call(
+        self,
+        method: str,
+        args: Sequence[Any] = (),
+        kwargs: dict[str, Any] | None = None,
+        timeout: float = UTILITY_TIMEOUT_S,
+        engines: Sequence[int] | None = None,
+    ) -> list[Any]:
+        """method on every engine core (or those of engines), blocking: the results in
+        engine order. Events that come meanwhile wait for the next drain."""
+        return self.wait(self.submit(method, args, kwargs, timeout, engines))
+
+    def submit(
+        self,
+        method: str,
+        args: Sequence[Any] = (),
+        kwargs: dict[str, Any] | None = None,
+        timeout: float = UTILITY_TIMEOUT_S,
+        engines: Sequence[int] | None = None,
+    ) -> PendingCall:
+        """Send method to every engine core (or those of engines); wait() for it."""
+        targets = self.engines if engines is None else [self.engines[i] for i in engines]
+        for engine in targets:
+            if engine.dead is not None:
+                raise engine.dead.with_traceback(None)
+        call, msg = self._calls.start(method, args, kwargs, [e.index for e in targets], timeout)
+        for engine in targets:
+            self._send(engine, msg)
+        return call
+
+    def wait(self, call: PendingCall) -> list[Any]:
+        """A submitted call's results in engine order (or its error), blocking. Events
+        that come meanwhile wait in the backlog for the next drain."""
+        while True:
+            received = self._received
+            self._collect(self._backlog)  # expires the call at its deadline
+            if call.done:
+                break
+            if self._received == received:
+                self._sleep(call.deadline - time.monotonic())
+        if self._backlog and self._loop is not None:
+            self._schedule_dispatch()
+        return call.outcome()
+
+    async def call_async(
+        self,
+        method: str,
+        args: Sequence[Any] = (),
+        kwargs: dict[str, Any] | None = None,
+        timeout: float = UTILITY_TIMEOUT_S,
+        engines: Sequence[int] | None = None,
+    ) -> list[Any]:
+        """call(), awaited on the loop this client is attached to."""
+        if self._loop is None:
+            raise RuntimeError("call_async needs a client attached to the running loop")
+        call = self.submit(method, args, kwargs, timeout, engines)
+        call.future = self._loop.create_future()
+        return await call.future
+
+    def shut_down_engines(self, timeout: float = SHUTDOWN_CALL_S) -> set[int]:
+        """Ask every engine core that is up to shut down (its workers first), within
+        timeout; the indexes of those that answered (they are leaving). The others are
+        left to be stopped harder."""
+        calls = {}
+        for engine in self.engines:
+            if engine.ready is not None and engine.dead is None:
+                engine.stopping = True
+                calls[engine.index] = self.submit(
+                    "shutdown", timeout=timeout, engines=[engine.index]
+                )
+        answered = set()
+        for index, call in calls.items():
+            try:
+                self.wait(call)
+                answered.add(index)
+            except Exception as exc:
+                log.warning("engine core %d did not answer its shutdown call: %s", index, exc)
+        return answered
+
+    # an asyncio loop's view -------------------------------------------------------------
+
+    def attach(
+        self, loop: asyncio.AbstractEventLoop, on_events: Callable[[list[Event]], None]
+    ) -> None:
+        """Let loop watch the sockets: on_events is called on it with what comes."""
+        if self._loop is loop:
+            self._on_events = on_events
+            return
+        self.detach()
+        self._loop, self._on_events = loop, on_events
+        self._dispatch_due = False
+        for engine in self.engines:
+            if engine.dead is None:
+                for fd in engine.fds():
+                    loop.add_reader(fd, self._dispatch)
+        self._schedule_dispatch()  # what came before the readers were there
+
+    def detach(self) -> None:
+        loop, self._loop = self._loop, None
+        if loop is None or loop.is_closed():
+            return
+        for engine in self.engines:
+            if engine.dead is None:
+                for fd in engine.fds():
+                    loop.remove_reader(fd)
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop | None:
+        return self._loop
+
+    def close(self) -> None:
+        self.detach()
+        for engine in self.engines:
+            engine.close()
+        self._ctx.term()
+
+    # internals --------------------------------------------------------------------------
+
+    def _least_loaded(self) -> EngineConnection:
+        live = [e for e in self.engines if e.dead is None]
+        if not live:
+            raise self.engines[0].dead.with_traceback(None)  # type: ignore[union-attr]
+        return min(live, key=lambda e: (e.load, e.index))
+
+    def _send(self, engine: EngineConnection, msg: Any) -> None:
+        send_frames(engine.sock, self._enc.encode(msg), NOBLOCK)  # no HWM: never Again
+        if self._loop is not None and engine.sock.getsockopt(zmq.EVENTS) & _POLLIN:
+            # The send took in the news of a message, and with it the FD's edge.
+            self._schedule_dispatch()
+
+    def _schedule_dispatch(self) -> None:
+        loop = self._loop
+        if loop is not None and loop.is_closed():  # its asyncio.run() ended
+            self.detach()
+        elif loop is not None and not self._dispatch_due:
+            self._dispatch_due = True
+            loop.call_soon(self._dispatch)
+
+    def _dispatch(self) -> None:
+        self._dispatch_due = False
+        events = self.drain()
+        if events and self._on_events is not None:
+            self._on_events(events)
+
+    def _collect(self, events: list[Event]) -> None:
+        now = time.monotonic()
+        for engine in self.engines:
+            if engine.dead is None:
+                self._read(engine, events)
+                while engine.monitor.poll(0):
+                    if recv_monitor_message(engine.monitor)["event"] == zmq.EVENT_DISCONNECTED:
+                        engine.disconnected_at = engine.disconnected_at or now
+                        if self._loop is not None and not self._loop.is_closed():
+                            self._loop.call_later(LOST_GRACE_S, self._schedule_dispatch)
+        for fd, _ in self._deaths.poll(0):
+            engine = next(e for e in self.engines if e.handle.death_fd == fd)
+            if engine.dead is None:
+                self._read(engine, events)  # what it sent before it went
+            if engine.dead is None:
+                self._lose(
+                    engine, EngineCoreDiedError(engine.index, engine.handle.how_it_ended()), events
+                )
+        for engine in self.engines:
+            since = engine.disconnected_at
+            if engine.dead is None and since is not None and now - since >= LOST_GRACE_S:
+                how = f"(pid {engine.handle.pid}) stopped answering: its connection dropped"
+                self._lose(engine, EngineCoreDiedError(engine.index, how), events)
+        self._calls.expire(now)
+
+    def _read(self, engine: EngineConnection, events: list[Event]) -> None:
+        while True:
+            try:
+                frames = recv_frames(engine.sock)
+            except zmq.Again:
+                return
+            self._received += 1
+            try:
+                msg = self._dec.decode(frames)
+            except ProtocolError as exc:
+                self.drops.count(f"engine core {engine.index}: {exc}")
+                continue
+            if isinstance(msg, EngineCoreOutputs):
+                engine.report(msg.stats)
+                for out in msg.outputs:
+                    if out.finish_reason is not None:
+                        self._forget(out.request_id)
+                events.append(msg)
+            elif isinstance(msg, EngineCoreFailure):
+                self._on_failure(engine, msg, events)
+            elif isinstance(msg, UtilityResult):
+                self._calls.on_result(engine.index, msg)
+            elif isinstance(msg, EngineCoreReady):
+                engine.ready = msg
+            elif not isinstance(msg, Ping):  # a Ping: the engine core checks we are here
+                self.drops.count(f"engine core {engine.index}: an unexpected {type(msg).__name__}")
+            if engine.dead is not None:
+                return
+
+    def _on_failure(
+        self, engine: EngineConnection, msg: EngineCoreFailure, events: list[Event]
+    ) -> None:
+        error = EngineCoreError(engine.index, msg.exc_type, msg.message)
+        if msg.fatal:
+            self._lose(engine, error, events)
+            return
+        ids = [i for i in msg.request_ids if self._forget(i) is not None]
+        events.append(Failed(engine.index, ids, error, fatal=False))
+
+    def _lose(self, engine: EngineConnection, error: Exception, events: list[Event]) -> None:
+        """The engine core is gone: every request and call it held fails with error."""
+        log.log(logging.DEBUG if engine.stopping else logging.ERROR, "%s", error)
+        engine.dead = error
+        if self._loop is not None and not self._loop.is_closed():
+            for fd in engine.fds():
+                self._loop.remove_reader(fd)
+        for what in (engine.sock, engine.monitor, engine.handle.death_fd):
+            self._poller.unregister(what)
+        self._deaths.unregister(engine.handle.death_fd)
+        ids = sorted(engine.requests)
+        for request_id in ids:
+            self._forget(request_id)
+        events.append(Failed(engine.index, ids, error, fatal=True))
+        self._calls.fail_engine(engine.index, error)
+
+    def _forget(self, request_id: str) -> EngineConnection | None:
+        engine = self._owner.pop(request_id, None)
+        if engine is not None:
+            engine.requests.discard(request_id)
+        return engine
+
+    def _sleep(self, at_most: float) -> None:
+        """Wait for the sockets, the deaths or the next thing due, at most at_most s."""
+        self._poller.poll(max(1, round(min(at_most, self._next_wake()) * 1000)))
+
+    def _next_wake(self) -> float:
+        """Seconds until something is due without a message: a call's deadline, or the
+        grace of a dropped connection."""
+        now = time.monotonic()
+        due = [now + POLL_SLICE_S, self._calls.next_deadline() or now + POLL_SLICE_S]
+        due += [
+            e.disconnected_at + LOST_GRACE_S
+            for e in self.engines
+            if e.disconnected_at is not None and e.dead is None
+        ]
+        return max(0.0, min(due) - now)

@@ -1,0 +1,279 @@
+"""Text in, text out over engine cores: what an LLM and every API server process share.
+
+Prompts are tokenized and checked here, the requests go to the engine cores (the least
+loaded replica), and each step's outputs come back to the requests' states here (text,
+stop strings, logprobs), then to their callers: generate() waits for them, a stream gets
+each one as it comes. Not thread-safe; generate() and generate_stream() are not to be
+mixed at one time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from messages import EngineCoreReady, EngineCoreRequest, SamplingParams
+from zmqworker.engine.model_folder import ModelFolder, TextSide
+from zmqworker.engine.prompts import Prompt, prompt_list, prompt_token_ids
+from zmqworker.frontend.core_client import POLL_SLICE_S, EngineCoreClient
+from zmqworker.frontend.detokenizer import IncrementalDetokenizer
+from zmqworker.frontend.engine_connection import Event, Failed
+from zmqworker.frontend.llm_control import ControlMethods
+from zmqworker.frontend.output_processor import OutputProcessor
+from zmqworker.frontend.outputs import EngineStats, RequestOutput
+from zmqworker.frontend.request_params import request_params
+from zmqworker.frontend.request_state import RequestState
+
+if TYPE_CHECKING:
+    from zmqworker.executor.weight_push import WeightPusher
+
+logger = logging.getLogger(__name__)
+
+# A chat: messages with a role ("system", "user", "assistant") and a content.
+Conversation = Sequence[dict[str, Any]]
+Sink = Callable[[RequestOutput | Exception], None]
+HEALTH_TIMEOUT_S = 10.0
+
+
+class Frontend(ControlMethods):
+    """A client of running engine cores, with the model's text side; between
+    generations, the control methods (llm_control.py)."""
+
+    def __init__(
+        self,
+        client: EngineCoreClient,
+        readies: Sequence[EngineCoreReady],
+        texts: TextSide,
+        folder: ModelFolder,
+        max_logprobs: int,
+        client_index: int = 0,
+    ) -> None:
+        self.client = client
+        self.model_folder = folder
+        self.tokenizer = texts.tokenizer
+        self.vocab_size = folder.vocab_size
+        self.eos_token_ids = texts.eos_token_ids
+        self.max_model_len = readies[0].max_model_len
+        self.engine_core_pids = [r.pid for r in readies]
+        self.worker_pids = [pid for r in readies for pid in r.worker_pids]
+        self._texts = texts
+        self.max_logprobs = max_logprobs
+        self._processor = OutputProcessor()
+        self._sinks: dict[str, Sink] = {}  # request id -> where its outputs go
+        self._ids = itertools.count()
+        self._id_prefix = f"req-{client_index}-"
+        self._closed = False
+        self._pusher: WeightPusher | None = None  # made at the first update from here
+
+    # -- the API ---------------------------------------------------------------------
+
+    def default_sampling_params(self) -> SamplingParams:
+        """SamplingParams() with the defaults the model's generation_config.json sets."""
+        return self._texts.default_sampling_params
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Complete every prompt (batched together); outputs in the order of prompts."""
+        self._require_open()
+        if self._streaming():
+            raise RuntimeError("generate() called while generate_stream() streams are running")
+        states = self._make_states(prompts, sampling_params)
+        finals: dict[str, RequestOutput] = {}
+        errors: list[Exception] = []
+
+        def sink(item: RequestOutput | Exception) -> None:
+            if isinstance(item, Exception):
+                errors.append(item)
+            elif item.finished:
+                finals[item.request_id] = item
+
+        try:
+            for state in states:
+                self._submit(state, sink)
+            while len(finals) < len(states) and not errors:
+                self._handle(self.client.receive(POLL_SLICE_S))
+            if errors:
+                raise errors[0]
+        finally:
+            self._abort([s.request_id for s in states if s.request_id not in finals])
+        return [finals[s.request_id] for s in states]
+
+    def chat(
+        self,
+        conversations: Conversation | Sequence[Conversation],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """generate() on each conversation through the model's chat template."""
+        if conversations and isinstance(conversations[0], dict):
+            conversations = [conversations]  # type: ignore[list-item]
+        prompts = [self.chat_prompt(c) for c in conversations]  # type: ignore[arg-type]
+        return self.generate(prompts, sampling_params)
+
+    def chat_prompt(self, messages: Conversation) -> list[int]:
+        """The prompt of a conversation, ending where the assistant's reply starts."""
+        return self._texts.chat_prompt(messages)
+
+    async def generate_stream(
+        self, prompt: Prompt, sampling_params: SamplingParams | None = None
+    ) -> AsyncIterator[RequestOutput]:
+        """Yield the request's output each time it grows (new_text, new_token_ids); the
+        last one has finished=True. Several streams may run at once on one event loop;
+        a stream closed early aborts its request."""
+        self._require_open()
+        [state] = self._make_states([prompt], sampling_params)
+        self.client.attach(asyncio.get_running_loop(), self._handle)
+        queue: asyncio.Queue[RequestOutput | Exception] = asyncio.Queue()
+        self._submit(state, queue.put_nowait)
+        finished = False
+        try:
+            while True:
+                item = await queue.get()
+                if isinstance(item, Exception):
+                    finished = True
+                    raise item
+                yield item
+                if item.finished:
+                    finished = True
+                    return
+        finally:
+            if not finished:
+                self._abort([state.request_id])
+
+    def encode(self, prompt: Prompt) -> list[int]:
+        """The prompt's token ids (text goes through the tokenizer), checked against the
+        model: not empty, within max_model_len and the vocabulary."""
+        return prompt_token_ids(prompt, self.tokenizer, self.max_model_len, self.vocab_size)
+
+    def check_health(self, timeout: float = HEALTH_TIMEOUT_S) -> None:
+        """Raise if an engine core or one of its workers does not answer within timeout
+        (safe while steps run: they answer beside them)."""
+        self._require_open()
+        self.client.call("check_health", (timeout,), timeout=timeout + POLL_SLICE_S)
+
+    async def check_health_async(self, timeout: float = HEALTH_TIMEOUT_S) -> None:
+        """check_health(), on the running event loop."""
+        self._require_open()
+        self.client.attach(asyncio.get_running_loop(), self._handle)
+        await self.client.call_async("check_health", (timeout,), timeout=timeout + POLL_SLICE_S)
+
+    def stats(self) -> EngineStats:
+        """Requests and KV cache blocks now, over every engine core."""
+        self._require_open()
+        return EngineStats.total(self.client.call("stats"))
+
+    async def stats_async(self) -> EngineStats:
+        """stats(), on the running event loop."""
+        self._require_open()
+        self.client.attach(asyncio.get_running_loop(), self._handle)
+        return EngineStats.total(await self.client.call_async("stats"))
+
+    def close(self) -> None:
+        """Close the connections to the engine cores, which go on serving their other
+        clients (LLM.shutdown() stops them). Idempotent."""
+        if not self._closed:
+            self._closed = True
+            self.client.close()
+            if self._pusher is not None:
+                self._pusher.close()  # its shared memory segments
+
+    # -- internals -------------------------------------------------------------------
+
+    def _require_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("the LLM is shut down")
+
+    def _streaming(self) -> bool:
+        loop = self.client.loop
+        if loop is not None and loop.is_closed():
+            self.client.detach()
+            return False
+        return loop is not None and bool(self._sinks)
+
+    def _submit(self, state: RequestState, sink: Sink) -> None:
+        self._processor.add(state)
+        self._sinks[state.request_id] = sink
+        request = EngineCoreRequest(
+            state.request_id,
+            np.array(state.prompt_token_ids, np.int32),
+            state.params,
+            eos_token_ids=sorted(self.eos_token_ids),
+            arrival_time=time.time(),
+        )
+        try:
+            self.client.add_request(request)
+        except BaseException:
+            self._processor.remove(state.request_id)
+            del self._sinks[state.request_id]
+            raise
+
+    def _abort(self, request_ids: Sequence[str]) -> None:
+        """Requests their callers gave up on: out of here and out of their engine core."""
+        for request_id in request_ids:
+            self._processor.remove(request_id)
+            self._sinks.pop(request_id, None)
+        if not self._closed:
+            self.client.abort(request_ids)
+
+    def _handle(self, events: list[Event]) -> None:
+        """Hand what came from the engine cores to the requests' callers."""
+        sinks = self._sinks
+        for event in events:
+            if isinstance(event, Failed):
+                for request_id in event.request_ids:
+                    self._processor.remove(request_id)
+                    sink = sinks.pop(request_id, None)
+                    if sink is not None:
+                        sink(event.error)
+                continue
+            processed = self._processor.process(event)
+            if processed.stopped:
+                self.client.abort(processed.stopped, reason="stop")
+            for out in processed.outputs:
+                sink = sinks.pop(out.request_id) if out.finished else sinks.get(out.request_id)
+                if sink is not None:
+                    sink(out)
+
+    def _make_states(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+    ) -> list[RequestState]:
+        """Validated request states for every prompt, or an error before any is sent."""
+        prompts = prompt_list(prompts)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params = [sampling_params or self.default_sampling_params()] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(
+                    f"{len(params)} sampling params for {len(prompts)} prompts: give one, "
+                    "or one per prompt"
+                )
+        states = []
+        for index, (prompt, param) in enumerate(zip(prompts, params, strict=True)):
+            try:
+                states.append(self._make_state(prompt, param))
+            except ValueError as exc:
+                raise ValueError(f"prompt {index}: {exc}") from None
+        return states
+
+    def _make_state(self, prompt: Prompt, params: SamplingParams) -> RequestState:
+        params = request_params(params, self.tokenizer, self.vocab_size, self.max_logprobs)
+        token_ids = self.encode(prompt)
+        detokenizer = IncrementalDetokenizer(self.tokenizer, token_ids) if self.tokenizer else None
+        return RequestState(
+            f"{self._id_prefix}{next(self._ids)}",
+            prompt if isinstance(prompt, str) else None,
+            token_ids,
+            params,
+            detokenizer,
+        )

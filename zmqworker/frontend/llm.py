@@ -1,0 +1,184 @@
+"""The LLM API: text generation over engine core processes, each running its workers
+over a Hugging Face checkpoint."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Annotated, Literal
+
+from messages import WorkerConfig
+from zmqworker.executor.abstract import STEP_TIMEOUT_S, Executor
+from zmqworker.frontend.core_client import EngineCoreClient
+from zmqworker.frontend.core_process import EngineCoreLauncher
+from zmqworker.frontend.engine_plan import EnginePlan
+from zmqworker.frontend.errors import (
+    EngineCoreDiedError,
+    EngineCoreError,
+    EngineCoreStartupError,
+)
+from zmqworker.frontend.frontend import Frontend
+from zmqworker.frontend.llm_args import (
+    AtLeastMinusOne,
+    Fraction,
+    Positive,
+    Seconds,
+    arg_types,
+    check_args,
+    opt,
+)
+
+logger = logging.getLogger(__name__)
+
+START_TIMEOUT_S = 3600.0  # an engine core neither ready nor dead by then is given up
+
+
+class LLM(Frontend):
+    """Generate text with a model served by engine core processes (one per data-parallel
+    replica), each driving its worker processes.
+
+    Every argument is checked (a ValueError names the one that is wrong), and the layout
+    against the model and the visible GPUs, before any process starts. The KV cache holds
+    max_num_seqs sequences of max_model_len tokens, capped by memory, unless
+    kv_cache_bytes, cpu_memory_fraction or (on CUDA) gpu_memory_utilization ask
+    otherwise. executor may also be a factory of executors made in this process (tests):
+    the engine cores then run in threads of this process, over the same protocol. Not
+    thread-safe; generate() and generate_stream() are not to be mixed at one time.
+    """
+
+    def __init__(
+        self,
+        model: Annotated[
+            str | None, opt("Hugging Face checkpoint folder (default: the embedded model)")
+        ] = None,
+        tensor_parallel_size: Annotated[
+            Positive, opt("tensor-parallel size", aliases=["--tp"])
+        ] = 1,
+        pipeline_parallel_size: Annotated[
+            Positive, opt("pipeline-parallel size", aliases=["--pp"])
+        ] = 1,
+        data_parallel_size: Annotated[
+            Positive,
+            opt(
+                "data-parallel replicas: engine cores, each with its own workers", aliases=["--dp"]
+            ),
+        ] = 1,
+        enable_expert_parallel: Annotated[
+            bool, opt("mixture-of-experts models: each rank holds its share of the experts whole")
+        ] = False,
+        device: Annotated[
+            Literal["cpu", "cuda", "auto"],
+            opt("device of the workers (auto: CUDA when a GPU is visible)"),
+        ] = "auto",
+        dtype: Annotated[
+            Literal["float32", "bfloat16", "float16", "auto"],
+            opt(
+                "weights and activations dtype (auto: float32 on the CPU; on CUDA the "
+                "checkpoint's, bfloat16 for float32)"
+            ),
+        ] = "auto",
+        load_format: Annotated[
+            Literal["auto", "dummy"],
+            opt("the checkpoint's weights, or random ones of its shapes (for benchmarks)"),
+        ] = "auto",
+        executor: Annotated[
+            Literal["mp", "ray"] | Callable[[WorkerConfig], Executor],
+            opt("local worker processes (mp) or Ray actors (ray)"),
+        ] = "mp",
+        max_num_seqs: Annotated[Positive, opt("the most requests in one step")] = 64,
+        max_num_batched_tokens: Annotated[Positive, opt("the most tokens in one step")] = 2048,
+        max_model_len: Annotated[
+            Positive | None,
+            opt("the longest sequence, prompt and output (default: the model's)"),
+        ] = None,
+        max_logprobs: Annotated[
+            AtLeastMinusOne, opt("the most top logprobs a request may ask for (-1: all)")
+        ] = 20,
+        block_size: Annotated[Positive, opt("tokens per KV cache block")] = 16,
+        kv_cache_bytes: Annotated[
+            Positive | None, opt("KV cache bytes per worker, exactly", unit="bytes")
+        ] = None,
+        cpu_memory_fraction: Annotated[
+            Fraction | None,
+            opt(
+                "CPU: fill this fraction of the available memory with the KV cache "
+                "(default: what max_num_seqs x max_model_len need, at most 0.25)"
+            ),
+        ] = None,
+        gpu_memory_utilization: Annotated[
+            Fraction, opt("CUDA: the fraction of GPU memory the workers fill")
+        ] = 0.9,
+        enable_prefix_caching: Annotated[bool, opt("share the KV of common prefixes")] = False,
+        async_scheduling: Annotated[
+            bool, opt("schedule the next step while the workers run this one (one stage)")
+        ] = True,
+        seed: Annotated[
+            int, opt("the workers' seed (for requests without one)", flag="--engine-seed")
+        ] = 0,
+        num_threads: Annotated[
+            Positive | None, opt("torch threads per worker (default: cores / workers)")
+        ] = None,
+        step_timeout_s: Annotated[
+            Seconds | None,
+            opt("seconds a step may go unanswered before it fails"),
+        ] = STEP_TIMEOUT_S,
+        worker_extension_cls: Annotated[
+            str, opt("package.module.Class whose public methods the workers also serve")
+        ] = "",
+    ) -> None:
+        self._launcher: EngineCoreLauncher | None = None
+        options = {k: v for k, v in locals().items() if k in OPTION_TYPES}
+        check_args(OPTION_TYPES, options)
+        started = time.perf_counter()
+        plan = EnginePlan.from_options(options)
+        self.worker_config = plan.worker_config
+        with ThreadPoolExecutor(1, thread_name_prefix="zmqworker-tokenizer") as pool:
+            # The tokenizer loads while the engine cores start their workers.
+            text_side = pool.submit(plan.folder.load_text_side)
+            launcher = EngineCoreLauncher(plan.num_engines, plan.engine_config, plan.make_executor)
+            try:
+                client = EngineCoreClient(
+                    launcher.addresses, launcher.handles, launcher.token, 0, plan.output_bytes
+                )
+                try:
+                    readies = client.wait_ready(START_TIMEOUT_S)
+                    texts = text_side.result()
+                except BaseException:
+                    leaving = client.shut_down_engines()
+                    client.close()
+                    launcher.stop(leaving)
+                    raise
+            except (EngineCoreError, EngineCoreDiedError, TimeoutError) as exc:
+                launcher.stop()
+                raise EngineCoreStartupError(f"the engine did not start: {exc}") from exc
+            except BaseException:
+                launcher.stop()
+                raise
+        super().__init__(client, readies, texts, plan.folder, plan.max_logprobs)
+        self._launcher = launcher
+        logger.info("ready: %.1f s", time.perf_counter() - started)
+
+    def shutdown(self) -> None:
+        """Stop the engine cores and their workers. Idempotent."""
+        launcher, self._launcher = self._launcher, None
+        if launcher is None:
+            return
+        leaving: set[int] = set()
+        try:
+            if not self._closed:
+                leaving = self.client.shut_down_engines()
+        finally:
+            self.close()
+            launcher.stop(leaving)
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+
+# The options' types, Meta included, for the checks above and for the CLI.
+OPTION_TYPES = arg_types(LLM.__init__)

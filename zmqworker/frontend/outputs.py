@@ -1,0 +1,82 @@
+"""What the LLM API returns for a request, and the engines' stats."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import msgspec
+
+from messages import EngineCoreStats
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A token and its log probability; text is the token decoded alone (None when the
+    model has no tokenizer)."""
+
+    token_id: int
+    logprob: float
+    text: str | None
+
+
+@dataclass(frozen=True)
+class PositionLogprobs:
+    """One generated position: the sampled token with its rank in the vocabulary (1: the
+    most likely), and the n most likely tokens there, most likely first."""
+
+    sampled: TokenLogprob
+    rank: int
+    top: list[TokenLogprob]
+
+
+@dataclass(frozen=True)
+class RequestTimings:
+    """Seconds, as the client saw them: time to first token, mean time per output token
+    after the first, and arrival to finish."""
+
+    ttft: float
+    tpot: float
+    total: float
+
+
+@dataclass
+class RequestOutput:
+    """A request's output so far. text and token_ids are everything generated; new_text
+    and new_token_ids what this output adds to the previous one of the same request
+    (streaming). finish_reason is "stop", "length" or "abort" once finished. logprobs
+    (when SamplingParams.logprobs asked for them) has one entry per token of token_ids:
+    the last len(new_token_ids) are the new ones."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    text: str
+    token_ids: list[int]
+    finished: bool
+    finish_reason: str | None
+    stop_reason: int | str | None
+    timings: RequestTimings
+    new_text: str = ""
+    new_token_ids: list[int] = field(default_factory=list)
+    logprobs: list[PositionLogprobs] | None = None
+
+
+class EngineStats(msgspec.Struct, frozen=True):
+    """What the engine cores hold now, added up over the data-parallel replicas
+    (LLM.stats(); per_engine: each replica's own)."""
+
+    num_running: int
+    num_waiting: int
+    num_blocks: int
+    num_free_blocks: int
+    num_preemptions: int  # since start
+    num_aborted: int  # requests whose client gave up on them before they finished
+    per_engine: list[EngineCoreStats] = []
+
+    @classmethod
+    def total(cls, engines: Sequence[EngineCoreStats]) -> EngineStats:
+        fields = ("num_running", "num_waiting", "num_blocks", "num_free_blocks",
+                  "num_preemptions", "num_aborted")  # fmt: skip
+        sums = {name: sum(getattr(e, name) for e in engines) for name in fields}
+        return cls(**sums, per_engine=list(engines))

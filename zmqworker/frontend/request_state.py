@@ -1,0 +1,165 @@
+"""A request as its client follows it: the tokens the engine core sends, their text,
+stop strings, logprobs with their texts, and timings.
+
+The engine core ends a request on EOS, a stop token id, max_tokens or max_model_len; a
+stop string is found here, in the text, and the request then ends here (the client
+aborts it in the engine core). Streamed text stays behind by the longest stop string
+less one character: those characters could still turn out to start one.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+from messages import EngineCoreOutput, SamplingParams
+from zmqworker.frontend.detokenizer import IncrementalDetokenizer
+from zmqworker.frontend.outputs import (
+    PositionLogprobs,
+    RequestOutput,
+    RequestTimings,
+    TokenLogprob,
+)
+
+
+class RequestState:
+    def __init__(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        detokenizer: IncrementalDetokenizer | None,
+        arrival_time: float | None = None,
+    ) -> None:
+        if params.stop and detokenizer is None:
+            raise ValueError(f"request {request_id!r}: stop strings need a tokenizer")
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.params = params
+        self.output_token_ids: list[int] = []
+        self.output_text = ""
+        self.logprobs: list[PositionLogprobs] | None = None if params.logprobs is None else []
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.first_token_time: float | None = None
+        self.finish_time: float | None = None
+        self._detokenizer = detokenizer
+        self._holdback = max((len(s) for s in params.stop), default=1) - 1
+        self._tokens_taken = 0
+        self._text_taken = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def apply(self, out: EngineCoreOutput, now: float | None = None) -> bool:
+        """Take an engine core output in; True when it found a stop string (the request
+        is finished here, and the engine core must be told)."""
+        now = time.monotonic() if now is None else now
+        if self.first_token_time is None and out.new_token_ids:
+            self.first_token_time = now
+        last = len(out.new_token_ids) - 1
+        for i, token in enumerate(out.new_token_ids):
+            ending = i == last and out.finish_reason is not None
+            if self.logprobs is not None:
+                self.logprobs.append(self._position(out, i))
+            self.output_token_ids.append(token)
+            if self._detokenizer is not None:
+                # A stop token's own text is not part of the output.
+                stop_token = ending and out.stop_reason == token
+                text = "" if stop_token else self._detokenizer.add(token)
+                if ending:  # the last text: an incomplete character comes out as U+FFFD
+                    text += self._detokenizer.flush()
+                # Like EOS and the stop ids, a stop string ends the output only after
+                # its first min_tokens tokens.
+                may_stop = len(self.output_token_ids) > self.params.min_tokens
+                if self._append_text(text, may_stop):
+                    self.finish("stop", now)
+                    return True
+        if out.finish_reason is not None:
+            self.stop_reason = out.stop_reason
+            self.finish(out.finish_reason, now)
+        return False
+
+    def finish(self, reason: str, now: float | None = None) -> None:
+        self.finish_reason = reason
+        self.finish_time = time.monotonic() if now is None else now
+
+    def output(self) -> RequestOutput:
+        """The request's output now; what it adds is taken, so the next one starts
+        after it."""
+        new_tokens = self.output_token_ids[self._tokens_taken :]
+        self._tokens_taken = len(self.output_token_ids)
+        end = len(self.output_text)
+        if not self.finished:
+            end = max(self._text_taken, end - self._holdback)
+        new_text = self.output_text[self._text_taken : end]
+        self._text_taken = end
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=self.prompt_token_ids,
+            # Unfinished text stops where the streamed text does (stop-string holdback).
+            text=self.output_text[:end],
+            token_ids=list(self.output_token_ids),
+            finished=self.finished,
+            finish_reason=self.finish_reason,
+            stop_reason=self.stop_reason,
+            timings=self.timings(),
+            new_text=new_text,
+            new_token_ids=new_tokens,
+            logprobs=None if self.logprobs is None else list(self.logprobs),
+        )
+
+    def timings(self) -> RequestTimings:
+        """Timings so far; on an unfinished request total and tpot run up to now."""
+        end = self.finish_time if self.finish_time is not None else time.monotonic()
+        if self.first_token_time is None:
+            return RequestTimings(ttft=0.0, tpot=0.0, total=end - self.arrival_time)
+        num_after_first = len(self.output_token_ids) - 1
+        tpot = (end - self.first_token_time) / num_after_first if num_after_first > 0 else 0.0
+        return RequestTimings(
+            ttft=self.first_token_time - self.arrival_time, tpot=tpot, total=end - self.arrival_time
+        )
+
+    def _position(self, out: EngineCoreOutput, i: int) -> PositionLogprobs:
+        """Row i of the output's logprobs: the sampled token, then the top ones."""
+        rows = out.logprobs
+        if rows is None or len(rows.logprob_token_ids) != len(out.new_token_ids):
+            raise RuntimeError(
+                f"request {self.request_id!r} asked for logprobs; the engine core sent "
+                f"{0 if rows is None else len(rows.logprob_token_ids)} rows for "
+                f"{len(out.new_token_ids)} tokens"
+            )
+        ids = rows.logprob_token_ids[i].tolist()
+        values = rows.logprobs[i].tolist()
+        detok = self._detokenizer
+        texts = detok.token_texts(ids) if detok is not None else [None] * len(ids)
+        entries = [TokenLogprob(*entry) for entry in zip(ids, values, texts, strict=True)]
+        return PositionLogprobs(
+            sampled=entries[0], rank=int(rows.sampled_token_ranks[i]), top=entries[1:]
+        )
+
+    def _append_text(self, text: str, may_stop: bool) -> bool:
+        """Append new output text; on a stop string (looked for when may_stop), trim the
+        text there and return True."""
+        if not text:
+            return False
+        start = len(self.output_text)
+        self.output_text += text
+        if not may_stop:
+            return False
+        hit: tuple[int, str] | None = None
+        for stop in self.params.stop:
+            # Only a match that ends in the new text is new.
+            index = self.output_text.find(stop, max(0, start - len(stop) + 1))
+            if index >= 0 and (hit is None or index < hit[0]):
+                hit = (index, stop)
+        if hit is None:
+            return False
+        self.output_text = self.output_text[: hit[0]]
+        self.stop_reason = hit[1]
+        return True

@@ -1,0 +1,126 @@
+"""One API server process of `zmqworker serve`: `python -m zmqworker.serve.api_server`,
+spawned by the serve command's main process, its ApiServerConfig on its stdin.
+
+It loads the model's text side, connects to the engine cores the main process started
+(a client of each, watching each through a pidfd of its own), and runs uvicorn on uvloop
+over the listening socket it inherited: every API server accepts on the same port. It
+exits with its parent (PR_SET_PDEATHSIG); SIGTERM drains it (uvicorn stops taking
+connections and lets the requests in flight finish, at most shutdown_timeout_s); SIGINT
+is the main process's to handle.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import socket
+import sys
+from collections.abc import Iterator
+
+import msgspec
+import uvicorn
+
+from zmqworker.engine.model_folder import ModelFolder
+from zmqworker.frontend.core_client import EngineCoreClient
+from zmqworker.frontend.core_process import WatchedEngineCore
+from zmqworker.frontend.frontend import Frontend
+from zmqworker.runtime.parent_death import PARENT_DEATH_SIGNAL, exit_with_parent
+from zmqworker.serve.app import build_app
+
+logger = logging.getLogger(__name__)
+
+READY_TIMEOUT_S = 3600.0  # the engine cores start beside it: their workers, warm-up
+
+
+class ApiServerConfig(msgspec.Struct, frozen=True):
+    """What the main process hands an API server (on its stdin: the API key and the
+    engine cores' token never show in ps)."""
+
+    index: int
+    model: str  # the checkpoint folder, for the tokenizer and generation defaults
+    served_model_name: str
+    api_key: str | None
+    engine_addresses: list[str]
+    engine_pids: list[int]
+    token: str
+    max_logprobs: int
+    output_bytes: int
+    listen_fd: int
+    shutdown_timeout_s: float
+    max_request_bytes: int
+    enable_admin_endpoints: bool
+    log_level: str  # uvicorn's
+    engine_log_level: str  # the zmqworker logger's
+
+
+def connect(config: ApiServerConfig) -> Frontend:
+    """A client of the engine cores, once each is ready, with the model's text side."""
+    folder = ModelFolder.open(config.model)
+    texts = folder.load_text_side()
+    handles = [WatchedEngineCore(i, pid) for i, pid in enumerate(config.engine_pids)]
+    client = EngineCoreClient(
+        config.engine_addresses, handles, config.token, config.index, config.output_bytes
+    )
+    try:
+        readies = client.wait_ready(READY_TIMEOUT_S)
+    except BaseException:
+        client.close()
+        raise
+    return Frontend(client, readies, texts, folder, config.max_logprobs, config.index)
+
+
+def run(config: ApiServerConfig) -> int:
+    frontend = connect(config)
+    try:
+        server = _Server(
+            uvicorn.Config(
+                build_app(
+                    frontend,
+                    config.served_model_name,
+                    config.api_key,
+                    config.max_request_bytes,
+                    config.enable_admin_endpoints,
+                ),
+                loop="uvloop",
+                timeout_graceful_shutdown=config.shutdown_timeout_s,
+                log_level=config.log_level,
+                access_log=config.log_level in ("debug", "info"),
+            )
+        )
+        server.run(sockets=[socket.socket(fileno=config.listen_fd)])
+        return 0 if server.started else 1
+    finally:
+        frontend.close()
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, except that SIGTERM ends run() instead of the process: uvicorn
+    raises the signal again once it has shut down, which would skip closing the client."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        previous = signal.signal(signal.SIGTERM, self.handle_exit)
+        try:
+            yield
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def main() -> int:
+    try:
+        config = msgspec.msgpack.decode(sys.stdin.buffer.read(), type=ApiServerConfig)
+    except msgspec.DecodeError as exc:
+        print(f"zmqworker api server: error: stdin: {exc}", file=sys.stderr)
+        return 2
+    if not exit_with_parent(os.getppid()):
+        return 0
+    signal.signal(PARENT_DEATH_SIGNAL, lambda *_: os._exit(0))  # the main process is gone
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    logging.basicConfig(level=config.engine_log_level, format="%(message)s")
+    return run(config)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
