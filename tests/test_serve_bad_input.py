@@ -253,6 +253,18 @@ def test_requests_within_the_bound_still_work(server):
     assert status == 200 and answer["choices"][0]["message"]["content"]
 
 
+def test_no_cors_headers_without_allowed_origins(server):
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+    try:
+        conn.request("GET", "/v1/models", headers={"Origin": "http://app.example"})
+        response = conn.getresponse()
+        response.read()
+    finally:
+        conn.close()
+    assert response.status == 200 and response.getheader("x-request-id")
+    assert not [h for h, _ in response.getheaders() if h.lower().startswith("access-control")]
+
+
 def test_the_engine_refuses_text_that_is_not_unicode():
     """The check the server, the CLI and the LLM share (zmqworker/engine/prompts.py)."""
     check_text("Hello 👋", "the prompt")

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import argparse
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from zmqworker.cli.options import add_options, given, llm_options, parse_size
 from zmqworker.serve.sizing import default_api_server_count
+
+if TYPE_CHECKING:  # the server's modules load starlette: not for `--help`
+    from zmqworker.serve.cors import CorsOptions
 
 LLM_OPTIONS = llm_options()
 API_KEY_ENV = "ZMQWORKER_API_KEY"
@@ -17,11 +20,11 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     parser = sub.add_parser(
         "serve",
         help="serve the model over an OpenAI-compatible HTTP API",
-        description="Serve /v1/completions, /v1/chat/completions, /v1/models, /health and "
-        "/metrics over the reference engine: API server processes on one port, each a client "
-        "of the engine core processes (one per data-parallel replica). SIGINT or SIGTERM lets "
-        "the requests in flight finish, then stops the workers; any of the processes dying "
-        "stops the whole server.",
+        description="Serve /v1/completions, /v1/chat/completions, /v1/models, /tokenize, "
+        "/detokenize, /health and /metrics over the reference engine: API server processes "
+        "on one port, each a client of the engine core processes (one per data-parallel "
+        "replica). SIGINT or SIGTERM lets the requests in flight finish, then stops the "
+        "workers; any of the processes dying stops the whole server.",
     )
     parser.add_argument("--host", default="127.0.0.1", help="address (default: 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
@@ -63,6 +66,30 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         help="serve /sleep, /wake_up, /reset_prefix_cache, /update_weights_from_disk and "
         "/is_sleeping (behind the API key when one is set)",
     )
+    cors = parser.add_argument_group(
+        "CORS", "pages on other origins calling from browsers (default: no CORS headers)"
+    )
+    cors.add_argument(
+        "--allowed-origins",
+        nargs="+",
+        metavar="ORIGIN",
+        help="origins whose pages may call the server: * or scheme://host[:port] each",
+    )
+    cors.add_argument(
+        "--allowed-methods",
+        nargs="+",
+        metavar="METHOD",
+        help="methods they may use (default: *)",
+    )
+    cors.add_argument(
+        "--allowed-headers",
+        nargs="+",
+        metavar="HEADER",
+        help="request headers they may send (default: *)",
+    )
+    cors.add_argument(
+        "--allow-credentials", action="store_true", help="let them send cookies and credentials"
+    )
     add_options(parser.add_argument_group("engine"), LLM_OPTIONS)
     return parser
 
@@ -72,6 +99,7 @@ def run(args: argparse.Namespace) -> int:
 
     if not 0 < args.port < 65536:
         raise ValueError(f"--port must be in [1, 65535], got {args.port}")
+    cors = _cors(args)
     serve(
         given(args, LLM_OPTIONS),
         host=args.host,
@@ -82,9 +110,34 @@ def run(args: argparse.Namespace) -> int:
         log_level=args.uvicorn_log_level,
         api_server_count=args.api_server_count,
         enable_admin_endpoints=args.enable_admin_endpoints,
+        cors=cors,
         **({} if args.max_request_bytes is None else {"max_request_bytes": args.max_request_bytes}),
     )
     return 0
+
+
+def _cors(args: argparse.Namespace) -> CorsOptions | None:
+    """The CORS options, or None (no CORS headers) without --allowed-origins."""
+    from zmqworker.serve.cors import CorsOptions
+
+    companions = {
+        "--allowed-methods": args.allowed_methods,
+        "--allowed-headers": args.allowed_headers,
+        "--allow-credentials": args.allow_credentials or None,
+    }
+    if args.allowed_origins is None:
+        for option, value in companions.items():
+            if value is not None:
+                raise ValueError(f"{option} needs --allowed-origins: without it, no CORS")
+        return None
+    cors = CorsOptions(
+        args.allowed_origins,
+        **{k: v for k, v in (("allowed_methods", args.allowed_methods),
+                             ("allowed_headers", args.allowed_headers)) if v is not None},
+        allow_credentials=args.allow_credentials,
+    )  # fmt: skip
+    cors.check()
+    return cors
 
 
 def _size(text: str) -> int:

@@ -50,16 +50,22 @@ class TextSide:
     default_sampling_params: SamplingParams
     eos_token_ids: frozenset[int]
 
-    def chat_prompt(self, messages: Sequence[dict[str, Any]]) -> list[int]:
-        """The token ids of a conversation, ending where the assistant's reply starts."""
+    def chat_prompt(
+        self,
+        messages: Sequence[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        add_special_tokens: bool = False,
+    ) -> list[int]:
+        """The token ids of a conversation, ending where the assistant's reply starts
+        (add_generation_prompt=False: after the last message). The template writes the
+        special tokens itself: add_special_tokens adds the tokenizer's (a BOS) again."""
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("the model's tokenizer has no chat template")
         check_conversation(messages)
         text = self.tokenizer.apply_chat_template(
-            list(messages), add_generation_prompt=True, tokenize=False
+            list(messages), add_generation_prompt=add_generation_prompt, tokenize=False
         )
-        # The template writes the special tokens itself.
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
 
 def check_conversation(messages: Sequence[dict[str, Any]]) -> None:

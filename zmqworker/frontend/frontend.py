@@ -118,9 +118,15 @@ class Frontend(ControlMethods):
         prompts = [self.chat_prompt(c) for c in conversations]  # type: ignore[arg-type]
         return self.generate(prompts, sampling_params)
 
-    def chat_prompt(self, messages: Conversation) -> list[int]:
-        """The prompt of a conversation, ending where the assistant's reply starts."""
-        return self._texts.chat_prompt(messages)
+    def chat_prompt(
+        self,
+        messages: Conversation,
+        add_generation_prompt: bool = True,
+        add_special_tokens: bool = False,
+    ) -> list[int]:
+        """The prompt of a conversation, ending where the assistant's reply starts
+        (TextSide.chat_prompt)."""
+        return self._texts.chat_prompt(messages, add_generation_prompt, add_special_tokens)
 
     async def generate_stream(
         self, prompt: Prompt, sampling_params: SamplingParams | None = None

@@ -28,6 +28,7 @@ from zmqworker.frontend.core_process import WatchedEngineCore
 from zmqworker.frontend.frontend import Frontend
 from zmqworker.runtime.parent_death import PARENT_DEATH_SIGNAL, exit_with_parent
 from zmqworker.serve.app import build_app
+from zmqworker.serve.cors import CorsOptions
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +52,7 @@ class ApiServerConfig(msgspec.Struct, frozen=True):
     shutdown_timeout_s: float
     max_request_bytes: int
     enable_admin_endpoints: bool
+    cors: CorsOptions | None
     log_level: str  # uvicorn's
     engine_log_level: str  # the zmqworker logger's
 
@@ -82,6 +84,7 @@ def run(config: ApiServerConfig) -> int:
                     config.api_key,
                     config.max_request_bytes,
                     config.enable_admin_endpoints,
+                    config.cors,
                 ),
                 loop="uvloop",
                 timeout_graceful_shutdown=config.shutdown_timeout_s,

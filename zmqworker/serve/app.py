@@ -1,5 +1,6 @@
 """The FastAPI application of one API server process, over its client of the engine
-cores (a Frontend): the OpenAI routes, /health, /metrics, errors.
+cores (a Frontend): the OpenAI routes, /tokenize and /detokenize, /health, /metrics,
+errors; each request's id (request_id.py) and, when asked for, CORS (cors.py).
 
 Handlers run on the server's event loop, which also watches the engine cores' sockets:
 concurrent requests, of this API server and the others, share the engine cores' steps.
@@ -30,10 +31,13 @@ from zmqworker.serve.body import decode_body
 from zmqworker.serve.body_limit import DEFAULT_MAX_REQUEST_BYTES, BodyLimit
 from zmqworker.serve.chat import create_chat_completion
 from zmqworker.serve.completions import create_completion
+from zmqworker.serve.cors import CorsOptions
 from zmqworker.serve.errors import APIError
 from zmqworker.serve.generation import ClientDisconnected, now
 from zmqworker.serve.protocol import ChatCompletionRequest, CompletionRequest
+from zmqworker.serve.request_id import RequestId
 from zmqworker.serve.text_pool import TextPool
+from zmqworker.serve.tokenize import DetokenizeRequest, TokenizeRequest, detokenize, tokenize
 
 logger = logging.getLogger(__name__)
 HEALTH_TIMEOUT_S = 10.0
@@ -45,6 +49,7 @@ def build_app(
     api_key: str | None = None,
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
     enable_admin_endpoints: bool = False,
+    cors: CorsOptions | None = None,
 ) -> FastAPI:
     text = TextPool()
 
@@ -70,6 +75,9 @@ def build_app(
 
     if enable_admin_endpoints:
         install_admin(app, llm, authorized)
+    app.add_middleware(RequestId)  # outside the others: their errors carry the id too
+    if cors is not None:
+        cors.install(app)
 
     def check_model(name: str) -> None:
         if name != model_name:
@@ -119,6 +127,18 @@ def build_app(
         body = await text.run(decode_body, await request.body(), ChatCompletionRequest)
         check_model(body.model)
         return await create_chat_completion(llm, model_name, body, request, text)
+
+    @app.post("/tokenize", dependencies=[Depends(authorized)])
+    async def tokenize_text(request: Request) -> dict:
+        body = await text.run(decode_body, await request.body(), TokenizeRequest)
+        check_model(body.model)
+        return await text.run(tokenize, llm, body)
+
+    @app.post("/detokenize", dependencies=[Depends(authorized)])
+    async def detokenize_tokens(request: Request) -> dict:
+        body = await text.run(decode_body, await request.body(), DetokenizeRequest)
+        check_model(body.model)
+        return await text.run(detokenize, llm, body)
 
     @app.exception_handler(APIError)
     async def api_error(_: Request, exc: APIError) -> JSONResponse:

@@ -14,7 +14,6 @@ from zmqworker.frontend.outputs import PositionLogprobs, RequestOutput, TokenLog
 from zmqworker.serve.errors import APIError
 from zmqworker.serve.generation import (
     finish_reason,
-    new_id,
     now,
     run_prompts,
     sampling_params,
@@ -23,6 +22,7 @@ from zmqworker.serve.generation import (
     usage,
 )
 from zmqworker.serve.protocol import ChatCompletionRequest
+from zmqworker.serve.request_id import request_id
 from zmqworker.serve.text_pool import TextPool
 
 
@@ -32,7 +32,7 @@ async def create_chat_completion(
     prompt = await text.run(_prompt, llm, body)
     max_tokens = body.max_completion_tokens or body.max_tokens
     params = sampling_params(llm, body, len(prompt), max_tokens, body.num_logprobs())
-    head = {"id": new_id("chatcmpl"), "created": now(), "model": model}
+    head = {"id": f"chatcmpl-{request_id(http)}", "created": now(), "model": model}
     if body.stream:
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         return StreamingResponse(

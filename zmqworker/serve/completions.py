@@ -13,7 +13,6 @@ from zmqworker.frontend.outputs import PositionLogprobs, RequestOutput
 from zmqworker.serve.errors import APIError
 from zmqworker.serve.generation import (
     finish_reason,
-    new_id,
     now,
     run_prompts,
     sampling_params,
@@ -22,6 +21,7 @@ from zmqworker.serve.generation import (
     usage,
 )
 from zmqworker.serve.protocol import CompletionRequest
+from zmqworker.serve.request_id import request_id
 from zmqworker.serve.text_pool import TextPool
 
 
@@ -32,7 +32,12 @@ async def create_completion(
     params = sampling_params(
         llm, body, max(len(p) for p in prompts), body.max_tokens, body.logprobs
     )
-    head = {"id": new_id("cmpl"), "object": "text_completion", "created": now(), "model": model}
+    head = {
+        "id": f"cmpl-{request_id(http)}",
+        "object": "text_completion",
+        "created": now(),
+        "model": model,
+    }
     if body.stream:
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         events = _stream(llm, prompts, params, head, echoes, include_usage)

@@ -7,7 +7,6 @@ import asyncio
 import json
 import re
 import time
-import uuid
 from collections.abc import AsyncIterator, Awaitable, Sequence
 from typing import Any
 
@@ -144,10 +143,6 @@ def finish_reason(out: RequestOutput) -> str | None:
     if not out.finished:
         return None
     return "length" if out.finish_reason == "length" else "stop"
-
-
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
 
 
 def now() -> int:

@@ -34,6 +34,7 @@ from zmqworker.frontend.llm import LLM, OPTION_TYPES
 from zmqworker.frontend.llm_args import check_args
 from zmqworker.serve.api_server import ApiServerConfig
 from zmqworker.serve.body_limit import DEFAULT_MAX_REQUEST_BYTES
+from zmqworker.serve.cors import CorsOptions
 from zmqworker.serve.sizing import default_api_server_count
 
 logger = logging.getLogger(__name__)
@@ -53,12 +54,15 @@ def serve(
     api_server_count: int | None = None,
     enable_admin_endpoints: bool = False,
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+    cors: CorsOptions | None = None,
 ) -> None:
     count = api_server_count or default_api_server_count()
     if count < 1:
         raise ValueError(f"--api-server-count must be >= 1, got {count}")
     if max_request_bytes < 1:  # before anything starts
         raise ValueError(f"max_request_bytes must be positive, got {max_request_bytes}")
+    if cors is not None:
+        cors.check()
     defaults = {n: p.default for n, p in inspect.signature(LLM).parameters.items()}
     options = {**defaults, **engine_options}
     check_args(OPTION_TYPES, options)
@@ -84,6 +88,7 @@ def serve(
             shutdown_timeout_s=shutdown_timeout_s,
             max_request_bytes=max_request_bytes,
             enable_admin_endpoints=enable_admin_endpoints,
+            cors=cors,
             log_level=log_level,
             engine_log_level=logging.getLevelName(logger.getEffectiveLevel()),
         )

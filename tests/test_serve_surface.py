@@ -1,0 +1,162 @@
+"""zmqworker serve's surface beyond generation, over a real server: /tokenize and
+/detokenize (vLLM's shapes), the X-Request-Id header, and CORS (--allowed-origins and its
+companions; without them no CORS headers, checked in test_serve_bad_input.py)."""
+
+from __future__ import annotations
+
+import http.client
+import json
+
+import pytest
+
+from tests.test_serve import MODEL, Server
+from zmqworker.cli import build_parser
+from zmqworker.cli import serve as serve_cli
+
+APP = "http://app.example"
+PROMPT = "The capital of France is"
+CHAT = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def server():
+    srv = Server("--allowed-origins", APP, "--allow-credentials")
+    yield srv
+    srv.stop()
+
+
+def call(
+    server: Server, method: str, path: str, body: dict | None = None, **headers: str
+) -> tuple[int, dict[str, str], dict | None]:
+    """(status, headers with lowercase names, decoded JSON body or None)."""
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=120)
+    try:
+        data = None if body is None else json.dumps(body).encode()
+        sent = {k.replace("_", "-"): v for k, v in headers.items()}
+        conn.request(method, path, data, {"Content-Type": "application/json", **sent})
+        response = conn.getresponse()
+        raw = response.read()
+        got = {k.lower(): v for k, v in response.getheaders()}
+        is_json = got.get("content-type", "").startswith("application/json")
+        return response.status, got, json.loads(raw) if is_json else None
+    finally:
+        conn.close()
+
+
+def test_tokenize_and_detokenize_a_prompt_and_a_conversation(server):
+    status, _, answer = call(server, "POST", "/tokenize", {"model": MODEL, "prompt": PROMPT})
+    assert status == 200 and answer["max_model_len"] == 512
+    assert answer["count"] == len(answer["tokens"]) == 5  # as the completion counts it
+    status, _, text = call(
+        server, "POST", "/detokenize", {"model": MODEL, "tokens": answer["tokens"]}
+    )
+    assert status == 200 and text == {"prompt": PROMPT}
+
+    def chat_tokens(**options) -> list[int]:
+        status, _, answer = call(
+            server, "POST", "/tokenize", {"model": MODEL, "messages": CHAT, **options}
+        )
+        assert status == 200, answer
+        return answer["tokens"]
+
+    prompt, history = chat_tokens(), chat_tokens(add_generation_prompt=False)
+    assert len(prompt) > len(history) and prompt[: len(history)] == history
+    reply = server.client().chat.completions.create(model=MODEL, messages=CHAT, max_tokens=1)
+    assert reply.usage.prompt_tokens == len(prompt)  # what generation is given
+    bos = chat_tokens(add_special_tokens=True)
+    assert len(bos) >= len(prompt) and bos[-len(prompt) :] == prompt
+    _, _, text = call(server, "POST", "/detokenize", {"model": MODEL, "tokens": prompt})
+    assert text["prompt"].startswith("<|im_start|>") and CHAT[0]["content"] in text["prompt"]
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "status", "param", "message"),
+    [
+        ("/tokenize", {"model": "other", "prompt": "Hi"}, 404, "model", "The model `other`"),
+        ("/tokenize", {"model": MODEL}, 400, "prompt", "give either prompt or messages"),
+        (
+            "/tokenize",
+            {"model": MODEL, "prompt": "Hi", "add_generation_prompt": True},
+            400,
+            "add_generation_prompt",
+            "add_generation_prompt applies to messages",
+        ),
+        (
+            "/tokenize",
+            {"model": MODEL, "messages": [{"role": "robot", "content": "Hi"}]},
+            400,
+            "messages[0].role",
+            "messages[0].role must be one of",
+        ),
+        ("/detokenize", {"model": MODEL, "tokens": [1, -2]}, 400, "tokens[1]", "tokens[1]: must"),
+        ("/detokenize", {"model": MODEL, "tokens": "Hi"}, 400, "tokens", "tokens: expected an"),
+    ],
+)
+def test_bad_tokenize_requests_name_the_field(server, path, body, status, param, message):
+    got, _, answer = call(server, "POST", path, body)
+    assert got == status, answer
+    assert answer["error"]["param"] == param and answer["error"]["message"].startswith(message)
+
+
+def test_the_request_id_names_the_response_and_is_echoed(server):
+    client = server.client(max_retries=0)
+    raw = client.completions.with_raw_response.create(
+        model=MODEL, prompt=PROMPT, max_tokens=2, extra_headers={"X-Request-Id": "run-7/a"}
+    )
+    assert raw.headers["x-request-id"] == "run-7/a" and raw.parse().id == "cmpl-run-7/a"
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL, messages=CHAT, max_tokens=2, stream=True,
+            extra_headers={"X-Request-Id": "chat-1"},
+        )
+    )  # fmt: skip
+    assert {chunk.id for chunk in chunks} == {"chatcmpl-chat-1"}
+    raw = client.completions.with_raw_response.create(model=MODEL, prompt=PROMPT, max_tokens=1)
+    made = raw.headers["x-request-id"]
+    assert len(made) == 32 and raw.parse().id == f"cmpl-{made}"
+    _, headers, _ = call(server, "POST", "/v1/completions", {"model": "other", "prompt": "x"})
+    assert len(headers["x-request-id"]) == 32  # errors carry one too
+
+
+@pytest.mark.parametrize("value", ["a" * 129, "two words", "caf\xe9"])
+def test_a_hostile_request_id_is_refused(server, value):
+    status, headers, answer = call(server, "GET", "/v1/models", X_Request_Id=value)
+    assert status == 400 and answer["error"]["param"] == "X-Request-Id"
+    assert answer["error"]["message"].startswith("the X-Request-Id header must be given once")
+    assert "x-request-id" not in headers
+
+
+def test_cors_lets_the_allowed_origin_in_and_no_other(server):
+    status, headers, _ = call(
+        server, "OPTIONS", "/v1/chat/completions", Origin=APP,
+        Access_Control_Request_Method="POST", Access_Control_Request_Headers="authorization",
+    )  # fmt: skip
+    assert status == 200 and headers["access-control-allow-origin"] == APP
+    assert headers["access-control-allow-credentials"] == "true"
+    assert "POST" in headers["access-control-allow-methods"]
+    status, headers, _ = call(
+        server, "OPTIONS", "/v1/chat/completions", Origin="http://evil.example",
+        Access_Control_Request_Method="POST",
+    )  # fmt: skip
+    assert status == 400 and "access-control-allow-origin" not in headers
+    status, headers, _ = call(server, "GET", "/v1/models", Origin=APP)
+    assert status == 200 and headers["access-control-allow-origin"] == APP
+    assert headers["access-control-expose-headers"].lower() == "x-request-id"
+    _, headers, _ = call(server, "GET", "/v1/models", Origin="http://evil.example")
+    assert "access-control-allow-origin" not in headers
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--allowed-methods", "GET"], "--allowed-methods needs --allowed-origins"),
+        (["--allow-credentials"], "--allow-credentials needs --allowed-origins"),
+        (["--allowed-origins", "http://a.example/"], "'http://a.example/' is not an origin"),
+        (["--allowed-origins", '["http://a.example"]'], "is not an origin"),
+        (["--allowed-origins", "*", "--allowed-headers", "a b"], "--allowed-headers: 'a b'"),
+    ],
+)
+def test_cors_options_are_checked_before_anything_starts(argv, message):
+    parser, _ = build_parser()
+    with pytest.raises(ValueError, match=message):
+        serve_cli.run(parser.parse_args(["serve", *argv]))

@@ -1,0 +1,58 @@
+"""Each request's id: the client's X-Request-Id header, or one made here. It is echoed in
+the response's X-Request-Id header (errors included) and names the response ("cmpl-<id>",
+"chatcmpl-<id>"), so a client can find its request in its own logs and in ours. It is
+not the engine's request id: clients' ids need not be unique.
+
+The header comes from the client: a value that could flood or forge log lines (over
+MAX_LENGTH characters, or anything but printable ASCII without spaces) is refused with 400.
+"""
+
+from __future__ import annotations
+
+import re
+import uuid
+
+from starlette.requests import Request
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from zmqworker.serve.errors import APIError
+
+HEADER = "X-Request-Id"
+MAX_LENGTH = 128
+_SCOPE_KEY = "zmqworker.request_id"
+_VALID = re.compile(rb"[\x21-\x7e]{1,%d}" % MAX_LENGTH)
+
+
+def request_id(request: Request) -> str:
+    """The id of the request being answered (set by RequestId)."""
+    return request.scope[_SCOPE_KEY]
+
+
+class RequestId:
+    """ASGI middleware: the request's id into its scope and its response's headers."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        given = [v for k, v in scope["headers"] if k == HEADER.lower().encode()]
+        if given and (len(given) > 1 or not _VALID.fullmatch(given[0])):
+            error = APIError(
+                f"the {HEADER} header must be given once, as 1 to {MAX_LENGTH} printable "
+                "ASCII characters without spaces",
+                param=HEADER,
+            )
+            await error.response()(scope, receive, send)
+            return
+        value = given[0] if given else uuid.uuid4().hex.encode()
+        scope[_SCOPE_KEY] = value.decode("ascii")
+
+        async def echo(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message["headers"] = [*message.get("headers", []), (HEADER.lower().encode(), value)]
+            await send(message)
+
+        await self.app(scope, receive, echo)

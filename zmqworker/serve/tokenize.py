@@ -1,0 +1,95 @@
+"""POST /tokenize and POST /detokenize, vLLM's shapes: the model's tokenizer as the
+server uses it, without generating. The tokenizer lives in the API server process: no
+engine core is asked, so these answer while the engine cores sleep.
+
+    /tokenize    {"model", "prompt", "add_special_tokens"} or {"model", "messages",
+                 "add_generation_prompt", "add_special_tokens"}
+                 -> {"count", "max_model_len", "tokens"}
+    /detokenize  {"model", "tokens"} -> {"prompt"}
+
+A prompt longer than the model is tokenized all the same: count and max_model_len let
+the client see that it would be refused."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from msgspec import Meta, Struct
+
+from zmqworker.engine.prompts import check_text
+from zmqworker.frontend.frontend import Frontend
+from zmqworker.serve.errors import APIError
+from zmqworker.serve.protocol import ChatMessage, TokenId
+
+
+class TokenizeRequest(Struct, forbid_unknown_fields=True, kw_only=True):
+    """A prompt, or messages through the chat template (exactly one of them)."""
+
+    model: str
+    prompt: str | None = None
+    messages: Annotated[list[ChatMessage], Meta(min_length=1)] | None = None
+    add_generation_prompt: bool | None = None  # messages only; default true
+    # Default: true for a prompt, false for messages (the template writes them).
+    add_special_tokens: bool | None = None
+
+    def check(self) -> None:
+        if (self.prompt is None) == (self.messages is None):
+            raise APIError("give either prompt or messages, not both or neither", param="prompt")
+        if self.messages is None:
+            if self.add_generation_prompt is not None:
+                raise APIError(
+                    "add_generation_prompt applies to messages, not to a prompt",
+                    param="add_generation_prompt",
+                )
+            return
+        for i, message in enumerate(self.messages):
+            message.check(f"messages[{i}]")
+
+
+class DetokenizeRequest(Struct, forbid_unknown_fields=True, kw_only=True):
+    model: str
+    tokens: list[TokenId]  # within the vocabulary: checked against the model's
+
+
+def tokenize(llm: Frontend, body: TokenizeRequest) -> dict[str, Any]:
+    """The answer to /tokenize (text work: in the text pool)."""
+    tokenizer = _tokenizer(llm)
+    if body.messages is not None:
+        messages = [m.as_template_message() for m in body.messages]
+        try:
+            tokens = llm.chat_prompt(
+                messages,
+                add_generation_prompt=body.add_generation_prompt is not False,
+                add_special_tokens=body.add_special_tokens is True,
+            )
+        except ValueError as exc:
+            raise APIError.from_value_error(exc, param="messages") from None
+    else:
+        assert body.prompt is not None
+        try:
+            check_text(body.prompt, "prompt")
+        except ValueError as exc:
+            raise APIError(str(exc), param="prompt") from None
+        add_special = body.add_special_tokens is not False
+        tokens = list(tokenizer.encode(body.prompt, add_special_tokens=add_special))
+    return {"count": len(tokens), "max_model_len": llm.max_model_len, "tokens": tokens}
+
+
+def detokenize(llm: Frontend, body: DetokenizeRequest) -> dict[str, str]:
+    """The answer to /detokenize: the tokens' text, special tokens included (text work:
+    in the text pool)."""
+    tokenizer = _tokenizer(llm)
+    vocab_size = llm.vocab_size if llm.vocab_size is not None else len(tokenizer)
+    for i, token in enumerate(body.tokens):
+        if token >= vocab_size:
+            raise APIError(
+                f"tokens[{i}]: token id {token} is outside the vocabulary [0, {vocab_size})",
+                param=f"tokens[{i}]",
+            )
+    return {"prompt": tokenizer.decode(body.tokens)}
+
+
+def _tokenizer(llm: Frontend) -> Any:
+    if llm.tokenizer is None:
+        raise APIError("the model folder has no tokenizer: the server cannot tokenize text")
+    return llm.tokenizer
