@@ -308,7 +308,7 @@ def test_which_call_id_an_error_reply_carries(engine: RawEngine) -> None:
     assert answer(msgpack.packb([4, request])) == (
         request["call_id"],
         "ProtocolError",
-        "protocol version 4 is not this side's 6",
+        f"protocol version 4 is not this side's {VERSION}",
     )
     assert answer(msgpack.packb([VERSION, {**request, "method": 7}]))[:2] == (
         request["call_id"],
