@@ -49,6 +49,11 @@ class Recorded:
         self.fn()
 
 
+# Every step here has at most 14 tokens (run()'s budget is 12): one token graph of 16
+# covers them all, and warm-up captures and compiles nothing larger that no step uses.
+STEP_TOKENS = 16
+
+
 def small_checkpoint(family: str) -> str:
     return cached_tiny_checkpoint(family=family, num_layers=2, tie_word_embeddings=True)
 
@@ -97,7 +102,12 @@ def test_triton_path_greedy_tokens_match_transformers(family: str) -> None:
     would corrupt that prompt."""
     path = small_checkpoint(family)
     runner = make_runner(
-        path, max_seqs=4, kernels="triton", graph_capture=Recorded, graph_sizes=(2, 4)
+        path,
+        max_seqs=4,
+        max_tokens=STEP_TOKENS,
+        kernels="triton",
+        graph_capture=Recorded,
+        graph_sizes=(2, 4),
     )
     assert runner.graphs is not None and runner.graphs.captured
     rng = np.random.default_rng(0)
@@ -121,7 +131,7 @@ def test_a_greedy_decode_graph_samples_in_the_graph() -> None:
     prompts = {"a": [5, 9, 14, 3, 77, 41, 8], "b": [60, 2, 33, 90, 11]}
     max_tokens = {"a": 8, "b": 8}
     graphs = {"graph_capture": Recorded, "graph_sizes": (2,)}
-    runner = make_runner(path, max_seqs=2, kernels="triton", **graphs)
+    runner = make_runner(path, max_seqs=2, max_tokens=STEP_TOKENS, kernels="triton", **graphs)
     calls = spy_on_sampler(runner)
     before = Recorded.replays
     result = run(runner, prompts, max_tokens, joins={0: "a", 1: "b"})
@@ -133,7 +143,7 @@ def test_a_greedy_decode_graph_samples_in_the_graph() -> None:
     seeded = SamplingParams(temperature=0.9, seed=11)
     sampled = {}
     for options in (graphs, {"enforce_eager": True}):
-        runner = make_runner(path, max_seqs=2, kernels="triton", **options)
+        runner = make_runner(path, max_seqs=2, max_tokens=STEP_TOKENS, kernels="triton", **options)
         calls = spy_on_sampler(runner)
         sampled[bool(options.get("graph_sizes"))] = run(
             runner, prompts, max_tokens, joins={0: "a", 1: "b"}, params=seeded
@@ -165,7 +175,7 @@ def test_penalties_on_the_triton_path_give_the_torch_path_tokens() -> None:
     results = {}
     for kernels, options in (("triton", {"graph_capture": Recorded, "graph_sizes": (2,)}),
                              ("torch", {})):  # fmt: skip
-        runner = make_runner(path, max_seqs=2, kernels=kernels, **options)
+        runner = make_runner(path, max_seqs=2, max_tokens=STEP_TOKENS, kernels=kernels, **options)
         calls = spy_on_sampler(runner)
         results[kernels] = run(runner, prompts, max_tokens, joins={0: "a", 1: "b"}, params=params)
         assert len(calls) > 2  # more than the prefill steps: the penalised decodes
@@ -176,7 +186,9 @@ def test_penalties_on_the_triton_path_give_the_torch_path_tokens() -> None:
 
 def test_triton_path_eager_decode_and_preempted_request_resumes() -> None:
     path = small_checkpoint("llama")
-    runner = make_runner(path, max_seqs=4, kernels="triton", enforce_eager=True)
+    runner = make_runner(
+        path, max_seqs=4, max_tokens=STEP_TOKENS, kernels="triton", enforce_eager=True
+    )
     assert runner.graphs is None
     prompt = list(range(30, 41))
     new = NewRequestData(
@@ -204,7 +216,9 @@ def test_token_feed_skips_a_row_taken_by_another_request() -> None:
     """A finishes right after a sample; B takes its batch row in the next step with a
     prompt that covers the sample's position: B's prompt token must stay B's."""
     path = small_checkpoint("llama")
-    runner = make_runner(path, max_seqs=2, kernels="triton", enforce_eager=True)
+    runner = make_runner(
+        path, max_seqs=2, max_tokens=STEP_TOKENS, kernels="triton", enforce_eager=True
+    )
     pipeline = Pipeline([runner])
     a = NewRequestData(
         "a", 1, np.array([5, 6, 7, 8, 9], np.int32), GREEDY, np.arange(2, dtype=np.int32), 5
@@ -273,7 +287,12 @@ def test_split_k_projections_match_transformers_over_graph_replays() -> None:
         family="llama", num_layers=1, hidden_size=256, intermediate_size=512
     )
     runner = make_runner(
-        path, max_seqs=2, kernels="triton", graph_capture=Recorded, graph_sizes=(2,)
+        path,
+        max_seqs=2,
+        max_tokens=STEP_TOKENS,
+        kernels="triton",
+        graph_capture=Recorded,
+        graph_sizes=(2,),
     )
     modules = runner.model.modules()
     paths = [m for m in modules if isinstance(m, SkinnyPath) and m.kernel is not None]
