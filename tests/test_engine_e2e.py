@@ -9,6 +9,7 @@ import functools
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -69,11 +70,22 @@ def make_llm(tp: int = 1, pp: int = 1, **kw) -> LLM:
     )
 
 
+@pytest.fixture(scope="module")
+def llm() -> Iterator[LLM]:
+    """One engine of make_llm's defaults for the tests that only generate on it: none
+    breaks it, and each finishes its requests, so none sees another's."""
+    with make_llm() as engine:
+        yield engine
+
+
 @pytest.mark.parametrize(("tp", "pp"), [(1, 1), (1, 2), (2, 1)])
-def test_greedy_output_equals_transformers(tp, pp):
+def test_greedy_output_equals_transformers(tp, pp, request):
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
-    with make_llm(tp, pp) as llm:
-        outs = llm.generate(PROMPTS, params)
+    if (tp, pp) == (1, 1):
+        outs = request.getfixturevalue("llm").generate(PROMPTS, params)
+    else:
+        with make_llm(tp, pp) as llm:
+            outs = llm.generate(PROMPTS, params)
     for prompt, out in zip(PROMPTS, outs, strict=True):
         assert out.token_ids == hf_greedy(tuple(prompt), 10), prompt
         assert out.finish_reason == "length"
@@ -103,25 +115,24 @@ def test_kv_cache_overflow_finishes_through_preemption():
     assert [o.token_ids for o in outs] == [hf_greedy(tuple(p), 30) for p in PROMPTS]
 
 
-def test_stop_strings_and_max_tokens_are_honoured():
-    with make_llm() as llm:
-        free = llm.generate(
-            ["Hello world"], SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-        )[0]
-        assert len(free.token_ids) == 24 and free.finish_reason == "length"
-        stop = free.text[len(free.text) // 2 :][:3]
-        assert stop, free.text
-        cut = llm.generate(
-            ["Hello world"],
-            SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, stop=[stop]),
-        )[0]
-        assert cut.finish_reason == "stop" and cut.stop_reason == stop
-        assert cut.text == free.text[: free.text.index(stop)]
-        short = llm.generate(["Hello world"], SamplingParams(temperature=0.0, max_tokens=3))[0]
-        assert len(short.token_ids) <= 3
+def test_stop_strings_and_max_tokens_are_honoured(llm):
+    free = llm.generate(
+        ["Hello world"], SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    )[0]
+    assert len(free.token_ids) == 24 and free.finish_reason == "length"
+    stop = free.text[len(free.text) // 2 :][:3]
+    assert stop, free.text
+    cut = llm.generate(
+        ["Hello world"],
+        SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, stop=[stop]),
+    )[0]
+    assert cut.finish_reason == "stop" and cut.stop_reason == stop
+    assert cut.text == free.text[: free.text.index(stop)]
+    short = llm.generate(["Hello world"], SamplingParams(temperature=0.0, max_tokens=3))[0]
+    assert len(short.token_ids) <= 3
 
 
-def test_requests_arriving_while_others_run_are_batched_in():
+def test_requests_arriving_while_others_run_are_batched_in(llm):
     long = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
     short = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 
@@ -151,25 +162,23 @@ def test_requests_arriving_while_others_run_are_batched_in():
         tokens = await asyncio.gather(first(), *(late(p) for p in PROMPTS[1:]))
         return tokens, joined_while_running
 
-    with make_llm() as llm:
-        tokens, joined = asyncio.run(scenario(llm))
+    tokens, joined = asyncio.run(scenario(llm))
     assert tokens[0] == hf_greedy(tuple(PROMPTS[0]), 60)
     assert tokens[1:] == [hf_greedy(tuple(p), 8) for p in PROMPTS[1:]]
     assert joined == [True] * (len(PROMPTS) - 1)  # served while the first still ran
 
 
-def test_bad_input_is_refused_and_the_engine_stays_usable(tmp_path):
+def test_bad_input_is_refused_and_the_engine_stays_usable(llm, tmp_path):
     with pytest.raises(FileNotFoundError, match="model folder"):
         LLM(model=str(tmp_path / "missing"))
-    with make_llm() as llm:
-        params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
-        with pytest.raises(ValueError, match="no prompts|empty"):
-            llm.generate([], params)
-        with pytest.raises(ValueError, match="max_model_len|longer"):
-            llm.generate([[1] * 200], params)
-        with pytest.raises(ValueError, match="max_tokens"):
-            llm.generate([[1, 2]], SamplingParams(max_tokens=0))
-        assert llm.generate([PROMPTS[0]], params)[0].token_ids == hf_greedy(tuple(PROMPTS[0]), 4)
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    with pytest.raises(ValueError, match="no prompts|empty"):
+        llm.generate([], params)
+    with pytest.raises(ValueError, match="max_model_len|longer"):
+        llm.generate([[1] * 200], params)
+    with pytest.raises(ValueError, match="max_tokens"):
+        llm.generate([[1, 2]], SamplingParams(max_tokens=0))
+    assert llm.generate([PROMPTS[0]], params)[0].token_ids == hf_greedy(tuple(PROMPTS[0]), 4)
 
 
 def test_cli_main_job_answers_paris_on_the_embedded_model():
