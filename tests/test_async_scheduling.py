@@ -22,6 +22,7 @@ from messages import (
     SchedulerOutput,
 )
 from tests.runner_helpers import GREEDY, NUM_BLOCKS, checkpoint, hf_greedy, make_runner, wire
+from tests.tiny import cached_tiny_checkpoint
 from zmqworker.engine.batch_queue import BatchQueue
 from zmqworker.engine.block_manager import KVBlockManager
 from zmqworker.engine.core import ASYNC_STEPS_IN_FLIGHT, EngineCore
@@ -268,7 +269,9 @@ def test_the_worker_fills_placeholders_from_its_own_samples(kernels, depth):
     graphs)."""
     if kernels == "triton":
         pytest.importorskip("triton")
-    path = checkpoint()
+    # Two layers: the depth of the model is no part of the point, and the Triton path
+    # runs every layer's kernels through the interpreter.
+    path = cached_tiny_checkpoint(family="llama", num_layers=2, tie_word_embeddings=True)
     graphs = {"graph_capture": Recorded, "graph_sizes": (2, 4)} if kernels == "triton" else {}
     runner = make_runner(path, max_seqs=4, max_tokens=16, kernels=kernels, **graphs)
     scheduler = Scheduler(
