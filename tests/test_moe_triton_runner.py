@@ -11,7 +11,7 @@ import pytest
 pytest.importorskip("triton")
 
 from tests.runner_helpers import DEVICE, hf_greedy, make_runner  # noqa: E402
-from tests.test_triton_runner import Recorded, run  # noqa: E402
+from tests.test_triton_runner import STEP_TOKENS, Recorded, run  # noqa: E402
 from tests.tiny import MOE_CHECKPOINTS, cached_tiny_checkpoint  # noqa: E402
 from zmqworker.models.moe import SparseMoeBlock  # noqa: E402
 
@@ -32,7 +32,12 @@ def one_layer(family: str) -> str:
 def test_fused_experts_give_transformers_greedy_tokens(family: str, monkeypatch) -> None:
     path = one_layer(family)
     runner = make_runner(
-        path, max_seqs=2, kernels="triton", graph_capture=Recorded, graph_sizes=(2,)
+        path,
+        max_seqs=2,
+        max_tokens=STEP_TOKENS,
+        kernels="triton",
+        graph_capture=Recorded,
+        graph_sizes=(2,),
     )
     blocks = [m for m in runner.model.modules() if isinstance(m, SparseMoeBlock)]
     assert len(blocks) == 1 and blocks[0]._fused is not None
