@@ -104,14 +104,25 @@ def test_max_model_len_below_the_block_size_generates_as_transformers():
     assert [o.finish_reason for o in outs] == ["length", "length"]
 
 
-def test_kv_cache_overflow_finishes_through_preemption():
-    # 4 layers x (K,V x 4 tokens x 2 heads x 16 x fp32) = 4 KiB a block; 25 blocks (the
-    # 96-token max_model_len needs 24) for requests whose prompts fit (17 blocks) but
-    # that grow to need 48 together.
+# 4 layers x (K,V x 4 tokens x 2 heads x 16 x fp32) = 4 KiB a block; 25 blocks (the
+# 96-token max_model_len needs 24) for requests whose prompts fit (17 blocks) but that
+# grow to need 48 together.
+SMALL_CACHE_BYTES = 25 * 4096
+
+
+@pytest.fixture(scope="module")
+def small_cache() -> Iterator[LLM]:
+    """An engine whose cache preempts PROMPTS' batch (async scheduling, LLM's default),
+    shared by the tests that only generate on it and count their own preemptions."""
+    with make_llm(kv_cache_bytes=SMALL_CACHE_BYTES) as engine:
+        yield engine
+
+
+def test_kv_cache_overflow_finishes_through_preemption(small_cache):
     params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
-    with make_llm(kv_cache_bytes=25 * 4096) as llm:
-        outs = llm.generate(PROMPTS, params)
-        assert llm.stats().num_preemptions > 0
+    before = small_cache.stats().num_preemptions
+    outs = small_cache.generate(PROMPTS, params)
+    assert small_cache.stats().num_preemptions > before
     assert [o.token_ids for o in outs] == [hf_greedy(tuple(p), 30) for p in PROMPTS]
 
 
@@ -221,7 +232,7 @@ def test_cli_errors_are_one_line(tmp_path):
     assert "Traceback" not in out.stderr
 
 
-def test_async_scheduling_gives_the_tokens_and_streams_of_sync_scheduling():
+def test_async_scheduling_gives_the_tokens_and_streams_of_sync_scheduling(small_cache):
     """Greedy and seeded sampling, stop tokens, stop strings, max_tokens and a cache small
     enough to preempt: the same tokens with two steps in flight as with one; a stopped
     request streams exactly its tokens, none of the step after its stop."""
@@ -246,15 +257,19 @@ def test_async_scheduling_gives_the_tokens_and_streams_of_sync_scheduling():
         outs = llm.generate(PROMPTS, params)
         return [(o.token_ids, o.text, o.finish_reason) for o in outs], streamed
 
-    results = {}
-    for async_scheduling in (False, True):
-        with make_llm(kv_cache_bytes=25 * 4096, async_scheduling=async_scheduling) as llm:
-            results[async_scheduling] = scenario(llm)
-            stats = llm.stats()
-            assert stats.num_preemptions > 0
-            # The engine core takes the steps in flight back once every request has
-            # finished, before it reads on: every block is free again.
-            assert stats.num_free_blocks == stats.num_blocks
+    def preempting_scenario(llm: LLM) -> tuple[list, list]:
+        before = llm.stats().num_preemptions
+        result = scenario(llm)
+        stats = llm.stats()
+        assert stats.num_preemptions > before
+        # The engine core takes the steps in flight back once every request has
+        # finished, before it reads on: every block is free again.
+        assert stats.num_free_blocks == stats.num_blocks
+        return result
+
+    with make_llm(kv_cache_bytes=SMALL_CACHE_BYTES, async_scheduling=False) as sync:
+        results = {False: preempting_scenario(sync)}
+    results[True] = preempting_scenario(small_cache)
     assert results[True] == results[False]
     (first, _, reason), streamed = results[True][0][0], results[True][1]
     assert reason == "stop" and [t for chunk in streamed for t in chunk] == first
