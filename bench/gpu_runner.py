@@ -30,12 +30,14 @@ from messages.step import HANDLE, NUM_COLUMNS, NUM_COMPUTED, NUM_SCHEDULED
 from zmqworker.cdiv import cdiv
 from zmqworker.distributed.parallel_state import single_rank_state
 from zmqworker.model_runner import ModelRunner
+from zmqworker.worker.host_malloc import keep_freed_memory
 
 BLOCK_SIZE = 16
 PROMPT_LEN = 512
 DECODE_STEPS = 160  # room in every request's blocks: warm-up, timed, pipelined, profiled
 MAX_BATCHED = 8192
 GREEDY = SamplingParams(temperature=0.0)
+CUDA = torch.device("cuda")
 
 _LLAMA3_ROPE = {
     "rope_type": "llama3",
@@ -118,7 +120,8 @@ class Ours:
     """One runner per shape, with KV blocks for each of `loads` (requests, prompt length
     each) in turn, each request with room for `decodes` decode steps: sized per request
     and load, not max_model_len for every request, so that Mixtral-8x7B's weights leave
-    room. max_num_seqs is the largest load's count."""
+    room. max_num_seqs is the largest load's count. On the CPU (float32), for the benches
+    that also run there."""
 
     def __init__(
         self,
@@ -127,28 +130,32 @@ class Ours:
         loads: list[tuple[int, int]],
         max_batched: int = MAX_BATCHED,
         decodes: int = DECODE_STEPS,
+        device: torch.device = CUDA,
     ) -> None:
         max_batch = max(requests for requests, _ in loads)
+        self.device = device
         self.max_batched = max_batched
         self.decodes = decodes
         config = WorkerConfig(
             model=ModelConfig(
                 path=str(folder),
-                dtype="bfloat16",
+                dtype="bfloat16" if device.type == "cuda" else "float32",
                 max_model_len=max(model_len(length, decodes) for _, length in loads),
                 load_format="dummy" if dummy else "auto",
             ),
             cache=CacheConfig(block_size=BLOCK_SIZE),
             scheduler=SchedulerConfig(max_num_seqs=max_batch, max_num_batched_tokens=max_batched),
         )
-        self.runner = ModelRunner(config, single_rank_state(torch.device("cuda")))
+        self.runner = ModelRunner(config, single_rank_state(device))
         spec = self.runner.get_kv_cache_spec()
         self.num_blocks = max(n * self.blocks_per_request(length) for n, length in loads)
         self.runner.initialize_kv_cache(make_kv_cache_config([spec], self.num_blocks))
         start = time.perf_counter()
         self.runner.warm_up([size for size in (1, 8) if size <= max_batch])
-        torch.cuda.synchronize()
+        self.sync()
         self.warm_up_s = time.perf_counter() - start
+        if device.type == "cpu":
+            keep_freed_memory()  # as a CPU worker does once warmed up (host_malloc.py)
         # As the worker process does once started: the collector stops walking the heap.
         gc.collect()
         gc.freeze()
@@ -165,17 +172,27 @@ class Ours:
         del self.runner
         gc.unfreeze()
         gc.collect()
-        torch.cuda.empty_cache()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
 
     def blocks_per_request(self, prompt_len: int) -> int:
         return cdiv(model_len(prompt_len, self.decodes), BLOCK_SIZE)
 
     def start(
-        self, batch: int, prompt_len: int, rng: np.random.Generator, cached: int = 0
+        self,
+        batch: int,
+        prompt_len: int,
+        rng: np.random.Generator,
+        cached: int = 0,
+        params: SamplingParams = GREEDY,
     ) -> list[int]:
-        """Prefill `batch` new requests (finishing the previous ones in the first step).
-        cached: the prompt's first tokens are taken as already in the KV cache (a prefix
-        hit), so that a long history costs one step of prompt_len - cached tokens."""
+        """Prefill `batch` new requests of params (finishing the previous ones in the first
+        step). cached: the prompt's first tokens are taken as already in the KV cache (a
+        prefix hit), so that a long history costs one step of prompt_len - cached tokens."""
         handles = list(range(self.next_handle, self.next_handle + batch))
         self.next_handle += batch
         finished, self.live = self.live, handles
@@ -186,7 +203,7 @@ class Ours:
             new, budget = [], self.max_batched
             while pending and budget >= scheduled:
                 i, handle = pending.pop(0)
-                new.append(self.new_request(handle, i * per_req, prompt_len, rng, cached))
+                new.append(self.new_request(handle, i * per_req, prompt_len, rng, cached, params))
                 budget -= scheduled
             so = SchedulerOutput(
                 new, CachedRequestData.empty(), self.max_batched - budget, finished
@@ -202,6 +219,7 @@ class Ours:
         prompt_len: int,
         rng: np.random.Generator,
         cached: int = 0,
+        params: SamplingParams = GREEDY,
     ) -> NewRequestData:
         """A request of a random prompt over blocks_per_request(prompt_len) blocks from
         first_block."""
@@ -214,7 +232,7 @@ class Ours:
         prompt = rng.integers(0, self.vocab, prompt_len).astype(np.int32)
         blocks = np.arange(first_block, end, dtype=np.int32)
         return NewRequestData(
-            f"r{handle}", handle, prompt, GREEDY, blocks, prompt_len - cached, cached
+            f"r{handle}", handle, prompt, params, blocks, prompt_len - cached, cached
         )
 
     def decode_steps(self, handles: list[int], computed: int, n: int) -> list[SchedulerOutput]:

@@ -22,9 +22,7 @@ Writes bench/results/penalties.json (penalties_cuda.json on CUDA, or --out).
 from __future__ import annotations
 
 import argparse
-import gc
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
@@ -32,26 +30,9 @@ import torch
 import transformers
 
 from bench.common import pin_threads, print_table, write_results
-from bench.gpu_decode import SHAPES
-from messages import (
-    CacheConfig,
-    CachedRequestData,
-    ModelConfig,
-    NewRequestData,
-    SamplingParams,
-    SchedulerConfig,
-    SchedulerOutput,
-    WorkerConfig,
-    make_kv_cache_config,
-)
-from messages.step import HANDLE, NUM_COLUMNS, NUM_COMPUTED, NUM_SCHEDULED
-from zmqworker.cdiv import cdiv
-from zmqworker.distributed.parallel_state import single_rank_state
-from zmqworker.model_runner import ModelRunner
-from zmqworker.worker.host_malloc import keep_freed_memory
+from bench.gpu_runner import SHAPES, Ours
+from messages import SamplingParams
 
-BLOCK_SIZE = 16
-MAX_BATCHED = 8192
 PENALTIES = {
     "repetition_penalty": 1.1,
     "frequency_penalty": 0.3,
@@ -66,88 +47,6 @@ SETTINGS = {
 }
 
 
-class Runner:
-    """A model runner with KV blocks for max_batch requests of prompt_len + steps tokens."""
-
-    def __init__(
-        self, folder: Path, device: torch.device, max_batch: int, prompt_len: int, steps: int
-    ) -> None:
-        self.device = device
-        self.prompt_len = prompt_len
-        self.per_req = cdiv(prompt_len + steps + BLOCK_SIZE, BLOCK_SIZE)
-        config = WorkerConfig(
-            model=ModelConfig(
-                path=str(folder),
-                dtype="bfloat16" if device.type == "cuda" else "float32",
-                max_model_len=self.per_req * BLOCK_SIZE,
-                load_format="dummy",
-            ),
-            cache=CacheConfig(block_size=BLOCK_SIZE),
-            scheduler=SchedulerConfig(max_num_seqs=max_batch, max_num_batched_tokens=MAX_BATCHED),
-        )
-        self.runner = ModelRunner(config, single_rank_state(device))
-        spec = self.runner.get_kv_cache_spec()
-        blocks = max_batch * self.per_req
-        self.runner.initialize_kv_cache(make_kv_cache_config([spec], blocks))
-        self.runner.warm_up([size for size in (1, 8) if size <= max_batch])
-        if device.type == "cpu":
-            keep_freed_memory()  # as a CPU worker does once warmed up (host_malloc.py)
-        gc.collect()
-        gc.freeze()
-        self.vocab = self.runner.model.vocab_size
-        self.next_handle = 0
-        self.live: list[int] = []
-
-    def start(self, batch: int, params: SamplingParams, rng: np.random.Generator) -> list[int]:
-        """Prefill batch new requests with params (the previous ones finish first)."""
-        handles = list(range(self.next_handle, self.next_handle + batch))
-        self.next_handle += batch
-        finished, self.live = self.live, handles
-        pending = list(enumerate(handles))
-        while pending:
-            new, budget = [], MAX_BATCHED
-            while pending and budget >= self.prompt_len:
-                i, handle = pending.pop(0)
-                prompt = rng.integers(0, self.vocab, self.prompt_len).astype(np.int32)
-                blocks = np.arange(i * self.per_req, (i + 1) * self.per_req, dtype=np.int32)
-                new.append(
-                    NewRequestData(f"r{handle}", handle, prompt, params, blocks, self.prompt_len)
-                )
-                budget -= self.prompt_len
-            so = SchedulerOutput(new, CachedRequestData.empty(), MAX_BATCHED - budget, finished)
-            finished = []
-            self.runner.execute_model(so).get_output()
-        return handles
-
-    def decode_steps(self, handles: list[int], n: int) -> list[SchedulerOutput]:
-        columns = np.zeros((NUM_COLUMNS, len(handles)), np.int32)
-        columns[HANDLE], columns[NUM_SCHEDULED] = handles, 1
-        steps = []
-        for k in range(n):
-            columns[NUM_COMPUTED] = self.prompt_len + k
-            steps.append(SchedulerOutput([], CachedRequestData(columns.copy()), len(handles)))
-        return steps
-
-    def pipelined(self, steps: list[SchedulerOutput]) -> float:
-        """Seconds a step, each issued before the previous one's output is read."""
-        self.sync()
-        start = time.perf_counter()
-        previous = None
-        for so in steps:
-            out = self.runner.execute_model(so)
-            if previous is not None:
-                previous.get_output()
-            previous = out
-        assert previous is not None
-        previous.get_output()
-        self.sync()
-        return (time.perf_counter() - start) / len(steps)
-
-    def sync(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
-
-
 def run_shape(shape: str, batches: list[int], device: torch.device, args) -> list[dict]:
     rows = []
     with tempfile.TemporaryDirectory(dir=args.tmp) as tmp:
@@ -156,13 +55,15 @@ def run_shape(shape: str, batches: list[int], device: torch.device, args) -> lis
             folder
         )
         total = args.warm_steps + args.steps
-        runner = Runner(folder, device, max(batches), args.prompt_len, total)
+        load = (max(batches), args.prompt_len)
+        runner = Ours(folder, dummy=True, loads=[load], decodes=total, device=device)
         rng = np.random.default_rng(0)
         for batch in batches:
             ms = dict.fromkeys(SETTINGS, float("inf"))
             for _ in range(args.repeats):
                 for name, params in SETTINGS.items():
-                    steps = runner.decode_steps(runner.start(batch, params, rng), total)
+                    handles = runner.start(batch, args.prompt_len, rng, params=params)
+                    steps = runner.decode_steps(handles, args.prompt_len, total)
                     runner.pipelined(steps[: args.warm_steps])
                     turn = runner.pipelined(steps[args.warm_steps :]) * 1e3
                     ms[name] = min(ms[name], turn)
@@ -171,10 +72,7 @@ def run_shape(shape: str, batches: list[int], device: torch.device, args) -> lis
             row["sampled_ratio"] = ms["sampled+penalties"] / ms["sampled"]
             print(row, flush=True)
             rows.append(row)
-        runner.runner.shutdown()
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
+        runner.close()
     return rows
 
 
