@@ -23,7 +23,6 @@ aligned 8-byte store is enough (x86-64 keeps stores in order).
 
 from __future__ import annotations
 
-import fcntl
 import itertools
 import math
 import mmap
@@ -37,6 +36,7 @@ import torch
 from messages import SharedSlot, SharedTensorRef
 from messages.codec import DTYPE_NAMES, MAX_NDIM
 from zmqworker.cdiv import cdiv
+from zmqworker.distributed.sealed_memfd import create_sealed, open_peer
 
 MEMFD_NAME = "zmqworker-pp"
 MAGIC = int.from_bytes(b"zmqwshm1", "little")
@@ -45,7 +45,6 @@ ALIGN = 64  # every tensor starts at a multiple of this
 MIN_SLOT_BYTES = 1 << 20
 SLOT_GRANULE = 64 << 10
 MAX_SLOTS = 1024
-SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 FIRST_WAIT_S, LONGEST_WAIT_S = 20e-6, 1e-3  # polling for a free slot: never spin hard
 
 _DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
@@ -80,16 +79,7 @@ class _Segment:
         self.num_slots, self.slot_size = num_slots, slot_size
         self.data_offset = _round_up(8 * (HEADER_WORDS + num_slots), mmap.PAGESIZE)
         self.nbytes = self.data_offset + num_slots * slot_size
-        fd = os.memfd_create(MEMFD_NAME, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
-        try:
-            os.ftruncate(fd, self.nbytes)
-            # Sealed: the receiver can rely on the size (a shrunk file would SIGBUS it).
-            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
-            mm = mmap.mmap(fd, self.nbytes)
-        except BaseException:
-            os.close(fd)
-            raise
-        self.fd = fd
+        self.fd, mm = create_sealed(MEMFD_NAME, self.nbytes)
         self.words = memoryview(mm)[: self.data_offset].cast("Q")
         layout = (MAGIC, self.generation, num_slots, slot_size, self.data_offset)
         for i, value in enumerate(layout):
@@ -234,15 +224,8 @@ class _Mapping:
     def __init__(self, shared: SharedSlot) -> None:
         self.pid, self.fd, self.generation = shared.pid, shared.fd, shared.generation
         path = f"/proc/{shared.pid}/fd/{shared.fd}"
-        # Only ever open a memfd of ours: another fd of the sender could be a device.
-        target = os.readlink(path)
-        if not target.startswith(f"/memfd:{MEMFD_NAME}"):
-            raise ShmDescriptorError(f"{path} is {target!r}, not a ring segment")
-        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+        fd, size = open_peer(shared.pid, shared.fd, MEMFD_NAME, ShmDescriptorError, "ring segment")
         try:
-            if not fcntl.fcntl(fd, fcntl.F_GET_SEALS) & fcntl.F_SEAL_SHRINK:
-                raise ShmDescriptorError(f"{path} is not sealed against shrinking")
-            size = os.fstat(fd).st_size
             if not 8 * HEADER_WORDS <= shared.nbytes <= size or shared.nbytes % 8:
                 raise ShmDescriptorError(
                     f"segment of {shared.nbytes} bytes (whole words expected): the file holds "

@@ -13,7 +13,6 @@ same host) after checking the link's name, the seals, the size and the header:
 
 from __future__ import annotations
 
-import fcntl
 import itertools
 import math
 import mmap
@@ -23,13 +22,13 @@ import secrets
 import torch
 
 from messages import SharedWeightRef, SharedWeights, WeightSpec
+from zmqworker.distributed.sealed_memfd import create_sealed, open_peer
 from zmqworker.distributed.weight_group import TORCH_DTYPES
 
 MEMFD_NAME = "zmqworker-weights"
 MAGIC = int.from_bytes(b"zmqwwts1", "little")
 HEADER_BYTES = 64
 ALIGN = 64  # every piece starts at a multiple of this
-SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 
 # Process-wide, from a random start: (pid, fd, generation) never names two segments.
 _generations = itertools.count(secrets.randbits(40) + 1)
@@ -47,15 +46,7 @@ class WeightSegment:
             raise ValueError(f"a weight segment needs a capacity >= 1, got {capacity}")
         self.generation = next(_generations)
         self.nbytes = HEADER_BYTES + capacity
-        fd = os.memfd_create(MEMFD_NAME, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
-        try:
-            os.ftruncate(fd, self.nbytes)
-            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)  # the reader relies on the size
-            mm = mmap.mmap(fd, self.nbytes)
-        except BaseException:
-            os.close(fd)
-            raise
-        self.fd = fd
+        self.fd, mm = create_sealed(MEMFD_NAME, self.nbytes)
         header = memoryview(mm)[:HEADER_BYTES].cast("Q")
         header[0], header[1], header[2] = MAGIC, self.generation, self.nbytes
         header.release()
@@ -89,20 +80,16 @@ class MappedSegment:
     def __init__(self, shared: SharedWeights) -> None:
         path = f"/proc/{shared.pid}/fd/{shared.fd}"
         try:
-            target = os.readlink(path)
+            fd, size = open_peer(
+                shared.pid, shared.fd, MEMFD_NAME, WeightSegmentError, "weight segment"
+            )
         except OSError as e:
             raise RuntimeError(
                 f"cannot open the engine's shared memory {path} ({e}): an update from the "
                 "engine's process needs its workers on the same host; from elsewhere, send "
                 "it through a weight-transfer group (init_weight_transfer_group)"
             ) from None
-        if not target.startswith(f"/memfd:{MEMFD_NAME}"):
-            raise WeightSegmentError(f"{path} is {target!r}, not a weight segment")
-        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
         try:
-            if not fcntl.fcntl(fd, fcntl.F_GET_SEALS) & fcntl.F_SEAL_SHRINK:
-                raise WeightSegmentError(f"{path} is not sealed against shrinking")
-            size = os.fstat(fd).st_size
             if not HEADER_BYTES <= shared.nbytes <= size:
                 raise WeightSegmentError(
                     f"a segment of {shared.nbytes} bytes: the file holds {size}"
