@@ -4,7 +4,8 @@ transformers' static-cache + torch.compile generate, on real shapes (CUDA only).
 Each shape is a Llama-family config.json written here (no weights downloaded,
 gpu_runner.py): SmolLM2-135M and Llama-3.2-1B get random weights from transformers,
 saved and loaded by both sides; Llama-3-8B and the mixtures of experts (Qwen3-30B-A3B's
-and Mixtral-8x7B's shapes, asked for with --shapes) get our load_format="dummy" weights.
+and Mixtral-8x7B's shapes) and the other families' (Qwen2.5-1.5B, Qwen2.5-7B, Qwen3-8B,
+Mistral-7B), asked for with --shapes, get our load_format="dummy" weights.
 Prompts of 512 random tokens are prefilled, then decode steps are timed two ways:
 - ours_ms: the median of steps run one at a time, each waiting for its sampled ids (what
   an engine sees when it schedules after every output);

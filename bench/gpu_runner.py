@@ -1,4 +1,4 @@
-"""The model runner of bench.gpu_decode's shapes: a Llama-family config.json written
+"""The model runner of bench.gpu_decode's shapes: a config.json written
 here (no weights downloaded; random transformers weights for the shapes compared with
 transformers, load_format="dummy" for the others and for the mixtures of experts,
 moe_floor.py), a runner with KV blocks for the requests its rows run, and the steps the
@@ -83,7 +83,65 @@ SHAPES = {
         rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
     ),
 }
-DENSE_SHAPES = list(SHAPES)
+# The other families' 7-8B and small shapes, to check that the kernels hold off the shapes
+# they were tuned on (dummy weights).
+SHAPES.update(
+    {
+        "qwen2.5-1.5b": dict(
+            hidden_size=1536,
+            intermediate_size=8960,
+            num_hidden_layers=28,
+            num_attention_heads=12,
+            num_key_value_heads=2,
+            vocab_size=151936,
+            tie_word_embeddings=True,
+            max_position_embeddings=32768,
+            rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+        ),
+        "qwen2.5-7b": dict(
+            hidden_size=3584,
+            intermediate_size=18944,
+            num_hidden_layers=28,
+            num_attention_heads=28,
+            num_key_value_heads=4,
+            vocab_size=152064,
+            tie_word_embeddings=False,
+            max_position_embeddings=32768,
+            rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+        ),
+        "qwen3-8b": dict(
+            hidden_size=4096,
+            intermediate_size=12288,
+            num_hidden_layers=36,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            head_dim=128,
+            vocab_size=151936,
+            tie_word_embeddings=False,
+            max_position_embeddings=40960,
+            rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+        ),
+        "mistral-7b": dict(
+            hidden_size=4096,
+            intermediate_size=14336,
+            num_hidden_layers=32,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            vocab_size=32768,
+            tie_word_embeddings=False,
+            max_position_embeddings=32768,
+            sliding_window=None,  # v0.3: full attention
+            rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+        ),
+    }
+)
+_DENSE_CONFIG_CLASSES = {
+    "qwen2.5-1.5b": "Qwen2Config",
+    "qwen2.5-7b": "Qwen2Config",
+    "qwen3-8b": "Qwen3Config",
+    "mistral-7b": "MistralConfig",
+}
+DENSE_SHAPES = ["smollm2-135m", "llama-3.2-1b", "llama-3-8b"]  # the default rows
 SHAPES.update(MOE_SHAPES)
 HF_WEIGHTS = ("smollm2-135m", "llama-3.2-1b")  # the others run dummy weights
 PREFILL = (8, 1024)  # the prefill row's requests, tokens each
@@ -98,7 +156,8 @@ def make_checkpoint(
     fields = dict(SHAPES[shape])
     if max_positions is not None:
         fields["max_position_embeddings"] = max(max_positions, fields["max_position_embeddings"])
-    config_class = getattr(transformers, CONFIG_CLASSES.get(shape, "LlamaConfig"))
+    classes = CONFIG_CLASSES | _DENSE_CONFIG_CLASSES
+    config_class = getattr(transformers, classes.get(shape, "LlamaConfig"))
     config = config_class(**fields, bos_token_id=1, eos_token_id=2)
     config.save_pretrained(folder)
     if shape not in HF_WEIGHTS or max_positions is not None:
