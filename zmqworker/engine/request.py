@@ -42,9 +42,15 @@ class Request:
         *,
         eos_token_ids: Iterable[int] = (),
         arrival_time: float | None = None,
+        shares_prompt_with: str | None = None,
     ) -> None:
         if len(prompt_token_ids) == 0:
             raise ValueError(f"request {req_id!r}: the prompt is empty")
+        if sampling_params.n != 1:
+            raise ValueError(
+                f"request {req_id!r}: n={sampling_params.n}; the engine core runs one sample "
+                "per request (the client fans n out into requests that share the prompt)"
+            )
         self.req_id = req_id
         self.prompt_token_ids = [int(t) for t in prompt_token_ids]
         self.all_token_ids = list(self.prompt_token_ids)
@@ -53,6 +59,8 @@ class Request:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.eos_token_list = sorted(self.eos_token_ids)  # as the workers get them
         self.arrival_time = time.time() if arrival_time is None else arrival_time
+        # A sibling (same prompt, n > 1) whose prompt blocks this one takes once computed.
+        self.shares_prompt_with = shares_prompt_with
         self.status = RequestStatus.WAITING
         self.finish_reason: FinishReason | None = None
         self.stop_reason: int | None = None  # the stop token id hit

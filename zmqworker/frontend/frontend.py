@@ -16,6 +16,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+import msgspec
 import numpy as np
 
 from messages import EngineCoreReady, EngineCoreRequest, SamplingParams
@@ -82,7 +83,8 @@ class Frontend(ControlMethods):
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
-        """Complete every prompt (batched together); outputs in the order of prompts."""
+        """Complete every prompt (batched together); outputs in the order of prompts, n
+        in a row for a prompt whose params ask for n samples (RequestOutput.index)."""
         self._require_open()
         if self._streaming():
             raise RuntimeError("generate() called while generate_stream() streams are running")
@@ -132,27 +134,28 @@ class Frontend(ControlMethods):
         self, prompt: Prompt, sampling_params: SamplingParams | None = None
     ) -> AsyncIterator[RequestOutput]:
         """Yield the request's output each time it grows (new_text, new_token_ids); the
-        last one has finished=True. Several streams may run at once on one event loop;
-        a stream closed early aborts its request."""
+        last one has finished=True. With n samples, each sample's outputs (told apart by
+        RequestOutput.index) until all n have finished. Several streams may run at once
+        on one event loop; a stream closed early aborts its requests."""
         self._require_open()
-        [state] = self._make_states([prompt], sampling_params)
+        states = self._make_states([prompt], sampling_params)
         self.client.attach(asyncio.get_running_loop(), self._handle)
         queue: asyncio.Queue[RequestOutput | Exception] = asyncio.Queue()
-        self._submit(state, queue.put_nowait)
-        finished = False
+        running = {state.request_id for state in states}
         try:
-            while True:
+            for state in states:
+                self._submit(state, queue.put_nowait)
+            while running:
                 item = await queue.get()
                 if isinstance(item, Exception):
-                    finished = True
+                    running.clear()  # a failure ends the stream, and every sample with it
                     raise item
-                yield item
                 if item.finished:
-                    finished = True
-                    return
+                    running.discard(item.request_id)
+                yield item
         finally:
-            if not finished:
-                self._abort([state.request_id])
+            if running:
+                self._abort([s.request_id for s in states if s.request_id in running])
 
     def encode(self, prompt: Prompt) -> list[int]:
         """The prompt's token ids (text goes through the tokenizer), checked against the
@@ -213,6 +216,7 @@ class Frontend(ControlMethods):
             state.params,
             eos_token_ids=sorted(self.eos_token_ids),
             arrival_time=time.time(),
+            shares_prompt_with=state.shares_prompt_with,
         )
         try:
             self.client.add_request(request)
@@ -267,19 +271,46 @@ class Frontend(ControlMethods):
         states = []
         for index, (prompt, param) in enumerate(zip(prompts, params, strict=True)):
             try:
-                states.append(self._make_state(prompt, param))
+                states.extend(self._make_samples(prompt, param))
             except ValueError as exc:
                 raise ValueError(f"prompt {index}: {exc}") from None
         return states
 
-    def _make_state(self, prompt: Prompt, params: SamplingParams) -> RequestState:
+    def _make_samples(self, prompt: Prompt, params: SamplingParams) -> list[RequestState]:
+        """A request state per sample (params.n) of the prompt, tokenized once. The
+        samples are requests of their own (ids "<id>.<i>") with n=1 and, with a seed,
+        seed + i as vLLM's are; the first computes the prompt, the others share its KV
+        (engine/prompt_sharing.py)."""
         params = request_params(params, self.tokenizer, self.vocab_size, self.max_logprobs)
         token_ids = self.encode(prompt)
+        request_id = f"{self._id_prefix}{next(self._ids)}"
+        if params.n == 1:
+            return [self._make_state(request_id, prompt, token_ids, params)]
+        states = []
+        for i in range(params.n):
+            seed = params.seed
+            if seed is not None:  # seed + i, wrapped to an int64
+                seed = (seed + i + 2**63) % 2**64 - 2**63
+            sample = msgspec.structs.replace(params, n=1, seed=seed)
+            state = self._make_state(f"{request_id}.{i}", prompt, token_ids, sample, i)
+            state.shares_prompt_with = states[0].request_id if states else None
+            states.append(state)
+        return states
+
+    def _make_state(
+        self,
+        request_id: str,
+        prompt: Prompt,
+        token_ids: list[int],
+        params: SamplingParams,
+        index: int = 0,
+    ) -> RequestState:
         detokenizer = IncrementalDetokenizer(self.tokenizer, token_ids) if self.tokenizer else None
         return RequestState(
-            f"{self._id_prefix}{next(self._ids)}",
+            request_id,
             prompt if isinstance(prompt, str) else None,
             token_ids,
             params,
             detokenizer,
+            index=index,
         )

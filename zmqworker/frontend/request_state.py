@@ -31,6 +31,7 @@ class RequestState:
         params: SamplingParams,
         detokenizer: IncrementalDetokenizer | None,
         arrival_time: float | None = None,
+        index: int = 0,
     ) -> None:
         if params.stop and detokenizer is None:
             raise ValueError(f"request {request_id!r}: stop strings need a tokenizer")
@@ -38,6 +39,9 @@ class RequestState:
         self.prompt = prompt
         self.prompt_token_ids = list(prompt_token_ids)
         self.params = params
+        self.index = index  # which of its prompt's n samples it is
+        # The sibling sample whose prompt KV this one takes (n > 1), sent before it.
+        self.shares_prompt_with: str | None = None
         self.output_token_ids: list[int] = []
         self.output_text = ""
         self.logprobs: list[PositionLogprobs] | None = None if params.logprobs is None else []
@@ -112,6 +116,7 @@ class RequestState:
             new_text=new_text,
             new_token_ids=new_tokens,
             logprobs=None if self.logprobs is None else list(self.logprobs),
+            index=self.index,
         )
 
     def timings(self) -> RequestTimings:
