@@ -12,6 +12,7 @@ from typing import Annotated, Any
 
 from msgspec import Meta, Struct
 
+from messages.sampling import MAX_N
 from zmqworker.serve.errors import APIError
 from zmqworker.serve.unsupported import refuse_unsupported, unsupported_part
 
@@ -52,8 +53,7 @@ class SamplingRequest(Struct, forbid_unknown_fields=True, kw_only=True):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    # Not supported unless neutral (unsupported.py).
-    n: Annotated[int, Meta(ge=1)] | None = None
+    n: Annotated[int, Meta(ge=1, le=MAX_N)] | None = None  # choices per prompt
 
     def check(self) -> None:
         """Refuse what the types cannot: unsupported features, options that need another."""
@@ -91,12 +91,18 @@ class CompletionRequest(SamplingRequest, kw_only=True):
     max_tokens: Annotated[int, Meta(ge=1)] | None = 16
     logprobs: Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)] | None = None
     echo: bool = False
+    best_of: Annotated[int, Meta(ge=1)] | None = None  # n only: no ranking of samples
     # Not supported unless neutral (unsupported.py).
-    best_of: Annotated[int, Meta(ge=1)] | None = None
     suffix: str | None = None
 
     def check(self) -> None:
         super().check()
+        if self.best_of is not None and self.best_of != (self.n or 1):
+            raise APIError(
+                f"best_of={self.best_of} with n={self.n or 1}: only best_of equal to n is "
+                "supported (no ranking of extra samples)",
+                param="best_of",
+            )
         if self.echo and self.logprobs is not None:
             raise APIError("echo with logprobs is not supported", param="echo")
         self.named_prompts()
