@@ -101,6 +101,9 @@ class EngineCoreOutput(msgspec.Struct, tag=True, omit_defaults=True):
     stop_reason: int | None = None
     logprobs: LogprobsLists | None = None
     num_cached_tokens: NonNegative = 0  # prefix-cache hits when it was scheduled
+    # On a request's first output: seconds from the engine core taking it in to first
+    # scheduling it (its own clock: a client cannot see either moment).
+    queue_time_s: Annotated[float, msgspec.Meta(ge=0)] = 0.0
 
 
 class EngineCoreStats(msgspec.Struct, tag=True):

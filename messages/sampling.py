@@ -76,6 +76,16 @@ class SamplingParams(msgspec.Struct, tag=True, frozen=True, omit_defaults=True):
     ignore_eos: Annotated[
         bool, Meta(description="keep generating after the end-of-sequence token")
     ] = False
+    include_stop_str_in_output: Annotated[
+        bool,
+        Meta(
+            description="keep the stop string, or the text of the stop token, that ended "
+            "the output at its end"
+        ),
+    ] = False
+    skip_special_tokens: Annotated[
+        bool, Meta(description="leave special tokens out of the output's text")
+    ] = True
     logprobs: Annotated[
         Annotated[int, Meta(ge=0)] | None,
         Meta(

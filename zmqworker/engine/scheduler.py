@@ -230,7 +230,7 @@ class Scheduler:
             if new_blocks is None:
                 break
             self.waiting.popleft()
-            request.status = RequestStatus.RUNNING
+            request.start_running()
             if request.handle is None:
                 request.handle = self._handles.acquire()
             request.num_computed_tokens = request.num_cached_tokens = num_hit

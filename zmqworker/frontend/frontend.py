@@ -71,6 +71,7 @@ class Frontend(ControlMethods):
         self._id_prefix = f"req-{client_index}-"
         self._closed = False
         self._pusher: WeightPusher | None = None  # made at the first update from here
+        self._observers: list[Callable[[RequestOutput], None]] = []
 
     # -- the API ---------------------------------------------------------------------
 
@@ -125,10 +126,18 @@ class Frontend(ControlMethods):
         messages: Conversation,
         add_generation_prompt: bool = True,
         add_special_tokens: bool = False,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[int]:
-        """The prompt of a conversation, ending where the assistant's reply starts
-        (TextSide.chat_prompt)."""
-        return self._texts.chat_prompt(messages, add_generation_prompt, add_special_tokens)
+        """The prompt of a conversation, ending where the assistant's reply starts, or
+        inside the last message with continue_final_message (TextSide.chat_prompt)."""
+        return self._texts.chat_prompt(
+            messages,
+            add_generation_prompt,
+            add_special_tokens,
+            continue_final_message,
+            chat_template_kwargs,
+        )
 
     async def generate_stream(
         self, prompt: Prompt, sampling_params: SamplingParams | None = None
@@ -156,6 +165,11 @@ class Frontend(ControlMethods):
         finally:
             if running:
                 self._abort([s.request_id for s in states if s.request_id in running])
+
+    def observe_outputs(self, observer: Callable[[RequestOutput], None]) -> None:
+        """Have observer see every output this client gets, before its caller does (the
+        server's metrics)."""
+        self._observers.append(observer)
 
     def encode(self, prompt: Prompt) -> list[int]:
         """The prompt's token ids (text goes through the tokenizer), checked against the
@@ -248,6 +262,8 @@ class Frontend(ControlMethods):
             if processed.stopped:
                 self.client.abort(processed.stopped, reason="stop")
             for out in processed.outputs:
+                for observer in self._observers:
+                    observer(out)
                 sink = sinks.pop(out.request_id) if out.finished else sinks.get(out.request_id)
                 if sink is not None:
                     sink(out)
@@ -305,7 +321,11 @@ class Frontend(ControlMethods):
         params: SamplingParams,
         index: int = 0,
     ) -> RequestState:
-        detokenizer = IncrementalDetokenizer(self.tokenizer, token_ids) if self.tokenizer else None
+        detokenizer = None
+        if self.tokenizer is not None:
+            detokenizer = IncrementalDetokenizer(
+                self.tokenizer, token_ids, params.skip_special_tokens
+            )
         return RequestState(
             request_id,
             prompt if isinstance(prompt, str) else None,

@@ -33,11 +33,16 @@ class PositionLogprobs:
 @dataclass(frozen=True)
 class RequestTimings:
     """Seconds, as the client saw them: time to first token, mean time per output token
-    after the first, and arrival to finish."""
+    after the first, and arrival to finish; as its engine core saw it, queue: from taking
+    the request in to first scheduling it (0 until its first output). since_last: from
+    the request's previous output to this one (0 on its first), the inter-token latency
+    of a step."""
 
     ttft: float
     tpot: float
     total: float
+    queue: float = 0.0
+    since_last: float = 0.0
 
 
 @dataclass

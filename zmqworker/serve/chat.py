@@ -3,6 +3,7 @@ included), the reply whole or streamed as server-sent events."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -58,9 +59,21 @@ def _prompt(llm: Frontend, body: ChatCompletionRequest) -> list[int]:
     """The conversation's token ids through the chat template, checked against the model
     (text work: in the text pool)."""
     try:
-        return llm.encode(llm.chat_prompt([m.as_template_message() for m in body.messages]))
+        prompt = llm.chat_prompt(
+            [m.as_template_message() for m in body.messages],
+            add_generation_prompt=body.add_generation_prompt,
+            continue_final_message=body.continue_final_message,
+            chat_template_kwargs=body.chat_template_kwargs,
+        )
+        return llm.encode(prompt)
     except ValueError as exc:
-        raise APIError.from_value_error(exc, param="messages") from None
+        named = re.match(r"\w+", str(exc))
+        option = named.group() if named else None
+        param = option if option in _TEMPLATE_OPTIONS else "messages"
+        raise APIError.from_value_error(exc, param=param) from None
+
+
+_TEMPLATE_OPTIONS = ("continue_final_message", "chat_template_kwargs")
 
 
 async def _finals(llm: Frontend, prompt: list[int], params: Any) -> list[RequestOutput]:

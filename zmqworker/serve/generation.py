@@ -49,6 +49,8 @@ def sampling_params(
         "stop": request.stop_strings(),
         "stop_token_ids": request.stop_token_ids,
         "ignore_eos": request.ignore_eos,
+        "include_stop_str_in_output": request.include_stop_str_in_output,
+        "skip_special_tokens": request.skip_special_tokens,
         "presence_penalty": request.presence_penalty,
         "frequency_penalty": request.frequency_penalty,
         "repetition_penalty": request.repetition_penalty,
