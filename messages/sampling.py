@@ -67,7 +67,10 @@ class SamplingParams(msgspec.Struct, tag=True, frozen=True, omit_defaults=True):
     ] = 1
     stop: Annotated[
         list[Annotated[str, Meta(min_length=1)]],
-        Meta(description="strings that end the output (not included in it)"),
+        Meta(
+            description="strings that end the output (not included in it, unless "
+            "include_stop_str_in_output)"
+        ),
     ] = []
     stop_token_ids: Annotated[
         list[Annotated[int, Meta(ge=0)]],
