@@ -57,6 +57,8 @@ class SamplingRequest(Struct, forbid_unknown_fields=True, kw_only=True):
     stream_options: StreamOptions | None = None
     user: str | None = None
     n: Annotated[int, Meta(ge=1, le=MAX_N)] | None = None  # choices per prompt
+    # Not supported unless neutral (unsupported.py).
+    prompt_logprobs: Annotated[int, Meta(ge=-1)] | None = None
 
     def check(self) -> None:
         """Refuse what the types cannot: unsupported features, options that need another."""
