@@ -157,8 +157,7 @@ class Frontend(ControlMethods):
             while running:
                 item = await queue.get()
                 if isinstance(item, Exception):
-                    running.clear()  # a failure ends the stream, and every sample with it
-                    raise item
+                    raise item  # the stream ends: its other samples are aborted below
                 if item.finished:
                     running.discard(item.request_id)
                 yield item
@@ -308,9 +307,10 @@ class Frontend(ControlMethods):
             if seed is not None:  # seed + i, wrapped to an int64
                 seed = (seed + i + 2**63) % 2**64 - 2**63
             sample = msgspec.structs.replace(params, n=1, seed=seed)
-            state = self._make_state(f"{request_id}.{i}", prompt, token_ids, sample, i)
-            state.shares_prompt_with = states[0].request_id if states else None
-            states.append(state)
+            first = states[0].request_id if states else None
+            states.append(
+                self._make_state(f"{request_id}.{i}", prompt, token_ids, sample, i, first)
+            )
         return states
 
     def _make_state(
@@ -320,6 +320,7 @@ class Frontend(ControlMethods):
         token_ids: list[int],
         params: SamplingParams,
         index: int = 0,
+        shares_prompt_with: str | None = None,
     ) -> RequestState:
         detokenizer = None
         if self.tokenizer is not None:
@@ -333,4 +334,5 @@ class Frontend(ControlMethods):
             params,
             detokenizer,
             index=index,
+            shares_prompt_with=shares_prompt_with,
         )

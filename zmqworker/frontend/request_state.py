@@ -32,6 +32,7 @@ class RequestState:
         detokenizer: IncrementalDetokenizer | None,
         arrival_time: float | None = None,
         index: int = 0,
+        shares_prompt_with: str | None = None,
     ) -> None:
         if params.stop and detokenizer is None:
             raise ValueError(f"request {request_id!r}: stop strings need a tokenizer")
@@ -41,7 +42,7 @@ class RequestState:
         self.params = params
         self.index = index  # which of its prompt's n samples it is
         # The sibling sample whose prompt KV this one takes (n > 1), sent before it.
-        self.shares_prompt_with: str | None = None
+        self.shares_prompt_with = shares_prompt_with
         self.output_token_ids: list[int] = []
         self.output_text = ""
         self.logprobs: list[PositionLogprobs] | None = None if params.logprobs is None else []
