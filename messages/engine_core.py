@@ -67,13 +67,18 @@ class EngineCoreReady(msgspec.Struct, tag=True):
 class EngineCoreRequest(msgspec.Struct, tag=True):
     """A request to run. EOS ids, max_tokens, stop token ids and max_model_len end it in
     the engine core; stop strings are the client's (it aborts the request on one).
-    arrival_time: the client's time.time() when the request came."""
+    arrival_time: the client's time.time() when the request came. shares_prompt_with:
+    another request of this client with the same prompt (a sibling of an n > 1 request,
+    sent before it): this one waits for that one's prompt to be computed, then takes its
+    full prompt blocks instead of computing them again. sampling_params.n must be 1: the
+    client fans n out into n requests."""
 
     request_id: str
     prompt_token_ids: np.ndarray  # int32 [n]
     sampling_params: SamplingParams
     eos_token_ids: list[int] = []
     arrival_time: float = 0.0
+    shares_prompt_with: str | None = None
 
 
 class AbortRequests(msgspec.Struct, tag=True):
@@ -96,6 +101,9 @@ class EngineCoreOutput(msgspec.Struct, tag=True, omit_defaults=True):
     stop_reason: int | None = None
     logprobs: LogprobsLists | None = None
     num_cached_tokens: NonNegative = 0  # prefix-cache hits when it was scheduled
+    # On a request's first output: seconds from the engine core taking it in to first
+    # scheduling it (its own clock: a client cannot see either moment).
+    queue_time_s: Annotated[float, msgspec.Meta(ge=0)] = 0.0
 
 
 class EngineCoreStats(msgspec.Struct, tag=True):
@@ -107,6 +115,9 @@ class EngineCoreStats(msgspec.Struct, tag=True):
     num_free_blocks: NonNegative
     num_preemptions: NonNegative
     num_aborted: NonNegative  # requests its clients aborted before they finished
+    # Tokens whose KV a prefill computed (prompts, and what a preempted request recomputes);
+    # prefix-cache hits and prompt blocks shared by siblings are not computed.
+    num_prefill_tokens: NonNegative = 0
 
 
 class EngineCoreOutputs(msgspec.Struct, tag=True):

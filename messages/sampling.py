@@ -17,6 +17,8 @@ from msgspec import Meta
 # Bounds on bad_words_token_ids, which a worker matches against every step's outputs.
 MAX_BAD_WORDS = 1024
 MAX_BAD_WORD_TOKENS = 64
+# The most samples of one prompt (n): each is a request in the engine core.
+MAX_N = 128
 
 
 class SamplingParams(msgspec.Struct, tag=True, frozen=True, omit_defaults=True):
@@ -54,9 +56,21 @@ class SamplingParams(msgspec.Struct, tag=True, frozen=True, omit_defaults=True):
         Meta(description="per-request sampling seed (reproducible sampling); an int64"),
     ] = None
     max_tokens: Annotated[int, Meta(ge=1, description="the most tokens to generate")] = 16
+    n: Annotated[
+        int,
+        Meta(
+            ge=1,
+            le=MAX_N,
+            description="samples to generate from the prompt (its KV computed once); with "
+            "a seed, sample i uses seed + i",
+        ),
+    ] = 1
     stop: Annotated[
         list[Annotated[str, Meta(min_length=1)]],
-        Meta(description="strings that end the output (not included in it)"),
+        Meta(
+            description="strings that end the output (not included in it, unless "
+            "include_stop_str_in_output)"
+        ),
     ] = []
     stop_token_ids: Annotated[
         list[Annotated[int, Meta(ge=0)]],
@@ -65,6 +79,16 @@ class SamplingParams(msgspec.Struct, tag=True, frozen=True, omit_defaults=True):
     ignore_eos: Annotated[
         bool, Meta(description="keep generating after the end-of-sequence token")
     ] = False
+    include_stop_str_in_output: Annotated[
+        bool,
+        Meta(
+            description="keep the stop string, or the text of the stop token, that ended "
+            "the output at its end"
+        ),
+    ] = False
+    skip_special_tokens: Annotated[
+        bool, Meta(description="leave special tokens out of the output's text")
+    ] = True
     logprobs: Annotated[
         Annotated[int, Meta(ge=0)] | None,
         Meta(

@@ -233,3 +233,16 @@ def test_sigterm_shuts_the_workers_down_and_exits_143():
     assert "zmqworker: terminated" in stderr and "Traceback" not in stderr
     gone, alive = psutil.wait_procs(workers, timeout=5)
     assert not alive
+
+
+def test_n_samples_of_a_prompt_are_json_lines_seeded_apart():
+    require_embedded_model()
+    out = run_cli(
+        "generate", "The capital of France is", "--json", "--n", "3", "--seed", "5",
+        "--max-tokens", "3", "--temperature", "1", "--max-model-len", "256",
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    records = [json.loads(line) for line in out.stdout.splitlines()]
+    assert [(r["index"], r["sample"]) for r in records] == [(0, 0), (0, 1), (0, 2)]
+    assert len({tuple(r["token_ids"]) for r in records}) == 3
+    assert "KV cache: 48 blocks" in out.stderr  # 3 samples x 256 tokens, 16 a block

@@ -197,8 +197,8 @@ COMPLETIONS, CHAT_COMPLETIONS = "/v1/completions", "/v1/chat/completions"
 @pytest.mark.parametrize(
     ("path", "changes", "param", "message"),
     [
-        (COMPLETIONS, {"n": 2}, "n", "n > 1 is not supported: one choice per prompt"),
-        (COMPLETIONS, {"best_of": 3}, "best_of", "best_of is not supported"),
+        (COMPLETIONS, {"n": 129}, "n", "n: must be <= 128"),
+        (COMPLETIONS, {"best_of": 3}, "best_of", "best_of=3 with n=1: only best_of equal to n"),
         (COMPLETIONS, {"suffix": "!"}, "suffix", "suffix is not supported"),
         (COMPLETIONS, {"presence_penalty": 2.5}, "presence_penalty", "presence_penalty: must"),
         (COMPLETIONS, {"repetition_penalty": 0}, "repetition_penalty", "repetition_penalty: "),

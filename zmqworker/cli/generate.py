@@ -45,7 +45,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     add_options(
         gen.add_argument_group("engine"),
         LLM_OPTIONS,
-        defaults={"max_num_seqs": "the number of prompts, at most 64"},
+        defaults={"max_num_seqs": "the number of samples (prompts times n), at most 64"},
     )
     return gen
 
@@ -57,7 +57,6 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--system needs --chat")
     items = read_prompts(args.prompts, args.prompts_file)
     engine = given(args, LLM_OPTIONS)
-    engine.setdefault("max_num_seqs", min(len(items), _default("max_num_seqs")))
     # Everything is checked before the workers start, then again with the engine's own
     # tokenizer before anything runs.
     jobs = check_run(
@@ -69,6 +68,8 @@ def run(args: argparse.Namespace) -> int:
         chat=args.chat,
         system=args.system,
     )
+    num_samples = sum(job.params.n for job in jobs)
+    engine.setdefault("max_num_seqs", min(num_samples, _default("max_num_seqs")))
     with LLM(**engine) as llm:
         prompts = engine_prompts(llm, jobs)
         began = time.perf_counter()
@@ -90,45 +91,52 @@ def _default(name: str) -> Any:
 
 
 async def _run_all(llm: Any, jobs: list[Job], prompts: list[list[int]], as_json: bool) -> list:
-    """Run every prompt at once. One prompt streams its text as it comes, after its own
-    text once the first token is out; several print each completion whole, as it
-    finishes; --json prints a line per prompt, in order."""
-    single = len(prompts) == 1 and not as_json
-    results: dict[int, Any] = {}
+    """Run every prompt at once. One prompt of one sample streams its text as it comes,
+    after its own text once the first token is out; otherwise each completion prints
+    whole as it finishes (a prompt's n samples as [prompt.sample]); --json prints a line
+    per completion, in order."""
+    single = len(prompts) == 1 and not as_json and jobs[0].params.n == 1
+    results: dict[int, list[Any]] = {}
     printed = 0
 
-    async def one(i: int, job: Job, prompt: list[int]) -> Any:
+    async def one(i: int, job: Job, prompt: list[int]) -> list[Any]:
         nonlocal printed
-        last = None
+        finals: dict[int, Any] = {}
         echo = isinstance(job.item.prompt, str)
         async for out in llm.generate_stream(prompt, job.params):
-            if single and last is None and job.conversation is None and echo:
-                sys.stdout.write(job.item.prompt)  # a completion continues its prompt
-            last = out
+            if single and out.token_ids == out.new_token_ids and out.new_token_ids:
+                if job.conversation is None and echo:
+                    sys.stdout.write(job.item.prompt)  # a completion continues its prompt
             if single and out.new_text:
                 sys.stdout.write(out.new_text)
                 sys.stdout.flush()
+            if out.finished:
+                finals[out.index] = out
+                if not single and not as_json:
+                    name = f"{i}.{out.index}" if job.params.n > 1 else str(i)
+                    print(f"--- [{name}] {job.item.label()}\n{out.text}", flush=True)
+        samples = [finals[k] for k in sorted(finals)]
         if as_json:
-            results[i] = last
+            results[i] = samples
             while printed in results:
-                print(json.dumps(_record(printed, jobs[printed], results[printed])), flush=True)
+                for out in results[printed]:
+                    print(json.dumps(_record(printed, jobs[printed], out)), flush=True)
                 printed += 1
-        elif not single:
-            print(f"--- [{i}] {job.item.label()}\n{last.text}", flush=True)
-        return last
+        return samples
 
     outputs = await asyncio.gather(
         *(one(i, job, prompt) for i, (job, prompt) in enumerate(zip(jobs, prompts, strict=True)))
     )
     if single:
         print(flush=True)
-    return list(outputs)
+    return [out for samples in outputs for out in samples]
 
 
 def _record(index: int, job: Job, out: Any) -> dict[str, Any]:
     item = job.item
     record: dict[str, Any] = {
         "index": index,
+        "sample": out.index,
         "prompt": item.prompt if item.messages is None else None,
         "text": out.text,
         "token_ids": out.token_ids,

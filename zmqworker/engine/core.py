@@ -184,6 +184,7 @@ class EngineCore:
             num_free_blocks=kv.num_free_blocks,
             num_preemptions=self.scheduler.num_preemptions,
             num_aborted=self.num_aborted,
+            num_prefill_tokens=self.scheduler.num_prefill_tokens,
         )
 
     def check_health(self, timeout: float = 10.0) -> None:

@@ -238,6 +238,7 @@ class EngineCoreServer:
                 msg.sampling_params,
                 eos_token_ids=msg.eos_token_ids,
                 arrival_time=msg.arrival_time,
+                shares_prompt_with=msg.shares_prompt_with,
             )
             self.core.add_request(request)
         except ValueError as exc:

@@ -14,7 +14,7 @@ the workers build the model's own config (AutoConfig) themselves.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -55,17 +55,51 @@ class TextSide:
         messages: Sequence[dict[str, Any]],
         add_generation_prompt: bool = True,
         add_special_tokens: bool = False,
+        continue_final_message: bool = False,
+        template_kwargs: Mapping[str, Any] | None = None,
     ) -> list[int]:
         """The token ids of a conversation, ending where the assistant's reply starts
-        (add_generation_prompt=False: after the last message). The template writes the
-        special tokens itself: add_special_tokens adds the tokenizer's (a BOS) again."""
+        (add_generation_prompt=False: after the last message; continue_final_message:
+        inside it, for the model to go on with it). The template writes the special
+        tokens itself: add_special_tokens adds the tokenizer's (a BOS) again.
+        template_kwargs: more variables for the template (vLLM's chat_template_kwargs,
+        such as enable_thinking); as in vLLM they may set add_generation_prompt and
+        continue_final_message too, but no other argument of apply_chat_template's."""
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("the model's tokenizer has no chat template")
         check_conversation(messages)
+        extra = dict(template_kwargs or {})
+        for option in ("add_generation_prompt", "continue_final_message"):
+            if not isinstance(extra.get(option, False), bool):
+                raise ValueError(f"chat_template_kwargs: {option} must be true or false")
+        add_generation_prompt = extra.pop("add_generation_prompt", add_generation_prompt)
+        continue_final_message = extra.pop("continue_final_message", continue_final_message)
+        if add_generation_prompt and continue_final_message:
+            raise ValueError(
+                "continue_final_message and add_generation_prompt cannot both be true: the "
+                "reply either continues the last message or starts a new one"
+            )
+        if reserved := sorted(extra.keys() & TEMPLATE_ARGUMENTS):
+            raise ValueError(
+                f"chat_template_kwargs: {reserved[0]!r} is an argument of the chat template's "
+                "rendering, not a template variable"
+            )
         text = self.tokenizer.apply_chat_template(
-            list(messages), add_generation_prompt=add_generation_prompt, tokenize=False
+            list(messages),
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            tokenize=False,
+            **extra,
         )
         return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+
+# apply_chat_template's own arguments: not template variables a request may set.
+TEMPLATE_ARGUMENTS = frozenset(
+    {"conversation", "tools", "documents", "chat_template", "tokenize", "padding",
+     "truncation", "max_length", "return_tensors", "return_dict",
+     "return_assistant_tokens_mask", "tokenizer_kwargs", "messages"}
+)  # fmt: skip
 
 
 def check_conversation(messages: Sequence[dict[str, Any]]) -> None:

@@ -42,9 +42,15 @@ class Request:
         *,
         eos_token_ids: Iterable[int] = (),
         arrival_time: float | None = None,
+        shares_prompt_with: str | None = None,
     ) -> None:
         if len(prompt_token_ids) == 0:
             raise ValueError(f"request {req_id!r}: the prompt is empty")
+        if sampling_params.n != 1:
+            raise ValueError(
+                f"request {req_id!r}: n={sampling_params.n}; the engine core runs one sample "
+                "per request (the client fans n out into requests that share the prompt)"
+            )
         self.req_id = req_id
         self.prompt_token_ids = [int(t) for t in prompt_token_ids]
         self.all_token_ids = list(self.prompt_token_ids)
@@ -53,6 +59,10 @@ class Request:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.eos_token_list = sorted(self.eos_token_ids)  # as the workers get them
         self.arrival_time = time.time() if arrival_time is None else arrival_time
+        self.queued_at = time.monotonic()  # taken in by the engine core
+        self.queue_time_s: float | None = None  # queued_at to first scheduled
+        # A sibling (same prompt, n > 1) whose prompt blocks this one takes once computed.
+        self.shares_prompt_with = shares_prompt_with
         self.status = RequestStatus.WAITING
         self.finish_reason: FinishReason | None = None
         self.stop_reason: int | None = None  # the stop token id hit
@@ -119,6 +129,12 @@ class Request:
             return True
         return False
 
+    def start_running(self) -> None:
+        """The scheduler takes it from the waiting queue; the first time ends its queue time."""
+        self.status = RequestStatus.RUNNING
+        if self.queue_time_s is None:
+            self.queue_time_s = time.monotonic() - self.queued_at
+
     def finish(self, reason: FinishReason) -> None:
         self.status = RequestStatus.FINISHED
         self.finish_reason = reason
@@ -127,6 +143,7 @@ class Request:
         """The output tokens (and their logprobs rows) not taken before, and how the
         request ended once it has (by its stop rules: an aborted request has no more
         outputs)."""
+        first = self._tokens_taken == 0
         tokens = self.output_token_ids[self._tokens_taken :]
         self._tokens_taken = len(self.output_token_ids)
         logprobs = None
@@ -142,6 +159,7 @@ class Request:
             stop_reason=self.stop_reason,
             logprobs=logprobs,
             num_cached_tokens=self.num_cached_tokens,
+            queue_time_s=(self.queue_time_s or 0.0) if first else 0.0,
         )
 
     def _logprob_row(

@@ -26,6 +26,7 @@ from messages import ModelRunnerOutput, SchedulerOutput
 from zmqworker.cdiv import cdiv
 from zmqworker.engine.block_manager import KVBlockManager
 from zmqworker.engine.handles import HandlePool
+from zmqworker.engine.prompt_sharing import computed_prompt_blocks
 from zmqworker.engine.request import FinishReason, Request, RequestStatus
 from zmqworker.engine.step_draft import SentStep, StepDraft
 
@@ -93,6 +94,7 @@ class Scheduler:
         self._finished_handles: list[int] = []
         self._preempted_handles: list[int] = []
         self.num_preemptions = 0  # since start: a sign the KV cache is too small
+        self.num_prefill_tokens = 0  # since start: tokens prefills computed (EngineCoreStats)
         # Tokens each running request's workers have seen, for send_token_ids.
         self._num_tokens_sent: dict[str, int] = {}
 
@@ -178,7 +180,7 @@ class Scheduler:
             (prefills if num_left > 1 else decodes).append((num_left, r))
         allocate, add = self.kv.allocate_slots, draft.add_cached
         send_token_ids = self.send_token_ids
-        num_reqs = 0
+        num_reqs = num_prefill = 0
         for num_left, request in decodes + prefills:
             if budget == 0 or num_reqs == max_reqs:
                 break
@@ -203,6 +205,9 @@ class Scheduler:
             add(request, num_new, new_blocks, min(1, unknown), num_new == num_left, new_tokens)
             budget -= num_new
             num_reqs += 1
+            if num_left > 1:
+                num_prefill += num_new
+        self.num_prefill_tokens += num_prefill
         return budget
 
     def _schedule_waiting(self, draft: StepDraft, budget: int, max_reqs: int) -> int:
@@ -214,7 +219,10 @@ class Scheduler:
             and len(self.running) < self.max_num_seqs
         ):
             request = self.waiting[0]
-            hits, num_hit = self.kv.get_computed_blocks(request.req_id, request.all_token_ids)
+            computed = computed_prompt_blocks(request, self._requests, self.kv)
+            if computed is None:
+                break  # its sibling computes the prompt they share: after that step
+            hits, num_hit = computed
             num_new = min(request.num_tokens - num_hit, budget)
             new_blocks = self.kv.allocate_slots(
                 request.req_id, request.all_token_ids, num_hit, num_new, hits
@@ -222,7 +230,7 @@ class Scheduler:
             if new_blocks is None:
                 break
             self.waiting.popleft()
-            request.status = RequestStatus.RUNNING
+            request.start_running()
             if request.handle is None:
                 request.handle = self._handles.acquire()
             request.num_computed_tokens = request.num_cached_tokens = num_hit
@@ -230,6 +238,7 @@ class Scheduler:
             samples = num_new == request.num_tokens - num_hit
             draft.add_new(request, num_new, self.kv.block_ids(request.req_id), samples)
             self._num_tokens_sent[request.req_id] = request.num_tokens
+            self.num_prefill_tokens += num_new
             budget -= num_new
         return budget
 

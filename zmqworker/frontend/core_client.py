@@ -105,8 +105,12 @@ class EngineCoreClient:
     # requests ---------------------------------------------------------------------------
 
     def add_request(self, request: EngineCoreRequest) -> int:
-        """Send request to the least loaded engine core that runs; its index."""
-        engine = self._least_loaded()
+        """Send request to the least loaded engine core that runs (or to the one of the
+        sibling it shares its prompt with); its index."""
+        sibling = request.shares_prompt_with
+        engine = self._owner.get(sibling) if sibling is not None else None
+        if engine is None or engine.dead is not None:
+            engine = self._least_loaded()
         self._send(engine, request)
         engine.requests.add(request.request_id)
         engine.sent_since_report += 1

@@ -16,6 +16,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+import msgspec
 import numpy as np
 
 from messages import EngineCoreReady, EngineCoreRequest, SamplingParams
@@ -70,6 +71,7 @@ class Frontend(ControlMethods):
         self._id_prefix = f"req-{client_index}-"
         self._closed = False
         self._pusher: WeightPusher | None = None  # made at the first update from here
+        self._observers: list[Callable[[RequestOutput], None]] = []
 
     # -- the API ---------------------------------------------------------------------
 
@@ -82,7 +84,8 @@ class Frontend(ControlMethods):
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
-        """Complete every prompt (batched together); outputs in the order of prompts."""
+        """Complete every prompt (batched together); outputs in the order of prompts, n
+        in a row for a prompt whose params ask for n samples (RequestOutput.index)."""
         self._require_open()
         if self._streaming():
             raise RuntimeError("generate() called while generate_stream() streams are running")
@@ -123,36 +126,49 @@ class Frontend(ControlMethods):
         messages: Conversation,
         add_generation_prompt: bool = True,
         add_special_tokens: bool = False,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[int]:
-        """The prompt of a conversation, ending where the assistant's reply starts
-        (TextSide.chat_prompt)."""
-        return self._texts.chat_prompt(messages, add_generation_prompt, add_special_tokens)
+        """The prompt of a conversation, ending where the assistant's reply starts, or
+        inside the last message with continue_final_message (TextSide.chat_prompt)."""
+        return self._texts.chat_prompt(
+            messages,
+            add_generation_prompt,
+            add_special_tokens,
+            continue_final_message,
+            chat_template_kwargs,
+        )
 
     async def generate_stream(
         self, prompt: Prompt, sampling_params: SamplingParams | None = None
     ) -> AsyncIterator[RequestOutput]:
         """Yield the request's output each time it grows (new_text, new_token_ids); the
-        last one has finished=True. Several streams may run at once on one event loop;
-        a stream closed early aborts its request."""
+        last one has finished=True. With n samples, each sample's outputs (told apart by
+        RequestOutput.index) until all n have finished. Several streams may run at once
+        on one event loop; a stream closed early aborts its requests."""
         self._require_open()
-        [state] = self._make_states([prompt], sampling_params)
+        states = self._make_states([prompt], sampling_params)
         self.client.attach(asyncio.get_running_loop(), self._handle)
         queue: asyncio.Queue[RequestOutput | Exception] = asyncio.Queue()
-        self._submit(state, queue.put_nowait)
-        finished = False
+        running = {state.request_id for state in states}
         try:
-            while True:
+            for state in states:
+                self._submit(state, queue.put_nowait)
+            while running:
                 item = await queue.get()
                 if isinstance(item, Exception):
-                    finished = True
-                    raise item
-                yield item
+                    raise item  # the stream ends: its other samples are aborted below
                 if item.finished:
-                    finished = True
-                    return
+                    running.discard(item.request_id)
+                yield item
         finally:
-            if not finished:
-                self._abort([state.request_id])
+            if running:
+                self._abort([s.request_id for s in states if s.request_id in running])
+
+    def observe_outputs(self, observer: Callable[[RequestOutput], None]) -> None:
+        """Have observer see every output this client gets, before its caller does (the
+        server's metrics)."""
+        self._observers.append(observer)
 
     def encode(self, prompt: Prompt) -> list[int]:
         """The prompt's token ids (text goes through the tokenizer), checked against the
@@ -213,6 +229,7 @@ class Frontend(ControlMethods):
             state.params,
             eos_token_ids=sorted(self.eos_token_ids),
             arrival_time=time.time(),
+            shares_prompt_with=state.shares_prompt_with,
         )
         try:
             self.client.add_request(request)
@@ -244,6 +261,8 @@ class Frontend(ControlMethods):
             if processed.stopped:
                 self.client.abort(processed.stopped, reason="stop")
             for out in processed.outputs:
+                for observer in self._observers:
+                    observer(out)
                 sink = sinks.pop(out.request_id) if out.finished else sinks.get(out.request_id)
                 if sink is not None:
                     sink(out)
@@ -267,19 +286,53 @@ class Frontend(ControlMethods):
         states = []
         for index, (prompt, param) in enumerate(zip(prompts, params, strict=True)):
             try:
-                states.append(self._make_state(prompt, param))
+                states.extend(self._make_samples(prompt, param))
             except ValueError as exc:
                 raise ValueError(f"prompt {index}: {exc}") from None
         return states
 
-    def _make_state(self, prompt: Prompt, params: SamplingParams) -> RequestState:
+    def _make_samples(self, prompt: Prompt, params: SamplingParams) -> list[RequestState]:
+        """A request state per sample (params.n) of the prompt, tokenized once. The
+        samples are requests of their own (ids "<id>.<i>") with n=1 and, with a seed,
+        seed + i as vLLM's are; the first computes the prompt, the others share its KV
+        (engine/prompt_sharing.py)."""
         params = request_params(params, self.tokenizer, self.vocab_size, self.max_logprobs)
         token_ids = self.encode(prompt)
-        detokenizer = IncrementalDetokenizer(self.tokenizer, token_ids) if self.tokenizer else None
+        request_id = f"{self._id_prefix}{next(self._ids)}"
+        if params.n == 1:
+            return [self._make_state(request_id, prompt, token_ids, params)]
+        states = []
+        for i in range(params.n):
+            seed = params.seed
+            if seed is not None:  # seed + i, wrapped to an int64
+                seed = (seed + i + 2**63) % 2**64 - 2**63
+            sample = msgspec.structs.replace(params, n=1, seed=seed)
+            first = states[0].request_id if states else None
+            states.append(
+                self._make_state(f"{request_id}.{i}", prompt, token_ids, sample, i, first)
+            )
+        return states
+
+    def _make_state(
+        self,
+        request_id: str,
+        prompt: Prompt,
+        token_ids: list[int],
+        params: SamplingParams,
+        index: int = 0,
+        shares_prompt_with: str | None = None,
+    ) -> RequestState:
+        detokenizer = None
+        if self.tokenizer is not None:
+            detokenizer = IncrementalDetokenizer(
+                self.tokenizer, token_ids, params.skip_special_tokens
+            )
         return RequestState(
-            f"{self._id_prefix}{next(self._ids)}",
+            request_id,
             prompt if isinstance(prompt, str) else None,
             token_ids,
             params,
             detokenizer,
+            index=index,
+            shares_prompt_with=shares_prompt_with,
         )

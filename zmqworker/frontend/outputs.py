@@ -33,11 +33,16 @@ class PositionLogprobs:
 @dataclass(frozen=True)
 class RequestTimings:
     """Seconds, as the client saw them: time to first token, mean time per output token
-    after the first, and arrival to finish."""
+    after the first, and arrival to finish; as its engine core saw it, queue: from taking
+    the request in to first scheduling it (0 until its first output). since_last: from
+    the request's previous output to this one (0 on its first), the inter-token latency
+    of a step."""
 
     ttft: float
     tpot: float
     total: float
+    queue: float = 0.0
+    since_last: float = 0.0
 
 
 @dataclass
@@ -46,7 +51,8 @@ class RequestOutput:
     and new_token_ids what this output adds to the previous one of the same request
     (streaming). finish_reason is "stop", "length" or "abort" once finished. logprobs
     (when SamplingParams.logprobs asked for them) has one entry per token of token_ids:
-    the last len(new_token_ids) are the new ones."""
+    the last len(new_token_ids) are the new ones. index: which of its prompt's n samples
+    (SamplingParams.n) it is."""
 
     request_id: str
     prompt: str | None
@@ -60,6 +66,7 @@ class RequestOutput:
     new_text: str = ""
     new_token_ids: list[int] = field(default_factory=list)
     logprobs: list[PositionLogprobs] | None = None
+    index: int = 0
 
 
 class EngineStats(msgspec.Struct, frozen=True):
@@ -72,11 +79,14 @@ class EngineStats(msgspec.Struct, frozen=True):
     num_free_blocks: int
     num_preemptions: int  # since start
     num_aborted: int  # requests whose client gave up on them before they finished
+    # Tokens whose KV prefills computed, since start (prefix-cache hits and the prompt
+    # blocks n > 1 samples share are not computed again)
+    num_prefill_tokens: int = 0
     per_engine: list[EngineCoreStats] = []
 
     @classmethod
     def total(cls, engines: Sequence[EngineCoreStats]) -> EngineStats:
         fields = ("num_running", "num_waiting", "num_blocks", "num_free_blocks",
-                  "num_preemptions", "num_aborted")  # fmt: skip
+                  "num_preemptions", "num_aborted", "num_prefill_tokens")  # fmt: skip
         sums = {name: sum(getattr(e, name) for e in engines) for name in fields}
         return cls(**sums, per_engine=list(engines))

@@ -31,6 +31,8 @@ class RequestState:
         params: SamplingParams,
         detokenizer: IncrementalDetokenizer | None,
         arrival_time: float | None = None,
+        index: int = 0,
+        shares_prompt_with: str | None = None,
     ) -> None:
         if params.stop and detokenizer is None:
             raise ValueError(f"request {request_id!r}: stop strings need a tokenizer")
@@ -38,6 +40,9 @@ class RequestState:
         self.prompt = prompt
         self.prompt_token_ids = list(prompt_token_ids)
         self.params = params
+        self.index = index  # which of its prompt's n samples it is
+        # The sibling sample whose prompt KV this one takes (n > 1), sent before it.
+        self.shares_prompt_with = shares_prompt_with
         self.output_token_ids: list[int] = []
         self.output_text = ""
         self.logprobs: list[PositionLogprobs] | None = None if params.logprobs is None else []
@@ -45,6 +50,9 @@ class RequestState:
         self.stop_reason: int | str | None = None
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.first_token_time: float | None = None
+        self.last_token_time: float | None = None
+        self.since_last = 0.0  # the last output's interval from the one before
+        self.queue_time = 0.0  # as the engine core measured it
         self.finish_time: float | None = None
         self._detokenizer = detokenizer
         self._holdback = max((len(s) for s in params.stop), default=1) - 1
@@ -59,8 +67,12 @@ class RequestState:
         """Take an engine core output in; True when it found a stop string (the request
         is finished here, and the engine core must be told)."""
         now = time.monotonic() if now is None else now
-        if self.first_token_time is None and out.new_token_ids:
-            self.first_token_time = now
+        if out.new_token_ids:
+            if self.first_token_time is None:
+                self.first_token_time = now
+                self.queue_time = out.queue_time_s
+            last, self.last_token_time = self.last_token_time, now
+            self.since_last = 0.0 if last is None else now - last
         last = len(out.new_token_ids) - 1
         for i, token in enumerate(out.new_token_ids):
             ending = i == last and out.finish_reason is not None
@@ -68,8 +80,12 @@ class RequestState:
                 self.logprobs.append(self._position(out, i))
             self.output_token_ids.append(token)
             if self._detokenizer is not None:
-                # A stop token's own text is not part of the output.
-                stop_token = ending and out.stop_reason == token
+                # A stop token's own text is not part of the output, unless asked for.
+                stop_token = (
+                    ending
+                    and out.stop_reason == token
+                    and not self.params.include_stop_str_in_output
+                )
                 text = "" if stop_token else self._detokenizer.add(token)
                 if ending:  # the last text: an incomplete character comes out as U+FFFD
                     text += self._detokenizer.flush()
@@ -112,6 +128,7 @@ class RequestState:
             new_text=new_text,
             new_token_ids=new_tokens,
             logprobs=None if self.logprobs is None else list(self.logprobs),
+            index=self.index,
         )
 
     def timings(self) -> RequestTimings:
@@ -122,7 +139,11 @@ class RequestState:
         num_after_first = len(self.output_token_ids) - 1
         tpot = (end - self.first_token_time) / num_after_first if num_after_first > 0 else 0.0
         return RequestTimings(
-            ttft=self.first_token_time - self.arrival_time, tpot=tpot, total=end - self.arrival_time
+            ttft=self.first_token_time - self.arrival_time,
+            tpot=tpot,
+            total=end - self.arrival_time,
+            queue=self.queue_time,
+            since_last=self.since_last,
         )
 
     def _position(self, out: EngineCoreOutput, i: int) -> PositionLogprobs:
@@ -160,6 +181,7 @@ class RequestState:
                 hit = (index, stop)
         if hit is None:
             return False
-        self.output_text = self.output_text[: hit[0]]
+        end = hit[0] + len(hit[1]) if self.params.include_stop_str_in_output else hit[0]
+        self.output_text = self.output_text[:end]
         self.stop_reason = hit[1]
         return True

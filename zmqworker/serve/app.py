@@ -19,13 +19,11 @@ from contextlib import asynccontextmanager
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
 
 from zmqworker import __version__
 from zmqworker.frontend.frontend import Frontend
-from zmqworker.frontend.outputs import EngineStats
 from zmqworker.serve.admin import install_admin
 from zmqworker.serve.body import decode_body
 from zmqworker.serve.body_limit import DEFAULT_MAX_REQUEST_BYTES, BodyLimit
@@ -34,6 +32,7 @@ from zmqworker.serve.completions import create_completion
 from zmqworker.serve.cors import CorsOptions
 from zmqworker.serve.errors import APIError
 from zmqworker.serve.generation import ClientDisconnected, now
+from zmqworker.serve.metrics import ServerMetrics
 from zmqworker.serve.protocol import ChatCompletionRequest, CompletionRequest
 from zmqworker.serve.request_id import RequestId
 from zmqworker.serve.text_pool import TextPool
@@ -62,9 +61,8 @@ def build_app(
 
     app = FastAPI(title="zmqworker", version=__version__, lifespan=lifespan)
     app.add_middleware(BodyLimit, max_bytes=max_request_bytes)
-    registry = CollectorRegistry()
-    collector = _EngineCollector()
-    registry.register(collector)
+    server_metrics = ServerMetrics(model_name)
+    llm.observe_outputs(server_metrics.observe)
 
     async def authorized(request: Request) -> None:
         if api_key is None:
@@ -102,8 +100,8 @@ def build_app(
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        collector.stats = await llm.stats_async()
-        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+        server_metrics.engines.stats = await llm.stats_async()
+        return Response(generate_latest(server_metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models", dependencies=[Depends(authorized)])
     async def models() -> dict:
@@ -159,29 +157,3 @@ def build_app(
 
     started = now()
     return app
-
-
-class _EngineCollector:
-    """Prometheus metrics of the engine cores' stats, read afresh at each scrape."""
-
-    def __init__(self) -> None:
-        self.stats: EngineStats | None = None
-
-    def collect(self):
-        stats = self.stats
-        if stats is None:
-            return
-        used = stats.num_blocks - stats.num_free_blocks
-        for name, doc, value in (
-            ("num_requests_running", "requests running", stats.num_running),
-            ("num_requests_waiting", "requests waiting", stats.num_waiting),
-            ("kv_cache_blocks", "KV cache blocks", stats.num_blocks),
-            ("kv_cache_blocks_used", "KV cache blocks in use", used),
-            ("kv_cache_usage_perc", "KV cache usage (0 to 1)", used / stats.num_blocks),
-        ):
-            yield GaugeMetricFamily(f"zmqworker:{name}", doc, value=value)
-        for name, doc, value in (
-            ("num_preemptions", "requests preempted", stats.num_preemptions),
-            ("num_requests_aborted", "requests aborted (clients gone)", stats.num_aborted),
-        ):
-            yield CounterMetricFamily(f"zmqworker:{name}", doc, value=value)

@@ -3,6 +3,7 @@ included), the reply whole or streamed as server-sent events."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -38,16 +39,19 @@ async def create_chat_completion(
         return StreamingResponse(
             _stream(llm, prompt, params, head, include_usage), media_type="text/event-stream"
         )
-    out = await until_disconnected(http, _final(llm, prompt, params))
-    choice = {
-        "index": 0,
-        "message": {"role": "assistant", "content": out.text},
-        "logprobs": _logprobs(out.logprobs) if out.logprobs is not None else None,
-        "finish_reason": finish_reason(out),
-        "stop_reason": out.stop_reason,
-    }
+    finals = await until_disconnected(http, _finals(llm, prompt, params))
+    choices = [
+        {
+            "index": i,
+            "message": {"role": "assistant", "content": out.text},
+            "logprobs": _logprobs(out.logprobs) if out.logprobs is not None else None,
+            "finish_reason": finish_reason(out),
+            "stop_reason": out.stop_reason,
+        }
+        for i, out in enumerate(finals)
+    ]
     return JSONResponse(
-        {**head, "object": "chat.completion", "choices": [choice], "usage": usage([out])}
+        {**head, "object": "chat.completion", "choices": choices, "usage": usage(finals)}
     )
 
 
@@ -55,17 +59,29 @@ def _prompt(llm: Frontend, body: ChatCompletionRequest) -> list[int]:
     """The conversation's token ids through the chat template, checked against the model
     (text work: in the text pool)."""
     try:
-        return llm.encode(llm.chat_prompt([m.as_template_message() for m in body.messages]))
+        prompt = llm.chat_prompt(
+            [m.as_template_message() for m in body.messages],
+            add_generation_prompt=body.add_generation_prompt,
+            continue_final_message=body.continue_final_message,
+            chat_template_kwargs=body.chat_template_kwargs,
+        )
+        return llm.encode(prompt)
     except ValueError as exc:
-        raise APIError.from_value_error(exc, param="messages") from None
+        named = re.match(r"\w+", str(exc))
+        option = named.group() if named else None
+        param = option if option in _TEMPLATE_OPTIONS else "messages"
+        raise APIError.from_value_error(exc, param=param) from None
 
 
-async def _final(llm: Frontend, prompt: list[int], params: Any) -> RequestOutput:
-    last = None
-    async for _, out in run_prompts(llm, [prompt], params):
-        last = out
-    assert last is not None
-    return last
+_TEMPLATE_OPTIONS = ("continue_final_message", "chat_template_kwargs")
+
+
+async def _finals(llm: Frontend, prompt: list[int], params: Any) -> list[RequestOutput]:
+    """Each choice's last output, in choice order."""
+    finals: dict[int, RequestOutput] = {}
+    async for index, out in run_prompts(llm, [prompt], params):
+        finals[index] = out
+    return [finals[i] for i in range(params.n)]
 
 
 async def _stream(
@@ -73,25 +89,27 @@ async def _stream(
 ) -> AsyncIterator[str]:
     head = {**head, "object": "chat.completion.chunk"}
 
-    def chunk(delta: dict[str, Any], **choice: Any) -> str:
-        return sse({**head, "choices": [{"index": 0, "delta": delta, **choice}]})
+    def chunk(index: int, delta: dict[str, Any], **choice: Any) -> str:
+        return sse({**head, "choices": [{"index": index, "delta": delta, **choice}]})
 
-    yield chunk({"role": "assistant", "content": ""}, logprobs=None, finish_reason=None)
-    sent = 0
+    for index in range(params.n):
+        yield chunk(index, {"role": "assistant", "content": ""}, logprobs=None, finish_reason=None)
+    sent = [0] * params.n  # positions whose logprobs were sent, per choice
+    finals: list[RequestOutput] = []
     try:
-        async for _, out in run_prompts(llm, [prompt], params):
+        async for index, out in run_prompts(llm, [prompt], params):
             logprobs = None
             if out.logprobs is not None:
-                logprobs = _logprobs(out.logprobs[sent:])
-                sent = len(out.logprobs)
+                logprobs = _logprobs(out.logprobs[sent[index] :])
+                sent[index] = len(out.logprobs)
             if out.new_text or logprobs:
-                yield chunk({"content": out.new_text}, logprobs=logprobs, finish_reason=None)
+                yield chunk(index, {"content": out.new_text}, logprobs=logprobs, finish_reason=None)
             if out.finished:
-                yield chunk(
-                    {}, logprobs=None, finish_reason=finish_reason(out), stop_reason=out.stop_reason
-                )
-                if include_usage:
-                    yield sse({**head, "choices": [], "usage": usage([out])})
+                reason, stop_reason = finish_reason(out), out.stop_reason
+                yield chunk(index, {}, logprobs=None, finish_reason=reason, stop_reason=stop_reason)
+                finals.append(out)
+        if include_usage:
+            yield sse({**head, "choices": [], "usage": usage(finals)})
     except Exception as exc:  # the engine failed: tell the client, then end the stream
         yield sse(APIError(f"{type(exc).__name__}: {exc}", 500, "server_error").body())
     yield sse("[DONE]")

@@ -46,7 +46,7 @@ async def create_completion(
     choices = [
         {
             "index": i,
-            "text": echoes[i] + out.text,
+            "text": echoes[i // params.n] + out.text,
             "logprobs": _logprobs(out.logprobs) if out.logprobs is not None else None,
             "finish_reason": finish_reason(out),
             "stop_reason": out.stop_reason,
@@ -60,7 +60,7 @@ async def _collect(llm: Frontend, prompts: list[list[int]], params: Any) -> list
     finals: dict[int, RequestOutput] = {}
     async for index, out in run_prompts(llm, prompts, params):
         finals[index] = out
-    return [finals[i] for i in range(len(prompts))]
+    return [finals[i] for i in range(len(prompts) * params.n)]
 
 
 async def _stream(
@@ -72,13 +72,14 @@ async def _stream(
     include_usage: bool,
 ) -> AsyncIterator[str]:
     finals: dict[int, RequestOutput] = {}
-    unechoed = set(range(len(prompts)))
-    sent = [0] * len(prompts)  # positions whose logprobs were sent, per choice
+    num_choices = len(prompts) * params.n
+    unechoed = set(range(num_choices))
+    sent = [0] * num_choices  # positions whose logprobs were sent, per choice
     try:
         async for index, out in run_prompts(llm, prompts, params):
             text = out.new_text
             if index in unechoed:
-                text = echoes[index] + text
+                text = echoes[index // params.n] + text
                 unechoed.discard(index)
             logprobs = None
             if out.logprobs is not None:

@@ -49,6 +49,8 @@ def sampling_params(
         "stop": request.stop_strings(),
         "stop_token_ids": request.stop_token_ids,
         "ignore_eos": request.ignore_eos,
+        "include_stop_str_in_output": request.include_stop_str_in_output,
+        "skip_special_tokens": request.skip_special_tokens,
         "presence_penalty": request.presence_penalty,
         "frequency_penalty": request.frequency_penalty,
         "repetition_penalty": request.repetition_penalty,
@@ -57,6 +59,7 @@ def sampling_params(
         "bad_words": request.bad_words,
         "logprobs": logprobs,
         "max_tokens": max_tokens,
+        "n": request.n,
     }
     try:
         params = msgspec.structs.replace(
@@ -73,14 +76,15 @@ def sampling_params(
 async def run_prompts(
     llm: Frontend, prompts: Sequence[list[int]], params: SamplingParams
 ) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """Every prompt's outputs as they come, tagged with its index. Closing this early
+    """Every prompt's outputs as they come, tagged with their choice's index: prompt i's
+    sample j (of params.n) is choice i * n + j, as vLLM numbers them. Closing this early
     (a client gone) aborts the requests still running, which frees their blocks."""
     queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
 
     async def pump(index: int, prompt: list[int]) -> None:
         try:
             async for out in llm.generate_stream(prompt, params):
-                queue.put_nowait((index, out))
+                queue.put_nowait((index * params.n + out.index, out))
         except Exception as exc:
             queue.put_nowait((index, exc))
         finally:
@@ -129,7 +133,8 @@ async def _disconnect(request: HTTPRequest) -> None:
 
 
 def usage(outputs: Sequence[RequestOutput]) -> dict[str, int]:
-    prompt = sum(len(o.prompt_token_ids) for o in outputs)
+    """Every choice's tokens, and each prompt's once (its first sample's), as vLLM sums."""
+    prompt = sum(len(o.prompt_token_ids) for o in outputs if o.index == 0)
     completion = sum(len(o.token_ids) for o in outputs)
     return {
         "prompt_tokens": prompt,

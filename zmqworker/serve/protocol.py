@@ -3,8 +3,9 @@ body is decoded straight into them (fast enough to hold the event loop only brie
 the largest body allowed), then check() refuses what no type can say. A field OpenAI
 does not define is a 400 that names it; one it defines and this server does not
 implement is refused as not supported (unsupported.py) unless it has its neutral value.
-top_k, min_p, ignore_eos, stop_token_ids, repetition_penalty, min_tokens and bad_words
-are vLLM's extensions."""
+top_k, min_p, ignore_eos, stop_token_ids, repetition_penalty, min_tokens, bad_words,
+include_stop_str_in_output, skip_special_tokens, and chat's add_generation_prompt,
+continue_final_message and chat_template_kwargs are vLLM's extensions."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from typing import Annotated, Any
 
 from msgspec import Meta, Struct
 
+from messages.sampling import MAX_N
 from zmqworker.serve.errors import APIError
 from zmqworker.serve.unsupported import refuse_unsupported, unsupported_part
 
@@ -43,6 +45,8 @@ class SamplingRequest(Struct, forbid_unknown_fields=True, kw_only=True):
     stop: StopString | list[StopString] | None = None
     stop_token_ids: list[TokenId] | None = None
     ignore_eos: bool | None = None
+    include_stop_str_in_output: bool | None = None
+    skip_special_tokens: bool | None = None
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
     repetition_penalty: Annotated[float, Meta(gt=0)] | None = None
@@ -52,8 +56,9 @@ class SamplingRequest(Struct, forbid_unknown_fields=True, kw_only=True):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    n: Annotated[int, Meta(ge=1, le=MAX_N)] | None = None  # choices per prompt
     # Not supported unless neutral (unsupported.py).
-    n: Annotated[int, Meta(ge=1)] | None = None
+    prompt_logprobs: Annotated[int, Meta(ge=-1)] | None = None
 
     def check(self) -> None:
         """Refuse what the types cannot: unsupported features, options that need another."""
@@ -91,12 +96,18 @@ class CompletionRequest(SamplingRequest, kw_only=True):
     max_tokens: Annotated[int, Meta(ge=1)] | None = 16
     logprobs: Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)] | None = None
     echo: bool = False
+    best_of: Annotated[int, Meta(ge=1)] | None = None  # n only: no ranking of samples
     # Not supported unless neutral (unsupported.py).
-    best_of: Annotated[int, Meta(ge=1)] | None = None
     suffix: str | None = None
 
     def check(self) -> None:
         super().check()
+        if self.best_of is not None and self.best_of != (self.n or 1):
+            raise APIError(
+                f"best_of={self.best_of} with n={self.n or 1}: only best_of equal to n is "
+                "supported (no ranking of extra samples)",
+                param="best_of",
+            )
         if self.echo and self.logprobs is not None:
             raise APIError("echo with logprobs is not supported", param="echo")
         self.named_prompts()
@@ -178,6 +189,9 @@ class ChatCompletionRequest(SamplingRequest, kw_only=True):
     max_completion_tokens: Annotated[int, Meta(ge=1)] | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
     # Not supported unless neutral (unsupported.py).
     response_format: dict[str, Any] | None = None
     tools: list[Any] | None = None

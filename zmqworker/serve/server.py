@@ -17,9 +17,11 @@ import functools
 import inspect
 import logging
 import os
+import shutil
 import signal
 import socket
 import sys
+import tempfile
 import threading
 from typing import Any
 
@@ -35,6 +37,7 @@ from zmqworker.frontend.llm_args import check_args
 from zmqworker.serve.api_server import ApiServerConfig
 from zmqworker.serve.body_limit import DEFAULT_MAX_REQUEST_BYTES
 from zmqworker.serve.cors import CorsOptions
+from zmqworker.serve.metrics import MULTIPROC_ENV
 from zmqworker.serve.sizing import default_api_server_count
 
 logger = logging.getLogger(__name__)
@@ -73,6 +76,8 @@ def serve(
     servers: list[ChildProcess] = []
     spawner = threading.Event()  # set: the spawning thread may end
     client = None
+    # The API servers' metrics files, added up at each scrape (serve/metrics.py).
+    metrics_dir = tempfile.mkdtemp(prefix="zmqworker-metrics-")
     try:
         config = functools.partial(
             ApiServerConfig,
@@ -98,7 +103,7 @@ def serve(
                 ChildProcess,
                 f"api server {i}",
                 argv,
-                dict(os.environ),
+                {**os.environ, MULTIPROC_ENV: metrics_dir},
                 stdin=msgspec.msgpack.encode(config(index=i)),
                 pass_fds=(listener.fileno(),),
             )
@@ -122,6 +127,7 @@ def serve(
         for server in servers:
             server.close()
         spawner.set()
+        shutil.rmtree(metrics_dir, ignore_errors=True)
 
 
 class _Supervisor:

@@ -11,9 +11,12 @@ from zmqworker.serve.errors import APIError
 
 # field: (is its value neutral?, what the refusal says)
 UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "n": (lambda v: v in (None, 1), "n > 1 is not supported: one choice per prompt"),
-    "best_of": (lambda v: v in (None, 1), "best_of is not supported"),
     "suffix": (lambda v: not v, "suffix is not supported: a completion only continues its prompt"),
+    "prompt_logprobs": (
+        lambda v: v is None,
+        "prompt_logprobs is not supported: the workers compute the logits of the positions "
+        "they sample from only",
+    ),
     "tools": (lambda v: not v, "tools are not supported by this server"),
     "tool_choice": (lambda v: v in (None, "none"), 'tool_choice is not supported (only "none")'),
     "response_format": (

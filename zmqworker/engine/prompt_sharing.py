@@ -1,0 +1,40 @@
+"""The n samples of one prompt share its KV: the client sends them as n requests, each
+but the first naming the first as the one it shares its prompt with. The first computes
+the prompt; each other one waits until that is done (in an earlier step: a step's
+workers may read its context before they write its keys), then takes the first one's
+full prompt blocks, referenced twice in the block manager, and computes only the rest
+of the prompt itself: the last, partial block and at least the last token, which it
+samples from. Recomputing that part (under a block of tokens per sample) costs less
+than copying a block on every layer of every worker, which the worker protocol would
+need a new call for; and it works with the prefix cache off.
+
+A shared block is never written again: later tokens go to positions past it.
+"""
+
+from __future__ import annotations
+
+from zmqworker.engine.block_manager import KVBlockManager
+from zmqworker.engine.request import Request, RequestStatus
+
+
+def computed_prompt_blocks(
+    request: Request, requests: dict[str, Request], kv: KVBlockManager
+) -> tuple[list[int], int] | None:
+    """(blocks, tokens) a waiting request starts from: its sibling's full prompt blocks,
+    else the prefix cache's hits (get_computed_blocks); None while the sibling's prompt
+    is not computed yet (the request waits). Read while a step is drafted: a sibling's
+    num_computed_tokens counts the steps before it only."""
+    num_blocks = (len(request.prompt_token_ids) - 1) // kv.block_size
+    name = request.shares_prompt_with
+    sibling = requests.get(name) if name is not None else None
+    if (
+        sibling is None
+        or num_blocks == 0
+        or request.output_token_ids  # a restart: its outputs are part of its prompt now
+        or sibling.prompt_token_ids != request.prompt_token_ids
+    ):
+        return kv.get_computed_blocks(request.req_id, request.all_token_ids)
+    num_tokens = num_blocks * kv.block_size
+    if sibling.status is not RequestStatus.RUNNING or sibling.num_computed_tokens < num_tokens:
+        return None
+    return kv.block_ids(sibling.req_id)[:num_blocks], num_tokens
