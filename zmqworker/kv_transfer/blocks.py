@@ -9,6 +9,7 @@ whatever the block ids on either side.
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
 
@@ -16,6 +17,9 @@ from messages import KVCacheSpec
 from messages.kv_cache import DTYPE_BYTES
 from messages.kv_peer import KVLayout
 from zmqworker.models.registry import torch_dtype
+
+# A peer's memfd is mapped read-only: the tensors over it are only read (as the codec's).
+warnings.filterwarnings("ignore", message="The given buffer is not writable")
 
 
 def layout_of(spec: KVCacheSpec) -> KVLayout:

@@ -71,6 +71,7 @@ class KVPuller:
         """on_arrival() is called (on the puller's thread) after each arrival."""
         self.rank = rank
         self._on_arrival = on_arrival
+        self.num_pulled = {"memfd": 0, "tcp": 0}  # loads that came, by their path
         self.layout = layout
         self.timeout_s = timeout_s
         self._keys = keys
@@ -209,9 +210,11 @@ class KVPuller:
                 memory = mmap.mmap(fd, size, prot=mmap.PROT_READ)
             finally:
                 os.close(fd)
+            self.num_pulled["memfd"] += 1
             return Arrived(load, memoryview(memory), [memory])
         if len(frames) != 1 or len(frames[0].buffer) != nbytes:
             raise ValueError(f"expected one frame of {nbytes} bytes after KVBlocks")
+        self.num_pulled["tcp"] += 1
         return Arrived(load, frames[0].buffer, [frames[0]])
 
     def _fail(self, load: KVLoad, error: str) -> None:
