@@ -56,7 +56,7 @@ def gather(kv_caches: list[torch.Tensor], block_ids: torch.Tensor, out: torch.Te
     ids = block_ids.to(kv_caches[0].device)
     for layer, cache in enumerate(kv_caches):
         if cache.device.type == "cpu":
-            torch.index_select(cache, 1, ids, out=out[layer])
+            torch.index_select(_words(cache), 1, ids, out=_words(out[layer]))
         else:
             out[layer].copy_(cache.index_select(1, ids))
 
@@ -65,4 +65,15 @@ def scatter(kv_caches: list[torch.Tensor], block_ids: torch.Tensor, staged: torc
     """Copy staged [layers, 2, n, heads, slots] into block_ids of every layer."""
     ids = block_ids.to(kv_caches[0].device)
     for layer, cache in enumerate(kv_caches):
-        cache.index_copy_(1, ids, staged[layer].to(cache.device, non_blocking=True))
+        if cache.device.type == "cpu":
+            _words(cache).index_copy_(1, ids, _words(staged[layer]))
+        else:
+            cache.index_copy_(1, ids, staged[layer].to(cache.device, non_blocking=True))
+
+
+def _words(t: torch.Tensor) -> torch.Tensor:
+    """t's bytes as 8-byte words where its rows allow: the CPU's indexed copies move
+    those at close to memcpy speed, 16-bit elements at half of it."""
+    if (t.shape[-1] * t.element_size()) % 8 == 0:
+        return t.view(torch.int64)
+    return t

@@ -207,7 +207,9 @@ class KVPuller:
             try:
                 if size < nbytes:
                     raise ValueError(f"the prefill's memfd holds {size} bytes, {nbytes} needed")
-                memory = mmap.mmap(fd, size, prot=mmap.PROT_READ)
+                # Populated at once: one walk of the pages, not a fault per page.
+                flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+                memory = mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ)
             finally:
                 os.close(fd)
             self.num_pulled["memfd"] += 1
