@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import warnings
 
+import numpy as np
 import torch
 
 from messages import KVCacheSpec
@@ -53,27 +54,32 @@ def view_staged(buffer: memoryview | bytearray, layout: KVLayout, num_blocks: in
 
 def gather(kv_caches: list[torch.Tensor], block_ids: torch.Tensor, out: torch.Tensor) -> None:
     """Copy block_ids of every layer into out [layers, 2, n, heads, slots] (on the host)."""
+    if kv_caches[0].device.type == "cpu":
+        ids = block_ids.numpy()
+        for layer, cache in enumerate(kv_caches):
+            np.take(_rows(cache), ids, axis=1, out=_rows(out[layer]))
+        return
     ids = block_ids.to(kv_caches[0].device)
     for layer, cache in enumerate(kv_caches):
-        if cache.device.type == "cpu":
-            torch.index_select(_words(cache), 1, ids, out=_words(out[layer]))
-        else:
-            out[layer].copy_(cache.index_select(1, ids))
+        out[layer].copy_(cache.index_select(1, ids))
 
 
 def scatter(kv_caches: list[torch.Tensor], block_ids: torch.Tensor, staged: torch.Tensor) -> None:
     """Copy staged [layers, 2, n, heads, slots] into block_ids of every layer."""
+    if kv_caches[0].device.type == "cpu":
+        ids = block_ids.numpy()
+        for layer, cache in enumerate(kv_caches):
+            _rows(cache)[:, ids] = _rows(staged[layer])
+        return
     ids = block_ids.to(kv_caches[0].device)
     for layer, cache in enumerate(kv_caches):
-        if cache.device.type == "cpu":
-            _words(cache).index_copy_(1, ids, _words(staged[layer]))
-        else:
-            cache.index_copy_(1, ids, staged[layer].to(cache.device, non_blocking=True))
+        cache.index_copy_(1, ids, staged[layer].to(cache.device, non_blocking=True))
 
 
-def _words(t: torch.Tensor) -> torch.Tensor:
-    """t's bytes as 8-byte words where its rows allow: the CPU's indexed copies move
-    those at close to memcpy speed, 16-bit elements at half of it."""
-    if (t.shape[-1] * t.element_size()) % 8 == 0:
-        return t.view(torch.int64)
-    return t
+def _rows(t: torch.Tensor) -> np.ndarray:
+    """A host tensor [2, blocks, heads, slots] as numpy [2, blocks] of opaque block rows:
+    numpy's indexed copies move each row as one memcpy (torch's index_copy_ element by
+    element, several times slower)."""
+    row_bytes = t.shape[2] * t.shape[3] * t.element_size()
+    flat = t.view(torch.uint8).numpy().reshape(t.shape[0], t.shape[1], row_bytes)
+    return flat.view(np.dtype((np.void, row_bytes)))[..., 0]

@@ -9,10 +9,7 @@ and its late answer is dropped: nothing waits unbounded.
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import mmap
-import os
 import queue
 import threading
 import time
@@ -24,10 +21,9 @@ import zmq
 
 from messages.kv_peer import KVBlocks, KVDone, KVLayout, KVPull
 from messages.kv_transfer import KVLoad
-from zmqworker.distributed.sealed_memfd import open_peer
 from zmqworker.kv_transfer import wire
 from zmqworker.kv_transfer.blocks import staged_nbytes
-from zmqworker.kv_transfer.server import MEMFD_NAME
+from zmqworker.kv_transfer.staging import PeerMappings, SharedMemoryError
 from zmqworker.transport.curve import KVKeys
 from zmqworker.transport.frames import recv_frames, send_frames
 from zmqworker.transport.wake_pipe import WakePipe
@@ -41,21 +37,13 @@ class Arrived:
     bytes), or why it failed (error)."""
 
     load: KVLoad
-    buffer: Any = None  # a zmq frame's buffer or a peer's memfd mapping
+    buffer: Any = None  # a zmq frame's buffer or a view of a peer's memfd mapping
     keep: list[Any] = field(default_factory=list)  # what the buffer lives in
     error: str | None = None
 
     def release(self) -> None:
-        for thing in self.keep:
-            if isinstance(thing, mmap.mmap):
-                with contextlib.suppress(BufferError):
-                    thing.close()
         self.keep.clear()
         self.buffer = None
-
-
-class SharedMemoryError(RuntimeError):
-    pass
 
 
 class KVPuller:
@@ -78,6 +66,7 @@ class KVPuller:
         self._host_id = wire.boot_id() if shm else ""
         self._ctx = zmq.Context()
         self._socks: dict[str, zmq.Socket] = {}
+        self._mappings = PeerMappings()  # the puller thread's
         self._orders: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self.arrived: queue.SimpleQueue[Arrived] = queue.SimpleQueue()
         self._wake = WakePipe()
@@ -101,6 +90,7 @@ class KVPuller:
         for sock in self._socks.values():
             sock.close(linger=0)
         self._ctx.term()
+        self._mappings.close()
 
     # the puller's thread ---------------------------------------------------------
 
@@ -203,17 +193,11 @@ class KVPuller:
         nbytes = staged_nbytes(self.layout, reply.num_blocks)
         if reply.shared is not None:
             shared = reply.shared
-            fd, size = open_peer(shared.pid, shared.fd, MEMFD_NAME, SharedMemoryError, "KV memfd")
-            try:
-                if size < nbytes:
-                    raise ValueError(f"the prefill's memfd holds {size} bytes, {nbytes} needed")
-                # Populated at once: one walk of the pages, not a fault per page.
-                flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-                memory = mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ)
-            finally:
-                os.close(fd)
+            if shared.nbytes != nbytes:
+                raise ValueError(f"{shared.nbytes} bytes staged, {nbytes} expected")
+            memory = self._mappings.map(shared.pid, shared.fd, nbytes)
             self.num_pulled["memfd"] += 1
-            return Arrived(load, memoryview(memory), [memory])
+            return Arrived(load, memoryview(memory)[:nbytes], [memory])
         if len(frames) != 1 or len(frames[0].buffer) != nbytes:
             raise ValueError(f"expected one frame of {nbytes} bytes after KVBlocks")
         self.num_pulled["tcp"] += 1

@@ -23,38 +23,25 @@ from dataclasses import dataclass
 import zmq
 
 from messages.kv_peer import KVBlocks, KVDone, KVLayout, KVPull, SharedKV
-from zmqworker.distributed.sealed_memfd import create_sealed
 from zmqworker.kv_transfer import wire
+from zmqworker.kv_transfer.staging import MemfdPool, close_memfd
 from zmqworker.transport.curve import KVKeys, make_server, start_zap
 from zmqworker.transport.frames import recv_frames, send_frames
 from zmqworker.transport.wake_pipe import WakePipe
 
 log = logging.getLogger("zmqworker.kv_transfer")
 
-MEMFD_NAME = "zmqworker-kv"
-
 
 @dataclass
 class Staged:
-    """One request's KV in a memfd, until pulled or expired."""
+    """One request's KV in the first nbytes of a memfd, until pulled or expired."""
 
     req_id: str
     num_blocks: int
+    nbytes: int
     fd: int
     memory: mmap.mmap
     deadline: float
-
-    def close(self) -> None:
-        os.close(self.fd)
-        try:
-            self.memory.close()
-        except BufferError:
-            pass  # a zero-copy send still holds it: the mapping goes with its last reference
-
-
-def stage(req_id: str, nbytes: int, num_blocks: int, timeout_s: float) -> Staged:
-    fd, memory = create_sealed(MEMFD_NAME, max(nbytes, 1))
-    return Staged(req_id, num_blocks, fd, memory, time.monotonic() + timeout_s)
 
 
 class KVServer:
@@ -89,6 +76,7 @@ class KVServer:
         self.address = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._host_id = wire.boot_id()
         self._staged: dict[str, Staged] = {}
+        self.pool = MemfdPool()
         # Pulls that came before their staging (the prefill's next step stages it): held
         # until it does, or until the timeout.
         self._early: dict[str, tuple[bytes, KVPull, float]] = {}
@@ -99,6 +87,12 @@ class KVServer:
         self._stop = False
         self._thread = threading.Thread(target=self._serve, name="kv-server", daemon=True)
         self._thread.start()
+
+    def stage(self, req_id: str, nbytes: int, num_blocks: int) -> Staged:
+        """A memfd of nbytes for req_id's KV (from the worker's thread): fill it, then
+        offer it."""
+        fd, memory = self.pool.take(nbytes)
+        return Staged(req_id, num_blocks, nbytes, fd, memory, time.monotonic() + self._timeout_s)
 
     def offer(self, staged: Staged) -> None:
         """From the worker's thread: staged is complete and may be pulled."""
@@ -133,8 +127,9 @@ class KVServer:
         finally:
             self._take_incoming()
             for staged in self._staged.values():
-                staged.close()
+                close_memfd(staged.fd, staged.memory)
             self._staged.clear()
+            self.pool.close()
 
     def _receive_all(self) -> None:
         while True:
@@ -154,7 +149,7 @@ class KVServer:
             if isinstance(msg, KVPull):
                 self._answer(peer, msg)
             elif isinstance(msg, KVDone):
-                self._drop(msg.req_id)
+                self._drop(msg.req_id, pulled=True)
 
     def _answer(self, peer: bytes, pull: KVPull) -> None:
         self._take_incoming()  # a pull may overtake the wake-up of its own staging
@@ -165,11 +160,11 @@ class KVServer:
             self._early[pull.req_id] = (peer, pull, time.monotonic() + self._timeout_s)
             return
         elif pull.host_id == self._host_id:
-            shared = SharedKV(os.getpid(), staged.fd, len(staged.memory))
+            shared = SharedKV(os.getpid(), staged.fd, staged.nbytes)
             reply, frames = KVBlocks(pull.req_id, self.layout, staged.num_blocks, shared), []
         else:
             reply = KVBlocks(pull.req_id, self.layout, staged.num_blocks)
-            frames = [memoryview(staged.memory)]
+            frames = [memoryview(staged.memory)[: staged.nbytes]]
         try:
             send_frames(self._sock, [peer, wire.encode(reply), *frames])
         except zmq.ZMQError as e:
@@ -178,10 +173,15 @@ class KVServer:
     def _wrong_rank(self, rank: int) -> str:
         return f"rank {rank} pulled from the KV server of rank {self.rank}: tp ranks must match"
 
-    def _drop(self, req_id: str) -> None:
+    def _drop(self, req_id: str, pulled: bool) -> None:
+        """Forget req_id's staged KV: its memfd is reused once its puller is done with it
+        (pulled), never after an expiry (a late puller may still read it)."""
         staged = self._staged.pop(req_id, None)
         if staged is not None:
-            staged.close()
+            if pulled:
+                self.pool.give_back(staged.fd, staged.memory)
+            else:
+                close_memfd(staged.fd, staged.memory)
             self._on_sent(req_id)
 
     def _take_incoming(self) -> None:
@@ -197,7 +197,7 @@ class KVServer:
         now = time.monotonic()
         for req_id in [r for r, s in self._staged.items() if s.deadline <= now]:
             log.warning("rank %d: staged KV of %r expired unpulled", self.rank, req_id)
-            self._drop(req_id)
+            self._drop(req_id, pulled=False)
         for req_id in [r for r, (_, _, deadline) in self._early.items() if deadline <= now]:
             peer, _, _ = self._early.pop(req_id)
             error = f"no KV staged for request {req_id!r} on rank {self.rank} in time"

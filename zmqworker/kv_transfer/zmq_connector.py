@@ -29,7 +29,7 @@ from messages.kv_transfer import (
 from zmqworker.kv_transfer.blocks import gather, layout_of, scatter, staged_nbytes, view_staged
 from zmqworker.kv_transfer.connector import KVConnector
 from zmqworker.kv_transfer.puller import Arrived, KVPuller
-from zmqworker.kv_transfer.server import KVServer, stage
+from zmqworker.kv_transfer.server import KVServer
 from zmqworker.transport.curve import KVKeys
 
 
@@ -161,15 +161,14 @@ class ZmqKVConnector(KVConnector):
     def _stage(self, save: KVSave) -> None:
         assert self.server is not None
         num_blocks = len(save.block_ids)
-        staged = stage(
-            save.req_id, staged_nbytes(self.layout, num_blocks), num_blocks, self.config.timeout_s
-        )
+        nbytes = staged_nbytes(self.layout, num_blocks)
+        staged = self.server.stage(save.req_id, nbytes, num_blocks)
         try:
             view = view_staged(memoryview(staged.memory), self.layout, num_blocks)
             gather(self.kv_caches(), torch.from_numpy(np.asarray(save.block_ids, np.int64)), view)
             del view
         except BaseException:
-            staged.close()
+            self.server.pool.give_back(staged.fd, staged.memory)
             raise
         self._num_staged += 1
         self.server.offer(staged)
