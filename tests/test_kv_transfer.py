@@ -87,9 +87,9 @@ def free_blocks(core: EngineCore) -> int:
     return core.block_manager.num_free_blocks
 
 
-def run_colocated(core: EngineCore) -> list[list[int]]:
+def run_colocated(core: EngineCore, params: SamplingParams = GREEDY) -> list[list[int]]:
     """PROMPTS prefilled and decoded by core alone."""
-    requests = [Request(f"c{i}", p, GREEDY) for i, p in enumerate(PROMPTS)]
+    requests = [Request(f"c{i}", p, params) for i, p in enumerate(PROMPTS)]
     for request in requests:
         core.add_request(request)
     while core.has_work():

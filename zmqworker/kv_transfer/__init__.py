@@ -7,9 +7,11 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+from torch.distributed import ProcessGroup
 
 from messages import KVCacheSpec, KVTransferConfig
 from zmqworker.kv_transfer.connector import KVConnector
+from zmqworker.kv_transfer.tp_reports import TPCombined
 from zmqworker.kv_transfer.zmq_connector import ZmqKVConnector
 from zmqworker.transport.curve import KV_CURVE_ENV, KVKeys
 
@@ -23,6 +25,8 @@ def make_kv_connector(
     tp_rank: int,
     tp_size: int,
     pp_size: int,
+    tp_group: ProcessGroup | None,
+    device: torch.device,
 ) -> KVConnector:
     """The worker's connector, over its freshly made cache; the deployment's KV keys
     come from the environment (transport/curve.py's KV_CURVE_ENV)."""
@@ -31,11 +35,6 @@ def make_kv_connector(
             "KV transfer with pipeline parallelism is not supported: every stage would "
             "need a peer of its own (run the instances with pipeline_parallel_size=1)"
         )
-    if tp_size > 1:
-        raise ValueError(
-            "KV transfer with tensor parallelism is not supported yet: the ranks' transfers "
-            "would have to be reported together (docs/kv_transfer.md, what is left)"
-        )
     keys = KVKeys.from_env()
     if keys is None:
         raise ValueError(
@@ -43,4 +42,7 @@ def make_kv_connector(
             f"like every tcp socket of a run; give the workers ${KV_CURVE_ENV} "
             "(zmqworker.transport.curve.KVKeys)"
         )
-    return ZmqKVConnector(config, kv_caches, spec, tp_rank, tp_size, keys)
+    connector = ZmqKVConnector(config, kv_caches, spec, tp_rank, tp_size, keys)
+    if tp_group is None:
+        return connector
+    return TPCombined(connector, tp_group, device)

@@ -165,6 +165,8 @@ class Worker(WorkerBase):
                 self.state.tp_rank,
                 self.state.tp_size,
                 self.state.pp_size,
+                self.state.tp_group,
+                self.state.device,
             )
 
     def compile_or_warm_up_model(self) -> float:
