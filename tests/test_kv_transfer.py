@@ -27,6 +27,7 @@ from tests.tiny import cached_tiny_checkpoint
 from zmqworker.engine.core import EngineCore
 from zmqworker.engine.disaggregated import DisaggregatedEngine, start_disaggregated
 from zmqworker.engine.request import RemotePrefill, Request
+from zmqworker.engine.threaded_router import ThreadedRouter
 from zmqworker.kv_transfer import wire
 from zmqworker.transport.curve import KVKeys
 
@@ -115,6 +116,20 @@ def test_disaggregated_greedy_equals_colocated(pair: DisaggregatedEngine) -> Non
     # blocks do not hold eight requests at once (it waits, or preempts).
     again = pair.generate(PROMPTS * 2, GREEDY, timeout_s=300)
     assert [r.token_ids for r in again] == colocated * 2
+
+
+def test_the_threaded_router_gives_the_same_tokens(pair: DisaggregatedEngine) -> None:
+    """Each instance in a loop thread of its own, as served."""
+    expected = [r.token_ids for r in pair.generate(PROMPTS, GREEDY, timeout_s=300)]
+    router = ThreadedRouter(pair)
+    try:
+        results = router.generate(PROMPTS, GREEDY, timeout_s=300)
+    finally:
+        router.stop()
+    assert [(r.token_ids, r.finish_reason, r.error) for r in results] == [
+        (tokens, "length", None) for tokens in expected
+    ]
+    assert all(len(r.token_times) == len(r.token_ids) for r in results)
 
 
 def test_a_pull_nobody_answers_fails_the_request_and_frees_its_blocks(

@@ -43,6 +43,20 @@ class RoutedRequest:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    def update(
+        self, output_token_ids: Sequence[int], finish_reason: str | None, error: str | None
+    ) -> None:
+        """Take a side's view of the request: its outputs so far (the prefill's first
+        token included on the decode side) and how it ended there (None: it goes on)."""
+        now = time.monotonic()
+        new = output_token_ids[len(self.token_ids) :]
+        if new and self.first_token_time is None:
+            self.first_token_time = now
+        self.token_ids.extend(new)
+        self.token_times.extend([now] * len(new))
+        if finish_reason is not None:
+            self.finish_reason, self.error = finish_reason, error
+
 
 class DisaggregatedEngine:
     """Not thread-safe: one thread calls add_request, step and the rest."""
@@ -87,10 +101,9 @@ class DisaggregatedEngine:
     def step(self) -> list[RoutedRequest]:
         """A turn of each instance; the requests that got tokens or finished."""
         changed: dict[str, RoutedRequest] = {}
-        now = time.monotonic()
         for request in self.prefill.step():
             goes_on = request.kv_transfer_out is not None  # to the decode instance
-            routed = self._take(request, now, goes_on)
+            routed = self._take(request, goes_on)
             changed[routed.req_id] = routed
             if goes_on:
                 prompt, params, eos = self._params[request.req_id]
@@ -99,7 +112,7 @@ class DisaggregatedEngine:
                     Request(request.req_id, prompt, params, eos_token_ids=eos, remote=remote)
                 )
         for request in self.decode.step():
-            routed = self._take(request, time.monotonic())
+            routed = self._take(request)
             changed[routed.req_id] = routed
         for routed in changed.values():
             if routed.finished:
@@ -128,17 +141,11 @@ class DisaggregatedEngine:
         for core in (self.decode, self.prefill):
             core.shutdown()
 
-    def _take(self, request: Request, now: float, goes_on: bool = False) -> RoutedRequest:
+    def _take(self, request: Request, goes_on: bool = False) -> RoutedRequest:
         routed = self.requests[request.req_id]
-        new = request.output_token_ids[len(routed.token_ids) :]
-        if new and routed.first_token_time is None:
-            routed.first_token_time = now
-        routed.token_ids.extend(new)
-        routed.token_times.extend([now] * len(new))
-        if request.is_finished and not goes_on:
-            assert request.finish_reason is not None
-            routed.finish_reason = request.finish_reason.value
-            routed.error = request.error
+        reason = request.finish_reason
+        finish = None if goes_on or reason is None else reason.value
+        routed.update(request.output_token_ids, finish, request.error)
         return routed
 
 
