@@ -37,6 +37,15 @@ from messages.kv_cache import (
     KVCacheTensor,
     make_kv_cache_config,
 )
+from messages.kv_transfer import (
+    KVConnectorMetadata,
+    KVConnectorOutput,
+    KVFailure,
+    KVLoad,
+    KVSave,
+    KVTransferConfig,
+    RemoteKV,
+)
 from messages.rpc import (
     ALL_RANKS,
     Hello,
@@ -98,6 +107,12 @@ __all__ = [
     "KVCacheGroup",
     "KVCacheSpec",
     "KVCacheTensor",
+    "KVConnectorMetadata",
+    "KVConnectorOutput",
+    "KVFailure",
+    "KVLoad",
+    "KVSave",
+    "KVTransferConfig",
     "LogprobsLists",
     "Message",
     "ModelConfig",
@@ -110,6 +125,7 @@ __all__ = [
     "ProfilerConfig",
     "ProtocolError",
     "RemoteError",
+    "RemoteKV",
     "RpcReply",
     "RpcRequest",
     "SamplingParams",

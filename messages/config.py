@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import msgspec
 
+from messages.kv_transfer import KVTransferConfig
+
 
 class ModelConfig(msgspec.Struct, tag=True, frozen=True, omit_defaults=True):
     """Which checkpoint to run and how. path is a Hugging Face checkpoint folder."""
@@ -82,5 +84,6 @@ class WorkerConfig(msgspec.Struct, tag=True, frozen=True, omit_defaults=True):
     device: DeviceConfig = DeviceConfig()
     profiler: ProfilerConfig = ProfilerConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
+    kv_transfer: KVTransferConfig | None = None  # None: no KV connector
     worker_cls: str = "zmqworker.worker.torch_worker.Worker"
     worker_extension_cls: str = ""

@@ -16,6 +16,7 @@ import torch
 
 from messages.example_stream import Stream, req_id
 from messages.examples_engine_core import ENGINE_CORE_EXAMPLES
+from messages.examples_kv_transfer import KV_TRANSFER_EXAMPLES
 from messages.examples_start import BLOCK_SIZE, RUN_ID, hello, kv_cache_spec, welcome
 from messages.examples_weights import WEIGHT_EXAMPLES
 from messages.kinds import Message
@@ -340,5 +341,6 @@ EXAMPLES: dict[str, Callable[[], Message]] = {
         call_id=100, src_rank=0, shared=shared_slot(), run_id=RUN_ID
     ),
     **WEIGHT_EXAMPLES,
+    **KV_TRANSFER_EXAMPLES,
     **ENGINE_CORE_EXAMPLES,  # then a client and an engine core's
 }

@@ -17,6 +17,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
+from messages.kv_transfer import KVConnectorMetadata, KVConnectorOutput
 from messages.sampling import SamplingParams
 
 
@@ -137,13 +138,16 @@ def _ragged(rows: Sequence[Sequence[int]] | None, n: int) -> tuple[np.ndarray, n
 
 class SchedulerOutput(msgspec.Struct, tag=True):
     """One scheduler step. finished and preempted requests leave the batch before the
-    step runs (a preempted request comes back later, as new or as resumed)."""
+    step runs (a preempted request comes back later, as new or as resumed).
+    kv_connector_metadata: the step's KV transfer orders (messages/kv_transfer.py);
+    a step may carry only those, computing nothing."""
 
     scheduled_new_reqs: list[NewRequestData]
     scheduled_cached_reqs: CachedRequestData
     total_num_scheduled_tokens: int
     finished_req_handles: list[int] = []
     preempted_req_handles: list[int] = []
+    kv_connector_metadata: KVConnectorMetadata | None = None
 
 
 class GrammarOutput(msgspec.Struct, tag=True):
@@ -166,11 +170,13 @@ class LogprobsLists(msgspec.Struct, tag=True):
 class ModelRunnerOutput(msgspec.Struct, tag=True):
     """What the last pipeline stage returns for a step. sampled_token_ids[i] is the token
     sampled for req_handles[i], or -1 when that request is in the middle of a chunked
-    prefill and sampled nothing."""
+    prefill and sampled nothing. kv_connector_output: the KV transfers that ended since
+    the previous step's output (None: none, or no KV connector)."""
 
     req_handles: np.ndarray  # int32 [n]
     sampled_token_ids: np.ndarray  # int32 [n]
     logprobs: LogprobsLists | None = None
+    kv_connector_output: KVConnectorOutput | None = None
 
 
 class IntermediateTensors(msgspec.Struct, tag=True):

@@ -21,6 +21,7 @@ LAYERS = [
     "zmqworker.distributed",
     "zmqworker.models",
     "zmqworker.model_runner",
+    "zmqworker.kv_transfer",
     "zmqworker.worker",
     "zmqworker.runtime",
     "zmqworker.executor",

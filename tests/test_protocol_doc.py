@@ -28,6 +28,7 @@ from messages import (
     config,
     engine_core,
     kv_cache,
+    kv_transfer,
     rpc,
     sampling,
     step,
@@ -49,7 +50,7 @@ from zmqworker.frontend.engine_connection import ENGINE_SILENT_S, PING_EVERY_S
 from zmqworker.runtime.engine_watch import PARENT_POLL_S
 from zmqworker.runtime.main import build_parser
 from zmqworker.runtime.worker_process import HANDSHAKE_TIMEOUT_S
-from zmqworker.transport.curve import CURVE_ENV
+from zmqworker.transport.curve import CURVE_ENV, KV_CURVE_ENV
 from zmqworker.transport.spawn_env import MAX_MESSAGE_ENV, SHARE_GPUS_ENV, TOKEN_ENV
 from zmqworker.worker.worker_base import CONCURRENT_METHODS, RPC_METHODS, WorkerBase
 
@@ -84,7 +85,7 @@ def traveling_structs() -> set[type]:
 
 def declared_structs() -> set[type]:
     """The public Structs of the wire contract's modules."""
-    modules = (config, engine_core, kv_cache, rpc, sampling, step, weights)
+    modules = (config, engine_core, kv_cache, kv_transfer, rpc, sampling, step, weights)
     return {
         value
         for module in modules
@@ -332,7 +333,7 @@ def test_the_worker_command_line_and_environment_are_the_code_s() -> None:
     assert {"--engine", "--rank"} <= options
     table = DOC.split("## The worker process", 1)[1].split("\n## ", 1)[0]
     assert {o for o in options if f"| `{o}` |" not in table} == set()
-    variables = {TOKEN_ENV, MAX_MESSAGE_ENV, CURVE_ENV, SHM_ENV, SHARE_GPUS_ENV}
+    variables = {TOKEN_ENV, MAX_MESSAGE_ENV, CURVE_ENV, KV_CURVE_ENV, SHM_ENV, SHARE_GPUS_ENV}
     assert {v for v in variables if f"| `{v}` |" not in table} == set()
     assert set(re.findall(r"ZMQWORKER_\w+", DOC)) == variables  # none of another name
     [worker_cls] = [

@@ -149,6 +149,16 @@ class KVBlockManager:
             self._register_full_blocks(req_id, token_ids, num_full)
         return new_blocks
 
+    def allocate_pending(self, req_id: str, num_tokens: int) -> bool:
+        """Blocks for the first num_tokens tokens of a request holding none, whose KV is
+        yet to arrive (from another instance): not registered for prefix caching, so no
+        other request reads them before it has; allocate_slots registers them later, once
+        they are computed. False (changing nothing) when there are not enough."""
+        if req_id in self._tables:
+            raise ValueError(f"{req_id}: already holds blocks")
+        blocks = self.allocate_slots(req_id, (), 0, num_tokens, num_placeholders=num_tokens)
+        return blocks is not None
+
     def free(self, req_id: str) -> None:
         """Release every block of req_id. Cached blocks stay findable until reused; the
         request's last blocks go first, since a shorter prefix is likelier to be shared."""

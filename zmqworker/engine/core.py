@@ -11,12 +11,14 @@ from typing import TYPE_CHECKING, Any
 from messages import (
     EngineCoreStats,
     KVCacheSpec,
+    KVTransferConfig,
     SchedulerConfig,
     WeightUpdate,
     make_kv_cache_config,
 )
 from zmqworker.engine.batch_queue import BatchQueue
 from zmqworker.engine.block_manager import KVBlockManager
+from zmqworker.engine.kv_connector import KVConnectorScheduler
 from zmqworker.engine.request import Request
 from zmqworker.engine.scheduler import Scheduler
 from zmqworker.executor.errors import WorkerError, as_local
@@ -81,7 +83,10 @@ class EngineCore:
         enable_prefix_caching: bool = False,
         async_scheduling: bool = False,
         async_steps_in_flight: int = ASYNC_STEPS_IN_FLIGHT,
+        kv_transfer: KVTransferConfig | None = None,
     ) -> None:
+        """kv_transfer: the workers' KV transfer config (WorkerConfig.kv_transfer), for
+        the scheduler side of their connector; None: no KV transfer."""
         if async_steps_in_flight < 2:
             raise ValueError(f"async_steps_in_flight must be >= 2, got {async_steps_in_flight}")
         config = scheduler_config or SchedulerConfig()
@@ -96,6 +101,12 @@ class EngineCore:
         stages = executor.max_concurrent_batches
         self.async_scheduling = async_scheduling and stages == 1
         depth = async_steps_in_flight if self.async_scheduling else stages
+        self.kv_connector = None
+        if kv_transfer is not None:
+            tp = executor.world_size  # the workers refuse pipeline stages with KV transfer
+            produces = range(tp) if kv_transfer.produces else range(0)
+            addresses = [kv_transfer.address(rank) for rank in produces]
+            self.kv_connector = KVConnectorScheduler(self.block_manager, addresses)
         # Pipeline stages before the last do not sample: they get the tokens in the deltas.
         self.scheduler = Scheduler(
             self.block_manager,
@@ -105,6 +116,7 @@ class EngineCore:
             send_token_ids=stages > 1,
             max_concurrent_batches=depth,
             async_scheduling=self.async_scheduling,
+            kv_connector=self.kv_connector,
         )
         self.batch_queue = BatchQueue(
             lambda output: executor.execute_model(output, non_block=depth > 1),

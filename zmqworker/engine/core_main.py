@@ -54,6 +54,7 @@ def build_core(
             config.worker.scheduler,
             enable_prefix_caching=config.enable_prefix_caching,
             async_scheduling=config.async_scheduling,
+            kv_transfer=config.worker.kv_transfer,
         )
     except BaseException:
         executor.shutdown()

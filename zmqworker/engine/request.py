@@ -7,14 +7,27 @@ from __future__ import annotations
 import enum
 import time
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
-from messages import EngineCoreOutput, LogprobsLists, SamplingParams
+from messages import EngineCoreOutput, LogprobsLists, RemoteKV, SamplingParams
+
+
+@dataclass(frozen=True)
+class RemotePrefill:
+    """A decode instance's request whose prompt another instance prefilled: where that
+    KV waits, and the first token the prefill sampled (this request's first output)."""
+
+    kv: RemoteKV
+    first_token: int
 
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"  # not scheduled yet, or preempted and waiting to start over
+    # Its prompt was prefilled by another instance, whose KV it waits for (outside the
+    # waiting queue: engine/kv_connector.py).
+    WAITING_FOR_REMOTE_KV = "waiting_for_remote_kv"
     RUNNING = "running"
     FINISHED = "finished"
 
@@ -32,6 +45,11 @@ class Request:
 
     Token counts: all_token_ids is the prompt followed by the outputs; num_computed_tokens
     of them have their KV in the cache (or scheduled into it).
+
+    Disaggregated serving: remote_decode (a prefill instance's request) finishes after
+    its first token with its KV kept for a decode instance (kv_transfer_out says where);
+    remote (a decode instance's) starts from that KV and that first token. error: why
+    the request could not go on (its remote KV never came), with finish_reason abort.
     """
 
     def __init__(
@@ -43,6 +61,8 @@ class Request:
         eos_token_ids: Iterable[int] = (),
         arrival_time: float | None = None,
         shares_prompt_with: str | None = None,
+        remote_decode: bool = False,
+        remote: RemotePrefill | None = None,
     ) -> None:
         if len(prompt_token_ids) == 0:
             raise ValueError(f"request {req_id!r}: the prompt is empty")
@@ -50,6 +70,13 @@ class Request:
             raise ValueError(
                 f"request {req_id!r}: n={sampling_params.n}; the engine core runs one sample "
                 "per request (the client fans n out into requests that share the prompt)"
+            )
+        if remote_decode and remote is not None:
+            raise ValueError(f"request {req_id!r}: remote_decode and remote prefill both set")
+        if remote is not None and remote.kv.num_tokens != len(prompt_token_ids):
+            raise ValueError(
+                f"request {req_id!r}: the remote KV holds {remote.kv.num_tokens} tokens, "
+                f"the prompt has {len(prompt_token_ids)}"
             )
         self.req_id = req_id
         self.prompt_token_ids = [int(t) for t in prompt_token_ids]
@@ -80,6 +107,15 @@ class Request:
             None if sampling_params.logprobs is None else []
         )
         self._tokens_taken = 0
+        self.remote_decode = remote_decode
+        self.remote = remote
+        self.kv_transfer_out: RemoteKV | None = None
+        self.error: str | None = None
+        if remote is not None:
+            # The prefill's token: an output already given to the client.
+            self.output_token_ids.append(remote.first_token)
+            self.all_token_ids.append(remote.first_token)
+            self._tokens_taken = 1
 
     def __repr__(self) -> str:
         return (

@@ -24,8 +24,10 @@ from collections import deque
 
 from messages import ModelRunnerOutput, SchedulerOutput
 from zmqworker.cdiv import cdiv
+from zmqworker.engine.admission import check_limits, check_request
 from zmqworker.engine.block_manager import KVBlockManager
 from zmqworker.engine.handles import HandlePool
+from zmqworker.engine.kv_connector import KVConnectorScheduler
 from zmqworker.engine.prompt_sharing import computed_prompt_blocks
 from zmqworker.engine.request import FinishReason, Request, RequestStatus
 from zmqworker.engine.step_draft import SentStep, StepDraft
@@ -41,6 +43,7 @@ class Scheduler:
     async_scheduling: max_concurrent_batches (at least 2) steps in flight on one stage,
     each going on from the tokens of the one before (placeholders) instead of taking
     other requests.
+    kv_connector: the scheduler side of KV transfer (disaggregated prefill and decode).
     """
 
     def __init__(
@@ -52,30 +55,17 @@ class Scheduler:
         send_token_ids: bool = False,
         max_concurrent_batches: int = 1,
         async_scheduling: bool = False,
+        kv_connector: KVConnectorScheduler | None = None,
     ) -> None:
-        for name, value in (
-            ("max_num_seqs", max_num_seqs),
-            ("max_concurrent_batches", max_concurrent_batches),
-            ("max_num_batched_tokens", max_num_batched_tokens),
-            ("max_model_len", max_model_len),
-        ):
-            if value < 1:
-                raise ValueError(f"{name} must be >= 1, got {value}")
-        if async_scheduling and (send_token_ids or max_concurrent_batches < 2):
-            raise ValueError(
-                "async_scheduling keeps steps in flight on one pipeline stage: "
-                f"max_concurrent_batches must be 2 or more (got {max_concurrent_batches}) "
-                "and send_token_ids off"
-            )
-        capacity = block_manager.num_blocks * block_manager.block_size
-        if capacity < max_model_len:
-            # A request of max_model_len tokens could never fit, even alone.
-            raise ValueError(
-                f"the KV cache holds {block_manager.num_blocks} blocks of "
-                f"{block_manager.block_size} tokens ({capacity} tokens), fewer than "
-                f"max_model_len={max_model_len}: give the workers more KV cache memory "
-                "or lower max_model_len"
-            )
+        check_limits(
+            block_manager,
+            max_num_seqs,
+            max_num_batched_tokens,
+            max_model_len,
+            send_token_ids,
+            max_concurrent_batches,
+            async_scheduling,
+        )
         self.kv = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -83,6 +73,7 @@ class Scheduler:
         self.send_token_ids = send_token_ids
         self.max_concurrent_batches = max_concurrent_batches
         self.async_scheduling = async_scheduling
+        self.kv_connector = kv_connector
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in the order they started: the last is newest
         self._requests: dict[str, Request] = {}
@@ -103,15 +94,13 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         if request.req_id in self._requests or request.req_id in self._draining:
             raise ValueError(f"request id {request.req_id!r} is already in the scheduler")
-        if request.status is not RequestStatus.WAITING or request.output_token_ids:
-            raise ValueError(f"request {request.req_id!r} is not a fresh request")
-        if request.num_tokens > self.max_model_len:
-            raise ValueError(
-                f"request {request.req_id!r}: prompt of {request.num_tokens} tokens is longer "
-                f"than max_model_len={self.max_model_len}"
-            )
+        check_request(request, self.max_model_len, self.kv_connector is not None)
         self._requests[request.req_id] = request
-        self.waiting.append(request)
+        if request.remote is not None:
+            assert self.kv_connector is not None
+            self.kv_connector.add_remote(request)
+        else:
+            self.waiting.append(request)
 
     def abort_request(self, req_id: str) -> Request | None:
         """Finish req_id as aborted; None if it is unknown or already finished. A request
@@ -119,6 +108,12 @@ class Scheduler:
         request = self._requests.get(req_id)
         if request is None:
             return None
+        if request.status is RequestStatus.WAITING_FOR_REMOTE_KV:
+            assert self.kv_connector is not None
+            del self._requests[req_id]
+            request.finish(FinishReason.ABORT)
+            self.kv_connector.abort(request)
+            return request
         if request.status is RequestStatus.WAITING:
             self.waiting.remove(request)
         else:
@@ -136,7 +131,8 @@ class Scheduler:
         return len(self._steps)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._requests)
+        """Requests to run, or KV transfers whose end steps must hear of."""
+        return bool(self._requests) or (self.kv_connector is not None and self.kv_connector.busy)
 
     # -- building a step -----------------------------------------------------------------
 
@@ -154,7 +150,9 @@ class Scheduler:
         # Waiting requests only when nothing was preempted (the cache is full then).
         if len(self._preempted_handles) == num_preempted_before:
             budget = self._schedule_waiting(draft, budget, max_reqs)
-        if not draft:
+        connector = self.kv_connector
+        kv_orders = connector.metadata() if connector is not None else None
+        if not draft and kv_orders is None and (connector is None or not connector.busy):
             return None
         step = draft.send(
             self.max_num_batched_tokens - budget,
@@ -162,6 +160,7 @@ class Scheduler:
             self._preempted_handles,
             self.send_token_ids,
             self.async_scheduling,
+            kv_orders,
         )
         self._steps.append(step)
         self._finished_handles, self._preempted_handles = [], []
@@ -219,10 +218,13 @@ class Scheduler:
             and len(self.running) < self.max_num_seqs
         ):
             request = self.waiting[0]
-            computed = computed_prompt_blocks(request, self._requests, self.kv)
-            if computed is None:
-                break  # its sibling computes the prompt they share: after that step
-            hits, num_hit = computed
+            if request.num_computed_tokens:  # its KV came from a prefill: blocks held
+                hits, num_hit = [], request.num_computed_tokens
+            else:
+                computed = computed_prompt_blocks(request, self._requests, self.kv)
+                if computed is None:
+                    break  # its sibling computes the prompt they share: after that step
+                hits, num_hit = computed
             num_new = min(request.num_tokens - num_hit, budget)
             new_blocks = self.kv.allocate_slots(
                 request.req_id, request.all_token_ids, num_hit, num_new, hits
@@ -245,7 +247,7 @@ class Scheduler:
     def _continuable(self, request: Request) -> bool:
         """Whether a request in steps in flight can go into the next step too: with
         async scheduling, if those steps do not end it by length."""
-        if not self.async_scheduling:
+        if not self.async_scheduling or request.remote_decode:
             return False
         pending = request.num_pending_samples
         return (
@@ -314,19 +316,7 @@ class Scheduler:
         requests, sampling = step.requests, step.sampling
         handles = runner_output.req_handles.tolist()
         tokens = runner_output.sampled_token_ids.tolist()
-        if (
-            len(handles) != len(tokens)
-            or len(handles) != len(requests)
-            or (requests.keys() != set(handles))
-        ):
-            for handle, request in requests.items():
-                request.num_steps_in_flight -= 1
-                if handle in sampling:
-                    request.num_pending_samples -= 1
-            raise RuntimeError(
-                f"ModelRunnerOutput names handles {sorted(handles)} with {len(tokens)} tokens; "
-                f"the step scheduled {sorted(requests)}"
-            )
+        step.check_output(handles, tokens)
         changed: list[Request] = []
         # Every request of the step comes once (checked above): one pass moves it on.
         for row, (handle, token) in enumerate(zip(handles, tokens, strict=True)):
@@ -346,15 +336,29 @@ class Scheduler:
                     f"token {token} sampled for {request.req_id!r} (handle {handle}) in the "
                     "middle of its prefill"
                 )
-            if request.append_output_token(token, self.max_model_len, runner_output.logprobs, row):
+            finished = request.append_output_token(
+                token, self.max_model_len, runner_output.logprobs, row
+            )
+            hold = not finished and request.remote_decode  # a decode instance goes on
+            if hold:
+                request.finish(FinishReason.LENGTH)
+            if finished or hold:
                 self.running.remove(request)
-                self._release(request)
+                self._release(request, hold)
             changed.append(request)
         if self._draining:
             for request in step.requests.values():
                 if not request.num_steps_in_flight and request.req_id in self._draining:
                     del self._draining[request.req_id]
                     self.kv.free(request.req_id)
+        if runner_output.kv_connector_output is not None:
+            assert self.kv_connector is not None
+            failed = self.kv_connector.update(
+                runner_output.kv_connector_output, self.waiting.appendleft
+            )
+            for request in failed:
+                del self._requests[request.req_id]
+            changed += failed
         return changed
 
     def reset_after_failure(self) -> list[Request]:
@@ -378,16 +382,21 @@ class Scheduler:
         self._draining.clear()
         self._steps.clear()
         self._num_tokens_sent.clear()
+        if self.kv_connector is not None:
+            self.kv_connector.reset()
         return aborted
 
-    def _release(self, request: Request) -> None:
+    def _release(self, request: Request, hold_kv: bool = False) -> None:
         """Forget a finished request (out of the queues already): the next step tells the
         workers (their steps run in order, so one in flight still finds it); its blocks
-        go once no step in flight computes it, its handle once the step that tells the
-        workers has come back."""
+        go once no step in flight computes it (hold_kv: once its KV is sent, which is
+        later), its handle once the step that tells the workers has come back."""
         del self._requests[request.req_id]
         self._num_tokens_sent.pop(request.req_id, None)
-        if request.num_steps_in_flight:
+        if hold_kv:
+            assert self.kv_connector is not None
+            self.kv_connector.hold(request)
+        elif request.num_steps_in_flight:
             self._draining[request.req_id] = request
         else:
             self.kv.free(request.req_id)

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from messages import CachedRequestData, NewRequestData, SchedulerOutput
+from messages import CachedRequestData, KVConnectorMetadata, NewRequestData, SchedulerOutput
 from zmqworker.engine.request import Request
 
 
@@ -19,6 +19,21 @@ class SentStep:
     requests: dict[int, Request]  # handle -> request scheduled in it
     sampling: set[int]  # handles whose token this step samples
     finished_handles: list[int]  # the finishes it reports to the workers
+
+    def check_output(self, handles: list[int], tokens: list[int]) -> None:
+        """Raise unless the output names exactly the step's requests, a token each; the
+        step is counted back then (its requests are no longer in flight)."""
+        requests = self.requests
+        if len(handles) == len(tokens) == len(requests) and requests.keys() == set(handles):
+            return
+        for handle, request in requests.items():
+            request.num_steps_in_flight -= 1
+            if handle in self.sampling:
+                request.num_pending_samples -= 1
+        raise RuntimeError(
+            f"ModelRunnerOutput names handles {sorted(handles)} with {len(tokens)} tokens; "
+            f"the step scheduled {sorted(requests)}"
+        )
 
 
 class StepDraft:
@@ -87,6 +102,7 @@ class StepDraft:
         preempted: list[int],
         send_token_ids: bool,
         with_placeholders: bool,
+        kv_connector_metadata: KVConnectorMetadata | None = None,
     ) -> SentStep:
         """The SchedulerOutput, and the requests moved on: their tokens counted as
         computed, the step counted in flight (and its samples as pending)."""
@@ -103,6 +119,7 @@ class StepDraft:
             total_num_scheduled_tokens=num_tokens,
             finished_req_handles=finished,
             preempted_req_handles=preempted,
+            kv_connector_metadata=kv_connector_metadata,
         )
         scheduled = self.scheduled
         for data in self.new_reqs:

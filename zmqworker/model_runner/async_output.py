@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from messages import LogprobsLists, ModelRunnerOutput
+from messages import KVConnectorOutput, LogprobsLists, ModelRunnerOutput
 
 
 class AsyncModelRunnerOutput:
@@ -35,6 +35,8 @@ class AsyncModelRunnerOutput:
         self._logprobs = logprobs
         self._event = event
         self._output: ModelRunnerOutput | None = None
+        # The worker's, set after the step: the KV transfers that ended (kv_transfer/).
+        self.kv_connector_output: KVConnectorOutput | None = None
 
     def is_ready(self) -> bool:
         """True when get_output() will not wait. Never blocks."""
@@ -59,7 +61,10 @@ class AsyncModelRunnerOutput:
                 sampled_token_ranks=self._place(ranks, fill=-1),
             )
         return ModelRunnerOutput(
-            req_handles=self._req_handles, sampled_token_ids=tokens, logprobs=logprobs
+            req_handles=self._req_handles,
+            sampled_token_ids=tokens,
+            logprobs=logprobs,
+            kv_connector_output=self.kv_connector_output,
         )
 
     def _place(self, values: np.ndarray, fill: float) -> np.ndarray:

@@ -98,3 +98,42 @@ def start_zap(ctx: zmq.Context, worker_public: bytes) -> ThreadAuthenticator:
     auth.start()
     auth.configure_curve_callback(domain="*", credentials_provider=_AdmitOnly(worker_public))
     return auth
+
+
+KV_CURVE_ENV = "ZMQWORKER_KV_CURVE"  # "public,secret" (z85): the KV transfer peers' pair
+
+
+@dataclass(frozen=True)
+class KVKeys:
+    """The key pair every KV transfer socket of a deployment uses: the prefill
+    instance's servers hold it, the decode instance's pullers connect with it, and each
+    server's ZAP handler admits its public key alone. Made by whoever starts both
+    instances, handed to their workers through the environment like the run's keys."""
+
+    public: bytes
+    secret: bytes
+
+    @classmethod
+    def new(cls) -> KVKeys:
+        return cls(*zmq.curve_keypair())
+
+    def to_env(self) -> str:
+        return b",".join((self.public, self.secret)).decode()
+
+    @classmethod
+    def from_env(cls) -> KVKeys | None:
+        value = os.environ.get(KV_CURVE_ENV, "")
+        if not value:
+            return None
+        parts = value.encode().split(b",")
+        if len(parts) != 2 or any(len(p) != 40 for p in parts):
+            raise ValueError(
+                f"${KV_CURVE_ENV} must hold two z85 keys of 40 characters, comma-separated"
+            )
+        return cls(*parts)
+
+    def make_client(self, sock: zmq.Socket) -> None:
+        """Before connect: sock is a CURVE client of a server with this pair."""
+        sock.curve_serverkey = self.public
+        sock.curve_publickey = self.public
+        sock.curve_secretkey = self.secret

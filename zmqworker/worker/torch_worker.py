@@ -28,6 +28,8 @@ from zmqworker.distributed.parallel_state import (
     init_parallel_state,
 )
 from zmqworker.distributed.pipeline_stage import PipelineStage
+from zmqworker.kv_transfer import KVConnector, make_kv_connector
+from zmqworker.model_runner.async_output import AsyncModelRunnerOutput
 from zmqworker.model_runner.model_runner import ModelRunner
 from zmqworker.worker.device import DeviceOps, device_ops
 from zmqworker.worker.host_malloc import keep_freed_memory
@@ -39,6 +41,9 @@ PROFILERS = ("none", "torch", "cuda")
 HEALTH_OP_TIMEOUT_S = 10.0
 # A step running longer than this means the model runner is wedged.
 STEP_WEDGED_AFTER_S = 600.0
+# A step that computes nothing while KV transfers are under way (the engine polls for
+# their end) waits this long for one to end, so that polling does not spin.
+KV_POLL_WAIT_S = 0.02
 
 
 class Worker(WorkerBase):
@@ -61,6 +66,7 @@ class Worker(WorkerBase):
         self.state: ParallelState | None = None
         self.model_runner: ModelRunner | None = None
         self.weight_transfer: WeightTransferEngine | None = None
+        self.kv_connector: KVConnector | None = None
         self._kv_cache_config: KVCacheConfig | None = None
         self._available_kv_bytes: int | None = None
         self._host_free_at_start = 0
@@ -149,6 +155,19 @@ class Worker(WorkerBase):
             )
         runner.initialize_kv_cache(kv_cache_config)
         self._kv_cache_config = kv_cache_config
+        transfer = self.config.kv_transfer
+        if transfer is not None and self.kv_connector is None:
+            assert self.state is not None
+            self.kv_connector = make_kv_connector(
+                transfer,
+                lambda: runner.kv_caches,
+                spec,
+                self.state.tp_rank,
+                self.state.tp_size,
+                self.state.pp_size,
+                self.state.tp_group,
+                self.state.device,
+            )
 
     def compile_or_warm_up_model(self) -> float:
         start = time.perf_counter()
@@ -170,8 +189,17 @@ class Worker(WorkerBase):
         # Posted before the step is prepared, waited for by the runner once it is.
         inputs = pipeline.receive(call_id) if pipeline is not None else None
         self._step_started = time.monotonic()
+        connector, kv_orders = self.kv_connector, scheduler_output.kv_connector_metadata
         try:
+            if connector is not None:
+                connector.before_step(kv_orders)
             output = runner.execute_model(scheduler_output, inputs, sample)
+            if connector is not None:
+                connector.after_step(kv_orders)
+                if isinstance(output, AsyncModelRunnerOutput):
+                    idle = scheduler_output.total_num_scheduled_tokens == 0
+                    wait_s = KV_POLL_WAIT_S if idle else 0.0
+                    output.kv_connector_output = connector.take_output(wait_s)
         finally:
             self._step_started = None
             if pipeline is not None:
@@ -186,7 +214,10 @@ class Worker(WorkerBase):
 
     def sample_tokens(self, grammar_output: GrammarOutput | None = None) -> object:
         self._require_awake("sample_tokens")
-        return self._runner().sample_tokens(grammar_output)
+        output = self._runner().sample_tokens(grammar_output)
+        if self.kv_connector is not None and isinstance(output, AsyncModelRunnerOutput):
+            output.kv_connector_output = self.kv_connector.take_output()
+        return output
 
     # operations -----------------------------------------------------------------------
 
@@ -284,7 +315,10 @@ class Worker(WorkerBase):
         if self._profiler is not None:
             self._profiler.stop()
             self._profiler = None
-        # The seed's order: KV transfer first (none yet), then weight transfer, then the rest.
+        # The seed's order: KV transfer first, then weight transfer, then the rest.
+        if self.kv_connector is not None:
+            self.kv_connector.shutdown()
+            self.kv_connector = None
         if self.weight_transfer is not None:
             self.weight_transfer.shutdown()
             self.weight_transfer = None

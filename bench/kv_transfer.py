@@ -1,0 +1,257 @@
+"""KV transfer between two workers' caches: the ZeroMQ connector's pull of 16 MiB of
+blocks, same host (through the producer's memfd) and over tcp, against the floors of the
+same run: a memcpy of 16 MiB (same host), and bare pyzmq moving 16 MiB over the same
+CURVE tcp (and without CURVE, for scale). A transfer is timed from the consumer's load
+order to its blocks holding the KV (the copy into the cache included); staging on the
+producer (after the prefill's step) is reported apart. Targets: memfd >= 70% of memcpy,
+tcp >= 80% of bare pyzmq. Writes bench/results/kv_transfer.json (kv_transfer_cuda.json
+with --device cuda, where both caches live on the GPU and the KV is staged through host
+memory).
+
+    python -m bench.kv_transfer [--device cuda] [--repeats 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import socket
+import statistics
+import threading
+import time
+from typing import Any
+
+import numpy as np
+import torch
+import zmq
+
+from bench.common import print_table, write_results
+from messages import KVCacheSpec
+from messages.kv_transfer import KVConnectorMetadata, KVLoad, KVSave, KVTransferConfig, RemoteKV
+from zmqworker.kv_transfer.zmq_connector import ZmqKVConnector
+from zmqworker.transport.curve import KVKeys, make_server, start_zap
+
+MIB = 1 << 20
+# A 7-8B model's layer shape (8 kv heads of 128, float16): 64 KiB a block a layer.
+SPEC = KVCacheSpec(16, 8, 128, "float16", [f"layer{i}" for i in range(8)])
+BLOCK_BYTES = SPEC.page_size_bytes * len(SPEC.layer_names)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def make_caches(num_blocks: int, device: str) -> list[torch.Tensor]:
+    shape = (2, num_blocks, SPEC.num_kv_heads, SPEC.block_size * SPEC.head_size)
+    return [torch.randn(shape).to(torch.float16).to(device) for _ in SPEC.layer_names]
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+# The producer: its own process ------------------------------------------------------
+
+
+def producer(
+    conn: Any, keys: tuple[bytes, bytes], ports: dict[str, int], blocks: int, device: str
+) -> None:
+    """Serves staged KV (the connector) and, for the floor, 16 MiB replies from bare
+    pyzmq ROUTERs, with CURVE and without; stages on each "stage" order."""
+    torch.set_num_threads(1)
+    kv_keys = KVKeys(*keys)
+    kv = make_caches(blocks * 2, device)
+    config = KVTransferConfig(role="producer", port=ports["kv"], timeout_s=60.0)
+    side = ZmqKVConnector(config, lambda: kv, SPEC, 0, 1, kv_keys)
+    payload = bytes(blocks * BLOCK_BYTES)
+    ctx = zmq.Context()
+    zap = start_zap(ctx, kv_keys.public)
+    servers = []
+    for name in ("curve", "plain"):
+        sock = ctx.socket(zmq.ROUTER)
+        if name == "curve":
+            make_server(sock, kv_keys.public, kv_keys.secret)
+        sock.bind(f"tcp://127.0.0.1:{ports[name]}")
+        servers.append(sock)
+    stop = threading.Event()
+
+    def serve() -> None:
+        poller = zmq.Poller()
+        for sock in servers:
+            poller.register(sock, zmq.POLLIN)
+        while not stop.is_set():
+            for sock, _ in poller.poll(100):
+                peer, _ = sock.recv_multipart(copy=False)
+                sock.send_multipart([peer, payload], copy=False)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    ids = np.arange(0, 2 * blocks, 2, dtype=np.int32)  # every other block: a real gather
+    conn.send("ready")
+    while True:
+        order = conn.recv()
+        if order == "quit":
+            break
+        started = time.perf_counter()
+        side.after_step(KVConnectorMetadata(saves=[KVSave(order, ids, blocks * SPEC.block_size)]))
+        sync(device)
+        side.take_output()
+        conn.send(time.perf_counter() - started)
+    stop.set()
+    thread.join()
+    for sock in servers:
+        sock.close(linger=0)
+    zap.stop()
+    ctx.term()
+    side.shutdown()
+
+
+# The consumer: this process ---------------------------------------------------------
+
+
+def pull_seconds(
+    conn: Any, side: ZmqKVConnector, address: str, blocks: int, tag: str, repeats: int
+) -> tuple[list[float], list[float]]:
+    """(transfer seconds, staging seconds) of repeats pulls (after one untimed)."""
+    dest = np.arange(1, 2 * blocks, 2, dtype=np.int32)
+    transfers, stagings = [], []
+    for i in range(repeats + 1):
+        req = f"{tag}-{i}"
+        conn.send(req)
+        staging = conn.recv()
+        load = KVLoad(req, dest, RemoteKV(req, blocks * SPEC.block_size, [address]))
+        started = time.perf_counter()
+        side.before_step(KVConnectorMetadata(loads=[load]))
+        while True:
+            out = side.take_output(wait_s=1.0)
+            if out is not None and (out.finished_recving or out.failed_recving):
+                break
+        sync(side.kv_caches()[0].device.type)
+        elapsed = time.perf_counter() - started
+        if out.failed_recving:
+            raise RuntimeError(out.failed_recving[0].error)
+        if i:
+            transfers.append(elapsed)
+            stagings.append(staging)
+    return transfers, stagings
+
+
+def memcpy_seconds(nbytes: int, repeats: int) -> list[float]:
+    src = torch.ones(nbytes, dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - started)
+    return times
+
+
+def bare_zmq_seconds(address: str, keys: KVKeys | None, repeats: int) -> list[float]:
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    if keys is not None:
+        keys.make_client(sock)
+    sock.connect(address)
+    times = []
+    for i in range(repeats + 1):
+        started = time.perf_counter()
+        sock.send(b"pull")
+        frame = sock.recv(copy=False)
+        elapsed = time.perf_counter() - started
+        assert len(frame.buffer) > 0
+        if i:
+            times.append(elapsed)
+    sock.close(linger=0)
+    ctx.term()
+    return times
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--mib", type=int, default=16, help="MiB of blocks a transfer moves")
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    blocks = args.mib * MIB // BLOCK_BYTES
+    nbytes = blocks * BLOCK_BYTES
+    keys = KVKeys.new()
+    ports = {"kv": free_port(), "curve": free_port(), "plain": free_port()}
+    ctx = mp.get_context("spawn")
+    conn, child_conn = ctx.Pipe()
+    child = ctx.Process(
+        target=producer, args=(child_conn, (keys.public, keys.secret), ports, blocks, args.device)
+    )
+    child.start()
+    try:
+        assert conn.recv() == "ready"
+        kv = make_caches(blocks * 2, args.device)
+        seconds: dict[str, list[float]] = {}
+        staging: list[float] = []
+        for path, shared in (("memfd", True), ("tcp", False)):
+            config = KVTransferConfig(role="consumer", timeout_s=60.0, shared_memory=shared)
+            side = ZmqKVConnector(config, lambda: kv, SPEC, 0, 1, keys)
+            try:
+                seconds[path], stage = pull_seconds(
+                    conn, side, f"tcp://127.0.0.1:{ports['kv']}", blocks, path, args.repeats
+                )
+                staging += stage
+                assert side.puller.num_pulled[path] == args.repeats + 1, side.puller.num_pulled
+            finally:
+                side.shutdown()
+        seconds["memcpy"] = memcpy_seconds(nbytes, args.repeats)
+        address = "tcp://127.0.0.1:{}"
+        seconds["pyzmq_curve"] = bare_zmq_seconds(
+            address.format(ports["curve"]), keys, args.repeats
+        )
+        seconds["pyzmq_plain"] = bare_zmq_seconds(
+            address.format(ports["plain"]), None, args.repeats
+        )
+        conn.send("quit")
+    finally:
+        child.join(timeout=30)
+        if child.is_alive():
+            child.kill()
+    median = {k: statistics.median(v) for k, v in seconds.items()}
+    gib_s = {k: nbytes / v / (1 << 30) for k, v in median.items()}
+    rows = [{"path": k, "median_ms": median[k] * 1e3, "GiB/s": gib_s[k]} for k in median]
+    rows.append({"path": "staging (producer)", "median_ms": statistics.median(staging) * 1e3,
+                 "GiB/s": nbytes / statistics.median(staging) / (1 << 30)})  # fmt: skip
+    print_table(rows, precision=2)
+    ratios = {
+        "memfd_vs_memcpy": median["memcpy"] / median["memfd"],
+        "tcp_vs_pyzmq_curve": median["pyzmq_curve"] / median["tcp"],
+        "tcp_vs_pyzmq_plain": median["pyzmq_plain"] / median["tcp"],
+    }
+    print({k: round(v, 3) for k, v in ratios.items()}, "targets: memfd >= 0.70, tcp >= 0.80")
+    name = "kv_transfer" if args.device == "cpu" else "kv_transfer_cuda"
+    write_results(
+        name,
+        {
+            "device": args.device,
+            "bytes": nbytes,
+            "blocks": blocks,
+            "spec": {
+                "layers": len(SPEC.layer_names),
+                "block_size": SPEC.block_size,
+                "kv_heads": SPEC.num_kv_heads,
+                "head_size": SPEC.head_size,
+                "dtype": SPEC.dtype,
+            },  # fmt: skip
+            "repeats": args.repeats,
+            "rows": rows,
+            "ratios": ratios,
+            "targets": {"memfd_vs_memcpy": 0.70, "tcp_vs_pyzmq_curve": 0.80},
+        },
+        args.out,
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,76 @@
+"""Example messages of KV transfer (messages/kv_transfer.py), for the golden fixtures: a
+prefill instance's step that stages a finished prefill's KV, a decode instance's step
+that computes nothing and starts a pull, and the reply that reports transfers over.
+Deterministic, like examples.py; block ids below its NUM_BLOCKS, handles its own."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+
+from messages.example_stream import Stream, req_id
+from messages.kinds import Message
+from messages.kv_transfer import (
+    KVConnectorMetadata,
+    KVConnectorOutput,
+    KVFailure,
+    KVLoad,
+    KVSave,
+    RemoteKV,
+)
+from messages.rpc import RpcReply, RpcRequest
+from messages.step import CachedRequestData, ModelRunnerOutput, SchedulerOutput
+
+NUM_BLOCKS, BLOCK_SIZE = 4096, 16  # examples.py's cache
+DEADLINE, LAST_RANK = 1_767_225_600.25, 1
+PREFILL_ADDRESSES = ["tcp://10.0.0.7:47000"]  # the prefill's one tp rank
+
+
+def _blocks(rng: Stream, num_tokens: int) -> np.ndarray:
+    return rng.distinct(-(-num_tokens // BLOCK_SIZE), NUM_BLOCKS)
+
+
+def staging_step(seed: int = 11) -> SchedulerOutput:
+    """Prefill side: two decodes go on while the prefill of request 9 (its first token
+    came back last step, 700 prompt tokens) is staged for a decode instance."""
+    rng = Stream(seed)
+    cached = CachedRequestData.build([3, 5], [120, 64], [1, 1])
+    save = KVSave(req_id(9), _blocks(rng, 700), num_tokens=700)
+    return SchedulerOutput(
+        [], cached, 2, finished_req_handles=[9], kv_connector_metadata=KVConnectorMetadata([save])
+    )
+
+
+def pull_step(seed: int = 12) -> SchedulerOutput:
+    """Decode side, nothing to compute: the step carries a pull alone (its end is heard in
+    a later step's output)."""
+    rng = Stream(seed)
+    remote = RemoteKV(req_id(9), 700, PREFILL_ADDRESSES)
+    load = KVLoad(req_id(9), _blocks(rng, 700), remote)
+    metadata = KVConnectorMetadata(loads=[load])
+    return SchedulerOutput([], CachedRequestData.empty(), 0, kv_connector_metadata=metadata)
+
+
+def transfers_reply() -> ModelRunnerOutput:
+    """A decode step's output that also reports one pull in and one that failed."""
+    report = KVConnectorOutput(
+        finished_recving=[req_id(9)],
+        failed_recving=[KVFailure(req_id(10), f"no answer from {PREFILL_ADDRESSES[0]}")],
+    )
+    return ModelRunnerOutput(
+        req_handles=np.array([3, 5], np.int32),
+        sampled_token_ids=np.array([1012, 77], np.int32),
+        kv_connector_output=report,
+    )
+
+
+def _execute(step: SchedulerOutput, call_id: int) -> RpcRequest:
+    return RpcRequest(call_id, "execute_model", [step], deadline=DEADLINE, reply_rank=LAST_RANK)
+
+
+KV_TRANSFER_EXAMPLES: dict[str, Callable[[], Message]] = {
+    "request_kv_staging_step": lambda: _execute(staging_step(), 110),
+    "request_kv_pull_step": lambda: _execute(pull_step(), 111),
+    "reply_kv_transfers": lambda: RpcReply(112, LAST_RANK, result=transfers_reply()),
+}

@@ -1,0 +1,63 @@
+"""The messages between the KV transfer workers of two instances (their own sockets,
+not the engine's): the decode side pulls. A prefill instance keeps a finished prefill's
+KV staged; a decode worker asks for it by request id (KVPull), gets a KVBlocks answer
+(the bytes as the next frame over tcp, or where they lie in shared memory on one host),
+copies them into its own blocks and says KVDone; only then does the prefill side let it
+go. docs/protocol.md, "KV transfer between instances", has the frames."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import msgspec
+
+NonNegative = Annotated[int, msgspec.Meta(ge=0)]
+Positive = Annotated[int, msgspec.Meta(ge=1)]
+
+
+class KVLayout(msgspec.Struct, tag=True, frozen=True):
+    """One rank's cache, as a peer must match it: layers x [2, blocks, heads, slots]."""
+
+    num_layers: Positive
+    block_size: Positive
+    num_kv_heads: Positive
+    head_size: Positive
+    dtype: str
+
+
+class KVPull(msgspec.Struct, tag=True, frozen=True):
+    """A decode rank asks for req_id's staged KV. host_id: its host's boot id, when it
+    can map the server's memory (same host); "" for the bytes over tcp."""
+
+    req_id: str
+    rank: NonNegative
+    host_id: str = ""
+
+
+class SharedKV(msgspec.Struct, tag=True, frozen=True):
+    """A staged prefill in the server's memfd: open /proc/pid/fd/fd, nbytes long."""
+
+    pid: Positive
+    fd: NonNegative
+    nbytes: NonNegative
+
+
+class KVBlocks(msgspec.Struct, tag=True, frozen=True, omit_defaults=True):
+    """The answer to a KVPull: the layout and block count of the staged KV, laid out
+    [layers, 2, blocks, heads, slots]; in shared memory, or in the frame that follows
+    (shared None). error: why there is none (unknown or expired request, wrong rank)."""
+
+    req_id: str
+    layout: KVLayout | None = None
+    num_blocks: NonNegative = 0
+    shared: SharedKV | None = None
+    error: str | None = None
+
+
+class KVDone(msgspec.Struct, tag=True, frozen=True):
+    """The puller holds its copy: the server drops req_id's staged KV."""
+
+    req_id: str
+
+
+KVPeerMessage = KVPull | KVBlocks | KVDone

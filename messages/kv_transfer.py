@@ -1,0 +1,99 @@
+"""KV transfer between instances (disaggregated prefill and decode), after vLLM v1's
+KV connector: what the engine's scheduler side tells its workers in a step
+(KVConnectorMetadata), what the workers report back (KVConnectorOutput), and the
+messages a decode worker and a prefill worker exchange to move one request's blocks.
+
+The decode side pulls: a prefill instance keeps a finished prefill's blocks staged,
+a decode worker asks for them by request id (KVPull), gets a KVBlocks answer (the
+bytes as the next frame over tcp, or where they lie in shared memory on one host),
+copies them into its own blocks and says KVDone; only then does the prefill side let
+the blocks go. docs/kv_transfer.md has the whole exchange.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+import msgspec
+import numpy as np
+
+NonNegative = Annotated[int, msgspec.Meta(ge=0)]
+Positive = Annotated[int, msgspec.Meta(ge=1)]
+
+
+class KVTransferConfig(msgspec.Struct, tag=True, frozen=True, omit_defaults=True):
+    """A worker's part in KV transfer. producer: it serves the blocks of finished
+    prefills (rank r's server binds tcp://host:port+r); consumer: it pulls remote
+    blocks into its own; both: either. timeout_s bounds every wait: a staged prefill
+    nobody pulls is dropped after it, a pull unanswered within it fails its request."""
+
+    role: Literal["producer", "consumer", "both"]
+    host: str = "127.0.0.1"
+    port: NonNegative = 0
+    timeout_s: float = 30.0
+    shared_memory: bool = True  # same-host peers copy through a memfd, not tcp
+
+    def address(self, rank: int) -> str:
+        return f"tcp://{self.host}:{self.port + rank}"
+
+    @property
+    def produces(self) -> bool:
+        return self.role in ("producer", "both")
+
+    @property
+    def consumes(self) -> bool:
+        return self.role in ("consumer", "both")
+
+
+class RemoteKV(msgspec.Struct, tag=True, frozen=True):
+    """Where a request's computed KV waits: its id on the prefill instance, the first
+    num_tokens tokens' blocks, served by the prefill's tensor-parallel rank i at
+    addresses[i]."""
+
+    req_id: str
+    num_tokens: Positive
+    addresses: list[str]
+
+
+class KVSave(msgspec.Struct, tag=True, frozen=True):
+    """Stage the first num_tokens tokens of req_id (in block_ids) for a remote puller,
+    once this step has computed them."""
+
+    req_id: str
+    block_ids: np.ndarray  # int32 [ceil(num_tokens / block_size)]
+    num_tokens: Positive
+
+
+class KVLoad(msgspec.Struct, tag=True, frozen=True):
+    """Pull remote's KV into block_ids (the request's blocks here, as many as remote's
+    tokens fill)."""
+
+    req_id: str
+    block_ids: np.ndarray  # int32
+    remote: RemoteKV
+
+
+class KVConnectorMetadata(msgspec.Struct, tag=True, omit_defaults=True):
+    """A step's KV transfer orders, the scheduler side's to the workers'. saves are
+    staged after the step's forward; loads start before it and end in a later step."""
+
+    saves: list[KVSave] = []
+    loads: list[KVLoad] = []
+
+
+class KVFailure(msgspec.Struct, tag=True, frozen=True):
+    req_id: str
+    error: str
+
+
+class KVConnectorOutput(msgspec.Struct, tag=True, omit_defaults=True):
+    """What transfers ended since the previous step's report: staged KV a puller took
+    (or that expired: its blocks can go), loads done (their blocks hold the remote KV),
+    and loads that failed (the request cannot go on)."""
+
+    finished_sending: list[str] = []
+    finished_recving: list[str] = []
+    failed_recving: list[KVFailure] = []
+
+    def __bool__(self) -> bool:
+        return bool(self.finished_sending or self.finished_recving or self.failed_recving)

@@ -1,0 +1,136 @@
+"""The ZeroMQ KV connector's two sides in one process, over real sockets, on small
+caches: blocks staged by a producer land byte for byte in other block ids of a consumer,
+through the memfd (same host) and over tcp; a layout or tp size that differs fails the
+load by name; staged KV nobody pulls expires and is reported sent."""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+import torch
+
+from messages import KVCacheSpec
+from messages.kv_transfer import (
+    KVConnectorMetadata,
+    KVConnectorOutput,
+    KVLoad,
+    KVSave,
+    KVTransferConfig,
+    RemoteKV,
+)
+from zmqworker.kv_transfer.zmq_connector import ZmqKVConnector
+from zmqworker.transport.curve import KVKeys
+
+SPEC = KVCacheSpec(
+    block_size=4, num_kv_heads=2, head_size=8, dtype="float32", layer_names=["a", "b"]
+)
+KEYS = KVKeys.new()
+pytestmark = pytest.mark.filterwarnings("ignore:The given buffer is not writable")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def caches(num_blocks: int, seed: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    shape = (2, num_blocks, SPEC.num_kv_heads, SPEC.block_size * SPEC.head_size)
+    return [torch.randn(shape, generator=g) for _ in SPEC.layer_names]
+
+
+def connector(role: str, kv: list[torch.Tensor], port: int, **kw) -> ZmqKVConnector:
+    config = KVTransferConfig(role=role, port=port, timeout_s=kw.pop("timeout_s", 2.0), **kw)
+    spec = kw.pop("spec", SPEC)
+    return ZmqKVConnector(config, lambda: kv, spec, tp_rank=0, tp_size=1, keys=KEYS)
+
+
+@pytest.fixture(scope="module")
+def producer() -> Iterator[tuple[ZmqKVConnector, list[torch.Tensor], str]]:
+    port = free_port()
+    kv = caches(16, seed=1)
+    side = connector("producer", kv, port)
+    try:
+        yield side, kv, f"tcp://127.0.0.1:{port}"
+    finally:
+        side.shutdown()
+
+
+def until(side: ZmqKVConnector, done, timeout: float = 10.0) -> list[KVConnectorOutput]:
+    """take_output until done(outputs so far)."""
+    outputs: list[KVConnectorOutput] = []
+    deadline = time.monotonic() + timeout
+    while not done(outputs):
+        assert time.monotonic() < deadline, f"no end after {timeout} s: {outputs}"
+        side.before_step(None)
+        out = side.take_output(wait_s=0.05)
+        if out is not None:
+            outputs.append(out)
+    return outputs
+
+
+def names(outputs: list[KVConnectorOutput], what: str) -> list[str]:
+    return [n for o in outputs for n in getattr(o, what)]
+
+
+@pytest.mark.parametrize("shared_memory", [True, False], ids=["memfd", "tcp"])
+def test_staged_blocks_land_in_the_consumer_s_blocks(producer, shared_memory: bool) -> None:
+    side, kv, address = producer
+    req = f"r-{shared_memory}"
+    source, dest = [3, 7, 1], [10, 2, 5]
+    side.after_step(KVConnectorMetadata(saves=[KVSave(req, np.array(source, np.int32), 11)]))
+    target = caches(12, seed=2)
+    consumer = connector("consumer", target, 0, shared_memory=shared_memory)
+    try:
+        load = KVLoad(req, np.array(dest, np.int32), RemoteKV(req, 11, [address]))
+        consumer.before_step(KVConnectorMetadata(loads=[load]))
+        until(consumer, lambda outs: names(outs, "finished_recving") == [req])
+        path = "memfd" if shared_memory else "tcp"
+        assert consumer.puller.num_pulled == {"memfd": 0, "tcp": 0, path: 1}
+    finally:
+        consumer.shutdown()
+    for layer in range(len(SPEC.layer_names)):
+        assert torch.equal(target[layer][:, dest], kv[layer][:, source])
+    sent = until(side, lambda outs: req in names(outs, "finished_sending"))
+    assert names(sent, "failed_recving") == []
+
+
+def test_a_load_from_another_layout_or_tp_size_fails_by_name(producer) -> None:
+    side, _, address = producer
+    side.after_step(KVConnectorMetadata(saves=[KVSave("shape", np.array([0], np.int32), 4)]))
+    other = KVCacheSpec(4, 2, 16, "float32", ["a", "b"])  # another head size
+    consumer = ZmqKVConnector(
+        KVTransferConfig(role="consumer", timeout_s=2.0),
+        lambda: [torch.zeros(2, 4, 2, 64)] * 2,
+        other,
+        tp_rank=0,
+        tp_size=1,
+        keys=KEYS,
+    )
+    try:
+        loads = [
+            KVLoad("shape", np.array([1], np.int32), RemoteKV("shape", 4, [address])),
+            KVLoad("tp", np.array([1], np.int32), RemoteKV("tp", 4, [address, address])),
+        ]
+        consumer.before_step(KVConnectorMetadata(loads=loads))
+        outs = until(consumer, lambda outs: len(names(outs, "failed_recving")) == 2)
+    finally:
+        consumer.shutdown()
+    errors = {f.req_id: f.error for f in names(outs, "failed_recving")}
+    assert "layout" in errors["shape"] and "'shape'" in errors["shape"]
+    assert "tensor parallel size 2" in errors["tp"]
+
+
+def test_staged_kv_nobody_pulls_expires_and_is_reported_sent() -> None:
+    kv = caches(4, seed=3)
+    side = connector("producer", kv, free_port(), timeout_s=0.3)
+    try:
+        side.after_step(KVConnectorMetadata(saves=[KVSave("lost", np.array([1], np.int32), 2)]))
+        assert names(until(side, lambda outs: bool(outs)), "finished_sending") == ["lost"]
+    finally:
+        side.shutdown()

@@ -1,0 +1,121 @@
+"""The scheduler side of KV transfer, without workers: a request waiting for remote KV
+holds no other back and takes its blocks only when they are free, comes in with its
+remote tokens computed, and gives its blocks back only once its pull is over; a finished
+prefill's blocks are held until its KV is reported sent."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from messages import (
+    KVConnectorOutput,
+    KVFailure,
+    ModelRunnerOutput,
+    RemoteKV,
+    SamplingParams,
+    SchedulerOutput,
+)
+from zmqworker.engine.block_manager import KVBlockManager
+from zmqworker.engine.kv_connector import KVConnectorScheduler
+from zmqworker.engine.request import RemotePrefill, Request, RequestStatus
+from zmqworker.engine.scheduler import Scheduler
+
+PARAMS = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+ADDRESS = "tcp://10.0.0.7:47000"
+
+
+def scheduler(num_blocks: int, addresses: list[str]) -> Scheduler:
+    kv = KVBlockManager(num_blocks, block_size=4)
+    return Scheduler(kv, 8, 64, 16, kv_connector=KVConnectorScheduler(kv, addresses))
+
+
+def answer(step: SchedulerOutput, report: KVConnectorOutput | None = None) -> ModelRunnerOutput:
+    """Token 7 for every request of step that samples (all of them, here)."""
+    handles = [r.req_handle for r in step.scheduled_new_reqs]
+    handles = [*step.scheduled_cached_reqs.req_handles.tolist(), *handles]
+    return ModelRunnerOutput(
+        np.array(handles, np.int32), np.full(len(handles), 7, np.int32), kv_connector_output=report
+    )
+
+
+def remote(req_id: str, prompt: list[int]) -> Request:
+    kv = RemoteKV(f"p-{req_id}", len(prompt), [ADDRESS])
+    return Request(req_id, prompt, PARAMS, remote=RemotePrefill(kv, first_token=3))
+
+
+def test_a_request_waiting_for_remote_kv_holds_no_other_back() -> None:
+    s = scheduler(8, [])
+    waiting = remote("r", list(range(8)))
+    other = Request("o", [1, 2, 3], PARAMS)
+    s.add_request(waiting)
+    s.add_request(other)
+    step = s.schedule()
+    assert [r.req_id for r in step.scheduled_new_reqs] == ["o"]
+    [load] = step.kv_connector_metadata.loads
+    assert load.req_id == "r" and len(load.block_ids) == 2 and load.remote.req_id == "p-r"
+    assert waiting.status is RequestStatus.WAITING_FOR_REMOTE_KV
+    s.update_from_output(step, answer(step))
+    step = s.schedule()  # "o" decodes on; the load is not ordered twice
+    assert step.kv_connector_metadata is None and len(step.scheduled_cached_reqs) == 1
+    s.update_from_output(step, answer(step, KVConnectorOutput(finished_recving=["r"])))
+    step = s.schedule()
+    [new] = step.scheduled_new_reqs
+    # Its prompt's KV came: it computes its first token (the prefill's) and samples.
+    assert new.req_id == "r" and new.num_computed_tokens == 8 and new.num_scheduled_tokens == 1
+    assert new.prompt_token_ids.tolist() == [*range(8), 3] and new.num_output_tokens == 1
+    assert new.block_ids.tolist() == load.block_ids.tolist() + new.block_ids.tolist()[2:]
+    changed = s.update_from_output(step, answer(step))
+    assert waiting.output_token_ids == [3, 7] and waiting in changed
+
+
+def test_a_load_waits_for_free_blocks_and_a_failed_one_frees_them() -> None:
+    s = scheduler(4, [])
+    s.add_request(Request("big", list(range(13)), PARAMS))  # 4 blocks with its token
+    s.add_request(remote("r", list(range(8))))
+    step = s.schedule()
+    assert step.kv_connector_metadata is None  # no blocks for the load yet
+    s.update_from_output(step, answer(step))
+    while s.running:
+        step = s.schedule()
+        s.update_from_output(step, answer(step))
+    step = s.schedule()
+    [load] = step.kv_connector_metadata.loads
+    assert s.kv.num_free_blocks == 2
+    failure = KVFailure("r", f"KV of request 'r': no answer from {ADDRESS}")
+    changed = s.update_from_output(step, answer(step, KVConnectorOutput(failed_recving=[failure])))
+    assert [(r.req_id, r.finish_reason.value, r.error) for r in changed] == [
+        ("r", "abort", failure.error)
+    ]
+    assert s.kv.num_free_blocks == 4 and not s.has_unfinished_requests()
+
+
+def test_an_aborted_load_keeps_its_blocks_until_its_pull_is_over() -> None:
+    s = scheduler(4, [])
+    s.add_request(remote("r", list(range(8))))
+    step = s.schedule()
+    assert s.abort_request("r") is not None
+    assert s.kv.num_free_blocks == 2  # the workers may be writing them
+    s.update_from_output(step, answer(step))
+    step = s.schedule()  # a step still goes: the pull's end must be heard
+    s.update_from_output(step, answer(step, KVConnectorOutput(finished_recving=["r"])))
+    assert s.kv.num_free_blocks == 4 and s.schedule() is None
+
+
+def test_a_finished_prefill_keeps_its_blocks_until_its_kv_is_sent() -> None:
+    s = scheduler(8, [ADDRESS])
+    request = Request("p", list(range(10)), PARAMS, remote_decode=True)
+    s.add_request(request)
+    step = s.schedule()
+    s.update_from_output(step, answer(step))
+    assert request.is_finished and request.output_token_ids == [7]
+    assert request.kv_transfer_out == RemoteKV("p", 10, [ADDRESS])
+    assert s.kv.num_free_blocks == 5  # its 3 blocks held
+    step = s.schedule()  # computes nothing: stages the KV
+    [save] = step.kv_connector_metadata.saves
+    assert save.req_id == "p" and save.num_tokens == 10 and len(save.block_ids) == 3
+    assert step.total_num_scheduled_tokens == 0 and step.finished_req_handles
+    s.update_from_output(step, answer(step))
+    assert s.kv.num_free_blocks == 5 and s.has_unfinished_requests()  # still staged
+    step = s.schedule()
+    s.update_from_output(step, answer(step, KVConnectorOutput(finished_sending=["p"])))
+    assert s.kv.num_free_blocks == 8 and s.schedule() is None

@@ -1,0 +1,195 @@
+"""KV transfer between a prefill instance and a decode instance, each an engine core with
+its own worker process: greedy tokens equal a colocated engine's (prefix caching and
+chunked prefill on, and a decode side small enough to preempt), a pull from a dead or
+silent prefill fails its request by name with no block left held, and a peer without
+the deployment's keys gets nothing."""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Iterator
+
+import msgspec
+import pytest
+import zmq
+
+from messages import (
+    CacheConfig,
+    DeviceConfig,
+    ModelConfig,
+    SamplingParams,
+    SchedulerConfig,
+    WorkerConfig,
+)
+from messages.kv_peer import KVBlocks, KVPull
+from messages.kv_transfer import RemoteKV
+from tests.tiny import cached_tiny_checkpoint
+from zmqworker.engine.core import EngineCore
+from zmqworker.engine.disaggregated import DisaggregatedEngine, start_disaggregated
+from zmqworker.engine.request import RemotePrefill, Request
+from zmqworker.engine.threaded_router import ThreadedRouter
+from zmqworker.kv_transfer import wire
+from zmqworker.transport.curve import KVKeys
+
+MAX_MODEL_LEN = 96
+BLOCK = 4
+# Shared prefixes (prefix caching), one prompt over the prefill's token budget (chunked).
+PROMPTS = [
+    [5, 17, 42, 9, 100, 3, 77],
+    [5, 17, 42, 9, 100, 3, 77, 8, 1],
+    list(range(10, 60)),
+    [200, 201, 7, 7, 7, 7, 7, 7, 7, 7, 9],
+]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def worker_config(num_blocks: int, batched_tokens: int = 256) -> WorkerConfig:
+    path = cached_tiny_checkpoint(family="llama", num_layers=2, vocab_size=256)
+    page = 2 * BLOCK * 2 * 16 * 4  # the tiny Llama: 2 kv heads of 16, float32
+    return WorkerConfig(
+        model=ModelConfig(path=path, max_model_len=MAX_MODEL_LEN),
+        cache=CacheConfig(block_size=BLOCK, kv_cache_bytes=num_blocks * 2 * page),
+        device=DeviceConfig(device="cpu", num_threads=1),
+        scheduler=SchedulerConfig(
+            max_num_seqs=8, max_num_batched_tokens=batched_tokens, warmup_batch_sizes=[1]
+        ),
+    )
+
+
+KEYS = KVKeys.new()
+
+
+@pytest.fixture(scope="module")
+def pair() -> Iterator[DisaggregatedEngine]:
+    """Prefill with chunks of 16 tokens; a decode side of 40 blocks, with prefix caching."""
+    config = worker_config(40)
+    engine = start_disaggregated(
+        config,
+        MAX_MODEL_LEN,
+        free_port(),
+        prefill_scheduler=msgspec.structs.replace(config.scheduler, max_num_batched_tokens=16),
+        enable_prefix_caching=True,
+        timeout_s=3.0,
+        keys=KEYS,
+    )
+    try:
+        yield engine
+    finally:
+        engine.shutdown()
+
+
+def free_blocks(core: EngineCore) -> int:
+    return core.block_manager.num_free_blocks
+
+
+def run_colocated(core: EngineCore, params: SamplingParams = GREEDY) -> list[list[int]]:
+    """PROMPTS prefilled and decoded by core alone."""
+    requests = [Request(f"c{i}", p, params) for i, p in enumerate(PROMPTS)]
+    for request in requests:
+        core.add_request(request)
+    while core.has_work():
+        core.step()
+    return [r.output_token_ids for r in requests]
+
+
+def test_disaggregated_greedy_equals_colocated(pair: DisaggregatedEngine) -> None:
+    # The decode instance serves ordinary requests too: colocated, on the same workers.
+    colocated = run_colocated(pair.decode)
+    pair.decode.reset_prefix_cache()
+    results = pair.generate(PROMPTS, GREEDY, timeout_s=300)
+    assert [r.error for r in results] == [None] * len(PROMPTS)
+    assert [r.token_ids for r in results] == colocated
+    assert all(r.finish_reason == "length" for r in results)
+    assert pair.decode.kv_connector.num_loaded == len(PROMPTS)  # none recomputed there
+    # Every block is back on both sides once the transfers are reported.
+    while pair.has_work():
+        pair.step()
+    for core in (pair.prefill, pair.decode):
+        assert free_blocks(core) == core.block_manager.num_blocks
+    # Again, twice as many: the decode side finds the prefixes in its cache, and its 40
+    # blocks do not hold eight requests at once (it waits, or preempts).
+    again = pair.generate(PROMPTS * 2, GREEDY, timeout_s=300)
+    assert [r.token_ids for r in again] == colocated * 2
+
+
+def test_the_threaded_router_gives_the_same_tokens(pair: DisaggregatedEngine) -> None:
+    """Each instance in a loop thread of its own, as served."""
+    expected = [r.token_ids for r in pair.generate(PROMPTS, GREEDY, timeout_s=300)]
+    router = ThreadedRouter(pair)
+    try:
+        results = router.generate(PROMPTS, GREEDY, timeout_s=300)
+    finally:
+        router.stop()
+    assert [(r.token_ids, r.finish_reason, r.error) for r in results] == [
+        (tokens, "length", None) for tokens in expected
+    ]
+    assert all(len(r.token_times) == len(r.token_ids) for r in results)
+
+
+def test_a_pull_nobody_answers_fails_the_request_and_frees_its_blocks(
+    pair: DisaggregatedEngine,
+) -> None:
+    decode = pair.decode
+    dead = f"tcp://127.0.0.1:{free_port()}"  # nothing listens: as if the prefill died
+    remote = RemotePrefill(RemoteKV("gone", len(PROMPTS[0]), [dead]), first_token=3)
+    request = Request("orphan", PROMPTS[0], GREEDY, remote=remote)
+    decode.add_request(request)
+    while decode.has_work():
+        decode.step()
+    assert request.is_finished and request.finish_reason.value == "abort"
+    assert request.error is not None and "'orphan'" in request.error and dead in request.error
+    assert free_blocks(decode) == decode.block_manager.num_blocks
+
+
+def test_a_peer_without_the_keys_gets_no_blocks(pair: DisaggregatedEngine) -> None:
+    """A puller with a key pair of its own (and the server's public key, which is no
+    secret) is refused at the CURVE handshake and never answered; one with the
+    deployment's pair is."""
+    address = pair.prefill.kv_connector.addresses[0]
+    ctx = zmq.Context()
+    try:
+        answers = []
+        for keys in (KVKeys.new(), KEYS):
+            sock = ctx.socket(zmq.DEALER)
+            sock.linger = 0
+            sock.curve_serverkey = KEYS.public
+            sock.curve_publickey, sock.curve_secretkey = keys.public, keys.secret
+            sock.connect(address)
+            sock.send(wire.encode(KVPull("anything", rank=1)))  # answered at once: no rank 1
+            answers.append(wire.decode(sock.recv()) if sock.poll(2000) else None)
+    finally:
+        ctx.destroy(linger=0)
+    assert answers[0] is None
+    assert isinstance(answers[1], KVBlocks) and "tp ranks must match" in answers[1].error
+
+
+def test_a_prefill_killed_mid_transfer_fails_the_request_and_frees_both_sides(
+    pair: DisaggregatedEngine,
+) -> None:
+    """Last: it kills the pair's prefill worker once the request's KV is staged, before
+    the decode side pulls it."""
+    prefill, decode = pair.prefill, pair.decode
+    request = Request("doomed", PROMPTS[2], GREEDY, remote_decode=True)
+    prefill.add_request(request)
+    while request.kv_transfer_out is None:
+        prefill.step()
+    prefill.step()  # the step that stages it
+    prefill.executor.procs[0].kill()
+    remote = RemotePrefill(request.kv_transfer_out, request.output_token_ids[0])
+    on_decode = Request("doomed", PROMPTS[2], GREEDY, remote=remote)
+    decode.add_request(on_decode)
+    while decode.has_work():
+        decode.step()
+    assert on_decode.finish_reason.value == "abort" and "'doomed'" in on_decode.error
+    assert free_blocks(decode) == decode.block_manager.num_blocks
+    # The prefill side's next step finds its worker dead: every block comes back.
+    with pytest.raises(Exception, match="died|dead|exited"):
+        while prefill.has_work():
+            prefill.step()
+    assert free_blocks(prefill) == prefill.block_manager.num_blocks

@@ -1,0 +1,31 @@
+"""KV transfer between instances of two tensor-parallel ranks each: rank i pulls from
+rank i, and a transfer is reported once both ranks have it. Greedy tokens equal the
+decode instance's own (colocated) ones."""
+
+from __future__ import annotations
+
+import msgspec
+
+from messages import ParallelConfig, SamplingParams
+from tests.test_kv_transfer import PROMPTS, free_port, run_colocated, worker_config
+from zmqworker.engine.disaggregated import start_disaggregated
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+
+
+def test_tp2_disaggregated_greedy_equals_colocated() -> None:
+    config = worker_config(64)
+    config = msgspec.structs.replace(config, parallel=ParallelConfig(tensor_parallel_size=2))
+    pair = start_disaggregated(config, 96, free_port(), timeout_s=10.0)
+    try:
+        colocated = run_colocated(pair.decode, GREEDY)
+        results = pair.generate(PROMPTS, GREEDY, timeout_s=300)
+        assert [r.error for r in results] == [None] * len(PROMPTS)
+        assert [r.token_ids for r in results] == colocated
+        assert pair.decode.kv_connector.num_loaded == len(PROMPTS)
+        while pair.has_work():
+            pair.step()
+        for core in (pair.prefill, pair.decode):
+            assert core.block_manager.num_free_blocks == core.block_manager.num_blocks
+    finally:
+        pair.shutdown()

@@ -1,0 +1,198 @@
+"""Disaggregated prefill and decode in one process: a router over a prefill engine core
+and a decode engine core, each with its own workers.
+
+A request goes to the prefill instance first, marked remote_decode: it computes the
+prompt and samples the first token, which the router hands out at once; its KV stays
+staged there. The router then gives the decode instance the request with that token and
+where the KV waits (RemoteKV); the decode workers pull it and decode from there. A
+request whose first token already ends it never goes to the decode side. A pull that
+fails (the prefill instance died, or did not answer within the timeout) finishes the
+request with an error naming it; its blocks are freed on both sides (the prefill side's
+when its staged KV expires).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import msgspec
+
+from messages import KVTransferConfig, SamplingParams, SchedulerConfig, WorkerConfig
+from zmqworker.engine.core import EngineCore
+from zmqworker.engine.request import RemotePrefill, Request
+from zmqworker.executor.multiproc import MultiprocExecutor
+from zmqworker.transport.curve import KV_CURVE_ENV, KVKeys
+
+
+@dataclass
+class RoutedRequest:
+    """What the router knows of a request: its tokens so far, from either side."""
+
+    req_id: str
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    error: str | None = None
+    first_token_time: float | None = None  # time.monotonic() of the prefill's token
+    token_times: list[float] = field(default_factory=list)  # one per token, monotonic
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def update(
+        self, output_token_ids: Sequence[int], finish_reason: str | None, error: str | None
+    ) -> None:
+        """Take a side's view of the request: its outputs so far (the prefill's first
+        token included on the decode side) and how it ended there (None: it goes on)."""
+        now = time.monotonic()
+        new = output_token_ids[len(self.token_ids) :]
+        if new and self.first_token_time is None:
+            self.first_token_time = now
+        self.token_ids.extend(new)
+        self.token_times.extend([now] * len(new))
+        if finish_reason is not None:
+            self.finish_reason, self.error = finish_reason, error
+
+
+class DisaggregatedEngine:
+    """Not thread-safe: one thread calls add_request, step and the rest."""
+
+    def __init__(self, prefill: EngineCore, decode: EngineCore) -> None:
+        for name, core, role in (("prefill", prefill, "addresses"), ("decode", decode, None)):
+            if core.kv_connector is None:
+                raise ValueError(f"the {name} engine core has no KV connector (kv_transfer)")
+            if role and not core.kv_connector.addresses:
+                raise ValueError("the prefill engine core's workers do not serve KV (producer)")
+        self.prefill = prefill
+        self.decode = decode
+        self.requests: dict[str, RoutedRequest] = {}
+        self._params: dict[str, tuple[list[int], SamplingParams, list[int]]] = {}
+
+    def add_request(
+        self,
+        req_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        eos_token_ids: Iterable[int] = (),
+    ) -> None:
+        if req_id in self.requests:
+            raise ValueError(f"request id {req_id!r} is already in the router")
+        eos = list(eos_token_ids)
+        request = Request(req_id, prompt_token_ids, params, eos_token_ids=eos, remote_decode=True)
+        self.prefill.add_request(request)
+        self.requests[req_id] = RoutedRequest(req_id)
+        self._params[req_id] = (list(prompt_token_ids), params, eos)
+
+    def abort_request(self, req_id: str) -> None:
+        self.prefill.abort_request(req_id)
+        self.decode.abort_request(req_id)
+        routed = self.requests.get(req_id)
+        if routed is not None and not routed.finished:
+            routed.finish_reason = "abort"
+        self._params.pop(req_id, None)
+
+    def has_work(self) -> bool:
+        return self.prefill.has_work() or self.decode.has_work()
+
+    def step(self) -> list[RoutedRequest]:
+        """A turn of each instance; the requests that got tokens or finished."""
+        changed: dict[str, RoutedRequest] = {}
+        for request in self.prefill.step():
+            goes_on = request.kv_transfer_out is not None  # to the decode instance
+            routed = self._take(request, goes_on)
+            changed[routed.req_id] = routed
+            if goes_on:
+                prompt, params, eos = self._params[request.req_id]
+                remote = RemotePrefill(request.kv_transfer_out, request.output_token_ids[0])
+                self.decode.add_request(
+                    Request(request.req_id, prompt, params, eos_token_ids=eos, remote=remote)
+                )
+        for request in self.decode.step():
+            routed = self._take(request)
+            changed[routed.req_id] = routed
+        for routed in changed.values():
+            if routed.finished:
+                self._params.pop(routed.req_id, None)
+        return list(changed.values())
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams,
+        eos_token_ids: Iterable[int] = (),
+        timeout_s: float = 600.0,
+    ) -> list[RoutedRequest]:
+        """Run prompts to the end (bounded by timeout_s); their results in order."""
+        ids = [f"disagg-{os.getpid()}-{len(self.requests) + i}" for i in range(len(prompts))]
+        for req_id, prompt in zip(ids, prompts, strict=True):
+            self.add_request(req_id, prompt, params, eos_token_ids)
+        deadline = time.monotonic() + timeout_s
+        while not all(self.requests[r].finished for r in ids):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"requests unfinished after {timeout_s} s")
+            self.step()
+        return [self.requests[r] for r in ids]
+
+    def shutdown(self) -> None:
+        for core in (self.decode, self.prefill):
+            core.shutdown()
+
+    def _take(self, request: Request, goes_on: bool = False) -> RoutedRequest:
+        routed = self.requests[request.req_id]
+        reason = request.finish_reason
+        finish = None if goes_on or reason is None else reason.value
+        routed.update(request.output_token_ids, finish, request.error)
+        return routed
+
+
+def start_disaggregated(
+    config: WorkerConfig,
+    max_model_len: int,
+    kv_port: int,
+    prefill_scheduler: SchedulerConfig | None = None,
+    decode_scheduler: SchedulerConfig | None = None,
+    enable_prefix_caching: bool = False,
+    timeout_s: float = 30.0,
+    keys: KVKeys | None = None,
+) -> DisaggregatedEngine:
+    """A prefill instance and a decode instance of config's model on this host, each its
+    own workers (MultiprocExecutor), and the router over them. The KV servers of the
+    prefill's tp ranks bind 127.0.0.1:kv_port + rank; keys (a pair made here if None)
+    authenticate every KV socket."""
+    env = {KV_CURVE_ENV: (keys or KVKeys.new()).to_env()}
+
+    def start(role: str, scheduler: SchedulerConfig | None) -> EngineCore:
+        transfer = KVTransferConfig(role=role, port=kv_port, timeout_s=timeout_s)
+        instance = msgspec.structs.replace(
+            config, kv_transfer=transfer, scheduler=scheduler or config.scheduler
+        )
+        executor = MultiprocExecutor(instance, env=env)
+        try:
+            return EngineCore(
+                executor,
+                max_model_len,
+                instance.scheduler,
+                enable_prefix_caching=enable_prefix_caching,
+                kv_transfer=transfer,
+            )
+        except BaseException:
+            executor.shutdown()
+            raise
+
+    # The two instances start side by side: each spends its start-up in its workers.
+    with ThreadPoolExecutor(2) as pool:
+        starts = [
+            pool.submit(start, "producer", prefill_scheduler),
+            pool.submit(start, "consumer", decode_scheduler),
+        ]
+    errors = [f.exception() for f in starts]
+    if any(errors):
+        for future, error in zip(starts, errors, strict=True):
+            if error is None:
+                future.result().shutdown()
+        raise next(e for e in errors if e is not None)
+    return DisaggregatedEngine(starts[0].result(), starts[1].result())

@@ -1,0 +1,147 @@
+"""The scheduler side of KV transfer (the worker side is zmqworker/kv_transfer/): which
+requests' KV is to be staged for a decode instance or pulled from a prefill instance,
+the blocks that stay held meanwhile, and the orders each step carries to the workers.
+
+Prefill side: a request marked remote_decode finishes after its first token, its blocks
+held; the next step orders them staged (KVSave); they are freed once the workers report
+them sent (pulled, or expired unpulled after the timeout).
+
+Decode side: a request with remote KV waits in a state of its own, outside the waiting
+queue, so it never holds other requests back: once blocks for its remote tokens are
+free, a step orders the pull (KVLoad); once the workers report the KV in, it joins the
+front of the waiting queue with those tokens computed. A failed pull finishes it with
+an error naming it, and its blocks go.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+
+from messages import KVConnectorMetadata, KVConnectorOutput, KVLoad, KVSave, RemoteKV
+from zmqworker.cdiv import cdiv
+from zmqworker.engine.block_manager import KVBlockManager
+from zmqworker.engine.request import FinishReason, Request, RequestStatus
+
+
+class KVConnectorScheduler:
+    def __init__(self, block_manager: KVBlockManager, addresses: list[str]) -> None:
+        """addresses: where this instance's tp ranks serve staged KV (a producer's), in
+        tp rank order; empty for an instance that only consumes."""
+        self.kv = block_manager
+        self.addresses = addresses
+        self._to_load: dict[str, Request] = {}  # waiting for blocks, in arrival order
+        self._loading: dict[str, Request] = {}  # pull ordered, not reported yet
+        self._sending: dict[str, Request] = {}  # staged (or to stage), blocks held
+        self._aborted: set[str] = set()  # loading when aborted: freed once reported
+        self._saves: list[KVSave] = []
+        self._loads: list[KVLoad] = []
+        self.num_loaded = 0  # requests whose remote KV came in, since start
+
+    @property
+    def busy(self) -> bool:
+        """Whether transfers are under way: steps must go on to hear of their end."""
+        return bool(self._to_load or self._loading or self._sending or self._saves)
+
+    @property
+    def num_waiting_for_kv(self) -> int:
+        return len(self._to_load) + len(self._loading)
+
+    def add_remote(self, request: Request) -> None:
+        """A request whose prompt was prefilled elsewhere (request.remote)."""
+        assert request.remote is not None
+        request.status = RequestStatus.WAITING_FOR_REMOTE_KV
+        self._to_load[request.req_id] = request
+
+    def hold(self, request: Request) -> None:
+        """A finished prefill (remote_decode): its first num_tokens tokens' blocks stay,
+        staged by the next step, until sent. Sets request.kv_transfer_out."""
+        if not self.addresses:
+            raise RuntimeError(
+                f"request {request.req_id!r} asks for a remote decode, but this instance "
+                "serves no KV (its kv_transfer role is not a producer)"
+            )
+        num_tokens = len(request.prompt_token_ids)
+        blocks = self.kv.block_ids(request.req_id)[: cdiv(num_tokens, self.kv.block_size)]
+        self._saves.append(KVSave(request.req_id, np.array(blocks, np.int32), num_tokens))
+        self._sending[request.req_id] = request
+        request.kv_transfer_out = RemoteKV(request.req_id, num_tokens, list(self.addresses))
+
+    def abort(self, request: Request) -> None:
+        """An aborted request waiting for remote KV: its blocks go now, or, with its pull
+        under way, once the workers report it over (they may be writing them)."""
+        self._to_load.pop(request.req_id, None)
+        if request.req_id in self._loading:
+            self._aborted.add(request.req_id)
+        else:
+            self.kv.free(request.req_id)
+
+    def metadata(self) -> KVConnectorMetadata | None:
+        """The orders for the step being built: loads for the requests that fit now,
+        saves of the prefills finished since the last step."""
+        for req_id, request in list(self._to_load.items()):
+            remote = request.remote
+            assert remote is not None
+            if not self.kv.allocate_pending(req_id, remote.kv.num_tokens):
+                break  # in arrival order: a later one waits behind this one for blocks
+            del self._to_load[req_id]
+            self._loading[req_id] = request
+            blocks = np.array(self.kv.block_ids(req_id), np.int32)
+            self._loads.append(KVLoad(req_id, blocks, remote.kv))
+        if not (self._saves or self._loads):
+            return None
+        metadata = KVConnectorMetadata(saves=self._saves, loads=self._loads)
+        self._saves, self._loads = [], []
+        return metadata
+
+    def update(
+        self, output: KVConnectorOutput, requeue: Callable[[Request], None]
+    ) -> list[Request]:
+        """Apply what the workers reported: sent blocks freed, loaded requests handed to
+        requeue (to wait for a step of their own), failed ones finished with their
+        error. Returns the requests that finished."""
+        finished: list[Request] = []
+        for req_id in output.finished_sending:
+            request = self._sending.pop(req_id, None)
+            if request is not None:
+                self.kv.free(req_id)
+        for req_id in output.finished_recving:
+            request = self._loading.pop(req_id, None)
+            if request is None:
+                continue
+            if req_id in self._aborted:
+                self._aborted.discard(req_id)
+                self.kv.free(req_id)
+                continue
+            assert request.remote is not None
+            self.num_loaded += 1
+            request.num_computed_tokens = request.remote.kv.num_tokens
+            request.status = RequestStatus.WAITING
+            requeue(request)
+        for failure in output.failed_recving:
+            request = self._loading.pop(failure.req_id, None)
+            if request is None:
+                continue
+            self.kv.free(failure.req_id)
+            was_aborted = failure.req_id in self._aborted
+            self._aborted.discard(failure.req_id)
+            if not was_aborted:
+                request.error = failure.error
+                request.finish(FinishReason.ABORT)
+                finished.append(request)
+        return finished
+
+    def reset(self) -> list[Request]:
+        """After a failed step: every transfer is forgotten, the held blocks of finished
+        prefills freed (those of requests waiting for KV are the scheduler's to free,
+        with every unfinished request's). Returns the requests that waited for KV."""
+        for req_id in self._sending:
+            self.kv.free(req_id)
+        waiting = [*self._to_load.values(), *self._loading.values()]
+        self._to_load.clear()
+        self._loading.clear()
+        self._sending.clear()
+        self._aborted.clear()
+        self._saves, self._loads = [], []
+        return waiting

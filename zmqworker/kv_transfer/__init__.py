@@ -1,0 +1,48 @@
+"""KV transfer, the worker side: the KV connector interface (connector.py) and the
+ZeroMQ connector (zmq_connector.py: server.py serves staged prefills, puller.py pulls
+them into a decode instance's blocks). The scheduler side is zmqworker.engine's."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch.distributed import ProcessGroup
+
+from messages import KVCacheSpec, KVTransferConfig
+from zmqworker.kv_transfer.connector import KVConnector
+from zmqworker.kv_transfer.tp_reports import TPCombined
+from zmqworker.kv_transfer.zmq_connector import ZmqKVConnector
+from zmqworker.transport.curve import KV_CURVE_ENV, KVKeys
+
+__all__ = ["KVConnector", "ZmqKVConnector", "make_kv_connector"]
+
+
+def make_kv_connector(
+    config: KVTransferConfig,
+    kv_caches: Callable[[], list[torch.Tensor]],
+    spec: KVCacheSpec,
+    tp_rank: int,
+    tp_size: int,
+    pp_size: int,
+    tp_group: ProcessGroup | None,
+    device: torch.device,
+) -> KVConnector:
+    """The worker's connector, over its freshly made cache; the deployment's KV keys
+    come from the environment (transport/curve.py's KV_CURVE_ENV)."""
+    if pp_size > 1:
+        raise ValueError(
+            "KV transfer with pipeline parallelism is not supported: every stage would "
+            "need a peer of its own (run the instances with pipeline_parallel_size=1)"
+        )
+    keys = KVKeys.from_env()
+    if keys is None:
+        raise ValueError(
+            "KV transfer without the deployment's keys: its sockets are CURVE-authenticated "
+            f"like every tcp socket of a run; give the workers ${KV_CURVE_ENV} "
+            "(zmqworker.transport.curve.KVKeys)"
+        )
+    connector = ZmqKVConnector(config, kv_caches, spec, tp_rank, tp_size, keys)
+    if tp_group is None:
+        return connector
+    return TPCombined(connector, tp_group, device)

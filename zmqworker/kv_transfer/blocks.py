@@ -1,0 +1,85 @@
+"""A request's blocks out of one rank's KV cache into a flat buffer and back.
+
+The cache is one tensor per layer, [2, num_blocks, heads, slots] (attention/kv_cache.py);
+a request's blocks are gathered into [layers, 2, n, heads, slots], the layout peers
+exchange (messages.kv_transfer.KVBlocks), so that a transfer is one contiguous buffer
+whatever the block ids on either side.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import numpy as np
+import torch
+
+from messages import KVCacheSpec
+from messages.kv_cache import DTYPE_BYTES
+from messages.kv_peer import KVLayout
+from zmqworker.models.registry import torch_dtype
+
+# A peer's memfd is mapped read-only: the tensors over it are only read (as the codec's).
+warnings.filterwarnings("ignore", message="The given buffer is not writable")
+
+
+def layout_of(spec: KVCacheSpec) -> KVLayout:
+    return KVLayout(
+        num_layers=len(spec.layer_names),
+        block_size=spec.block_size,
+        num_kv_heads=spec.num_kv_heads,
+        head_size=spec.head_size,
+        dtype=spec.dtype,
+    )
+
+
+def staged_shape(layout: KVLayout, num_blocks: int) -> tuple[int, ...]:
+    slots = layout.block_size * layout.head_size
+    return (layout.num_layers, 2, num_blocks, layout.num_kv_heads, slots)
+
+
+def staged_nbytes(layout: KVLayout, num_blocks: int) -> int:
+    return math.prod(staged_shape(layout, num_blocks)) * DTYPE_BYTES[layout.dtype]
+
+
+def view_staged(buffer: memoryview | bytearray, layout: KVLayout, num_blocks: int) -> torch.Tensor:
+    """buffer (at least staged_nbytes long) as the staged tensor, without a copy."""
+    nbytes = staged_nbytes(layout, num_blocks)
+    if len(buffer) < nbytes:
+        raise ValueError(f"{num_blocks} blocks need {nbytes} bytes, the buffer holds {len(buffer)}")
+    count = nbytes // DTYPE_BYTES[layout.dtype]
+    flat = torch.frombuffer(buffer, dtype=torch_dtype(layout.dtype), count=count)
+    return flat.view(staged_shape(layout, num_blocks))
+
+
+def gather(kv_caches: list[torch.Tensor], block_ids: torch.Tensor, out: torch.Tensor) -> None:
+    """Copy block_ids of every layer into out [layers, 2, n, heads, slots] (on the host)."""
+    if kv_caches[0].device.type == "cpu":
+        ids = block_ids.numpy()
+        for layer, cache in enumerate(kv_caches):
+            np.take(_rows(cache), ids, axis=1, out=_rows(out[layer]))
+        return
+    ids = block_ids.to(kv_caches[0].device)
+    for layer, cache in enumerate(kv_caches):
+        out[layer].copy_(cache.index_select(1, ids))
+
+
+def scatter(kv_caches: list[torch.Tensor], block_ids: torch.Tensor, staged: torch.Tensor) -> None:
+    """Copy staged [layers, 2, n, heads, slots] into block_ids of every layer."""
+    if kv_caches[0].device.type == "cpu":
+        ids = block_ids.numpy()
+        for layer, cache in enumerate(kv_caches):
+            _rows(cache)[:, ids] = _rows(staged[layer])
+        return
+    ids = block_ids.to(kv_caches[0].device)
+    for layer, cache in enumerate(kv_caches):
+        cache.index_copy_(1, ids, staged[layer].to(cache.device, non_blocking=True))
+
+
+def _rows(t: torch.Tensor) -> np.ndarray:
+    """A host tensor [2, blocks, heads, slots] as numpy [2, blocks] of opaque block rows:
+    numpy's indexed copies move each row as one memcpy (torch's index_copy_ element by
+    element, several times slower)."""
+    row_bytes = t.shape[2] * t.shape[3] * t.element_size()
+    flat = t.view(torch.uint8).numpy().reshape(t.shape[0], t.shape[1], row_bytes)
+    return flat.view(np.dtype((np.void, row_bytes)))[..., 0]

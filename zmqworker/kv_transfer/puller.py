@@ -1,0 +1,211 @@
+"""The decode side's puller: for each load, ask the prefill rank of the same tp rank for
+the request's staged KV and hand what comes back to the worker's thread, which copies it
+into the request's blocks; then say KVDone, so the prefill side lets it go.
+
+One thread owns every socket (a CURVE DEALER per prefill address, the deployment's KV
+keys). A load not answered within the timeout fails, naming the request and the address,
+and its late answer is dropped: nothing waits unbounded.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+
+from messages.kv_peer import KVBlocks, KVDone, KVLayout, KVPull
+from messages.kv_transfer import KVLoad
+from zmqworker.kv_transfer import wire
+from zmqworker.kv_transfer.blocks import staged_nbytes
+from zmqworker.kv_transfer.staging import PeerMappings, SharedMemoryError
+from zmqworker.transport.curve import KVKeys
+from zmqworker.transport.frames import recv_frames, send_frames
+from zmqworker.transport.wake_pipe import WakePipe
+
+log = logging.getLogger("zmqworker.kv_transfer")
+
+
+@dataclass
+class Arrived:
+    """A load's KV, ready to copy into its blocks (buffer: [layers, 2, n, heads, slots]
+    bytes), or why it failed (error)."""
+
+    load: KVLoad
+    buffer: Any = None  # a zmq frame's buffer or a view of a peer's memfd mapping
+    keep: list[Any] = field(default_factory=list)  # what the buffer lives in
+    error: str | None = None
+
+    def release(self) -> None:
+        self.keep.clear()
+        self.buffer = None
+
+
+class KVPuller:
+    def __init__(
+        self,
+        rank: int,
+        layout: KVLayout,
+        keys: KVKeys | None,
+        timeout_s: float,
+        shm: bool,
+        on_arrival: Callable[[], None],
+    ) -> None:
+        """on_arrival() is called (on the puller's thread) after each arrival."""
+        self.rank = rank
+        self._on_arrival = on_arrival
+        self.num_pulled = {"memfd": 0, "tcp": 0}  # loads that came, by their path
+        self.layout = layout
+        self.timeout_s = timeout_s
+        self._keys = keys
+        self._host_id = wire.boot_id() if shm else ""
+        self._ctx = zmq.Context()
+        self._socks: dict[str, zmq.Socket] = {}
+        self._mappings = PeerMappings()  # the puller thread's
+        self._orders: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        self.arrived: queue.SimpleQueue[Arrived] = queue.SimpleQueue()
+        self._wake = WakePipe()
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name="kv-puller", daemon=True)
+        self._thread.start()
+
+    def pull(self, load: KVLoad) -> None:
+        self._orders.put(("pull", load))
+        self._wake.wake()
+
+    def done(self, load: KVLoad) -> None:
+        """The worker copied load's KV: tell its server."""
+        self._orders.put(("done", load))
+        self._wake.wake()
+
+    def close(self) -> None:
+        self._stop = True
+        self._wake.wake()
+        self._thread.join(timeout=10.0)
+        for sock in self._socks.values():
+            sock.close(linger=0)
+        self._ctx.term()
+        self._mappings.close()
+
+    # the puller's thread ---------------------------------------------------------
+
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._wake.fd, zmq.POLLIN)
+        waiting: dict[tuple[str, str], tuple[KVLoad, float, str]] = {}  # (addr, id) -> ...
+        try:
+            while not self._stop:
+                timeout = -1
+                if waiting:
+                    soonest = min(deadline for _, deadline, _ in waiting.values())
+                    timeout = max(0, int((soonest - time.monotonic()) * 1000) + 1)
+                events = dict(poller.poll(timeout))
+                if self._wake.fd in events:
+                    self._wake.drain()
+                    self._take_orders(poller, waiting)
+                for address, sock in self._socks.items():
+                    if events.get(sock):
+                        self._receive(address, sock, waiting)
+                now = time.monotonic()
+                for key, (load, deadline, address) in list(waiting.items()):
+                    if deadline <= now:
+                        del waiting[key]
+                        self._fail(load, f"no answer from {address} within {self.timeout_s} s")
+        except Exception:
+            log.exception("rank %d: the KV puller stopped", self.rank)
+            for load, _, _ in waiting.values():
+                self._fail(load, "the KV puller stopped")
+
+    def _take_orders(self, poller: zmq.Poller, waiting: dict) -> None:
+        while True:
+            try:
+                kind, load = self._orders.get_nowait()
+            except queue.Empty:
+                return
+            address = load.remote.addresses[self.rank]
+            sock = self._socket(address, poller)
+            if kind == "pull":
+                waiting[(address, load.remote.req_id)] = (
+                    load,
+                    time.monotonic() + self.timeout_s,
+                    address,
+                )
+                pull = KVPull(load.remote.req_id, self.rank, self._host_id)
+                send_frames(sock, [wire.encode(pull)])
+            else:
+                send_frames(sock, [wire.encode(KVDone(load.remote.req_id))])
+
+    def _socket(self, address: str, poller: zmq.Poller) -> zmq.Socket:
+        sock = self._socks.get(address)
+        if sock is None:
+            sock = self._ctx.socket(zmq.DEALER)
+            sock.linger = 0
+            if self._keys is not None:
+                self._keys.make_client(sock)
+            sock.connect(address)
+            poller.register(sock, zmq.POLLIN)
+            self._socks[address] = sock
+        return sock
+
+    def _receive(self, address: str, sock: zmq.Socket, waiting: dict) -> None:
+        while True:
+            try:
+                frames = recv_frames(sock)
+            except zmq.Again:
+                return
+            try:
+                reply = wire.decode(frames[0].buffer)
+            except wire.PeerProtocolError as e:
+                log.warning("rank %d: from %s: %s", self.rank, address, e)
+                continue
+            if not isinstance(reply, KVBlocks):
+                continue
+            entry = waiting.pop((address, reply.req_id), None)
+            if entry is None:
+                continue  # the answer to a pull that timed out
+            load = entry[0]
+            try:
+                self._arrive(self._unpack(load, reply, frames[1:]))
+            except (OSError, SharedMemoryError) as e:
+                # This host's /proc does not show the server (another pid namespace):
+                # the bytes come over tcp from now on.
+                log.info("rank %d: no shared memory with %s (%s): tcp", self.rank, address, e)
+                self._host_id = ""
+                waiting[(address, reply.req_id)] = entry
+                send_frames(sock, [wire.encode(KVPull(reply.req_id, self.rank))])
+            except Exception as e:
+                self._fail(load, f"from {address}: {e}")
+
+    def _unpack(self, load: KVLoad, reply: KVBlocks, frames: list[zmq.Frame]) -> Arrived:
+        if reply.error is not None:
+            return Arrived(load, error=reply.error)
+        if reply.layout != self.layout:
+            raise ValueError(f"the prefill's KV layout {reply.layout} differs from {self.layout}")
+        if reply.num_blocks != len(load.block_ids):
+            raise ValueError(
+                f"{reply.num_blocks} blocks staged for {len(load.block_ids)} blocks here"
+            )
+        nbytes = staged_nbytes(self.layout, reply.num_blocks)
+        if reply.shared is not None:
+            shared = reply.shared
+            if shared.nbytes != nbytes:
+                raise ValueError(f"{shared.nbytes} bytes staged, {nbytes} expected")
+            memory = self._mappings.map(shared.pid, shared.fd, nbytes)
+            self.num_pulled["memfd"] += 1
+            return Arrived(load, memoryview(memory)[:nbytes], [memory])
+        if len(frames) != 1 or len(frames[0].buffer) != nbytes:
+            raise ValueError(f"expected one frame of {nbytes} bytes after KVBlocks")
+        self.num_pulled["tcp"] += 1
+        return Arrived(load, frames[0].buffer, [frames[0]])
+
+    def _fail(self, load: KVLoad, error: str) -> None:
+        self._arrive(Arrived(load, error=f"KV of request {load.req_id!r}: {error}"))
+
+    def _arrive(self, arrived: Arrived) -> None:
+        self.arrived.put(arrived)
+        self._on_arrival()

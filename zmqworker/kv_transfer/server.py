@@ -1,0 +1,219 @@
+"""The prefill side's server: staged requests' KV, handed to the decode ranks that pull
+it, over tcp or (same host) through the memfd it was staged in.
+
+A thread of its own serves a CURVE ROUTER (the deployment's KV keys; its ZAP handler
+admits their public key alone). Staged KV lives in a sealed memfd per request, written
+on the worker's thread after the step that computed it; the server reads nothing of the
+live cache, so steps go on beside it. A request's staged KV goes once its puller says
+KVDone, or once nobody has taken it within the timeout: either way it is reported as
+finished sending, and the engine frees its blocks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import mmap
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import zmq
+
+from messages.kv_peer import KVBlocks, KVDone, KVLayout, KVPull, SharedKV
+from zmqworker.kv_transfer import wire
+from zmqworker.kv_transfer.staging import MemfdPool, close_memfd
+from zmqworker.transport.curve import KVKeys, make_server, start_zap
+from zmqworker.transport.frames import recv_frames, send_frames
+from zmqworker.transport.wake_pipe import WakePipe
+
+log = logging.getLogger("zmqworker.kv_transfer")
+
+
+@dataclass
+class Staged:
+    """One request's KV in the first nbytes of a memfd, until pulled or expired."""
+
+    req_id: str
+    num_blocks: int
+    nbytes: int
+    fd: int
+    memory: mmap.mmap
+    deadline: float
+
+
+class KVServer:
+    """Serves this rank's staged KV at address until close()."""
+
+    def __init__(
+        self,
+        address: str,
+        rank: int,
+        layout: KVLayout,
+        keys: KVKeys | None,
+        on_sent: Callable[[str], None],
+        timeout_s: float,
+    ) -> None:
+        """on_sent(req_id) is called (on the server's thread) when a request's staged KV
+        is gone: pulled, or expired."""
+        self.rank = rank
+        self.layout = layout
+        self._on_sent = on_sent
+        self._ctx = zmq.Context()
+        self._zap = start_zap(self._ctx, keys.public) if keys is not None else None
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._sock.linger = 0
+        self._sock.router_mandatory = True  # a vanished puller is an error, not a drop
+        if keys is not None:
+            make_server(self._sock, keys.public, keys.secret)
+        try:
+            self._sock.bind(address)
+        except zmq.ZMQError as e:
+            self._release()
+            raise RuntimeError(f"rank {rank}: the KV server cannot bind {address}: {e}") from e
+        self.address = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._host_id = wire.boot_id()
+        self._staged: dict[str, Staged] = {}
+        self.pool = MemfdPool()
+        # Pulls that came before their staging (the prefill's next step stages it): held
+        # until it does, or until the timeout.
+        self._early: dict[str, tuple[bytes, KVPull, float]] = {}
+        self._timeout_s = timeout_s
+        self._incoming: list[Staged] = []
+        self._lock = threading.Lock()
+        self._wake = WakePipe()
+        self._stop = False
+        self._thread = threading.Thread(target=self._serve, name="kv-server", daemon=True)
+        self._thread.start()
+
+    def stage(self, req_id: str, nbytes: int, num_blocks: int) -> Staged:
+        """A memfd of nbytes for req_id's KV (from the worker's thread): fill it, then
+        offer it."""
+        fd, memory = self.pool.take(nbytes)
+        return Staged(req_id, num_blocks, nbytes, fd, memory, time.monotonic() + self._timeout_s)
+
+    def offer(self, staged: Staged) -> None:
+        """From the worker's thread: staged is complete and may be pulled."""
+        with self._lock:
+            self._incoming.append(staged)
+        self._wake.wake()
+
+    def close(self) -> None:
+        self._stop = True
+        self._wake.wake()
+        self._thread.join(timeout=10.0)
+        self._release()
+
+    # the server's thread -----------------------------------------------------------
+
+    def _serve(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        poller.register(self._wake.fd, zmq.POLLIN)
+        try:
+            while not self._stop:
+                timeout = self._next_deadline_ms()
+                for item, _ in poller.poll(timeout):
+                    if item is self._sock:
+                        self._receive_all()
+                    else:
+                        self._wake.drain()
+                self._take_incoming()
+                self._expire()
+        except Exception:
+            log.exception("rank %d: the KV server stopped", self.rank)
+        finally:
+            self._take_incoming()
+            for staged in self._staged.values():
+                close_memfd(staged.fd, staged.memory)
+            self._staged.clear()
+            self.pool.close()
+
+    def _receive_all(self) -> None:
+        while True:
+            try:
+                frames = recv_frames(self._sock)
+            except zmq.Again:
+                return
+            if len(frames) != 2:
+                log.warning("rank %d: dropped a message of %d frames", self.rank, len(frames))
+                continue
+            peer, body = frames[0].bytes, frames[1].buffer
+            try:
+                msg = wire.decode(body)
+            except wire.PeerProtocolError as e:
+                log.warning("rank %d: %s", self.rank, e)
+                continue
+            if isinstance(msg, KVPull):
+                self._answer(peer, msg)
+            elif isinstance(msg, KVDone):
+                self._drop(msg.req_id, pulled=True)
+
+    def _answer(self, peer: bytes, pull: KVPull) -> None:
+        self._take_incoming()  # a pull may overtake the wake-up of its own staging
+        staged = self._staged.get(pull.req_id)
+        if pull.rank != self.rank:
+            reply, frames = KVBlocks(pull.req_id, error=self._wrong_rank(pull.rank)), []
+        elif staged is None:
+            self._early[pull.req_id] = (peer, pull, time.monotonic() + self._timeout_s)
+            return
+        elif pull.host_id == self._host_id:
+            shared = SharedKV(os.getpid(), staged.fd, staged.nbytes)
+            reply, frames = KVBlocks(pull.req_id, self.layout, staged.num_blocks, shared), []
+        else:
+            reply = KVBlocks(pull.req_id, self.layout, staged.num_blocks)
+            frames = [memoryview(staged.memory)[: staged.nbytes]]
+        try:
+            send_frames(self._sock, [peer, wire.encode(reply), *frames])
+        except zmq.ZMQError as e:
+            log.warning("rank %d: could not answer a pull of %r: %s", self.rank, pull.req_id, e)
+
+    def _wrong_rank(self, rank: int) -> str:
+        return f"rank {rank} pulled from the KV server of rank {self.rank}: tp ranks must match"
+
+    def _drop(self, req_id: str, pulled: bool) -> None:
+        """Forget req_id's staged KV: its memfd is reused once its puller is done with it
+        (pulled), never after an expiry (a late puller may still read it)."""
+        staged = self._staged.pop(req_id, None)
+        if staged is not None:
+            if pulled:
+                self.pool.give_back(staged.fd, staged.memory)
+            else:
+                close_memfd(staged.fd, staged.memory)
+            self._on_sent(req_id)
+
+    def _take_incoming(self) -> None:
+        with self._lock:
+            incoming, self._incoming = self._incoming, []
+        for staged in incoming:
+            self._staged[staged.req_id] = staged
+            early = self._early.pop(staged.req_id, None)
+            if early is not None:
+                self._answer(*early[:2])
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        for req_id in [r for r, s in self._staged.items() if s.deadline <= now]:
+            log.warning("rank %d: staged KV of %r expired unpulled", self.rank, req_id)
+            self._drop(req_id, pulled=False)
+        for req_id in [r for r, (_, _, deadline) in self._early.items() if deadline <= now]:
+            peer, _, _ = self._early.pop(req_id)
+            error = f"no KV staged for request {req_id!r} on rank {self.rank} in time"
+            with contextlib.suppress(zmq.ZMQError):
+                send_frames(self._sock, [peer, wire.encode(KVBlocks(req_id, error=error))])
+
+    def _next_deadline_ms(self) -> int:
+        deadlines = [s.deadline for s in self._staged.values()]
+        deadlines += [deadline for _, _, deadline in self._early.values()]
+        if not deadlines:
+            return -1
+        soonest = min(deadlines)
+        return max(0, int((soonest - time.monotonic()) * 1000) + 1)
+
+    def _release(self) -> None:
+        self._sock.close(linger=0)
+        if self._zap is not None:
+            self._zap.stop()
+        self._ctx.term()
