@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
 from pathlib import Path
@@ -18,3 +19,9 @@ if str(ROOT) not in sys.path:
 # when a kernel is defined, so before any test imports one.
 if os.environ.get("ZMQWORKER_TEST_DEVICE", "cpu") == "cpu":
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# The interpreter re-patches triton.language at every call of a jit'd function inside a
+# kernel; once per launch is enough (tests/triton_interpreter.py).
+if os.environ.get("TRITON_INTERPRET") == "1" and importlib.util.find_spec("triton"):
+    from tests.triton_interpreter import patch_once_per_launch
+
+    patch_once_per_launch()
