@@ -94,9 +94,7 @@ def bench_xgrammar(hf_tokenizer: Any, eos: int, vocab: int, batch: int, repeats:
     for _ in range(repeats):  # a fresh compiler each time: its cache would hide the cost
         compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
         start = time.perf_counter()
-        compiled = compiler.compile_json_schema(
-            schema, any_whitespace=False, separators=(",", ":")
-        )
+        compiled = compiler.compile_json_schema(schema, any_whitespace=False, separators=(",", ":"))
         compile_s.append(time.perf_counter() - start)
     tokens = _tokens(hf_tokenizer, eos)
     n = len(tokens) - 1

@@ -52,6 +52,7 @@ from messages.rpc import (
     Welcome,
 )
 from messages.sampling import SamplingParams
+from messages.structured_outputs import StructuredOutputsParams
 from messages.step import (
     CachedRequestData,
     GrammarOutput,
@@ -113,6 +114,7 @@ __all__ = [
     "RpcReply",
     "RpcRequest",
     "SamplingParams",
+    "StructuredOutputsParams",
     "SchedulerConfig",
     "SchedulerOutput",
     "SharedSlot",

@@ -99,6 +99,12 @@ class Scheduler:
     # -- requests in and out ------------------------------------------------------------
 
     def add_request(self, request: Request) -> None:
+        self.check_request(request)
+        self._requests[request.req_id] = request
+        self.waiting.append(request)
+
+    def check_request(self, request: Request) -> None:
+        """Raise ValueError if add_request would refuse request."""
         if request.req_id in self._requests or request.req_id in self._draining:
             raise ValueError(f"request id {request.req_id!r} is already in the scheduler")
         if request.status is not RequestStatus.WAITING or request.output_token_ids:
@@ -108,8 +114,6 @@ class Scheduler:
                 f"request {request.req_id!r}: prompt of {request.num_tokens} tokens is longer "
                 f"than max_model_len={self.max_model_len}"
             )
-        self._requests[request.req_id] = request
-        self.waiting.append(request)
 
     def abort_request(self, req_id: str) -> Request | None:
         """Finish req_id as aborted; None if it is unknown or already finished. A request
@@ -135,6 +139,12 @@ class Scheduler:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)
+
+    def structured_requests(self, output: SchedulerOutput) -> list[Request]:
+        """The requests with a grammar that the step just made (output) samples for."""
+        if not self._steps or self._steps[-1].output is not output:
+            raise RuntimeError("structured_requests is asked of the step schedule() just made")
+        return self._steps[-1].structured
 
     # -- building a step -----------------------------------------------------------------
 
