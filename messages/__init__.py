@@ -52,7 +52,6 @@ from messages.rpc import (
     Welcome,
 )
 from messages.sampling import SamplingParams
-from messages.structured_outputs import StructuredOutputsParams
 from messages.step import (
     CachedRequestData,
     GrammarOutput,
@@ -62,6 +61,7 @@ from messages.step import (
     NewRequestData,
     SchedulerOutput,
 )
+from messages.structured_outputs import StructuredOutputsParams
 from messages.version import PROTOCOL_VERSION
 from messages.weights import (
     CudaWeightRef,

@@ -1,8 +1,9 @@
 """A request's SamplingParams checked against the run and made ready for the workers:
-structured_outputs that parse (engine/grammars.py), logprobs within max_logprobs, stop strings that are text, the token ids it names within
-the vocabulary, and bad_words (text) tokenized into bad_words_token_ids, which is all a
-worker reads of them (it has no tokenizer). The text is consumed: the params that come
-back have no bad_words left, so that checking them again changes nothing.
+structured_outputs that parse (engine/grammars.py), logprobs within max_logprobs, stop
+strings that are text, the token ids it names within the vocabulary, and bad_words (text)
+tokenized into bad_words_token_ids, which is all a worker reads of them (it has no
+tokenizer). The text is consumed: the params that come back have no bad_words left, so
+that checking them again changes nothing.
 
 A bad word is banned where it would start the text and where it would follow a space, as
 vLLM does: its tokens without and with a leading space, the latter kept only when it is
