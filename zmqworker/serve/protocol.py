@@ -3,8 +3,8 @@ body is decoded straight into them (fast enough to hold the event loop only brie
 the largest body allowed), then check() refuses what no type can say. A field OpenAI
 does not define is a 400 that names it; one it defines and this server does not
 implement is refused as not supported (unsupported.py) unless it has its neutral value.
-top_k, min_p, ignore_eos, stop_token_ids, repetition_penalty, min_tokens and bad_words
-are vLLM's extensions."""
+top_k, min_p, ignore_eos, stop_token_ids, repetition_penalty, min_tokens, bad_words,
+structured_outputs and guided_* are vLLM's extensions."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from typing import Annotated, Any
 from msgspec import Meta, Struct
 
 from zmqworker.serve.errors import APIError
+from zmqworker.serve.structured import StructuredFields
 from zmqworker.serve.unsupported import refuse_unsupported, unsupported_part
 
 MAX_LOGPROBS = 20  # the OpenAI API's bound, and the workers' default max_logprobs
@@ -31,8 +32,8 @@ class StreamOptions(Struct, forbid_unknown_fields=True):
     include_usage: bool = False
 
 
-class SamplingRequest(Struct, forbid_unknown_fields=True, kw_only=True):
-    """What both endpoints take."""
+class SamplingRequest(StructuredFields, forbid_unknown_fields=True, kw_only=True):
+    """What both endpoints take (structured outputs: serve/structured.py)."""
 
     model: str
     temperature: Annotated[float, Meta(ge=0, le=2)] | None = None
@@ -58,6 +59,7 @@ class SamplingRequest(Struct, forbid_unknown_fields=True, kw_only=True):
     def check(self) -> None:
         """Refuse what the types cannot: unsupported features, options that need another."""
         refuse_unsupported(self)
+        self.structured_params()
         if self.stream_options is not None and not self.stream:
             raise APIError("stream_options needs stream=true", param="stream_options")
         self.token_bias()
@@ -179,7 +181,6 @@ class ChatCompletionRequest(SamplingRequest, kw_only=True):
     logprobs: bool = False
     top_logprobs: Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)] | None = None
     # Not supported unless neutral (unsupported.py).
-    response_format: dict[str, Any] | None = None
     tools: list[Any] | None = None
     tool_choice: str | dict[str, Any] | None = None
 
