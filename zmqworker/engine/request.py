@@ -14,7 +14,7 @@ import numpy as np
 from messages import EngineCoreOutput, LogprobsLists, SamplingParams
 
 if TYPE_CHECKING:
-    from zmqworker.engine.structured_outputs import RequestGrammar
+    from zmqworker.engine.request_grammar import RequestGrammar
 
 
 class RequestStatus(enum.Enum):

@@ -103,8 +103,7 @@ class Scheduler:
         self._requests[request.req_id] = request
         self.waiting.append(request)
 
-    def check_request(self, request: Request) -> None:
-        """Raise ValueError if add_request would refuse request."""
+    def check_request(self, request: Request) -> None:  # add_request's ValueErrors
         if request.req_id in self._requests or request.req_id in self._draining:
             raise ValueError(f"request id {request.req_id!r} is already in the scheduler")
         if request.status is not RequestStatus.WAITING or request.output_token_ids:
@@ -141,7 +140,7 @@ class Scheduler:
         return bool(self._requests)
 
     def structured_requests(self, output: SchedulerOutput) -> list[Request]:
-        """The requests with a grammar that the step just made (output) samples for."""
+        """The requests with a grammar that output, the step just made, samples for."""
         if not self._steps or self._steps[-1].output is not output:
             raise RuntimeError("structured_requests is asked of the step schedule() just made")
         return self._steps[-1].structured
