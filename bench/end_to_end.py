@@ -7,7 +7,14 @@ tp=1, pp=1, with async scheduling on and off (three steps in flight, or one), wi
 per second, mean time to first token and mean time per output token, and async over sync
 scheduling. Writes bench/results/end_to_end.json.
 
+The structured-output row decodes the same batch (async scheduling on) with every request
+constrained by a JSON schema whose one string field is longer than the output, so that
+every step of every request is masked, against the same decode unconstrained, in one
+engine, taking turns; it reports the ratio of their time per output token (target
+<= 1.15x). --structured-only runs that row alone (bench/results/end_to_end_structured.json).
+
     python -m bench.end_to_end [--threads 2] [--device cpu] [--async-scheduling both]
+        [--structured-only]
 """
 
 from __future__ import annotations
@@ -19,7 +26,7 @@ import torch
 import transformers
 
 from bench.common import print_table, write_results
-from messages import SamplingParams
+from messages import SamplingParams, StructuredOutputsParams
 from zmqworker.frontend.llm import LLM
 from zmqworker.models.embedded import default_model_path
 
@@ -72,6 +79,45 @@ def run_ours(
     }
 
 
+# Longer than any output here: the grammar never ends, every step is masked.
+LONG_SCHEMA = {
+    "type": "object",
+    "properties": {"story": {"type": "string", "minLength": 4000}},
+    "required": ["story"],
+}
+
+
+def run_structured(path: str, batch: list[list[int]], threads: int, device: str) -> dict:
+    """Time per output token of the batch with a JSON schema on every request, over the
+    same without; best of two turns each."""
+    plain = SamplingParams(temperature=0.0, max_tokens=OUTPUT_TOKENS, ignore_eos=True)
+    schema = StructuredOutputsParams(json=LONG_SCHEMA)
+    constrained = SamplingParams(
+        temperature=0.0, max_tokens=OUTPUT_TOKENS, structured_outputs=schema
+    )
+    best = {"plain": float("inf"), "schema": float("inf")}
+    with LLM(
+        model=path,
+        device=device,
+        num_threads=threads,
+        max_num_seqs=16,
+        max_num_batched_tokens=4096,
+    ) as llm:
+        llm.generate([batch[0]], SamplingParams(temperature=0.0, max_tokens=4))  # warm
+        llm.generate([batch[0]], constrained)  # compiles the schema
+        for _ in range(2):
+            for name, params in (("plain", plain), ("schema", constrained)):
+                outs = llm.generate(batch, params)
+                assert all(len(o.token_ids) == OUTPUT_TOKENS for o in outs), name
+                tpot = sum(o.timings.tpot for o in outs) / len(outs)
+                best[name] = min(best[name], tpot)
+    return {
+        "tpot_ms_plain": 1e3 * best["plain"],
+        "tpot_ms_schema": 1e3 * best["schema"],
+        "schema_over_plain_tpot": best["schema"] / best["plain"],
+    }
+
+
 def run_transformers(path: str, batch: list[list[int]], threads: int, device: str) -> dict:
     torch.set_num_threads(threads)
     tok = transformers.AutoTokenizer.from_pretrained(path)
@@ -116,9 +162,21 @@ def main() -> None:
         default="both",
         help="tp=1, pp=1 rows: with async scheduling, without, or both (compared)",
     )
+    parser.add_argument(
+        "--structured-only", action="store_true", help="the structured-output row alone"
+    )
     args = parser.parse_args()
     path = default_model_path()
     batch = prompts(transformers.AutoTokenizer.from_pretrained(path))
+    structured = run_structured(path, batch, args.threads, args.device)
+    print(
+        f"decode with a JSON schema on every request: {structured['tpot_ms_schema']:.1f} ms "
+        f"per token against {structured['tpot_ms_plain']:.1f} ms without: "
+        f"{structured['schema_over_plain_tpot']:.3f}x (target <= 1.15x)"
+    )
+    if args.structured_only:
+        print(f"wrote {write_results('end_to_end_structured', structured)}")
+        return
     modes = {"on": [True], "off": [False], "both": [True, False]}[args.async_scheduling]
     rows = [run_ours(path, batch, 1, args.threads, args.device, mode) for mode in modes]
     rows.append(run_ours(path, batch, 2, args.threads, args.device))
@@ -126,7 +184,7 @@ def main() -> None:
     rows.append(hf)
     print_table(rows)
     print(f"tp=1,pp=1 over transformers: {rows[0]['tok_s'] / hf['tok_s']:.2f}x tokens/s")
-    summary = {"rows": rows}
+    summary = {"rows": rows, "structured": structured}
     if len(modes) == 2:
         ratio = rows[0]["tok_s"] / rows[1]["tok_s"]
         summary["async_over_sync_tok_s"] = ratio

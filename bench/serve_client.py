@@ -100,6 +100,7 @@ async def one_request(conn: Connection, job: dict[str, Any], prompt: Any) -> dic
             "ignore_eos": True,
             "stream": True,
             "stream_options": {"include_usage": True},
+            **({"structured_outputs": {"json": job["schema"]}} if job.get("schema") else {}),
         }
     ).encode()
     headers = [("Authorization", f"Bearer {job['api_key']}")] if job.get("api_key") else []

@@ -10,6 +10,11 @@ token and inter-token latency percentiles, and the ratios to the offline floor (
 tokens/s; inter-token p50 over the offline mean TPOT). Writes bench/results/serve_load.json
 (or --out).
 
+--json-schema FILE sends that JSON schema with every request (vLLM's structured_outputs);
+"long" is bench/end_to_end.py's schema, whose string outlasts any --output-len, so that
+every step of every request is masked and outputs keep their length. The offline floor
+runs without it: the ratios then hold the schema's cost.
+
     python -m bench.serve_load                              # CPU, the embedded model
     python -m bench.serve_load --device cuda --dtype bfloat16 --load-format dummy \\
         --model FOLDER --concurrency 256 --prompt-len 130 --output-len 256
@@ -142,6 +147,17 @@ def served_model(url: str) -> str:
         return json.loads(response.read())["data"][0]["id"]
 
 
+def schema_of(option: str | None) -> dict[str, Any] | None:
+    """--json-schema's schema: a file's, or "long" (bench/end_to_end.py's)."""
+    if option is None:
+        return None
+    if option == "long":
+        from bench.end_to_end import LONG_SCHEMA
+
+        return LONG_SCHEMA
+    return json.loads(Path(option).read_text())
+
+
 def load(url: str, model: str, prompts: list[Any], args: argparse.Namespace, concurrency: int):
     """Every prompt through the server from --clients processes; their records."""
     host, port = url.removeprefix("http://").rstrip("/").rsplit(":", 1)
@@ -161,6 +177,7 @@ def load(url: str, model: str, prompts: list[Any], args: argparse.Namespace, con
             "rate": args.request_rate / clients if args.request_rate else None,
             "seed": args.seed + i,
             "start_at": start_at,
+            "schema": args.schema,
         }
         proc = subprocess.Popen(
             [sys.executable, "-m", "bench.serve_client"],
@@ -237,8 +254,10 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=8765)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-floor", action="store_true", help="skip LLM.generate offline")
+    parser.add_argument("--json-schema", default=None, help='FILE, or "long": every request')
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    args.schema = schema_of(args.json_schema)
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
     args.max_model_len = None if args.dataset else args.prompt_len + args.output_len + 16
     prompts = make_prompts(args)
@@ -274,7 +293,7 @@ def main() -> None:
     shown = [{k: v for k, v in r.items() if k != "first_error"} for r in rows]
     print_table(shown, precision=2)
     result = {
-        "args": {k: v for k, v in vars(args).items() if k != "api_key"},
+        "args": {k: v for k, v in vars(args).items() if k not in ("api_key", "schema")},
         "rows": rows,
         "offline": {str(c): f for c, f in floors.items()},
     }

@@ -70,6 +70,7 @@ from messages.step import (
     NewRequestData,
     SchedulerOutput,
 )
+from messages.structured_outputs import StructuredOutputsParams
 from messages.version import PROTOCOL_VERSION
 from messages.weights import (
     CudaWeightRef,
@@ -129,6 +130,7 @@ __all__ = [
     "RpcReply",
     "RpcRequest",
     "SamplingParams",
+    "StructuredOutputsParams",
     "SchedulerConfig",
     "SchedulerOutput",
     "SharedSlot",

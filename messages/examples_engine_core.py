@@ -27,6 +27,7 @@ from messages.engine_core import (
 from messages.example_stream import Stream, req_id
 from messages.sampling import SamplingParams
 from messages.step import LogprobsLists
+from messages.structured_outputs import StructuredOutputsParams
 from messages.version import PROTOCOL_VERSION
 
 VOCAB_SIZE = 49_152  # SmolLM2's
@@ -67,6 +68,21 @@ def engine_core_request(prompt_len: int = 130, seed: int = 10) -> EngineCoreRequ
     return EngineCoreRequest(
         request_id=req_id(1000 + prompt_len),
         prompt_token_ids=rng.ints(prompt_len, 0, VOCAB_SIZE),
+        sampling_params=params,
+        eos_token_ids=[EOS],
+        arrival_time=ARRIVAL,
+    )
+
+
+def structured_request(seed: int = 14) -> EngineCoreRequest:
+    """A request whose output a JSON schema constrains (the schema travels as JSON text)."""
+    schema = '{"type":"object","properties":{"ok":{"type":"boolean"}},"required":["ok"]}'
+    params = SamplingParams(
+        temperature=0.0, max_tokens=32, structured_outputs=StructuredOutputsParams(json=schema)
+    )
+    return EngineCoreRequest(
+        request_id=req_id(1014),
+        prompt_token_ids=Stream(seed).ints(12, 0, VOCAB_SIZE),
         sampling_params=params,
         eos_token_ids=[EOS],
         arrival_time=ARRIVAL,
@@ -130,6 +146,7 @@ ENGINE_CORE_EXAMPLES: dict[str, Callable[[], EngineCoreMessage]] = {
     ),  # fmt: skip
     "engine_core_request": engine_core_request,
     "engine_core_request_long": lambda: engine_core_request(prompt_len=8192, seed=13),
+    "engine_core_request_structured": structured_request,
     "abort_requests": lambda: AbortRequests([req_id(3), req_id(5)]),
     "abort_requests_stop": lambda: AbortRequests([req_id(4)], reason="stop"),
     "engine_core_outputs_decode_256": decode_outputs,

@@ -14,6 +14,8 @@ from typing import Annotated
 import msgspec
 from msgspec import Meta
 
+from messages.structured_outputs import StructuredOutputsParams
+
 # Bounds on bad_words_token_ids, which a worker matches against every step's outputs.
 MAX_BAD_WORDS = 1024
 MAX_BAD_WORD_TOKENS = 64
@@ -160,6 +162,11 @@ class SamplingParams(msgspec.Struct, tag=True, frozen=True, omit_defaults=True):
         ),
     ] = []
 
+    structured_outputs: Annotated[
+        StructuredOutputsParams | None,
+        Meta(description="constrain the output to a JSON schema, a regex, a choice or a grammar"),
+    ] = None
+
     def __post_init__(self) -> None:
         self.validate()
 
@@ -172,6 +179,9 @@ class SamplingParams(msgspec.Struct, tag=True, frozen=True, omit_defaults=True):
             raise ValueError("temperature must be finite, got inf")
         if math.isinf(self.repetition_penalty):
             raise ValueError("repetition_penalty must be finite, got inf")
+        if self.structured_outputs is not None and self.min_tokens:
+            # The grammar's end allows only EOS, which min_tokens would hold back.
+            raise ValueError("min_tokens cannot be combined with structured_outputs")
         if self.min_tokens > self.max_tokens:
             raise ValueError(
                 f"min_tokens ({self.min_tokens}) must be at most max_tokens ({self.max_tokens})"

@@ -32,6 +32,7 @@ from messages import (
     rpc,
     sampling,
     step,
+    structured_outputs,
     weights,
 )
 from messages import examples as ex
@@ -85,7 +86,17 @@ def traveling_structs() -> set[type]:
 
 def declared_structs() -> set[type]:
     """The public Structs of the wire contract's modules."""
-    modules = (config, engine_core, kv_cache, kv_transfer, rpc, sampling, step, weights)
+    modules = (
+        config,
+        engine_core,
+        kv_cache,
+        kv_transfer,
+        rpc,
+        sampling,
+        step,
+        structured_outputs,
+        weights,
+    )
     return {
         value
         for module in modules

@@ -208,9 +208,9 @@ COMPLETIONS, CHAT_COMPLETIONS = "/v1/completions", "/v1/chat/completions"
         (CHAT_COMPLETIONS, {"tool_choice": "auto"}, "tool_choice", "tool_choice is not"),
         (
             CHAT_COMPLETIONS,
-            {"response_format": {"type": "json_object"}},
+            {"response_format": {"type": "json_schema"}},
             "response_format",
-            "response_format is not supported",
+            'response_format of type "json_schema" needs json_schema.schema',
         ),
         (
             CHAT_COMPLETIONS,

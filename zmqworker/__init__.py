@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 __version__ = "0.2.0"
 
 if TYPE_CHECKING:
-    from messages import SamplingParams
+    from messages import SamplingParams, StructuredOutputsParams
     from zmqworker.distributed.trainer_sender import TrainerWeightSender
     from zmqworker.frontend.llm import LLM
     from zmqworker.frontend.outputs import (
@@ -27,6 +27,7 @@ _LAZY = {
     "LLM": "zmqworker.frontend.llm",
     "EngineStats": "zmqworker.frontend.outputs",
     "SamplingParams": "messages",
+    "StructuredOutputsParams": "messages",
     "RequestOutput": "zmqworker.frontend.outputs",
     "PositionLogprobs": "zmqworker.frontend.outputs",
     "TokenLogprob": "zmqworker.frontend.outputs",
@@ -38,6 +39,7 @@ __all__ = [
     "PositionLogprobs",
     "RequestOutput",
     "SamplingParams",
+    "StructuredOutputsParams",
     "TokenLogprob",
     "TrainerWeightSender",
     "__version__",

@@ -16,6 +16,7 @@ from typing import Any
 from zmqworker.cli.options import add_options, given, llm_options, sampling_options
 from zmqworker.cli.preflight import Job, check_run, engine_prompts
 from zmqworker.cli.prompts import read_prompts
+from zmqworker.cli.structured import add_structured_options, structured_option
 
 LLM_OPTIONS = llm_options()
 SAMPLING_OPTIONS = sampling_options()
@@ -42,6 +43,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     gen.add_argument("--system", help="with --chat: the system message")
     gen.add_argument("--json", action="store_true", help="print one JSON object per prompt")
     add_options(gen.add_argument_group("sampling"), SAMPLING_OPTIONS)
+    add_structured_options(gen)
     add_options(
         gen.add_argument_group("engine"),
         LLM_OPTIONS,
@@ -61,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
     # tokenizer before anything runs.
     jobs = check_run(
         items,
-        given(args, SAMPLING_OPTIONS),
+        given(args, SAMPLING_OPTIONS) | structured_option(args),
         model=engine.get("model"),
         max_model_len=engine.get("max_model_len"),
         max_logprobs=engine.get("max_logprobs", _default("max_logprobs")),

@@ -77,6 +77,7 @@ def sampling_options() -> list[Option]:
     defaults = {
         f.name: f.default if f.default is not msgspec.NODEFAULT else f.default_factory()
         for f in fields
+        if f.name != "structured_outputs"  # options of their own: cli/structured.py
     }
     return options_of(defaults, hints)
 

@@ -25,11 +25,12 @@ import msgspec
 from messages import SamplingParams
 from zmqworker.cli.options import sampling_options
 from zmqworker.cli.prompts import PromptItem
+from zmqworker.cli.structured import FLAG as STRUCTURED
 from zmqworker.engine.model_folder import ModelFolder, check_conversation
 from zmqworker.engine.prompts import check_text, prompt_token_ids
 
 # The option that sets each SamplingParams field, for messages.
-FLAGS = {o.name: o.flags[0] for o in sampling_options()}
+FLAGS = {o.name: o.flags[0] for o in sampling_options()} | {"structured_outputs": STRUCTURED}
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,10 @@ from messages import SamplingParams
 from zmqworker.engine.prompts import check_text
 
 # The sampling fields a JSONL line may set for its prompt, and their types.
-SAMPLING_KEYS = {f.name: f.type for f in msgspec.structs.fields(SamplingParams)}
+# structured_outputs is the run's (--json-schema, --regex: cli/structured.py).
+SAMPLING_KEYS = {
+    f.name: f.type for f in msgspec.structs.fields(SamplingParams) if f.name != "structured_outputs"
+}
 PROMPT_KEYS = ("prompt", "messages")
 
 

@@ -41,7 +41,7 @@ def check_limits(
         )
 
 
-def check_request(request: Request, max_model_len: int, has_kv_connector: bool) -> None:
+def check_new_request(request: Request, max_model_len: int, has_kv_connector: bool) -> None:
     """A request about to be added (not a duplicate: the scheduler checks that)."""
     num_given = 0 if request.remote is None else 1  # the remote prefill's token
     if request.status is not RequestStatus.WAITING or len(request.output_token_ids) > num_given:

@@ -7,6 +7,10 @@ checks it). With async scheduling (one stage), step N+1 may go on from step N in
 request in both is a cached request of step N+1 whose computed tokens start exactly where
 step N's end, never a new one. Outputs are consumed oldest first, the order the workers
 ran the steps.
+
+A step whose sampling needs a grammar bitmask is sent in two calls (the forward with
+sample=False, then sample_tokens with the bitmask): the engine submits it with the
+forward's future and the sample's as a DeferredSample.
 """
 
 from __future__ import annotations
@@ -15,11 +19,23 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
 
 from messages import ModelRunnerOutput, SchedulerOutput
 
+
+@dataclass(frozen=True)
+class DeferredSample:
+    """A step sent as execute_model(sample=False) (forward: its future, of None) then
+    sample_tokens (sample: the future of the step's output)."""
+
+    forward: Future[None]
+    sample: Future[ModelRunnerOutput]
+
+
+Sent = ModelRunnerOutput | Future[ModelRunnerOutput] | DeferredSample
 # execute_model: the output, or a future of it.
-Submit = Callable[[SchedulerOutput], "ModelRunnerOutput | Future[ModelRunnerOutput]"]
+Submit = Callable[[SchedulerOutput], Sent]
 
 
 def scheduled_ends(output: SchedulerOutput) -> dict[int, int]:
@@ -47,9 +63,7 @@ class BatchQueue:
         self._submit = submit
         self.max_concurrent_batches = max_concurrent_batches
         self.continue_in_flight = continue_in_flight
-        self._steps: deque[
-            tuple[SchedulerOutput, dict[int, int], ModelRunnerOutput | Future[ModelRunnerOutput]]
-        ] = deque()
+        self._steps: deque[tuple[SchedulerOutput, dict[int, int], Sent]] = deque()
 
     def __len__(self) -> int:
         return len(self._steps)
@@ -65,9 +79,10 @@ class BatchQueue:
             ends.update(step_ends)
         return ends
 
-    def submit(self, output: SchedulerOutput) -> None:
-        """Send a step. A request that a step in flight computes may be in it only as the
-        continuation of that step (continue_in_flight)."""
+    def submit(self, output: SchedulerOutput, send: Submit | None = None) -> None:
+        """Send a step (through send instead of the queue's submit when given). A request
+        that a step in flight computes may be in it only as the continuation of that step
+        (continue_in_flight)."""
         if self.full:
             raise RuntimeError(f"{len(self._steps)} steps in flight already: the queue is full")
         ends = scheduled_ends(output)
@@ -86,19 +101,26 @@ class BatchQueue:
                     f"requests {broken} are in a step in flight, and this step does not start "
                     "where that one ends"
                 )
-        self._steps.append((output, ends, self._submit(output)))
+        self._steps.append((output, ends, (send or self._submit)(output)))
 
     def pop(self, timeout: float | None = None) -> tuple[SchedulerOutput, ModelRunnerOutput]:
         """Wait for the oldest step's output. On timeout the step stays in the queue; a
         step that failed leaves it, and its error is raised."""
         if not self._steps:
             raise RuntimeError("no step in flight")
-        output, _, result = self._steps[0]
-        if isinstance(result, Future):
+        output, _, sent = self._steps[0]
+        if isinstance(sent, DeferredSample):
+            futures: list[Future] = [sent.forward, sent.sample]
+        elif isinstance(sent, Future):
+            futures = [sent]
+        else:
+            self._steps.popleft()
+            return output, sent
+        for future in futures:  # the forward's errors first: the sample's follow from them
             try:
-                result = result.result(timeout)
+                result = future.result(timeout)
             except FutureTimeout:
-                if not result.done():
+                if not future.done():
                     raise TimeoutError(f"oldest step not answered after {timeout} s") from None
                 self._steps.popleft()  # the step itself failed with a timeout
                 raise

@@ -13,14 +13,16 @@ from messages import (
     KVCacheSpec,
     KVTransferConfig,
     SchedulerConfig,
+    SchedulerOutput,
     WeightUpdate,
     make_kv_cache_config,
 )
-from zmqworker.engine.batch_queue import BatchQueue
+from zmqworker.engine.batch_queue import BatchQueue, DeferredSample
 from zmqworker.engine.block_manager import KVBlockManager
 from zmqworker.engine.kv_connector import KVConnectorScheduler
-from zmqworker.engine.request import Request
+from zmqworker.engine.request import FinishReason, Request
 from zmqworker.engine.scheduler import Scheduler
+from zmqworker.engine.structured_outputs import StructuredOutputs
 from zmqworker.executor.errors import WorkerError, as_local
 
 if TYPE_CHECKING:
@@ -33,6 +35,8 @@ logger = logging.getLogger(__name__)
 # worker's preparation: for a small model at 256 requests on an H200 that turn is about
 # 2.2 ms against a 1.7 ms step. With three, the turn has two steps to fit in.
 ASYNC_STEPS_IN_FLIGHT = 3
+# The longest step() waits for a grammar when nothing else is left to run.
+GRAMMAR_WAIT_S = 0.005
 
 
 def num_blocks_from_memory(available_bytes: list[int], specs: list[KVCacheSpec]) -> int:
@@ -73,6 +77,14 @@ class EngineCore:
     each waits for the steps in flight first (drain), so that it never lands mid-step.
     The engine keeps what it asked for (released, weights_released) to refuse a step
     before sending it; the workers refuse one too.
+
+    Structured outputs (structured, given a GrammarCompiler's StructuredOutputs): a
+    request waits there for its grammar, then goes to the scheduler. A step that samples
+    for requests with a grammar is sent as its forward (execute_model, sample=False)
+    first; while the workers run it, the engine takes back the steps in flight that
+    sample for those requests (their matchers must hold those tokens), fills the step's
+    bitmask, and sends it with sample_tokens. A step without such requests goes as one
+    call, as before.
     """
 
     def __init__(
@@ -84,6 +96,7 @@ class EngineCore:
         async_scheduling: bool = False,
         async_steps_in_flight: int = ASYNC_STEPS_IN_FLIGHT,
         kv_transfer: KVTransferConfig | None = None,
+        structured: StructuredOutputs | None = None,
     ) -> None:
         """kv_transfer: the workers' KV transfer config (WorkerConfig.kv_transfer), for
         the scheduler side of their connector; None: no KV transfer."""
@@ -135,24 +148,49 @@ class EngineCore:
         started = time.perf_counter()
         executor.compile_or_warm_up_model()
         logger.info("warm-up: %.1f s", time.perf_counter() - started)
+        self.structured = structured
+        # Requests whose grammar failed to compile, with why, for the caller to report.
+        self.failed: list[tuple[Request, str]] = []
         self.num_aborted = 0  # requests aborted by their clients, since start
         self.released: set[str] = set()  # what sleep gave back and wake_up has not
         self.weights_released = False  # sleep(2) dropped them; no update or reload since
 
     def add_request(self, request: Request) -> None:
-        self.scheduler.add_request(request)
+        if request.sampling_params.structured_outputs is None:
+            self.scheduler.add_request(request)
+            return
+        if self.structured is None:
+            raise ValueError(
+                f"request {request.req_id!r}: this engine core takes no structured_outputs"
+            )
+        self.scheduler.check_request(request)
+        self.structured.add(request)
 
     def abort_request(self, req_id: str, counted: bool = True) -> Request | None:
         """Abort req_id; the aborted request, or None if it was unknown or finished.
         counted: its client gave up on it (num_aborted), rather than stopping it."""
-        request = self.scheduler.abort_request(req_id)
+        request = self.structured.abort(req_id) if self.structured else None
+        if request is not None:
+            request.finish(FinishReason.ABORT)
+        else:
+            request = self.scheduler.abort_request(req_id)
         if request is not None and counted:
             self.num_aborted += 1
         return request
 
+    @property
+    def num_unfinished(self) -> int:
+        """Requests not finished: in the scheduler, or waiting for their grammar."""
+        return self.scheduler.num_unfinished + (len(self.structured) if self.structured else 0)
+
     def has_work(self) -> bool:
         """Whether step() has anything to do: unfinished requests or steps in flight."""
-        return self.scheduler.has_unfinished_requests() or len(self.batch_queue) > 0
+        return self.num_unfinished > 0 or len(self.batch_queue) > 0
+
+    def take_failed(self) -> list[tuple[Request, str]]:
+        """The requests whose grammar failed since the last call, with why (finished)."""
+        failed, self.failed = self.failed, []
+        return failed
 
     def not_ready(self) -> str | None:
         """Why no step can run now (asleep, or weights dropped by sleep(2)); None if one can."""
@@ -171,27 +209,67 @@ class EngineCore:
         Returns the requests that got a token or finished (possibly none)."""
         if self.released or self.weights_released:
             raise RuntimeError(f"no step: {self.not_ready()}")
+        if self.structured is not None and len(self.structured):
+            self._admit_compiled()
         try:
+            changed: list[Request] = []
             if not self.batch_queue.full:
                 output = self.scheduler.schedule()
                 if output is not None:
-                    self.batch_queue.submit(output)
+                    structured = self.scheduler.structured_requests(output)
+                    if structured:
+                        changed = self._submit_structured(output, structured)
+                    else:
+                        self.batch_queue.submit(output)
                     if not self.batch_queue.full:
-                        return []  # room for another step before waiting on this one
+                        return changed  # room for another step before waiting on this one
             if len(self.batch_queue) == 0:
-                return []
+                return changed
             output, runner_output = self.batch_queue.pop()
-            return self.scheduler.update_from_output(output, runner_output)
+            return changed + self.scheduler.update_from_output(output, runner_output)
         except Exception:
             self._recover()
             raise
 
+    def _admit_compiled(self) -> None:
+        """Requests whose grammar is ready into the scheduler; those whose grammar failed
+        finished, into failed. With nothing else to run, wait a little for one."""
+        assert self.structured is not None
+        idle = not self.scheduler.num_unfinished and not len(self.batch_queue)
+        ready, failed = self.structured.take_ready(GRAMMAR_WAIT_S if idle else 0.0)
+        for request in ready:
+            self.scheduler.add_request(request)
+        for request, _ in failed:
+            request.finish(FinishReason.ABORT)
+        self.failed += failed
+
+    def _submit_structured(
+        self, output: SchedulerOutput, structured: list[Request]
+    ) -> list[Request]:
+        """Send a step that samples for requests with a grammar: its forward first, then,
+        once the steps in flight that sample for them are back (their tokens advance the
+        matchers while the workers run this forward), the bitmask with sample_tokens.
+        The requests those steps changed."""
+        assert self.structured is not None
+        executor = self.executor
+        forward = executor.execute_model(output, sample=False, non_block=True)
+        changed: list[Request] = []
+        # num_pending_samples counts this step's sample too: above 1, one in flight.
+        while len(self.batch_queue) and any(r.num_pending_samples > 1 for r in structured):
+            earlier, runner_output = self.batch_queue.pop()
+            changed += self.scheduler.update_from_output(earlier, runner_output)
+        grammar = self.structured.grammar_output(structured)
+        sample = executor.sample_tokens(grammar, non_block=True)
+        self.batch_queue.submit(output, lambda _: DeferredSample(forward, sample))
+        return changed
+
     def stats(self) -> EngineCoreStats:
         """Requests and KV cache blocks now."""
         kv = self.block_manager
+        compiling = len(self.structured) if self.structured else 0
         return EngineCoreStats(
             num_running=len(self.scheduler.running),
-            num_waiting=len(self.scheduler.waiting),
+            num_waiting=len(self.scheduler.waiting) + compiling,
             num_blocks=kv.num_blocks,
             num_free_blocks=kv.num_free_blocks,
             num_preemptions=self.scheduler.num_preemptions,
@@ -231,7 +309,7 @@ class EngineCore:
 
     def sleep(self, level: int) -> None:
         self.drain()
-        unfinished = self.scheduler.num_unfinished
+        unfinished = self.num_unfinished
         if unfinished:
             raise RuntimeError(
                 f"sleep with {unfinished} request(s) unfinished, whose KV cache it would drop: "
@@ -298,6 +376,8 @@ class EngineCore:
         self.weights_released = False
 
     def shutdown(self) -> None:
+        if self.structured is not None:
+            self.structured.shutdown()
         self.executor.shutdown()
 
 

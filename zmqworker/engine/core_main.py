@@ -28,6 +28,8 @@ from messages import Decoder, EngineCoreConfig, ProtocolError
 from zmqworker.engine.core import EngineCore
 from zmqworker.engine.core_server import EngineCoreServer
 from zmqworker.engine.executors import executor_factory
+from zmqworker.engine.grammar_compiler import GrammarCompiler
+from zmqworker.engine.structured_outputs import StructuredOutputs
 from zmqworker.runtime.fast_exit import fast_exit
 from zmqworker.runtime.parent_death import PARENT_DEATH_SIGNAL, exit_with_parent
 
@@ -55,6 +57,9 @@ def build_core(
             enable_prefix_caching=config.enable_prefix_caching,
             async_scheduling=config.async_scheduling,
             kv_transfer=config.worker.kv_transfer,
+            structured=StructuredOutputs(
+                GrammarCompiler(config.worker.model.path, config.vocab_size)
+            ),
         )
     except BaseException:
         executor.shutdown()

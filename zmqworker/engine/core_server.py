@@ -142,7 +142,7 @@ class EngineCoreServer:
         """Steps still in flight once every request has finished (or was aborted) hold
         only dropped tokens: take them back before reading on or answering, so that
         their blocks are free again and an idle engine core's stats are settled."""
-        while not self._stop and core.has_work() and not core.scheduler.num_unfinished:
+        while not self._stop and core.has_work() and not core.num_unfinished:
             self._step(core.step)
 
     def _step(self, run: Callable[[], list[Request]]) -> None:
@@ -151,6 +151,13 @@ class EngineCoreServer:
         except Exception as exc:
             self._fail_requests(exc)
             return
+        assert self.core is not None
+        for request, reason in self.core.take_failed():  # their grammar did not compile
+            client = self.clients.owners.get(request.req_id)
+            if client is not None:
+                self.clients.forget_request(request.req_id)
+                failure = EngineCoreFailure(self.index, [request.req_id], "ValueError", reason)
+                self._send(client, failure)
         outputs: dict[bytes, list[EngineCoreOutput]] = {}
         for request in changed:
             client = self.clients.owners.get(request.req_id)
@@ -161,7 +168,6 @@ class EngineCoreServer:
                 self.clients.forget_request(request.req_id)
         if not outputs:
             return
-        assert self.core is not None
         stats = self.core.stats()
         for identity, outs in outputs.items():
             client = self.clients.by_identity.get(identity)

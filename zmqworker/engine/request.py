@@ -8,6 +8,7 @@ import enum
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -21,6 +22,10 @@ class RemotePrefill:
 
     kv: RemoteKV
     first_token: int
+
+
+if TYPE_CHECKING:
+    from zmqworker.engine.request_grammar import RequestGrammar
 
 
 class RequestStatus(enum.Enum):
@@ -116,6 +121,8 @@ class Request:
             self.output_token_ids.append(remote.first_token)
             self.all_token_ids.append(remote.first_token)
             self._tokens_taken = 1
+        # Its structured_outputs' matcher, once its grammar is compiled (None without).
+        self.grammar: RequestGrammar | None = None
 
     def __repr__(self) -> str:
         return (
@@ -141,7 +148,8 @@ class Request:
         """Record a sampled token (and its logprobs: row `row` of the step's) and apply
         the stop rules; True if the request is finished now. EOS and the stop token ids end
         the output only after its first min_tokens tokens (vLLM's rule: the workers hold
-        the stop tokens back until then)."""
+        the stop tokens back until then). A structured request's grammar advances with the
+        token, and its end stops the request too."""
         # On the engine's step path for every request: plain attributes, no properties.
         if self.status is RequestStatus.FINISHED:
             raise RuntimeError(f"request {self.req_id!r} is finished; got token {token_id}")
@@ -150,11 +158,20 @@ class Request:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
         params = self.sampling_params
+        grammar = self.grammar
+        if grammar is not None and not grammar.accept(token_id):
+            raise RuntimeError(
+                f"request {self.req_id!r}: token {token_id} breaks its structured_outputs "
+                "constraint (the step did not apply its grammar bitmask)"
+            )
         if len(self.output_token_ids) > params.min_tokens and (
             (token_id in self.eos_token_ids and not params.ignore_eos)
             or token_id in params.stop_token_ids
         ):
             self.stop_reason = token_id
+            self.finish(FinishReason.STOP)
+            return True
+        if grammar is not None and grammar.terminated:
             self.finish(FinishReason.STOP)
             return True
         if (

@@ -24,7 +24,7 @@ from collections import deque
 
 from messages import ModelRunnerOutput, SchedulerOutput
 from zmqworker.cdiv import cdiv
-from zmqworker.engine.admission import check_limits, check_request
+from zmqworker.engine.admission import check_limits, check_new_request
 from zmqworker.engine.block_manager import KVBlockManager
 from zmqworker.engine.handles import HandlePool
 from zmqworker.engine.kv_connector import KVConnectorScheduler
@@ -92,15 +92,18 @@ class Scheduler:
     # -- requests in and out ------------------------------------------------------------
 
     def add_request(self, request: Request) -> None:
-        if request.req_id in self._requests or request.req_id in self._draining:
-            raise ValueError(f"request id {request.req_id!r} is already in the scheduler")
-        check_request(request, self.max_model_len, self.kv_connector is not None)
+        self.check_request(request)
         self._requests[request.req_id] = request
         if request.remote is not None:
             assert self.kv_connector is not None
             self.kv_connector.add_remote(request)
         else:
             self.waiting.append(request)
+
+    def check_request(self, request: Request) -> None:  # add_request's ValueErrors
+        if request.req_id in self._requests or request.req_id in self._draining:
+            raise ValueError(f"request id {request.req_id!r} is already in the scheduler")
+        check_new_request(request, self.max_model_len, self.kv_connector is not None)
 
     def abort_request(self, req_id: str) -> Request | None:
         """Finish req_id as aborted; None if it is unknown or already finished. A request
@@ -133,6 +136,12 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         """Requests to run, or KV transfers whose end steps must hear of."""
         return bool(self._requests) or (self.kv_connector is not None and self.kv_connector.busy)
+
+    def structured_requests(self, output: SchedulerOutput) -> list[Request]:
+        """The requests with a grammar that output, the step just made, samples for."""
+        if not self._steps or self._steps[-1].output is not output:
+            raise RuntimeError("structured_requests is asked of the step schedule() just made")
+        return self._steps[-1].structured
 
     # -- building a step -----------------------------------------------------------------
 

@@ -19,6 +19,7 @@ class SentStep:
     requests: dict[int, Request]  # handle -> request scheduled in it
     sampling: set[int]  # handles whose token this step samples
     finished_handles: list[int]  # the finishes it reports to the workers
+    structured: list[Request]  # those it samples for that have a grammar
 
     def check_output(self, handles: list[int], tokens: list[int]) -> None:
         """Raise unless the output names exactly the step's requests, a token each; the
@@ -130,6 +131,10 @@ class StepDraft:
             request = scheduled[handle]
             request.num_computed_tokens += num
             request.num_steps_in_flight += 1
+        structured = []
         for handle in self.sampling:
-            scheduled[handle].num_pending_samples += 1
-        return SentStep(output, scheduled, self.sampling, finished)
+            request = scheduled[handle]
+            request.num_pending_samples += 1
+            if request.grammar is not None:
+                structured.append(request)
+        return SentStep(output, scheduled, self.sampling, finished, structured)

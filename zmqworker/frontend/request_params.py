@@ -1,8 +1,9 @@
 """A request's SamplingParams checked against the run and made ready for the workers:
-logprobs within max_logprobs, stop strings that are text, the token ids it names within
-the vocabulary, and bad_words (text) tokenized into bad_words_token_ids, which is all a
-worker reads of them (it has no tokenizer). The text is consumed: the params that come
-back have no bad_words left, so that checking them again changes nothing.
+structured_outputs that parse (engine/grammars.py), logprobs within max_logprobs, stop
+strings that are text, the token ids it names within the vocabulary, and bad_words (text)
+tokenized into bad_words_token_ids, which is all a worker reads of them (it has no
+tokenizer). The text is consumed: the params that come back have no bad_words left, so
+that checking them again changes nothing.
 
 A bad word is banned where it would start the text and where it would follow a space, as
 vLLM does: its tokens without and with a leading space, the latter kept only when it is
@@ -18,6 +19,7 @@ import msgspec
 
 from messages import SamplingParams
 from messages.sampling import MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS
+from zmqworker.engine.grammars import check_grammar
 from zmqworker.engine.prompts import check_text
 
 
@@ -31,6 +33,10 @@ def request_params(
         raise ValueError(f"expected SamplingParams, got {type(params).__name__}")
     if params.logprobs is not None and 0 <= max_logprobs < params.logprobs:
         raise ValueError(f"logprobs={params.logprobs} is more than max_logprobs={max_logprobs}")
+    if params.structured_outputs is not None:
+        if tokenizer is None:
+            raise ValueError("structured_outputs need the model's tokenizer, which it lacks")
+        check_grammar(params.structured_outputs)
     for i, stop in enumerate(params.stop):
         check_text(stop, f"stop string {i}")
     for i, word in enumerate(params.bad_words):

@@ -60,6 +60,7 @@ def sampling_params(
         "logprobs": logprobs,
         "max_tokens": max_tokens,
         "n": request.n,
+        "structured_outputs": request.structured_params(),
     }
     try:
         params = msgspec.structs.replace(
@@ -70,6 +71,8 @@ def sampling_params(
     except ValueError as exc:
         named = re.match(r"\w+", str(exc))
         field = named.group() if named and named.group() in given else None
+        if field == "structured_outputs":
+            field = request.structured_field()
         raise APIError.from_value_error(exc, param=field) from None
 
 

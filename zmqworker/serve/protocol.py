@@ -4,8 +4,9 @@ the largest body allowed), then check() refuses what no type can say. A field Op
 does not define is a 400 that names it; one it defines and this server does not
 implement is refused as not supported (unsupported.py) unless it has its neutral value.
 top_k, min_p, ignore_eos, stop_token_ids, repetition_penalty, min_tokens, bad_words,
-include_stop_str_in_output, skip_special_tokens, and chat's add_generation_prompt,
-continue_final_message and chat_template_kwargs are vLLM's extensions."""
+include_stop_str_in_output, skip_special_tokens, chat's add_generation_prompt,
+continue_final_message and chat_template_kwargs, structured_outputs and guided_* are
+vLLM's extensions."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from msgspec import Meta, Struct
 
 from messages.sampling import MAX_N
 from zmqworker.serve.errors import APIError
+from zmqworker.serve.structured import StructuredFields
 from zmqworker.serve.unsupported import refuse_unsupported, unsupported_part
 
 MAX_LOGPROBS = 20  # the OpenAI API's bound, and the workers' default max_logprobs
@@ -33,8 +35,8 @@ class StreamOptions(Struct, forbid_unknown_fields=True):
     include_usage: bool = False
 
 
-class SamplingRequest(Struct, forbid_unknown_fields=True, kw_only=True):
-    """What both endpoints take."""
+class SamplingRequest(StructuredFields, forbid_unknown_fields=True, kw_only=True):
+    """What both endpoints take (structured outputs: serve/structured.py)."""
 
     model: str
     temperature: Annotated[float, Meta(ge=0, le=2)] | None = None
@@ -63,6 +65,7 @@ class SamplingRequest(Struct, forbid_unknown_fields=True, kw_only=True):
     def check(self) -> None:
         """Refuse what the types cannot: unsupported features, options that need another."""
         refuse_unsupported(self)
+        self.structured_params()
         if self.stream_options is not None and not self.stream:
             raise APIError("stream_options needs stream=true", param="stream_options")
         self.token_bias()
@@ -193,7 +196,6 @@ class ChatCompletionRequest(SamplingRequest, kw_only=True):
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     # Not supported unless neutral (unsupported.py).
-    response_format: dict[str, Any] | None = None
     tools: list[Any] | None = None
     tool_choice: str | dict[str, Any] | None = None
 

@@ -19,10 +19,6 @@ UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
     ),
     "tools": (lambda v: not v, "tools are not supported by this server"),
     "tool_choice": (lambda v: v in (None, "none"), 'tool_choice is not supported (only "none")'),
-    "response_format": (
-        lambda v: v is None or v == {"type": "text"},
-        'response_format is not supported: only {"type": "text"} (structured outputs are not)',
-    ),
 }
 
 # Content part types OpenAI defines besides text, by what they carry.

@@ -1,0 +1,95 @@
+"""The engine side of structured outputs: requests wait for their grammar off the step's
+path, then each holds a matcher (RequestGrammar) that its sampled tokens advance, and
+each step that samples for such requests carries their bitmask (GrammarOutput).
+
+A request whose grammar is compiling is in none of the scheduler's queues: it holds no
+other request back, and enters the waiting queue once its grammar is ready (or fails
+with the compile's error). Its matcher only ever advances with tokens that come back
+from the workers (Request.append_output_token): a request recomputed after preemption
+samples past the tokens its matcher has, never over them again.
+"""
+
+from __future__ import annotations
+
+import os
+from concurrent.futures import FIRST_COMPLETED, Future, wait
+from typing import Any
+
+import numpy as np
+
+from messages import GrammarOutput
+from zmqworker.cdiv import cdiv
+from zmqworker.engine.grammar_compiler import GrammarCompiler
+from zmqworker.engine.request import Request
+from zmqworker.engine.request_grammar import RequestGrammar
+
+# Threads that fill a step's bitmask rows (xgrammar's, released from the GIL).
+BITMASK_THREADS = min(4, os.cpu_count() or 1)
+
+
+class StructuredOutputs:
+    """Requests waiting for their grammar, and the bitmask of a step's requests."""
+
+    def __init__(self, compiler: GrammarCompiler) -> None:
+        self.compiler = compiler
+        self._compiling: dict[str, tuple[Request, Future[Any]]] = {}
+        # xgrammar's batch filler, made with the first bitmask: importing xgrammar takes
+        # seconds, which an engine core that never sees a constraint should not pay.
+        self._batch: Any = None
+
+    def __len__(self) -> int:
+        return len(self._compiling)
+
+    def add(self, request: Request) -> None:
+        """Start compiling the grammar of request (which must have structured_outputs)."""
+        params = request.sampling_params.structured_outputs
+        if params is None:
+            raise ValueError(f"request {request.req_id!r} has no structured_outputs")
+        if request.req_id in self._compiling:
+            raise ValueError(f"request id {request.req_id!r} is already waiting for its grammar")
+        self._compiling[request.req_id] = (request, self.compiler.compile(params))
+
+    def abort(self, req_id: str) -> Request | None:
+        """Drop a request still waiting for its grammar; None if it is not waiting."""
+        entry = self._compiling.pop(req_id, None)
+        return None if entry is None else entry[0]
+
+    def take_ready(self, timeout: float = 0.0) -> tuple[list[Request], list[tuple[Request, str]]]:
+        """The requests whose grammar is ready, with their matchers, in arrival order, and
+        those whose grammar failed with the reason; waits up to timeout for one."""
+        if timeout > 0 and self._compiling:
+            futures = [f for _, f in self._compiling.values()]
+            wait(futures, timeout=timeout, return_when=FIRST_COMPLETED)
+        ready: list[Request] = []
+        failed: list[tuple[Request, str]] = []
+        for req_id, (request, future) in list(self._compiling.items()):
+            if not future.done():
+                continue
+            del self._compiling[req_id]
+            exc = future.exception()
+            if exc is not None:
+                failed.append((request, str(exc) if isinstance(exc, ValueError) else repr(exc)))
+                continue
+            request.grammar = RequestGrammar(future.result(), request.eos_token_list)
+            ready.append(request)
+        return ready, failed
+
+    def grammar_output(self, requests: list[Request]) -> GrammarOutput | None:
+        """The bitmask rows of the requests a step samples for, whose matchers have every
+        token before this step's; None if none is left to constrain (finished ones are
+        skipped: the step's token for them is dropped)."""
+        live = [r for r in requests if not r.is_finished and r.grammar is not None]
+        if not live:
+            return None
+        grammars = [r.grammar for r in live if r.grammar is not None]
+        bitmask = np.zeros((len(live), cdiv(grammars[0].vocab_size, 32)), np.int32)
+        if self._batch is None:
+            import xgrammar as xgr
+
+            self._batch = xgr.BatchGrammarMatcher(max_threads=BITMASK_THREADS)
+        self._batch.batch_fill_next_token_bitmask([g.matcher for g in grammars], bitmask)
+        handles = np.array([r.handle for r in live], np.int32)
+        return GrammarOutput(handles, bitmask)
+
+    def shutdown(self) -> None:
+        self.compiler.shutdown()
