@@ -3,28 +3,37 @@ request as it is added, each failing with an error that names what is wrong."""
 
 from __future__ import annotations
 
+from typing import Protocol
+
 from zmqworker.engine.block_manager import KVBlockManager
 from zmqworker.engine.request import Request, RequestStatus
 
 
-def check_limits(
-    block_manager: KVBlockManager,
-    max_num_seqs: int,
-    max_num_batched_tokens: int,
-    max_model_len: int,
-    send_token_ids: bool,
-    max_concurrent_batches: int,
-    async_scheduling: bool,
-) -> None:
+class Limits(Protocol):
+    """The scheduler's settings (the scheduler imports this module)."""
+
+    kv: KVBlockManager
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    send_token_ids: bool
+    max_concurrent_batches: int
+    async_scheduling: bool
+
+
+def check_limits(scheduler: Limits) -> None:
+    """The scheduler's settings, checked as it is made."""
+    block_manager, max_model_len = scheduler.kv, scheduler.max_model_len
+    max_concurrent_batches = scheduler.max_concurrent_batches
     for name, value in (
-        ("max_num_seqs", max_num_seqs),
+        ("max_num_seqs", scheduler.max_num_seqs),
         ("max_concurrent_batches", max_concurrent_batches),
-        ("max_num_batched_tokens", max_num_batched_tokens),
+        ("max_num_batched_tokens", scheduler.max_num_batched_tokens),
         ("max_model_len", max_model_len),
     ):
         if value < 1:
             raise ValueError(f"{name} must be >= 1, got {value}")
-    if async_scheduling and (send_token_ids or max_concurrent_batches < 2):
+    if scheduler.async_scheduling and (scheduler.send_token_ids or max_concurrent_batches < 2):
         raise ValueError(
             "async_scheduling keeps steps in flight on one pipeline stage: "
             f"max_concurrent_batches must be 2 or more (got {max_concurrent_batches}) "

@@ -182,6 +182,16 @@ class Request:
             return True
         return False
 
+    def continuable(self, max_model_len: int) -> bool:
+        """Whether, in steps in flight, it can go into the next step too (async
+        scheduling): unless those steps end it by length, or it is a prefill instance's."""
+        pending = self.num_pending_samples
+        return (
+            not self.remote_decode
+            and len(self.output_token_ids) + pending < self.sampling_params.max_tokens
+            and len(self.all_token_ids) + pending < max_model_len
+        )
+
     def start_running(self) -> None:
         """The scheduler takes it from the waiting queue; the first time ends its queue time."""
         self.status = RequestStatus.RUNNING

@@ -57,15 +57,6 @@ class Scheduler:
         async_scheduling: bool = False,
         kv_connector: KVConnectorScheduler | None = None,
     ) -> None:
-        check_limits(
-            block_manager,
-            max_num_seqs,
-            max_num_batched_tokens,
-            max_model_len,
-            send_token_ids,
-            max_concurrent_batches,
-            async_scheduling,
-        )
         self.kv = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -74,6 +65,7 @@ class Scheduler:
         self.max_concurrent_batches = max_concurrent_batches
         self.async_scheduling = async_scheduling
         self.kv_connector = kv_connector
+        check_limits(self)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in the order they started: the last is newest
         self._requests: dict[str, Request] = {}
@@ -181,7 +173,9 @@ class Scheduler:
         decodes: list[tuple[int, Request]] = []
         prefills: list[tuple[int, Request]] = []
         for r in self.running:
-            if r.num_steps_in_flight and not self._continuable(r):
+            if r.num_steps_in_flight and not (
+                self.async_scheduling and r.continuable(self.max_model_len)
+            ):
                 continue
             # Tokens to compute before it samples again, those in flight will sample included.
             num_left = len(r.all_token_ids) + r.num_pending_samples - r.num_computed_tokens
@@ -253,23 +247,8 @@ class Scheduler:
             budget -= num_new
         return budget
 
-    def _continuable(self, request: Request) -> bool:
-        """Whether a request in steps in flight can go into the next step too: with
-        async scheduling, if those steps do not end it by length."""
-        if not self.async_scheduling or request.remote_decode:
-            return False
-        pending = request.num_pending_samples
-        return (
-            len(request.output_token_ids) + pending < request.sampling_params.max_tokens
-            and len(request.all_token_ids) + pending < self.max_model_len
-        )
-
     def _preempt_until_fits(
-        self,
-        request: Request,
-        num_new: int,
-        unknown: int,
-        draft: StepDraft,
+        self, request: Request, num_new: int, unknown: int, draft: StepDraft
     ) -> list[int] | None:
         """Blocks for num_new more tokens of a running request that did not fit (unknown:
         its positions that steps in flight sample), preempting the newest preemptible
