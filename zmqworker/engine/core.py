@@ -107,9 +107,7 @@ class EngineCore:
             async_scheduling=self.async_scheduling,
         )
         self.batch_queue = BatchQueue(
-            lambda output: executor.execute_model(output, non_block=depth > 1),
-            depth,
-            continue_in_flight=self.async_scheduling,
+            lambda output: executor.execute_model(output, non_block=depth > 1), depth
         )
         started = time.perf_counter()
         executor.initialize_from_config(make_kv_cache_config(specs, num_blocks))

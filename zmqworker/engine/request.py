@@ -30,8 +30,8 @@ class Request:
     applies the stop rules to each sampled token; take_output hands what is new to the
     client.
 
-    Token counts: all_token_ids is the prompt followed by the outputs; num_computed_tokens
-    of them have their KV in the cache (or scheduled into it).
+    all_token_ids is the prompt followed by the outputs. What the scheduler counts of a
+    running request (tokens computed, steps in flight) is its own (running.py, in_flight.py).
     """
 
     def __init__(
@@ -47,21 +47,20 @@ class Request:
             raise ValueError(f"request {req_id!r}: the prompt is empty")
         self.req_id = req_id
         self.prompt_token_ids = [int(t) for t in prompt_token_ids]
+        self.num_prompt_tokens = len(self.prompt_token_ids)
         self.all_token_ids = list(self.prompt_token_ids)
-        self.output_token_ids: list[int] = []
         self.sampling_params = sampling_params
         self.eos_token_ids = frozenset(eos_token_ids)
         self.eos_token_list = sorted(self.eos_token_ids)  # as the workers get them
+        # The tokens that end the output once past min_tokens.
+        self.stop_token_ids = frozenset(sampling_params.stop_token_ids) | (
+            frozenset() if sampling_params.ignore_eos else self.eos_token_ids
+        )
         self.arrival_time = time.time() if arrival_time is None else arrival_time
         self.status = RequestStatus.WAITING
         self.finish_reason: FinishReason | None = None
         self.stop_reason: int | None = None  # the stop token id hit
         self.handle: int | None = None  # set while the workers hold it
-        self.num_computed_tokens = 0
-        # The scheduler's: steps sent and not back yet that compute it, and the tokens
-        # those steps sample for it (placeholders for the next step, async scheduling).
-        self.num_steps_in_flight = 0
-        self.num_pending_samples = 0
         self.num_cached_tokens = 0  # prefix-cache hits when it was last scheduled as new
         self.num_preemptions = 0
         # The logprobs rows of the tokens not taken yet (take_output), when asked for:
@@ -74,8 +73,12 @@ class Request:
     def __repr__(self) -> str:
         return (
             f"Request({self.req_id!r}, {self.status.value}, prompt={len(self.prompt_token_ids)}, "
-            f"outputs={len(self.output_token_ids)}, computed={self.num_computed_tokens})"
+            f"outputs={len(self.all_token_ids) - self.num_prompt_tokens})"
         )
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.all_token_ids[self.num_prompt_tokens :]
 
     @property
     def num_tokens(self) -> int:
@@ -95,29 +98,28 @@ class Request:
         """Record a sampled token (and its logprobs: row `row` of the step's) and apply
         the stop rules; True if the request is finished now. EOS and the stop token ids end
         the output only after its first min_tokens tokens (vLLM's rule: the workers hold
-        the stop tokens back until then)."""
-        # On the engine's step path for every request: plain attributes, no properties.
+        the stop tokens back until then). The scheduler appends most tokens itself, in
+        bulk, and calls this only where stop_token_ids or length_limit say it may finish
+        (or logprobs are kept)."""
         if self.status is RequestStatus.FINISHED:
             raise RuntimeError(f"request {self.req_id!r} is finished; got token {token_id}")
         if self._logprob_rows is not None:
             self._logprob_rows.append(self._logprob_row(token_id, logprobs, row))
-        self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
         params = self.sampling_params
-        if len(self.output_token_ids) > params.min_tokens and (
-            (token_id in self.eos_token_ids and not params.ignore_eos)
-            or token_id in params.stop_token_ids
-        ):
+        num_outputs = len(self.all_token_ids) - self.num_prompt_tokens
+        if num_outputs > params.min_tokens and token_id in self.stop_token_ids:
             self.stop_reason = token_id
             self.finish(FinishReason.STOP)
             return True
-        if (
-            len(self.output_token_ids) >= params.max_tokens
-            or len(self.all_token_ids) >= max_model_len
-        ):
+        if len(self.all_token_ids) >= self.length_limit(max_model_len):
             self.finish(FinishReason.LENGTH)
             return True
         return False
+
+    def length_limit(self, max_model_len: int) -> int:
+        """The number of tokens (prompt and outputs) at which it ends by length."""
+        return min(self.num_prompt_tokens + self.sampling_params.max_tokens, max_model_len)
 
     def finish(self, reason: FinishReason) -> None:
         self.status = RequestStatus.FINISHED
@@ -127,8 +129,8 @@ class Request:
         """The output tokens (and their logprobs rows) not taken before, and how the
         request ended once it has (by its stop rules: an aborted request has no more
         outputs)."""
-        tokens = self.output_token_ids[self._tokens_taken :]
-        self._tokens_taken = len(self.output_token_ids)
+        tokens = self.all_token_ids[self.num_prompt_tokens + self._tokens_taken :]
+        self._tokens_taken += len(tokens)
         logprobs = None
         if self._logprob_rows:
             ids, values, ranks = zip(*self._logprob_rows, strict=True)
