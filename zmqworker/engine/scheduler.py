@@ -16,6 +16,11 @@ token the step before samples, which the worker fills in itself. Either way a re
 in flight is never preempted, and a request that finishes (or is aborted) while steps in
 flight still compute it keeps its blocks until they have come back; the tokens they
 sample for it are dropped.
+
+What it counts lives in two places, each the one owner: the running requests' counters
+in RunningTable's columns (running.py), the steps in flight in StepsInFlight
+(in_flight.py). A step is built in a StepDraft (step_draft.py) and its output applied by
+step_output.py, in bulk for the requests that only decode.
 """
 
 from __future__ import annotations

@@ -122,32 +122,7 @@ class StepDraft:
     ) -> SchedulerOutput:
         """The SchedulerOutput; the requests' tokens counted as computed and the step as
         in flight."""
-        self._flush()
-        parts = self._parts
-        if self._new:
-            positions, num_new, samples = zip(*self._new, strict=True)
-            parts.append((np.array(positions), np.array(num_new), np.array(samples, bool)))
-        if not parts:
-            raise RuntimeError("an empty step")
-        if len(parts) == 1:
-            positions, num_new, samples = parts[0]
-        else:
-            n = [len(p) for p, _, _ in parts]
-            positions = np.concatenate([p for p, _, _ in parts])
-            num_new = np.concatenate(
-                [
-                    np.ones(k, np.int64) if t is None else t
-                    for k, (_, t, _) in zip(n, parts, strict=True)
-                ]
-            )
-            samples = np.concatenate(
-                [
-                    np.ones(k, bool) if s is None else s
-                    for k, (_, _, s) in zip(n, parts, strict=True)
-                ]
-            )
-        if num_new is None:
-            num_new = 1
+        positions, num_new, samples = self._gather()
         table = self.table
         handles, computed = table.handle[positions], table.computed[positions]
         m = self._num_cached
@@ -176,6 +151,34 @@ class StepDraft:
         sampling = handles if samples is None else handles[samples]
         in_flight.add(SentStep(output, handles, sampling, finished))
         return output
+
+    def _gather(self) -> tuple[np.ndarray, np.ndarray | int, np.ndarray | None]:
+        """Every request's position, tokens and whether it samples, in step order (the
+        new requests last); 1 and None where each computes one token and samples it."""
+        self._flush()
+        parts = list(self._parts)
+        if self._new:
+            positions, num_new, samples = zip(*self._new, strict=True)
+            parts.append((np.array(positions), np.array(num_new), np.array(samples, bool)))
+        if len(parts) == 1:
+            positions, num_new, samples = parts[0]
+            return positions, 1 if num_new is None else num_new, samples
+        sizes = [len(p) for p, _, _ in parts]
+        return (
+            np.concatenate([p for p, _, _ in parts]),
+            np.concatenate(
+                [
+                    np.ones(k, np.int64) if t is None else t
+                    for k, (_, t, _) in zip(sizes, parts, strict=True)
+                ]
+            ),
+            np.concatenate(
+                [
+                    np.ones(k, bool) if f is None else f
+                    for k, (_, _, f) in zip(sizes, parts, strict=True)
+                ]
+            ),
+        )
 
     def _flush(self) -> None:
         """The requests added one by one since the last part, as a part."""
