@@ -13,7 +13,8 @@ every token, never hit.
 
     python -m bench.engine_step [--requests 1,64,256] [--steps 400]
 
-Compare two trees in one run: python -m bench.compare_trees OLD_TREE --what engine_step
+Compare two trees in one run (bench/results/engine_step_compare.json holds one such run):
+python -m bench.compare_trees OLD_TREE --what engine_step --out FILE
 """
 
 from __future__ import annotations
