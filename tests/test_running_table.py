@@ -42,6 +42,49 @@ def test_the_screen_flags_stop_ids_the_length_limit_and_logprobs_and_nothing_els
     assert table.may_finish(np.arange(2), np.array([7, 9], np.int32)).tolist() == [True, True]
 
 
+class CountingGrammar:
+    """A matcher that takes every token and ends at token 5: the tokens it saw."""
+
+    def __init__(self) -> None:
+        self.seen: list[int] = []
+
+    def accept(self, token_id: int) -> bool:
+        self.seen.append(token_id)
+        return True
+
+    @property
+    def terminated(self) -> bool:
+        return self.seen[-1:] == [5]
+
+
+def test_grammars_and_remote_decodes_are_screened_and_a_remote_decode_is_not_continued():
+    table = RunningTable()
+    grammar = CountingGrammar()
+    structured = Request("structured", [3, 4, 5], SamplingParams(max_tokens=10))
+    structured.grammar = grammar  # type: ignore[assignment]
+    structured.handle = 0
+    table.add(structured, 3, max_model_len=100)
+    remote = Request("remote", [3, 4, 5], SamplingParams(max_tokens=10), remote_decode=True)
+    remote.handle = 1
+    table.add(remote, 3, max_model_len=100)
+    running(table, "plain", 2, max_tokens=10)
+    assert table.structured[:3].tolist() == [1, 0, 0]
+    assert table.may_finish(np.arange(3), np.array([9, 9, 9], np.int32)).tolist() == [
+        True,
+        True,
+        False,
+    ]
+    # Prefilled, each with its first token in flight: a remote decode's ends it, so async
+    # scheduling does not go on with it.
+    in_flight = StepsInFlight()
+    in_flight.reserve(2)
+    in_flight.num_steps[:3] = 1
+    in_flight.num_samples[:3] = 1
+    core = EngineCore(FakeExecutor(num_blocks=16), 40)
+    _, decodes, _, _ = table.ready(in_flight, core.block_manager, True, False)
+    assert decodes.tolist() == [0, 2]
+
+
 def test_decodes_are_ready_as_one_array_and_block_boundaries_go_one_by_one():
     table = RunningTable()
     for i in range(4):
