@@ -182,8 +182,13 @@ class EngineCore:
         return self.scheduler.num_unfinished + (len(self.structured) if self.structured else 0)
 
     def has_work(self) -> bool:
-        """Whether step() has anything to do: unfinished requests or steps in flight."""
-        return self.num_unfinished > 0 or len(self.batch_queue) > 0
+        """Whether step() has anything to do: unfinished requests (or KV transfers whose
+        end steps must hear of) or steps in flight."""
+        return (
+            self.scheduler.has_unfinished_requests()
+            or bool(self.structured and len(self.structured))
+            or len(self.batch_queue) > 0
+        )
 
     def take_failed(self) -> list[tuple[Request, str]]:
         """The requests whose grammar failed since the last call, with why (finished)."""
