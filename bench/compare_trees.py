@@ -1,7 +1,8 @@
 """This tree against another checkout (an older commit) on the same machine, in the same
 run: the round trip of bench.rpc_latency (no-op and step, 1, 2 and 4 workers),
-bench.end_to_end (tp=1 pp=1 with async scheduling off, pp=2), and bench.pipeline (decode
-at depth 1 and 2, the channel's bandwidth). Each measurement runs in a fresh process of
+bench.end_to_end (tp=1 pp=1 with async scheduling off, pp=2), bench.pipeline (decode
+at depth 1 and 2, the channel's bandwidth), and bench.engine_step (the engine core's turn
+at 1, 64 and 256 decoding requests). Each measurement runs in a fresh process of
 one tree, the trees taking turns round after round (in alternating order), so that the
 machine's slow and fast moments fall on both; the medians of the rounds are compared.
 Each tree's own benchmark code does the measuring. Writes bench/results/compare_trees.json
@@ -29,7 +30,7 @@ from bench.common import print_table, write_results
 
 ROOT = Path(__file__).resolve().parent.parent
 # What each measurement reports, and whether more is better (rates) or less (latencies).
-HIGHER_IS_BETTER = {"rpc": False, "e2e": True, "pipeline": True}
+HIGHER_IS_BETTER = {"rpc": False, "e2e": True, "pipeline": True, "engine_step": False}
 
 
 def measure_rpc(iters: int = 1000) -> dict[str, float]:
@@ -106,7 +107,21 @@ def measure_pipeline() -> dict[str, float]:
     return out
 
 
-MEASURES = {"rpc": measure_rpc, "e2e": measure_e2e, "pipeline": measure_pipeline}
+def measure_engine_step() -> dict[str, float]:
+    """bench.engine_step: microseconds per step of each phase of the engine core's turn
+    (a tree older than that bench needs a copy of bench/engine_step.py)."""
+    from bench import engine_step
+
+    results = engine_step.run([1, 64, 256], 300)
+    return {f"{n} {phase}": value for n, row in results.items() for phase, value in row.items()}
+
+
+MEASURES = {
+    "rpc": measure_rpc,
+    "e2e": measure_e2e,
+    "pipeline": measure_pipeline,
+    "engine_step": measure_engine_step,
+}
 
 
 def run_child(tree: Path, what: str) -> dict[str, float]:

@@ -14,7 +14,6 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, 
 from transformers import PreTrainedTokenizerFast
 
 from messages import KVCacheConfig, KVCacheSpec, ModelRunnerOutput, SchedulerOutput
-from zmqworker.engine.batch_queue import scheduled_ends
 
 CORPUS = [
     "The capital of France is Paris. The end.",
@@ -73,6 +72,12 @@ TokenFn = Callable[[list[int]], int]
 def mixing_token_fn(vocab_size: int) -> TokenFn:
     """A deterministic 'model': the next token depends on every token before it."""
     return lambda seq: (sum((i + 1) * t for i, t in enumerate(seq)) * 31 + 7) % vocab_size
+
+
+def scheduled_handles(so: SchedulerOutput) -> set[int]:
+    """The handles of the requests a step computes."""
+    new = {r.req_handle for r in so.scheduled_new_reqs}
+    return new | set(so.scheduled_cached_reqs.req_handles.tolist())
 
 
 def reference_tokens(prompt: list[int], num_tokens: int, token_fn: TokenFn) -> list[int]:
@@ -277,7 +282,7 @@ class FakeExecutor:
         self.calls.append("execute_model")
         if not non_block:
             return self._run(scheduler_output)
-        self.in_flight_at_submit.append([set(scheduled_ends(so)) for so, _ in self.pending])
+        self.in_flight_at_submit.append([scheduled_handles(so) for so, _ in self.pending])
         future: Future[ModelRunnerOutput] = _LazyFuture(self) if self.defer else Future()
         self.pending.append((scheduler_output, future))
         if not self.defer:

@@ -15,6 +15,7 @@ from engine_helpers import FakeExecutor, byte_level_tokenizer, reference_tokens
 
 from messages import (
     CachedRequestData,
+    ModelRunnerOutput,
     NewRequestData,
     RpcRequest,
     SamplingParams,
@@ -23,7 +24,6 @@ from messages import (
 )
 from tests.runner_helpers import GREEDY, NUM_BLOCKS, checkpoint, hf_greedy, make_runner, wire
 from tests.tiny import cached_tiny_checkpoint
-from zmqworker.engine.batch_queue import BatchQueue
 from zmqworker.engine.block_manager import KVBlockManager
 from zmqworker.engine.core import ASYNC_STEPS_IN_FLIGHT, EngineCore
 from zmqworker.engine.request import FinishReason, Request
@@ -222,23 +222,31 @@ def test_a_failure_with_steps_in_flight_fails_them_all_and_the_engine_goes_on(de
     assert after.output_token_ids == expected(after, executor.token_fn)
 
 
-def test_the_queue_takes_a_continuation_only_where_the_step_in_flight_ends():
-    futures = []
-    queue = BatchQueue(lambda so: futures.append(so) or so, 2, continue_in_flight=True)
+def test_the_steps_in_flight_are_one_record_each_step_goes_on_from():
+    scheduler = Scheduler(
+        KVBlockManager(16, 4), 4, 16, 40, max_concurrent_batches=2, async_scheduling=True
+    )
+    request = Request("r", [1, 2, 3], SamplingParams(max_tokens=8))
+    scheduler.add_request(request)
+    first, second = scheduler.schedule(), scheduler.schedule()
+    handle = first.scheduled_new_reqs[0].req_handle
+    cached = second.scheduled_cached_reqs
+    assert cached.req_handles.tolist() == [handle]
+    assert cached.num_computed_tokens.tolist() == [3] and cached.num_placeholders.tolist() == [1]
+    in_flight = scheduler.in_flight
+    assert len(in_flight) == 2 and in_flight.steps_of(handle) == 2
+    assert in_flight.num_samples[handle] == 2
 
-    def step(computed: int, placeholders: int) -> SchedulerOutput:
-        cached = CachedRequestData.build([7], [computed], [1], num_placeholders=[placeholders])
-        return SchedulerOutput([], cached, 1)
+    def sampled(token: int) -> ModelRunnerOutput:
+        return ModelRunnerOutput(np.array([handle], np.int32), np.array([token], np.int32))
 
-    queue.submit(step(4, 0))
-    with pytest.raises(ValueError, match=r"requests \[7\] .* does not start where that one ends"):
-        queue.submit(step(4, 1))
-    queue.submit(step(5, 1))
-    assert queue.full
-    strict = BatchQueue(lambda so: so, 2)
-    strict.submit(step(4, 0))
-    with pytest.raises(ValueError, match="already in a step in flight"):
-        strict.submit(step(5, 1))
+    with pytest.raises(RuntimeError, match="in the order"):
+        scheduler.update_from_output(second, sampled(7))
+    assert scheduler.update_from_output(first, sampled(7)) == [request]
+    assert request.output_token_ids == [7] and in_flight.steps_of(handle) == 1
+    third = scheduler.schedule()  # goes on from the second, whose token is still unknown
+    assert third.scheduled_cached_reqs.num_computed_tokens.tolist() == [4]
+    assert in_flight.num_samples[handle] == 2
 
 
 def test_async_scheduling_is_refused_where_it_cannot_hold():

@@ -132,9 +132,7 @@ class EngineCore:
             kv_connector=self.kv_connector,
         )
         self.batch_queue = BatchQueue(
-            lambda output: executor.execute_model(output, non_block=depth > 1),
-            depth,
-            continue_in_flight=self.async_scheduling,
+            lambda output: executor.execute_model(output, non_block=depth > 1), depth
         )
         started = time.perf_counter()
         executor.initialize_from_config(make_kv_cache_config(specs, num_blocks))
@@ -259,8 +257,8 @@ class EngineCore:
         executor = self.executor
         forward = executor.execute_model(output, sample=False, non_block=True)
         changed: list[Request] = []
-        # num_pending_samples counts this step's sample too: above 1, one in flight.
-        while len(self.batch_queue) and any(r.num_pending_samples > 1 for r in structured):
+        in_flight = self.scheduler.in_flight
+        while len(self.batch_queue) and in_flight.structured_waits(output):
             earlier, runner_output = self.batch_queue.pop()
             changed += self.scheduler.update_from_output(earlier, runner_output)
         grammar = self.structured.grammar_output(structured)

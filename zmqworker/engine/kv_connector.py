@@ -116,7 +116,7 @@ class KVConnectorScheduler:
                 continue
             assert request.remote is not None
             self.num_loaded += 1
-            request.num_computed_tokens = request.remote.kv.num_tokens
+            request.num_loaded_tokens = request.remote.kv.num_tokens
             request.status = RequestStatus.WAITING
             requeue(request)
         for failure in output.failed_recving:

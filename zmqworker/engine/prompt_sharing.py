@@ -15,15 +15,16 @@ from __future__ import annotations
 
 from zmqworker.engine.block_manager import KVBlockManager
 from zmqworker.engine.request import Request, RequestStatus
+from zmqworker.engine.running import RunningTable
 
 
 def computed_prompt_blocks(
-    request: Request, requests: dict[str, Request], kv: KVBlockManager
+    request: Request, requests: dict[str, Request], table: RunningTable, kv: KVBlockManager
 ) -> tuple[list[int], int] | None:
     """(blocks, tokens) a waiting request starts from: its sibling's full prompt blocks,
     else the prefix cache's hits (get_computed_blocks); None while the sibling's prompt
     is not computed yet (the request waits). Read while a step is drafted: a sibling's
-    num_computed_tokens counts the steps before it only."""
+    computed tokens (its table's count) are those of the steps before it only."""
     num_blocks = (len(request.prompt_token_ids) - 1) // kv.block_size
     name = request.shares_prompt_with
     sibling = requests.get(name) if name is not None else None
@@ -35,6 +36,6 @@ def computed_prompt_blocks(
     ):
         return kv.get_computed_blocks(request.req_id, request.all_token_ids)
     num_tokens = num_blocks * kv.block_size
-    if sibling.status is not RequestStatus.RUNNING or sibling.num_computed_tokens < num_tokens:
+    if sibling.status is not RequestStatus.RUNNING or table.computed_of(sibling) < num_tokens:
         return None
     return kv.block_ids(sibling.req_id)[:num_blocks], num_tokens

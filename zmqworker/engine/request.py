@@ -48,8 +48,8 @@ class Request:
     applies the stop rules to each sampled token; take_output hands what is new to the
     client.
 
-    Token counts: all_token_ids is the prompt followed by the outputs; num_computed_tokens
-    of them have their KV in the cache (or scheduled into it).
+    all_token_ids is the prompt followed by the outputs. What the scheduler counts of a
+    running request (tokens computed, steps in flight) is its own (running.py, in_flight.py).
 
     Disaggregated serving: remote_decode (a prefill instance's request) finishes after
     its first token with its KV kept for a decode instance (kv_transfer_out says where);
@@ -85,11 +85,15 @@ class Request:
             )
         self.req_id = req_id
         self.prompt_token_ids = [int(t) for t in prompt_token_ids]
+        self.num_prompt_tokens = len(self.prompt_token_ids)
         self.all_token_ids = list(self.prompt_token_ids)
-        self.output_token_ids: list[int] = []
         self.sampling_params = sampling_params
         self.eos_token_ids = frozenset(eos_token_ids)
         self.eos_token_list = sorted(self.eos_token_ids)  # as the workers get them
+        # The tokens that end the output once past min_tokens.
+        self.stop_token_ids = frozenset(sampling_params.stop_token_ids) | (
+            frozenset() if sampling_params.ignore_eos else self.eos_token_ids
+        )
         self.arrival_time = time.time() if arrival_time is None else arrival_time
         self.queued_at = time.monotonic()  # taken in by the engine core
         self.queue_time_s: float | None = None  # queued_at to first scheduled
@@ -99,11 +103,6 @@ class Request:
         self.finish_reason: FinishReason | None = None
         self.stop_reason: int | None = None  # the stop token id hit
         self.handle: int | None = None  # set while the workers hold it
-        self.num_computed_tokens = 0
-        # The scheduler's: steps sent and not back yet that compute it, and the tokens
-        # those steps sample for it (placeholders for the next step, async scheduling).
-        self.num_steps_in_flight = 0
-        self.num_pending_samples = 0
         self.num_cached_tokens = 0  # prefix-cache hits when it was last scheduled as new
         self.num_preemptions = 0
         # The logprobs rows of the tokens not taken yet (take_output), when asked for:
@@ -116,9 +115,11 @@ class Request:
         self.remote = remote
         self.kv_transfer_out: RemoteKV | None = None
         self.error: str | None = None
+        # Tokens a remote prefill's KV, loaded into its blocks, holds: the scheduler starts
+        # it from there (and counts them itself from then on: running.py).
+        self.num_loaded_tokens = 0
         if remote is not None:
             # The prefill's token: an output already given to the client.
-            self.output_token_ids.append(remote.first_token)
             self.all_token_ids.append(remote.first_token)
             self._tokens_taken = 1
         # Its structured_outputs' matcher, once its grammar is compiled (None without).
@@ -127,8 +128,12 @@ class Request:
     def __repr__(self) -> str:
         return (
             f"Request({self.req_id!r}, {self.status.value}, prompt={len(self.prompt_token_ids)}, "
-            f"outputs={len(self.output_token_ids)}, computed={self.num_computed_tokens})"
+            f"outputs={len(self.all_token_ids) - self.num_prompt_tokens})"
         )
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.all_token_ids[self.num_prompt_tokens :]
 
     @property
     def num_tokens(self) -> int:
@@ -149,13 +154,14 @@ class Request:
         the stop rules; True if the request is finished now. EOS and the stop token ids end
         the output only after its first min_tokens tokens (vLLM's rule: the workers hold
         the stop tokens back until then). A structured request's grammar advances with the
-        token, and its end stops the request too."""
-        # On the engine's step path for every request: plain attributes, no properties.
+        token, and its end stops the request too. The scheduler appends most tokens
+        itself, in bulk, and calls this only where stop_token_ids or length_limit say it
+        may finish, or the request needs a look of its own (logprobs, a grammar, a
+        remote decode)."""
         if self.status is RequestStatus.FINISHED:
             raise RuntimeError(f"request {self.req_id!r} is finished; got token {token_id}")
         if self._logprob_rows is not None:
             self._logprob_rows.append(self._logprob_row(token_id, logprobs, row))
-        self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
         params = self.sampling_params
         grammar = self.grammar
@@ -164,33 +170,22 @@ class Request:
                 f"request {self.req_id!r}: token {token_id} breaks its structured_outputs "
                 "constraint (the step did not apply its grammar bitmask)"
             )
-        if len(self.output_token_ids) > params.min_tokens and (
-            (token_id in self.eos_token_ids and not params.ignore_eos)
-            or token_id in params.stop_token_ids
-        ):
+        num_outputs = len(self.all_token_ids) - self.num_prompt_tokens
+        if num_outputs > params.min_tokens and token_id in self.stop_token_ids:
             self.stop_reason = token_id
             self.finish(FinishReason.STOP)
             return True
         if grammar is not None and grammar.terminated:
             self.finish(FinishReason.STOP)
             return True
-        if (
-            len(self.output_token_ids) >= params.max_tokens
-            or len(self.all_token_ids) >= max_model_len
-        ):
+        if len(self.all_token_ids) >= self.length_limit(max_model_len):
             self.finish(FinishReason.LENGTH)
             return True
         return False
 
-    def continuable(self, max_model_len: int) -> bool:
-        """Whether, in steps in flight, it can go into the next step too (async
-        scheduling): unless those steps end it by length, or it is a prefill instance's."""
-        pending = self.num_pending_samples
-        return (
-            not self.remote_decode
-            and len(self.output_token_ids) + pending < self.sampling_params.max_tokens
-            and len(self.all_token_ids) + pending < max_model_len
-        )
+    def length_limit(self, max_model_len: int) -> int:
+        """The number of tokens (prompt and outputs) at which it ends by length."""
+        return min(self.num_prompt_tokens + self.sampling_params.max_tokens, max_model_len)
 
     def start_running(self) -> None:
         """The scheduler takes it from the waiting queue; the first time ends its queue time."""
@@ -207,8 +202,8 @@ class Request:
         request ended once it has (by its stop rules: an aborted request has no more
         outputs)."""
         first = self._tokens_taken == 0
-        tokens = self.output_token_ids[self._tokens_taken :]
-        self._tokens_taken = len(self.output_token_ids)
+        tokens = self.all_token_ids[self.num_prompt_tokens + self._tokens_taken :]
+        self._tokens_taken += len(tokens)
         logprobs = None
         if self._logprob_rows:
             ids, values, ranks = zip(*self._logprob_rows, strict=True)

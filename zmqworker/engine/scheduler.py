@@ -16,21 +16,31 @@ token the step before samples, which the worker fills in itself. Either way a re
 in flight is never preempted, and a request that finishes (or is aborted) while steps in
 flight still compute it keeps its blocks until they have come back; the tokens they
 sample for it are dropped.
+
+What it counts lives in two places, each the one owner: the running requests' counters
+in RunningTable's columns (running.py), the steps in flight in StepsInFlight
+(in_flight.py). A step is built in a StepDraft (step_draft.py) and its output applied by
+step_output.py, in bulk for the requests that only decode.
 """
 
 from __future__ import annotations
 
 from collections import deque
 
+import numpy as np
+
 from messages import ModelRunnerOutput, SchedulerOutput
 from zmqworker.cdiv import cdiv
 from zmqworker.engine.admission import check_limits, check_new_request
 from zmqworker.engine.block_manager import KVBlockManager
 from zmqworker.engine.handles import HandlePool
+from zmqworker.engine.in_flight import StepsInFlight
 from zmqworker.engine.kv_connector import KVConnectorScheduler
 from zmqworker.engine.prompt_sharing import computed_prompt_blocks
 from zmqworker.engine.request import FinishReason, Request, RequestStatus
-from zmqworker.engine.step_draft import SentStep, StepDraft
+from zmqworker.engine.running import RunningTable
+from zmqworker.engine.step_draft import StepDraft
+from zmqworker.engine.step_output import apply_tokens
 
 
 class Scheduler:
@@ -67,19 +77,18 @@ class Scheduler:
         self.kv_connector = kv_connector
         check_limits(self)
         self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []  # in the order they started: the last is newest
+        self.table = RunningTable()  # the running requests, in the order they started
+        self.in_flight = StepsInFlight()
         self._requests: dict[str, Request] = {}
-        # Finished while a step in flight still computes them: released once it is back.
-        self._draining: dict[str, Request] = {}
-        self._steps: deque[SentStep] = deque()
+        # Finished while a step in flight still computes them (req_id -> handle): their
+        # blocks are freed once those steps are back.
+        self._draining: dict[str, int] = {}
         self._handles = HandlePool()
         # Handles to report in the next step: finished, and preempted requests.
         self._finished_handles: list[int] = []
         self._preempted_handles: list[int] = []
         self.num_preemptions = 0  # since start: a sign the KV cache is too small
         self.num_prefill_tokens = 0  # since start: tokens prefills computed (EngineCoreStats)
-        # Tokens each running request's workers have seen, for send_token_ids.
-        self._num_tokens_sent: dict[str, int] = {}
 
     # -- requests in and out ------------------------------------------------------------
 
@@ -112,10 +121,16 @@ class Scheduler:
         if request.status is RequestStatus.WAITING:
             self.waiting.remove(request)
         else:
-            self.running.remove(request)
+            assert request.handle is not None
+            self.table.remove([int(self.table.position_of_handle[request.handle])])
         request.finish(FinishReason.ABORT)
         self._release(request)
         return request
+
+    @property
+    def running(self) -> list[Request]:
+        """The running requests, in the order they started (the last is the newest)."""
+        return self.table.requests
 
     @property
     def num_unfinished(self) -> int:
@@ -123,7 +138,7 @@ class Scheduler:
 
     @property
     def num_steps_in_flight(self) -> int:
-        return len(self._steps)
+        return len(self.in_flight)
 
     def has_unfinished_requests(self) -> bool:
         """Requests to run, or KV transfers whose end steps must hear of."""
@@ -131,9 +146,8 @@ class Scheduler:
 
     def structured_requests(self, output: SchedulerOutput) -> list[Request]:
         """The requests with a grammar that output, the step just made, samples for."""
-        if not self._steps or self._steps[-1].output is not output:
-            raise RuntimeError("structured_requests is asked of the step schedule() just made")
-        return self._steps[-1].structured
+        handles = self.in_flight.newest(output).structured
+        return [self.table.requests[p] for p in self.table.position_of_handle[handles].tolist()]
 
     # -- building a step -----------------------------------------------------------------
 
@@ -145,72 +159,92 @@ class Scheduler:
         active = min(self.max_num_seqs, len(self._requests))
         share = 1 if self.async_scheduling else self.max_concurrent_batches
         max_reqs = max(1, cdiv(active, share))
-        draft = StepDraft()
-        num_preempted_before = len(self._preempted_handles)
-        budget = self._schedule_running(draft, self.max_num_batched_tokens, max_reqs)
+        draft = StepDraft(self.table)
+        preempted: list[int] = []  # positions, left in the table until the step is built
+        budget = self._schedule_running(draft, self.max_num_batched_tokens, max_reqs, preempted)
         # Waiting requests only when nothing was preempted (the cache is full then).
-        if len(self._preempted_handles) == num_preempted_before:
+        if not preempted:
             budget = self._schedule_waiting(draft, budget, max_reqs)
         connector = self.kv_connector
         kv_orders = connector.metadata() if connector is not None else None
-        if not draft and kv_orders is None and (connector is None or not connector.busy):
-            return None
-        step = draft.send(
-            self.max_num_batched_tokens - budget,
-            self._finished_handles,
-            self._preempted_handles,
-            self.send_token_ids,
-            self.async_scheduling,
-            kv_orders,
-        )
-        self._steps.append(step)
-        self._finished_handles, self._preempted_handles = [], []
-        return step.output
+        output = None
+        if draft or kv_orders is not None or (connector is not None and connector.busy):
+            output = draft.send(
+                self.in_flight,
+                self._finished_handles,
+                self._preempted_handles,
+                self.async_scheduling,
+                kv_orders,
+            )
+            self._finished_handles, self._preempted_handles = [], []
+        self.table.remove(preempted)
+        return output
 
-    def _schedule_running(self, draft: StepDraft, budget: int, max_reqs: int) -> int:
+    def _schedule_running(
+        self, draft: StepDraft, budget: int, max_reqs: int, preempted: list[int]
+    ) -> int:
         """Running requests into draft: decodes first, then chunked prefills in progress;
-        the budget left. On the engine's step path for every request: locals, no sort."""
-        decodes: list[tuple[int, Request]] = []
-        prefills: list[tuple[int, Request]] = []
-        for r in self.running:
-            if r.num_steps_in_flight and not (
-                self.async_scheduling and r.continuable(self.max_model_len)
-            ):
-                continue
-            # Tokens to compute before it samples again, those in flight will sample included.
-            num_left = len(r.all_token_ids) + r.num_pending_samples - r.num_computed_tokens
-            (prefills if num_left > 1 else decodes).append((num_left, r))
-        allocate, add = self.kv.allocate_slots, draft.add_cached
-        send_token_ids = self.send_token_ids
-        num_reqs = num_prefill = 0
-        for num_left, request in decodes + prefills:
-            if budget == 0 or num_reqs == max_reqs:
+        the budget left. Decodes that need nothing of the block manager (most of them,
+        most steps) go in as arrays; the rest one by one."""
+        table = self.table
+        if not len(table):
+            return budget
+        num_left, decodes, slow, others = table.ready(
+            self.in_flight, self.kv, self.async_scheduling, self.send_token_ids
+        )
+        limit = min(budget, max_reqs)
+        start = 0
+        for i in [*slow, len(decodes)]:
+            # The fast decodes before decodes[i] (those still running), then decodes[i].
+            part = decodes[start:i]
+            if preempted:
+                part = part[[table.requests[p].status is RequestStatus.RUNNING for p in part]]
+            draft.add_decodes(part[: limit - len(draft)])
+            if i == len(decodes) or len(draft) == limit:
                 break
-            if request.status is not RequestStatus.RUNNING:
-                continue  # preempted to make room for an older request
-            num_new = min(num_left, budget)
-            computed, known = request.num_computed_tokens, request.all_token_ids
-            # Positions past the known tokens: what the steps in flight sample. Only the
-            # last of them is this step's placeholder; the others those steps compute.
-            unknown = max(0, computed + num_new - len(known))
-            new_blocks = allocate(request.req_id, known, computed, num_new, (), unknown)
-            if new_blocks is None:
-                new_blocks = self._preempt_until_fits(request, num_new, unknown, draft)
-                if new_blocks is None:
-                    continue
-            new_tokens = None
-            if send_token_ids:
-                # Tokens from position num_computed on; workers append those they lack.
-                lacking = len(known) > self._num_tokens_sent[request.req_id]
-                new_tokens = known[computed:] if lacking else []
-                self._num_tokens_sent[request.req_id] = len(known)
-            add(request, num_new, new_blocks, min(1, unknown), num_new == num_left, new_tokens)
-            budget -= num_new
-            num_reqs += 1
-            if num_left > 1:
-                num_prefill += num_new
-        self.num_prefill_tokens += num_prefill
+            start = i + 1
+            self._schedule_one(draft, int(decodes[i]), 1, 1, preempted)
+        budget -= len(draft)
+        for position in others:
+            if budget == 0 or len(draft) == max_reqs:
+                break
+            budget -= self._schedule_one(
+                draft, position, int(num_left[position]), budget, preempted
+            )
         return budget
+
+    def _schedule_one(
+        self, draft: StepDraft, position: int, num_left: int, budget: int, preempted: list[int]
+    ) -> int:
+        """A running request into draft, with the blocks it needs; the tokens it computes
+        (0 if it was preempted, or waits for room)."""
+        table = self.table
+        request = table.requests[position]
+        if request.status is not RequestStatus.RUNNING:
+            return 0  # preempted to make room for an older request
+        num_new = min(num_left, budget)
+        computed = int(table.computed[position])
+        known = request.all_token_ids
+        # Positions past the known tokens: what the steps in flight sample. Only the
+        # last of them is this step's placeholder; the others those steps compute.
+        unknown = max(0, computed + num_new - len(known))
+        new_blocks = self.kv.allocate_slots(request.req_id, known, computed, num_new, (), unknown)
+        if new_blocks is None:
+            new_blocks = self._preempt_until_fits(position, num_new, unknown, draft, preempted)
+            if new_blocks is None:
+                return 0
+        full = min(computed + num_new, len(known)) // self.kv.block_size
+        table.full_blocks_told[position] = full
+        new_tokens = None
+        if self.send_token_ids:
+            # Tokens from position num_computed on; workers append those they lack.
+            lacking = len(known) > table.tokens_sent[position]
+            new_tokens = known[computed:] if lacking else []
+            table.tokens_sent[position] = len(known)
+        draft.add_one(position, num_new, new_blocks, num_new == num_left, new_tokens)
+        if num_left > 1:
+            self.num_prefill_tokens += num_new
+        return num_new
 
     def _schedule_waiting(self, draft: StepDraft, budget: int, max_reqs: int) -> int:
         """Waiting requests into draft, in order, while they fit; the budget left."""
@@ -218,13 +252,13 @@ class Scheduler:
             self.waiting
             and budget > 0
             and len(draft) < max_reqs
-            and len(self.running) < self.max_num_seqs
+            and len(self.table) < self.max_num_seqs
         ):
             request = self.waiting[0]
-            if request.num_computed_tokens:  # its KV came from a prefill: blocks held
-                hits, num_hit = [], request.num_computed_tokens
+            if request.num_loaded_tokens:  # its KV came from a prefill: blocks held
+                hits, num_hit = [], request.num_loaded_tokens
             else:
-                computed = computed_prompt_blocks(request, self._requests, self.kv)
+                computed = computed_prompt_blocks(request, self._requests, self.table, self.kv)
                 if computed is None:
                     break  # its sibling computes the prompt they share: after that step
                 hits, num_hit = computed
@@ -236,57 +270,56 @@ class Scheduler:
                 break
             self.waiting.popleft()
             request.start_running()
+            request.num_loaded_tokens = 0  # the table counts them from now on
             if request.handle is None:
                 request.handle = self._handles.acquire()
-            request.num_computed_tokens = request.num_cached_tokens = num_hit
-            self.running.append(request)
+                self.in_flight.reserve(request.handle)
+            request.num_cached_tokens = num_hit
+            position = self.table.add(request, num_hit, self.max_model_len)
+            self.table.full_blocks_told[position] = (num_hit + num_new) // (self.kv.block_size)
             samples = num_new == request.num_tokens - num_hit
-            draft.add_new(request, num_new, self.kv.block_ids(request.req_id), samples)
-            self._num_tokens_sent[request.req_id] = request.num_tokens
+            draft.add_new(position, num_new, self.kv.block_ids(request.req_id), samples)
             self.num_prefill_tokens += num_new
             budget -= num_new
         return budget
 
     def _preempt_until_fits(
-        self, request: Request, num_new: int, unknown: int, draft: StepDraft
+        self, position: int, num_new: int, unknown: int, draft: StepDraft, preempted: list[int]
     ) -> list[int] | None:
-        """Blocks for num_new more tokens of a running request that did not fit (unknown:
-        its positions that steps in flight sample), preempting the newest preemptible
-        running requests (in no step) until they do; None if request itself had to go,
-        or there is nothing left to preempt."""
-        while True:
-            victim = next(
-                (
-                    r
-                    for r in reversed(self.running)
-                    if not r.num_steps_in_flight and r.handle not in draft.scheduled
-                ),
-                None,
-            )
-            if victim is None:
-                return None  # all in flight: it waits for their steps to come back
+        """Blocks for num_new more tokens of the running request at position that did
+        not fit (unknown: its positions that steps in flight sample), preempting the
+        newest preemptible running requests (in no step) until they do; None if it
+        itself had to go, or there is nothing left to preempt."""
+        table = self.table
+        request = table.requests[position]
+        idle = (self.in_flight.num_steps[table.handle[: len(table)]] == 0) & ~draft.in_step()
+        victims = np.flatnonzero(idle).tolist()  # the newest last
+        while victims:
+            victim = victims.pop()
+            if table.requests[victim].status is not RequestStatus.RUNNING:
+                continue  # preempted already
             self._preempt(victim)
-            if victim is request:
+            preempted.append(victim)
+            if victim == position:
                 return None
+            computed = int(table.computed[position])
+            known = request.all_token_ids
             new_blocks = self.kv.allocate_slots(
-                request.req_id,
-                request.all_token_ids,
-                request.num_computed_tokens,
-                num_new,
-                num_placeholders=unknown,
+                request.req_id, known, computed, num_new, (), unknown
             )
             if new_blocks is not None:
                 return new_blocks
+        return None  # the rest are in flight: it waits for their steps to come back
 
-    def _preempt(self, request: Request) -> None:
+    def _preempt(self, position: int) -> None:
+        """Back to waiting, to start over; its position leaves the table once the step
+        is built."""
+        request = self.table.requests[position]
         assert request.handle is not None
-        self.running.remove(request)
         self.kv.free(request.req_id)
         self._preempted_handles.append(request.handle)
         self.num_preemptions += 1
-        self._num_tokens_sent.pop(request.req_id, None)
         request.status = RequestStatus.WAITING
-        request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.waiting.appendleft(request)
 
@@ -297,53 +330,24 @@ class Scheduler:
     ) -> list[Request]:
         """Apply the sampled tokens of the oldest step in flight (which must be
         scheduler_output); return the requests that got a token or finished."""
-        if not self._steps or self._steps[0].output is not scheduler_output:
-            raise RuntimeError("step outputs must come back in the order the steps were made")
-        step = self._steps.popleft()
+        step = self.in_flight.pop(scheduler_output)
         self._handles.release(step.finished_handles)
-        requests, sampling = step.requests, step.sampling
-        handles = runner_output.req_handles.tolist()
-        tokens = runner_output.sampled_token_ids.tolist()
-        step.check_output(handles, tokens)
-        changed: list[Request] = []
-        # Every request of the step comes once (checked above): one pass moves it on.
-        for row, (handle, token) in enumerate(zip(handles, tokens, strict=True)):
-            request = requests[handle]
-            request.num_steps_in_flight -= 1
-            samples = handle in sampling
-            if samples:
-                request.num_pending_samples -= 1
-            if request.status is RequestStatus.FINISHED:
-                continue  # aborted, or finished by an earlier step, while this one ran
-            if token < 0:
-                if samples:
-                    raise RuntimeError(f"no token sampled for {request.req_id!r} (handle {handle})")
-                continue
-            if not samples:
-                raise RuntimeError(
-                    f"token {token} sampled for {request.req_id!r} (handle {handle}) in the "
-                    "middle of its prefill"
-                )
-            finished = request.append_output_token(
-                token, self.max_model_len, runner_output.logprobs, row
-            )
-            hold = not finished and request.remote_decode  # a decode instance goes on
-            if hold:
-                request.finish(FinishReason.LENGTH)
-            if finished or hold:
-                self.running.remove(request)
-                self._release(request, hold)
-            changed.append(request)
+        changed, finished, held = apply_tokens(
+            self.table, self.in_flight, step, runner_output, self.max_model_len
+        )
+        # held: a prefill instance's requests, whose KV stays for the decode instance.
+        for position in finished + held:
+            self._release(self.table.requests[position], hold_kv=position in held)
+        self.table.remove(finished + held)
         if self._draining:
-            for request in step.requests.values():
-                if not request.num_steps_in_flight and request.req_id in self._draining:
-                    del self._draining[request.req_id]
-                    self.kv.free(request.req_id)
-        if runner_output.kv_connector_output is not None:
+            for req_id, handle in list(self._draining.items()):
+                if not self.in_flight.steps_of(handle):
+                    del self._draining[req_id]
+                    self.kv.free(req_id)
+        kv_output = runner_output.kv_connector_output
+        if kv_output is not None:
             assert self.kv_connector is not None
-            failed = self.kv_connector.update(
-                runner_output.kv_connector_output, self.waiting.appendleft
-            )
+            failed = self.kv_connector.update(kv_output, self.waiting.appendleft)
             for request in failed:
                 del self._requests[request.req_id]
             changed += failed
@@ -357,41 +361,40 @@ class Scheduler:
         aborted = list(self._requests.values())
         for request in aborted:
             request.finish(FinishReason.ABORT)
-        for request in [*aborted, *self._draining.values()]:
-            self.kv.free(request.req_id)
-        for request in aborted:
             request.handle = None
-            request.num_steps_in_flight = request.num_pending_samples = 0
+            self.kv.free(request.req_id)
+        for req_id in self._draining:
+            self.kv.free(req_id)
         self._finished_handles = self._handles.live_handles()
         self._preempted_handles = []
         self._requests.clear()
         self.waiting.clear()
-        self.running.clear()
+        self.table.clear()
         self._draining.clear()
-        self._steps.clear()
-        self._num_tokens_sent.clear()
+        self.in_flight.clear()
         if self.kv_connector is not None:
             self.kv_connector.reset()
         return aborted
 
     def _release(self, request: Request, hold_kv: bool = False) -> None:
-        """Forget a finished request (out of the queues already): the next step tells the
-        workers (their steps run in order, so one in flight still finds it); its blocks
-        go once no step in flight computes it (hold_kv: once its KV is sent, which is
-        later), its handle once the step that tells the workers has come back."""
+        """Forget a finished request (out of the waiting queue, or about to leave the
+        table): the next step tells the workers (their steps run in order, so one in
+        flight still finds it); its blocks go once no step in flight computes it (hold_kv:
+        once its KV is sent, which is later), its handle once the step that tells the
+        workers has come back."""
         del self._requests[request.req_id]
-        self._num_tokens_sent.pop(request.req_id, None)
+        handle = request.handle
         if hold_kv:
             assert self.kv_connector is not None
             self.kv_connector.hold(request)
-        elif request.num_steps_in_flight:
-            self._draining[request.req_id] = request
+        elif handle is not None and self.in_flight.steps_of(handle):
+            self._draining[request.req_id] = handle
         else:
             self.kv.free(request.req_id)
-        if request.handle is None:
+        if handle is None:
             return  # the workers never saw it
-        if request.handle in self._preempted_handles:
+        if handle in self._preempted_handles:
             # Preempted and finished before the workers heard: report it once, finished.
-            self._preempted_handles.remove(request.handle)
-        self._finished_handles.append(request.handle)
+            self._preempted_handles.remove(handle)
+        self._finished_handles.append(handle)
         request.handle = None
