@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import msgspec
 
@@ -127,15 +128,7 @@ class DisaggregatedEngine:
         timeout_s: float = 600.0,
     ) -> list[RoutedRequest]:
         """Run prompts to the end (bounded by timeout_s); their results in order."""
-        ids = [f"disagg-{os.getpid()}-{len(self.requests) + i}" for i in range(len(prompts))]
-        for req_id, prompt in zip(ids, prompts, strict=True):
-            self.add_request(req_id, prompt, params, eos_token_ids)
-        deadline = time.monotonic() + timeout_s
-        while not all(self.requests[r].finished for r in ids):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"requests unfinished after {timeout_s} s")
-            self.step()
-        return [self.requests[r] for r in ids]
+        return run_to_end(self, "disagg", prompts, params, eos_token_ids, timeout_s, self.step)
 
     def shutdown(self) -> None:
         for core in (self.decode, self.prefill):
@@ -147,6 +140,43 @@ class DisaggregatedEngine:
         finish = None if goes_on or reason is None else reason.value
         routed.update(request.output_token_ids, finish, request.error)
         return routed
+
+
+class Router(Protocol):
+    """What run_to_end drives: DisaggregatedEngine, or ThreadedRouter."""
+
+    requests: dict[str, RoutedRequest]
+
+    def add_request(
+        self,
+        req_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        eos_token_ids: Iterable[int] = (),
+    ) -> None: ...
+
+
+def run_to_end(
+    router: Router,
+    prefix: str,
+    prompts: Sequence[Sequence[int]],
+    params: SamplingParams,
+    eos_token_ids: Iterable[int],
+    timeout_s: float,
+    advance: Callable[[], object],
+) -> list[RoutedRequest]:
+    """Add prompts to router and call advance until they are finished (bounded by
+    timeout_s); their results in order."""
+    start = len(router.requests)
+    ids = [f"{prefix}-{os.getpid()}-{start + i}" for i in range(len(prompts))]
+    for req_id, prompt in zip(ids, prompts, strict=True):
+        router.add_request(req_id, prompt, params, eos_token_ids)
+    deadline = time.monotonic() + timeout_s
+    while not all(router.requests[r].finished for r in ids):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"requests unfinished after {timeout_s} s")
+        advance()
+    return [router.requests[r] for r in ids]
 
 
 def start_disaggregated(

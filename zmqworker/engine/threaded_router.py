@@ -6,15 +6,13 @@ an event between two steps."""
 
 from __future__ import annotations
 
-import os
 import queue
-import time
 from collections.abc import Iterable, Sequence
 
 from messages import SamplingParams
 from zmqworker.engine.core import EngineCore
 from zmqworker.engine.core_loop import CoreLoop, Snapshot
-from zmqworker.engine.disaggregated import DisaggregatedEngine, RoutedRequest
+from zmqworker.engine.disaggregated import DisaggregatedEngine, RoutedRequest, run_to_end
 from zmqworker.engine.request import RemotePrefill, Request
 
 PREFILL, DECODE = "prefill", "decode"
@@ -76,15 +74,10 @@ class ThreadedRouter:
         eos_token_ids: Iterable[int] = (),
         timeout_s: float = 600.0,
     ) -> list[RoutedRequest]:
-        ids = [f"routed-{os.getpid()}-{len(self.requests) + i}" for i in range(len(prompts))]
-        for req_id, prompt in zip(ids, prompts, strict=True):
-            self.add_request(req_id, prompt, params, eos_token_ids)
-        deadline = time.monotonic() + timeout_s
-        while not all(self.requests[r].finished for r in ids):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"requests unfinished after {timeout_s} s")
-            self.poll(0.1)
-        return [self.requests[r] for r in ids]
+        """Run prompts to the end (bounded by timeout_s); their results in order."""
+        return run_to_end(
+            self, "routed", prompts, params, eos_token_ids, timeout_s, lambda: self.poll(0.1)
+        )
 
     def stop(self) -> None:
         """Stop both loops (the engine cores stay: pair.shutdown() ends them)."""
