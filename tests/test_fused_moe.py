@@ -83,7 +83,9 @@ def test_fused_moe_matches_the_torch_experts(dtype, tokens, renormalize):
 def test_every_tile_set_gives_the_same_result(regime, dtype):
     """Each regime's tiles as a step of its tokens takes them in this dtype, over 45 tokens."""
     element_size = torch.empty(0, dtype=dtype).element_size()
-    tiles = fm.tiles_for(fm.token_starts(2, EXPERTS)[regime], 2, EXPERTS, element_size)
+    starts = fm.token_starts(2, EXPERTS)
+    first = next(n for n in starts if fm.tiles_for(n, 2, EXPERTS) == fm._REGIMES[regime][1])
+    tiles = fm.tiles_for(first, 2, EXPERTS, element_size)
     assert tiles.block_m == fm._REGIMES[regime][1].block_m
     x, logits, w13, w2 = problem(45, dtype, seed=1)
     got = fm.fused_moe(x, logits, w13, w2, 2, True, 0, tiles=tiles)
@@ -106,31 +108,38 @@ def test_experts_held_elsewhere_add_nothing(first_expert):
     assert elsewhere.any() and not got.cpu()[elsewhere].any()
 
 
-def test_pairs_are_sorted_by_expert_in_padded_runs():
-    tokens, top_k, block_m = 37, 3, 16
+@pytest.mark.parametrize(("tokens", "chunk"), [(37, 16), (13, 16)])
+def test_pairs_are_sorted_by_expert_in_padded_runs(tokens, chunk):
+    """37 tokens route in three chunks (route_kernel, place_kernel); 13 in one
+    (route_place_kernel)."""
+    top_k, block_m = 3, 16
     _, logits, _, _ = problem(tokens, torch.float32, skew=[0, 0, -30, 0, 2, -30, 0, 1])
-    tiles = fm.MoeTiles(block_m, 16, (64, 128, 4, 4), (64, 128, 4, 4))
     ids = torch.empty(tokens, top_k, dtype=torch.int32, device=DEVICE)
     weights = torch.empty(tokens, top_k, dtype=torch.float32, device=DEVICE)
-    chunks = 3
-    counts = torch.empty(chunks, EXPERTS, dtype=torch.int32, device=DEVICE)
-    moe_sort.route_kernel[(chunks,)](
-        ids, weights, counts, logits, tokens, logits.stride(0), 0, NUM_EXPERTS=EXPERTS,
-        EXPERTS_P2=EXPERTS, NUM_LOCAL=EXPERTS, TOP_K=top_k, TOP_K_P2=4, RENORMALIZE=False,
-        CHUNK=tiles.chunk, SUB=16, PDL=False,
-    )  # fmt: skip
-    expected_weights, expected_ids = route(logits.cpu(), top_k, False)
-    assert torch.equal(ids.cpu().long(), expected_ids)
-    torch.testing.assert_close(weights.cpu(), expected_weights)
+    chunks = -(-tokens // chunk)
     blocks = moe_sort.max_blocks(tokens * top_k, EXPERTS, block_m)
     sorted_pairs = torch.full((blocks * block_m,), -7, dtype=torch.int32, device=DEVICE)
     block_expert = torch.full((blocks,), -7, dtype=torch.int32, device=DEVICE)
-    moe_sort.place_kernel[(chunks,)](
-        sorted_pairs, block_expert, counts, ids, tokens, chunks, blocks,
-        -(-blocks // chunks), 0, NUM_LOCAL=EXPERTS, LOCAL_P2=EXPERTS, TOP_K=top_k,
-        BLOCK_M=block_m, CHUNK=tiles.chunk, SUB_PAIRS=32, CHUNK_TILE=64, BLOCK_TILE=16,
-        PDL=False,
-    )  # fmt: skip
+    both = dict(NUM_LOCAL=EXPERTS, TOP_K=top_k, CHUNK=chunk, PDL=False)
+    routing = dict(NUM_EXPERTS=EXPERTS, EXPERTS_P2=EXPERTS, TOP_K_P2=4, RENORMALIZE=False, SUB=16)
+    placing = dict(LOCAL_P2=EXPERTS, BLOCK_M=block_m, SUB_PAIRS=32, BLOCK_TILE=16)
+    if chunks == 1:
+        moe_sort.route_place_kernel[(1,)](
+            ids, weights, sorted_pairs, block_expert, logits, tokens, logits.stride(0),
+            blocks, 0, **both, **routing, **placing,
+        )  # fmt: skip
+    else:
+        counts = torch.empty(chunks, EXPERTS, dtype=torch.int32, device=DEVICE)
+        moe_sort.route_kernel[(chunks,)](
+            ids, weights, counts, logits, tokens, logits.stride(0), 0, **both, **routing
+        )
+        moe_sort.place_kernel[(chunks,)](
+            sorted_pairs, block_expert, counts, ids, tokens, chunks, blocks,
+            -(-blocks // chunks), 0, **both, **placing, CHUNK_TILE=64,
+        )  # fmt: skip
+    expected_weights, expected_ids = route(logits.cpu(), top_k, False)
+    assert torch.equal(ids.cpu().long(), expected_ids)
+    torch.testing.assert_close(weights.cpu(), expected_weights)
     per_expert = torch.bincount(expected_ids.flatten(), minlength=EXPERTS)
     assert per_expert[2] == per_expert[5] == 0
     used = int(sum(-(-int(n) // block_m) for n in per_expert))
@@ -148,8 +157,11 @@ def test_pairs_are_sorted_by_expert_in_padded_runs():
 
 def test_warm_up_token_counts_reach_every_tile_set():
     starts = fm.token_starts(top_k=8, num_local=128)
-    assert starts == [1, 257, 1025, 4097]
-    assert [fm.tiles_for(n, 8, 128) for n in starts] == [t for _, t in fm._REGIMES]
+    # 17: the first tile set's first step of two routing chunks (two kernels, not one)
+    assert starts == [1, 17, 257, 1025, 4097]
+    assert [fm.tiles_for(n, 8, 128) for n in starts] == [fm._REGIMES[0][1]] + [
+        t for _, t in fm._REGIMES
+    ]
     assert fm.tiles_for(256, 8, 128) == fm._REGIMES[0][1]
     # float32: the same block rows, half the K tile (shared memory)
     wide = fm.tiles_for(256, 8, 128, element_size=4)

@@ -43,6 +43,7 @@ def test_no_triton_kernel_compiles_after_warm_up() -> None:
     kernels = [
         moe_sort.route_kernel,
         moe_sort.place_kernel,
+        moe_sort.route_place_kernel,
         fused_moe._gate_up_kernel,
         fused_moe._down_kernel,
         fused_moe._combine_kernel,

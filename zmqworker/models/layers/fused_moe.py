@@ -1,7 +1,8 @@
 """The mixture of experts of a CUDA step in five Triton kernels, safe inside a CUDA graph:
 
-1. route and 2. place (moe_sort.py): every token's top k experts, and the (token,
-   choice) pairs sorted by expert, each expert's run padded to a multiple of BLOCK_M;
+1. route and 2. place (moe_sort.py; one kernel when the step's tokens fit one routing
+   chunk): every token's top k experts, and the (token, choice) pairs sorted by expert,
+   each expert's run padded to a multiple of BLOCK_M;
 3. gate/up: one grouped GEMM over the blocks of the sorted pairs, each block one expert's
    weights, with SiLU-and-multiply in its epilogue (the [pairs, 2 * inter] product is
    never written);
@@ -16,7 +17,8 @@ are not placed, computed or summed here.
 The tiles depend on the pairs each expert gets on average (tiles_for): decode steps give
 an expert a few tokens (16-row blocks, long K tiles: the step is a read of the chosen
 experts' weights), prefills hundreds (128-row blocks). Each tile set is a compile of its
-own: token_starts gives the fewest tokens of each, which warm-up runs.
+own: token_starts gives the fewest tokens of each (and of its routing in chunks), which
+warm-up runs.
 
 Rounding is the plain-torch experts' (experts.py): each projection's output to the model
 dtype, then the activation, the product, the weighted product; sums in float32.
@@ -32,7 +34,12 @@ import triton
 import triton.language as tl
 
 from zmqworker.dot_precision import dot_precision
-from zmqworker.models.layers.moe_sort import max_blocks, place_kernel, route_kernel
+from zmqworker.models.layers.moe_sort import (
+    max_blocks,
+    place_kernel,
+    route_kernel,
+    route_place_kernel,
+)
 from zmqworker.pdl import launch_options, release_dependents, wait_for_inputs
 
 
@@ -74,12 +81,14 @@ def tiles_for(num_tokens: int, top_k: int, num_local: int, element_size: int = 2
 
 
 def token_starts(top_k: int, num_local: int) -> list[int]:
-    """The fewest tokens of each tile set: a step of each compiles what steps of its
-    range run."""
-    starts = [1]
-    for most, _ in _REGIMES[:-1]:
-        starts.append(int(most * num_local // top_k) + 1)
-    return starts
+    """The fewest tokens of each tile set, and where a set that starts within one routing
+    chunk first takes two: a step of each compiles what steps of its range run."""
+    starts = [1] + [int(most * num_local // top_k) + 1 for most, _ in _REGIMES[:-1]]
+    ends = starts[1:] + [None]
+    for start, end, (_, tiles) in zip(list(starts), ends, _REGIMES, strict=True):
+        if start <= tiles.chunk and (end is None or tiles.chunk + 1 < end):
+            starts.append(tiles.chunk + 1)
+    return sorted(starts)
 
 
 @triton.jit
@@ -262,22 +271,35 @@ def fused_moe(
     num_chunks = triton.cdiv(num_tokens, t.chunk)
     ids = torch.empty(num_tokens, top_k, dtype=torch.int32, device=device)
     weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=device)
-    counts = torch.empty(num_chunks, num_local, dtype=torch.int32, device=device)
-    route_kernel[(num_chunks,)](
-        ids, weights, counts, logits, num_tokens, logits.stride(0), first_expert,
-        NUM_EXPERTS=num_experts, EXPERTS_P2=triton.next_power_of_2(num_experts),
-        NUM_LOCAL=num_local, TOP_K=top_k, TOP_K_P2=triton.next_power_of_2(top_k),
-        RENORMALIZE=renormalize, CHUNK=t.chunk, SUB=16, **pdl,
-    )  # fmt: skip
     blocks = max_blocks(num_pairs, num_local, t.block_m)
     sorted_pairs = torch.empty(blocks * t.block_m, dtype=torch.int32, device=device)
     block_expert = torch.empty(blocks, dtype=torch.int32, device=device)
-    place_kernel[(num_chunks,)](
-        sorted_pairs, block_expert, counts, ids, num_tokens, num_chunks, blocks,
-        triton.cdiv(blocks, num_chunks), first_expert,
-        NUM_LOCAL=num_local, LOCAL_P2=triton.next_power_of_2(num_local), TOP_K=top_k,
-        BLOCK_M=t.block_m, CHUNK=t.chunk, SUB_PAIRS=32, CHUNK_TILE=64, BLOCK_TILE=16, **pdl,
+    # The routing kernels' constexprs: both kernels', routing's, placing's.
+    both = dict(NUM_LOCAL=num_local, TOP_K=top_k, CHUNK=t.chunk)
+    routing = dict(
+        NUM_EXPERTS=num_experts, EXPERTS_P2=triton.next_power_of_2(num_experts),
+        TOP_K_P2=triton.next_power_of_2(top_k), RENORMALIZE=renormalize, SUB=16,
     )  # fmt: skip
+    placing = dict(
+        LOCAL_P2=triton.next_power_of_2(num_local), BLOCK_M=t.block_m, SUB_PAIRS=32,
+        BLOCK_TILE=16,
+    )  # fmt: skip
+    if num_chunks == 1:
+        route_place_kernel[(1,)](
+            ids, weights, sorted_pairs, block_expert, logits, num_tokens, logits.stride(0),
+            blocks, first_expert, **both, **routing, **placing, **pdl,
+        )  # fmt: skip
+    else:
+        counts = torch.empty(num_chunks, num_local, dtype=torch.int32, device=device)
+        route_kernel[(num_chunks,)](
+            ids, weights, counts, logits, num_tokens, logits.stride(0), first_expert,
+            **both, **routing, **pdl,
+        )  # fmt: skip
+        place_kernel[(num_chunks,)](
+            sorted_pairs, block_expert, counts, ids, num_tokens, num_chunks, blocks,
+            triton.cdiv(blocks, num_chunks), first_expert, **both, **placing, CHUNK_TILE=64,
+            **pdl,
+        )  # fmt: skip
     precision = dot_precision(x.dtype)
     activation = torch.empty(num_pairs, inter, dtype=x.dtype, device=device)
     block_n, block_k, warps, stages = t.gate_up

@@ -1,9 +1,11 @@
 """Routing and sorting for the fused mixture of experts (fused_moe.py), on the device and
-without a host synchronisation: two Triton kernels over chunks of the step's tokens.
+without a host synchronisation: two Triton kernels over chunks of the step's tokens, or
+one (route_place_kernel) when the step is a single chunk, as decode steps are.
 
 - route: each program takes `chunk` tokens' router logits, picks every token's top k
-  experts (softmax in float32, then k rounds of argmax, renormalised where the family
-  does) and counts how many of its (token, choice) pairs go to each expert held here.
+  experts (softmax in float32, then k rounds of a max over packed (probability, expert)
+  keys, renormalised where the family does) and counts how many of its (token, choice)
+  pairs go to each expert held here.
 - place: each program sums the chunks' counts into every expert's total and the totals
   of the chunks before its own, so it knows where its pairs go: the pairs sorted by
   expert, each expert's run padded to a multiple of BLOCK_M (vLLM's
@@ -26,6 +28,58 @@ def max_blocks(num_pairs: int, num_local: int, block_m: int) -> int:
     """The most blocks the padded runs take: each expert that gets a pair adds at most
     one partly filled block."""
     return triton.cdiv(num_pairs, block_m) + min(num_local, num_pairs)
+
+
+@triton.jit
+def _route_rows(
+    ids_ptr,
+    weights_ptr,
+    logits_ptr,
+    rows,
+    num_tokens,
+    stride_logits,
+    NUM_EXPERTS: tl.constexpr,
+    EXPERTS_P2: tl.constexpr,
+    TOP_K: tl.constexpr,
+    TOP_K_P2: tl.constexpr,
+    RENORMALIZE: tl.constexpr,
+    SUB: tl.constexpr,
+):
+    """The top k experts of these rows' tokens and their weights, stored; returns which
+    experts each row chose [rows, EXPERTS_P2]. Each probability and its expert pack into
+    one int64 (the float's bits above, the expert reversed below, so that a tie goes to
+    the lower expert): a round of the top k is one max, not a max and an argmax."""
+    experts = tl.arange(0, EXPERTS_P2)
+    real = experts < NUM_EXPERTS
+    slots = tl.arange(0, TOP_K_P2)
+    row_ok = rows < num_tokens
+    ptrs = logits_ptr + rows[:, None].to(tl.int64) * stride_logits + experts[None, :]
+    logits = tl.load(ptrs, mask=row_ok[:, None] & real[None, :], other=0.0).to(tl.float32)
+    logits = tl.where(real[None, :], logits, float("-inf"))
+    probs = tl.exp(logits - tl.max(logits, axis=1)[:, None])
+    probs = probs / tl.sum(probs, axis=1)[:, None]
+    # Non-negative floats order as their bits do.
+    bits = probs.to(tl.int32, bitcast=True).to(tl.int64)
+    keys = (bits << 32) | (EXPERTS_P2 - 1 - experts)[None, :].to(tl.int64)
+    chosen = tl.zeros([SUB, TOP_K_P2], dtype=tl.int32)
+    weights = tl.zeros([SUB, TOP_K_P2], dtype=tl.float32)
+    picked = keys < 0  # all false
+    for j in tl.static_range(TOP_K):
+        best = tl.max(keys, axis=1)
+        index = EXPERTS_P2 - 1 - (best & 0xFFFFFFFF).to(tl.int32)
+        weight = (best >> 32).to(tl.int32).to(tl.float32, bitcast=True)
+        chosen = tl.where(slots[None, :] == j, index[:, None], chosen)
+        weights = tl.where(slots[None, :] == j, weight[:, None], weights)
+        hit = keys == best[:, None]
+        picked = picked | hit
+        keys = tl.where(hit, -1, keys)
+    if RENORMALIZE:
+        weights = weights / tl.sum(weights, axis=1)[:, None]
+    out = rows[:, None] * TOP_K + slots[None, :]
+    ok = row_ok[:, None] & (slots[None, :] < TOP_K)
+    tl.store(ids_ptr + out, chosen, mask=ok)
+    tl.store(weights_ptr + out, weights, mask=ok)
+    return picked & row_ok[:, None]
 
 
 # The token count changes with every step: specialised, each new kind would cost a compile.
@@ -52,33 +106,14 @@ def route_kernel(
     release_dependents(PDL)
     pid = tl.program_id(0)
     experts = tl.arange(0, EXPERTS_P2)
-    real = experts < NUM_EXPERTS
-    slots = tl.arange(0, TOP_K_P2)
     counts = tl.zeros([EXPERTS_P2], dtype=tl.int32)
     for t0 in range(0, CHUNK, SUB):
         rows = pid * CHUNK + t0 + tl.arange(0, SUB)
-        row_ok = rows < num_tokens
-        ptrs = logits_ptr + rows[:, None].to(tl.int64) * stride_logits + experts[None, :]
-        logits = tl.load(ptrs, mask=row_ok[:, None] & real[None, :], other=0.0).to(tl.float32)
-        logits = tl.where(real[None, :], logits, float("-inf"))
-        probs = tl.exp(logits - tl.max(logits, axis=1)[:, None])
-        probs = probs / tl.sum(probs, axis=1)[:, None]
-        chosen = tl.zeros([SUB, TOP_K_P2], dtype=tl.int32)
-        weights = tl.zeros([SUB, TOP_K_P2], dtype=tl.float32)
-        for j in tl.static_range(TOP_K):
-            best = tl.max(probs, axis=1)
-            index = tl.argmax(probs, axis=1, tie_break_left=True)
-            chosen = tl.where(slots[None, :] == j, index[:, None], chosen)
-            weights = tl.where(slots[None, :] == j, best[:, None], weights)
-            hit = experts[None, :] == index[:, None]
-            probs = tl.where(hit, -1.0, probs)
-            counts += tl.sum((hit & row_ok[:, None]).to(tl.int32), axis=0)
-        if RENORMALIZE:
-            weights = weights / tl.sum(weights, axis=1)[:, None]
-        out = rows[:, None] * TOP_K + slots[None, :]
-        ok = row_ok[:, None] & (slots[None, :] < TOP_K)
-        tl.store(ids_ptr + out, chosen, mask=ok)
-        tl.store(weights_ptr + out, weights, mask=ok)
+        picked = _route_rows(
+            ids_ptr, weights_ptr, logits_ptr, rows, num_tokens, stride_logits,
+            NUM_EXPERTS, EXPERTS_P2, TOP_K, TOP_K_P2, RENORMALIZE, SUB,
+        )  # fmt: skip
+        counts += tl.sum(picked.to(tl.int32), axis=0)
     local = experts - first_expert
     held = (local >= 0) & (local < NUM_LOCAL)
     tl.store(counts_ptr + pid * NUM_LOCAL + local, counts, mask=held)
@@ -118,6 +153,98 @@ def place_kernel(
         counts = tl.load(ptrs, mask=(chunks < num_chunks)[:, None] & held[None, :], other=0)
         totals += tl.sum(counts, axis=0)
         before += tl.sum(tl.where((chunks < pid)[:, None], counts, 0), axis=0)
+    _place(
+        sorted_ptr, block_expert_ptr, ids_ptr, pid, num_tokens, num_blocks, blocks_each,
+        first_expert, totals, before, NUM_LOCAL, LOCAL_P2, TOP_K, BLOCK_M, CHUNK, SUB_PAIRS,
+        BLOCK_TILE,
+    )  # fmt: skip
+
+
+@triton.jit(do_not_specialize=["num_tokens", "num_blocks"])
+def route_place_kernel(
+    ids_ptr,
+    weights_ptr,
+    sorted_ptr,
+    block_expert_ptr,
+    logits_ptr,
+    num_tokens,
+    stride_logits,
+    num_blocks,
+    first_expert,
+    NUM_EXPERTS: tl.constexpr,
+    EXPERTS_P2: tl.constexpr,
+    NUM_LOCAL: tl.constexpr,
+    LOCAL_P2: tl.constexpr,
+    TOP_K: tl.constexpr,
+    TOP_K_P2: tl.constexpr,
+    RENORMALIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    CHUNK: tl.constexpr,
+    SUB: tl.constexpr,
+    SUB_PAIRS: tl.constexpr,
+    BLOCK_TILE: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """route_kernel then place_kernel in one program, for a step of at most CHUNK tokens
+    (decode-sized): one launch, and the counts never leave the program."""
+    wait_for_inputs(PDL)
+    release_dependents(PDL)
+    for t0 in range(0, CHUNK, SUB):
+        _route_rows(
+            ids_ptr, weights_ptr, logits_ptr, t0 + tl.arange(0, SUB), num_tokens,
+            stride_logits, NUM_EXPERTS, EXPERTS_P2, TOP_K, TOP_K_P2, RENORMALIZE, SUB,
+        )  # fmt: skip
+    tl.debug_barrier()  # every warp's ids stored before any is read back
+    experts = tl.arange(0, LOCAL_P2)
+    totals = tl.zeros([LOCAL_P2], dtype=tl.int32)
+    sub = tl.arange(0, SUB_PAIRS)
+    for p0 in range(0, CHUNK * TOP_K, SUB_PAIRS):
+        pairs = p0 + sub
+        onehot, _, _ = _pairs_experts(
+            ids_ptr, pairs, num_tokens * TOP_K, first_expert, experts, NUM_LOCAL
+        )
+        totals += tl.sum(onehot.to(tl.int32), axis=0)
+    _place(
+        sorted_ptr, block_expert_ptr, ids_ptr, 0, num_tokens, num_blocks, num_blocks,
+        first_expert, totals, totals * 0, NUM_LOCAL, LOCAL_P2, TOP_K, BLOCK_M, CHUNK,
+        SUB_PAIRS, BLOCK_TILE,
+    )  # fmt: skip
+
+
+@triton.jit
+def _pairs_experts(ids_ptr, pairs, num_pairs, first_expert, experts, NUM_LOCAL: tl.constexpr):
+    """(each pair's one-hot over the experts held here [pairs, LOCAL_P2], its local expert,
+    whether that is held here)."""
+    expert = tl.load(ids_ptr + pairs, mask=pairs < num_pairs, other=-1) - first_expert
+    mine = (pairs < num_pairs) & (expert >= 0) & (expert < NUM_LOCAL)
+    return (expert[:, None] == experts[None, :]) & mine[:, None], expert, mine
+
+
+@triton.jit
+def _place(
+    sorted_ptr,
+    block_expert_ptr,
+    ids_ptr,
+    pid,
+    num_tokens,
+    num_blocks,
+    blocks_each,
+    first_expert,
+    totals,
+    before,
+    NUM_LOCAL: tl.constexpr,
+    LOCAL_P2: tl.constexpr,
+    TOP_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    CHUNK: tl.constexpr,
+    SUB_PAIRS: tl.constexpr,
+    BLOCK_TILE: tl.constexpr,
+):
+    """Chunk pid's pairs into their sorted places, given every expert's pairs (totals) and
+    those of earlier chunks (before); then blocks [pid * blocks_each, +blocks_each): the
+    expert of each, and the sentinel in its padding."""
+    experts = tl.arange(0, LOCAL_P2)
+    held = experts < NUM_LOCAL
     padded = (totals + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     ends = tl.cumsum(padded, axis=0)
     starts = ends - padded
@@ -128,15 +255,14 @@ def place_kernel(
     sub = tl.arange(0, SUB_PAIRS)
     for p0 in range(0, CHUNK * TOP_K, SUB_PAIRS):
         pairs = pid * CHUNK * TOP_K + p0 + sub
-        expert = tl.load(ids_ptr + pairs, mask=pairs < num_pairs, other=-1) - first_expert
-        mine = (pairs < num_pairs) & (expert >= 0) & (expert < NUM_LOCAL)
-        onehot = (expert[:, None] == experts[None, :]) & mine[:, None]
+        onehot, expert, mine = _pairs_experts(
+            ids_ptr, pairs, num_pairs, first_expert, experts, NUM_LOCAL
+        )
         earlier = (expert[:, None] == expert[None, :]) & (sub[None, :] < sub[:, None])
         rank = tl.sum((earlier & mine[None, :]).to(tl.int32), axis=1)
         slot = tl.sum(tl.where(onehot, next_slot[None, :], 0), axis=1) + rank
         tl.store(sorted_ptr + slot, pairs, mask=mine)
         next_slot += tl.sum(onehot.to(tl.int32), axis=0)
-    # This program's blocks: the expert of each, and the sentinel in its padding.
     lane = tl.arange(0, BLOCK_M)
     last = tl.minimum((pid + 1) * blocks_each, num_blocks)
     for b0 in range(0, blocks_each, BLOCK_TILE):
