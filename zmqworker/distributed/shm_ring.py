@@ -89,8 +89,8 @@ class _Segment:
 
     def pin(self) -> None:
         """Page-lock the segment for CUDA (once): device-to-host copies then land in it by
-        DMA, about 4x faster than into pageable memory. Where the driver refuses, the
-        copies stay pageable."""
+        DMA, much faster than into pageable memory (docs/cuda.md, the host side). Where
+        the driver refuses, the copies stay pageable."""
         if not self._pin_tried:
             self._pin_tried = True
             # 1: cudaHostRegisterPortable, pinned for every CUDA context

@@ -3,8 +3,8 @@
 One design, in three mechanisms, each there for a measured reason:
 - No I/O thread. A caller sends from its own thread, and a caller that waits receives
   the replies itself, in zmq's blocking receive, as a bare pyzmq ping-pong does (a hop
-  through a thread of ours would cost a wake-up, 20-50 us on a small VM, of a 120 us
-  round trip). Whoever receives completes every call whose replies come, not just its own.
+  through a thread of ours would add a thread wake-up to every round trip; docs/cuda.md,
+  the host side). Whoever receives completes every call whose replies come, not just its own.
 - One condition (`_cond`) guards the calls and the socket, which one thread at a time
   uses: the receiving thread, or a sender. Other waiters sleep on it and wake as calls
   finish; a sender that finds another thread receiving counts itself in `_senders`, so

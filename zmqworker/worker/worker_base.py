@@ -186,7 +186,7 @@ class WorkerBase(ABC):
 def freeze_startup_heap() -> None:
     """For the end of compile_or_warm_up_model: start-up is over, and what it made
     (modules, the model, its config and tokenizer files) lives as long as the process.
-    Out of the collector's sight, a full collection no longer walks it: 135-140 ms with
-    the embedded model, about 0 frozen, paid by whichever step it falls on."""
+    Out of the collector's sight, a full collection no longer walks it, so no step pays
+    for walking it (docs/cuda.md, the host side)."""
     gc.collect()
     gc.freeze()
