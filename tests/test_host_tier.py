@@ -172,9 +172,12 @@ def test_a_failed_step_forgets_the_host_tier():
 # The worker's connector, over real cache tensors ------------------------------------
 
 
-def cpu_tier(num_slots: int = 4, num_blocks: int = 6) -> tuple[HostKVConnector, list]:
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def worker_tier(device: str = "cpu", num_slots: int = 4) -> tuple[HostKVConnector, list]:
     spec = KVCacheSpec(4, 2, 8, "float32", ["a", "b"])
-    caches = [torch.randn(2, num_blocks, 2, 32) for _ in spec.layer_names]
+    caches = [torch.randn(2, 6, 2, 32, device=device) for _ in spec.layer_names]
     return HostKVConnector(num_slots, lambda: caches, spec), caches
 
 
@@ -187,8 +190,12 @@ def copies(stores=(), loads=()) -> KVConnectorMetadata:
     )
 
 
-def test_the_worker_stores_before_it_loads_and_a_block_comes_back_whole():
-    connector, caches = cpu_tier()
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_worker_stores_before_it_loads_and_a_block_comes_back_whole(device):
+    """On CUDA the copies are queued on the stream without a wait: the zeroing between
+    the steps and the reads after them are ordered by it too."""
+    connector, caches = worker_tier(device)
+    assert connector.buffer.is_pinned() == (device == "cuda")
     before = [c.clone() for c in caches]
     # Block 2 goes to slot 3 and block 5 to slot 0 (not consecutive, then a run).
     connector.before_step(copies(stores=[(2, 3), (5, 0), (1, 1)]))
@@ -220,6 +227,6 @@ def test_the_worker_stores_before_it_loads_and_a_block_comes_back_whole():
     ],
 )
 def test_the_worker_refuses_bad_copies_by_name(metadata, error):
-    connector, _ = cpu_tier()
+    connector, _ = worker_tier()
     with pytest.raises(ValueError, match=error):
         connector.before_step(metadata)
