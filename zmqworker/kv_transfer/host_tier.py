@@ -13,12 +13,13 @@ without waiting on the host: the stream runs them in order with the steps before
 after, so a store reads its block before the step's forward (or a load) overwrites it,
 a load lands before the forward reads it, and a slot is never read and written out of
 order. They do not overlap the forward (a side stream with events would let a store
-overlap the previous step); correctness needs nothing more. On the CPU they are plain
-copies.
+overlap the previous step); correctness needs nothing more. On the CPU they are row
+copies (numpy).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator
 
 import numpy as np
@@ -85,9 +86,14 @@ class HostKVConnector(KVConnector):
     # helpers ------------------------------------------------------------------------
 
     def _store(self, caches: list[torch.Tensor], blocks: np.ndarray, slots: np.ndarray) -> None:
-        """Blocks of every layer into slots: gathered on the device, then one copy per run
-        of consecutive slots."""
+        """Blocks of every layer into slots: on CUDA gathered on the device, then one copy
+        per run of consecutive slots; on the CPU a row copy each."""
         assert self.buffer is not None
+        if caches[0].device.type == "cpu":
+            host = _rows(self.buffer, 3)  # [slots, layers, 2]
+            for layer, cache in enumerate(caches):
+                host[slots, layer] = _rows(cache, 2)[:, blocks].T
+            return
         ids = torch.from_numpy(blocks).to(caches[0].device)
         # [layers, 2, n, heads, row] -> [n, layers, 2, heads, row], contiguous.
         staged = torch.stack([cache.index_select(1, ids) for cache in caches])
@@ -97,8 +103,14 @@ class HostKVConnector(KVConnector):
 
     def _load(self, caches: list[torch.Tensor], blocks: np.ndarray, slots: np.ndarray) -> None:
         """Slots into blocks of every layer: one copy per run of consecutive slots into a
-        staging tensor on the device, then one indexed copy per layer."""
+        staging tensor on the device, then one indexed copy per layer (on CUDA; on the CPU
+        a row copy each)."""
         assert self.buffer is not None
+        if caches[0].device.type == "cpu":
+            host = _rows(self.buffer, 3)
+            for layer, cache in enumerate(caches):
+                _rows(cache, 2)[:, blocks] = host[slots, layer].T
+            return
         device = caches[0].device
         staged = torch.empty((len(slots), *self.buffer.shape[1:]), dtype=self.buffer.dtype,
                              device=device)  # fmt: skip
@@ -129,6 +141,15 @@ def _pairs(
     if len(np.unique(blocks)) != len(blocks) or len(np.unique(slots)) != len(slots):
         raise ValueError(f"host KV {what}: a block or a slot named twice")
     return blocks.astype(np.int64), slots.astype(np.int64)
+
+
+def _rows(t: torch.Tensor, lead: int) -> np.ndarray:
+    """A contiguous host tensor as numpy of its first lead dimensions, each element an
+    opaque row of the rest: numpy's indexed copies move each row as one memcpy (torch's
+    indexed copies go element by element, several times slower)."""
+    row_bytes = math.prod(t.shape[lead:]) * t.element_size()
+    flat = t.view(torch.uint8).numpy().reshape(*t.shape[:lead], row_bytes)
+    return flat.view(np.dtype((np.void, row_bytes)))[..., 0]
 
 
 def _runs(slots: np.ndarray) -> Iterator[tuple[int, int, int]]:
