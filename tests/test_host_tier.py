@@ -172,7 +172,8 @@ def test_a_failed_step_forgets_the_host_tier():
 # The worker's connector, over real cache tensors ------------------------------------
 
 
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+# (device, row copies): the CPU's numpy row copies, and the device path on host tensors.
+PATHS = [("cpu", True), ("cpu", False)] + ([("cuda", False)] if torch.cuda.is_available() else [])
 
 
 def worker_tier(device: str = "cpu", num_slots: int = 4) -> tuple[HostKVConnector, list]:
@@ -190,12 +191,13 @@ def copies(stores=(), loads=()) -> KVConnectorMetadata:
     )
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_the_worker_stores_before_it_loads_and_a_block_comes_back_whole(device):
+@pytest.mark.parametrize(("device", "row_copies"), PATHS)
+def test_the_worker_stores_before_it_loads_and_a_block_comes_back_whole(device, row_copies):
     """On CUDA the copies are queued on the stream without a wait: the zeroing between
     the steps and the reads after them are ordered by it too."""
     connector, caches = worker_tier(device)
     assert connector.buffer.is_pinned() == (device == "cuda")
+    connector.row_copies = row_copies
     before = [c.clone() for c in caches]
     # Block 2 goes to slot 3 and block 5 to slot 0 (not consecutive, then a run).
     connector.before_step(copies(stores=[(2, 3), (5, 0), (1, 1)]))

@@ -43,6 +43,9 @@ class HostKVConnector(KVConnector):
             raise ValueError(f"a host KV tier needs at least one slot, got {num_slots}")
         self.kv_caches = kv_caches
         self.num_slots = num_slots
+        # A cache in host memory: numpy row copies; else gathers on the device and one
+        # copy per run of consecutive slots (which also work on host tensors).
+        self.row_copies = caches[0].device.type == "cpu"
         _, _, heads, row = caches[0].shape
         device = caches[0].device
         shape = (num_slots, len(caches), 2, heads, row)
@@ -89,7 +92,7 @@ class HostKVConnector(KVConnector):
         """Blocks of every layer into slots: on CUDA gathered on the device, then one copy
         per run of consecutive slots; on the CPU a row copy each."""
         assert self.buffer is not None
-        if caches[0].device.type == "cpu":
+        if self.row_copies:
             host = _rows(self.buffer, 3)  # [slots, layers, 2]
             for layer, cache in enumerate(caches):
                 host[slots, layer] = _rows(cache, 2)[:, blocks].T
@@ -106,7 +109,7 @@ class HostKVConnector(KVConnector):
         staging tensor on the device, then one indexed copy per layer (on CUDA; on the CPU
         a row copy each)."""
         assert self.buffer is not None
-        if caches[0].device.type == "cpu":
+        if self.row_copies:
             host = _rows(self.buffer, 3)
             for layer, cache in enumerate(caches):
                 _rows(cache, 2)[:, blocks] = host[slots, layer].T
