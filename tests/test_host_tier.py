@@ -6,12 +6,13 @@ real cache tensors."""
 
 from __future__ import annotations
 
+import json
 import random
 
 import numpy as np
 import pytest
 import torch
-from engine_helpers import FakeExecutor, reference_tokens
+from engine_helpers import FakeExecutor, byte_level_tokenizer, mixing_token_fn, reference_tokens
 
 from messages import (
     KVCacheSpec,
@@ -19,11 +20,13 @@ from messages import (
     KVHostCopies,
     SamplingParams,
     SchedulerConfig,
+    WorkerConfig,
 )
 from zmqworker.engine.block_manager import KVBlockManager
 from zmqworker.engine.core import EngineCore
 from zmqworker.engine.host_tier import HostKVTier, make_host_tier
 from zmqworker.engine.request import FinishReason, Request
+from zmqworker.frontend.llm import LLM
 from zmqworker.kv_transfer.host_tier import HostKVConnector
 
 H = [bytes([i]) * 32 for i in range(10)]  # block hashes
@@ -232,3 +235,34 @@ def test_the_worker_refuses_bad_copies_by_name(metadata, error):
     connector, _ = worker_tier()
     with pytest.raises(ValueError, match=error):
         connector.before_step(metadata)
+
+
+def test_the_llm_option_reaches_the_engine_and_the_workers(tmp_path):
+    """LLM(kv_offloading_size) over fake workers (its engine core in a thread): the tier's
+    slots reach initialize_from_config, and prompts that share a prefix through a cache
+    too small to keep it get the fake model's tokens."""
+    tok = byte_level_tokenizer()
+    config = {"model_type": "llama", "vocab_size": len(tok), "max_position_embeddings": 64,
+              "eos_token_id": 2, "num_hidden_layers": 2, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "hidden_size": 64}  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    tok.save_pretrained(tmp_path)
+    made: list[FakeExecutor] = []
+
+    def factory(worker: WorkerConfig) -> FakeExecutor:
+        made.append(FakeExecutor(16, worker.cache.block_size, token_fn=mixing_token_fn(50)))
+        return made[-1]
+
+    slot_bytes = 2 * 4 * 2 * 8 * 4 * 2  # FakeExecutor's two layers of 2 heads of 8
+    size = 32 * slot_bytes / 2**30
+    options = {"block_size": 4, "max_num_batched_tokens": 16, "enable_prefix_caching": True}
+    # The second fills the 16 blocks: the first's prefix leaves the device.
+    prompts = [[*PREFIX, 1], [(3 * i + 1) % 50 for i in range(56)], [*PREFIX, 3]]
+    with LLM(str(tmp_path), executor=factory, kv_offloading_size=size, **options) as llm:
+        outputs = [llm.generate([prompt], greedy(6))[0] for prompt in prompts]
+    assert made[0].kv_cache_config.num_host_blocks == 32
+    for prompt, output in zip(prompts, outputs, strict=True):
+        assert output.token_ids == reference_tokens(prompt, 6, mixing_token_fn(50))
+    orders = [step.kv_connector_metadata for step in made[0].workers[0].steps]
+    loads = [len(o.host.load_slots) for o in orders if o is not None and o.host is not None]
+    assert sum(loads) == 5  # the third prompt's prefix, from the host tier
