@@ -17,6 +17,7 @@ a miss, a dropped store or a full tier only means computing the tokens again.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -24,6 +25,8 @@ from collections.abc import Sequence
 import numpy as np
 
 from messages import KVCacheSpec, KVHostCopies
+
+logger = logging.getLogger(__name__)
 
 
 class HostKVTier:
@@ -136,4 +139,8 @@ def make_host_tier(size_gib: float, specs: list[KVCacheSpec]) -> HostKVTier | No
             f"kv_offloading_size {size_gib} GiB holds no block ({slot_bytes} bytes over "
             "all workers): give it more, or 0 for no host tier"
         )
+    logger.info(
+        "host KV tier: %d blocks of %d tokens = %.1f MiB over %d worker(s)",
+        num_slots, specs[0].block_size, num_slots * slot_bytes / (1 << 20), len(specs),
+    )  # fmt: skip
     return HostKVTier(num_slots)

@@ -11,6 +11,8 @@ queue, so it never holds other requests back: once blocks for its remote tokens 
 free, a step orders the pull (KVLoad); once the workers report the KV in, it joins the
 front of the waiting queue with those tokens computed. A failed pull finishes it with
 an error naming it, and its blocks go.
+
+A step's orders (step_orders) also carry the host tier's copies (host_tier.py).
 """
 
 from __future__ import annotations
