@@ -4,7 +4,10 @@ same run: a memcpy of 16 MiB (same host), and bare pyzmq moving 16 MiB over the 
 CURVE tcp (and without CURVE, for scale). A transfer is timed from the consumer's load
 order to its blocks holding the KV (the copy into the cache included); staging on the
 producer (after the prefill's step) is reported apart. Targets: memfd >= 70% of memcpy,
-tcp >= 80% of bare pyzmq. Writes bench/results/kv_transfer.json (kv_transfer_cuda.json
+tcp >= 80% of bare pyzmq. The host tier's copies of as many blocks (store: cache blocks
+into scattered host slots; load: back into other blocks) are timed against the copy of
+as many bytes in one piece: a memcpy on the CPU, a pinned device-to-host (host-to-device)
+copy on CUDA. Writes bench/results/kv_transfer.json (kv_transfer_cuda.json
 with --device cuda, where both caches live on the GPU and the KV is staged through host
 memory).
 
@@ -14,6 +17,7 @@ memory).
 from __future__ import annotations
 
 import argparse
+import functools
 import multiprocessing as mp
 import socket
 import statistics
@@ -27,7 +31,15 @@ import zmq
 
 from bench.common import print_table, write_results
 from messages import KVCacheSpec
-from messages.kv_transfer import KVConnectorMetadata, KVLoad, KVSave, KVTransferConfig, RemoteKV
+from messages.kv_transfer import (
+    KVConnectorMetadata,
+    KVHostCopies,
+    KVLoad,
+    KVSave,
+    KVTransferConfig,
+    RemoteKV,
+)
+from zmqworker.kv_transfer.host_tier import HostKVConnector
 from zmqworker.kv_transfer.zmq_connector import ZmqKVConnector
 from zmqworker.transport.curve import KVKeys, make_server, start_zap
 
@@ -151,6 +163,44 @@ def memcpy_seconds(nbytes: int, repeats: int) -> list[float]:
     return times
 
 
+def timed(action: Any, device: str, repeats: int) -> list[float]:
+    """Seconds of repeats calls of action (after one untimed), the device's work included."""
+    times = []
+    for i in range(repeats + 1):
+        started = time.perf_counter()
+        action()
+        sync(device)
+        if i:
+            times.append(time.perf_counter() - started)
+    return times
+
+
+def host_tier_seconds(kv: list[torch.Tensor], blocks: int, repeats: int) -> dict[str, list[float]]:
+    """The host tier's store of blocks (every other block of kv) into scattered slots and
+    their load back into the blocks between, and the one-piece copies they compare to."""
+    device = kv[0].device.type
+    tier = HostKVConnector(blocks, lambda: kv, SPEC)
+    ids = np.arange(0, 2 * blocks, 2, dtype=np.int32)
+    slots = np.random.default_rng(0).permutation(blocks).astype(np.int32)
+    none = np.zeros(0, np.int32)
+    store = KVConnectorMetadata(host=KVHostCopies(ids, slots, none, none))
+    load = KVConnectorMetadata(host=KVHostCopies(none, none, slots, ids + 1))
+    seconds = {
+        "host_store": timed(lambda: tier.before_step(store), device, repeats),
+        "host_load": timed(lambda: tier.before_step(load), device, repeats),
+    }
+    tier.shutdown()
+    if device == "cuda":
+        nbytes = blocks * BLOCK_BYTES
+        pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        on_device = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        d2h = functools.partial(pinned.copy_, on_device, non_blocking=True)
+        h2d = functools.partial(on_device.copy_, pinned, non_blocking=True)
+        seconds["pinned_d2h"] = timed(d2h, device, repeats)
+        seconds["pinned_h2d"] = timed(h2d, device, repeats)
+    return seconds
+
+
 def bare_zmq_seconds(address: str, keys: KVKeys | None, repeats: int) -> list[float]:
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
@@ -206,6 +256,7 @@ def main() -> None:
             finally:
                 side.shutdown()
         seconds["memcpy"] = memcpy_seconds(nbytes, args.repeats)
+        seconds.update(host_tier_seconds(kv, blocks, args.repeats))
         address = "tcp://127.0.0.1:{}"
         seconds["pyzmq_curve"] = bare_zmq_seconds(
             address.format(ports["curve"]), keys, args.repeats
@@ -229,6 +280,10 @@ def main() -> None:
         "tcp_vs_pyzmq_curve": median["pyzmq_curve"] / median["tcp"],
         "tcp_vs_pyzmq_plain": median["pyzmq_plain"] / median["tcp"],
     }
+    cuda = args.device == "cuda"
+    floors = ("pinned_d2h", "pinned_h2d") if cuda else ("memcpy", "memcpy")
+    ratios["host_store_vs_" + floors[0]] = median[floors[0]] / median["host_store"]
+    ratios["host_load_vs_" + floors[1]] = median[floors[1]] / median["host_load"]
     print({k: round(v, 3) for k, v in ratios.items()}, "targets: memfd >= 0.70, tcp >= 0.80")
     name = "kv_transfer" if args.device == "cpu" else "kv_transfer_cuda"
     write_results(

@@ -2,8 +2,9 @@
 # The CUDA checks on a lent GPU machine (torch, Triton and transformers installed; pyzmq
 # and msgspec carried as wheels in .whl/): the Triton kernel tests, the other CUDA tests,
 # bench.gpu_decode, then bench.end_to_end_cuda (e2e); live weights and sleep (weights: their
-# CUDA tests, bench.weight_update and bench.sleep on Llama-3-8B's shape), when asked for.
-#   bench/run_on_gpu.sh OUT_DIR [kernels,tests,bench,e2e,weights] [bench.gpu_decode options...]
+# CUDA tests, bench.weight_update and bench.sleep on Llama-3-8B's shape) and KV transfer with
+# the host tier's copies (kv: bench.kv_transfer), when asked for.
+#   bench/run_on_gpu.sh OUT_DIR [kernels,tests,bench,e2e,weights,kv] [bench.gpu_decode options...]
 # Logs and the benchmark's JSON land in OUT_DIR.
 set -uo pipefail
 out=${1:?usage: bench/run_on_gpu.sh OUT_DIR [tests|bench|all] [bench args]}
@@ -29,7 +30,8 @@ if [[ $what == *,kernels,* ]]; then
 fi
 if [[ $what == *,tests,* ]]; then
     run_tests tests tests/test_model_runner.py tests/test_worker.py tests/test_pipeline.py \
-        tests/test_shm_ring.py tests/test_async_scheduling.py
+        tests/test_shm_ring.py tests/test_async_scheduling.py tests/test_host_tier.py \
+        tests/test_host_tier_e2e.py
 fi
 if [[ $what == *,bench,* ]]; then
     timeout 480 python3 -m bench.gpu_decode --tmp /dev/shm --out "$out/gpu_decode.json" "$@" \
@@ -38,6 +40,10 @@ fi
 if [[ $what == *,e2e,* ]]; then
     timeout 480 python3 -m bench.end_to_end_cuda --tmp /dev/shm --out "$out/end_to_end_cuda.json" \
         2>&1 | tee "$out/e2e.log" | grep -v Warning
+fi
+if [[ $what == *,kv,* ]]; then
+    timeout 300 python3 -m bench.kv_transfer --device cuda --out "$out/kv_transfer_cuda.json" \
+        2>&1 | tee "$out/kv.log" | grep -v Warning
 fi
 if [[ $what == *,weights,* ]]; then
     run_tests weights tests/test_weight_updates_cuda.py tests/test_worker.py

@@ -50,6 +50,9 @@ class CacheConfig(msgspec.Struct, tag=True, frozen=True, omit_defaults=True):
     gpu_memory_utilization: float = 0.9
     cpu_memory_fraction: float = 0.25  # CPU budget: this fraction of available memory
     kv_cache_bytes: int | None = None
+    # GiB of host memory for the host KV tier (blocks evicted from the prefix cache),
+    # over every worker of a replica, each holding its own share; 0: no host tier.
+    kv_offloading_size: float = 0.0
 
 
 class DeviceConfig(msgspec.Struct, tag=True, frozen=True, omit_defaults=True):

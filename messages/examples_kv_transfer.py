@@ -1,6 +1,7 @@
 """Example messages of KV transfer (messages/kv_transfer.py), for the golden fixtures: a
 prefill instance's step that stages a finished prefill's KV, a decode instance's step
-that computes nothing and starts a pull, and the reply that reports transfers over.
+that computes nothing and starts a pull, the reply that reports transfers over, and a
+step with host tier copies.
 Deterministic, like examples.py; block ids below its NUM_BLOCKS, handles its own."""
 
 from __future__ import annotations
@@ -15,12 +16,14 @@ from messages.kv_transfer import (
     KVConnectorMetadata,
     KVConnectorOutput,
     KVFailure,
+    KVHostCopies,
     KVLoad,
     KVSave,
     RemoteKV,
 )
 from messages.rpc import RpcReply, RpcRequest
-from messages.step import CachedRequestData, ModelRunnerOutput, SchedulerOutput
+from messages.sampling import SamplingParams
+from messages.step import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
 
 NUM_BLOCKS, BLOCK_SIZE = 4096, 16  # examples.py's cache
 DEADLINE, LAST_RANK = 1_767_225_600.25, 1
@@ -65,6 +68,32 @@ def transfers_reply() -> ModelRunnerOutput:
     )
 
 
+def host_tier_step(seed: int = 13) -> SchedulerOutput:
+    """A new request of 40 tokens whose first two blocks missed the device's prefix cache
+    but were in the host tier (slots 5 and 6): loaded into its blocks 7 and 8, it
+    computes the last 8 tokens. Blocks 7 and 9 held other cached blocks, which are stored
+    (into slots 2 and 3) before anything overwrites them."""
+    rng = Stream(seed)
+    new = NewRequestData(
+        req_id=req_id(14),
+        req_handle=14,
+        prompt_token_ids=rng.ints(40, 0, 32000),
+        sampling_params=SamplingParams(temperature=0.0, max_tokens=16),
+        block_ids=np.array([7, 8, 9], np.int32),
+        num_scheduled_tokens=8,
+        num_computed_tokens=32,
+        eos_token_ids=[2],
+    )
+    copies = KVHostCopies(
+        store_blocks=np.array([7, 9], np.int32),
+        store_slots=np.array([2, 3], np.int32),
+        load_slots=np.array([5, 6], np.int32),
+        load_blocks=np.array([7, 8], np.int32),
+    )
+    metadata = KVConnectorMetadata(host=copies)
+    return SchedulerOutput([new], CachedRequestData.empty(), 8, kv_connector_metadata=metadata)
+
+
 def _execute(step: SchedulerOutput, call_id: int) -> RpcRequest:
     return RpcRequest(call_id, "execute_model", [step], deadline=DEADLINE, reply_rank=LAST_RANK)
 
@@ -73,4 +102,5 @@ KV_TRANSFER_EXAMPLES: dict[str, Callable[[], Message]] = {
     "request_kv_staging_step": lambda: _execute(staging_step(), 110),
     "request_kv_pull_step": lambda: _execute(pull_step(), 111),
     "reply_kv_transfers": lambda: RpcReply(112, LAST_RANK, result=transfers_reply()),
+    "request_kv_host_tier_step": lambda: _execute(host_tier_step(), 113),
 }

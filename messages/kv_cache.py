@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Annotated
+
 import msgspec
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -40,14 +42,19 @@ class KVCacheGroup(msgspec.Struct, tag=True, frozen=True):
 
 
 class KVCacheConfig(msgspec.Struct, tag=True, frozen=True):
-    """The engine's decision: num_blocks blocks for every layer of every worker."""
+    """The engine's decision: num_blocks blocks for every layer of every worker, and
+    num_host_blocks slots of the host tier (a block of every layer of the worker each,
+    in host memory; 0: no host tier)."""
 
     num_blocks: int
     tensors: list[KVCacheTensor]
     groups: list[KVCacheGroup]
+    num_host_blocks: Annotated[int, msgspec.Meta(ge=0)] = 0
 
 
-def make_kv_cache_config(specs: list[KVCacheSpec], num_blocks: int) -> KVCacheConfig:
+def make_kv_cache_config(
+    specs: list[KVCacheSpec], num_blocks: int, num_host_blocks: int = 0
+) -> KVCacheConfig:
     """Merge the workers' specs into one group (one block table for every layer) and one
     tensor per layer of num_blocks blocks. Specs of different shapes are an error: every
     layer of a model shares the scheduler's block ids."""
@@ -63,4 +70,4 @@ def make_kv_cache_config(specs: list[KVCacheSpec], num_blocks: int) -> KVCacheCo
     merged = KVCacheSpec(first.block_size, first.num_kv_heads, first.head_size, first.dtype, names)
     tensors = [KVCacheTensor(num_blocks * merged.page_size_bytes, [n]) for n in names]
     groups = [KVCacheGroup(names, merged)]
-    return KVCacheConfig(num_blocks=num_blocks, tensors=tensors, groups=groups)
+    return KVCacheConfig(num_blocks, tensors, groups, num_host_blocks)

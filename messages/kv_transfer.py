@@ -2,6 +2,7 @@
 KV connector: what the engine's scheduler side tells its workers in a step
 (KVConnectorMetadata), what the workers report back (KVConnectorOutput), and the
 messages a decode worker and a prefill worker exchange to move one request's blocks.
+The host tier's copies (KVHostCopies) ride in the same metadata.
 
 The decode side pulls: a prefill instance keeps a finished prefill's blocks staged,
 a decode worker asks for them by request id (KVPull), gets a KVBlocks answer (the
@@ -73,12 +74,27 @@ class KVLoad(msgspec.Struct, tag=True, frozen=True):
     remote: RemoteKV
 
 
+class KVHostCopies(msgspec.Struct, tag=True, frozen=True):
+    """A step's copies between the device's blocks and the host tier's slots, done
+    before the step's forward: first every store (block store_blocks[i] into slot
+    store_slots[i]: a cached block about to be reused), then every load (slot
+    load_slots[i] into block load_blocks[i]: a prefix found in the host tier), since a
+    block stored may be the target of a load of the same step."""
+
+    store_blocks: np.ndarray  # int32
+    store_slots: np.ndarray  # int32, as long as store_blocks
+    load_slots: np.ndarray  # int32
+    load_blocks: np.ndarray  # int32, as long as load_slots
+
+
 class KVConnectorMetadata(msgspec.Struct, tag=True, omit_defaults=True):
     """A step's KV transfer orders, the scheduler side's to the workers'. saves are
-    staged after the step's forward; loads start before it and end in a later step."""
+    staged after the step's forward; loads start before it and end in a later step;
+    host copies are done before it."""
 
     saves: list[KVSave] = []
     loads: list[KVLoad] = []
+    host: KVHostCopies | None = None
 
 
 class KVFailure(msgspec.Struct, tag=True, frozen=True):

@@ -110,16 +110,25 @@ class FakeWorker:
     # Workers ignore unknown finished handles; the engine reports each once, unless it
     # is recovering from a failed step.
     strict_finished: bool = True
+    num_host_blocks: int = 0  # host tier slots: copies of kv's blocks
     kv: list[list[int | None]] = field(init=False)
+    host: list[list[int | None]] = field(init=False)
     reqs: dict[int, _RequestState] = field(default_factory=dict)
     parked: dict[int, _RequestState] = field(default_factory=dict)  # preempted
     steps: list[SchedulerOutput] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.kv = [[None] * self.block_size for _ in range(self.num_blocks)]
+        self.host = [[None] * self.block_size for _ in range(self.num_host_blocks)]
 
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
         self.steps.append(so)
+        copies = so.kv_connector_metadata.host if so.kv_connector_metadata else None
+        if copies is not None:  # before the forward: stores, then loads
+            for block, slot in zip(copies.store_blocks, copies.store_slots, strict=True):
+                self.host[slot] = list(self.kv[block])
+            for slot, block in zip(copies.load_slots, copies.load_blocks, strict=True):
+                self.kv[block] = list(self.host[slot])
         assert not set(so.finished_req_handles) & set(so.preempted_req_handles)
         for handle in so.finished_req_handles:
             known = handle in self.reqs or handle in self.parked
@@ -268,7 +277,8 @@ class FakeExecutor:
         self.kv_cache_config = kv_cache_config
         self.workers = [
             FakeWorker(kv_cache_config.num_blocks, self.block_size, self.token_fn,
-                       samples=stage == self.pp - 1)
+                       samples=stage == self.pp - 1,
+                       num_host_blocks=kv_cache_config.num_host_blocks)
             for stage in range(self.pp)
         ]  # fmt: skip
 

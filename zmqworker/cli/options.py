@@ -109,7 +109,8 @@ def add_options(group: Any, options: Iterable[Option], defaults: dict[str, Any] 
             kwargs["choices"] = choices
         else:
             kwargs["type"] = _checked(base, option.hint, unit=option.unit)
-            kwargs["metavar"] = "BYTES" if option.unit == "bytes" else _METAVARS.get(base, "VALUE")
+            scalar = "BYTES" if option.unit == "bytes" else _METAVARS.get(base, "VALUE")
+            kwargs["metavar"] = option.metavar or scalar
         group.add_argument(*option.flags, help=help_text, **kwargs)
 
 

@@ -4,7 +4,8 @@ Blocks are the workers' KV cache pages (block_size tokens each, in every layer).
 engine owns the bookkeeping; workers only ever see block ids. With prefix caching, a FULL
 block is named by a chained hash of all token ids up to its end, so a later request with
 the same prefix reuses the computed block instead of recomputing it. Freed blocks keep
-their content (and hash) until the pool hands them out again, least recently freed first.
+their content (and hash) until the pool hands them out again, least recently freed first;
+with a host tier (host_tier.py), their KV moves there then, to be loaded back on a hit.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from zmqworker.cdiv import cdiv
+from zmqworker.engine.host_tier import HostKVTier
 
 _ROOT_HASH = b""
 
@@ -28,7 +30,13 @@ def hash_block(parent: bytes, token_ids: Sequence[int]) -> bytes:
 class KVBlockManager:
     """Allocates block ids to requests. Not thread-safe: the scheduler owns it."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False):
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = False,
+        host_tier: HostKVTier | None = None,
+    ):
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         if block_size < 1:
@@ -36,6 +44,12 @@ class KVBlockManager:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        if host_tier is not None and not enable_prefix_caching:
+            raise ValueError(
+                "a host KV tier keeps the blocks the prefix cache evicts: it needs prefix "
+                "caching on (enable_prefix_caching)"
+            )
+        self.host_tier = host_tier
         # Blocks nobody references, in reuse order: the first is handed out next.
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._ref_counts = [0] * num_blocks
@@ -57,6 +71,11 @@ class KVBlockManager:
         return len(self._free)
 
     @property
+    def num_host_blocks(self) -> int:
+        """Slots of the host tier (0: none)."""
+        return self.host_tier.num_slots if self.host_tier is not None else 0
+
+    @property
     def usage(self) -> float:
         """Fraction of blocks referenced by some request."""
         return 1.0 - len(self._free) / self.num_blocks
@@ -71,6 +90,8 @@ class KVBlockManager:
     def new_step(self) -> None:
         """Start building a new step: blocks registered so far become prefix-cache hits."""
         self._fresh.clear()
+        if self.host_tier is not None:
+            self.host_tier.new_step()
 
     def get_computed_blocks(self, req_id: str, token_ids: Sequence[int]) -> tuple[list[int], int]:
         """(blocks, tokens) of the longest cached prefix of token_ids, in full blocks.
@@ -90,6 +111,15 @@ class KVBlockManager:
             blocks.append(block)
         return blocks, len(blocks) * self.block_size
 
+    def get_host_hits(self, req_id: str, token_ids: Sequence[int], num_hits: int) -> list[int]:
+        """The host tier's slots of the full blocks that follow the num_hits blocks
+        get_computed_blocks found, as far as the tier holds them (at least one token
+        is left to compute). Pass them to allocate_slots as host_slots."""
+        if self.host_tier is None:
+            return []
+        hashes = self._hashes(req_id, token_ids, (len(token_ids) - 1) // self.block_size)
+        return self.host_tier.find(hashes[num_hits:])
+
     def allocate_slots(
         self,
         req_id: str,
@@ -98,6 +128,7 @@ class KVBlockManager:
         num_new_tokens: int,
         computed_blocks: Sequence[int] = (),
         num_placeholders: int = 0,
+        host_slots: Sequence[int] = (),
     ) -> list[int] | None:
         """Make room for num_new_tokens more tokens of req_id; return the block ids newly
         taken from the pool, or None (changing nothing) when there are not enough.
@@ -106,7 +137,9 @@ class KVBlockManager:
         of them, but for num_placeholders at the end that a step in flight will sample
         (async scheduling; a block is registered for prefix caching only once all of its
         tokens are known). computed_blocks, from get_computed_blocks, are prefix-cache
-        hits that start a request holding no blocks yet.
+        hits that start a request holding no blocks yet; host_slots, from get_host_hits,
+        the blocks after them that the host tier loads into the first new blocks (their
+        tokens counted in num_computed_tokens).
         """
         if num_new_tokens < 1:
             raise ValueError(f"{req_id}: num_new_tokens must be >= 1, got {num_new_tokens}")
@@ -123,12 +156,13 @@ class KVBlockManager:
             and (not self.enable_prefix_caching or num_full <= self._num_registered.get(req_id, 0))
         ):
             return []  # the common decode step: room left, no block newly full
-        if computed_blocks and table:
+        if (computed_blocks or host_slots) and table:
             raise ValueError(f"{req_id}: prefix-cache hits given for a request holding blocks")
         held = len(table) + len(computed_blocks)
-        if num_computed_tokens > held * self.block_size:
+        if num_computed_tokens > (held + len(host_slots)) * self.block_size:
             raise ValueError(
-                f"{req_id}: {num_computed_tokens} computed tokens but only {held} blocks held"
+                f"{req_id}: {num_computed_tokens} computed tokens but only "
+                f"{held + len(host_slots)} blocks held or loaded"
             )
         num_needed = max(0, cdiv(total, self.block_size) - held)
         # Hits on free cached blocks leave the free list, so they count against it.
@@ -140,6 +174,9 @@ class KVBlockManager:
                 del self._free[block]
             self._ref_counts[block] += 1
         new_blocks = [self._take_free_block() for _ in range(num_needed)]
+        if host_slots:
+            assert self.host_tier is not None
+            self.host_tier.load(host_slots, new_blocks[: len(host_slots)])
         table = self._tables.setdefault(req_id, table)
         table.extend(computed_blocks)
         table.extend(new_blocks)
@@ -180,12 +217,16 @@ class KVBlockManager:
         self._cached.clear()
         self._block_hash.clear()
         self._fresh.clear()
+        if self.host_tier is not None:
+            self.host_tier.reset()
 
     def _take_free_block(self) -> int:
         block, _ = self._free.popitem(last=False)
         block_hash = self._block_hash.pop(block, None)
         if block_hash is not None:
             del self._cached[block_hash]
+            if self.host_tier is not None and block not in self._fresh:
+                self.host_tier.evicted(block, block_hash)  # stored before it is written
             self._fresh.discard(block)
         self._ref_counts[block] = 1
         return block

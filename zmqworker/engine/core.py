@@ -19,6 +19,7 @@ from messages import (
 )
 from zmqworker.engine.batch_queue import BatchQueue, DeferredSample
 from zmqworker.engine.block_manager import KVBlockManager
+from zmqworker.engine.host_tier import make_host_tier
 from zmqworker.engine.kv_connector import KVConnectorScheduler
 from zmqworker.engine.request import FinishReason, Request
 from zmqworker.engine.scheduler import Scheduler
@@ -97,9 +98,10 @@ class EngineCore:
         async_steps_in_flight: int = ASYNC_STEPS_IN_FLIGHT,
         kv_transfer: KVTransferConfig | None = None,
         structured: StructuredOutputs | None = None,
+        kv_offloading_size: float = 0.0,
     ) -> None:
         """kv_transfer: the workers' KV transfer config (WorkerConfig.kv_transfer), for
-        the scheduler side of their connector; None: no KV transfer."""
+        their connector's scheduler side (None: none); kv_offloading_size: host tier GiB."""
         if async_steps_in_flight < 2:
             raise ValueError(f"async_steps_in_flight must be >= 2, got {async_steps_in_flight}")
         config = scheduler_config or SchedulerConfig()
@@ -110,16 +112,15 @@ class EngineCore:
         specs = executor.get_kv_cache_specs()
         num_blocks = num_blocks_from_memory(available, specs)
         logger.info("memory profile: %.1f s", time.perf_counter() - started)
-        self.block_manager = KVBlockManager(num_blocks, specs[0].block_size, enable_prefix_caching)
+        self.block_manager = KVBlockManager(
+            num_blocks, specs[0].block_size, enable_prefix_caching,
+            make_host_tier(kv_offloading_size, specs),
+        )  # fmt: skip
         stages = executor.max_concurrent_batches
         self.async_scheduling = async_scheduling and stages == 1
         depth = async_steps_in_flight if self.async_scheduling else stages
-        self.kv_connector = None
-        if kv_transfer is not None:
-            tp = executor.world_size  # the workers refuse pipeline stages with KV transfer
-            produces = range(tp) if kv_transfer.produces else range(0)
-            addresses = [kv_transfer.address(rank) for rank in produces]
-            self.kv_connector = KVConnectorScheduler(self.block_manager, addresses)
+        tp = executor.world_size if kv_transfer is not None else 0  # no pipeline stages then
+        self.kv_connector = KVConnectorScheduler.of(kv_transfer, self.block_manager, tp)
         # Pipeline stages before the last do not sample: they get the tokens in the deltas.
         self.scheduler = Scheduler(
             self.block_manager,
@@ -135,7 +136,8 @@ class EngineCore:
             lambda output: executor.execute_model(output, non_block=depth > 1), depth
         )
         started = time.perf_counter()
-        executor.initialize_from_config(make_kv_cache_config(specs, num_blocks))
+        num_slots = self.block_manager.num_host_blocks
+        executor.initialize_from_config(make_kv_cache_config(specs, num_blocks, num_slots))
         logger.info(
             "KV cache: %d blocks of %d tokens = %.1f MiB per worker: %.1f s",
             num_blocks,
@@ -293,6 +295,7 @@ class EngineCore:
             except Exception:
                 logger.debug("a step in flight failed too", exc_info=True)
         aborted = self.scheduler.reset_after_failure()
+        self.block_manager.reset_prefix_cache()  # the step may have left blocks half written
         logger.warning("a step failed: %d requests aborted", len(aborted))
 
     # -- between steps ----------------------------------------------------------------

@@ -57,6 +57,7 @@ def build_core(
             enable_prefix_caching=config.enable_prefix_caching,
             async_scheduling=config.async_scheduling,
             kv_transfer=config.worker.kv_transfer,
+            kv_offloading_size=config.worker.cache.kv_offloading_size,
             structured=StructuredOutputs(
                 GrammarCompiler(config.worker.model.path, config.vocab_size)
             ),

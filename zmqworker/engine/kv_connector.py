@@ -11,6 +11,8 @@ queue, so it never holds other requests back: once blocks for its remote tokens 
 free, a step orders the pull (KVLoad); once the workers report the KV in, it joins the
 front of the waiting queue with those tokens computed. A failed pull finishes it with
 an error naming it, and its blocks go.
+
+A step's orders (step_orders) also carry the host tier's copies (host_tier.py).
 """
 
 from __future__ import annotations
@@ -19,9 +21,17 @@ from collections.abc import Callable
 
 import numpy as np
 
-from messages import KVConnectorMetadata, KVConnectorOutput, KVLoad, KVSave, RemoteKV
+from messages import (
+    KVConnectorMetadata,
+    KVConnectorOutput,
+    KVLoad,
+    KVSave,
+    KVTransferConfig,
+    RemoteKV,
+)
 from zmqworker.cdiv import cdiv
 from zmqworker.engine.block_manager import KVBlockManager
+from zmqworker.engine.host_tier import HostKVTier
 from zmqworker.engine.request import FinishReason, Request, RequestStatus
 
 
@@ -38,6 +48,16 @@ class KVConnectorScheduler:
         self._saves: list[KVSave] = []
         self._loads: list[KVLoad] = []
         self.num_loaded = 0  # requests whose remote KV came in, since start
+
+    @classmethod
+    def of(
+        cls, config: KVTransferConfig | None, block_manager: KVBlockManager, tp: int
+    ) -> KVConnectorScheduler | None:
+        """The scheduler side for tp workers given config (None: no KV transfer)."""
+        if config is None:
+            return None
+        produces = range(tp) if config.produces else range(0)
+        return cls(block_manager, [config.address(rank) for rank in produces])
 
     @property
     def busy(self) -> bool:
@@ -145,3 +165,17 @@ class KVConnectorScheduler:
         self._aborted.clear()
         self._saves, self._loads = [], []
         return waiting
+
+
+def step_orders(
+    connector: KVConnectorScheduler | None, host_tier: HostKVTier | None
+) -> KVConnectorMetadata | None:
+    """The step's orders to the workers' connectors: the transfers', the host tier's."""
+    orders = connector.metadata() if connector is not None else None
+    copies = host_tier.take_copies() if host_tier is not None else None
+    if copies is None:
+        return orders
+    if orders is None:
+        return KVConnectorMetadata(host=copies)
+    orders.host = copies
+    return orders

@@ -20,11 +20,13 @@ from zmqworker.engine.running import RunningTable
 
 def computed_prompt_blocks(
     request: Request, requests: dict[str, Request], table: RunningTable, kv: KVBlockManager
-) -> tuple[list[int], int] | None:
-    """(blocks, tokens) a waiting request starts from: its sibling's full prompt blocks,
-    else the prefix cache's hits (get_computed_blocks); None while the sibling's prompt
-    is not computed yet (the request waits). Read while a step is drafted: a sibling's
-    computed tokens (its table's count) are those of the steps before it only."""
+) -> tuple[list[int], list[int], int] | None:
+    """(blocks, host slots, tokens) a waiting request starts from: its sibling's full
+    prompt blocks, else the prefix cache's hits (get_computed_blocks) and the host tier's
+    after them (get_host_hits, loaded into its first new blocks); None while the
+    sibling's prompt is not computed yet (the request waits). Read while a step is
+    drafted: a sibling's computed tokens (its table's count) are those of the steps
+    before it only."""
     num_blocks = (len(request.prompt_token_ids) - 1) // kv.block_size
     name = request.shares_prompt_with
     sibling = requests.get(name) if name is not None else None
@@ -34,8 +36,10 @@ def computed_prompt_blocks(
         or request.output_token_ids  # a restart: its outputs are part of its prompt now
         or sibling.prompt_token_ids != request.prompt_token_ids
     ):
-        return kv.get_computed_blocks(request.req_id, request.all_token_ids)
+        blocks, num_tokens = kv.get_computed_blocks(request.req_id, request.all_token_ids)
+        slots = kv.get_host_hits(request.req_id, request.all_token_ids, len(blocks))
+        return blocks, slots, num_tokens + len(slots) * kv.block_size
     num_tokens = num_blocks * kv.block_size
     if sibling.status is not RequestStatus.RUNNING or table.computed_of(sibling) < num_tokens:
         return None
-    return kv.block_ids(sibling.req_id)[:num_blocks], num_tokens
+    return kv.block_ids(sibling.req_id)[:num_blocks], [], num_tokens

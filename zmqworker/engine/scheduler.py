@@ -35,7 +35,7 @@ from zmqworker.engine.admission import check_limits, check_new_request
 from zmqworker.engine.block_manager import KVBlockManager
 from zmqworker.engine.handles import HandlePool
 from zmqworker.engine.in_flight import StepsInFlight
-from zmqworker.engine.kv_connector import KVConnectorScheduler
+from zmqworker.engine.kv_connector import KVConnectorScheduler, step_orders
 from zmqworker.engine.prompt_sharing import computed_prompt_blocks
 from zmqworker.engine.request import FinishReason, Request, RequestStatus
 from zmqworker.engine.running import RunningTable
@@ -166,7 +166,7 @@ class Scheduler:
         if not preempted:
             budget = self._schedule_waiting(draft, budget, max_reqs)
         connector = self.kv_connector
-        kv_orders = connector.metadata() if connector is not None else None
+        kv_orders = step_orders(connector, self.kv.host_tier)
         output = None
         if draft or kv_orders is not None or (connector is not None and connector.busy):
             output = draft.send(
@@ -256,15 +256,15 @@ class Scheduler:
         ):
             request = self.waiting[0]
             if request.num_loaded_tokens:  # its KV came from a prefill: blocks held
-                hits, num_hit = [], request.num_loaded_tokens
+                hits, host_slots, num_hit = [], [], request.num_loaded_tokens
             else:
                 computed = computed_prompt_blocks(request, self._requests, self.table, self.kv)
                 if computed is None:
                     break  # its sibling computes the prompt they share: after that step
-                hits, num_hit = computed
+                hits, host_slots, num_hit = computed
             num_new = min(request.num_tokens - num_hit, budget)
             new_blocks = self.kv.allocate_slots(
-                request.req_id, request.all_token_ids, num_hit, num_new, hits
+                request.req_id, request.all_token_ids, num_hit, num_new, hits, 0, host_slots
             )
             if new_blocks is None:
                 break

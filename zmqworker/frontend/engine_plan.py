@@ -61,6 +61,11 @@ class EnginePlan:
         local = not callable(executor) and executor == "mp"
         if device == "cuda" and local:
             check_gpu_layout(dp, tp, pp, gpus)
+        if o["kv_offloading_size"] and not o["enable_prefix_caching"]:
+            raise ValueError(
+                f"kv_offloading_size={o['kv_offloading_size']}: the host KV tier keeps the "
+                "blocks the prefix cache evicts, so it needs enable_prefix_caching=True"
+            )
         block_size, max_num_seqs = o["block_size"], o["max_num_seqs"]
         cache = cache_config_for(
             folder,
@@ -69,6 +74,7 @@ class EnginePlan:
                 gpu_memory_utilization=o["gpu_memory_utilization"],
                 cpu_memory_fraction=o["cpu_memory_fraction"] or CacheConfig().cpu_memory_fraction,
                 kv_cache_bytes=o["kv_cache_bytes"],
+                kv_offloading_size=o["kv_offloading_size"],
             ),
             num_blocks=max_num_seqs * cdiv(max_model_len, block_size),
             fill=o["cpu_memory_fraction"] is not None,

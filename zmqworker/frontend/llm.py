@@ -23,6 +23,7 @@ from zmqworker.frontend.frontend import Frontend
 from zmqworker.frontend.llm_args import (
     AtLeastMinusOne,
     Fraction,
+    GiB,
     Positive,
     Seconds,
     arg_types,
@@ -111,6 +112,14 @@ class LLM(Frontend):
             Fraction, opt("CUDA: the fraction of GPU memory the workers fill")
         ] = 0.9,
         enable_prefix_caching: Annotated[bool, opt("share the KV of common prefixes")] = False,
+        kv_offloading_size: Annotated[
+            GiB,
+            opt(
+                "GiB of host memory (pinned on CUDA) that keeps the blocks the prefix cache "
+                "evicts, over each replica's workers, for later prefix hits (0: none)",
+                metavar="GIB",
+            ),
+        ] = 0.0,
         async_scheduling: Annotated[
             bool, opt("schedule the next step while the workers run this one (one stage)")
         ] = True,

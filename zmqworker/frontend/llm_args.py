@@ -15,6 +15,7 @@ from msgspec import Meta
 Positive = Annotated[int, Meta(ge=1)]
 Fraction = Annotated[float, Meta(gt=0, le=1)]
 Seconds = Annotated[float, Meta(gt=0)]
+GiB = Annotated[float, Meta(ge=0)]
 AtLeastMinusOne = Annotated[int, Meta(ge=-1)]
 
 

@@ -33,3 +33,33 @@ class KVConnector(ABC):
     @abstractmethod
     def shutdown(self) -> None:
         """Stop serving and pulling; staged KV and sockets go. Safe to call twice."""
+
+
+class KVConnectors(KVConnector):
+    """Several connectors as one (the host tier's and the transfer's): each hook calls
+    them in order, and their reports are merged."""
+
+    def __init__(self, connectors: list[KVConnector]) -> None:
+        self.connectors = connectors
+
+    def before_step(self, metadata: KVConnectorMetadata | None) -> None:
+        for connector in self.connectors:
+            connector.before_step(metadata)
+
+    def after_step(self, metadata: KVConnectorMetadata | None) -> None:
+        for connector in self.connectors:
+            connector.after_step(metadata)
+
+    def take_output(self, wait_s: float = 0.0) -> KVConnectorOutput | None:
+        merged = KVConnectorOutput()
+        for connector in self.connectors:
+            output = connector.take_output(wait_s)
+            if output is not None:
+                merged.finished_sending += output.finished_sending
+                merged.finished_recving += output.finished_recving
+                merged.failed_recving += output.failed_recving
+        return merged if merged else None
+
+    def shutdown(self) -> None:
+        for connector in self.connectors:
+            connector.shutdown()

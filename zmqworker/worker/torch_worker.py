@@ -155,11 +155,12 @@ class Worker(WorkerBase):
             )
         runner.initialize_kv_cache(kv_cache_config)
         self._kv_cache_config = kv_cache_config
-        transfer = self.config.kv_transfer
-        if transfer is not None and self.kv_connector is None:
+        wanted = self.config.kv_transfer is not None or kv_cache_config.num_host_blocks > 0
+        if wanted and self.kv_connector is None:
             assert self.state is not None
             self.kv_connector = make_kv_connector(
-                transfer,
+                self.config.kv_transfer,
+                kv_cache_config.num_host_blocks,
                 lambda: runner.kv_caches,
                 spec,
                 self.state.tp_rank,
