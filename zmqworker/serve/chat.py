@@ -39,7 +39,7 @@ async def create_chat_completion(
     text: TextPool,
     tools: ToolOptions,
 ) -> JSONResponse | StreamingResponse:
-    parser = body.tool_parser(tools)
+    calls = _Calls(body, body.tool_parser(tools))  # an "auto" the server cannot read: 400
     prompt = await text.run(_prompt, llm, body)
     max_tokens = body.max_completion_tokens or body.max_tokens
     params = sampling_params(llm, body, len(prompt), max_tokens, body.num_logprobs())
@@ -47,11 +47,10 @@ async def create_chat_completion(
     if body.stream:
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         return StreamingResponse(
-            _stream(llm, prompt, params, head, include_usage, _Calls(body, parser)),
+            _stream(llm, prompt, params, head, include_usage, calls),
             media_type="text/event-stream",
         )
     finals = await until_disconnected(http, _finals(llm, prompt, params))
-    calls = _Calls(body, parser)
     choices = []
     for i, out in enumerate(finals):
         message = calls.message(out.text)
