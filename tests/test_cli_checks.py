@@ -142,7 +142,7 @@ def test_bad_prompt_sources_name_the_prompt_and_line(refuse, tmp_path):
         b'{"prompt": "a\\udcff"}\n': "prompt 0 (FILE line 1) is not valid JSON (JSON is "
         "malformed: invalid utf-16 surrogate pair",
         b'{"messages": [{"role": "bot", "content": "x"}]}\n': "prompt 0 (FILE line 1): message "
-        "0: role must be system, user or assistant, got 'bot'",
+        "0: role must be system, user, assistant or tool, got 'bot'",
         b"ok\nbad \xff\n": "prompt 1 (FILE line 2) is not valid UTF-8 text: byte 0xff at byte "
         "5 of the line",
     }

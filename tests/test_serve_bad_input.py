@@ -204,8 +204,8 @@ COMPLETIONS, CHAT_COMPLETIONS = "/v1/completions", "/v1/chat/completions"
         (COMPLETIONS, {"repetition_penalty": 0}, "repetition_penalty", "repetition_penalty: "),
         (COMPLETIONS, {"logit_bias": {"-1": 5}}, "logit_bias", "logit_bias: keys must be"),
         (COMPLETIONS, {"bad_words": [""]}, "bad_words[0]", "bad_words[0]: must not be empty"),
-        (CHAT_COMPLETIONS, {"tools": [{"type": "function"}]}, "tools", "tools are not supported"),
-        (CHAT_COMPLETIONS, {"tool_choice": "auto"}, "tool_choice", "tool_choice is not"),
+        (CHAT_COMPLETIONS, {"tools": [{"type": "function"}]}, "tools[0].function", "tools[0]"),
+        (CHAT_COMPLETIONS, {"tool_choice": "auto"}, "tool_choice", 'tool_choice "auto" needs'),
         (
             CHAT_COMPLETIONS,
             {"response_format": {"type": "json_schema"}},

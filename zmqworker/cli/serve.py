@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 from zmqworker.cli.options import add_options, given, llm_options, parse_size
 from zmqworker.serve.sizing import default_api_server_count
+from zmqworker.serve.tool_parsers import TOOL_PARSERS
 
 if TYPE_CHECKING:  # the server's modules load starlette: not for `--help`
     from zmqworker.serve.cors import CorsOptions
@@ -66,6 +67,23 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         help="serve /sleep, /wake_up, /reset_prefix_cache, /update_weights_from_disk and "
         "/is_sleeping (behind the API key when one is set)",
     )
+    tools = parser.add_argument_group(
+        "tool calling",
+        'tools with tool_choice "required" or a named function work without these (structured '
+        'outputs force the calls); "auto" needs both',
+    )
+    tools.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='let tool_choice "auto" (the default when tools are given) read the calls the '
+        "model chooses to make out of its reply",
+    )
+    tools.add_argument(
+        "--tool-call-parser",
+        choices=sorted(TOOL_PARSERS),
+        help="the format of the model's calls: hermes (<tool_call>{json}</tool_call>: Qwen2, "
+        'Qwen2.5, Qwen3) or llama3_json ({"name": ..., "parameters": ...}: Llama 3.1+)',
+    )
     cors = parser.add_argument_group(
         "CORS", "pages on other origins calling from browsers (default: no CORS headers)"
     )
@@ -100,6 +118,8 @@ def run(args: argparse.Namespace) -> int:
     if not 0 < args.port < 65536:
         raise ValueError(f"--port must be in [1, 65535], got {args.port}")
     cors = _cors(args)
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
     serve(
         given(args, LLM_OPTIONS),
         host=args.host,
@@ -111,6 +131,7 @@ def run(args: argparse.Namespace) -> int:
         api_server_count=args.api_server_count,
         enable_admin_endpoints=args.enable_admin_endpoints,
         cors=cors,
+        tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
         **({} if args.max_request_bytes is None else {"max_request_bytes": args.max_request_bytes}),
     )
     return 0

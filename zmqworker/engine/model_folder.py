@@ -57,6 +57,7 @@ class TextSide:
         add_special_tokens: bool = False,
         continue_final_message: bool = False,
         template_kwargs: Mapping[str, Any] | None = None,
+        tools: Sequence[dict[str, Any]] | None = None,
     ) -> list[int]:
         """The token ids of a conversation, ending where the assistant's reply starts
         (add_generation_prompt=False: after the last message; continue_final_message:
@@ -64,7 +65,9 @@ class TextSide:
         tokens itself: add_special_tokens adds the tokenizer's (a BOS) again.
         template_kwargs: more variables for the template (vLLM's chat_template_kwargs,
         such as enable_thinking); as in vLLM they may set add_generation_prompt and
-        continue_final_message too, but no other argument of apply_chat_template's."""
+        continue_final_message too, but no other argument of apply_chat_template's.
+        tools: the functions the model may call, in OpenAI's shape, for the template to
+        write out (a template that knows no tools leaves them out, as transformers does)."""
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("the model's tokenizer has no chat template")
         check_conversation(messages)
@@ -88,6 +91,7 @@ class TextSide:
             list(messages),
             add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message,
+            tools=None if tools is None else list(tools),
             tokenize=False,
             **extra,
         )
@@ -109,9 +113,10 @@ def check_conversation(messages: Sequence[dict[str, Any]]) -> None:
     for i, message in enumerate(messages):
         if not isinstance(message, dict) or not isinstance(message.get("content"), str):
             raise ValueError(f"message {i}: expected {{'role': ..., 'content': str}}")
-        if message.get("role") not in ("system", "user", "assistant"):
+        if message.get("role") not in ("system", "user", "assistant", "tool"):
             raise ValueError(
-                f"message {i}: role must be system, user or assistant, got {message.get('role')!r}"
+                f"message {i}: role must be system, user, assistant or tool, got "
+                f"{message.get('role')!r}"
             )
         check_text(message["content"], f"message {i}'s content")
 

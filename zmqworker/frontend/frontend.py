@@ -128,15 +128,18 @@ class Frontend(ControlMethods):
         add_special_tokens: bool = False,
         continue_final_message: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[int]:
         """The prompt of a conversation, ending where the assistant's reply starts, or
-        inside the last message with continue_final_message (TextSide.chat_prompt)."""
+        inside the last message with continue_final_message; tools for the template to
+        write out (TextSide.chat_prompt)."""
         return self._texts.chat_prompt(
             messages,
             add_generation_prompt,
             add_special_tokens,
             continue_final_message,
             chat_template_kwargs,
+            tools,
         )
 
     async def generate_stream(

@@ -29,6 +29,7 @@ from zmqworker.frontend.frontend import Frontend
 from zmqworker.runtime.parent_death import PARENT_DEATH_SIGNAL, exit_with_parent
 from zmqworker.serve.app import build_app
 from zmqworker.serve.cors import CorsOptions
+from zmqworker.serve.tools import ToolOptions
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +54,7 @@ class ApiServerConfig(msgspec.Struct, frozen=True):
     max_request_bytes: int
     enable_admin_endpoints: bool
     cors: CorsOptions | None
+    tool_call_parser: str | None  # "auto" tool choice's parser (None: refused)
     log_level: str  # uvicorn's
     engine_log_level: str  # the zmqworker logger's
 
@@ -85,6 +87,7 @@ def run(config: ApiServerConfig) -> int:
                     config.max_request_bytes,
                     config.enable_admin_endpoints,
                     config.cors,
+                    ToolOptions(config.tool_call_parser),
                 ),
                 loop="uvloop",
                 timeout_graceful_shutdown=config.shutdown_timeout_s,

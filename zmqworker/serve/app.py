@@ -37,6 +37,7 @@ from zmqworker.serve.protocol import ChatCompletionRequest, CompletionRequest
 from zmqworker.serve.request_id import RequestId
 from zmqworker.serve.text_pool import TextPool
 from zmqworker.serve.tokenize import DetokenizeRequest, TokenizeRequest, detokenize, tokenize
+from zmqworker.serve.tools import ToolOptions
 
 logger = logging.getLogger(__name__)
 HEALTH_TIMEOUT_S = 10.0
@@ -49,8 +50,10 @@ def build_app(
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
     enable_admin_endpoints: bool = False,
     cors: CorsOptions | None = None,
+    tools: ToolOptions | None = None,
 ) -> FastAPI:
     text = TextPool()
+    tool_options = tools or ToolOptions()
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -124,7 +127,7 @@ def build_app(
     async def chat_completions(request: Request) -> Response:
         body = await text.run(decode_body, await request.body(), ChatCompletionRequest)
         check_model(body.model)
-        return await create_chat_completion(llm, model_name, body, request, text)
+        return await create_chat_completion(llm, model_name, body, request, text, tool_options)
 
     @app.post("/tokenize", dependencies=[Depends(authorized)])
     async def tokenize_text(request: Request) -> dict:

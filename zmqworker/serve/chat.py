@@ -1,5 +1,6 @@
 """POST /v1/chat/completions: the model's chat template over the messages (system role
-included), the reply whole or streamed as server-sent events."""
+included) and the request's tools, the reply whole or streamed as server-sent events, its
+tool calls read out of it when tool_choice asks for them (serve/tools.py)."""
 
 from __future__ import annotations
 
@@ -25,11 +26,20 @@ from zmqworker.serve.generation import (
 from zmqworker.serve.protocol import ChatCompletionRequest
 from zmqworker.serve.request_id import request_id
 from zmqworker.serve.text_pool import TextPool
+from zmqworker.serve.tool_calls import ToolCallStream, tool_message
+from zmqworker.serve.tool_parsers import ToolParser
+from zmqworker.serve.tools import ToolOptions
 
 
 async def create_chat_completion(
-    llm: Frontend, model: str, body: ChatCompletionRequest, http: HTTPRequest, text: TextPool
+    llm: Frontend,
+    model: str,
+    body: ChatCompletionRequest,
+    http: HTTPRequest,
+    text: TextPool,
+    tools: ToolOptions,
 ) -> JSONResponse | StreamingResponse:
+    calls = _Calls(body, body.tool_parser(tools))  # an "auto" the server cannot read: 400
     prompt = await text.run(_prompt, llm, body)
     max_tokens = body.max_completion_tokens or body.max_tokens
     params = sampling_params(llm, body, len(prompt), max_tokens, body.num_logprobs())
@@ -37,19 +47,22 @@ async def create_chat_completion(
     if body.stream:
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         return StreamingResponse(
-            _stream(llm, prompt, params, head, include_usage), media_type="text/event-stream"
+            _stream(llm, prompt, params, head, include_usage, calls),
+            media_type="text/event-stream",
         )
     finals = await until_disconnected(http, _finals(llm, prompt, params))
-    choices = [
-        {
-            "index": i,
-            "message": {"role": "assistant", "content": out.text},
-            "logprobs": _logprobs(out.logprobs) if out.logprobs is not None else None,
-            "finish_reason": finish_reason(out),
-            "stop_reason": out.stop_reason,
-        }
-        for i, out in enumerate(finals)
-    ]
+    choices = []
+    for i, out in enumerate(finals):
+        message = calls.message(out.text)
+        choices.append(
+            {
+                "index": i,
+                "message": message,
+                "logprobs": _logprobs(out.logprobs) if out.logprobs is not None else None,
+                "finish_reason": calls.finish_reason(out, "tool_calls" in message),
+                "stop_reason": out.stop_reason,
+            }
+        )
     return JSONResponse(
         {**head, "object": "chat.completion", "choices": choices, "usage": usage(finals)}
     )
@@ -64,6 +77,7 @@ def _prompt(llm: Frontend, body: ChatCompletionRequest) -> list[int]:
             add_generation_prompt=body.add_generation_prompt,
             continue_final_message=body.continue_final_message,
             chat_template_kwargs=body.chat_template_kwargs,
+            tools=body.template_tools(),
         )
         return llm.encode(prompt)
     except ValueError as exc:
@@ -76,6 +90,29 @@ def _prompt(llm: Frontend, body: ChatCompletionRequest) -> list[int]:
 _TEMPLATE_OPTIONS = ("continue_final_message", "chat_template_kwargs")
 
 
+class _Calls:
+    """How a request's replies are read: with its tool parser (None: content only)."""
+
+    def __init__(self, body: ChatCompletionRequest, parser: ToolParser | None) -> None:
+        self.parser = parser
+        self.parallel = body.parallel()
+        self.named = body.forced() and body.choice() != "required"
+
+    def message(self, text: str) -> dict[str, Any]:
+        if self.parser is None:
+            return {"role": "assistant", "content": text}
+        return tool_message(self.parser, text, self.parallel)
+
+    def stream(self) -> ToolCallStream | None:
+        return None if self.parser is None else ToolCallStream(self.parser, self.parallel)
+
+    def finish_reason(self, out: RequestOutput, called: bool) -> str | None:
+        """ "tool_calls" when the model stopped after calls of its choosing; a named
+        function's call ends as "stop" (OpenAI's), one cut short as "length"."""
+        reason = finish_reason(out)
+        return "tool_calls" if called and reason == "stop" and not self.named else reason
+
+
 async def _finals(llm: Frontend, prompt: list[int], params: Any) -> list[RequestOutput]:
     """Each choice's last output, in choice order."""
     finals: dict[int, RequestOutput] = {}
@@ -85,7 +122,12 @@ async def _finals(llm: Frontend, prompt: list[int], params: Any) -> list[Request
 
 
 async def _stream(
-    llm: Frontend, prompt: list[int], params: Any, head: dict[str, Any], include_usage: bool
+    llm: Frontend,
+    prompt: list[int],
+    params: Any,
+    head: dict[str, Any],
+    include_usage: bool,
+    calls: _Calls,
 ) -> AsyncIterator[str]:
     head = {**head, "object": "chat.completion.chunk"}
 
@@ -95,6 +137,7 @@ async def _stream(
     for index in range(params.n):
         yield chunk(index, {"role": "assistant", "content": ""}, logprobs=None, finish_reason=None)
     sent = [0] * params.n  # positions whose logprobs were sent, per choice
+    streams = [calls.stream() for _ in range(params.n)]
     finals: list[RequestOutput] = []
     try:
         async for index, out in run_prompts(llm, [prompt], params):
@@ -102,10 +145,17 @@ async def _stream(
             if out.logprobs is not None:
                 logprobs = _logprobs(out.logprobs[sent[index] :])
                 sent[index] = len(out.logprobs)
-            if out.new_text or logprobs:
-                yield chunk(index, {"content": out.new_text}, logprobs=logprobs, finish_reason=None)
+            tool_stream = streams[index]
+            if tool_stream is None:
+                deltas = [{"content": out.new_text}] if out.new_text or logprobs else []
+            else:  # text a call may start with is held until the next text tells
+                deltas = tool_stream.step(out.new_text, out.finished) or ([{}] if logprobs else [])
+            for delta in deltas:
+                yield chunk(index, delta, logprobs=logprobs, finish_reason=None)
+                logprobs = None
             if out.finished:
-                reason, stop_reason = finish_reason(out), out.stop_reason
+                called = tool_stream is not None and tool_stream.called
+                reason, stop_reason = calls.finish_reason(out, called), out.stop_reason
                 yield chunk(index, {}, logprobs=None, finish_reason=reason, stop_reason=stop_reason)
                 finals.append(out)
         if include_usage:

@@ -6,24 +6,27 @@ implement is refused as not supported (unsupported.py) unless it has its neutral
 top_k, min_p, ignore_eos, stop_token_ids, repetition_penalty, min_tokens, bad_words,
 include_stop_str_in_output, skip_special_tokens, chat's add_generation_prompt,
 continue_final_message and chat_template_kwargs, structured_outputs and guided_* are
-vLLM's extensions."""
+vLLM's extensions. Tool calling: serve/tools.py."""
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any
 
 from msgspec import Meta, Struct
 
+from messages import StructuredOutputsParams
 from messages.sampling import MAX_N
 from zmqworker.serve.errors import APIError
 from zmqworker.serve.structured import StructuredFields
+from zmqworker.serve.tools import NamedToolChoice, Tool, ToolFields
 from zmqworker.serve.unsupported import refuse_unsupported, unsupported_part
 
 MAX_LOGPROBS = 20  # the OpenAI API's bound, and the workers' default max_logprobs
 # The most prompts one completion request may hold: each becomes a request in the engine,
 # added on the event loop (OpenAI's bound on the inputs of one embeddings request).
 MAX_PROMPTS = 2048
-ROLES = ("system", "developer", "user", "assistant")
+ROLES = ("system", "developer", "user", "assistant", "tool")
 
 TokenId = Annotated[int, Meta(ge=0)]
 StopString = Annotated[str, Meta(min_length=1)]
@@ -156,10 +159,23 @@ class ContentPart(Struct, forbid_unknown_fields=True):
     file: Any = None
 
 
+class FunctionCall(Struct, forbid_unknown_fields=True):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(Struct, forbid_unknown_fields=True):
+    id: str
+    function: FunctionCall
+    type: str = "function"
+
+
 class ChatMessage(Struct, forbid_unknown_fields=True):
     role: str
-    content: str | list[ContentPart]
+    content: str | list[ContentPart] | None = None  # None: an assistant's tool calls only
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's calls
+    tool_call_id: str | None = None  # a tool's result: the call it answers
 
     def check(self, where: str) -> None:
         if self.role not in ROLES:
@@ -167,6 +183,26 @@ class ChatMessage(Struct, forbid_unknown_fields=True):
                 f"{where}.role must be one of {', '.join(ROLES)}, got {self.role!r}",
                 param=f"{where}.role",
             )
+        if self.tool_calls is not None and self.role != "assistant":
+            raise APIError(
+                f"{where}.tool_calls: only an assistant message carries tool calls",
+                param=f"{where}.tool_calls",
+            )
+        if self.role == "tool" and self.tool_call_id is None:
+            raise APIError(
+                f"{where}.tool_call_id is required in a tool message",
+                param=f"{where}.tool_call_id",
+            )
+        for j, call in enumerate(self.tool_calls or []):
+            _arguments(call, f"{where}.tool_calls[{j}]")
+        if self.content is None:
+            if not self.tool_calls:
+                raise APIError(
+                    f"{where}.content is required (only an assistant message with tool_calls "
+                    "may leave it out)",
+                    param=f"{where}.content",
+                )
+            return
         if isinstance(self.content, str):
             return
         for j, part in enumerate(self.content):
@@ -176,17 +212,43 @@ class ChatMessage(Struct, forbid_unknown_fields=True):
             if part.text is None:
                 raise APIError(f"{at}.text is required in a text part", param=f"{at}.text")
 
-    def as_template_message(self) -> dict[str, str]:
+    def as_template_message(self) -> dict[str, Any]:
         """The message as a chat template takes it ("developer" is OpenAI's new name for
-        the system role)."""
-        content = self.content
+        the system role; a call's arguments as an object, which templates write out)."""
+        content = self.content or ""
         if not isinstance(content, str):
             content = "".join(part.text or "" for part in content)
         role = "system" if self.role == "developer" else self.role
-        return {"role": role, "content": content}
+        message: dict[str, Any] = {"role": role, "content": content}
+        if self.tool_calls:
+            message["tool_calls"] = [
+                {
+                    "id": call.id,
+                    "type": call.type,
+                    "function": {"name": call.function.name, "arguments": _arguments(call, "")},
+                }
+                for call in self.tool_calls
+            ]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
 
 
-class ChatCompletionRequest(SamplingRequest, kw_only=True):
+def _arguments(call: ToolCall, where: str) -> dict[str, Any]:
+    """A call's arguments, which must be a JSON object."""
+    try:
+        arguments = json.loads(call.function.arguments)
+    except ValueError:
+        arguments = None
+    if not isinstance(arguments, dict):
+        raise APIError(
+            f"{where}.function.arguments must be a JSON object, got {call.function.arguments!r}",
+            param=f"{where}.function.arguments",
+        )
+    return arguments
+
+
+class ChatCompletionRequest(SamplingRequest, ToolFields, kw_only=True):
     messages: Annotated[list[ChatMessage], Meta(min_length=1)]
     max_tokens: Annotated[int, Meta(ge=1)] | None = None
     max_completion_tokens: Annotated[int, Meta(ge=1)] | None = None
@@ -195,11 +257,21 @@ class ChatCompletionRequest(SamplingRequest, kw_only=True):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
-    # Not supported unless neutral (unsupported.py).
-    tools: list[Any] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: str | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
     def check(self) -> None:
+        self.check_tools()
+        structured = super().structured_field()
+        if self.forced() and structured is not None:
+            choice = self.choice()
+            named = choice if isinstance(choice, str) else f"naming {choice.function.name!r}"
+            raise APIError(
+                f"tool_choice {named} constrains the output itself: it cannot be combined "
+                f"with {structured}",
+                param=structured,
+            )
         super().check()
         for i, message in enumerate(self.messages):
             message.check(f"messages[{i}]")
@@ -208,3 +280,10 @@ class ChatCompletionRequest(SamplingRequest, kw_only=True):
 
     def num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
+
+    def structured_params(self) -> StructuredOutputsParams | None:
+        """A forcing tool_choice's constraint (serve/tools.py), else the request's own."""
+        return self.tool_constraint() or super().structured_params()
+
+    def structured_field(self) -> str | None:
+        return "tools" if self.forced() else super().structured_field()

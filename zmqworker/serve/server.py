@@ -39,6 +39,7 @@ from zmqworker.serve.body_limit import DEFAULT_MAX_REQUEST_BYTES
 from zmqworker.serve.cors import CorsOptions
 from zmqworker.serve.metrics import MULTIPROC_ENV
 from zmqworker.serve.sizing import default_api_server_count
+from zmqworker.serve.tool_parsers import TOOL_PARSERS
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +59,7 @@ def serve(
     enable_admin_endpoints: bool = False,
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
     cors: CorsOptions | None = None,
+    tool_call_parser: str | None = None,
 ) -> None:
     count = api_server_count or default_api_server_count()
     if count < 1:
@@ -66,6 +68,10 @@ def serve(
         raise ValueError(f"max_request_bytes must be positive, got {max_request_bytes}")
     if cors is not None:
         cors.check()
+    if tool_call_parser is not None and tool_call_parser not in TOOL_PARSERS:
+        raise ValueError(
+            f"unknown tool call parser {tool_call_parser!r}; known: {', '.join(TOOL_PARSERS)}"
+        )
     defaults = {n: p.default for n, p in inspect.signature(LLM).parameters.items()}
     options = {**defaults, **engine_options}
     check_args(OPTION_TYPES, options)
@@ -94,6 +100,7 @@ def serve(
             max_request_bytes=max_request_bytes,
             enable_admin_endpoints=enable_admin_endpoints,
             cors=cors,
+            tool_call_parser=tool_call_parser,
             log_level=log_level,
             engine_log_level=logging.getLevelName(logger.getEffectiveLevel()),
         )

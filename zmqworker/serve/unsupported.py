@@ -17,8 +17,6 @@ UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
         "prompt_logprobs is not supported: the workers compute the logits of the positions "
         "they sample from only",
     ),
-    "tools": (lambda v: not v, "tools are not supported by this server"),
-    "tool_choice": (lambda v: v in (None, "none"), 'tool_choice is not supported (only "none")'),
 }
 
 # Content part types OpenAI defines besides text, by what they carry.
