@@ -5,14 +5,19 @@ each step that samples for such requests carries their bitmask (GrammarOutput).
 A request whose grammar is compiling is in none of the scheduler's queues: it holds no
 other request back, and enters the waiting queue once its grammar is ready (or fails
 with the compile's error). Its matcher only ever advances with tokens that come back
-from the workers (Request.append_output_token): a request recomputed after preemption
-samples past the tokens its matcher has, never over them again.
+from the workers (the request's output tokens, RequestGrammar): a request recomputed
+after preemption samples past the tokens its matcher has, never over them again.
+
+A step's bitmask is filled off the engine's thread (fill): its requests' matchers take
+the tokens they lack, one batch per token, and fill their rows, in xgrammar's threads
+(which leave the GIL), while the engine goes on with the outputs of the step just
+applied.
 """
 
 from __future__ import annotations
 
 import os
-from concurrent.futures import FIRST_COMPLETED, Future, wait
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import Any
 
 import numpy as np
@@ -21,7 +26,7 @@ from messages import GrammarOutput
 from zmqworker.cdiv import cdiv
 from zmqworker.engine.grammar_compiler import GrammarCompiler
 from zmqworker.engine.request import Request
-from zmqworker.engine.request_grammar import RequestGrammar
+from zmqworker.engine.request_grammar import RequestGrammar, rejected
 
 # Threads that fill a step's bitmask rows (xgrammar's, released from the GIL).
 BITMASK_THREADS = min(4, os.cpu_count() or 1)
@@ -36,6 +41,7 @@ class StructuredOutputs:
         # xgrammar's batch filler, made with the first bitmask: importing xgrammar takes
         # seconds, which an engine core that never sees a constraint should not pay.
         self._batch: Any = None
+        self._filler = ThreadPoolExecutor(1, thread_name_prefix="grammar-bitmask")
 
     def __len__(self) -> int:
         return len(self._compiling)
@@ -70,26 +76,61 @@ class StructuredOutputs:
             if exc is not None:
                 failed.append((request, str(exc) if isinstance(exc, ValueError) else repr(exc)))
                 continue
-            request.grammar = RequestGrammar(future.result(), request.eos_token_list)
+            grammar = RequestGrammar(
+                future.result(), request.eos_token_list, request.num_prompt_tokens
+            )
+            request.grammar = grammar
             ready.append(request)
         return ready, failed
 
     def grammar_output(self, requests: list[Request]) -> GrammarOutput | None:
-        """The bitmask rows of the requests a step samples for, whose matchers have every
-        token before this step's; None if none is left to constrain (finished ones are
-        skipped: the step's token for them is dropped)."""
-        live = [r for r in requests if not r.is_finished and r.grammar is not None]
-        if not live:
-            return None
-        grammars = [r.grammar for r in live if r.grammar is not None]
-        bitmask = np.zeros((len(live), cdiv(grammars[0].vocab_size, 32)), np.int32)
-        if self._batch is None:
-            import xgrammar as xgr
+        """The bitmask rows of the requests a step samples for (fill's, waited for)."""
+        return self.fill(requests).result()
 
-            self._batch = xgr.BatchGrammarMatcher(max_threads=BITMASK_THREADS)
-        self._batch.batch_fill_next_token_bitmask([g.matcher for g in grammars], bitmask)
+    def fill(self, requests: list[Request]) -> Future[GrammarOutput | None]:
+        """Start filling the bitmask rows of the requests a step samples for, their
+        matchers first taking the tokens they lack (a RuntimeError if the grammar does
+        not allow one); None if none is left to constrain (finished ones are skipped:
+        the step's token for them is dropped). Until the future is done, nothing else
+        may advance these requests' matchers; their tokens are read now."""
+        live = [r for r in requests if not r.is_finished and r.grammar is not None]
+        grammars = [r.grammar for r in live if r.grammar is not None]
+        lacking = []
+        for request, grammar in zip(live, grammars, strict=True):
+            lacking.append(request.all_token_ids[grammar.num_accepted :])
+            grammar.num_accepted = request.num_tokens
+        if not live:
+            done: Future[GrammarOutput | None] = Future()
+            done.set_result(None)
+            return done
         handles = np.array([r.handle for r in live], np.int32)
+        names = [r.req_id for r in live]
+        return self._filler.submit(self._fill, grammars, lacking, handles, names)
+
+    def _fill(
+        self,
+        grammars: list[RequestGrammar],
+        lacking: list[list[int]],
+        handles: np.ndarray,
+        names: list[str],
+    ) -> GrammarOutput:
+        import xgrammar as xgr
+
+        matchers = [g.matcher for g in grammars]
+        for k in range(max(map(len, lacking))):
+            rows = [i for i, tokens in enumerate(lacking) if len(tokens) > k]
+            tokens = [lacking[i][k] for i in rows]
+            batch = matchers if len(rows) == len(matchers) else [matchers[i] for i in rows]
+            accepted = xgr.BatchGrammarMatcher.batch_accept_token(batch, tokens)
+            if not all(accepted):
+                row = accepted.index(False)
+                raise rejected(names[rows[row]], tokens[row])
+        bitmask = np.zeros((len(grammars), cdiv(grammars[0].vocab_size, 32)), np.int32)
+        if self._batch is None:
+            self._batch = xgr.BatchGrammarMatcher(max_threads=BITMASK_THREADS)
+        self._batch.batch_fill_next_token_bitmask(matchers, bitmask)
         return GrammarOutput(handles, bitmask)
 
     def shutdown(self) -> None:
+        self._filler.shutdown(wait=True, cancel_futures=True)
         self.compiler.shutdown()

@@ -84,4 +84,5 @@ def apply_grammar_output(
             f"{len(grammar_handles)} request handles"
         )
     names = [describe(grammar_handles[k]) for k in keep]
-    apply_grammar_bitmask(logits, np.array(targets, np.int64), bitmask[keep], names)
+    rows = bitmask if len(keep) == len(grammar_handles) else bitmask[keep]  # no copy: all
+    apply_grammar_bitmask(logits, np.array(targets, np.int64), rows, names)
