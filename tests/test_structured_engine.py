@@ -68,7 +68,7 @@ def test_the_matcher_advances_masks_and_ends_the_request(structured):
     structured.add(req)
     ready(structured, 1)
     req.handle = 5
-    output = structured.grammar_output([req])
+    output = structured.fill([req], slot=0).result()
     assert output is not None and output.req_handles.tolist() == [5]
     allowed = np.flatnonzero(
         np.unpackbits(output.grammar_bitmask.view(np.uint8), bitorder="little")[:VOCAB]
@@ -86,7 +86,7 @@ def test_the_matcher_advances_masks_and_ends_the_request(structured):
     assert done.append_output_token(EOS, 100) and done.finish_reason is FinishReason.STOP
     assert done.grammar.num_accepted == 5 and done.grammar.terminated
     done.handle = 6
-    assert structured.grammar_output([done]) is None  # finished: nothing to constrain
+    assert structured.fill([done], slot=0).result() is None  # finished: nothing to constrain
 
 
 def replayed(structured: StructuredOutputs, request: Request):
@@ -133,8 +133,8 @@ def test_batched_matchers_agree_with_their_own_through_ends_and_preemption(async
         core.add_request(requests[-1])
     fill, compared = structured.fill, []
 
-    def checked_fill(step_requests):
-        future = fill(step_requests)
+    def checked_fill(step_requests, slot):
+        future = fill(step_requests, slot)
         output = future.result()
         live = [r for r in step_requests if not r.is_finished]
         expected = np.zeros((len(live), VOCAB // 32), np.int32)

@@ -36,6 +36,10 @@ class GrammarSteps:
         self.structured = structured
         # The newest step's slot in the batch queue and its bitmask's future, until sent.
         self._unsent: tuple[DeferredSample, Future[GrammarOutput | None]] | None = None
+        # Bitmask arrays, taken in turn: one for each step that can be in flight and one
+        # filling, so that an array is filled again only once its step is back.
+        self._num_slots = batch_queue.max_concurrent_batches + 1
+        self._slot = 0
 
     def submit(self, output: SchedulerOutput, requests: list[Request]) -> list[Request]:
         """Send output's forward (the step just made, which samples for requests, those
@@ -54,7 +58,8 @@ class GrammarSteps:
         while len(self.batch_queue) > 1 and in_flight.structured_waits(output):
             earlier, runner_output = self.batch_queue.pop()
             changed += self.scheduler.update_from_output(earlier, runner_output)
-        self._unsent = (deferred, self.structured.fill(requests))
+        self._unsent = (deferred, self.structured.fill(requests, self._slot))
+        self._slot = (self._slot + 1) % self._num_slots
         return changed
 
     def send(self) -> None:

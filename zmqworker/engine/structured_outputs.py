@@ -42,6 +42,7 @@ class StructuredOutputs:
         # seconds, which an engine core that never sees a constraint should not pay.
         self._batch: Any = None
         self._filler = ThreadPoolExecutor(1, thread_name_prefix="grammar-bitmask")
+        self._bitmasks: dict[int, np.ndarray] = {}  # by slot (fill), grown as needed
 
     def __len__(self) -> int:
         return len(self._compiling)
@@ -83,16 +84,14 @@ class StructuredOutputs:
             ready.append(request)
         return ready, failed
 
-    def grammar_output(self, requests: list[Request]) -> GrammarOutput | None:
-        """The bitmask rows of the requests a step samples for (fill's, waited for)."""
-        return self.fill(requests).result()
-
-    def fill(self, requests: list[Request]) -> Future[GrammarOutput | None]:
+    def fill(self, requests: list[Request], slot: int) -> Future[GrammarOutput | None]:
         """Start filling the bitmask rows of the requests a step samples for, their
         matchers first taking the tokens they lack (a RuntimeError if the grammar does
         not allow one); None if none is left to constrain (finished ones are skipped:
         the step's token for them is dropped). Until the future is done, nothing else
-        may advance these requests' matchers; their tokens are read now."""
+        may advance these requests' matchers; their tokens are read now. The rows are
+        slot's array, kept for the next fill of that slot: the caller fills a slot again
+        only once the workers are done with its last bitmask."""
         live = [r for r in requests if not r.is_finished and r.grammar is not None]
         grammars = [r.grammar for r in live if r.grammar is not None]
         lacking = []
@@ -105,13 +104,20 @@ class StructuredOutputs:
             return done
         handles = np.array([r.handle for r in live], np.int32)
         names = [r.req_id for r in live]
-        return self._filler.submit(self._fill, grammars, lacking, handles, names)
+        words = cdiv(grammars[0].vocab_size, 32)
+        bitmask = self._bitmasks.get(slot)
+        if bitmask is None or len(bitmask) < len(live) or bitmask.shape[1] != words:
+            bitmask = self._bitmasks[slot] = np.zeros((len(live), words), np.int32)
+        rows = bitmask[: len(live)]  # xgrammar writes every word of a row it fills
+        return self._filler.submit(
+            self._fill, grammars, lacking, GrammarOutput(handles, rows), names
+        )
 
     def _fill(
         self,
         grammars: list[RequestGrammar],
         lacking: list[list[int]],
-        handles: np.ndarray,
+        output: GrammarOutput,
         names: list[str],
     ) -> GrammarOutput:
         import xgrammar as xgr
@@ -125,11 +131,10 @@ class StructuredOutputs:
             if not all(accepted):
                 row = accepted.index(False)
                 raise rejected(names[rows[row]], tokens[row])
-        bitmask = np.zeros((len(grammars), cdiv(grammars[0].vocab_size, 32)), np.int32)
         if self._batch is None:
             self._batch = xgr.BatchGrammarMatcher(max_threads=BITMASK_THREADS)
-        self._batch.batch_fill_next_token_bitmask(matchers, bitmask)
-        return GrammarOutput(handles, bitmask)
+        self._batch.batch_fill_next_token_bitmask(matchers, output.grammar_bitmask)
+        return output
 
     def shutdown(self) -> None:
         self._filler.shutdown(wait=True, cancel_futures=True)
