@@ -20,7 +20,8 @@ same requests without a schema, in alternating rounds. The stand-in workers take
 constrained step as two calls (the forward, then sample_tokens with the bitmask) and
 give each constrained request a token its bitmask allows, so that every matcher stays
 in a valid state. Reported per step: the engine's whole turn (step() and the client's
-outputs) and, of it, the time from the forward's send to sample_tokens' (what a device
+outputs), its CPU time (the engine's thread, and the whole process: the bitmask
+threads too), and the time from the forward's send to sample_tokens' (what a device
 whose forward is shorter waits for the bitmask). bench/results/engine_step_structured.json
 holds one such run.
 
