@@ -204,3 +204,29 @@ def test_a_token_the_grammar_refuses_fails_the_step_and_the_engine_recovers():
         assert plain.finish_reason is FinishReason.LENGTH
     finally:
         core.shutdown()
+
+
+def test_a_fill_in_shares_agrees_with_each_matcher_and_names_a_refused_token(structured):
+    """40 requests (two shares of rows, on a machine of two cores or more), each lacking
+    0 to 2 tokens: every row is the one the request's own matcher gives; a refused token
+    names its request."""
+    constraint = {"regex": "[a-z]{60}"}
+    requests = [request(f"s{i}", **constraint) for i in range(40)]
+    for r in requests:
+        structured.add(r)
+    ready(structured, 40)
+    compiled = structured.compiler.compile(requests[0].sampling_params.structured_outputs)
+    vocab = compiled.result().tokenizer_info.decoded_vocab
+    words = [vocab.index(w) for w in (b"the", b"a", b"ing")]
+    for i, r in enumerate(requests):
+        r.handle = i
+        r.all_token_ids += words[: i % 3]
+    output = structured.fill(requests, slot=0).result()
+    expected = np.zeros((40, VOCAB // 32), np.int32)
+    for i, r in enumerate(requests):
+        replayed(structured, r).fill_next_token_bitmask(expected, i)
+    np.testing.assert_array_equal(output.grammar_bitmask, expected)
+    assert [r.grammar.num_accepted for r in requests] == [r.num_tokens for r in requests]
+    requests[37].all_token_ids.append(vocab.index(b"1"))
+    with pytest.raises(RuntimeError, match="'s37': token .* breaks"):
+        structured.fill(requests, slot=1).result()

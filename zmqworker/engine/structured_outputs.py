@@ -28,8 +28,10 @@ from zmqworker.engine.grammar_compiler import GrammarCompiler
 from zmqworker.engine.request import Request
 from zmqworker.engine.request_grammar import RequestGrammar, rejected
 
-# Threads that fill a step's bitmask rows (xgrammar's, released from the GIL).
+# Threads that advance a step's matchers and fill their bitmask rows, each a share of
+# the rows (xgrammar's calls leave the GIL); a share is at least this many rows.
 BITMASK_THREADS = min(4, os.cpu_count() or 1)
+MIN_ROWS_PER_THREAD = 16
 
 
 class StructuredOutputs:
@@ -38,10 +40,12 @@ class StructuredOutputs:
     def __init__(self, compiler: GrammarCompiler) -> None:
         self.compiler = compiler
         self._compiling: dict[str, tuple[Request, Future[Any]]] = {}
-        # xgrammar's batch filler, made with the first bitmask: importing xgrammar takes
-        # seconds, which an engine core that never sees a constraint should not pay.
-        self._batch: Any = None
+        # xgrammar's batch fillers, one per share of the rows, made with the first
+        # bitmask: importing xgrammar takes seconds, which an engine core that never sees
+        # a constraint should not pay.
+        self._batches: list[Any] = []
         self._filler = ThreadPoolExecutor(1, thread_name_prefix="grammar-bitmask")
+        self._shares = ThreadPoolExecutor(BITMASK_THREADS, thread_name_prefix="grammar-rows")
         self._bitmasks: dict[int, np.ndarray] = {}  # by slot (fill), grown as needed
 
     def __len__(self) -> int:
@@ -120,22 +124,53 @@ class StructuredOutputs:
         output: GrammarOutput,
         names: list[str],
     ) -> GrammarOutput:
+        """The rows in shares, one thread each; the first share's error, if any."""
         import xgrammar as xgr
 
-        matchers = [g.matcher for g in grammars]
-        for k in range(max(map(len, lacking))):
-            rows = [i for i, tokens in enumerate(lacking) if len(tokens) > k]
+        n = len(grammars)
+        num_shares = max(1, min(BITMASK_THREADS, n // MIN_ROWS_PER_THREAD))
+        while len(self._batches) < num_shares:
+            self._batches.append(xgr.BatchGrammarMatcher(max_threads=1))
+        bounds = np.linspace(0, n, num_shares + 1).astype(int).tolist()
+        shares = [
+            self._shares.submit(
+                self._fill_rows, k, grammars, lacking, output.grammar_bitmask, names, lo, hi
+            )
+            for k, (lo, hi) in enumerate(zip(bounds, bounds[1:], strict=False))
+        ]
+        wait(shares)  # all of them: none may still touch a matcher once this returns
+        for share in shares:
+            share.result()
+        return output
+
+    def _fill_rows(
+        self,
+        share: int,
+        grammars: list[RequestGrammar],
+        lacking: list[list[int]],
+        bitmask: np.ndarray,
+        names: list[str],
+        lo: int,
+        hi: int,
+    ) -> None:
+        """Rows lo to hi: their matchers take the tokens they lack, one batch per token,
+        then fill their rows (with share's filler)."""
+        import xgrammar as xgr
+
+        matchers = [g.matcher for g in grammars[lo:hi]]
+        for k in range(max(map(len, lacking[lo:hi]))):
+            rows = [i for i in range(lo, hi) if len(lacking[i]) > k]
             tokens = [lacking[i][k] for i in rows]
-            batch = matchers if len(rows) == len(matchers) else [matchers[i] for i in rows]
+            batch = matchers if len(rows) == len(matchers) else [matchers[i - lo] for i in rows]
             accepted = xgr.BatchGrammarMatcher.batch_accept_token(batch, tokens)
             if not all(accepted):
                 row = accepted.index(False)
                 raise rejected(names[rows[row]], tokens[row])
-        if self._batch is None:
-            self._batch = xgr.BatchGrammarMatcher(max_threads=BITMASK_THREADS)
-        self._batch.batch_fill_next_token_bitmask(matchers, output.grammar_bitmask)
-        return output
+        self._batches[share].batch_fill_next_token_bitmask(
+            matchers, bitmask, indices=list(range(lo, hi))
+        )
 
     def shutdown(self) -> None:
         self._filler.shutdown(wait=True, cancel_futures=True)
+        self._shares.shutdown(wait=True)
         self.compiler.shutdown()
