@@ -2,7 +2,8 @@
 run: the round trip of bench.rpc_latency (no-op and step, 1, 2 and 4 workers),
 bench.end_to_end (tp=1 pp=1 with async scheduling off, pp=2), bench.pipeline (decode
 at depth 1 and 2, the channel's bandwidth), and bench.engine_step (the engine core's turn
-at 1, 64 and 256 decoding requests). Each measurement runs in a fresh process of
+at 1, 64 and 256 decoding requests; engine_step_structured: the same at 256 with and
+without a JSON schema each, by this tree's bench code). Each measurement runs in a fresh process of
 one tree, the trees taking turns round after round (in alternating order), so that the
 machine's slow and fast moments fall on both; the medians of the rounds are compared.
 Each tree's own benchmark code does the measuring. Writes bench/results/compare_trees.json
@@ -30,7 +31,13 @@ from bench.common import print_table, write_results
 
 ROOT = Path(__file__).resolve().parent.parent
 # What each measurement reports, and whether more is better (rates) or less (latencies).
-HIGHER_IS_BETTER = {"rpc": False, "e2e": True, "pipeline": True, "engine_step": False}
+HIGHER_IS_BETTER = {
+    "rpc": False,
+    "e2e": True,
+    "pipeline": True,
+    "engine_step": False,
+    "engine_step_structured": False,
+}
 
 
 def measure_rpc(iters: int = 1000) -> dict[str, float]:
@@ -116,11 +123,30 @@ def measure_engine_step() -> dict[str, float]:
     return {f"{n} {phase}": value for n, row in results.items() for phase, value in row.items()}
 
 
+def measure_engine_step_structured() -> dict[str, float]:
+    """bench.engine_step --json-schema: the engine core's turn with 256 decoding requests,
+    without and with a JSON schema each, measured by this tree's copy of the bench (older
+    trees lack it)."""
+    import importlib.util
+
+    path = Path(__file__).resolve().with_name("engine_step_structured.py")
+    spec = importlib.util.spec_from_file_location("engine_step_structured", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    out = {}
+    for name, constrained in (("plain", False), ("schema", True)):
+        for key, value in module.measure(256, 150, constrained).items():
+            out[f"{name} {key}"] = value
+    return out
+
+
 MEASURES = {
     "rpc": measure_rpc,
     "e2e": measure_e2e,
     "pipeline": measure_pipeline,
     "engine_step": measure_engine_step,
+    "engine_step_structured": measure_engine_step_structured,
 }
 
 

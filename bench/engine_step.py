@@ -13,6 +13,20 @@ every token, never hit.
 
     python -m bench.engine_step [--requests 1,64,256] [--steps 400]
 
+With --json-schema, the structured-output step instead: 256 requests (--requests) each
+with bench/end_to_end.py's long JSON schema (a string that outlasts the run), compiled
+against SmolLM2's tokenizer (the embedded model's, a vocabulary of 49,152), against the
+same requests without a schema, in alternating rounds. The stand-in workers take each
+constrained step as two calls (the forward, then sample_tokens with the bitmask) and
+give each constrained request a token its bitmask allows, so that every matcher stays
+in a valid state. Reported per step: the engine's whole turn (step() and the client's
+outputs), its CPU time (the engine's thread, and the whole process: the bitmask
+threads too), and the time from the forward's send to sample_tokens' (what a device
+whose forward is shorter waits for the bitmask). bench/results/engine_step_structured.json
+holds one such run.
+
+    python -m bench.engine_step --json-schema [--requests 256] [--steps 200] [--rounds 3]
+
 Compare two trees in one run (bench/results/engine_step_compare.json holds one such run):
 python -m bench.compare_trees OLD_TREE --what engine_step --out FILE
 """
@@ -149,13 +163,25 @@ def run(requests: list[int], steps: int) -> dict[str, dict[str, float]]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--requests", default="1,64,256")
-    parser.add_argument("--steps", type=int, default=400)
+    parser.add_argument("--requests", default=None, help="1,64,256; 256 with --json-schema")
+    parser.add_argument("--steps", type=int, default=None, help="400; 200 with --json-schema")
     parser.add_argument("--out", default=None)
+    parser.add_argument("--json-schema", action="store_true", help="the structured step")
+    parser.add_argument("--rounds", type=int, default=3, help="with --json-schema")
     args = parser.parse_args()
     from bench.common import print_table, write_results
 
-    results = run([int(n) for n in args.requests.split(",")], args.steps)
+    if args.json_schema:
+        from bench import engine_step_structured
+
+        requests, steps = int(args.requests or 256), args.steps or 200
+        row = engine_step_structured.run(requests, steps, args.rounds)
+        print_table([row])
+        write_results("engine_step_structured", row, args.out)
+        return
+
+    requests = [int(n) for n in (args.requests or "1,64,256").split(",")]
+    results = run(requests, args.steps or 400)
     print_table([{"requests": name, **row} for name, row in results.items()])
     write_results("engine_step", results, args.out)
 

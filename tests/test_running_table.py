@@ -45,19 +45,20 @@ def test_the_screen_flags_stop_ids_the_length_limit_and_logprobs_and_nothing_els
 class CountingGrammar:
     """A matcher that takes every token and ends at token 5: the tokens it saw."""
 
+    stop_token_ids = frozenset({5})
+
     def __init__(self) -> None:
         self.seen: list[int] = []
 
-    def accept(self, token_id: int) -> bool:
-        self.seen.append(token_id)
-        return True
+    def catch_up(self, req_id: str, token_ids: list[int]) -> None:
+        self.seen = token_ids[3:]
 
     @property
     def terminated(self) -> bool:
         return self.seen[-1:] == [5]
 
 
-def test_grammars_and_remote_decodes_are_screened_and_a_remote_decode_is_not_continued():
+def test_grammar_ends_and_remote_decodes_are_screened_and_a_remote_decode_is_not_continued():
     table = RunningTable()
     grammar = CountingGrammar()
     structured = Request("structured", [3, 4, 5], SamplingParams(max_tokens=10))
@@ -69,11 +70,14 @@ def test_grammars_and_remote_decodes_are_screened_and_a_remote_decode_is_not_con
     table.add(remote, 3, max_model_len=100)
     running(table, "plain", 2, max_tokens=10)
     assert table.structured[:3].tolist() == [1, 0, 0]
+    # A grammar's tokens are screened where they may end it (its stop token 5).
     assert table.may_finish(np.arange(3), np.array([9, 9, 9], np.int32)).tolist() == [
-        True,
+        False,
         True,
         False,
     ]
+    assert table.may_finish(np.arange(1), np.array([5], np.int32)).tolist() == [True]
+    assert structured.append_output_token(5, 100) and grammar.seen == [5]
     # Prefilled, each with its first token in flight: a remote decode's ends it, so async
     # scheduling does not go on with it.
     in_flight = StepsInFlight()

@@ -238,6 +238,15 @@ def test_grammar_bitmask_errors() -> None:
     with pytest.raises(ValueError, match="allows no token for req-b"):
         none_allowed = pack_bitmask(np.array([[True] * VOCAB, [False] * VOCAB]))
         apply_grammar_bitmask(logits, np.array([0, 1]), none_allowed, ["req-a", "req-b"])
+    vocab = 50  # a last word of 18 tokens: its other bits are past the vocabulary
+    past_vocab = np.zeros((2, 2), np.int32)
+    past_vocab[0, 1] = 1 << 17  # the vocabulary's last token
+    past_vocab[1, 1] = 1 << 18  # the first one past it
+    odd = torch.zeros(2, vocab)
+    with pytest.raises(ValueError, match="allows no token for past"):
+        apply_grammar_bitmask(odd, np.array([0, 1]), past_vocab, ["last", "past"])
+    apply_grammar_bitmask(odd, np.array([0]), past_vocab[:1], ["last"])
+    assert torch.isfinite(odd[0]).sum() == 1 and torch.isfinite(odd[0, vocab - 1])
     with pytest.raises(ValueError, match="grammar bitmask must be int32"):
         apply_grammar_bitmask(logits, np.array([0]), np.zeros((1, 3), np.int32), ["x"])
 

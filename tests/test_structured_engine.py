@@ -68,7 +68,7 @@ def test_the_matcher_advances_masks_and_ends_the_request(structured):
     structured.add(req)
     ready(structured, 1)
     req.handle = 5
-    output = structured.grammar_output([req])
+    output = structured.fill([req], slot=0).result()
     assert output is not None and output.req_handles.tolist() == [5]
     allowed = np.flatnonzero(
         np.unpackbits(output.grammar_bitmask.view(np.uint8), bitorder="little")[:VOCAB]
@@ -77,11 +77,156 @@ def test_the_matcher_advances_masks_and_ends_the_request(structured):
     vocab = compiled.tokenizer_info.decoded_vocab
     assert {vocab[t] for t in allowed} >= {b"yes", b"no"} and EOS not in allowed
     with pytest.raises(RuntimeError, match="breaks its structured_outputs constraint"):
-        req.append_output_token(EOS, 100)
+        req.append_output_token(EOS, 100)  # it may end the grammar: taken at once
     token = next(t for t in allowed if vocab[t] == b"yes")
     done = Request("m2", [1, 2, 3], req.sampling_params, eos_token_ids=[EOS])
-    done.grammar = RequestGrammar(compiled, [EOS])
+    done.grammar = RequestGrammar(compiled, [EOS], num_accepted=3)
     assert not done.append_output_token(int(token), 100)
+    assert done.grammar.num_accepted == 3  # "yes" waits for the next bitmask
     assert done.append_output_token(EOS, 100) and done.finish_reason is FinishReason.STOP
+    assert done.grammar.num_accepted == 5 and done.grammar.terminated
     done.handle = 6
-    assert structured.grammar_output([done]) is None  # finished: nothing to constrain
+    assert structured.fill([done], slot=0).result() is None  # finished: nothing to constrain
+
+
+def replayed(structured: StructuredOutputs, request: Request):
+    """A matcher of request's own, fed its output tokens one by one (the per-request
+    advance the engine's batches must agree with)."""
+    import xgrammar as xgr
+
+    compiled = structured.compiler.compile(request.sampling_params.structured_outputs).result()
+    matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=request.eos_token_list)
+    for token in request.output_token_ids:
+        assert matcher.accept_token(token), f"{request.req_id}: token {token} breaks it"
+    return matcher
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_batched_matchers_agree_with_their_own_through_ends_and_preemption(async_scheduling):
+    """Requests with grammars that end early (choice, regex), that outlast max_tokens
+    (json) and without, in a KV cache that preempts some: every bitmask the engine fills
+    in batches equals the one a matcher of each request's own gives after its tokens,
+    and each grammar request ends by its grammar or by length, as its matcher says."""
+    from bench.end_to_end import LONG_SCHEMA
+    from bench.engine_step_structured import GrammarExecutor
+    from zmqworker.engine.core import EngineCore
+
+    require_embedded_model()
+    structured = StructuredOutputs(GrammarCompiler(str(default_model_path(progress=False)), VOCAB))
+    executor = GrammarExecutor(num_blocks=12)  # blocks of 16: 6 requests need up to 36
+    core = EngineCore(executor, 128, async_scheduling=async_scheduling, structured=structured)
+    kinds = [
+        {"choice": ["yes", "no"]},
+        {"regex": "[a-z]{30}"},
+        {"json": LONG_SCHEMA},
+        {"regex": "[a-z ]{12}"},
+        None,
+        None,
+    ]
+    requests = []
+    for i, kind in enumerate(kinds):
+        constraint = StructuredOutputsParams(**kind) if kind else None
+        if constraint is not None:  # compiled before: they all start at once
+            structured.compiler.compile(constraint).result()
+        params = SamplingParams(max_tokens=60, structured_outputs=constraint)
+        requests.append(Request(f"r{i}", list(range(10 + i, 40 + i)), params, eos_token_ids=[0]))
+        core.add_request(requests[-1])
+    fill, compared = structured.fill, []
+
+    def checked_fill(step_requests, slot):
+        future = fill(step_requests, slot)
+        output = future.result()
+        live = [r for r in step_requests if not r.is_finished]
+        expected = np.zeros((len(live), VOCAB // 32), np.int32)
+        for row, request in enumerate(live):
+            replayed(structured, request).fill_next_token_bitmask(expected, row)
+            compared.append(request.req_id)
+        np.testing.assert_array_equal(output.req_handles, [r.handle for r in live])
+        np.testing.assert_array_equal(output.grammar_bitmask, expected)
+        return future
+
+    structured.fill = checked_fill
+    try:
+        while core.has_work():
+            core.step()
+    finally:
+        core.shutdown()
+    assert core.scheduler.num_preemptions > 0, "the KV cache was meant to preempt some"
+    assert {"r0", "r1", "r2", "r3"} <= set(compared)
+    reasons = [r.finish_reason for r in requests]
+    assert reasons[:4] == [FinishReason.STOP, FinishReason.STOP, FinishReason.LENGTH] + [
+        FinishReason.STOP
+    ]
+    for request in requests[:4]:
+        ended = request.finish_reason is FinishReason.STOP
+        assert (request.output_token_ids[-1] == 0) == ended  # EOS: the grammar's end
+        assert replayed(structured, request).is_terminated() == ended
+        assert request.grammar is not None and request.grammar.terminated == ended
+        if ended:  # the engine's matcher took every token, EOS last
+            assert request.grammar.num_accepted == request.num_tokens
+
+
+def test_a_token_the_grammar_refuses_fails_the_step_and_the_engine_recovers():
+    """Workers that ignore the bitmask: the fill finds the token its matcher refuses, the
+    workers still get the step's sample_tokens (with no bitmask), the step fails naming
+    the request, and the engine aborts its requests and takes new ones."""
+    from bench.engine_step_structured import GrammarExecutor
+    from zmqworker.engine.core import EngineCore
+
+    class Ignoring(GrammarExecutor):
+        def __init__(self, num_blocks: int) -> None:
+            super().__init__(num_blocks)
+            self.bitmasks: list = []  # each sample_tokens' GrammarOutput
+
+        def sample_tokens(self, grammar, non_block=False):
+            self.bitmasks.append(grammar)
+            return super().sample_tokens(None, non_block)  # tokens that are not "x"
+
+    require_embedded_model()
+    structured = StructuredOutputs(GrammarCompiler(str(default_model_path(progress=False)), VOCAB))
+    executor = Ignoring(num_blocks=16)
+    core = EngineCore(executor, 128, async_scheduling=True, structured=structured)
+    constraint = StructuredOutputsParams(regex="x{20}")
+    structured.compiler.compile(constraint).result()
+    params = SamplingParams(max_tokens=20, structured_outputs=constraint)
+    doomed = Request("doomed", list(range(10, 30)), params, eos_token_ids=[0])
+    core.add_request(doomed)
+    try:
+        with pytest.raises(RuntimeError, match="'doomed': token .* breaks its structured"):
+            for _ in range(10):
+                core.step()
+        assert doomed.finish_reason is FinishReason.ABORT and not core.has_work()
+        assert executor.bitmasks[-1] is None  # the failed fill's step still sampled
+        plain = Request("plain", [1, 2, 3], SamplingParams(max_tokens=3), eos_token_ids=[0])
+        core.add_request(plain)
+        while core.has_work():
+            core.step()
+        assert plain.finish_reason is FinishReason.LENGTH
+    finally:
+        core.shutdown()
+
+
+def test_a_fill_in_shares_agrees_with_each_matcher_and_names_a_refused_token(structured):
+    """40 requests (two shares of rows, on a machine of two cores or more), each lacking
+    0 to 2 tokens: every row is the one the request's own matcher gives; a refused token
+    names its request."""
+    constraint = {"regex": "[a-z]{60}"}
+    requests = [request(f"s{i}", **constraint) for i in range(40)]
+    for r in requests:
+        structured.add(r)
+    ready(structured, 40)
+    compiled = structured.compiler.compile(requests[0].sampling_params.structured_outputs)
+    vocab = compiled.result().tokenizer_info.decoded_vocab
+    words = [vocab.index(w) for w in (b"the", b"a", b"ing")]
+    for i, r in enumerate(requests):
+        r.handle = i
+        r.all_token_ids += words[: i % 3]
+    output = structured.fill(requests, slot=0).result()
+    expected = np.zeros((40, VOCAB // 32), np.int32)
+    for i, r in enumerate(requests):
+        replayed(structured, r).fill_next_token_bitmask(expected, i)
+    np.testing.assert_array_equal(output.grammar_bitmask, expected)
+    assert [r.grammar.num_accepted for r in requests] == [r.num_tokens for r in requests]
+    requests[37].all_token_ids.append(vocab.index(b"1"))
+    with pytest.raises(RuntimeError, match="'s37': token .* breaks"):
+        structured.fill(requests, slot=1).result()

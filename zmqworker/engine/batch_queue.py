@@ -9,7 +9,8 @@ the steps.
 
 A step whose sampling needs a grammar bitmask is sent in two calls (the forward with
 sample=False, then sample_tokens with the bitmask): the engine submits it with the
-forward's future and the sample's as a DeferredSample.
+forward's future as a DeferredSample, which takes the sample's future once the bitmask
+is sent (it must be before the step is popped).
 """
 
 from __future__ import annotations
@@ -23,13 +24,13 @@ from dataclasses import dataclass
 from messages import ModelRunnerOutput, SchedulerOutput
 
 
-@dataclass(frozen=True)
+@dataclass
 class DeferredSample:
     """A step sent as execute_model(sample=False) (forward: its future, of None) then
-    sample_tokens (sample: the future of the step's output)."""
+    sample_tokens (sample: the future of the step's output; None until it is sent)."""
 
     forward: Future[None]
-    sample: Future[ModelRunnerOutput]
+    sample: Future[ModelRunnerOutput] | None = None
 
 
 Sent = ModelRunnerOutput | Future[ModelRunnerOutput] | DeferredSample
@@ -67,6 +68,8 @@ class BatchQueue:
             raise RuntimeError("no step in flight")
         output, sent = self._steps[0]
         if isinstance(sent, DeferredSample):
+            if sent.sample is None:
+                raise RuntimeError("the oldest step's sample_tokens was never sent")
             futures: list[Future] = [sent.forward, sent.sample]
         elif isinstance(sent, Future):
             futures = [sent]

@@ -13,12 +13,12 @@ from messages import (
     KVCacheSpec,
     KVTransferConfig,
     SchedulerConfig,
-    SchedulerOutput,
     WeightUpdate,
     make_kv_cache_config,
 )
-from zmqworker.engine.batch_queue import BatchQueue, DeferredSample
+from zmqworker.engine.batch_queue import BatchQueue
 from zmqworker.engine.block_manager import KVBlockManager
+from zmqworker.engine.grammar_steps import GrammarSteps
 from zmqworker.engine.host_tier import make_host_tier
 from zmqworker.engine.kv_connector import KVConnectorScheduler
 from zmqworker.engine.request import FinishReason, Request
@@ -81,11 +81,10 @@ class EngineCore:
 
     Structured outputs (structured, given a GrammarCompiler's StructuredOutputs): a
     request waits there for its grammar, then goes to the scheduler. A step that samples
-    for requests with a grammar is sent as its forward (execute_model, sample=False)
-    first; while the workers run it, the engine takes back the steps in flight that
-    sample for those requests (their matchers must hold those tokens), fills the step's
-    bitmask, and sends it with sample_tokens. A step without such requests goes as one
-    call, as before.
+    for requests with a grammar is sent as its forward, then sample_tokens with their
+    bitmask (grammar_steps.py): the bitmask fills while step() returns the outputs of
+    the steps taken back for it, and the next step() (or drain) sends it first. A step
+    without such requests goes as one call, as before.
     """
 
     def __init__(
@@ -149,6 +148,7 @@ class EngineCore:
         executor.compile_or_warm_up_model()
         logger.info("warm-up: %.1f s", time.perf_counter() - started)
         self.structured = structured
+        self.grammar_steps = GrammarSteps(executor, self.scheduler, self.batch_queue, structured)
         # Requests whose grammar failed to compile, with why, for the caller to report.
         self.failed: list[tuple[Request, str]] = []
         self.num_aborted = 0  # requests aborted by their clients, since start
@@ -217,19 +217,22 @@ class EngineCore:
         if self.structured is not None and len(self.structured):
             self._admit_compiled()
         try:
+            self.grammar_steps.send()
             changed: list[Request] = []
             if not self.batch_queue.full:
                 output = self.scheduler.schedule()
                 if output is not None:
                     structured = self.scheduler.structured_requests(output)
                     if structured:
-                        changed = self._submit_structured(output, structured)
+                        changed = self.grammar_steps.submit(output, structured)
                     else:
                         self.batch_queue.submit(output)
                     if not self.batch_queue.full:
                         return changed  # room for another step before waiting on this one
             if len(self.batch_queue) == 0:
                 return changed
+            if len(self.batch_queue) == 1:  # the step to wait for may be the unsent one
+                self.grammar_steps.send()
             output, runner_output = self.batch_queue.pop()
             return changed + self.scheduler.update_from_output(output, runner_output)
         except Exception:
@@ -247,26 +250,6 @@ class EngineCore:
         for request, _ in failed:
             request.finish(FinishReason.ABORT)
         self.failed += failed
-
-    def _submit_structured(
-        self, output: SchedulerOutput, structured: list[Request]
-    ) -> list[Request]:
-        """Send a step that samples for requests with a grammar: its forward first, then,
-        once the steps in flight that sample for them are back (their tokens advance the
-        matchers while the workers run this forward), the bitmask with sample_tokens.
-        The requests those steps changed."""
-        assert self.structured is not None
-        executor = self.executor
-        forward = executor.execute_model(output, sample=False, non_block=True)
-        changed: list[Request] = []
-        in_flight = self.scheduler.in_flight
-        while len(self.batch_queue) and in_flight.structured_waits(output):
-            earlier, runner_output = self.batch_queue.pop()
-            changed += self.scheduler.update_from_output(earlier, runner_output)
-        grammar = self.structured.grammar_output(structured)
-        sample = executor.sample_tokens(grammar, non_block=True)
-        self.batch_queue.submit(output, lambda _: DeferredSample(forward, sample))
-        return changed
 
     def stats(self) -> EngineCoreStats:
         """Requests and KV cache blocks now."""
@@ -289,6 +272,10 @@ class EngineCore:
     def _recover(self) -> None:
         """After a failed step: wait out the steps still in flight (the workers run them
         anyway), then abort every request, so the engine can take new ones."""
+        try:
+            self.grammar_steps.send()  # the newest step's sampling, if still unsent
+        except Exception:
+            logger.debug("the newest step's bitmask failed too", exc_info=True)
         while len(self.batch_queue):
             try:
                 self.batch_queue.pop()
@@ -305,6 +292,7 @@ class EngineCore:
         token or finished. The workers are idle when it returns."""
         changed: list[Request] = []
         try:
+            self.grammar_steps.send()
             while len(self.batch_queue):
                 output, runner_output = self.batch_queue.pop()
                 changed += self.scheduler.update_from_output(output, runner_output)

@@ -153,11 +153,12 @@ class Request:
         """Record a sampled token (and its logprobs: row `row` of the step's) and apply
         the stop rules; True if the request is finished now. EOS and the stop token ids end
         the output only after its first min_tokens tokens (vLLM's rule: the workers hold
-        the stop tokens back until then). A structured request's grammar advances with the
-        token, and its end stops the request too. The scheduler appends most tokens
-        itself, in bulk, and calls this only where stop_token_ids or length_limit say it
-        may finish, or the request needs a look of its own (logprobs, a grammar, a
-        remote decode)."""
+        the stop tokens back until then). A structured request's grammar takes the tokens
+        it lacks when the token may end it (one of the grammar's stop tokens), and its
+        end stops the request too; its other tokens reach it in batches (RequestGrammar).
+        The scheduler appends most tokens itself, in bulk, and calls this only where
+        stop_token_ids (with the grammar's) or length_limit say it may finish, or the
+        request needs a look of its own (logprobs, a remote decode)."""
         if self.status is RequestStatus.FINISHED:
             raise RuntimeError(f"request {self.req_id!r} is finished; got token {token_id}")
         if self._logprob_rows is not None:
@@ -165,17 +166,15 @@ class Request:
         self.all_token_ids.append(token_id)
         params = self.sampling_params
         grammar = self.grammar
-        if grammar is not None and not grammar.accept(token_id):
-            raise RuntimeError(
-                f"request {self.req_id!r}: token {token_id} breaks its structured_outputs "
-                "constraint (the step did not apply its grammar bitmask)"
-            )
+        ends_grammar = grammar is not None and token_id in grammar.stop_token_ids
+        if ends_grammar:
+            grammar.catch_up(self.req_id, self.all_token_ids)
         num_outputs = len(self.all_token_ids) - self.num_prompt_tokens
         if num_outputs > params.min_tokens and token_id in self.stop_token_ids:
             self.stop_reason = token_id
             self.finish(FinishReason.STOP)
             return True
-        if grammar is not None and grammar.terminated:
+        if ends_grammar and grammar.terminated:
             self.finish(FinishReason.STOP)
             return True
         if len(self.all_token_ids) >= self.length_limit(max_model_len):

@@ -7,17 +7,31 @@ from typing import Any
 
 class RequestGrammar:
     """One request's matcher over its compiled grammar: the grammar's end is one of its
-    stop tokens (the request's EOS ids)."""
+    stop tokens (the request's EOS ids).
 
-    def __init__(self, compiled: Any, stop_token_ids: list[int]) -> None:
+    The matcher takes the request's output tokens in order, lagging behind them: the
+    scheduler appends tokens to the request in bulk, and the matchers of a step's
+    requests take theirs in one batch when its bitmask is filled (structured_outputs.py);
+    a token that may end the grammar (one of its stop tokens) is taken at once
+    (catch_up), since it decides whether the request finishes."""
+
+    def __init__(self, compiled: Any, stop_token_ids: list[int], num_accepted: int) -> None:
+        """num_accepted: the request's tokens the matcher starts past (its prompt's)."""
         import xgrammar as xgr
 
         self._matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=stop_token_ids or None)
         self.vocab_size: int = compiled.tokenizer_info.vocab_size
+        # The tokens that end the grammar: xgrammar's defaults where the request has none.
+        self.stop_token_ids = frozenset(self._matcher.stop_token_ids)
+        # The request's tokens (all_token_ids) the matcher holds; those after it lacks.
+        self.num_accepted = num_accepted
 
-    def accept(self, token_id: int) -> bool:
-        """Advance by a sampled token; False if the grammar does not allow it."""
-        return bool(self._matcher.accept_token(token_id))
+    def catch_up(self, req_id: str, token_ids: list[int]) -> None:
+        """Take token_ids[num_accepted:] (the request's tokens) one by one."""
+        for token_id in token_ids[self.num_accepted :]:
+            if not self._matcher.accept_token(token_id):
+                raise rejected(req_id, token_id)
+            self.num_accepted += 1
 
     @property
     def terminated(self) -> bool:
@@ -27,3 +41,11 @@ class RequestGrammar:
     @property
     def matcher(self) -> Any:
         return self._matcher
+
+
+def rejected(req_id: str, token_id: int) -> RuntimeError:
+    """The error of a sampled token that the request's grammar does not allow."""
+    return RuntimeError(
+        f"request {req_id!r}: token {token_id} breaks its structured_outputs constraint "
+        "(the step did not apply its grammar bitmask)"
+    )

@@ -27,9 +27,11 @@ COUNTERS = (
     "length_limit",
     # Once it holds this many tokens, each token it samples goes through Request's stop
     # rules (append_output_token): one short of its length limit, or -1 (from the
-    # start) when it keeps logprobs or has a grammar (whose matcher takes every token).
+    # start) when it keeps logprobs.
     "look_at",
-    "structured",  # 1 if it has a grammar: the steps that sample for it need its bitmask
+    # 1 if it has a grammar: the steps that sample for it need its bitmask (its matcher
+    # takes its tokens then; those that may end the grammar are in stop_ids).
+    "structured",
     "full_blocks_told",  # full blocks the block manager was last told of (prefix caching)
     "tokens_sent",  # tokens its workers hold (pipeline stages that do not sample)
 )
@@ -53,8 +55,8 @@ class RunningTable:
     def __init__(self, capacity: int = 16) -> None:
         self.requests: list[Request] = []
         self._columns = np.zeros((len(COUNTERS), capacity), np.int64)
-        # Each request's stop token ids, padded with -1 (never sampled): row k holds the
-        # k-th of each; as many rows as the most any request had.
+        # Each request's stop token ids (and its grammar's), padded with -1 (never
+        # sampled): row k holds the k-th of each; as many rows as the most any had.
         self.stop_ids = np.full((1, capacity), -1, np.int32)
         self.position_of_handle = np.full(capacity, -1, np.int64)
         self._bind()
@@ -66,7 +68,8 @@ class RunningTable:
         """A request starts running (with num_computed tokens cached); its position."""
         assert request.handle is not None
         n = len(self.requests)
-        stop = sorted(request.stop_token_ids)
+        grammar = request.grammar
+        stop = sorted(request.stop_token_ids | (grammar.stop_token_ids if grammar else set()))
         if n == self._columns.shape[1] or len(stop) > len(self.stop_ids):
             self._grow(2 * self._columns.shape[1], max(len(stop), len(self.stop_ids)))
         if request.handle >= len(self.position_of_handle):
@@ -77,15 +80,13 @@ class RunningTable:
         limit = request.length_limit(max_model_len)
         if request.remote_decode:
             limit = min(limit, known + 1)
-        structured = request.grammar is not None
-        look_everything = structured or request.sampling_params.logprobs is not None
         values = (
             request.handle,
             num_computed,
             known,
             limit,
-            -1 if look_everything else limit - 1,
-            int(structured),
+            -1 if request.sampling_params.logprobs is not None else limit - 1,
+            int(grammar is not None),
             0,
             known,
         )
@@ -166,9 +167,9 @@ class RunningTable:
         self.known[positions] += 1
 
     def may_finish(self, positions: np.ndarray, tokens: np.ndarray) -> np.ndarray:
-        """Which of these requests' next tokens could end them (a stop token id, the length
-        limit) or need a look of their own (logprobs): a mask over positions. Request
-        decides (append_output_token)."""
+        """Which of these requests' next tokens could end them (a stop token id, one that
+        ends a grammar, the length limit) or need a look of their own (logprobs): a mask
+        over positions. Request decides (append_output_token)."""
         look = self.known[positions] >= self.look_at[positions]
         for stop_ids in self.stop_ids:
             look |= stop_ids[positions] == tokens

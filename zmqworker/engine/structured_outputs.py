@@ -5,14 +5,19 @@ each step that samples for such requests carries their bitmask (GrammarOutput).
 A request whose grammar is compiling is in none of the scheduler's queues: it holds no
 other request back, and enters the waiting queue once its grammar is ready (or fails
 with the compile's error). Its matcher only ever advances with tokens that come back
-from the workers (Request.append_output_token): a request recomputed after preemption
-samples past the tokens its matcher has, never over them again.
+from the workers (the request's output tokens, RequestGrammar): a request recomputed
+after preemption samples past the tokens its matcher has, never over them again.
+
+A step's bitmask is filled off the engine's thread (fill): its requests' matchers take
+the tokens they lack, one batch per token, and fill their rows, in xgrammar's threads
+(which leave the GIL), while the engine goes on with the outputs of the step just
+applied.
 """
 
 from __future__ import annotations
 
 import os
-from concurrent.futures import FIRST_COMPLETED, Future, wait
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import Any
 
 import numpy as np
@@ -21,10 +26,12 @@ from messages import GrammarOutput
 from zmqworker.cdiv import cdiv
 from zmqworker.engine.grammar_compiler import GrammarCompiler
 from zmqworker.engine.request import Request
-from zmqworker.engine.request_grammar import RequestGrammar
+from zmqworker.engine.request_grammar import RequestGrammar, rejected
 
-# Threads that fill a step's bitmask rows (xgrammar's, released from the GIL).
+# Threads that advance a step's matchers and fill their bitmask rows, each a share of
+# the rows (xgrammar's calls leave the GIL); a share is at least this many rows.
 BITMASK_THREADS = min(4, os.cpu_count() or 1)
+MIN_ROWS_PER_THREAD = 16
 
 
 class StructuredOutputs:
@@ -33,9 +40,13 @@ class StructuredOutputs:
     def __init__(self, compiler: GrammarCompiler) -> None:
         self.compiler = compiler
         self._compiling: dict[str, tuple[Request, Future[Any]]] = {}
-        # xgrammar's batch filler, made with the first bitmask: importing xgrammar takes
-        # seconds, which an engine core that never sees a constraint should not pay.
-        self._batch: Any = None
+        # xgrammar's batch fillers, one per share of the rows, made with the first
+        # bitmask: importing xgrammar takes seconds, which an engine core that never sees
+        # a constraint should not pay.
+        self._batches: list[Any] = []
+        self._filler = ThreadPoolExecutor(1, thread_name_prefix="grammar-bitmask")
+        self._shares = ThreadPoolExecutor(BITMASK_THREADS, thread_name_prefix="grammar-rows")
+        self._bitmasks: dict[int, np.ndarray] = {}  # by slot (fill), grown as needed
 
     def __len__(self) -> int:
         return len(self._compiling)
@@ -70,26 +81,96 @@ class StructuredOutputs:
             if exc is not None:
                 failed.append((request, str(exc) if isinstance(exc, ValueError) else repr(exc)))
                 continue
-            request.grammar = RequestGrammar(future.result(), request.eos_token_list)
+            grammar = RequestGrammar(
+                future.result(), request.eos_token_list, request.num_prompt_tokens
+            )
+            request.grammar = grammar
             ready.append(request)
         return ready, failed
 
-    def grammar_output(self, requests: list[Request]) -> GrammarOutput | None:
-        """The bitmask rows of the requests a step samples for, whose matchers have every
-        token before this step's; None if none is left to constrain (finished ones are
-        skipped: the step's token for them is dropped)."""
+    def fill(self, requests: list[Request], slot: int) -> Future[GrammarOutput | None]:
+        """Start filling the bitmask rows of the requests a step samples for, their
+        matchers first taking the tokens they lack (a RuntimeError if the grammar does
+        not allow one); None if none is left to constrain (finished ones are skipped:
+        the step's token for them is dropped). Until the future is done, nothing else
+        may advance these requests' matchers; their tokens are read now. The rows are
+        slot's array, kept for the next fill of that slot: the caller fills a slot again
+        only once the workers are done with its last bitmask."""
         live = [r for r in requests if not r.is_finished and r.grammar is not None]
-        if not live:
-            return None
         grammars = [r.grammar for r in live if r.grammar is not None]
-        bitmask = np.zeros((len(live), cdiv(grammars[0].vocab_size, 32)), np.int32)
-        if self._batch is None:
-            import xgrammar as xgr
-
-            self._batch = xgr.BatchGrammarMatcher(max_threads=BITMASK_THREADS)
-        self._batch.batch_fill_next_token_bitmask([g.matcher for g in grammars], bitmask)
+        lacking = []
+        for request, grammar in zip(live, grammars, strict=True):
+            lacking.append(request.all_token_ids[grammar.num_accepted :])
+            grammar.num_accepted = request.num_tokens
+        if not live:
+            done: Future[GrammarOutput | None] = Future()
+            done.set_result(None)
+            return done
         handles = np.array([r.handle for r in live], np.int32)
-        return GrammarOutput(handles, bitmask)
+        names = [r.req_id for r in live]
+        words = cdiv(grammars[0].vocab_size, 32)
+        bitmask = self._bitmasks.get(slot)
+        if bitmask is None or len(bitmask) < len(live) or bitmask.shape[1] != words:
+            bitmask = self._bitmasks[slot] = np.zeros((len(live), words), np.int32)
+        rows = bitmask[: len(live)]  # xgrammar writes every word of a row it fills
+        return self._filler.submit(
+            self._fill, grammars, lacking, GrammarOutput(handles, rows), names
+        )
+
+    def _fill(
+        self,
+        grammars: list[RequestGrammar],
+        lacking: list[list[int]],
+        output: GrammarOutput,
+        names: list[str],
+    ) -> GrammarOutput:
+        """The rows in shares, one thread each; the first share's error, if any."""
+        import xgrammar as xgr
+
+        n = len(grammars)
+        num_shares = max(1, min(BITMASK_THREADS, n // MIN_ROWS_PER_THREAD))
+        while len(self._batches) < num_shares:
+            self._batches.append(xgr.BatchGrammarMatcher(max_threads=1))
+        bounds = np.linspace(0, n, num_shares + 1).astype(int).tolist()
+        shares = [
+            self._shares.submit(
+                self._fill_rows, k, grammars, lacking, output.grammar_bitmask, names, lo, hi
+            )
+            for k, (lo, hi) in enumerate(zip(bounds, bounds[1:], strict=False))
+        ]
+        wait(shares)  # all of them: none may still touch a matcher once this returns
+        for share in shares:
+            share.result()
+        return output
+
+    def _fill_rows(
+        self,
+        share: int,
+        grammars: list[RequestGrammar],
+        lacking: list[list[int]],
+        bitmask: np.ndarray,
+        names: list[str],
+        lo: int,
+        hi: int,
+    ) -> None:
+        """Rows lo to hi: their matchers take the tokens they lack, one batch per token,
+        then fill their rows (with share's filler)."""
+        import xgrammar as xgr
+
+        matchers = [g.matcher for g in grammars[lo:hi]]
+        for k in range(max(map(len, lacking[lo:hi]))):
+            rows = [i for i in range(lo, hi) if len(lacking[i]) > k]
+            tokens = [lacking[i][k] for i in rows]
+            batch = matchers if len(rows) == len(matchers) else [matchers[i - lo] for i in rows]
+            accepted = xgr.BatchGrammarMatcher.batch_accept_token(batch, tokens)
+            if not all(accepted):
+                row = accepted.index(False)
+                raise rejected(names[rows[row]], tokens[row])
+        self._batches[share].batch_fill_next_token_bitmask(
+            matchers, bitmask, indices=list(range(lo, hi))
+        )
 
     def shutdown(self) -> None:
+        self._filler.shutdown(wait=True, cancel_futures=True)
+        self._shares.shutdown(wait=True)
         self.compiler.shutdown()

@@ -34,8 +34,7 @@ def apply_grammar_bitmask(
         raise ValueError(f"grammar bitmask must be int32 words, got {bitmask.dtype}")
     packed = np.ascontiguousarray(bitmask)
     # Checked on the host, where the bitmask is: a device check would wait for the device.
-    allowed_bits = np.unpackbits(packed.view(np.uint8), axis=1, bitorder="little")[:, :vocab]
-    empty = np.flatnonzero(~allowed_bits.any(axis=1))
+    empty = _rows_allowing_nothing(packed, vocab)
     if len(empty):
         raise ValueError(f"grammar bitmask allows no token for {names[int(empty[0])]}")
     device = logits.device
@@ -46,6 +45,16 @@ def apply_grammar_bitmask(
     allowed = allowed[:, :vocab]
     index = to_device(np.asarray(rows), torch.int64, device)
     logits[index] = logits[index].masked_fill_(~allowed, -torch.inf)
+
+
+def _rows_allowing_nothing(packed: np.ndarray, vocab: int) -> np.ndarray:
+    """The rows of packed (int32 words) with no bit set below vocab: compared a word at a
+    time, since unpacking every bit of a large batch costs the sampling step milliseconds."""
+    full, rest = divmod(vocab, _BITS)
+    some = (packed[:, :full] != 0).any(axis=1)
+    if rest and packed.shape[1] > full:
+        some |= (packed[:, full] & np.int32((1 << rest) - 1)) != 0
+    return np.flatnonzero(~some)
 
 
 def apply_grammar_output(
@@ -75,4 +84,5 @@ def apply_grammar_output(
             f"{len(grammar_handles)} request handles"
         )
     names = [describe(grammar_handles[k]) for k in keep]
-    apply_grammar_bitmask(logits, np.array(targets, np.int64), bitmask[keep], names)
+    rows = bitmask if len(keep) == len(grammar_handles) else bitmask[keep]  # no copy: all
+    apply_grammar_bitmask(logits, np.array(targets, np.int64), rows, names)
