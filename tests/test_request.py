@@ -21,7 +21,6 @@ from zmqworker.frontend.detokenizer import IncrementalDetokenizer
 from zmqworker.frontend.output_processor import OutputProcessor
 from zmqworker.frontend.request_state import RequestState
 
-
 STATS = EngineCoreStats(1, 0, 8, 4, 0, 0)
 
 
