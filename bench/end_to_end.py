@@ -14,7 +14,7 @@ engine, taking turns; it reports the ratio of their time per output token (targe
 <= 1.15x). --structured-only runs that row alone (bench/results/end_to_end_structured.json).
 
     python -m bench.end_to_end [--threads 2] [--device cpu] [--async-scheduling both]
-        [--structured-only]
+        [--structured-only] [--out FILE]
 """
 
 from __future__ import annotations
@@ -165,6 +165,7 @@ def main() -> None:
     parser.add_argument(
         "--structured-only", action="store_true", help="the structured-output row alone"
     )
+    parser.add_argument("--out", default=None, help="result file (default bench/results/)")
     args = parser.parse_args()
     path = default_model_path()
     batch = prompts(transformers.AutoTokenizer.from_pretrained(path))
@@ -175,7 +176,7 @@ def main() -> None:
         f"{structured['schema_over_plain_tpot']:.3f}x (target <= 1.15x)"
     )
     if args.structured_only:
-        print(f"wrote {write_results('end_to_end_structured', structured)}")
+        print(f"wrote {write_results('end_to_end_structured', structured, args.out)}")
         return
     modes = {"on": [True], "off": [False], "both": [True, False]}[args.async_scheduling]
     rows = [run_ours(path, batch, 1, args.threads, args.device, mode) for mode in modes]
@@ -189,7 +190,7 @@ def main() -> None:
         ratio = rows[0]["tok_s"] / rows[1]["tok_s"]
         summary["async_over_sync_tok_s"] = ratio
         print(f"async over sync scheduling: {ratio:.3f}x tokens/s (target >= 1.0)")
-    print(f"wrote {write_results('end_to_end', summary)}")
+    print(f"wrote {write_results('end_to_end', summary, args.out)}")
 
 
 if __name__ == "__main__":

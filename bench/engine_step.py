@@ -5,8 +5,8 @@ default depth) drives a stand-in executor that encodes each step as the multipro
 executor's RPC would (the engine's share of sending) and returns a token for every
 request that samples, immediately. Once every request decodes, each phase of the
 engine's turn is timed per step: schedule, send (batch queue submit: the encode),
-update (update_from_output), and outputs (each changed request's take_output and the
-EngineCoreOutputs message a client gets). Nothing waits on a device, so what is left is
+update (update_from_output), and outputs (the EngineCoreOutputs columns a client gets,
+encoded). Nothing waits on a device, so what is left is
 what sets the pace when the device is faster than the engine. Requests never finish in
 the timed steps (max_tokens above them); their EOS and a stop token id are checked on
 every token, never hit.
@@ -43,7 +43,6 @@ import numpy as np
 
 from messages import (
     Encoder,
-    EngineCoreOutputs,
     EngineCoreStats,
     KVCacheConfig,
     KVCacheSpec,
@@ -53,6 +52,7 @@ from messages import (
     SchedulerConfig,
     SchedulerOutput,
 )
+from zmqworker.engine.client_outputs import client_outputs
 from zmqworker.engine.core import EngineCore
 from zmqworker.engine.request import Request
 
@@ -138,8 +138,8 @@ def measure(num_requests: int, num_steps: int, async_scheduling: bool = True) ->
     stats = EngineCoreStats(num_requests, 0, num_blocks, 0, 0, 0)
 
     def outputs(changed: list[Request]) -> None:
-        outs = [request.take_output() for request in changed]
-        encoder.encode(EngineCoreOutputs(0, outs, stats))
+        requests = {request.req_id: request for request in changed}
+        encoder.encode(client_outputs(0, requests.values(), stats))
 
     for _ in range(8):  # prefills, and the steps in flight filled
         outputs(core.step())

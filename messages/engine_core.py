@@ -89,21 +89,32 @@ class AbortRequests(msgspec.Struct, tag=True):
     reason: Literal["abort", "stop"] = "abort"
 
 
-class EngineCoreOutput(msgspec.Struct, tag=True, omit_defaults=True):
-    """What one step gave one request: its new tokens, and how it ended once finished
-    (finish_reason "stop": an EOS or stop token, stop_reason its id; "length":
-    max_tokens or max_model_len). logprobs: a row per new token when the request asked
-    for them (column 0 the token itself, then the top ones)."""
+class FinishedOutput(msgspec.Struct, tag=True, omit_defaults=True):
+    """A request of the step that ended: its position among the step's request_ids, and
+    how (finish_reason "stop": an EOS or stop token, stop_reason its id; "length":
+    max_tokens or max_model_len)."""
 
-    request_id: str
-    new_token_ids: list[int]
-    finish_reason: Literal["stop", "length"] | None = None
+    index: NonNegative
+    finish_reason: Literal["stop", "length"]
     stop_reason: int | None = None
-    logprobs: LogprobsLists | None = None
-    num_cached_tokens: NonNegative = 0  # prefix-cache hits when it was scheduled
-    # On a request's first output: seconds from the engine core taking it in to first
-    # scheduling it (its own clock: a client cannot see either moment).
+
+
+class FirstOutput(msgspec.Struct, tag=True, omit_defaults=True):
+    """A request's first output (its position among the step's request_ids): prefix-cache
+    hits when it was scheduled, and seconds from the engine core taking it in to first
+    scheduling it (the engine core's clock: a client cannot see either moment)."""
+
+    index: NonNegative
+    num_cached_tokens: NonNegative = 0
     queue_time_s: Annotated[float, msgspec.Meta(ge=0)] = 0.0
+
+
+class RequestLogprobs(msgspec.Struct, tag=True, omit_defaults=True):
+    """The logprobs of a request that asked for them (its position among the step's
+    request_ids): a row per new token, column 0 the token itself, then the top ones."""
+
+    index: NonNegative
+    rows: LogprobsLists
 
 
 class EngineCoreStats(msgspec.Struct, tag=True):
@@ -120,12 +131,83 @@ class EngineCoreStats(msgspec.Struct, tag=True):
     num_prefill_tokens: NonNegative = 0
 
 
-class EngineCoreOutputs(msgspec.Struct, tag=True):
-    """One step's outputs for one client, with the engine core's stats after the step."""
+class EngineCoreOutputs(msgspec.Struct, tag=True, omit_defaults=True):
+    """One step's outputs for one client, as columns: the requests that got tokens or
+    ended, each once, and their new tokens one after the other (request i's are
+    new_token_ids[token_offsets[i]:token_offsets[i + 1]]; without token_offsets, one
+    token each, the decode step's common case). What only some requests have is sparse,
+    by position in request_ids, in increasing order: how those that ended did, the first
+    outputs' prefix-cache hits and queue times, logprobs. stats: the engine core after the
+    step."""
 
     engine_index: NonNegative
-    outputs: list[EngineCoreOutput]
+    request_ids: list[str]
+    new_token_ids: np.ndarray  # int32 [total new tokens]
     stats: EngineCoreStats
+    token_offsets: np.ndarray | None = None  # int32 [len(request_ids) + 1]
+    finished: list[FinishedOutput] = []
+    first: list[FirstOutput] = []
+    logprobs: list[RequestLogprobs] = []
+
+    def __post_init__(self) -> None:
+        """Untrusted columns: every length, offset and position must agree (a decoder
+        raises, naming what did not)."""
+        n, tokens = len(self.request_ids), self.new_token_ids
+        _check_ints("new_token_ids", tokens)
+        if len(tokens) and tokens.min() < 0:
+            raise ValueError(f"new_token_ids holds {tokens.min()}: token ids are >= 0")
+        offsets = self.token_offsets
+        if offsets is None:
+            if len(tokens) != n:
+                raise ValueError(
+                    f"{len(tokens)} new_token_ids for {n} request_ids without token_offsets "
+                    "(one token each)"
+                )
+        else:
+            _check_ints("token_offsets", offsets)
+            if len(offsets) != n + 1:
+                raise ValueError(f"{len(offsets)} token_offsets for {n} request_ids: needs {n + 1}")
+            if offsets[0] != 0 or offsets[-1] != len(tokens) or (np.diff(offsets) < 0).any():
+                raise ValueError(
+                    f"token_offsets must rise from 0 to {len(tokens)} (the new_token_ids), got "
+                    f"{offsets[0]} to {offsets[-1]}"
+                    + (" going down" if (np.diff(offsets) < 0).any() else "")
+                )
+        if len(set(self.request_ids)) != n:
+            twice = next(i for i in self.request_ids if self.request_ids.count(i) > 1)
+            raise ValueError(f"request id {twice!r} is in request_ids twice")
+        for name in ("finished", "first", "logprobs"):
+            last = -1
+            for entry in getattr(self, name):
+                if not last < entry.index < n:
+                    raise ValueError(
+                        f"{name} index {entry.index} after {last}: positions among the {n} "
+                        "request_ids, in increasing order"
+                    )
+                last = entry.index
+        for entry in self.logprobs:
+            i = entry.index
+            count = 1 if offsets is None else int(offsets[i + 1] - offsets[i])
+            _check_rows(f"logprobs of {self.request_ids[i]!r}", entry.rows, count)
+
+
+def _check_ints(name: str, values: np.ndarray) -> None:
+    if values.ndim != 1 or not np.issubdtype(values.dtype, np.integer):
+        raise ValueError(
+            f"{name} must be one row of integers, got {values.dtype}{list(values.shape)}"
+        )
+
+
+def _check_rows(name: str, rows: LogprobsLists, count: int) -> None:
+    """count rows: ids and logprobs [count, k + 1] alike, a rank each."""
+    ids, values, ranks = rows.logprob_token_ids, rows.logprobs, rows.sampled_token_ranks
+    if ids.ndim != 2 or ids.shape != values.shape or ranks.shape != (len(ids),):
+        raise ValueError(
+            f"{name}: token ids {list(ids.shape)}, logprobs {list(values.shape)} and ranks "
+            f"{list(ranks.shape)} do not make rows"
+        )
+    if len(ids) != count or ids.shape[1] < 1:
+        raise ValueError(f"{name}: {len(ids)} rows of {ids.shape[1]} for {count} new token(s)")
 
 
 class EngineCoreFailure(msgspec.Struct, tag=True):

@@ -15,11 +15,13 @@ from messages.engine_core import (
     EngineCoreFailure,
     EngineCoreHello,
     EngineCoreMessage,
-    EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreReady,
     EngineCoreRequest,
     EngineCoreStats,
+    FinishedOutput,
+    FirstOutput,
+    RequestLogprobs,
     UtilityCall,
     UtilityResult,
     WorkerCall,
@@ -90,31 +92,41 @@ def structured_request(seed: int = 14) -> EngineCoreRequest:
 
 
 def decode_outputs(num_reqs: int = 256, seed: int = 11) -> EngineCoreOutputs:
-    """A decode step's outputs for one client: a token each; one request ends on EOS,
-    one at max_tokens."""
+    """A decode step's outputs for one client: a token each (no offsets); one request
+    ends on EOS, one at max_tokens."""
     rng = Stream(seed)
-    tokens = rng.ints(num_reqs, 3, VOCAB_SIZE).tolist()
-    outputs = [EngineCoreOutput(req_id(i), [tokens[i]]) for i in range(num_reqs)]
-    outputs[7] = EngineCoreOutput(req_id(7), [EOS], finish_reason="stop", stop_reason=EOS)
-    outputs[9] = EngineCoreOutput(req_id(9), [tokens[9]], finish_reason="length")
-    return EngineCoreOutputs(engine_index=1, outputs=outputs, stats=STATS)
+    tokens = rng.ints(num_reqs, 3, VOCAB_SIZE)
+    tokens[7] = EOS
+    return EngineCoreOutputs(
+        engine_index=1,
+        request_ids=[req_id(i) for i in range(num_reqs)],
+        new_token_ids=tokens,
+        stats=STATS,
+        finished=[FinishedOutput(7, "stop", EOS), FinishedOutput(9, "length")],
+    )
 
 
 def logprobs_outputs(seed: int = 12) -> EngineCoreOutputs:
-    """Two requests' first tokens with top-2 logprobs (a row each, the token first); the
-    second had 64 prompt tokens from the prefix cache."""
+    """Three requests' outputs: the first two's first tokens with top-2 logprobs (a row
+    each, the token first; the second had 64 prompt tokens from the prefix cache), the
+    third's two tokens (two steps came back at once: offsets)."""
     rng = Stream(seed)
     ids = rng.ints((2, 3), 0, VOCAB_SIZE)
     values = -np.sort(rng.floats((2, 3), 0.0, 8.0), axis=1)
+    tokens = np.concatenate([ids[:, 0], rng.ints(2, 0, VOCAB_SIZE)]).astype(np.int32)
 
     def rows(i: int) -> LogprobsLists:
         return LogprobsLists(ids[i : i + 1], values[i : i + 1], np.array([1 + i], np.int32))
 
-    outputs = [
-        EngineCoreOutput(req_id(20 + i), [int(ids[i, 0])], logprobs=rows(i)) for i in range(2)
-    ]
-    outputs[1].num_cached_tokens = 64
-    return EngineCoreOutputs(engine_index=0, outputs=outputs, stats=STATS)
+    return EngineCoreOutputs(
+        engine_index=0,
+        request_ids=[req_id(20), req_id(21), req_id(22)],
+        new_token_ids=tokens,
+        stats=STATS,
+        token_offsets=np.array([0, 1, 2, 4], np.int32),
+        first=[FirstOutput(0, 0, 0.002), FirstOutput(1, 64, 0.015)],
+        logprobs=[RequestLogprobs(0, rows(0)), RequestLogprobs(1, rows(1))],
+    )
 
 
 def worker_death() -> EngineCoreFailure:

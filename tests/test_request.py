@@ -8,10 +8,25 @@ import numpy as np
 import pytest
 from engine_helpers import byte_level_tokenizer
 
-from messages import EngineCoreOutput, LogprobsLists, SamplingParams
+from messages import (
+    EngineCoreStats,
+    FinishedOutput,
+    FirstOutput,
+    LogprobsLists,
+    SamplingParams,
+)
+from zmqworker.engine.client_outputs import client_outputs
 from zmqworker.engine.request import FinishReason, Request, RequestStatus
 from zmqworker.frontend.detokenizer import IncrementalDetokenizer
+from zmqworker.frontend.output_processor import OutputProcessor
 from zmqworker.frontend.request_state import RequestState
+
+STATS = EngineCoreStats(1, 0, 8, 4, 0, 0)
+
+
+def take_output(request: Request):
+    """What the engine core sends its client of this request now."""
+    return client_outputs(0, [request], STATS)
 
 
 @pytest.fixture(scope="module")
@@ -28,14 +43,18 @@ class Both:
         params = SamplingParams(**params)
         self.engine = Request("r", ids, params, eos_token_ids=[tok.eos_token_id])
         self.client = RequestState("r", prompt, ids, params, IncrementalDetokenizer(tok, ids))
+        self.processor = OutputProcessor()
+        self.processor.add(self.client)
         self.max_model_len = max_model_len
 
-    def add(self, token: int, now: float = 0.0) -> str:
+    def add(self, token: int) -> str:
         """Feed one token; the text the stream shows for it."""
         self.engine.append_output_token(token, self.max_model_len)
-        if self.client.apply(self.engine.take_output(), now):
+        processed = self.processor.process(take_output(self.engine))
+        if processed.stopped:
             self.engine.finish(FinishReason.ABORT)  # the client aborts it on a stop string
-        return self.client.output().new_text
+        [out] = processed.outputs
+        return out.new_text
 
     def feed(self, text_or_ids) -> list[str]:
         """Feed tokens until the request finishes; the streamed text pieces."""
@@ -54,13 +73,16 @@ def test_max_tokens_finishes_with_length_and_the_output_says_so():
     request = Request("r", [1, 2, 3], SamplingParams(max_tokens=3))
     assert not request.append_output_token(5, 100)
     assert not request.append_output_token(6, 100)
-    assert request.take_output().new_token_ids == [5, 6]
+    first = take_output(request)
+    assert first.new_token_ids.tolist() == [5, 6] and first.token_offsets.tolist() == [0, 2]
+    assert first.first[0].index == 0 and not first.finished
     assert request.append_output_token(7, 100)
     assert request.status is RequestStatus.FINISHED
     assert request.finish_reason is FinishReason.LENGTH
     assert request.output_token_ids == [5, 6, 7] and request.all_token_ids == [1, 2, 3, 5, 6, 7]
-    out = request.take_output()
-    assert (out.new_token_ids, out.finish_reason, out.stop_reason) == ([7], "length", None)
+    out = take_output(request)
+    assert out.new_token_ids.tolist() == [7] and out.token_offsets is None and not out.first
+    assert out.finished == [FinishedOutput(0, "length", None)]
     with pytest.raises(RuntimeError, match="finished"):
         request.append_output_token(8, 100)
 
@@ -94,10 +116,10 @@ def test_the_output_carries_each_new_token_s_logprobs_row():
     )
     request.append_output_token(9, 100, step, row=0)
     request.append_output_token(7, 100, step, row=1)
-    out = request.take_output()
-    assert out.logprobs.logprob_token_ids.tolist() == [[9, 9], [7, 3]]  # the token, top 1
-    assert out.logprobs.sampled_token_ranks.tolist() == [1, 2]
-    assert request.take_output().logprobs is None  # taken
+    [out] = take_output(request).logprobs
+    assert out.rows.logprob_token_ids.tolist() == [[9, 9], [7, 3]]  # the token, top 1
+    assert out.rows.sampled_token_ranks.tolist() == [1, 2]
+    assert take_output(request).logprobs == []  # taken
     with pytest.raises(RuntimeError, match="does not hold token 8"):
         request.append_output_token(8, 100, step, row=0)
 
@@ -217,12 +239,13 @@ def test_timings_and_logprobs_texts(tok):
             sampled_token_ranks=np.array([1], np.int32),
         )
 
-    state.apply(EngineCoreOutput("r", [hello[0]], logprobs=rows(hello[0])), now=11.0)
-    state.apply(EngineCoreOutput("r", [5], finish_reason="length", logprobs=rows(5)), now=14.0)
+    state.apply([hello[0]], 11.0, first=FirstOutput(0, 0, 0.5), logprobs=rows(hello[0]))
+    state.apply([5], 14.0, FinishedOutput(0, "length"), logprobs=rows(5))
     out = state.output()
     assert (out.timings.ttft, out.timings.tpot, out.timings.total) == (1.0, 3.0, 4.0)
+    assert out.timings.queue == 0.5
     with pytest.raises(RuntimeError, match="asked for logprobs"):
-        state.apply(EngineCoreOutput("r", [5]))
+        state.apply([5], 15.0)
     [position, _] = out.logprobs or [None, None]
     assert position.sampled.text == tok.decode([hello[0]]) and position.rank == 1
     assert [t.token_id for t in position.top] == [ids[0]]

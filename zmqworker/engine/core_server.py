@@ -30,18 +30,17 @@ from messages import (
     EngineCoreConfig,
     EngineCoreFailure,
     EngineCoreHello,
-    EngineCoreOutput,
-    EngineCoreOutputs,
     EngineCoreReady,
     EngineCoreRequest,
     ProtocolError,
     UtilityCall,
     UtilityResult,
 )
+from zmqworker.engine.client_outputs import client_outputs
 from zmqworker.engine.core import EngineCore
 from zmqworker.engine.core_clients import Client, Clients
 from zmqworker.engine.core_limits import engine_core_limits
-from zmqworker.engine.request import Request
+from zmqworker.engine.request import FinishReason, Request
 from zmqworker.engine.utility import EngineCoreUtilities, call_utility, waits_for_steps
 from zmqworker.executor.errors import WorkerDiedError, WorkerStuckError
 from zmqworker.transport.drops import DropCounter
@@ -158,21 +157,30 @@ class EngineCoreServer:
                 self.clients.forget_request(request.req_id)
                 failure = EngineCoreFailure(self.index, [request.req_id], "ValueError", reason)
                 self._send(client, failure)
-        outputs: dict[bytes, list[EngineCoreOutput]] = {}
+        # Each client's requests, each once (a step may change one twice), in order.
+        by_client: dict[bytes, dict[str, Request]] = {}
+        owners = self.clients.owners
         for request in changed:
-            client = self.clients.owners.get(request.req_id)
+            client = owners.get(request.req_id)
             if client is None:
                 continue  # its client is gone, or aborted it while the step ran
-            outputs.setdefault(client.identity, []).append(request.take_output())
+            if request.finish_reason is FinishReason.ABORT:  # its remote KV never came
+                self.clients.forget_request(request.req_id)
+                reason = request.error or "aborted by the engine core"
+                self._send(
+                    client, EngineCoreFailure(self.index, [request.req_id], "RuntimeError", reason)
+                )
+                continue
+            by_client.setdefault(client.identity, {})[request.req_id] = request
             if request.is_finished:
                 self.clients.forget_request(request.req_id)
-        if not outputs:
+        if not by_client:
             return
         stats = self.core.stats()
-        for identity, outs in outputs.items():
+        for identity, requests in by_client.items():
             client = self.clients.by_identity.get(identity)
             if client is not None:
-                self._send(client, EngineCoreOutputs(self.index, outs, stats))
+                self._send(client, client_outputs(self.index, requests.values(), stats))
 
     def _take_inputs(self, wait: bool) -> None:
         if wait:

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from messages import EngineCoreOutput, LogprobsLists, RemoteKV, SamplingParams
+from messages import LogprobsLists, RemoteKV, SamplingParams
 
 
 @dataclass(frozen=True)
@@ -45,8 +45,8 @@ class FinishReason(str, enum.Enum):
 
 class Request:
     """One generation request. The scheduler moves it between states; append_output_token
-    applies the stop rules to each sampled token; take_output hands what is new to the
-    client.
+    applies the stop rules to each sampled token; what is new goes to the client in
+    its step's columns (client_outputs.py), from num_sent on.
 
     all_token_ids is the prompt followed by the outputs. What the scheduler counts of a
     running request (tokens computed, steps in flight) is its own (running.py, in_flight.py).
@@ -105,12 +105,14 @@ class Request:
         self.handle: int | None = None  # set while the workers hold it
         self.num_cached_tokens = 0  # prefix-cache hits when it was last scheduled as new
         self.num_preemptions = 0
-        # The logprobs rows of the tokens not taken yet (take_output), when asked for:
+        # The logprobs rows of the tokens not sent yet (take_logprobs), when asked for:
         # (top ids, their logprobs, the sampled token's rank) each.
-        self._logprob_rows: list[tuple[np.ndarray, np.ndarray, int]] | None = (
+        self.logprob_rows: list[tuple[np.ndarray, np.ndarray, int]] | None = (
             None if sampling_params.logprobs is None else []
         )
-        self._tokens_taken = 0
+        # all_token_ids[:num_sent] are the prompt and the outputs its client has.
+        self.num_sent = self.num_prompt_tokens
+        self.first_output_sent = False  # its first output reports its queue time
         self.remote_decode = remote_decode
         self.remote = remote
         self.kv_transfer_out: RemoteKV | None = None
@@ -121,7 +123,8 @@ class Request:
         if remote is not None:
             # The prefill's token: an output already given to the client.
             self.all_token_ids.append(remote.first_token)
-            self._tokens_taken = 1
+            self.num_sent += 1
+            self.first_output_sent = True
         # Its structured_outputs' matcher, once its grammar is compiled (None without).
         self.grammar: RequestGrammar | None = None
 
@@ -161,8 +164,8 @@ class Request:
         request needs a look of its own (logprobs, a remote decode)."""
         if self.status is RequestStatus.FINISHED:
             raise RuntimeError(f"request {self.req_id!r} is finished; got token {token_id}")
-        if self._logprob_rows is not None:
-            self._logprob_rows.append(self._logprob_row(token_id, logprobs, row))
+        if self.logprob_rows is not None:
+            self.logprob_rows.append(self._logprob_row(token_id, logprobs, row))
         self.all_token_ids.append(token_id)
         params = self.sampling_params
         grammar = self.grammar
@@ -196,28 +199,13 @@ class Request:
         self.status = RequestStatus.FINISHED
         self.finish_reason = reason
 
-    def take_output(self) -> EngineCoreOutput:
-        """The output tokens (and their logprobs rows) not taken before, and how the
-        request ended once it has (by its stop rules: an aborted request has no more
-        outputs)."""
-        first = self._tokens_taken == 0
-        tokens = self.all_token_ids[self.num_prompt_tokens + self._tokens_taken :]
-        self._tokens_taken += len(tokens)
-        logprobs = None
-        if self._logprob_rows:
-            ids, values, ranks = zip(*self._logprob_rows, strict=True)
-            logprobs = LogprobsLists(np.stack(ids), np.stack(values), np.array(ranks, np.int32))
-            self._logprob_rows = []
-        reason = self.finish_reason
-        return EngineCoreOutput(
-            self.req_id,
-            tokens,
-            finish_reason=None if reason is None else reason.value,
-            stop_reason=self.stop_reason,
-            logprobs=logprobs,
-            num_cached_tokens=self.num_cached_tokens,
-            queue_time_s=(self.queue_time_s or 0.0) if first else 0.0,
-        )
+    def take_logprobs(self) -> LogprobsLists | None:
+        """The logprobs rows of the tokens not sent yet (None: none, or not asked for)."""
+        if not self.logprob_rows:
+            return None
+        ids, values, ranks = zip(*self.logprob_rows, strict=True)
+        self.logprob_rows = []
+        return LogprobsLists(np.stack(ids), np.stack(values), np.array(ranks, np.int32))
 
     def _logprob_row(
         self, token_id: int, logprobs: LogprobsLists | None, row: int

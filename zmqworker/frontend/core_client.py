@@ -336,9 +336,8 @@ class EngineCoreClient:
                 continue
             if isinstance(msg, EngineCoreOutputs):
                 engine.report(msg.stats)
-                for out in msg.outputs:
-                    if out.finish_reason is not None:
-                        self._forget(out.request_id)
+                for finished in msg.finished:
+                    self._forget(msg.request_ids[finished.index])
                 events.append(msg)
             elif isinstance(msg, EngineCoreFailure):
                 self._on_failure(engine, msg, events)

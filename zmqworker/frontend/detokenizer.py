@@ -91,6 +91,12 @@ class IncrementalDetokenizer:
         )
         return after[len(before) :]
 
+    def add_all(self, token_ids: Sequence[int]) -> str:
+        """The text of these tokens as the request ends, in one decode: what add() of
+        each and flush() would give together (incomplete characters as U+FFFD)."""
+        self._held += [int(t) for t in token_ids]
+        return self.flush()
+
     def token_texts(self, ids: list[int]) -> list[str]:
         """Each token's text decoded alone, special tokens included (for logprobs)."""
         return self._backend.decode_batch([[i] for i in ids], skip_special_tokens=False)

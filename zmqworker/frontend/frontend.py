@@ -89,7 +89,8 @@ class Frontend(ControlMethods):
         self._require_open()
         if self._streaming():
             raise RuntimeError("generate() called while generate_stream() streams are running")
-        states = self._make_states(prompts, sampling_params)
+        # Not streamed (only the last outputs are kept), unless an observer sees each.
+        states = self._make_states(prompts, sampling_params, bool(self._observers))
         finals: dict[str, RequestOutput] = {}
         errors: list[Exception] = []
 
@@ -150,7 +151,7 @@ class Frontend(ControlMethods):
         RequestOutput.index) until all n have finished. Several streams may run at once
         on one event loop; a stream closed early aborts its requests."""
         self._require_open()
-        states = self._make_states([prompt], sampling_params)
+        states = self._make_states([prompt], sampling_params, streamed=True)
         self.client.attach(asyncio.get_running_loop(), self._handle)
         queue: asyncio.Queue[RequestOutput | Exception] = asyncio.Queue()
         running = {state.request_id for state in states}
@@ -274,8 +275,10 @@ class Frontend(ControlMethods):
         self,
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+        streamed: bool,
     ) -> list[RequestState]:
-        """Validated request states for every prompt, or an error before any is sent."""
+        """Validated request states for every prompt, or an error before any is sent;
+        streamed: their callers take every output, not only the last."""
         prompts = prompt_list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params = [sampling_params or self.default_sampling_params()] * len(prompts)
@@ -289,12 +292,14 @@ class Frontend(ControlMethods):
         states = []
         for index, (prompt, param) in enumerate(zip(prompts, params, strict=True)):
             try:
-                states.extend(self._make_samples(prompt, param))
+                states.extend(self._make_samples(prompt, param, streamed))
             except ValueError as exc:
                 raise ValueError(f"prompt {index}: {exc}") from None
         return states
 
-    def _make_samples(self, prompt: Prompt, params: SamplingParams) -> list[RequestState]:
+    def _make_samples(
+        self, prompt: Prompt, params: SamplingParams, streamed: bool
+    ) -> list[RequestState]:
         """A request state per sample (params.n) of the prompt, tokenized once. The
         samples are requests of their own (ids "<id>.<i>") with n=1 and, with a seed,
         seed + i as vLLM's are; the first computes the prompt, the others share its KV
@@ -303,7 +308,7 @@ class Frontend(ControlMethods):
         token_ids = self.encode(prompt)
         request_id = f"{self._id_prefix}{next(self._ids)}"
         if params.n == 1:
-            return [self._make_state(request_id, prompt, token_ids, params)]
+            return [self._make_state(request_id, prompt, token_ids, params, streamed)]
         states = []
         for i in range(params.n):
             seed = params.seed
@@ -312,7 +317,7 @@ class Frontend(ControlMethods):
             sample = msgspec.structs.replace(params, n=1, seed=seed)
             first = states[0].request_id if states else None
             states.append(
-                self._make_state(f"{request_id}.{i}", prompt, token_ids, sample, i, first)
+                self._make_state(f"{request_id}.{i}", prompt, token_ids, sample, streamed, i, first)
             )
         return states
 
@@ -322,6 +327,7 @@ class Frontend(ControlMethods):
         prompt: Prompt,
         token_ids: list[int],
         params: SamplingParams,
+        streamed: bool,
         index: int = 0,
         shares_prompt_with: str | None = None,
     ) -> RequestState:
@@ -338,4 +344,5 @@ class Frontend(ControlMethods):
             detokenizer,
             index=index,
             shares_prompt_with=shares_prompt_with,
+            streamed=streamed,
         )

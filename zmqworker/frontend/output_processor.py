@@ -1,5 +1,11 @@
 """The client's side of each step: the engine cores' outputs applied to the requests'
-states (text, stop strings, logprobs), and what to tell the callers and the engines."""
+states (text, stop strings, logprobs), and what to tell the callers and the engines.
+
+A step's outputs come as columns (EngineCoreOutputs). A bulk request (RequestState.bulk:
+its caller wants only its end, and it has no stop strings or logprobs) that only got
+tokens has them appended here, in one loop over the step; the others, and what only
+some requests have (an end, a first output, logprobs), go through RequestState.apply.
+Only a streamed or finished request's output is built."""
 
 from __future__ import annotations
 
@@ -42,14 +48,39 @@ class OutputProcessor:
         processed = Processed()
         now = time.monotonic()
         states = self.states
-        for out in batch.outputs:
-            state = states.get(out.request_id)
+        finished = {f.index: f for f in batch.finished}
+        first = {f.index: f for f in batch.first}
+        logprobs = {r.index: r.rows for r in batch.logprobs}
+        special = finished.keys() | first.keys() | logprobs.keys()
+        tokens = batch.new_token_ids.tolist()
+        offsets = batch.token_offsets
+        bounds = None if offsets is None else offsets.tolist()
+        late = 0
+        for i, request_id in enumerate(batch.request_ids):
+            state = states.get(request_id)
             if state is None:  # it ended here (a stop string, an abort) while it ran on
-                self.num_late_outputs += 1
+                late += 1
                 continue
-            if state.apply(out, now):
-                processed.stopped.append(out.request_id)
+            if bounds is None:
+                if state.bulk and i not in special:
+                    state.output_token_ids.append(tokens[i])
+                    state.since_last = now - state.last_token_time  # type: ignore[operator]
+                    state.last_token_time = now
+                    continue
+                new = tokens[i : i + 1]
+            else:
+                new = tokens[bounds[i] : bounds[i + 1]]
+                if state.bulk and i not in special:
+                    if new:
+                        state.output_token_ids += new
+                        state.since_last = now - state.last_token_time  # type: ignore[operator]
+                        state.last_token_time = now
+                    continue
+            if state.apply(new, now, finished.get(i), first.get(i), logprobs.get(i)):
+                processed.stopped.append(request_id)
             if state.finished:
-                del states[out.request_id]
-            processed.outputs.append(state.output())
+                del states[request_id]
+            if state.streamed or state.finished:
+                processed.outputs.append(state.output())
+        self.num_late_outputs += late
         return processed

@@ -5,6 +5,11 @@ The engine core ends a request on EOS, a stop token id, max_tokens or max_model_
 stop string is found here, in the text, and the request then ends here (the client
 aborts it in the engine core). Streamed text stays behind by the longest stop string
 less one character: those characters could still turn out to start one.
+
+A request whose caller wants only its end (not streamed: LLM.generate) pays per step
+only for what it uses: without stop strings its text is decoded once, as it ends, and
+without logprobs either it is "bulk": the output processor appends its tokens itself,
+outside apply().
 """
 
 from __future__ import annotations
@@ -12,7 +17,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
-from messages import EngineCoreOutput, SamplingParams
+from messages import FinishedOutput, FirstOutput, LogprobsLists, SamplingParams
 from zmqworker.frontend.detokenizer import IncrementalDetokenizer
 from zmqworker.frontend.outputs import (
     PositionLogprobs,
@@ -33,7 +38,10 @@ class RequestState:
         arrival_time: float | None = None,
         index: int = 0,
         shares_prompt_with: str | None = None,
+        streamed: bool = True,
     ) -> None:
+        """streamed: its caller takes every output (output() after each apply()); else
+        only the last."""
         if params.stop and detokenizer is None:
             raise ValueError(f"request {request_id!r}: stop strings need a tokenizer")
         self.request_id = request_id
@@ -58,47 +66,96 @@ class RequestState:
         self._holdback = max((len(s) for s in params.stop), default=1) - 1
         self._tokens_taken = 0
         self._text_taken = 0
+        self.streamed = streamed
+        # No text until it ends: nothing looks at it before (no stream, no stop strings).
+        self._text_at_end = not streamed and not params.stop
+        self._plain = self._text_at_end and params.logprobs is None
+        # Its tokens may be appended in bulk (OutputProcessor): plain, and past its first.
+        self.bulk = False
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
 
-    def apply(self, out: EngineCoreOutput, now: float | None = None) -> bool:
-        """Take an engine core output in; True when it found a stop string (the request
-        is finished here, and the engine core must be told)."""
-        now = time.monotonic() if now is None else now
-        if out.new_token_ids:
+    def apply(
+        self,
+        new_token_ids: list[int],
+        now: float,
+        finished: FinishedOutput | None = None,
+        first: FirstOutput | None = None,
+        logprobs: LogprobsLists | None = None,
+    ) -> bool:
+        """Take a step's output of this request in: its new tokens, how it ended (if it
+        did), its first output's report, its logprobs rows. True when it found a stop
+        string (the request is finished here, and the engine core must be told)."""
+        if first is not None:
+            self.queue_time = first.queue_time_s
+        if new_token_ids:
             if self.first_token_time is None:
                 self.first_token_time = now
-                self.queue_time = out.queue_time_s
             last, self.last_token_time = self.last_token_time, now
             self.since_last = 0.0 if last is None else now - last
-        last = len(out.new_token_ids) - 1
-        for i, token in enumerate(out.new_token_ids):
-            ending = i == last and out.finish_reason is not None
-            if self.logprobs is not None:
-                self.logprobs.append(self._position(out, i))
-            self.output_token_ids.append(token)
-            if self._detokenizer is not None:
-                # A stop token's own text is not part of the output, unless asked for.
-                stop_token = (
-                    ending
-                    and out.stop_reason == token
-                    and not self.params.include_stop_str_in_output
+        if self.logprobs is not None and new_token_ids:
+            if logprobs is None or len(logprobs.logprob_token_ids) != len(new_token_ids):
+                raise RuntimeError(
+                    f"request {self.request_id!r} asked for logprobs; the engine core sent "
+                    f"{0 if logprobs is None else len(logprobs.logprob_token_ids)} rows for "
+                    f"{len(new_token_ids)} tokens"
                 )
-                text = "" if stop_token else self._detokenizer.add(token)
-                if ending:  # the last text: an incomplete character comes out as U+FFFD
-                    text += self._detokenizer.flush()
-                # Like EOS and the stop ids, a stop string ends the output only after
-                # its first min_tokens tokens.
-                may_stop = len(self.output_token_ids) > self.params.min_tokens
-                if self._append_text(text, may_stop):
-                    self.finish("stop", now)
-                    return True
-        if out.finish_reason is not None:
-            self.stop_reason = out.stop_reason
-            self.finish(out.finish_reason, now)
+        if self._detokenizer is None or self._text_at_end:
+            if self.logprobs is not None:
+                self.logprobs += [self._position(logprobs, i) for i in range(len(new_token_ids))]
+            self.output_token_ids += new_token_ids
+            if finished is not None and self._detokenizer is not None:
+                self.output_text = self._detokenizer.add_all(self._text_token_ids(finished))
+        elif self._add_text(new_token_ids, finished, logprobs, now):
+            return True
+        if finished is not None:
+            self.stop_reason = finished.stop_reason
+            self.finish(finished.finish_reason, now)
+        self.bulk = self._plain and self.first_token_time is not None and not self.finished
         return False
+
+    def _add_text(
+        self,
+        new_token_ids: list[int],
+        finished: FinishedOutput | None,
+        logprobs: LogprobsLists | None,
+        now: float,
+    ) -> bool:
+        """Token by token, their text (and logprobs) as they come; True on a stop string
+        (the request is finished here)."""
+        assert self._detokenizer is not None
+        last = len(new_token_ids) - 1
+        for i, token in enumerate(new_token_ids):
+            ending = i == last and finished is not None
+            if self.logprobs is not None:
+                self.logprobs.append(self._position(logprobs, i))
+            self.output_token_ids.append(token)
+            # A stop token's own text is not part of the output, unless asked for.
+            stop_token = (
+                ending
+                and finished.stop_reason == token  # type: ignore[union-attr]
+                and not self.params.include_stop_str_in_output
+            )
+            text = "" if stop_token else self._detokenizer.add(token)
+            if ending:  # the last text: an incomplete character comes out as U+FFFD
+                text += self._detokenizer.flush()
+            # Like EOS and the stop ids, a stop string ends the output only after its
+            # first min_tokens tokens.
+            may_stop = len(self.output_token_ids) > self.params.min_tokens
+            if self._append_text(text, may_stop):
+                self.finish("stop", now)
+                return True
+        return False
+
+    def _text_token_ids(self, finished: FinishedOutput) -> list[int]:
+        """The output tokens whose text is the output's: a stop token's is not, unless
+        asked for."""
+        ids = self.output_token_ids
+        if ids and finished.stop_reason == ids[-1] and not self.params.include_stop_str_in_output:
+            return ids[:-1]
+        return ids
 
     def finish(self, reason: str, now: float | None = None) -> None:
         self.finish_reason = reason
@@ -146,15 +203,10 @@ class RequestState:
             since_last=self.since_last,
         )
 
-    def _position(self, out: EngineCoreOutput, i: int) -> PositionLogprobs:
-        """Row i of the output's logprobs: the sampled token, then the top ones."""
-        rows = out.logprobs
-        if rows is None or len(rows.logprob_token_ids) != len(out.new_token_ids):
-            raise RuntimeError(
-                f"request {self.request_id!r} asked for logprobs; the engine core sent "
-                f"{0 if rows is None else len(rows.logprob_token_ids)} rows for "
-                f"{len(out.new_token_ids)} tokens"
-            )
+    def _position(self, rows: LogprobsLists | None, i: int) -> PositionLogprobs:
+        """Row i of the step's logprobs of this request: the sampled token, then the top
+        ones."""
+        assert rows is not None
         ids = rows.logprob_token_ids[i].tolist()
         values = rows.logprobs[i].tolist()
         detok = self._detokenizer
