@@ -29,7 +29,7 @@ from messages import (
 from messages.step import HANDLE, NUM_COLUMNS, NUM_COMPUTED, NUM_SCHEDULED
 from zmqworker.cdiv import cdiv
 from zmqworker.distributed.parallel_state import single_rank_state
-from zmqworker.model_runner import ModelRunner
+from zmqworker.model_runner.model_runner import ModelRunner
 from zmqworker.worker.host_malloc import keep_freed_memory
 
 BLOCK_SIZE = 16

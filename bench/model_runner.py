@@ -38,7 +38,7 @@ from messages import (
 )
 from zmqworker.cdiv import cdiv
 from zmqworker.distributed.parallel_state import single_rank_state
-from zmqworker.model_runner import ModelRunner
+from zmqworker.model_runner.model_runner import ModelRunner
 from zmqworker.models.embedded import default_model_path
 
 BLOCK_SIZE = 16

@@ -32,8 +32,9 @@ from messages import (
 from tests.tiny import cached_tiny_checkpoint
 from zmqworker.cdiv import cdiv
 from zmqworker.distributed.parallel_state import ParallelState, single_rank_state
-from zmqworker.model_runner import AsyncModelRunnerOutput, ModelRunner
+from zmqworker.model_runner.async_output import AsyncModelRunnerOutput
 from zmqworker.model_runner.cuda_graphs import Capture
+from zmqworker.model_runner.model_runner import ModelRunner
 
 DEVICE = torch.device(os.environ.get("ZMQWORKER_TEST_DEVICE", "cpu"))
 BLOCK = 4

@@ -13,7 +13,7 @@ import transformers
 
 from messages import ModelConfig
 from tests.tiny import PagedDriver
-from zmqworker.distributed import single_rank_state
+from zmqworker.distributed.parallel_state import single_rank_state
 from zmqworker.models import embedded
 from zmqworker.models.registry import build_model
 

@@ -143,3 +143,23 @@ def test_the_engine_side_imports_neither_torch_nor_transformers() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
     )
     assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_a_worker_process_imports_torch_only_to_build_a_torch_worker() -> None:
+    """A worker process binds its sockets and says Hello without torch or transformers
+    (they load with the torch worker class): a stand-in worker (the tests' echo worker)
+    starts in a fraction of a second."""
+    code = (
+        "import sys, zmqworker.runtime.main, zmqworker.runtime.worker_process, "
+        "bench.echo_worker;"
+        "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+        cwd=ROOT,
+    )
+    assert out.stdout.strip() == "[]", out.stdout

@@ -15,7 +15,7 @@ from tests.tiny import (
     make_gptq_checkpoint,
     make_tiny_checkpoint,
 )
-from zmqworker.distributed import ParallelState, single_rank_state
+from zmqworker.distributed.parallel_state import ParallelState, single_rank_state
 from zmqworker.models.loader import CheckpointError, load_checkpoint
 from zmqworker.models.registry import build_model
 

@@ -49,7 +49,8 @@ from tests.runner_helpers import (
 from tests.test_readme import require_embedded_model
 from zmqworker.attention.kv_cache import kv_cache_shape
 from zmqworker.cdiv import cdiv
-from zmqworker.model_runner import AsyncModelRunnerOutput, ModelRunner
+from zmqworker.model_runner.async_output import AsyncModelRunnerOutput
+from zmqworker.model_runner.model_runner import ModelRunner
 from zmqworker.models.embedded import default_model_path
 
 # Decoded tensors are read-only message memory (the runner copies them); torch warns.

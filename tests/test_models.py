@@ -9,7 +9,7 @@ import transformers
 
 from messages import ModelConfig
 from tests.tiny import PagedDriver, cached_tiny_checkpoint
-from zmqworker.distributed import ParallelState, single_rank_state
+from zmqworker.distributed.parallel_state import ParallelState, single_rank_state
 from zmqworker.models.llama import pp_layer_range
 from zmqworker.models.registry import build_model
 

@@ -14,7 +14,7 @@ from safetensors.torch import save_file
 from messages import ModelConfig
 from tests.test_models import _hf_model, assert_close, hf_logits, ours, prompts
 from tests.tiny import MOE_CHECKPOINTS, PagedDriver, moe_checkpoint
-from zmqworker.distributed import ParallelState
+from zmqworker.distributed.parallel_state import ParallelState
 from zmqworker.models.expert_split import MoeSizes, expert_split
 from zmqworker.models.layers.experts import route
 from zmqworker.models.moe import SparseMoeBlock, sparse_layer

@@ -18,13 +18,13 @@ from tests.test_models import prompts
 from tests.test_moe import greedy, hf_greedy
 from tests.test_tp_model import free_port
 from tests.tiny import MOE_CHECKPOINTS, PagedDriver, moe_checkpoint
-from zmqworker.distributed import (
+from zmqworker.distributed.parallel_state import (
     ParallelState,
     destroy_parallel_state,
+    expert_group_ranks,
     init_parallel_state,
     single_rank_state,
 )
-from zmqworker.distributed.parallel_state import expert_group_ranks
 from zmqworker.frontend.errors import EngineCoreStartupError
 from zmqworker.frontend.llm import LLM
 from zmqworker.models.registry import build_model

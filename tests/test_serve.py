@@ -1,6 +1,8 @@
 """zmqworker serve on the embedded model, called as users call it: the official openai
 client against a real server process (completions and chat, streaming and not,
-concurrent requests, a client that disconnects, bad requests, SIGTERM)."""
+concurrent requests, a client that disconnects, bad requests), and a server whose engine
+core or API server is killed. SIGTERM's drain is the last test of test_serve_sampling.py,
+on the server the two files share."""
 
 from __future__ import annotations
 
@@ -104,10 +106,8 @@ def get_or_none(url: str) -> int | None:
 
 
 @pytest.fixture(scope="module")
-def server():
-    srv = Server("--api-server-count", "2")  # two processes accepting on the port
-    yield srv
-    srv.stop()
+def server(two_api_servers):
+    return two_api_servers  # two processes accepting on the port (conftest.py)
 
 
 def test_health_models_and_metrics(server):
@@ -334,22 +334,6 @@ def test_readme_openai_snippet_runs_against_the_server(server):
     )
     assert out.returncode == 0, out.stderr[-2000:]
     assert "Paris" in out.stdout
-
-
-def test_sigterm_drains_the_requests_in_flight_then_stops_the_workers():
-    srv = Server("--shutdown-timeout", "300")  # a loaded machine must not cut the drain
-    stream = srv.client().completions.create(
-        model=MODEL, prompt="Once upon a time", max_tokens=12, temperature=0, stream=True,
-        extra_body={"ignore_eos": True},
-    )  # fmt: skip
-    chunks = [next(iter(stream))]
-    srv.proc.send_signal(signal.SIGTERM)
-    chunks += list(stream)
-    assert sum(1 for c in chunks if c.choices[0].text) == 12  # every token, then the end
-    assert chunks[-1].choices[0].finish_reason == "length"
-    assert srv.stop() == 0, srv.output()[-2000:]
-    assert srv.workers and not any(psutil.pid_exists(pid) for pid in srv.workers)
-    assert "stopping the workers" in srv.output()
 
 
 def processes(srv: Server, module: str) -> list[psutil.Process]:

@@ -1,11 +1,13 @@
 """zmqworker serve with two API server processes, called with the official openai client:
 n > 1 choices (completions and chat, streamed and not, seeds, the prompt prefilled
 once), vLLM's request fields beyond OpenAI's, and /metrics under vLLM's names, added up
-over both API servers."""
+over both API servers; then SIGTERM drains the request in flight and stops everything.
+The server is the one test_serve.py uses too (conftest.py): the last test here stops it."""
 
 from __future__ import annotations
 
 import re
+import signal
 from collections import defaultdict
 from pathlib import Path
 
@@ -20,10 +22,8 @@ CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 
 
 @pytest.fixture(scope="module")
-def server():
-    srv = Server("--api-server-count", "2")
-    yield srv
-    srv.stop()
+def server(two_api_servers):
+    return two_api_servers
 
 
 def scrape(server: Server) -> dict[str, float]:
@@ -191,8 +191,21 @@ def test_metrics_under_vllm_s_names_add_up_over_the_api_servers(server):
     assert after[f'vllm:e2e_request_latency_seconds_bucket{{le="+Inf",model_name="{MODEL}"}}'] > 0
 
 
-def test_stopping_the_server_removes_its_metrics_folder(server):
+def test_sigterm_drains_the_requests_in_flight_then_stops_the_workers_and_the_metrics(server):
+    """Last: it stops the shared server. The stream in flight gets every token; the
+    workers exit and the metrics folder goes."""
     folder = metrics_folder(server)
     assert folder.is_dir()
-    server.stop()
+    stream = server.client().completions.create(
+        model=MODEL, prompt="Once upon a time", max_tokens=12, temperature=0, stream=True,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    chunks = [next(iter(stream))]
+    server.proc.send_signal(signal.SIGTERM)
+    chunks += list(stream)
+    assert sum(1 for c in chunks if c.choices[0].text) == 12  # every token, then the end
+    assert chunks[-1].choices[0].finish_reason == "length"
+    assert server.stop() == 0, server.output()[-2000:]
+    assert server.workers and not any(psutil.pid_exists(pid) for pid in server.workers)
+    assert "stopping the workers" in server.output()
     assert not folder.exists()

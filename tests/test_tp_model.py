@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 
 from messages import ModelConfig, ParallelConfig
 from tests.tiny import PagedDriver, cached_tiny_checkpoint
-from zmqworker.distributed import (
+from zmqworker.distributed.parallel_state import (
     destroy_parallel_state,
     init_parallel_state,
     single_rank_state,

@@ -29,7 +29,7 @@ from messages import (
     make_kv_cache_config,
 )
 from tests.tiny import cached_tiny_checkpoint
-from zmqworker.model_runner import AsyncModelRunnerOutput
+from zmqworker.model_runner.async_output import AsyncModelRunnerOutput
 from zmqworker.worker.torch_worker import Worker
 from zmqworker.worker.wrapper import WorkerWrapper, with_extension
 

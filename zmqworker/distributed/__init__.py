@@ -2,25 +2,9 @@
 parallelism and their collectives, the pipeline channel between stages (frames or a shared-memory
 ring) and a stage's view of it.
 
+Nothing is imported here, so that a worker process can bind its pipeline receiver without
+torch (a stand-in worker never imports it): import the module you need
+(parallel_state.py for the process groups).
+
 May import: messages, zmqworker.transport, zmqworker.attention, zmqworker.cdiv.
 """
-
-from zmqworker.distributed.parallel_state import (
-    ParallelState,
-    destroy_parallel_state,
-    expert_all_reduce,
-    init_parallel_state,
-    single_rank_state,
-    tp_all_gather,
-    tp_all_reduce,
-)
-
-__all__ = [
-    "ParallelState",
-    "destroy_parallel_state",
-    "expert_all_reduce",
-    "init_parallel_state",
-    "single_rank_state",
-    "tp_all_gather",
-    "tp_all_reduce",
-]

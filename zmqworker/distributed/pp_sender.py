@@ -4,14 +4,17 @@ last, owned by its compute thread (pp_channel.py says how the tensors travel).""
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
-import torch
 import zmq
 
 from messages import Encoder, IntermediateTensors, PipelineSharedTensors, PipelineTensors
 from zmqworker.distributed.pp_channel import SEND_TIMEOUT_S, SHM_SLOTS, use_shared_memory
 from zmqworker.distributed.shm_ring import ShmSender
 from zmqworker.transport.curve import WorkerKeys, make_client
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger("zmqworker.pipeline")
 
@@ -109,6 +112,8 @@ class PipelineSender:
         staging buffer, reused from step to step (hence the tracker above)."""
         if t.device.type == "cpu":
             return t
+        import torch
+
         buf = self._staging.get(name)
         if buf is None or buf.numel() < t.numel() or buf.dtype != t.dtype:
             buf = self._staging[name] = torch.empty(t.numel(), dtype=t.dtype, pin_memory=True)

@@ -19,6 +19,9 @@ A slot's word changes hands: the sender sets it full after its copies and before
 message that names the slot is sent; the receiver sets it free once the step that read
 the slot is over. Each side writes it only while the slot is in its hands, so a plain
 aligned 8-byte store is enough (x86-64 keeps stores in order).
+
+torch is imported once a segment is made or mapped: every worker process holds a receiver
+from its start, and a worker that runs no model (a stand-in) needs no torch.
 """
 
 from __future__ import annotations
@@ -30,13 +33,16 @@ import os
 import secrets
 import time
 from collections.abc import Mapping
-
-import torch
+from functools import cache
+from typing import TYPE_CHECKING
 
 from messages import SharedSlot, SharedTensorRef
 from messages.codec import DTYPE_NAMES, MAX_NDIM
 from zmqworker.cdiv import cdiv
 from zmqworker.distributed.sealed_memfd import create_sealed, open_peer
+
+if TYPE_CHECKING:
+    import torch
 
 MEMFD_NAME = "zmqworker-pp"
 MAGIC = int.from_bytes(b"zmqwshm1", "little")
@@ -47,8 +53,6 @@ SLOT_GRANULE = 64 << 10
 MAX_SLOTS = 1024
 FIRST_WAIT_S, LONGEST_WAIT_S = 20e-6, 1e-3  # polling for a free slot: never spin hard
 
-_DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
-_DTYPE_NAMES = {dtype: name for name, dtype in _DTYPES.items()}
 # Process-wide and starting at a random value: (pid, fd, generation) never names two
 # segments, even after an fd number or a pid is reused.
 _generations = itertools.count(secrets.randbits(40) + 1)
@@ -56,6 +60,19 @@ _generations = itertools.count(secrets.randbits(40) + 1)
 
 class ShmDescriptorError(ValueError):
     """A descriptor that does not name valid tensors in a live ring segment."""
+
+
+@cache
+def _dtypes() -> dict[str, torch.dtype]:
+    """The torch dtype of each wire dtype name."""
+    import torch
+
+    return {name: getattr(torch, name) for name in DTYPE_NAMES}
+
+
+@cache
+def _dtype_names() -> dict[torch.dtype, str]:
+    return {dtype: name for name, dtype in _dtypes().items()}
 
 
 def shm_available() -> bool:
@@ -84,6 +101,8 @@ class _Segment:
         layout = (MAGIC, self.generation, num_slots, slot_size, self.data_offset)
         for i, value in enumerate(layout):
             self.words[i] = value
+        import torch
+
         self.bytes = torch.frombuffer(mm, dtype=torch.uint8)
         self.pinned = self._pin_tried = False
 
@@ -93,6 +112,8 @@ class _Segment:
         the driver refuses, the copies stay pageable."""
         if not self._pin_tried:
             self._pin_tried = True
+            import torch
+
             # 1: cudaHostRegisterPortable, pinned for every CUDA context
             err = torch.cuda.cudart().cudaHostRegister(self.bytes.data_ptr(), self.nbytes, 1)
             self.pinned = int(err) == 0
@@ -110,6 +131,8 @@ class _Segment:
     def close(self) -> None:
         """Close the fd; the mapping goes with the last reference to it."""
         if self.pinned:
+            import torch
+
             torch.cuda.cudart().cudaHostUnregister(self.bytes.data_ptr())
         os.close(self.fd)
         del self.words, self.bytes
@@ -137,8 +160,11 @@ class ShmSender:
     def put(self, tensors: Mapping[str, torch.Tensor]) -> SharedSlot:
         """Copy tensors (CPU or CUDA) into a free slot, waiting for one (bounded), and
         return what the receiver needs to find them."""
+        import torch
+
+        dtype_names = _dtype_names()
         for name, t in tensors.items():
-            if t.dtype not in _DTYPE_NAMES:
+            if t.dtype not in dtype_names:
                 raise ValueError(f"tensor {name!r}: dtype {t.dtype} cannot cross the pipeline")
         sizes = {name: _round_up(t.nbytes, ALIGN) for name, t in tensors.items()}
         needed = sum(sizes.values())
@@ -157,7 +183,7 @@ class ShmSender:
             for name, t in tensors.items():
                 view = segment.bytes[offset : offset + t.nbytes].view(t.dtype).view(t.shape)
                 view.copy_(t, non_blocking=True)  # from a device: straight into the slot
-                refs.append(SharedTensorRef(name, _DTYPE_NAMES[t.dtype], list(t.shape), offset))
+                refs.append(SharedTensorRef(name, dtype_names[t.dtype], list(t.shape), offset))
                 offset += sizes[name]
         for device in devices:  # the slot is full only once the copies are done
             torch.cuda.current_stream(device).synchronize()
@@ -254,6 +280,8 @@ class _Mapping:
             )
         self.num_slots, self.slot_size, self.data_offset = num_slots, slot_size, data_offset
         self.words = words[: HEADER_WORDS + num_slots]
+        import torch
+
         self.bytes = torch.frombuffer(mm, dtype=torch.uint8)
 
     def views(self, shared: SharedSlot) -> dict[str, torch.Tensor]:
@@ -265,7 +293,7 @@ class _Mapping:
         return {ref.name: self._view(ref, start, start + self.slot_size) for ref in shared.tensors}
 
     def _view(self, ref: SharedTensorRef, start: int, end: int) -> torch.Tensor:
-        dtype = _DTYPES.get(ref.dtype)
+        dtype = _dtypes().get(ref.dtype)
         if dtype is None:
             raise ShmDescriptorError(f"tensor {ref.name!r}: unknown dtype {ref.dtype!r}")
         if len(ref.shape) > MAX_NDIM:

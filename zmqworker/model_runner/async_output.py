@@ -4,14 +4,21 @@ On CUDA the sampled ids (and logprobs) are copied into pinned host memory with
 non_blocking copies and an event is recorded after them; the worker can reply as soon as
 is_ready() says the copy landed, without blocking the event loop. On the CPU there is
 nothing to wait for.
+
+It imports no torch (it only holds tensors): the worker process checks every reply
+against this class, and a worker that runs no model needs no torch.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
-import torch
 
 from messages import KVConnectorOutput, LogprobsLists, ModelRunnerOutput
+
+if TYPE_CHECKING:
+    import torch
 
 
 class AsyncModelRunnerOutput:

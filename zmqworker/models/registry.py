@@ -5,15 +5,14 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
 import torch
-import transformers
 
 from messages import ModelConfig
 from zmqworker.distributed.parallel_state import ParallelState
 from zmqworker.models.architectures import SUPPORTED, supported_architecture
+from zmqworker.models.hf_config import load_hf_config
 from zmqworker.models.layers.experts import ExpertNames
 from zmqworker.models.llama import FamilyFlags, LlamaForCausalLM
 from zmqworker.models.moe import MoeFlags
@@ -53,13 +52,6 @@ FAMILY_FLAGS: dict[str, Callable[[Any], FamilyFlags]] = {
     "MixtralForCausalLM": lambda cfg: _MIXTRAL,
 }
 assert FAMILY_FLAGS.keys() == SUPPORTED.keys()
-
-
-def load_hf_config(path: str) -> transformers.PretrainedConfig:
-    """The checkpoint's config.json, read locally (never from a hub)."""
-    if not (Path(path) / "config.json").is_file():
-        raise FileNotFoundError(f"no config.json in checkpoint folder {path}")
-    return transformers.AutoConfig.from_pretrained(path, local_files_only=True)
 
 
 def torch_dtype(name: str) -> torch.dtype:
