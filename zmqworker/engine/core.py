@@ -33,8 +33,8 @@ logger = logging.getLogger(__name__)
 
 # Steps in flight with async scheduling. Two hide the engine only while one GPU step
 # outlasts the engine's whole turn (output back, update, schedule, send) plus the
-# worker's preparation: for a small model at 256 requests on an H200 that turn is about
-# 2.2 ms against a 1.7 ms step. With three, the turn has two steps to fit in.
+# worker's preparation, which a small model's step at a large batch does not (docs/cuda.md,
+# serving). With three, the turn has two steps to fit in.
 ASYNC_STEPS_IN_FLIGHT = 3
 # The longest step() waits for a grammar when nothing else is left to run.
 GRAMMAR_WAIT_S = 0.005
