@@ -16,6 +16,7 @@ from engine_helpers import (
 )
 
 from messages import ModelRunnerOutput, SamplingParams, SchedulerConfig
+from zmqworker.engine.client_outputs import client_outputs
 from zmqworker.engine.core import EngineCore, num_blocks_from_memory
 from zmqworker.engine.handles import HandlePool
 from zmqworker.engine.request import FinishReason, Request
@@ -255,7 +256,8 @@ def test_stop_token_ids_and_max_tokens_are_honoured():
     run(core)
     assert tok.decode(stopped.output_token_ids) == " Paris."
     assert stopped.finish_reason is FinishReason.STOP and stopped.stop_reason == period
-    assert stopped.take_output().finish_reason == "stop"
+    [sent] = client_outputs(0, [stopped], core.stats()).finished
+    assert sent.finish_reason == "stop" and sent.stop_reason == period
     assert len(limited.output_token_ids) == 3 and limited.finish_reason is FinishReason.LENGTH
     assert limited.output_token_ids == script[:3]
     assert core.block_manager.num_free_blocks == core.block_manager.num_blocks
