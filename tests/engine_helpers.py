@@ -13,7 +13,13 @@ import numpy as np
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from messages import KVCacheConfig, KVCacheSpec, ModelRunnerOutput, SchedulerOutput
+from messages import (
+    KVCacheConfig,
+    KVCacheSpec,
+    ModelRunnerOutput,
+    SamplingParams,
+    SchedulerOutput,
+)
 
 CORPUS = [
     "The capital of France is Paris. The end.",
@@ -324,3 +330,16 @@ class FakeExecutor:
                 expected = last.reqs[handle].tokens[: -1 if token >= 0 else None]
                 assert stage.reqs[handle].tokens == expected, f"stage tokens differ ({handle})"
         return outputs[-1]
+
+
+def greedy(max_tokens: int = 10, **kwargs) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, **kwargs)
+
+
+def run(core, max_steps: int = 5000) -> None:
+    """Step an EngineCore until done; a scheduler that livelocks fails instead of hanging."""
+    for _ in range(max_steps):
+        if not core.has_work():
+            return
+        core.step()
+    raise AssertionError(f"still busy after {max_steps} steps")

@@ -12,13 +12,19 @@ import random
 import numpy as np
 import pytest
 import torch
-from engine_helpers import FakeExecutor, byte_level_tokenizer, mixing_token_fn, reference_tokens
+from engine_helpers import (
+    FakeExecutor,
+    byte_level_tokenizer,
+    greedy,
+    mixing_token_fn,
+    reference_tokens,
+    run,
+)
 
 from messages import (
     KVCacheSpec,
     KVConnectorMetadata,
     KVHostCopies,
-    SamplingParams,
     SchedulerConfig,
     WorkerConfig,
 )
@@ -31,19 +37,6 @@ from zmqworker.kv_transfer.host_tier import HostKVConnector
 
 H = [bytes([i]) * 32 for i in range(10)]  # block hashes
 MAX_MODEL_LEN = 40
-
-
-def greedy(max_tokens: int) -> SamplingParams:
-    return SamplingParams(temperature=0.0, max_tokens=max_tokens)
-
-
-def run(core: EngineCore, max_steps: int = 5000) -> None:
-    """Step until done; a scheduler that livelocks fails instead of hanging."""
-    for _ in range(max_steps):
-        if not core.has_work():
-            return
-        core.step()
-    raise AssertionError(f"still busy after {max_steps} steps")
 
 
 def test_the_index_drops_the_least_recently_used_and_never_grows_past_its_slots():

@@ -12,7 +12,9 @@ import pytest
 from engine_helpers import (
     FakeExecutor,
     byte_level_tokenizer,
+    greedy,
     reference_tokens,
+    run,
 )
 
 from messages import ModelRunnerOutput, SamplingParams, SchedulerConfig
@@ -41,19 +43,6 @@ def make_core(
         async_scheduling=async_scheduling,
     )
     return core, executor
-
-
-def greedy(max_tokens: int = 10, **kwargs) -> SamplingParams:
-    return SamplingParams(temperature=0.0, max_tokens=max_tokens, **kwargs)
-
-
-def run(core: EngineCore, max_steps: int = 5000) -> None:
-    """Step until done; a scheduler that livelocks fails instead of hanging."""
-    for _ in range(max_steps):
-        if not core.has_work():
-            return
-        core.step()
-    raise AssertionError(f"still busy after {max_steps} steps")
 
 
 def step_until(core: EngineCore, done, max_steps: int = 500) -> None:
