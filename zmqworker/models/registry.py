@@ -12,6 +12,7 @@ import torch
 from messages import ModelConfig
 from zmqworker.distributed.parallel_state import ParallelState
 from zmqworker.models.architectures import SUPPORTED, supported_architecture
+from zmqworker.models.dummy_weights import fill_dummy_weights
 from zmqworker.models.hf_config import load_hf_config
 from zmqworker.models.layers.experts import ExpertNames
 from zmqworker.models.llama import FamilyFlags, LlamaForCausalLM
@@ -106,19 +107,3 @@ def load_weights(model: CausalLM, model_config: ModelConfig) -> None:
         fill_dummy_weights(model, model_config.seed)
     else:
         model.load_weights(model_config.path)
-
-
-@torch.no_grad()
-def fill_dummy_weights(model: torch.nn.Module, seed: int) -> None:
-    """Norm weights 1, biases 0, every other weight normal(0, 0.02) (transformers' init),
-    drawn on the parameter's device from a generator seeded by `seed` and this rank's
-    layer range, so that reruns give the same weights."""
-    device = next(model.parameters()).device
-    generator = torch.Generator(device=device).manual_seed(seed + getattr(model, "start_layer", 0))
-    for name, param in model.named_parameters():
-        if name.endswith("norm.weight"):
-            param.fill_(1.0)
-        elif name.endswith("bias"):
-            param.zero_()
-        else:
-            param.normal_(0.0, 0.02, generator=generator)

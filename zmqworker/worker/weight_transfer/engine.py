@@ -28,10 +28,10 @@ from zmqworker.distributed.weight_group import (
     digest,
     pieces,
 )
+from zmqworker.models.dummy_weights import fill_dummy_weights
 from zmqworker.models.hf_config import load_hf_config
 from zmqworker.models.llama import LlamaForCausalLM
 from zmqworker.models.loader import CheckpointError
-from zmqworker.models.registry import fill_dummy_weights
 from zmqworker.models.weight_names import config_differences
 from zmqworker.worker.weight_transfer.catalog import WeightCatalog
 from zmqworker.worker.weight_transfer.pieces import whole_parameter
