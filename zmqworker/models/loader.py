@@ -12,7 +12,7 @@ driven by an engine that did not).
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Container
+from collections.abc import Container, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -45,29 +45,31 @@ def checkpoint_files(path: str) -> SafetensorsFiles:
     return files
 
 
-def loading_plan(
-    model: nn.Module, held: Container[str] = ()
-) -> list[tuple[torch.Tensor, TensorSlice]]:
-    """Every (parameter, checkpoint slice) this rank's layers ask for; of a parameter's
-    layouts (OneOf), the first whose tensors are all in held (else the first)."""
-    plan = []
+Layouts = tuple[tuple[TensorSlice, ...], ...]
+
+
+def parameter_sources(model: nn.Module) -> Iterator[tuple[torch.Tensor, Layouts]]:
+    """Each parameter this rank's layers fill from a checkpoint, with the layouts it can
+    come in (one for most; experts published one tensor each or stacked, OneOf)."""
     for module in model.modules():
         slices_of = getattr(module, "tensor_slices", None)
         if slices_of is None:
             continue
         for attr, slices in slices_of().items():
-            param = getattr(module, attr)
-            if isinstance(slices, OneOf):
-                slices = _layout_held(slices, held)
-            plan.extend((param, s) for s in slices)
+            layouts = slices.layouts if isinstance(slices, OneOf) else (tuple(slices),)
+            yield getattr(module, attr), layouts
+
+
+def loading_plan(
+    model: nn.Module, held: Container[str] = ()
+) -> list[tuple[torch.Tensor, TensorSlice]]:
+    """Every (parameter, checkpoint slice) this rank's layers ask for; of a parameter's
+    layouts, the first whose tensors are all in held (else the first)."""
+    plan = []
+    for param, layouts in parameter_sources(model):
+        held_layouts = [layout for layout in layouts if all(s.name in held for s in layout)]
+        plan.extend((param, s) for s in (held_layouts or layouts)[0])
     return plan
-
-
-def _layout_held(choice: OneOf, held: Container[str]) -> tuple[TensorSlice, ...]:
-    for layout in choice.layouts:
-        if all(s.name in held for s in layout):
-            return layout
-    return choice.layouts[0]
 
 
 def _check_slice(header: TensorHeader, s: TensorSlice, path: str) -> None:

@@ -15,7 +15,7 @@ from torch import nn
 from zmqworker.distributed.parallel_state import single_rank_state
 from zmqworker.models.layers.weights import TensorSlice
 from zmqworker.models.llama import LlamaForCausalLM
-from zmqworker.models.loader import loading_plan
+from zmqworker.models.loader import parameter_sources
 
 # A tied model's checkpoint may carry the LM head under its own name too (transformers'
 # state_dict does): it is the embedding, which comes under its own name.
@@ -42,21 +42,41 @@ Targets = dict[str, list[tuple[nn.Parameter, TensorSlice]]]
 
 
 def weight_targets(model: nn.Module) -> Targets:
-    """Checkpoint name -> the (parameter, slice) pairs of this rank that take from it."""
+    """Checkpoint name -> the (parameter, slice) pairs of this rank that take from it,
+    under every name a parameter's layouts give (experts published or stacked)."""
     targets: Targets = defaultdict(list)
-    for param, s in loading_plan(model):
-        targets[s.name].append((param, s))
+    for param, layouts in parameter_sources(model):
+        for layout in layouts:
+            for s in layout:
+                targets[s.name].append((param, s))
     return dict(targets)
 
 
-def checkpoint_shapes(model: LlamaForCausalLM) -> dict[str, tuple[int, ...]]:
-    """Every weight name of the whole model (all stages, unsharded) -> its full shape:
-    the same layers built on the meta device for one rank, which costs no memory."""
+def layout_names(model: nn.Module) -> list[tuple[frozenset[str], ...]]:
+    """For each parameter of the model, the names of each layout it can come in: an
+    update that fills it gives every name of one of them."""
+    return [
+        tuple(frozenset(s.name for s in layout) for layout in layouts)
+        for _, layouts in parameter_sources(model)
+    ]
+
+
+def whole_model(model: LlamaForCausalLM) -> LlamaForCausalLM:
+    """The same layers for all stages, unsharded, on the meta device (no memory)."""
     meta = torch.device("meta")
     state = single_rank_state(meta)
     with meta:
-        whole = LlamaForCausalLM(model.hf_config, state, model.dtype, model.flags, 1)
-    return {s.name: s.shape for _, s in loading_plan(whole)}
+        return LlamaForCausalLM(model.hf_config, state, model.dtype, model.flags, 1)
+
+
+def checkpoint_shapes(whole: nn.Module) -> dict[str, tuple[int, ...]]:
+    """Every weight name of a whole model (whole_model), in every layout -> its full shape."""
+    return {
+        s.name: s.shape
+        for _, layouts in parameter_sources(whole)
+        for layout in layouts
+        for s in layout
+    }
 
 
 def ties_embeddings(model: LlamaForCausalLM) -> bool:

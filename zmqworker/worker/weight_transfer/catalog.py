@@ -17,21 +17,30 @@ from zmqworker.models.weight_names import (
     TIED_HEAD,
     Targets,
     checkpoint_shapes,
+    layout_names,
     ties_embeddings,
     weight_targets,
+    whole_model,
 )
 
 
 class WeightCatalog:
     """shapes: every weight name of the whole model -> its full shape (a tied model's
     lm_head.weight included, as the embedding's alias); targets: the slices this rank
-    takes of each name (none for another stage's names and for the alias)."""
+    takes of each name (none for another stage's names and for the alias). A parameter
+    that comes in more than one layout (experts as published, one tensor each, or
+    stacked as transformers holds them) takes either: layouts (this rank's parameters)
+    and choices (the whole model's parameters of several layouts) say which names go
+    together."""
 
     def __init__(self, model: LlamaForCausalLM) -> None:
-        self.shapes = checkpoint_shapes(model)
+        whole = whole_model(model)
+        self.shapes = checkpoint_shapes(whole)
         if ties_embeddings(model):
             self.shapes[TIED_HEAD] = self.shapes["model.embed_tokens.weight"]
         self.targets: Targets = weight_targets(model)
+        self.layouts = layout_names(model)
+        self.choices = [names for names in layout_names(whole) if len(names) > 1]
         self.dtype = dtype_name(model.dtype)
 
     def check(self, update: WeightUpdate, require_all: bool) -> dict[str, WeightSpec]:
@@ -44,8 +53,23 @@ class WeightCatalog:
             if spec.name in specs:
                 raise ValueError(f"tensor {spec.name} comes twice in the update")
             specs[spec.name] = spec
+        given = specs.keys()
+        for layouts in self.choices:
+            used = [sorted(names & given)[0] for names in layouts if names & given]
+            if len(used) > 1:
+                raise ValueError(
+                    f"tensors {used[0]} and {used[1]} are two layouts of the same weights "
+                    "(experts one tensor each, or stacked): an update gives one of them"
+                )
         if require_all:
-            missing = sorted(set(self.targets) - set(specs))
+            missing = sorted(
+                {
+                    name
+                    for layouts in self.layouts
+                    if not any(names <= given for names in layouts)
+                    for name in layouts[0] - given
+                }
+            )
             if missing:
                 more = f" (+{len(missing) - 5} more)" if len(missing) > 5 else ""
                 raise ValueError(
