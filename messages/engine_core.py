@@ -129,6 +129,14 @@ class EngineCoreStats(msgspec.Struct, tag=True):
     # Tokens whose KV a prefill computed (prompts, and what a preempted request recomputes);
     # prefix-cache hits and prompt blocks shared by siblings are not computed.
     num_prefill_tokens: NonNegative = 0
+    # The host KV tier (kv_offloading_size; zeros without one): its slots, those holding a
+    # block now, and since start the blocks stored into it, loaded back from it on a
+    # prefix hit, and evicted from the device with no slot free to take them (dropped).
+    num_host_blocks: NonNegative = 0
+    num_host_blocks_used: NonNegative = 0
+    num_host_stored_blocks: NonNegative = 0
+    num_host_loaded_blocks: NonNegative = 0
+    num_host_dropped_blocks: NonNegative = 0
 
 
 class EngineCoreOutputs(msgspec.Struct, tag=True, omit_defaults=True):

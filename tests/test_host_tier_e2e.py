@@ -77,6 +77,11 @@ def test_an_evicted_prefix_comes_back_from_the_host_tier_with_the_same_tokens(
         assert again[0].num_cached_tokens == 40 and tier.num_loaded - loaded == 10
         assert again[1].num_cached_tokens == 40  # from the device: the blocks just loaded
         assert len(tier) <= NUM_SLOTS and kv.num_free_blocks == NUM_BLOCKS
+        stats = core.stats()
+        assert (stats.num_host_blocks, stats.num_host_blocks_used) == (NUM_SLOTS, len(tier))
+        assert stats.num_host_loaded_blocks == tier.num_loaded >= 10
+        assert stats.num_host_stored_blocks == tier.num_stored >= 10
+        assert stats.num_host_dropped_blocks == tier.num_dropped
     finally:
         core.shutdown()
 

@@ -114,7 +114,9 @@ def test_health_models_and_metrics(server):
     assert get(f"{server.base}/health")[0] == 200
     [card] = server.client().models.list().data
     assert card.id == MODEL and card.model_extra["max_model_len"] == 512
-    assert server.metrics()["kv_cache_blocks"] == 8 * 512 // 16  # sized for the run
+    metrics = server.metrics()
+    assert metrics["kv_cache_blocks"] == 8 * 512 // 16  # sized for the run
+    assert metrics["kv_host_blocks"] == 0 == metrics["kv_host_stored_blocks_total"]  # no tier
 
 
 def test_completion_whole_and_streamed(server):

@@ -255,6 +255,7 @@ class EngineCore:
         """Requests and KV cache blocks now."""
         kv = self.block_manager
         compiling = len(self.structured) if self.structured else 0
+        tier = kv.host_tier
         return EngineCoreStats(
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting) + compiling,
@@ -263,6 +264,11 @@ class EngineCore:
             num_preemptions=self.scheduler.num_preemptions,
             num_aborted=self.num_aborted,
             num_prefill_tokens=self.scheduler.num_prefill_tokens,
+            num_host_blocks=tier.num_slots if tier else 0,
+            num_host_blocks_used=len(tier) if tier else 0,
+            num_host_stored_blocks=tier.num_stored if tier else 0,
+            num_host_loaded_blocks=tier.num_loaded if tier else 0,
+            num_host_dropped_blocks=tier.num_dropped if tier else 0,
         )
 
     def check_health(self, timeout: float = 10.0) -> None:

@@ -82,11 +82,16 @@ class EngineStats(msgspec.Struct, frozen=True):
     # Tokens whose KV prefills computed, since start (prefix-cache hits and the prompt
     # blocks n > 1 samples share are not computed again)
     num_prefill_tokens: int = 0
+    # The host KV tier (EngineCoreStats says what each is)
+    num_host_blocks: int = 0
+    num_host_blocks_used: int = 0
+    num_host_stored_blocks: int = 0
+    num_host_loaded_blocks: int = 0
+    num_host_dropped_blocks: int = 0
     per_engine: list[EngineCoreStats] = []
 
     @classmethod
     def total(cls, engines: Sequence[EngineCoreStats]) -> EngineStats:
-        fields = ("num_running", "num_waiting", "num_blocks", "num_free_blocks",
-                  "num_preemptions", "num_aborted", "num_prefill_tokens")  # fmt: skip
+        fields = [name for name in cls.__struct_fields__ if name != "per_engine"]
         sums = {name: sum(getattr(e, name) for e in engines) for name in fields}
         return cls(**sums, per_engine=list(engines))

@@ -114,12 +114,33 @@ class _EngineCollector:
             ("kv_cache_blocks", "KV cache blocks", stats.num_blocks),
             ("kv_cache_blocks_used", "KV cache blocks in use", used),
             ("kv_cache_usage_perc", "KV cache usage (0 to 1)", usage),
+            ("kv_host_blocks", "host KV tier slots", stats.num_host_blocks),
+            (
+                "kv_host_blocks_used",
+                "host KV tier slots holding a block",
+                stats.num_host_blocks_used,
+            ),
         ):
             yield GaugeMetricFamily(f"zmqworker:{name}", doc, value=value)
         for name, doc, value in (
             ("num_preemptions", "requests preempted", stats.num_preemptions),
             ("num_requests_aborted", "requests aborted (clients gone)", stats.num_aborted),
             ("prefill_tokens", "tokens whose KV prefills computed", stats.num_prefill_tokens),
+            (
+                "kv_host_stored_blocks",
+                "blocks stored into the host KV tier",
+                stats.num_host_stored_blocks,
+            ),
+            (
+                "kv_host_loaded_blocks",
+                "blocks loaded back from the host KV tier",
+                stats.num_host_loaded_blocks,
+            ),
+            (
+                "kv_host_dropped_blocks",
+                "evicted blocks the full host KV tier dropped",
+                stats.num_host_dropped_blocks,
+            ),
         ):
             yield CounterMetricFamily(f"zmqworker:{name}", doc, value=value)
         for name, doc, value in (
