@@ -90,11 +90,15 @@ class KVHostCopies(msgspec.Struct, tag=True, frozen=True):
 class KVConnectorMetadata(msgspec.Struct, tag=True, omit_defaults=True):
     """A step's KV transfer orders, the scheduler side's to the workers'. saves are
     staged after the step's forward; loads start before it and end in a later step;
-    host copies are done before it."""
+    host copies are done before it. cancel_loads: requests whose loads under way the
+    scheduler gave up on (after a failed step, with their blocks): applied first, so
+    that whatever arrives for them is dropped, never copied into blocks that may hold
+    other requests' KV by then, and never reported."""
 
     saves: list[KVSave] = []
     loads: list[KVLoad] = []
     host: KVHostCopies | None = None
+    cancel_loads: list[str] = []
 
 
 class KVFailure(msgspec.Struct, tag=True, frozen=True):

@@ -134,3 +134,40 @@ def test_staged_kv_nobody_pulls_expires_and_is_reported_sent() -> None:
         assert names(until(side, lambda outs: bool(outs)), "finished_sending") == ["lost"]
     finally:
         side.shutdown()
+
+
+def test_a_cancelled_load_lands_nowhere_and_a_new_one_of_its_id_does(producer) -> None:
+    """After a failed step the scheduler gives its loads up with their blocks: the next
+    step's cancel_loads comes first, so that the pull still under way copies nothing into
+    blocks other requests may hold by then, and is never reported."""
+    side, kv, address = producer
+    req = "cancelled"
+    source, dest = [4, 6], [1, 2]
+    target = caches(8, seed=3)
+    before = [t.clone() for t in target]
+    consumer = connector("consumer", target, 0)
+    try:
+        side.after_step(KVConnectorMetadata(saves=[KVSave(req, np.array(source, np.int32), 8)]))
+        load = KVLoad(req, np.array(dest, np.int32), RemoteKV(req, 8, [address]))
+        consumer.before_step(KVConnectorMetadata(loads=[load]))
+        consumer.before_step(KVConnectorMetadata(cancel_loads=[req]))
+        reports: list[KVConnectorOutput] = []
+        deadline = time.monotonic() + 10.0
+        while sum(consumer.puller.num_pulled.values()) < 1 or reports == []:
+            assert time.monotonic() < deadline, "the cancelled pull never ended"
+            consumer.before_step(None)
+            assert consumer.take_output(wait_s=0.05) is None
+            out = side.take_output()
+            if out is not None and req in out.finished_sending:
+                reports.append(out)
+        for layer, cache in enumerate(target):
+            assert torch.equal(cache, before[layer])
+        # The same request id again (a client may retry it): this load lands.
+        side.after_step(KVConnectorMetadata(saves=[KVSave(req, np.array(source, np.int32), 8)]))
+        again = KVLoad(req, np.array(dest, np.int32), RemoteKV(req, 8, [address]))
+        consumer.before_step(KVConnectorMetadata(loads=[again]))
+        until(consumer, lambda outs: names(outs, "finished_recving") == [req])
+    finally:
+        consumer.shutdown()
+    for layer in range(len(SPEC.layer_names)):
+        assert torch.equal(target[layer][:, dest], kv[layer][:, source])

@@ -119,3 +119,19 @@ def test_a_finished_prefill_keeps_its_blocks_until_its_kv_is_sent() -> None:
     step = s.schedule()
     s.update_from_output(step, answer(step, KVConnectorOutput(finished_sending=["p"])))
     assert s.kv.num_free_blocks == 8 and s.schedule() is None
+
+
+def test_after_a_failed_step_the_loads_under_way_are_cancelled_before_their_blocks_serve() -> None:
+    s = scheduler(4, [])
+    s.add_request(remote("r", list(range(8))))
+    step = s.schedule()
+    assert [load.req_id for load in step.kv_connector_metadata.loads] == ["r"]
+    s.reset_after_failure()  # what the engine core does when a step fails
+    assert s.kv.num_free_blocks == 4  # free at once: the workers hear of it first
+    s.add_request(Request("o", list(range(13)), PARAMS))  # takes every block
+    step = s.schedule()
+    assert step.kv_connector_metadata.cancel_loads == ["r"]
+    assert [r.req_id for r in step.scheduled_new_reqs] == ["o"]
+    s.update_from_output(step, answer(step))
+    step = s.schedule()
+    assert step.kv_connector_metadata is None  # cancelled once

@@ -47,6 +47,7 @@ class KVConnectorScheduler:
         self._aborted: set[str] = set()  # loading when aborted: freed once reported
         self._saves: list[KVSave] = []
         self._loads: list[KVLoad] = []
+        self._cancels: list[str] = []  # loads given up on: the next step tells the workers
         self.num_loaded = 0  # requests whose remote KV came in, since start
 
     @classmethod
@@ -109,10 +110,12 @@ class KVConnectorScheduler:
             self._loading[req_id] = request
             blocks = np.array(self.kv.block_ids(req_id), np.int32)
             self._loads.append(KVLoad(req_id, blocks, remote.kv))
-        if not (self._saves or self._loads):
+        if not (self._saves or self._loads or self._cancels):
             return None
-        metadata = KVConnectorMetadata(saves=self._saves, loads=self._loads)
-        self._saves, self._loads = [], []
+        metadata = KVConnectorMetadata(
+            saves=self._saves, loads=self._loads, cancel_loads=self._cancels
+        )
+        self._saves, self._loads, self._cancels = [], [], []
         return metadata
 
     def update(
@@ -155,10 +158,13 @@ class KVConnectorScheduler:
     def reset(self) -> list[Request]:
         """After a failed step: every transfer is forgotten, the held blocks of finished
         prefills freed (those of requests waiting for KV are the scheduler's to free,
-        with every unfinished request's). Returns the requests that waited for KV."""
+        with every unfinished request's). Returns the requests that waited for KV. The
+        loads under way are cancelled by the next step's orders, before anything of that
+        step runs: their blocks may go to other requests at once."""
         for req_id in self._sending:
             self.kv.free(req_id)
         waiting = [*self._to_load.values(), *self._loading.values()]
+        self._cancels = [*self._cancels, *self._loading]
         self._to_load.clear()
         self._loading.clear()
         self._sending.clear()

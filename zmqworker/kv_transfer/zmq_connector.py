@@ -55,7 +55,10 @@ class ZmqKVConnector(KVConnector):
         self._sent: list[str] = []
         self._recved: list[str] = []
         self._failed: list[KVFailure] = []
-        self._loading: set[str] = set()
+        self._loading: dict[str, KVLoad] = {}
+        # Loads the scheduler gave up on (cancel_loads), by identity: what arrives for
+        # them is dropped (a later load of the same request id is not).
+        self._cancelled: set[int] = set()
         self._num_staged = 0
         self.server: KVServer | None = None
         self.puller: KVPuller | None = None
@@ -80,6 +83,8 @@ class ZmqKVConnector(KVConnector):
 
     def before_step(self, metadata: KVConnectorMetadata | None) -> None:
         if metadata is not None:
+            for req_id in metadata.cancel_loads:
+                self._cancel(req_id)
             for load in metadata.loads:
                 self._start_load(load)
         self._copy_arrived()
@@ -131,15 +136,29 @@ class ZmqKVConnector(KVConnector):
         if remote_tp != self.tp_size:
             self._failed.append(KVFailure(load.req_id, _tp_mismatch(remote_tp, self.tp_size)))
             return
-        self._loading.add(load.req_id)
+        self._loading[load.req_id] = load
         self.puller.pull(load)
+
+    def _cancel(self, req_id: str) -> None:
+        """Drop the load of req_id under way, and any report of it not yet taken."""
+        load = self._loading.pop(req_id, None)
+        if load is not None:
+            self._cancelled.add(id(load))
+        self._recved = [r for r in self._recved if r != req_id]
+        self._failed = [f for f in self._failed if f.req_id != req_id]
 
     def _copy_arrived(self) -> None:
         if self.puller is None:
             return
         while not self.puller.arrived.empty():
             arrived = self.puller.arrived.get()
-            self._loading.discard(arrived.load.req_id)
+            if id(arrived.load) in self._cancelled:
+                self._cancelled.discard(id(arrived.load))
+                arrived.release()
+                if arrived.error is None:
+                    self.puller.done(arrived.load)
+                continue
+            self._loading.pop(arrived.load.req_id, None)
             if arrived.error is not None:
                 self._failed.append(KVFailure(arrived.load.req_id, arrived.error))
                 continue
