@@ -57,6 +57,16 @@ class Request:
     the request could not go on (its remote KV never came), with finish_reason abort.
     """
 
+    # Slots: the engine core reads a few of these of every running request each step.
+    __slots__ = (
+        "all_token_ids", "arrival_time", "eos_token_ids", "eos_token_list", "error",
+        "finish_reason", "first_output_sent", "grammar", "handle", "kv_transfer_out",
+        "logprob_rows", "num_cached_tokens", "num_loaded_tokens", "num_preemptions",
+        "num_prompt_tokens", "num_sent", "prompt_token_ids", "queue_time_s", "queued_at",
+        "remote", "remote_decode", "req_id", "sampling_params", "shares_prompt_with",
+        "status", "stop_reason", "stop_token_ids",
+    )  # fmt: skip
+
     def __init__(
         self,
         req_id: str,

@@ -9,7 +9,8 @@ generate) or lets an asyncio loop watch the sockets and call it back (attach: st
 API servers). An engine core is gone when its death fd fires (its process exited), or
 when its connection dropped (its heartbeats stopped: it is stopped or wedged) and it has
 not died LOST_GRACE_S later; every request it held then fails at once with an error that
-names it. Not thread-safe: one thread uses a client.
+names it. A message that does not decode fails all that waits on its engine core, which
+goes on. Not thread-safe: one thread uses a client.
 """
 
 from __future__ import annotations
@@ -51,7 +52,6 @@ log = logging.getLogger("zmqworker.frontend")
 POLL_SLICE_S = 1.0  # the longest a blocking receive sleeps before it looks around again
 LOST_GRACE_S = 0.3  # a dropped connection whose process has not died by then: stuck
 UTILITY_TIMEOUT_S = 60.0
-SHUTDOWN_CALL_S = 30.0  # the shutdown call's answer: the steps in flight come back first
 _POLLIN = int(zmq.POLLIN)
 
 
@@ -212,26 +212,6 @@ class EngineCoreClient:
         call.future = self._loop.create_future()
         return await call.future
 
-    def shut_down_engines(self, timeout: float = SHUTDOWN_CALL_S) -> set[int]:
-        """Ask every engine core that is up to shut down (its workers first), within
-        timeout; the indexes of those that answered (they are leaving). The others are
-        left to be stopped harder."""
-        calls = {}
-        for engine in self.engines:
-            if engine.ready is not None and engine.dead is None:
-                engine.stopping = True
-                calls[engine.index] = self.submit(
-                    "shutdown", timeout=timeout, engines=[engine.index]
-                )
-        answered = set()
-        for index, call in calls.items():
-            try:
-                self.wait(call)
-                answered.add(index)
-            except Exception as exc:
-                log.warning("engine core %d did not answer its shutdown call: %s", index, exc)
-        return answered
-
     # an asyncio loop's view -------------------------------------------------------------
 
     def attach(
@@ -333,6 +313,7 @@ class EngineCoreClient:
                 msg = self._dec.decode(frames)
             except ProtocolError as exc:
                 self.drops.count(f"engine core {engine.index}: {exc}")
+                self._on_malformed(engine, exc, events)
                 continue
             if isinstance(msg, EngineCoreOutputs):
                 engine.report(msg.stats)
@@ -359,6 +340,19 @@ class EngineCoreClient:
             return
         ids = [i for i in msg.request_ids if self._forget(i) is not None]
         events.append(Failed(engine.index, ids, error, fatal=False))
+
+    def _on_malformed(
+        self, engine: EngineConnection, exc: ProtocolError, events: list[Event]
+    ) -> None:
+        """A message from the engine core did not decode, so its ids cannot be trusted:
+        every request (aborted there) and call pending on it fails, naming it and what
+        was wrong. The engine core goes on serving."""
+        error = EngineCoreError(engine.index, "ProtocolError", f"a malformed message: {exc}")
+        ids = sorted(engine.requests)
+        if ids:
+            self.abort(ids)
+            events.append(Failed(engine.index, ids, error, fatal=False))
+        self._calls.fail_engine(engine.index, error)
 
     def _lose(self, engine: EngineConnection, error: Exception, events: list[Event]) -> None:
         """The engine core is gone: every request and call it held fails with error."""

@@ -14,6 +14,7 @@ from zmqworker.executor.abstract import STEP_TIMEOUT_S, Executor
 from zmqworker.frontend.core_client import EngineCoreClient
 from zmqworker.frontend.core_process import EngineCoreLauncher
 from zmqworker.frontend.engine_plan import EnginePlan
+from zmqworker.frontend.engine_shutdown import shut_down_engines
 from zmqworker.frontend.errors import (
     EngineCoreDiedError,
     EngineCoreError,
@@ -155,7 +156,7 @@ class LLM(Frontend):
                     readies = client.wait_ready(START_TIMEOUT_S)
                     texts = text_side.result()
                 except BaseException:
-                    leaving = client.shut_down_engines()
+                    leaving = shut_down_engines(client)
                     client.close()
                     launcher.stop(leaving)
                     raise
@@ -177,7 +178,7 @@ class LLM(Frontend):
         leaving: set[int] = set()
         try:
             if not self._closed:
-                leaving = self.client.shut_down_engines()
+                leaving = shut_down_engines(self.client)
         finally:
             self.close()
             launcher.stop(leaving)

@@ -77,7 +77,8 @@ class UtilityCalls:
             self._end(msg.call_id)
 
     def fail_engine(self, engine_index: int, error: Exception) -> None:
-        """Its engine core is gone: the calls that wait for it fail with error."""
+        """Its engine core is gone, or sent what did not decode: the calls that wait for it
+        fail with error."""
         for call_id, call in list(self._calls.items()):
             if engine_index in call.waiting:
                 call.error = error

@@ -32,6 +32,7 @@ from zmqworker.frontend.core_client import EngineCoreClient
 from zmqworker.frontend.core_process import EngineCoreLauncher
 from zmqworker.frontend.engine_connection import Failed
 from zmqworker.frontend.engine_plan import EnginePlan
+from zmqworker.frontend.engine_shutdown import shut_down_engines
 from zmqworker.frontend.llm import LLM, OPTION_TYPES
 from zmqworker.frontend.llm_args import check_args
 from zmqworker.serve.api_server import ApiServerConfig
@@ -128,7 +129,7 @@ def serve(
         _stop_servers(servers, grace_s=STOP_MARGIN_S / 3)
         leaving: set[int] = set()
         if client is not None:
-            leaving = client.shut_down_engines()
+            leaving = shut_down_engines(client)
             client.close()
         launcher.stop(leaving)
         for server in servers:

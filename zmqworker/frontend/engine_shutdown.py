@@ -1,0 +1,31 @@
+"""A client's orderly end of its engine cores: the shutdown utility call to each one that
+is up, bounded; those that answer leave on their own, the others are left to be stopped
+harder (EngineCoreLauncher.stop)."""
+
+from __future__ import annotations
+
+import logging
+
+from zmqworker.frontend.core_client import EngineCoreClient
+
+log = logging.getLogger("zmqworker.frontend")
+
+SHUTDOWN_CALL_S = 30.0  # the shutdown call's answer: the steps in flight come back first
+
+
+def shut_down_engines(client: EngineCoreClient, timeout: float = SHUTDOWN_CALL_S) -> set[int]:
+    """Ask every engine core of client that is up to shut down (its workers first),
+    within timeout; the indexes of those that answered (they are leaving)."""
+    calls = {}
+    for engine in client.engines:
+        if engine.ready is not None and engine.dead is None:
+            engine.stopping = True
+            calls[engine.index] = client.submit("shutdown", timeout=timeout, engines=[engine.index])
+    answered = set()
+    for index, call in calls.items():
+        try:
+            client.wait(call)
+            answered.add(index)
+        except Exception as exc:
+            log.warning("engine core %d did not answer its shutdown call: %s", index, exc)
+    return answered
