@@ -13,7 +13,6 @@ import numpy as np
 from bench.engine_step import BLOCK_SIZE, EOS, PROMPT_LEN, STOP, InstantExecutor
 from messages import (
     Encoder,
-    EngineCoreOutputs,
     EngineCoreStats,
     GrammarOutput,
     ModelRunnerOutput,
@@ -23,6 +22,7 @@ from messages import (
     SchedulerOutput,
     StructuredOutputsParams,
 )
+from zmqworker.engine.client_outputs import client_outputs
 from zmqworker.engine.core import EngineCore
 from zmqworker.engine.grammar_compiler import GrammarCompiler
 from zmqworker.engine.request import Request
@@ -81,8 +81,8 @@ class GrammarExecutor(InstantExecutor):
         output, self._pending = self._pending, None
         assert output is not None, "sample_tokens without a forward"
         if grammar is not None:
-            handles = output.req_handles.tolist()
-            rows = [handles.index(h) for h in grammar.req_handles.tolist()]
+            row_of = {h: i for i, h in enumerate(output.req_handles.tolist())}
+            rows = [row_of[h] for h in grammar.req_handles.tolist()]
             tokens = output.sampled_token_ids.copy()
             tokens[rows] = allowed_tokens(np.asarray(grammar.grammar_bitmask), self._rng)
             output = ModelRunnerOutput(output.req_handles, tokens)
@@ -115,8 +115,8 @@ def measure(num_requests: int, num_steps: int, constrained: bool) -> dict[str, f
     stats = EngineCoreStats(num_requests, 0, num_blocks, 0, 0, 0)
 
     def turn() -> None:
-        outs = [request.take_output() for request in core.step()]
-        encoder.encode(EngineCoreOutputs(0, outs, stats))
+        requests = {request.req_id: request for request in core.step()}
+        encoder.encode(client_outputs(0, requests.values(), stats))
 
     deadline = time.monotonic() + 300
     while len(core.scheduler.running) < num_requests:  # grammars compiled, prefills run

@@ -233,6 +233,19 @@ def test_grammar_bitmask_masks_disallowed_tokens() -> None:
     assert 33 in tokens.tolist()
 
 
+def test_grammar_bitmask_on_every_row_masks_in_place() -> None:
+    """Rows 0..n-1 in order: the logits are masked where they are, no gather."""
+    rng = np.random.default_rng(1)
+    allowed = rng.random((3, VOCAB)) < 0.3
+    allowed[:, 31] = True  # the sign bit of a word
+    logits = logits_rows(3, seed=16)
+    before = logits.clone()
+    apply_grammar_bitmask(logits, np.arange(3), pack_bitmask(allowed), ["a", "b", "c"])
+    mask = torch.from_numpy(allowed)
+    assert torch.isinf(logits[~mask]).all()
+    assert torch.equal(logits[mask], before[mask])
+
+
 def test_grammar_bitmask_errors() -> None:
     logits = torch.zeros(2, VOCAB)
     with pytest.raises(ValueError, match="allows no token for req-b"):

@@ -37,14 +37,21 @@ def apply_grammar_bitmask(
     empty = _rows_allowing_nothing(packed, vocab)
     if len(empty):
         raise ValueError(f"grammar bitmask allows no token for {names[int(empty[0])]}")
+    # Unpacked a byte at a time (bit j is bit j % 8 of the row's byte j // 8, the words
+    # being little-endian int32): the intermediates are n x vocab bytes, not int32s.
     device = logits.device
-    shifts = torch.arange(_BITS, dtype=torch.int32, device=device)
-    bits = (to_device(packed, torch.int32, device).unsqueeze(-1) >> shifts) & 1
-    allowed = torch.zeros(len(rows), words * _BITS, dtype=torch.bool, device=device)
-    allowed[:, : bits.shape[1] * _BITS] = bits.flatten(1).bool()
-    allowed = allowed[:, :vocab]
+    row_bytes = to_device(packed.astype("<i4", copy=False).view(np.uint8), torch.uint8, device)
+    shifts = torch.arange(8, dtype=torch.uint8, device=device)
+    banned = ((row_bytes.unsqueeze(-1) >> shifts) & 1).view(len(rows), -1) == 0
+    if banned.shape[1] < vocab:  # a narrower bitmask bans the tokens it does not cover
+        rest = torch.ones(len(rows), vocab - banned.shape[1], dtype=torch.bool, device=device)
+        banned = torch.cat([banned, rest], dim=1)
+    banned = banned[:, :vocab]
+    if len(rows) == len(logits) and (rows == np.arange(len(rows))).all():
+        logits.masked_fill_(banned, -torch.inf)  # every row, in order: no gather
+        return
     index = to_device(np.asarray(rows), torch.int64, device)
-    logits[index] = logits[index].masked_fill_(~allowed, -torch.inf)
+    logits[index] = logits[index].masked_fill_(banned, -torch.inf)
 
 
 def _rows_allowing_nothing(packed: np.ndarray, vocab: int) -> np.ndarray:
