@@ -1,7 +1,7 @@
 """The client's side of its engine cores' sockets: one DEALER per engine core (a
-data-parallel replica each), the handshake, requests balanced over the replicas, aborts
-to the replica that runs the request, utility calls matched by call id, and the engine
-cores' ends.
+data-parallel replica each), the handshake, requests balanced over the replicas (a
+subclass routes them otherwise: disaggregated_client.py), aborts to the replica that runs
+the request, utility calls matched by call id, and the engine cores' ends.
 
 What comes in is read without blocking (drain) and handed on as events: a step's
 outputs, or requests that failed. A caller either blocks for them (receive: the LLM's
@@ -105,12 +105,14 @@ class EngineCoreClient:
     # requests ---------------------------------------------------------------------------
 
     def add_request(self, request: EngineCoreRequest) -> int:
-        """Send request to the least loaded engine core that runs (or to the one of the
-        sibling it shares its prompt with); its index."""
+        """Send request to the least loaded live engine core (or its prompt's sibling's)."""
         sibling = request.shares_prompt_with
         engine = self._owner.get(sibling) if sibling is not None else None
         if engine is None or engine.dead is not None:
             engine = self._least_loaded()
+        return self._send_request(engine, request)
+
+    def _send_request(self, engine: EngineConnection, request: EngineCoreRequest) -> int:
         self._send(engine, request)
         engine.requests.add(request.request_id)
         engine.sent_since_report += 1
@@ -127,15 +129,10 @@ class EngineCoreClient:
         for engine, ids in by_engine.items():
             self._send(engine, AbortRequests(ids, reason))  # type: ignore[arg-type]
 
-    def engine_of(self, request_id: str) -> int | None:
-        engine = self._owner.get(request_id)
-        return None if engine is None else engine.index
-
     # events -----------------------------------------------------------------------------
 
     def receive(self, timeout: float) -> list[Event]:
-        """The events there are, waiting up to timeout for something to come in (an
-        event, or a utility call's answer)."""
+        """The events there are, waiting up to timeout for an event or a call's answer."""
         end = time.monotonic() + timeout
         received = self._received
         while True:
@@ -335,10 +332,7 @@ class EngineCoreClient:
                 self.drops.count(f"engine core {engine.index}: {exc}")
                 continue
             if isinstance(msg, EngineCoreOutputs):
-                engine.report(msg.stats)
-                for finished in msg.finished:
-                    self._forget(msg.request_ids[finished.index])
-                events.append(msg)
+                self._on_outputs(engine, msg, events)
             elif isinstance(msg, EngineCoreFailure):
                 self._on_failure(engine, msg, events)
             elif isinstance(msg, UtilityResult):
@@ -349,6 +343,14 @@ class EngineCoreClient:
                 self.drops.count(f"engine core {engine.index}: an unexpected {type(msg).__name__}")
             if engine.dead is not None:
                 return
+
+    def _on_outputs(
+        self, engine: EngineConnection, msg: EngineCoreOutputs, events: list[Event]
+    ) -> None:
+        engine.report(msg.stats)
+        for finished in msg.finished:
+            self._forget(msg.request_ids[finished.index])
+        events.append(msg)
 
     def _on_failure(
         self, engine: EngineConnection, msg: EngineCoreFailure, events: list[Event]
@@ -387,8 +389,7 @@ class EngineCoreClient:
         self._poller.poll(max(1, round(min(at_most, self._next_wake()) * 1000)))
 
     def _next_wake(self) -> float:
-        """Seconds until something is due without a message: a call's deadline, or the
-        grace of a dropped connection."""
+        """Seconds until a call's deadline, or a dropped connection's grace, is due."""
         now = time.monotonic()
         due = [now + POLL_SLICE_S, self._calls.next_deadline() or now + POLL_SLICE_S]
         due += [
