@@ -90,8 +90,7 @@ class EngineCoreClient:
     # start-up ---------------------------------------------------------------------------
 
     def wait_ready(self, timeout: float) -> list[EngineCoreReady]:
-        """Every engine core's Ready; EngineCoreError (or EngineCoreDiedError) for the
-        first that failed to start, TimeoutError if one says nothing within timeout."""
+        """Every engine core's Ready; the first start-up failure's error, or TimeoutError."""
         end = time.monotonic() + timeout
         while any(e.ready is None for e in self.engines):
             for event in self.receive(min(POLL_SLICE_S, max(0.0, end - time.monotonic()))):
@@ -129,6 +128,10 @@ class EngineCoreClient:
         for engine, ids in by_engine.items():
             self._send(engine, AbortRequests(ids, reason))  # type: ignore[arg-type]
 
+    def engine_of(self, request_id: str) -> int | None:
+        engine = self._owner.get(request_id)
+        return None if engine is None else engine.index
+
     # events -----------------------------------------------------------------------------
 
     def receive(self, timeout: float) -> list[Event]:
@@ -158,8 +161,7 @@ class EngineCoreClient:
         timeout: float = UTILITY_TIMEOUT_S,
         engines: Sequence[int] | None = None,
     ) -> list[Any]:
-        """method on every engine core (or those of engines), blocking: the results in
-        engine order. Events that come meanwhile wait for the next drain."""
+        """method on every engine core (or those of engines), blocking: wait()."""
         return self.wait(self.submit(method, args, kwargs, timeout, engines))
 
     def submit(
@@ -181,8 +183,7 @@ class EngineCoreClient:
         return call
 
     def wait(self, call: PendingCall) -> list[Any]:
-        """A submitted call's results in engine order (or its error), blocking. Events
-        that come meanwhile wait in the backlog for the next drain."""
+        """Its results in engine order (or its error), blocking; events wait for a drain."""
         while True:
             received = self._received
             self._collect(self._backlog)  # expires the call at its deadline
@@ -210,9 +211,8 @@ class EngineCoreClient:
         return await call.future
 
     def shut_down_engines(self, timeout: float = SHUTDOWN_CALL_S) -> set[int]:
-        """Ask every engine core that is up to shut down (its workers first), within
-        timeout; the indexes of those that answered (they are leaving). The others are
-        left to be stopped harder."""
+        """Ask every engine core up to shut down (its workers first) within timeout; the
+        indexes of those that answered (leaving; the others are to be stopped harder)."""
         calls = {}
         for engine in self.engines:
             if engine.ready is not None and engine.dead is None:
