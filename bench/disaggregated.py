@@ -157,7 +157,8 @@ def main() -> None:
         finally:
             server.stop()
     print_table(rows, precision=2)
-    result: dict[str, Any] = {"args": vars(args), "rows": rows}
+    # The host's load: on a shared machine, what the two modes' figures were made under.
+    result: dict[str, Any] = {"args": vars(args), "rows": rows, "loadavg_after": os.getloadavg()}
     by_mode = {r["mode"]: r for r in rows}
     if set(MODES) <= set(by_mode):
         base, disagg = by_mode["colocated"], by_mode["disaggregated"]
