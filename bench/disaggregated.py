@@ -34,6 +34,7 @@ import numpy as np
 
 from bench.common import print_table, write_results
 from bench.serve_load import ROOT, Server, cli_flags, served_model
+from zmqworker.cli.options import parse_size
 
 MODES = ("colocated", "disaggregated")
 
@@ -125,7 +126,9 @@ def main() -> None:
     parser.add_argument("--dtype", default=None)
     parser.add_argument("--load-format", default=None)
     parser.add_argument("--tp", type=int, default=None)
-    parser.add_argument("--kv-cache-bytes", type=int, default=None, help="split when disaggregated")
+    parser.add_argument(
+        "--kv-cache-bytes", type=parse_size, default=None, help="40G: halved when disaggregated"
+    )
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
     parser.add_argument("--decoders", type=int, default=8)
     parser.add_argument("--decode-prompt-len", type=int, default=32)
