@@ -16,6 +16,7 @@ import msgspec
 import numpy as np
 
 from messages.config import WorkerConfig
+from messages.kv_transfer import RemoteKV
 from messages.rpc import Value
 from messages.sampling import SamplingParams
 from messages.step import LogprobsLists
@@ -64,6 +65,27 @@ class EngineCoreReady(msgspec.Struct, tag=True):
     worker_pids: list[int] = []
 
 
+class KVTransferParams(msgspec.Struct, tag=True, frozen=True, omit_defaults=True):
+    """A request's part in disaggregated serving. do_remote_decode (to a prefill
+    instance): finish after the first token and keep the prompt's KV staged for a decode
+    instance; its FinishedOutput then says where (kv_transfer). remote and first_token (to
+    a decode instance): the prompt's KV waits there, the prefill sampled first_token;
+    this instance pulls the KV and decodes from the second token on."""
+
+    do_remote_decode: bool = False
+    remote: RemoteKV | None = None
+    first_token: Annotated[int, msgspec.Meta(ge=0)] | None = None
+
+    def __post_init__(self) -> None:
+        if self.do_remote_decode == (self.remote is not None):
+            raise ValueError(
+                "kv_transfer_params: give do_remote_decode (to a prefill instance) or remote "
+                "(to a decode instance), one of the two"
+            )
+        if (self.remote is None) != (self.first_token is None):
+            raise ValueError("kv_transfer_params: remote and first_token go together")
+
+
 class EngineCoreRequest(msgspec.Struct, tag=True):
     """A request to run. EOS ids, max_tokens, stop token ids and max_model_len end it in
     the engine core; stop strings are the client's (it aborts the request on one).
@@ -71,7 +93,8 @@ class EngineCoreRequest(msgspec.Struct, tag=True):
     another request of this client with the same prompt (a sibling of an n > 1 request,
     sent before it): this one waits for that one's prompt to be computed, then takes its
     full prompt blocks instead of computing them again. sampling_params.n must be 1: the
-    client fans n out into n requests."""
+    client fans n out into n requests. kv_transfer_params: its part in disaggregated
+    serving (None: computed and decoded here)."""
 
     request_id: str
     prompt_token_ids: np.ndarray  # int32 [n]
@@ -79,6 +102,7 @@ class EngineCoreRequest(msgspec.Struct, tag=True):
     eos_token_ids: list[int] = []
     arrival_time: float = 0.0
     shares_prompt_with: str | None = None
+    kv_transfer_params: KVTransferParams | None = None
 
 
 class AbortRequests(msgspec.Struct, tag=True):
@@ -92,11 +116,13 @@ class AbortRequests(msgspec.Struct, tag=True):
 class FinishedOutput(msgspec.Struct, tag=True, omit_defaults=True):
     """A request of the step that ended: its position among the step's request_ids, and
     how (finish_reason "stop": an EOS or stop token, stop_reason its id; "length":
-    max_tokens or max_model_len)."""
+    max_tokens or max_model_len). kv_transfer: a request sent with do_remote_decode that
+    goes on elsewhere (finish_reason "length"): where its prompt's KV waits."""
 
     index: NonNegative
     finish_reason: Literal["stop", "length"]
     stop_reason: int | None = None
+    kv_transfer: RemoteKV | None = None
 
 
 class FirstOutput(msgspec.Struct, tag=True, omit_defaults=True):

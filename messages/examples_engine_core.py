@@ -21,12 +21,14 @@ from messages.engine_core import (
     EngineCoreStats,
     FinishedOutput,
     FirstOutput,
+    KVTransferParams,
     RequestLogprobs,
     UtilityCall,
     UtilityResult,
     WorkerCall,
 )
 from messages.example_stream import Stream, req_id
+from messages.kv_transfer import RemoteKV
 from messages.sampling import SamplingParams
 from messages.step import LogprobsLists
 from messages.structured_outputs import StructuredOutputsParams
@@ -88,6 +90,39 @@ def structured_request(seed: int = 14) -> EngineCoreRequest:
         sampling_params=params,
         eos_token_ids=[EOS],
         arrival_time=ARRIVAL,
+    )
+
+
+# Where a prefill instance's tp rank 0 serves its staged KV (disaggregated serving).
+PREFILL_KV = RemoteKV(req_id(1040), 40, ["tcp://127.0.0.1:47000"])
+
+
+def disaggregated_request(decode_side: bool) -> EngineCoreRequest:
+    """A request of disaggregated serving: to the prefill instance (do_remote_decode), or
+    to the decode instance with the prefill's first token and where its KV waits."""
+    params = KVTransferParams(do_remote_decode=True)
+    if decode_side:
+        params = KVTransferParams(remote=PREFILL_KV, first_token=9_001)
+    return EngineCoreRequest(
+        request_id=req_id(1040),
+        prompt_token_ids=Stream(15).ints(40, 0, VOCAB_SIZE),
+        sampling_params=SamplingParams(temperature=0.0, max_tokens=64),
+        eos_token_ids=[EOS],
+        arrival_time=ARRIVAL,
+        kv_transfer_params=params,
+    )
+
+
+def prefill_outputs() -> EngineCoreOutputs:
+    """A prefill instance's step: the request's first token, and its end there with where
+    its KV waits for the decode instance."""
+    return EngineCoreOutputs(
+        engine_index=0,
+        request_ids=[req_id(1040)],
+        new_token_ids=np.array([9_001], np.int32),
+        stats=STATS,
+        finished=[FinishedOutput(0, "length", kv_transfer=PREFILL_KV)],
+        first=[FirstOutput(0, 0, 0.004)],
     )
 
 
@@ -159,10 +194,13 @@ ENGINE_CORE_EXAMPLES: dict[str, Callable[[], EngineCoreMessage]] = {
     "engine_core_request": engine_core_request,
     "engine_core_request_long": lambda: engine_core_request(prompt_len=8192, seed=13),
     "engine_core_request_structured": structured_request,
+    "engine_core_request_prefill": lambda: disaggregated_request(decode_side=False),
+    "engine_core_request_decode": lambda: disaggregated_request(decode_side=True),
     "abort_requests": lambda: AbortRequests([req_id(3), req_id(5)]),
     "abort_requests_stop": lambda: AbortRequests([req_id(4)], reason="stop"),
     "engine_core_outputs_decode_256": decode_outputs,
     "engine_core_outputs_logprobs": logprobs_outputs,
+    "engine_core_outputs_prefill": prefill_outputs,
     "engine_core_failure_request": lambda: EngineCoreFailure(
         engine_index=0,
         request_ids=[req_id(6)],

@@ -50,7 +50,11 @@ def client_outputs(
         if request.status is finished_status:
             reason = request.finish_reason
             assert reason is not None and reason is not FinishReason.ABORT, reason
-            finished.append(FinishedOutput(i, reason.value, request.stop_reason))
+            finished.append(
+                FinishedOutput(
+                    i, reason.value, request.stop_reason, kv_transfer=request.kv_transfer_out
+                )
+            )
         if request.logprob_rows:
             rows = request.take_logprobs()
             assert rows is not None

@@ -40,7 +40,7 @@ from zmqworker.engine.client_outputs import client_outputs
 from zmqworker.engine.core import EngineCore
 from zmqworker.engine.core_clients import Client, Clients
 from zmqworker.engine.core_limits import engine_core_limits
-from zmqworker.engine.request import FinishReason, Request
+from zmqworker.engine.request import FinishReason, RemotePrefill, Request
 from zmqworker.engine.utility import EngineCoreUtilities, call_utility, waits_for_steps
 from zmqworker.executor.errors import WorkerDiedError, WorkerStuckError
 from zmqworker.transport.drops import DropCounter
@@ -140,8 +140,10 @@ class EngineCoreServer:
     def _settle(self, core: EngineCore) -> None:
         """Steps still in flight once every request has finished (or was aborted) hold
         only dropped tokens: take them back before reading on or answering, so that
-        their blocks are free again and an idle engine core's stats are settled."""
-        while not self._stop and core.has_work() and not core.num_unfinished:
+        their blocks are free again and an idle engine core's stats are settled. KV
+        transfers under way are not waited for here (the loop steps for them between
+        reads): a prefill instance takes new requests while its staged KV waits."""
+        while not self._stop and len(core.batch_queue) and not core.num_unfinished:
             self._step(core.step)
 
     def _step(self, run: Callable[[], list[Request]]) -> None:
@@ -246,6 +248,11 @@ class EngineCoreServer:
         try:
             if msg.request_id in self.clients.owners:
                 raise ValueError(f"request id {msg.request_id!r} is already running")
+            transfer = msg.kv_transfer_params
+            remote = None
+            if transfer is not None and transfer.remote is not None:
+                assert transfer.first_token is not None  # KVTransferParams checks it
+                remote = RemotePrefill(transfer.remote, transfer.first_token)
             request = Request(
                 msg.request_id,
                 self._prompt(msg),
@@ -253,6 +260,8 @@ class EngineCoreServer:
                 eos_token_ids=msg.eos_token_ids,
                 arrival_time=msg.arrival_time,
                 shares_prompt_with=msg.shares_prompt_with,
+                remote_decode=transfer is not None and transfer.do_remote_decode,
+                remote=remote,
             )
             self.core.add_request(request)
         except ValueError as exc:
@@ -270,6 +279,10 @@ class EngineCoreServer:
         vocab = self.config.vocab_size
         if len(ids) and (ids.min() < 0 or (vocab is not None and ids.max() >= vocab)):
             raise ValueError(f"prompt token ids outside the vocabulary [0, {vocab})")
+        transfer = msg.kv_transfer_params
+        first = None if transfer is None else transfer.first_token
+        if first is not None and vocab is not None and first >= vocab:
+            raise ValueError(f"kv_transfer_params.first_token {first} is outside [0, {vocab})")
         max_logprobs = self.config.worker.model.max_logprobs
         logprobs = msg.sampling_params.logprobs
         if logprobs is not None and 0 <= max_logprobs < logprobs:

@@ -1,7 +1,7 @@
 """The client's side of its engine cores' sockets: one DEALER per engine core (a
-data-parallel replica each), the handshake, requests balanced over the replicas, aborts
-to the replica that runs the request, utility calls matched by call id, and the engine
-cores' ends.
+data-parallel replica each), the handshake, requests balanced over the replicas (a
+subclass routes them otherwise: disaggregated_client.py), aborts to the replica that runs
+the request, utility calls matched by call id, and the engine cores' ends.
 
 What comes in is read without blocking (drain) and handed on as events: a step's
 outputs, or requests that failed. A caller either blocks for them (receive: the LLM's
@@ -90,8 +90,7 @@ class EngineCoreClient:
     # start-up ---------------------------------------------------------------------------
 
     def wait_ready(self, timeout: float) -> list[EngineCoreReady]:
-        """Every engine core's Ready; EngineCoreError (or EngineCoreDiedError) for the
-        first that failed to start, TimeoutError if one says nothing within timeout."""
+        """Every engine core's Ready; the first start-up failure's error, or TimeoutError."""
         end = time.monotonic() + timeout
         while any(e.ready is None for e in self.engines):
             for event in self.receive(min(POLL_SLICE_S, max(0.0, end - time.monotonic()))):
@@ -105,12 +104,14 @@ class EngineCoreClient:
     # requests ---------------------------------------------------------------------------
 
     def add_request(self, request: EngineCoreRequest) -> int:
-        """Send request to the least loaded engine core that runs (or to the one of the
-        sibling it shares its prompt with); its index."""
+        """Send request to the least loaded live engine core (or its prompt's sibling's)."""
         sibling = request.shares_prompt_with
         engine = self._owner.get(sibling) if sibling is not None else None
         if engine is None or engine.dead is not None:
             engine = self._least_loaded()
+        return self._send_request(engine, request)
+
+    def _send_request(self, engine: EngineConnection, request: EngineCoreRequest) -> int:
         self._send(engine, request)
         engine.requests.add(request.request_id)
         engine.sent_since_report += 1
@@ -134,8 +135,7 @@ class EngineCoreClient:
     # events -----------------------------------------------------------------------------
 
     def receive(self, timeout: float) -> list[Event]:
-        """The events there are, waiting up to timeout for something to come in (an
-        event, or a utility call's answer)."""
+        """The events there are, waiting up to timeout for an event or a call's answer."""
         end = time.monotonic() + timeout
         received = self._received
         while True:
@@ -161,8 +161,7 @@ class EngineCoreClient:
         timeout: float = UTILITY_TIMEOUT_S,
         engines: Sequence[int] | None = None,
     ) -> list[Any]:
-        """method on every engine core (or those of engines), blocking: the results in
-        engine order. Events that come meanwhile wait for the next drain."""
+        """method on every engine core (or those of engines), blocking: wait()."""
         return self.wait(self.submit(method, args, kwargs, timeout, engines))
 
     def submit(
@@ -184,8 +183,7 @@ class EngineCoreClient:
         return call
 
     def wait(self, call: PendingCall) -> list[Any]:
-        """A submitted call's results in engine order (or its error), blocking. Events
-        that come meanwhile wait in the backlog for the next drain."""
+        """Its results in engine order (or its error), blocking; events wait for a drain."""
         while True:
             received = self._received
             self._collect(self._backlog)  # expires the call at its deadline
@@ -316,10 +314,7 @@ class EngineCoreClient:
                 self._on_malformed(engine, exc, events)
                 continue
             if isinstance(msg, EngineCoreOutputs):
-                engine.report(msg.stats)
-                for finished in msg.finished:
-                    self._forget(msg.request_ids[finished.index])
-                events.append(msg)
+                self._on_outputs(engine, msg, events)
             elif isinstance(msg, EngineCoreFailure):
                 self._on_failure(engine, msg, events)
             elif isinstance(msg, UtilityResult):
@@ -330,6 +325,14 @@ class EngineCoreClient:
                 self.drops.count(f"engine core {engine.index}: an unexpected {type(msg).__name__}")
             if engine.dead is not None:
                 return
+
+    def _on_outputs(
+        self, engine: EngineConnection, msg: EngineCoreOutputs, events: list[Event]
+    ) -> None:
+        engine.report(msg.stats)
+        for finished in msg.finished:
+            self._forget(msg.request_ids[finished.index])
+        events.append(msg)
 
     def _on_failure(
         self, engine: EngineConnection, msg: EngineCoreFailure, events: list[Event]
@@ -381,8 +384,7 @@ class EngineCoreClient:
         self._poller.poll(max(1, round(min(at_most, self._next_wake()) * 1000)))
 
     def _next_wake(self) -> float:
-        """Seconds until something is due without a message: a call's deadline, or the
-        grace of a dropped connection."""
+        """Seconds until a call's deadline, or a dropped connection's grace, is due."""
         now = time.monotonic()
         due = [now + POLL_SLICE_S, self._calls.next_deadline() or now + POLL_SLICE_S]
         due += [

@@ -58,10 +58,11 @@ class EngineCoreHandle(ABC):
 
 
 class EngineCoreProcess(EngineCoreHandle):
-    def __init__(self, index: int, config: bytes) -> None:
+    def __init__(self, index: int, config: bytes, env: dict[str, str] | None = None) -> None:
         self.index = index
         argv = [sys.executable, "-m", "zmqworker.engine"]
-        self.proc = ChildProcess(f"engine core {index}", argv, dict(os.environ), stdin=config)
+        environ = {**os.environ, **(env or {})}
+        self.proc = ChildProcess(f"engine core {index}", argv, environ, stdin=config)
         self.pid = self.proc.pid
         if self.proc.pidfd is None:
             raise OSError("watching an engine core needs pidfd_open (Linux 5.3 or later)")
@@ -151,13 +152,15 @@ class WatchedEngineCore(EngineCoreHandle):
 class EngineCoreLauncher:
     """Starts one engine core per config (a data-parallel replica each) and owns them
     until stop(): their socket folder, the spawning thread, the handles. configs are
-    made by make_config(index, address, token)."""
+    made by make_config(index, address, token); env: variables the engine core processes
+    (and their workers) get beside this process's."""
 
     def __init__(
         self,
         num_engines: int,
         make_config: Callable[[int, str, str], EngineCoreConfig],
         make_executor: Callable[[Any], Any] | None = None,
+        env: dict[str, str] | None = None,
     ) -> None:
         from messages import Encoder
         from zmqworker.executor.handshake import new_token
@@ -174,7 +177,7 @@ class EngineCoreLauncher:
                 encoder = Encoder()
                 makers = [
                     functools.partial(
-                        EngineCoreProcess, c.engine_index, bytes(encoder.encode(c)[0])
+                        EngineCoreProcess, c.engine_index, bytes(encoder.encode(c)[0]), env
                     )
                     for c in configs
                 ]

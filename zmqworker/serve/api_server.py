@@ -25,6 +25,7 @@ import uvicorn
 from zmqworker.engine.model_folder import ModelFolder
 from zmqworker.frontend.core_client import EngineCoreClient
 from zmqworker.frontend.core_process import WatchedEngineCore
+from zmqworker.frontend.disaggregated_client import DisaggregatedClient
 from zmqworker.frontend.frontend import Frontend
 from zmqworker.runtime.parent_death import PARENT_DEATH_SIGNAL, exit_with_parent
 from zmqworker.serve.app import build_app
@@ -55,6 +56,7 @@ class ApiServerConfig(msgspec.Struct, frozen=True):
     enable_admin_endpoints: bool
     cors: CorsOptions | None
     tool_call_parser: str | None  # "auto" tool choice's parser (None: refused)
+    disaggregated: bool  # the engine cores are a prefill and a decode instance
     log_level: str  # uvicorn's
     engine_log_level: str  # the zmqworker logger's
 
@@ -64,7 +66,8 @@ def connect(config: ApiServerConfig) -> Frontend:
     folder = ModelFolder.open(config.model)
     texts = folder.load_text_side()
     handles = [WatchedEngineCore(i, pid) for i, pid in enumerate(config.engine_pids)]
-    client = EngineCoreClient(
+    client_class = DisaggregatedClient if config.disaggregated else EngineCoreClient
+    client = client_class(
         config.engine_addresses, handles, config.token, config.index, config.output_bytes
     )
     try:

@@ -1,7 +1,9 @@
 """`zmqworker serve`'s main process: it plans the engine (every option checked before
 anything starts), binds the port, starts the engine cores (one per data-parallel
 replica) and N API server processes that accept on the same listening socket, each a
-client of every engine core, and then supervises them.
+client of every engine core, and then supervises them. Disaggregated (--disaggregate),
+the engine cores are a prefill and a decode instance, and each API server's client
+routes every request through both (frontend/disaggregated_client.py).
 
 Any of them dying takes the whole server down: the others are stopped in order and the
 command fails with an error naming what died (a server that lost part of itself would
@@ -30,6 +32,8 @@ import msgspec
 from zmqworker.executor.process import ChildProcess, spawn_all
 from zmqworker.frontend.core_client import EngineCoreClient
 from zmqworker.frontend.core_process import EngineCoreLauncher
+from zmqworker.frontend.disaggregated_client import DisaggregatedClient
+from zmqworker.frontend.disaggregated_plan import DisaggregatedPlan
 from zmqworker.frontend.engine_connection import Failed
 from zmqworker.frontend.engine_plan import EnginePlan
 from zmqworker.frontend.engine_shutdown import shut_down_engines
@@ -61,7 +65,14 @@ def serve(
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
     cors: CorsOptions | None = None,
     tool_call_parser: str | None = None,
+    disaggregate: bool = False,
+    kv_port: int | None = None,
+    kv_transfer_timeout_s: float = 30.0,
 ) -> None:
+    """disaggregate: a prefill and a decode instance (each the engine options' layout)
+    and the router in every API server (disaggregated_client.py); kv_port: the first of
+    the prefill's KV ports (None: free ones), kv_transfer_timeout_s every transfer's
+    bound."""
     count = api_server_count or default_api_server_count()
     if count < 1:
         raise ValueError(f"--api-server-count must be >= 1, got {count}")
@@ -77,9 +88,14 @@ def serve(
     options = {**defaults, **engine_options}
     check_args(OPTION_TYPES, options)
     plan = EnginePlan.from_options(options)
+    pair = DisaggregatedPlan.of(plan, kv_port, kv_transfer_timeout_s) if disaggregate else None
     name = served_model_name or plan.folder.path.name
     listener = _listen(host, port)  # a port in use fails here, before anything starts
-    launcher = EngineCoreLauncher(plan.num_engines, plan.engine_config)
+    if pair is None:
+        launcher = EngineCoreLauncher(plan.num_engines, plan.engine_config)
+    else:
+        launcher = EngineCoreLauncher(2, pair.engine_config, env=pair.env)
+    client_class = EngineCoreClient if pair is None else DisaggregatedClient
     servers: list[ChildProcess] = []
     spawner = threading.Event()  # set: the spawning thread may end
     client = None
@@ -102,6 +118,7 @@ def serve(
             enable_admin_endpoints=enable_admin_endpoints,
             cors=cors,
             tool_call_parser=tool_call_parser,
+            disaggregated=pair is not None,
             log_level=log_level,
             engine_log_level=logging.getLevelName(logger.getEffectiveLevel()),
         )
@@ -119,7 +136,7 @@ def serve(
         ]
         spawn_all(makers, servers, spawner)
         listener.close()  # the API servers hold it now
-        client = EngineCoreClient(
+        client = client_class(
             launcher.addresses, launcher.handles, launcher.token, count, plan.output_bytes
         )
         _Supervisor(client, servers, name, f"http://{host}:{port}/v1").run(shutdown_timeout_s)

@@ -1,0 +1,176 @@
+"""Disaggregated prefill and decode against colocated serving, under a mixed workload:
+long prompts arriving while other requests decode. The same `zmqworker serve` options
+run twice in one run, colocated (one engine core) and with --disaggregate (a prefill and
+a decode instance on the same hardware); the baseline is the colocated run.
+
+The load (bench/serve_client.py processes, streamed greedy completions, ignore_eos):
+--decoders requests of --decode-prompt-len tokens decoding --decode-len tokens each, all
+sent at once, and, from --long-delay seconds on, --long-prompts requests of
+--long-prompt-len tokens (--long-len output tokens) at --long-rate a second (Poisson).
+Reported for each mode: the decoders' inter-token latency p50 and p99 (the gaps between
+a stream's tokens), their time per output token, the long prompts' time to first token,
+and output tokens/s over all requests; then disaggregated over colocated (the issue's
+target: inter-token p99 <= 0.6x, throughput within 10%). With --kv-cache-bytes, the
+colocated engine core gets it and each disaggregated instance half: one memory budget,
+split. Writes bench/results/disaggregated.json (or --out).
+
+    python -m bench.disaggregated                              # CPU, the embedded model
+    python -m bench.disaggregated --device cuda --dtype bfloat16 --load-format dummy \\
+        --model FOLDER --kv-cache-bytes 40G --decoders 64 --decode-len 512 \\
+        --long-prompts 16 --long-prompt-len 8192 --long-rate 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from typing import Any
+
+import numpy as np
+
+from bench.common import print_table, write_results
+from bench.serve_load import ROOT, Server, cli_flags, served_model
+from zmqworker.cli.options import parse_size
+
+MODES = ("colocated", "disaggregated")
+
+
+def prompts(count: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    """Random token-id prompts from the vocabulary's middle (clear of special tokens)."""
+    rng = np.random.default_rng(seed)
+    low, high = min(1000, vocab // 4), vocab - min(1000, vocab // 4)
+    return [rng.integers(low, high, length).tolist() for _ in range(count)]
+
+
+def client(url: str, model: str, job: dict[str, Any]) -> subprocess.Popen:
+    """A bench/serve_client.py process running job against url."""
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "bench.serve_client"],
+        cwd=ROOT,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    job = {"host": host, "port": int(port), "path": "/v1/completions", "model": model,
+           "api_key": None, "schema": None, **job}  # fmt: skip
+    assert proc.stdin is not None
+    proc.stdin.write(json.dumps(job).encode())
+    proc.stdin.close()
+    return proc
+
+
+def records_of(proc: subprocess.Popen) -> list[dict[str, Any]]:
+    assert proc.stdout is not None
+    records = json.loads(proc.stdout.read())
+    if proc.wait() != 0:
+        raise RuntimeError(f"a client process exited with status {proc.returncode}")
+    failed = [r for r in records if not r["ok"]]
+    if failed:
+        raise RuntimeError(f"{len(failed)} request(s) failed; the first: {failed[0]['error']}")
+    return records
+
+
+def mixed(url: str, model: str, decoders: list, longs: list, args: argparse.Namespace) -> dict:
+    """The mixed workload once against url: its figures."""
+    start_at = time.time() + 2.0  # after both clients have imported
+    common = {"seed": args.seed, "start_at": start_at}
+    decode = client(url, model, {**common, "prompts": decoders, "max_tokens": args.decode_len,
+                                 "concurrency": len(decoders), "rate": None})  # fmt: skip
+    long = client(url, model, {**common, "prompts": longs, "max_tokens": args.long_len,
+                               "concurrency": len(longs), "rate": args.long_rate,
+                               "start_at": start_at + args.long_delay})  # fmt: skip
+    decoded, prefilled = records_of(decode), records_of(long)
+    every = decoded + prefilled
+    duration = max(r["end"] for r in every) - min(r["start"] for r in every)
+    itl = np.concatenate([np.diff(r["chunk_times"]) for r in decoded])
+    tpot = [(r["chunk_times"][-1] - r["chunk_times"][0]) / (r["output_tokens"] - 1)
+            for r in decoded]  # fmt: skip
+    ttft = [r["chunk_times"][0] - r["start"] for r in prefilled]
+    return {
+        "itl_p50_ms": 1e3 * float(np.percentile(itl, 50)),
+        "itl_p99_ms": 1e3 * float(np.percentile(itl, 99)),
+        "itl_max_ms": 1e3 * float(itl.max()),
+        "tpot_mean_ms": 1e3 * float(np.mean(tpot)),
+        "long_ttft_p50_ms": 1e3 * float(np.percentile(ttft, 50)),
+        "output_tok_s": sum(r["output_tokens"] for r in every) / duration,
+        "duration_s": duration,
+    }
+
+
+def serve_options(args: argparse.Namespace, mode: str) -> dict[str, Any]:
+    options = {
+        "model": args.model,
+        "device": args.device,
+        "dtype": args.dtype,
+        "load_format": args.load_format,
+        "tensor_parallel_size": args.tp,
+        "max_num_seqs": args.decoders + args.long_prompts,
+        "max_model_len": max(args.decode_prompt_len + args.decode_len,
+                             args.long_prompt_len + args.long_len) + 16,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+    }  # fmt: skip
+    if args.kv_cache_bytes is not None:
+        options["kv_cache_bytes"] = args.kv_cache_bytes // (2 if mode == "disaggregated" else 1)
+    return {k: v for k, v in options.items() if v is not None}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=None, help="checkpoint folder (default: embedded)")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default=None)
+    parser.add_argument("--load-format", default=None)
+    parser.add_argument("--tp", type=int, default=None)
+    parser.add_argument(
+        "--kv-cache-bytes", type=parse_size, default=None, help="40G: halved when disaggregated"
+    )
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None)
+    parser.add_argument("--decoders", type=int, default=8)
+    parser.add_argument("--decode-prompt-len", type=int, default=32)
+    parser.add_argument("--decode-len", type=int, default=160)
+    parser.add_argument("--long-prompts", type=int, default=4)
+    parser.add_argument("--long-prompt-len", type=int, default=1024)
+    parser.add_argument("--long-len", type=int, default=8)
+    parser.add_argument("--long-rate", type=float, default=1.0, help="long prompts a second")
+    parser.add_argument("--long-delay", type=float, default=1.0, help="s before the first")
+    parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--port", type=int, default=8766)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    from zmqworker.engine.model_folder import ModelFolder
+
+    vocab = ModelFolder.open(args.model).vocab_size or 32000
+    decoders = prompts(args.decoders, args.decode_prompt_len, vocab, args.seed)
+    longs = prompts(args.long_prompts, args.long_prompt_len, vocab, args.seed + 1)
+    rows = []
+    for mode in args.modes.split(","):
+        extra = ["--disaggregate"] if mode == "disaggregated" else []
+        options = serve_options(args, mode)
+        server = Server(options, cli_flags({"api_server_count": 1}) + extra, args.port)
+        try:
+            model = served_model(server.url)
+            mixed(server.url, model, decoders[:2], longs[:1], args)  # warm
+            rows.append({"mode": mode, **mixed(server.url, model, decoders, longs, args)})
+        finally:
+            server.stop()
+    print_table(rows, precision=2)
+    # The host's load: on a shared machine, what the two modes' figures were made under.
+    result: dict[str, Any] = {"args": vars(args), "rows": rows, "loadavg_after": os.getloadavg()}
+    by_mode = {r["mode"]: r for r in rows}
+    if set(MODES) <= set(by_mode):
+        base, disagg = by_mode["colocated"], by_mode["disaggregated"]
+        result["disaggregated_over_colocated"] = {
+            k: disagg[k] / base[k] for k in ("itl_p50_ms", "itl_p99_ms", "output_tok_s")
+        }
+        print(result["disaggregated_over_colocated"])
+    print(f"wrote {write_results('disaggregated', result, args.out)}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,93 @@
+"""The two engine cores of disaggregated serving on one host, planned from an engine's
+plan: a prefill instance (engine core 0, its workers KV producers) and a decode instance
+(engine core 1, KV consumers), each with the plan's layout and on the same devices (on
+CUDA, both on the plan's GPUs, each with a KV cache of kv_cache_bytes), and the key pair
+their KV sockets share."""
+
+from __future__ import annotations
+
+import socket
+from dataclasses import dataclass
+
+import msgspec
+
+from messages import EngineCoreConfig, KVTransferConfig
+from zmqworker.frontend.disaggregated_client import DECODE, PREFILL
+from zmqworker.frontend.engine_plan import EnginePlan
+from zmqworker.transport.curve import KV_CURVE_ENV, KVKeys
+
+KV_HOST = "127.0.0.1"  # one host: the prefill's KV servers take local peers only
+PORT_TRIES = 20
+
+
+@dataclass(frozen=True)
+class DisaggregatedPlan:
+    plan: EnginePlan
+    kv_port: int  # the prefill's tp rank r serves its KV on KV_HOST:kv_port + r
+    timeout_s: float  # KVTransferConfig.timeout_s: every transfer wait's bound
+    keys: KVKeys
+
+    @classmethod
+    def of(
+        cls, plan: EnginePlan, kv_port: int | None = None, timeout_s: float = 30.0
+    ) -> DisaggregatedPlan:
+        """Raises ValueError naming what the layout cannot do disaggregated."""
+        worker = plan.worker_config
+        parallel = worker.parallel
+        if plan.num_engines != 1:
+            raise ValueError(
+                f"--disaggregate runs one prefill and one decode instance; "
+                f"data_parallel_size={plan.num_engines} is not taken with it"
+            )
+        if parallel.pipeline_parallel_size != 1:
+            raise ValueError("--disaggregate: KV transfer does not take pipeline parallelism")
+        if worker.device.device == "cuda" and worker.cache.kv_cache_bytes is None:
+            raise ValueError(
+                "--disaggregate on CUDA: give --kv-cache-bytes (each instance's KV cache per "
+                "worker); the two instances share the GPUs, and sizing by "
+                "gpu_memory_utilization would race between them"
+            )
+        if not timeout_s > 0:
+            raise ValueError(f"the KV transfer timeout must be positive, got {timeout_s}")
+        tp = parallel.tensor_parallel_size
+        if kv_port is None:
+            kv_port = free_ports(tp)
+        elif not 0 < kv_port <= 65536 - tp:
+            raise ValueError(f"--kv-port must leave {tp} port(s) in [1, 65535], got {kv_port}")
+        return cls(plan, kv_port, timeout_s, KVKeys.new())
+
+    @property
+    def env(self) -> dict[str, str]:
+        """What the engine cores (and their workers) get: the KV sockets' key pair."""
+        return {KV_CURVE_ENV: self.keys.to_env()}
+
+    def engine_config(self, index: int, address: str, token: str) -> EngineCoreConfig:
+        """Engine core index's configuration: PREFILL or DECODE, both as the plan's one
+        replica (the same devices)."""
+        if index not in (PREFILL, DECODE):
+            raise ValueError(f"engine core {index}: disaggregated serving runs two")
+        config = self.plan.engine_config(0, address, token)
+        role = "producer" if index == PREFILL else "consumer"
+        transfer = KVTransferConfig(role, KV_HOST, self.kv_port, self.timeout_s)
+        worker = msgspec.structs.replace(config.worker, kv_transfer=transfer)
+        return msgspec.structs.replace(config, worker=worker, engine_index=index)
+
+
+def free_ports(count: int) -> int:
+    """A first port p such that p .. p + count - 1 are free on KV_HOST now."""
+    for _ in range(PORT_TRIES):
+        with socket.socket() as probe:
+            probe.bind((KV_HOST, 0))
+            first = probe.getsockname()[1]
+        if first + count <= 65536 and all(_free(first + i) for i in range(1, count)):
+            return first
+    raise OSError(f"found no {count} free consecutive port(s) on {KV_HOST}")
+
+
+def _free(port: int) -> bool:
+    with socket.socket() as probe:
+        try:
+            probe.bind((KV_HOST, port))
+        except OSError:
+            return False
+    return True
