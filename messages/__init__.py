@@ -25,6 +25,7 @@ from messages.engine_core import (
     FinishedOutput,
     FirstOutput,
     RequestLogprobs,
+    RequestPromptLogprobs,
     UtilityCall,
     UtilityResult,
     UtilityValue,
@@ -71,6 +72,7 @@ from messages.step import (
     LogprobsLists,
     ModelRunnerOutput,
     NewRequestData,
+    PromptLogprobs,
     SchedulerOutput,
 )
 from messages.structured_outputs import StructuredOutputsParams
@@ -123,6 +125,7 @@ __all__ = [
     "Message",
     "ModelConfig",
     "ModelRunnerOutput",
+    "PromptLogprobs",
     "NewRequestData",
     "ParallelConfig",
     "PipelineSharedTensors",
@@ -133,6 +136,7 @@ __all__ = [
     "RemoteError",
     "RemoteKV",
     "RequestLogprobs",
+    "RequestPromptLogprobs",
     "RpcReply",
     "RpcRequest",
     "SamplingParams",

@@ -1,17 +1,23 @@
 """zmqworker serve's surface beyond generation, over a real server: /tokenize and
-/detokenize (vLLM's shapes), the X-Request-Id header, and CORS (--allowed-origins and its
-companions; without them no CORS headers, checked in test_serve_bad_input.py)."""
+/detokenize (vLLM's shapes), prompt_logprobs against transformers, the X-Request-Id
+header, and CORS (--allowed-origins and its companions; without them no CORS headers,
+checked in test_serve_bad_input.py)."""
 
 from __future__ import annotations
 
+import functools
 import http.client
 import json
+import re
 
 import pytest
+import torch
+import transformers
 
 from tests.test_serve import MODEL, Server
 from zmqworker.cli import build_parser
 from zmqworker.cli import serve as serve_cli
+from zmqworker.models import embedded
 
 APP = "http://app.example"
 PROMPT = "The capital of France is"
@@ -160,3 +166,55 @@ def test_cors_options_are_checked_before_anything_starts(argv, message):
     parser, _ = build_parser()
     with pytest.raises(ValueError, match=message):
         serve_cli.run(parser.parse_args(["serve", *argv]))
+
+
+@functools.cache
+def hf_log_softmax(token_ids: tuple[int, ...]) -> torch.Tensor:
+    """transformers' log_softmax of the embedded model: row j predicts token j + 1."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(embedded.default_model_path())
+    with torch.no_grad():
+        return torch.log_softmax(model.eval()(torch.tensor([list(token_ids)])).logits[0], -1)
+
+
+def test_prompt_logprobs_of_a_completion_and_a_chat_equal_transformers(server):
+    client = server.client(max_retries=0)
+    out = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=1, temperature=0, extra_body={"prompt_logprobs": 2}
+    )
+    positions = out.choices[0].model_extra["prompt_logprobs"]
+    _, _, tokenized = call(server, "POST", "/tokenize", {"model": MODEL, "prompt": PROMPT})
+    ids = tokenized["tokens"]
+    assert len(positions) == len(ids) and positions[0] is None
+    reference = hf_log_softmax(tuple(ids))
+    for p, entry in enumerate(positions[1:], 1):
+        row = reference[p - 1]
+        top = row.topk(2).indices.tolist()
+        assert list(entry) == [str(t) for t in dict.fromkeys([ids[p], *top])]
+        mine = entry[str(ids[p])]
+        assert abs(mine["logprob"] - row[ids[p]].item()) < 1e-3
+        assert mine["rank"] == int((row > row[ids[p]]).sum()) + 1
+        assert [entry[str(t)]["rank"] for t in top if t != ids[p]] == [
+            r for r, t in enumerate(top, 1) if t != ids[p]
+        ]
+    chat = client.chat.completions.create(
+        model=MODEL, messages=CHAT, max_tokens=1, extra_body={"prompt_logprobs": 0}
+    )
+    positions = chat.model_extra["prompt_logprobs"]
+    assert len(positions) == chat.usage.prompt_tokens and positions[0] is None
+    assert all(len(p) == 1 and next(iter(p.values()))["decoded_token"] for p in positions[1:])
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ({"prompt_logprobs": 1, "stream": True}, "`prompt_logprobs` are not available when"),
+        ({"prompt_logprobs": -1}, r"prompt_logprobs=-1 \(the whole vocabulary"),
+        ({"prompt_logprobs": 21}, "prompt_logprobs=21 is more than max_logprobs=20"),
+    ],
+)
+def test_prompt_logprobs_beyond_what_is_served_are_refused_by_name(server, extra, message):
+    status, _, answer = call(
+        server, "POST", "/v1/completions", {"model": MODEL, "prompt": PROMPT, **extra}
+    )
+    assert status == 400 and answer["error"]["param"] == "prompt_logprobs", answer
+    assert re.search(message, answer["error"]["message"]), answer

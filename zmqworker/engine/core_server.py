@@ -271,9 +271,10 @@ class EngineCoreServer:
         if len(ids) and (ids.min() < 0 or (vocab is not None and ids.max() >= vocab)):
             raise ValueError(f"prompt token ids outside the vocabulary [0, {vocab})")
         max_logprobs = self.config.worker.model.max_logprobs
-        logprobs = msg.sampling_params.logprobs
-        if logprobs is not None and 0 <= max_logprobs < logprobs:
-            raise ValueError(f"logprobs={logprobs} is more than max_logprobs={max_logprobs}")
+        for field in ("logprobs", "prompt_logprobs"):
+            logprobs = getattr(msg.sampling_params, field)
+            if logprobs is not None and 0 <= max_logprobs < logprobs:
+                raise ValueError(f"{field}={logprobs} is more than max_logprobs={max_logprobs}")
         return ids.tolist()
 
     def _utility(self, client: Client, call: UtilityCall) -> None:

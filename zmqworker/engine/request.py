@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from messages import LogprobsLists, RemoteKV, SamplingParams
+from zmqworker.engine.prompt_logprobs import PromptLogprobRows
 
 
 @dataclass(frozen=True)
@@ -76,6 +77,11 @@ class Request:
                 f"request {req_id!r}: n={sampling_params.n}; the engine core runs one sample "
                 "per request (the client fans n out into requests that share the prompt)"
             )
+        if remote is not None and sampling_params.prompt_logprobs is not None:
+            raise ValueError(
+                f"request {req_id!r}: prompt_logprobs with a remote prefill, which computes "
+                "its prompt elsewhere"
+            )
         if remote_decode and remote is not None:
             raise ValueError(f"request {req_id!r}: remote_decode and remote prefill both set")
         if remote is not None and remote.kv.num_tokens != len(prompt_token_ids):
@@ -110,6 +116,10 @@ class Request:
         self.logprob_rows: list[tuple[np.ndarray, np.ndarray, int]] | None = (
             None if sampling_params.logprobs is None else []
         )
+        # Its prompt logprobs (when asked for), held until its first output.
+        self.prompt_logprobs: PromptLogprobRows | None = None
+        if sampling_params.prompt_logprobs is not None:
+            self.prompt_logprobs = PromptLogprobRows(req_id, sampling_params.prompt_logprobs)
         # all_token_ids[:num_sent] are the prompt and the outputs its client has.
         self.num_sent = self.num_prompt_tokens
         self.first_output_sent = False  # its first output reports its queue time

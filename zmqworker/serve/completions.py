@@ -14,6 +14,7 @@ from zmqworker.serve.errors import APIError
 from zmqworker.serve.generation import (
     finish_reason,
     now,
+    prompt_logprobs,
     run_prompts,
     sampling_params,
     sse,
@@ -50,6 +51,7 @@ async def create_completion(
             "logprobs": _logprobs(out.logprobs) if out.logprobs is not None else None,
             "finish_reason": finish_reason(out),
             "stop_reason": out.stop_reason,
+            "prompt_logprobs": prompt_logprobs(out),
         }
         for i, out in enumerate(finals)
     ]

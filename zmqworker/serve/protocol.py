@@ -62,8 +62,7 @@ class SamplingRequest(StructuredFields, forbid_unknown_fields=True, kw_only=True
     stream_options: StreamOptions | None = None
     user: str | None = None
     n: Annotated[int, Meta(ge=1, le=MAX_N)] | None = None  # choices per prompt
-    # Not supported unless neutral (unsupported.py).
-    prompt_logprobs: Annotated[int, Meta(ge=-1)] | None = None
+    prompt_logprobs: Annotated[int, Meta(ge=-1)] | None = None  # -1: refused by name
 
     def check(self) -> None:
         """Refuse what the types cannot: unsupported features, options that need another."""
@@ -71,6 +70,10 @@ class SamplingRequest(StructuredFields, forbid_unknown_fields=True, kw_only=True
         self.structured_params()
         if self.stream_options is not None and not self.stream:
             raise APIError("stream_options needs stream=true", param="stream_options")
+        if self.stream and self.prompt_logprobs is not None:  # vLLM's refusal
+            raise APIError(
+                "`prompt_logprobs` are not available when `stream=True`.", param="prompt_logprobs"
+            )
         self.token_bias()
 
     def token_bias(self) -> dict[int, float] | None:
