@@ -105,16 +105,21 @@ class CompletionRequest(SamplingRequest, kw_only=True):
     max_tokens: Annotated[int, Meta(ge=1)] | None = 16
     logprobs: Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)] | None = None
     echo: bool = False
-    best_of: Annotated[int, Meta(ge=1)] | None = None  # n only: no ranking of samples
+    best_of: Annotated[int, Meta(ge=1, le=MAX_N)] | None = None  # the n best of best_of
     # Not supported unless neutral (unsupported.py).
     suffix: str | None = None
 
     def check(self) -> None:
         super().check()
-        if self.best_of is not None and self.best_of != (self.n or 1):
+        n, best_of = self.n or 1, self.best_of
+        if best_of is not None and best_of < n:
             raise APIError(
-                f"best_of={self.best_of} with n={self.n or 1}: only best_of equal to n is "
-                "supported (no ranking of extra samples)",
+                f"best_of={best_of} with n={n}: best_of must be at least n", param="best_of"
+            )
+        if best_of is not None and best_of > n and self.stream:
+            raise APIError(
+                f"best_of={best_of} with n={n} cannot be streamed: the n best are known only "
+                "once every sample has ended",
                 param="best_of",
             )
         if self.echo and self.logprobs is not None:
