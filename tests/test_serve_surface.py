@@ -1,7 +1,8 @@
 """zmqworker serve's surface beyond generation, over a real server: /tokenize and
 /detokenize (vLLM's shapes), prompt_logprobs against transformers, the X-Request-Id
-header, and CORS (--allowed-origins and its companions; without them no CORS headers,
-checked in test_serve_bad_input.py)."""
+header, CORS (--allowed-origins and its companions; without them no CORS headers,
+checked in test_serve_bad_input.py), and Llama 3's JSON tool calls read by the
+llama3_json parser (its Hermes counterpart: test_serve_tools.py)."""
 
 from __future__ import annotations
 
@@ -26,7 +27,10 @@ CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 
 @pytest.fixture(scope="module")
 def server():
-    srv = Server("--allowed-origins", APP, "--allow-credentials")
+    srv = Server(
+        "--allowed-origins", APP, "--allow-credentials",
+        "--enable-auto-tool-choice", "--tool-call-parser", "llama3_json",
+    )  # fmt: skip
     yield srv
     srv.stop()
 
@@ -86,6 +90,14 @@ def test_tokenize_and_detokenize_a_prompt_and_a_conversation(server):
             400,
             "add_generation_prompt",
             "add_generation_prompt applies to messages",
+        ),
+        ("/tokenize", {"model": MODEL, "prompt": "Hi", "tools": []}, 400, "tools", "tools applies"),
+        (
+            "/tokenize",
+            {"model": MODEL, "messages": CHAT, "tools": [{"type": "x", "function": {"name": "f"}}]},
+            400,
+            "tools[0].type",
+            'tools[0].type must be "function"',
         ),
         (
             "/tokenize",
@@ -218,3 +230,40 @@ def test_prompt_logprobs_beyond_what_is_served_are_refused_by_name(server, extra
     )
     assert status == 400 and answer["error"]["param"] == "prompt_logprobs", answer
     assert re.search(message, answer["error"]["message"]), answer
+
+
+WEATHER = {
+    "type": "object",
+    "properties": {"city": {"type": "string"}, "unit": {"enum": ["celsius", "fahrenheit"]}},
+    "required": ["city", "unit"],
+}
+# The embedded model is too small to choose a call: a regex makes it write one, in Llama
+# 3's JSON format (a call is the whole reply), with a city it picks.
+LLAMA3_CALL = (
+    r'\{"name": "get_weather", "parameters": \{"city": "[A-Z][a-z]{2,5}", "unit": "celsius"\}\}'
+)
+
+
+def test_llama3_json_reads_an_auto_tool_call_whole_and_streamed(server):
+    client = server.client(max_retries=0)
+    args = {
+        "model": MODEL, "messages": CHAT, "max_tokens": 100, "temperature": 0,
+        "tools": [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}}],
+        "extra_body": {"structured_outputs": {"regex": LLAMA3_CALL}},
+    }  # fmt: skip
+    choice = client.chat.completions.create(**args).choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    [call] = choice.message.tool_calls
+    assert call.function.name == "get_weather" and call.id.startswith("chatcmpl-tool-")
+    arguments = json.loads(call.function.arguments)
+    assert arguments["unit"] == "celsius" and re.fullmatch("[A-Z][a-z]{2,5}", arguments["city"])
+    name, streamed, reason = None, "", None
+    for chunk in client.chat.completions.create(**args, stream=True):
+        delta = chunk.choices[0].delta
+        assert not delta.content
+        for entry in delta.tool_calls or []:
+            name = entry.function.name or name
+            streamed += entry.function.arguments or ""
+        reason = chunk.choices[0].finish_reason or reason
+    assert (name, reason) == ("get_weather", "tool_calls")
+    assert json.loads(streamed) == arguments  # greedy: the same call
