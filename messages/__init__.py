@@ -26,6 +26,7 @@ from messages.engine_core import (
     FirstOutput,
     KVTransferParams,
     RequestLogprobs,
+    RequestPromptLogprobs,
     UtilityCall,
     UtilityResult,
     UtilityValue,
@@ -72,6 +73,7 @@ from messages.step import (
     LogprobsLists,
     ModelRunnerOutput,
     NewRequestData,
+    PromptLogprobs,
     SchedulerOutput,
 )
 from messages.structured_outputs import StructuredOutputsParams
@@ -125,6 +127,7 @@ __all__ = [
     "Message",
     "ModelConfig",
     "ModelRunnerOutput",
+    "PromptLogprobs",
     "NewRequestData",
     "ParallelConfig",
     "PipelineSharedTensors",
@@ -135,6 +138,7 @@ __all__ = [
     "RemoteError",
     "RemoteKV",
     "RequestLogprobs",
+    "RequestPromptLogprobs",
     "RpcReply",
     "RpcRequest",
     "SamplingParams",

@@ -143,6 +143,15 @@ class RequestLogprobs(msgspec.Struct, tag=True, omit_defaults=True):
     rows: LogprobsLists
 
 
+class RequestPromptLogprobs(msgspec.Struct, tag=True, omit_defaults=True):
+    """The prompt logprobs of a request that asked for them (its position among the
+    step's request_ids), with its first output: a row per prompt position after the
+    first (prompt length - 1 rows), column 0 the prompt's token, then the top ones."""
+
+    index: NonNegative
+    rows: LogprobsLists
+
+
 class EngineCoreStats(msgspec.Struct, tag=True):
     """What an engine core holds now; counts since its start."""
 
@@ -171,8 +180,8 @@ class EngineCoreOutputs(msgspec.Struct, tag=True, omit_defaults=True):
     new_token_ids[token_offsets[i]:token_offsets[i + 1]]; without token_offsets, one
     token each, the decode step's common case). What only some requests have is sparse,
     by position in request_ids, in increasing order: how those that ended did, the first
-    outputs' prefix-cache hits and queue times, logprobs. stats: the engine core after the
-    step."""
+    outputs' prefix-cache hits and queue times, logprobs, prompt logprobs (with a first
+    output). stats: the engine core after the step."""
 
     engine_index: NonNegative
     request_ids: list[str]
@@ -182,6 +191,7 @@ class EngineCoreOutputs(msgspec.Struct, tag=True, omit_defaults=True):
     finished: list[FinishedOutput] = []
     first: list[FirstOutput] = []
     logprobs: list[RequestLogprobs] = []
+    prompt_logprobs: list[RequestPromptLogprobs] = []
 
     def __post_init__(self) -> None:
         """Untrusted columns: every length, offset and position must agree (a decoder
@@ -210,7 +220,7 @@ class EngineCoreOutputs(msgspec.Struct, tag=True, omit_defaults=True):
         if len(set(self.request_ids)) != n:
             twice = next(i for i in self.request_ids if self.request_ids.count(i) > 1)
             raise ValueError(f"request id {twice!r} is in request_ids twice")
-        for name in ("finished", "first", "logprobs"):
+        for name in ("finished", "first", "logprobs", "prompt_logprobs"):
             last = -1
             for entry in getattr(self, name):
                 if not last < entry.index < n:
@@ -223,6 +233,9 @@ class EngineCoreOutputs(msgspec.Struct, tag=True, omit_defaults=True):
             i = entry.index
             count = 1 if offsets is None else int(offsets[i + 1] - offsets[i])
             _check_rows(f"logprobs of {self.request_ids[i]!r}", entry.rows, count)
+        for prompt in self.prompt_logprobs:
+            name = f"prompt logprobs of {self.request_ids[prompt.index]!r}"
+            _check_rows(name, prompt.rows, len(prompt.rows.logprob_token_ids), at_least=0)
 
 
 def _check_ints(name: str, values: np.ndarray) -> None:
@@ -232,15 +245,15 @@ def _check_ints(name: str, values: np.ndarray) -> None:
         )
 
 
-def _check_rows(name: str, rows: LogprobsLists, count: int) -> None:
-    """count rows: ids and logprobs [count, k + 1] alike, a rank each."""
+def _check_rows(name: str, rows: LogprobsLists, count: int, at_least: int = 1) -> None:
+    """count (at least at_least) rows: ids and logprobs [count, k + 1] alike, a rank each."""
     ids, values, ranks = rows.logprob_token_ids, rows.logprobs, rows.sampled_token_ranks
     if ids.ndim != 2 or ids.shape != values.shape or ranks.shape != (len(ids),):
         raise ValueError(
             f"{name}: token ids {list(ids.shape)}, logprobs {list(values.shape)} and ranks "
             f"{list(ranks.shape)} do not make rows"
         )
-    if len(ids) != count or ids.shape[1] < 1:
+    if len(ids) != count or len(ids) < at_least or ids.shape[1] < 1:
         raise ValueError(f"{name}: {len(ids)} rows of {ids.shape[1]} for {count} new token(s)")
 
 

@@ -39,6 +39,7 @@ from messages.step import (
     LogprobsLists,
     ModelRunnerOutput,
     NewRequestData,
+    PromptLogprobs,
     SchedulerOutput,
 )
 
@@ -235,6 +236,35 @@ def model_runner_output_with_logprobs(seed: int = 5) -> ModelRunnerOutput:
     )
 
 
+def model_runner_output_with_prompt_logprobs(seed: int = 14) -> ModelRunnerOutput:
+    """Two requests asking for top-2 prompt logprobs: handle 4 computes prompt positions
+    0..7 of a longer prompt (rows for positions 1..8, no sample), handle 6 the last chunk
+    of a 20-token prompt, positions 16..19 (rows for 17..19) and samples."""
+    rng = Stream(seed)
+    num_rows, k = 11, 2
+    ids = np.zeros((num_rows, k + 1), np.int32)
+    values = np.zeros((num_rows, k + 1), np.float32)
+    ranks = rng.ints(num_rows, 1, 40).astype(np.int32)
+    for r, rank in enumerate(ranks.tolist()):
+        top_ids = rng.distinct(k + 1, VOCAB_SIZE)  # k for the top, one spare
+        top = -np.sort(rng.floats((k,), 0.1, 6.0))  # non-increasing
+        ids[r, 1:], values[r, 1:] = top_ids[:k], top
+        if rank <= k:  # the prompt token is one of the top k: its own column
+            ids[r, 0], values[r, 0] = top_ids[rank - 1], top[rank - 1]
+        else:
+            ids[r, 0], values[r, 0] = top_ids[k], top[-1] - 1.0
+    return ModelRunnerOutput(
+        req_handles=np.array([4, 6], np.int32),
+        sampled_token_ids=np.array([-1, int(rng.ints(1, 0, VOCAB_SIZE)[0])], np.int32),
+        prompt_logprobs=PromptLogprobs(
+            req_handles=np.array([4, 6], np.int32),
+            first_positions=np.array([1, 17], np.int32),
+            num_rows=np.array([8, 3], np.int32),
+            rows=LogprobsLists(ids, values, ranks),
+        ),
+    )
+
+
 def intermediate_tensors(num_tokens: int = 16, seed: int = 6) -> IntermediateTensors:
     """Hidden states and residual of num_tokens tokens in bfloat16: 18 KiB each at 16
     tokens, above the inline limit, so each travels as a frame of its own."""
@@ -332,6 +362,9 @@ EXAMPLES: dict[str, Callable[[], Message]] = {
     ),
     "reply_decode_256": lambda: execute_model_reply(model_runner_output()),
     "reply_logprobs": lambda: execute_model_reply(model_runner_output_with_logprobs()),
+    "reply_prompt_logprobs": lambda: execute_model_reply(
+        model_runner_output_with_prompt_logprobs()
+    ),
     "reply_error": error_reply,
     "ping": Ping,
     "pipeline_tensors_bf16": lambda: PipelineTensors(

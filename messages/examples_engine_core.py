@@ -23,6 +23,7 @@ from messages.engine_core import (
     FirstOutput,
     KVTransferParams,
     RequestLogprobs,
+    RequestPromptLogprobs,
     UtilityCall,
     UtilityResult,
     WorkerCall,
@@ -164,6 +165,24 @@ def logprobs_outputs(seed: int = 12) -> EngineCoreOutputs:
     )
 
 
+def prompt_logprobs_outputs(seed: int = 15) -> EngineCoreOutputs:
+    """A request's first token with the top-1 prompt logprobs of its 5-token prompt: a
+    row per position after the first, the prompt token first (of rank 1 in the last)."""
+    rng = Stream(seed)
+    ids = rng.ints((4, 2), 0, VOCAB_SIZE).astype(np.int32)
+    values = -np.sort(rng.floats((4, 2), 0.0, 8.0), axis=1)[:, ::-1].astype(np.float32)
+    ids[3, 0], values[3, 0] = ids[3, 1], values[3, 1]
+    ranks = np.array([5, 2, 17, 1], np.int32)
+    return EngineCoreOutputs(
+        engine_index=0,
+        request_ids=[req_id(30)],
+        new_token_ids=rng.ints(1, 0, VOCAB_SIZE).astype(np.int32),
+        stats=STATS,
+        first=[FirstOutput(0, 0, 0.001)],
+        prompt_logprobs=[RequestPromptLogprobs(0, LogprobsLists(ids, values, ranks))],
+    )
+
+
 def worker_death() -> EngineCoreFailure:
     return EngineCoreFailure(
         engine_index=1,
@@ -201,6 +220,7 @@ ENGINE_CORE_EXAMPLES: dict[str, Callable[[], EngineCoreMessage]] = {
     "engine_core_outputs_decode_256": decode_outputs,
     "engine_core_outputs_logprobs": logprobs_outputs,
     "engine_core_outputs_prefill": prefill_outputs,
+    "engine_core_outputs_prompt_logprobs": prompt_logprobs_outputs,
     "engine_core_failure_request": lambda: EngineCoreFailure(
         engine_index=0,
         request_ids=[req_id(6)],

@@ -98,6 +98,15 @@ class SamplingParams(msgspec.Struct, tag=True, frozen=True, omit_defaults=True):
             "n most likely ones at its position (n at most the run's max_logprobs)"
         ),
     ] = None
+    prompt_logprobs: Annotated[
+        Annotated[int, Meta(ge=-1)] | None,
+        Meta(
+            description="return, at every prompt position after the first, the log "
+            "probability of the prompt's token and of the n most likely ones there (n at "
+            "most the run's max_logprobs; vLLM's -1, the whole vocabulary, is refused); "
+            "such a request takes no prefix-cache hits"
+        ),
+    ] = None
 
     presence_penalty: Annotated[
         float,
@@ -179,6 +188,11 @@ class SamplingParams(msgspec.Struct, tag=True, frozen=True, omit_defaults=True):
             raise ValueError("temperature must be finite, got inf")
         if math.isinf(self.repetition_penalty):
             raise ValueError("repetition_penalty must be finite, got inf")
+        if self.prompt_logprobs == -1:
+            raise ValueError(
+                "prompt_logprobs=-1 (the whole vocabulary at every prompt position) is not "
+                "supported: it would hold prompt x vocabulary logprobs; ask for a top-n"
+            )
         if self.structured_outputs is not None and self.min_tokens:
             # The grammar's end allows only EOS, which min_tokens would hold back.
             raise ValueError("min_tokens cannot be combined with structured_outputs")

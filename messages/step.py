@@ -167,16 +167,31 @@ class LogprobsLists(msgspec.Struct, tag=True):
     sampled_token_ranks: np.ndarray  # int32 [n]
 
 
+class PromptLogprobs(msgspec.Struct, tag=True):
+    """The prompt logprobs a step computed, for the requests that asked for them: request
+    req_handles[i] has num_rows[i] rows, one after the other, for its prompt positions
+    first_positions[i] on (position p: prompt token p given those before it; position 0
+    has none). Each row as LogprobsLists': column 0 the prompt token, then the top k, k
+    the largest prompt_logprobs of the step's requests; the rank is the prompt token's."""
+
+    req_handles: np.ndarray  # int32 [m]
+    first_positions: np.ndarray  # int32 [m], each >= 1
+    num_rows: np.ndarray  # int32 [m]
+    rows: LogprobsLists  # [sum(num_rows), k + 1]
+
+
 class ModelRunnerOutput(msgspec.Struct, tag=True):
     """What the last pipeline stage returns for a step. sampled_token_ids[i] is the token
     sampled for req_handles[i], or -1 when that request is in the middle of a chunked
     prefill and sampled nothing. kv_connector_output: the KV transfers that ended since
-    the previous step's output (None: none, or no KV connector)."""
+    the previous step's output (None: none, or no KV connector). prompt_logprobs: those
+    of the prompt positions the step computed, for the requests that asked (None: none)."""
 
     req_handles: np.ndarray  # int32 [n]
     sampled_token_ids: np.ndarray  # int32 [n]
     logprobs: LogprobsLists | None = None
     kv_connector_output: KVConnectorOutput | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class IntermediateTensors(msgspec.Struct, tag=True):

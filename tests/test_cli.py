@@ -172,7 +172,7 @@ def test_json_lines_from_stdin_and_a_jsonl_file_with_its_own_settings(tmp_path):
     out = run_cli(
         "generate", "-", "--prompts-file", str(jsonl), "--json", "--max-tokens", "3",
         "--temperature", "0", "--logprobs", "1", "--max-model-len", "512",
-        stdin="The capital of France is\nOnce upon a time\n",
+        "--prompt-logprobs", "0", stdin="The capital of France is\nOnce upon a time\n",
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-2000:]
     records = [json.loads(line) for line in out.stdout.splitlines()]
@@ -187,6 +187,9 @@ def test_json_lines_from_stdin_and_a_jsonl_file_with_its_own_settings(tmp_path):
         assert record["finish_reason"] == "length"
         assert [p["token_id"] for p in record["logprobs"]] == record["token_ids"]
         assert all(p["logprob"] <= 0 for p in record["logprobs"])
+        prompt = record["prompt_logprobs"]  # null, then the prompt token alone at each
+        assert len(prompt) == record["num_prompt_tokens"] and prompt[0] is None
+        assert all(p["rank"] >= 1 and p["top"] == [] and p["logprob"] <= 0 for p in prompt[1:])
     assert "KV cache: 128 blocks" in out.stderr  # 4 prompts x 512 tokens, 16 a block
 
 

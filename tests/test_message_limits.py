@@ -55,7 +55,10 @@ def test_the_reply_bound_counts_the_logprobs_a_request_may_ask_for(
     tmp_path: Path, max_logprobs: int, per_request: int
 ) -> None:
     limits = message_limits(run_config(tmp_path, max_logprobs))
-    assert limits.reply_bytes == SEQS * (per_request + 1) * 4 + BODY_ROOM
+    # A row per request that samples, or per prompt token of the step (prompt logprobs).
+    assert limits.reply_bytes == max(SEQS, TOKENS) * (per_request + 1) * 4 + BODY_ROOM
+    # One request's prompt logprobs, a row per position, on their way to its client.
+    assert limits.prompt_logprobs_bytes == MAX_LEN * (per_request + 1) * 4 + BODY_ROOM
 
 
 def fits(msg, bound: int) -> bool:

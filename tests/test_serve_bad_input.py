@@ -198,7 +198,7 @@ COMPLETIONS, CHAT_COMPLETIONS = "/v1/completions", "/v1/chat/completions"
     ("path", "changes", "param", "message"),
     [
         (COMPLETIONS, {"n": 129}, "n", "n: must be <= 128"),
-        (COMPLETIONS, {"best_of": 3}, "best_of", "best_of=3 with n=1: only best_of equal to n"),
+        (COMPLETIONS, {"n": 3, "best_of": 2}, "best_of", "best_of=2 with n=3: best_of must be"),
         (COMPLETIONS, {"suffix": "!"}, "suffix", "suffix is not supported"),
         (COMPLETIONS, {"presence_penalty": 2.5}, "presence_penalty", "presence_penalty: must"),
         (COMPLETIONS, {"repetition_penalty": 0}, "repetition_penalty", "repetition_penalty: "),

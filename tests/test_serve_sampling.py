@@ -74,6 +74,24 @@ def test_n_completions_share_the_prompt_and_are_seeded_per_choice(server):
     assert len(best_of.choices) == 2
 
 
+def test_best_of_returns_the_n_samples_of_highest_cumulative_logprob(server):
+    client = server.client()
+    args = {"model": MODEL, "prompt": PROMPT_IDS, "max_tokens": 4, "temperature": 1.0, "seed": 3}
+    before = server.wait_idle()["prefill_tokens_total"]
+    best = client.completions.create(**args, n=2, extra_body={"best_of": 4})
+    assert server.wait_idle()["prefill_tokens_total"] - before == 40 + 3 * 8  # shared
+    assert [c.index for c in best.choices] == [0, 1] and best.choices[0].logprobs is None
+    assert best.usage.completion_tokens == sum(len(c.text) > 0 for c in best.choices) * 4
+    # The four samples best_of ranked: the n=4 choices of the same seed.
+    four = client.completions.create(**args, n=4, logprobs=0)
+    sums = [sum(c.logprobs.token_logprobs) for c in four.choices]
+    ranked = sorted(range(4), key=lambda i: -sums[i])
+    assert [c.text for c in best.choices] == [four.choices[i].text for i in ranked[:2]]
+    again = client.completions.create(**args, n=2, logprobs=1, extra_body={"best_of": 4})
+    assert [c.text for c in again.choices] == [c.text for c in best.choices]
+    assert [sum(c.logprobs.token_logprobs) for c in again.choices] == [sums[i] for i in ranked[:2]]
+
+
 def test_n_chat_choices_greedy_are_equal_and_stream_by_index(server):
     client = server.client()
     args = {"model": MODEL, "messages": CHAT, "max_tokens": 6, "temperature": 0}

@@ -1,17 +1,24 @@
 """zmqworker serve's surface beyond generation, over a real server: /tokenize and
-/detokenize (vLLM's shapes), the X-Request-Id header, and CORS (--allowed-origins and its
-companions; without them no CORS headers, checked in test_serve_bad_input.py)."""
+/detokenize (vLLM's shapes), prompt_logprobs against transformers, the X-Request-Id
+header, CORS (--allowed-origins and its companions; without them no CORS headers,
+checked in test_serve_bad_input.py), and Llama 3's JSON tool calls read by the
+llama3_json parser (its Hermes counterpart: test_serve_tools.py)."""
 
 from __future__ import annotations
 
+import functools
 import http.client
 import json
+import re
 
 import pytest
+import torch
+import transformers
 
 from tests.test_serve import MODEL, Server
 from zmqworker.cli import build_parser
 from zmqworker.cli import serve as serve_cli
+from zmqworker.models import embedded
 
 APP = "http://app.example"
 PROMPT = "The capital of France is"
@@ -20,7 +27,10 @@ CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 
 @pytest.fixture(scope="module")
 def server():
-    srv = Server("--allowed-origins", APP, "--allow-credentials")
+    srv = Server(
+        "--allowed-origins", APP, "--allow-credentials",
+        "--enable-auto-tool-choice", "--tool-call-parser", "llama3_json",
+    )  # fmt: skip
     yield srv
     srv.stop()
 
@@ -80,6 +90,14 @@ def test_tokenize_and_detokenize_a_prompt_and_a_conversation(server):
             400,
             "add_generation_prompt",
             "add_generation_prompt applies to messages",
+        ),
+        ("/tokenize", {"model": MODEL, "prompt": "Hi", "tools": []}, 400, "tools", "tools applies"),
+        (
+            "/tokenize",
+            {"model": MODEL, "messages": CHAT, "tools": [{"type": "x", "function": {"name": "f"}}]},
+            400,
+            "tools[0].type",
+            'tools[0].type must be "function"',
         ),
         (
             "/tokenize",
@@ -160,3 +178,92 @@ def test_cors_options_are_checked_before_anything_starts(argv, message):
     parser, _ = build_parser()
     with pytest.raises(ValueError, match=message):
         serve_cli.run(parser.parse_args(["serve", *argv]))
+
+
+@functools.cache
+def hf_log_softmax(token_ids: tuple[int, ...]) -> torch.Tensor:
+    """transformers' log_softmax of the embedded model: row j predicts token j + 1."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(embedded.default_model_path())
+    with torch.no_grad():
+        return torch.log_softmax(model.eval()(torch.tensor([list(token_ids)])).logits[0], -1)
+
+
+def test_prompt_logprobs_of_a_completion_and_a_chat_equal_transformers(server):
+    client = server.client(max_retries=0)
+    out = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=1, temperature=0, extra_body={"prompt_logprobs": 2}
+    )
+    positions = out.choices[0].model_extra["prompt_logprobs"]
+    _, _, tokenized = call(server, "POST", "/tokenize", {"model": MODEL, "prompt": PROMPT})
+    ids = tokenized["tokens"]
+    assert len(positions) == len(ids) and positions[0] is None
+    reference = hf_log_softmax(tuple(ids))
+    for p, entry in enumerate(positions[1:], 1):
+        row = reference[p - 1]
+        top = row.topk(2).indices.tolist()
+        assert list(entry) == [str(t) for t in dict.fromkeys([ids[p], *top])]
+        mine = entry[str(ids[p])]
+        assert abs(mine["logprob"] - row[ids[p]].item()) < 1e-3
+        assert mine["rank"] == int((row > row[ids[p]]).sum()) + 1
+        assert [entry[str(t)]["rank"] for t in top if t != ids[p]] == [
+            r for r, t in enumerate(top, 1) if t != ids[p]
+        ]
+    chat = client.chat.completions.create(
+        model=MODEL, messages=CHAT, max_tokens=1, extra_body={"prompt_logprobs": 0}
+    )
+    positions = chat.model_extra["prompt_logprobs"]
+    assert len(positions) == chat.usage.prompt_tokens and positions[0] is None
+    assert all(len(p) == 1 and next(iter(p.values()))["decoded_token"] for p in positions[1:])
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ({"prompt_logprobs": 1, "stream": True}, "`prompt_logprobs` are not available when"),
+        ({"prompt_logprobs": -1}, r"prompt_logprobs=-1 \(the whole vocabulary"),
+        ({"prompt_logprobs": 21}, "prompt_logprobs=21 is more than max_logprobs=20"),
+    ],
+)
+def test_prompt_logprobs_beyond_what_is_served_are_refused_by_name(server, extra, message):
+    status, _, answer = call(
+        server, "POST", "/v1/completions", {"model": MODEL, "prompt": PROMPT, **extra}
+    )
+    assert status == 400 and answer["error"]["param"] == "prompt_logprobs", answer
+    assert re.search(message, answer["error"]["message"]), answer
+
+
+WEATHER = {
+    "type": "object",
+    "properties": {"city": {"type": "string"}, "unit": {"enum": ["celsius", "fahrenheit"]}},
+    "required": ["city", "unit"],
+}
+# The embedded model is too small to choose a call: a regex makes it write one, in Llama
+# 3's JSON format (a call is the whole reply), with a city it picks.
+LLAMA3_CALL = (
+    r'\{"name": "get_weather", "parameters": \{"city": "[A-Z][a-z]{2,5}", "unit": "celsius"\}\}'
+)
+
+
+def test_llama3_json_reads_an_auto_tool_call_whole_and_streamed(server):
+    client = server.client(max_retries=0)
+    args = {
+        "model": MODEL, "messages": CHAT, "max_tokens": 100, "temperature": 0,
+        "tools": [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}}],
+        "extra_body": {"structured_outputs": {"regex": LLAMA3_CALL}},
+    }  # fmt: skip
+    choice = client.chat.completions.create(**args).choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    [call] = choice.message.tool_calls
+    assert call.function.name == "get_weather" and call.id.startswith("chatcmpl-tool-")
+    arguments = json.loads(call.function.arguments)
+    assert arguments["unit"] == "celsius" and re.fullmatch("[A-Z][a-z]{2,5}", arguments["city"])
+    name, streamed, reason = None, "", None
+    for chunk in client.chat.completions.create(**args, stream=True):
+        delta = chunk.choices[0].delta
+        assert not delta.content
+        for entry in delta.tool_calls or []:
+            name = entry.function.name or name
+            streamed += entry.function.arguments or ""
+        reason = chunk.choices[0].finish_reason or reason
+    assert (name, reason) == ("get_weather", "tool_calls")
+    assert json.loads(streamed) == arguments  # greedy: the same call

@@ -3,7 +3,8 @@ hermes`, with the official openai client: tool_choice "required" and a named fun
 (forced by structured outputs: every call parses and validates), "auto" (the embedded
 model is too small to choose a call, so a regex forces it to write one: the parser reads
 it), "none", each whole and streamed; conversations with tool calls and results through
-the chat template; bad tools and tool_choice refused with a 400 naming the field."""
+the chat template, and /tokenize's rendering of them; bad tools and tool_choice refused
+with a 400 naming the field."""
 
 from __future__ import annotations
 
@@ -12,13 +13,16 @@ import json
 import shutil
 import subprocess
 import sys
+import urllib.request
 
 import jsonschema
 import openai
 import pytest
+import transformers
 
-from tests.hermes_template import hermes_model
+from tests.hermes_template import TEMPLATE, hermes_model
 from tests.test_serve import MODEL, Server
+from zmqworker.models.embedded import default_model_path
 
 WEATHER = {
     "type": "object",
@@ -189,6 +193,20 @@ def test_tools_calls_and_results_go_through_the_template(replies):
     assert with_tools.prompt_tokens > bare.prompt_tokens + 50  # the tools' text
     after = replies["conversation"].usage
     assert after.prompt_tokens > with_tools.prompt_tokens + 20  # the call and its result
+
+
+def test_tokenize_renders_the_tools_as_the_chat_template_does(server):
+    body = {"model": MODEL, "messages": CHAT, "tools": TOOLS}
+    request = urllib.request.Request(
+        f"{server.base}/tokenize", json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(request, timeout=120) as response:
+        tokens = json.loads(response.read())["tokens"]
+    tokenizer = transformers.AutoTokenizer.from_pretrained(default_model_path(progress=False))
+    text = tokenizer.apply_chat_template(
+        CHAT, tools=TOOLS, chat_template=TEMPLATE, add_generation_prompt=True, tokenize=False
+    )
+    assert "get_time" in text and tokens == tokenizer.encode(text, add_special_tokens=False)
 
 
 @pytest.mark.parametrize(

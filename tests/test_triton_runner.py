@@ -10,6 +10,7 @@ from collections.abc import Callable
 
 import numpy as np
 import pytest
+import torch
 
 pytest.importorskip("triton")
 
@@ -25,6 +26,7 @@ from tests.runner_helpers import (  # noqa: E402
     MiniScheduler,
     Pipeline,
     hf_greedy,
+    hf_model,
     make_runner,
 )
 from tests.tiny import cached_tiny_checkpoint  # noqa: E402
@@ -333,3 +335,26 @@ def test_max_model_len_below_the_block_size(monkeypatch, kernels: str) -> None:
     for name, prompt in prompts.items():
         assert result[name] == hf_greedy(path, tuple(prompt), max_tokens[name]), name
     assert max(positions) <= 2
+
+
+def test_prompt_logprobs_on_the_triton_path_equal_transformers() -> None:
+    """A step that keeps prompt positions runs eagerly (no graph keeps hidden states)
+    and gives transformers' log_softmax at each of them."""
+    path = small_checkpoint("llama")
+    runner = make_runner(path, max_seqs=4, max_tokens=STEP_TOKENS, kernels="triton",
+                         graph_capture=Recorded, graph_sizes=(2, 4))  # fmt: skip
+    prompt = list(range(20, 32))
+    params = SamplingParams(temperature=0.0, prompt_logprobs=2)
+    blocks = np.arange(3, dtype=np.int32)
+    new = [NewRequestData("p", 0, np.array(prompt, np.int32), params, blocks, 12)]
+    before = Recorded.replays
+    out = Pipeline([runner]).step(SchedulerOutput(new, CachedRequestData.empty(), 12))
+    assert Recorded.replays == before
+    got = out.prompt_logprobs
+    assert got is not None and got.first_positions.tolist() == [1] and got.num_rows.tolist() == [11]
+    with torch.no_grad():
+        expected = torch.log_softmax(hf_model(path)(torch.tensor([prompt])).logits[0, :-1], -1)
+    targets = torch.tensor(prompt[1:])
+    np.testing.assert_allclose(got.rows.logprobs[:, 0], expected[range(11), targets], atol=1e-4)
+    np.testing.assert_allclose(got.rows.logprobs[:, 1:], expected.topk(2).values, atol=1e-4)
+    assert got.rows.logprob_token_ids[:, 0].tolist() == prompt[1:]

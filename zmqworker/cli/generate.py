@@ -11,12 +11,15 @@ import asyncio
 import json
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from zmqworker.cli.options import add_options, given, llm_options, sampling_options
 from zmqworker.cli.preflight import Job, check_run, engine_prompts
 from zmqworker.cli.prompts import read_prompts
 from zmqworker.cli.structured import add_structured_options, structured_option
+
+if TYPE_CHECKING:
+    from zmqworker.frontend.outputs import PositionLogprobs
 
 LLM_OPTIONS = llm_options()
 SAMPLING_OPTIONS = sampling_options()
@@ -152,16 +155,18 @@ def _record(index: int, job: Job, out: Any) -> dict[str, Any]:
     if item.messages is not None:
         record["messages"] = item.messages
     if out.logprobs is not None:
-        record["logprobs"] = [
-            {
-                "token_id": p.sampled.token_id,
-                "token": p.sampled.text,
-                "logprob": p.sampled.logprob,
-                "rank": p.rank,
-                "top": [
-                    {"token_id": t.token_id, "token": t.text, "logprob": t.logprob} for t in p.top
-                ],
-            }
-            for p in out.logprobs
-        ]
+        record["logprobs"] = [_position(p) for p in out.logprobs]
+    if out.prompt_logprobs is not None:  # null for the first prompt position
+        record["prompt_logprobs"] = [p and _position(p) for p in out.prompt_logprobs]
     return record
+
+
+def _position(p: PositionLogprobs) -> dict[str, Any]:
+    """A position's token (sampled, or the prompt's), its logprob and rank, and the top."""
+    return {
+        "token_id": p.sampled.token_id,
+        "token": p.sampled.text,
+        "logprob": p.sampled.logprob,
+        "rank": p.rank,
+        "top": [{"token_id": t.token_id, "token": t.text, "logprob": t.logprob} for t in p.top],
+    }

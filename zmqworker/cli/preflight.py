@@ -148,11 +148,13 @@ class _Limits:
     vocab: int | None
 
     def check(self, params: SamplingParams, names: dict[str, str]) -> None:
-        if params.logprobs is not None and 0 <= self.max_logprobs < params.logprobs:
-            raise ValueError(
-                f"{_name('logprobs', names)} {params.logprobs} is more than max_logprobs="
-                f"{self.max_logprobs} (--max-logprobs sets it; -1: no limit)"
-            )
+        for field in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, field)
+            if value is not None and 0 <= self.max_logprobs < value:
+                raise ValueError(
+                    f"{_name(field, names)} {value} is more than max_logprobs="
+                    f"{self.max_logprobs} (--max-logprobs sets it; -1: no limit)"
+                )
         if self.vocab is None:
             return
         fields = {

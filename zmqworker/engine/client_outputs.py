@@ -1,8 +1,8 @@
 """A step's outputs for one client, as the columns of EngineCoreOutputs: each request
 that got tokens or ended once, its new tokens (all_token_ids from num_sent on) in one
 int32 array, one token each in a decode step's common case (no offsets); how a request
-ended, its first output's queue time and its logprobs only for the requests they
-concern."""
+ended, its first output's queue time and prompt logprobs, and its logprobs only for the
+requests they concern."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from messages import (
     FinishedOutput,
     FirstOutput,
     RequestLogprobs,
+    RequestPromptLogprobs,
 )
 from zmqworker.engine.request import FinishReason, Request, RequestStatus
 
@@ -31,6 +32,7 @@ def client_outputs(
     finished: list[FinishedOutput] = []
     first: list[FirstOutput] = []
     logprobs: list[RequestLogprobs] = []
+    prompt_logprobs: list[RequestPromptLogprobs] = []
     one_each = True
     finished_status = RequestStatus.FINISHED
     for i, request in enumerate(requests):
@@ -47,6 +49,8 @@ def client_outputs(
         if not request.first_output_sent:
             request.first_output_sent = True
             first.append(FirstOutput(i, request.num_cached_tokens, request.queue_time_s or 0.0))
+            if request.prompt_logprobs is not None:
+                prompt_logprobs.append(RequestPromptLogprobs(i, request.prompt_logprobs.take()))
         if request.status is finished_status:
             reason = request.finish_reason
             assert reason is not None and reason is not FinishReason.ABORT, reason
@@ -72,4 +76,5 @@ def client_outputs(
         finished=finished,
         first=first,
         logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
     )

@@ -27,5 +27,5 @@ def engine_core_limits(config: WorkerConfig) -> EngineCoreLimits:
     outputs = logprobs + config.scheduler.max_num_seqs * OUTPUT_ROOM
     return EngineCoreLimits(
         input_bytes=max(run.request_bytes, UTILITY_ROOM),
-        output_bytes=max(outputs + BODY_ROOM, UTILITY_ROOM),
+        output_bytes=max(outputs + BODY_ROOM, run.prompt_logprobs_bytes, UTILITY_ROOM),
     )

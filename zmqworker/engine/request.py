@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from messages import LogprobsLists, RemoteKV, SamplingParams
+from zmqworker.engine.prompt_logprobs import PromptLogprobRows
 
 
 @dataclass(frozen=True)
@@ -62,9 +63,9 @@ class Request:
         "all_token_ids", "arrival_time", "eos_token_ids", "eos_token_list", "error",
         "finish_reason", "first_output_sent", "grammar", "handle", "kv_transfer_out",
         "logprob_rows", "num_cached_tokens", "num_loaded_tokens", "num_preemptions",
-        "num_prompt_tokens", "num_sent", "prompt_token_ids", "queue_time_s", "queued_at",
-        "remote", "remote_decode", "req_id", "sampling_params", "shares_prompt_with",
-        "status", "stop_reason", "stop_token_ids",
+        "num_prompt_tokens", "num_sent", "prompt_logprobs", "prompt_token_ids",
+        "queue_time_s", "queued_at", "remote", "remote_decode", "req_id", "sampling_params",
+        "shares_prompt_with", "status", "stop_reason", "stop_token_ids",
     )  # fmt: skip
 
     def __init__(
@@ -85,6 +86,11 @@ class Request:
             raise ValueError(
                 f"request {req_id!r}: n={sampling_params.n}; the engine core runs one sample "
                 "per request (the client fans n out into requests that share the prompt)"
+            )
+        if remote is not None and sampling_params.prompt_logprobs is not None:
+            raise ValueError(
+                f"request {req_id!r}: prompt_logprobs with a remote prefill, which computes "
+                "its prompt elsewhere"
             )
         if remote_decode and remote is not None:
             raise ValueError(f"request {req_id!r}: remote_decode and remote prefill both set")
@@ -120,6 +126,10 @@ class Request:
         self.logprob_rows: list[tuple[np.ndarray, np.ndarray, int]] | None = (
             None if sampling_params.logprobs is None else []
         )
+        # Its prompt logprobs (when asked for), held until its first output.
+        self.prompt_logprobs: PromptLogprobRows | None = None
+        if sampling_params.prompt_logprobs is not None:
+            self.prompt_logprobs = PromptLogprobRows(req_id, sampling_params.prompt_logprobs)
         # all_token_ids[:num_sent] are the prompt and the outputs its client has.
         self.num_sent = self.num_prompt_tokens
         self.first_output_sent = False  # its first output reports its queue time

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from messages import ModelRunnerOutput
+from messages import ModelRunnerOutput, PromptLogprobs
 from zmqworker.engine.in_flight import SentStep, StepsInFlight
 from zmqworker.engine.request import FinishReason, Request
 from zmqworker.engine.running import RunningTable
@@ -26,6 +26,8 @@ def apply_tokens(
     finished, and of those it finished to go on elsewhere (remote_decode, not ended by
     their own rules: their KV is to be held for the decode instance). Requests no longer
     running (finished or aborted while the step ran) drop their tokens."""
+    if output.prompt_logprobs is not None:  # before a request's first token may end it
+        take_prompt_logprobs(table, output.prompt_logprobs)
     handles, tokens = output.req_handles, output.sampled_token_ids
     handle_list, step_list = handles.tolist(), step.handles.tolist()
     if len(handle_list) != len(tokens) or (
@@ -66,6 +68,30 @@ def apply_tokens(
             request.finish(FinishReason.LENGTH)
             held.append(position)
     return changed, finished, held
+
+
+def take_prompt_logprobs(table: RunningTable, prompt: PromptLogprobs) -> None:
+    """Each running request's rows of a step's prompt logprobs (a request no longer
+    running drops its)."""
+    counts = prompt.num_rows.tolist()
+    if sum(counts) != len(prompt.rows.logprob_token_ids) or not (
+        len(counts) == len(prompt.req_handles) == len(prompt.first_positions)
+    ):
+        raise RuntimeError(
+            f"PromptLogprobs: {len(prompt.req_handles)} handles, {len(counts)} row counts "
+            f"adding up to {sum(counts)}, {len(prompt.rows.logprob_token_ids)} rows"
+        )
+    positions = table.position_of_handle[prompt.req_handles].tolist()
+    start = 0
+    for position, first, count in zip(
+        positions, prompt.first_positions.tolist(), counts, strict=True
+    ):
+        if position >= 0:
+            request = table.requests[position]
+            if request.prompt_logprobs is None:
+                raise RuntimeError(f"prompt logprobs for {request.req_id!r}, which asked none")
+            request.prompt_logprobs.add(first, prompt.rows, start, count)
+        start += count
 
 
 def _check(

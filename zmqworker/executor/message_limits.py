@@ -28,6 +28,7 @@ class MessageLimits:
     reply_bytes: int  # what the engine's ROUTER takes in: replies, Hellos
     request_bytes: int  # what a worker's DEALER takes in: requests, the Welcome
     pipeline_bytes: int  # what a pipeline stage's PULL takes in: one stage's tensors
+    prompt_logprobs_bytes: int = 0  # one request's prompt logprobs, one array of them
 
     def to_env(self) -> str:
         return f"{self.request_bytes},{self.pipeline_bytes}"
@@ -53,11 +54,15 @@ def message_limits(config: WorkerConfig) -> MessageLimits:
     # Up to max_logprobs top-n logprobs and the sampled one (the worker's own bound).
     max_logprobs = config.model.max_logprobs
     per_seq = vocab if max_logprobs < 0 else min(max_logprobs, vocab)
-    reply = seqs * (per_seq + 1) * 4
+    # A row per request that samples, or per prompt token (prompt logprobs).
+    reply = max(seqs, tokens) * (per_seq + 1) * 4
     # A prompt, a request's block table, every request's new blocks, a grammar bitmask.
     request = max(max_len + 1, seqs * blocks, tokens, seqs * cdiv(vocab, 32)) * 4
     pipeline = tokens * hidden * 4  # hidden states or residual, float32 at most
-    return MessageLimits(reply + BODY_ROOM, request + BODY_ROOM, pipeline + BODY_ROOM)
+    prompt = max_len * (per_seq + 1) * 4
+    return MessageLimits(
+        reply + BODY_ROOM, request + BODY_ROOM, pipeline + BODY_ROOM, prompt + BODY_ROOM
+    )
 
 
 def _model_shape(path: str) -> tuple[int, int, int]:

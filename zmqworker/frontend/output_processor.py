@@ -51,6 +51,7 @@ class OutputProcessor:
         finished = {f.index: f for f in batch.finished}
         first = {f.index: f for f in batch.first}
         logprobs = {r.index: r.rows for r in batch.logprobs}
+        prompt_logprobs = {r.index: r.rows for r in batch.prompt_logprobs}  # with first
         special = finished.keys() | first.keys() | logprobs.keys()
         tokens = batch.new_token_ids.tolist()
         offsets = batch.token_offsets
@@ -76,6 +77,8 @@ class OutputProcessor:
                         state.since_last = now - state.last_token_time  # type: ignore[operator]
                         state.last_token_time = now
                     continue
+            if i in prompt_logprobs:
+                state.take_prompt_logprobs(prompt_logprobs[i])
             if state.apply(new, now, finished.get(i), first.get(i), logprobs.get(i)):
                 processed.stopped.append(request_id)
             if state.finished:

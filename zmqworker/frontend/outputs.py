@@ -51,8 +51,11 @@ class RequestOutput:
     and new_token_ids what this output adds to the previous one of the same request
     (streaming). finish_reason is "stop", "length" or "abort" once finished. logprobs
     (when SamplingParams.logprobs asked for them) has one entry per token of token_ids:
-    the last len(new_token_ids) are the new ones. index: which of its prompt's n samples
-    (SamplingParams.n) it is."""
+    the last len(new_token_ids) are the new ones. prompt_logprobs (when
+    SamplingParams.prompt_logprobs asked for them, from the first output on): one entry
+    per prompt token, None for the first, then the prompt's token as `sampled` with its
+    rank, and the top ones. index: which of its prompt's n samples (SamplingParams.n) it
+    is."""
 
     request_id: str
     prompt: str | None
@@ -67,6 +70,7 @@ class RequestOutput:
     new_token_ids: list[int] = field(default_factory=list)
     logprobs: list[PositionLogprobs] | None = None
     index: int = 0
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
 
 
 class EngineStats(msgspec.Struct, frozen=True):

@@ -31,8 +31,10 @@ def request_params(
     the workers check)."""
     if not isinstance(params, SamplingParams):
         raise ValueError(f"expected SamplingParams, got {type(params).__name__}")
-    if params.logprobs is not None and 0 <= max_logprobs < params.logprobs:
-        raise ValueError(f"logprobs={params.logprobs} is more than max_logprobs={max_logprobs}")
+    for field in ("logprobs", "prompt_logprobs"):
+        value = getattr(params, field)
+        if value is not None and 0 <= max_logprobs < value:
+            raise ValueError(f"{field}={value} is more than max_logprobs={max_logprobs}")
     if params.structured_outputs is not None:
         if tokenizer is None:
             raise ValueError("structured_outputs need the model's tokenizer, which it lacks")

@@ -54,6 +54,7 @@ class RequestState:
         self.output_token_ids: list[int] = []
         self.output_text = ""
         self.logprobs: list[PositionLogprobs] | None = None if params.logprobs is None else []
+        self.prompt_logprobs: list[PositionLogprobs | None] | None = None  # with its first
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
@@ -186,6 +187,7 @@ class RequestState:
             new_token_ids=new_tokens,
             logprobs=None if self.logprobs is None else list(self.logprobs),
             index=self.index,
+            prompt_logprobs=self.prompt_logprobs,
         )
 
     def timings(self) -> RequestTimings:
@@ -202,6 +204,18 @@ class RequestState:
             queue=self.queue_time,
             since_last=self.since_last,
         )
+
+    def take_prompt_logprobs(self, rows: LogprobsLists) -> None:
+        """Its prompt logprobs, a row per prompt position after the first (they come
+        with its first output)."""
+        count = len(rows.logprob_token_ids)
+        if self.params.prompt_logprobs is None or count != len(self.prompt_token_ids) - 1:
+            raise RuntimeError(
+                f"request {self.request_id!r} of {len(self.prompt_token_ids)} prompt tokens "
+                f"(prompt_logprobs={self.params.prompt_logprobs}): the engine core sent "
+                f"{count} prompt logprobs rows"
+            )
+        self.prompt_logprobs = [None, *(self._position(rows, i) for i in range(count))]
 
     def _position(self, rows: LogprobsLists | None, i: int) -> PositionLogprobs:
         """Row i of the step's logprobs of this request: the sampled token, then the top

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from messages import KVConnectorOutput, LogprobsLists, ModelRunnerOutput
+from messages import KVConnectorOutput, LogprobsLists, ModelRunnerOutput, PromptLogprobs
 
 if TYPE_CHECKING:
     import torch
@@ -35,12 +35,14 @@ class AsyncModelRunnerOutput:
         sampled_token_ids: torch.Tensor,
         logprobs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
         event: torch.cuda.Event | None = None,
+        prompt_logprobs: PromptLogprobs | None = None,
     ) -> None:
         self._req_handles = req_handles
         self._sampled_index = sampled_index
         self._sampled = sampled_token_ids
         self._logprobs = logprobs
         self._event = event
+        self._prompt_logprobs = prompt_logprobs  # on the host already
         self._output: ModelRunnerOutput | None = None
         # The worker's, set after the step: the KV transfers that ended (kv_transfer/).
         self.kv_connector_output: KVConnectorOutput | None = None
@@ -72,6 +74,7 @@ class AsyncModelRunnerOutput:
             sampled_token_ids=tokens,
             logprobs=logprobs,
             kv_connector_output=self.kv_connector_output,
+            prompt_logprobs=self._prompt_logprobs,
         )
 
     def _place(self, values: np.ndarray, fill: float) -> np.ndarray:

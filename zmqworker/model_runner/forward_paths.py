@@ -36,10 +36,12 @@ PreviousStage = Callable[[], HiddenStates | None]
 class Forward:
     """A step's forward: out (logits of the requests that sample, or the hidden states
     on a stage before the last) and, when a graph took their argmax, their greedy ids,
-    int32 [len(out)] on the device (else None)."""
+    int32 [len(out)] on the device (else None). kept: the final hidden states of the
+    tokens the run was asked to keep (prompt logprobs), in that order."""
 
     out: Output
     greedy_ids: torch.Tensor | None = None
+    kept: torch.Tensor | None = None
 
 
 def token_index(step: ScheduledRequests, sample_index: np.ndarray) -> np.ndarray | None:
@@ -48,6 +50,14 @@ def token_index(step: ScheduledRequests, sample_index: np.ndarray) -> np.ndarray
     if len(sample_index) == step.num_tokens:
         return None
     return np.cumsum(step.num_scheduled)[sample_index] - 1
+
+
+def kept_rows(out: Output, keep: np.ndarray | None) -> torch.Tensor | None:
+    """The final hidden states of the step's tokens keep (None: none asked, or a stage
+    before the last)."""
+    if keep is None or isinstance(out, dict):
+        return None
+    return out.index_select(0, torch.from_numpy(keep).to(out.device))
 
 
 def logits_of(model: CausalLM, out: Output, index: torch.Tensor | None) -> Output:
@@ -99,9 +109,10 @@ class TorchPath:
         caches: list[torch.Tensor],
         feed: TokenFeed | None = None,
         use_graphs: bool = True,
+        keep: np.ndarray | None = None,
     ) -> Forward:
         """previous_stage is called once the inputs are ready; feed and use_graphs are
-        the Triton path's."""
+        the Triton path's; keep: step tokens whose final hidden states to return too."""
         inputs = self._inputs.build(
             token_ids, block_table, step.rows, step.num_computed, step.num_scheduled,
             step.num_tokens,
@@ -112,4 +123,4 @@ class TorchPath:
         with torch.inference_mode():
             meta = inputs.attn_metadata
             out = self.model(inputs.input_ids, inputs.positions, caches, meta, hidden_in)
-            return Forward(logits_of(self.model, out, index))
+            return Forward(logits_of(self.model, out, index), kept=kept_rows(out, keep))

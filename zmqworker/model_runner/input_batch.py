@@ -80,6 +80,7 @@ class InputBatch:
         self.top_p = np.ones(max_num_seqs, np.float32)
         self.min_p = np.zeros(max_num_seqs, np.float32)
         self.num_logprobs = np.full(max_num_seqs, -1, np.int32)
+        self.num_prompt_logprobs = np.full(max_num_seqs, -1, np.int32)  # -1: none asked
         self.generators: dict[int, torch.Generator] = {}  # row -> the seeded request's own
         self.penalties = PenaltyRows(max_num_seqs, vocab_size, device) if samples else None
 
@@ -275,6 +276,8 @@ class InputBatch:
         self.top_p[row] = params.top_p
         self.min_p[row] = params.min_p
         self.num_logprobs[row] = -1 if params.logprobs is None else params.logprobs
+        prompt_logprobs = params.prompt_logprobs
+        self.num_prompt_logprobs[row] = -1 if prompt_logprobs is None else prompt_logprobs
         if generator is not None:
             self.generators[row] = generator
         if self.penalties is not None:

@@ -21,6 +21,7 @@ from messages import (
     IntermediateTensors,
     KVCacheConfig,
     KVCacheSpec,
+    PromptLogprobs,
     SchedulerOutput,
     WorkerConfig,
 )
@@ -37,6 +38,7 @@ from zmqworker.model_runner.input_batch import InputBatch
 from zmqworker.model_runner.kv_cache_config import check_kv_cache_config
 from zmqworker.model_runner.penalties import count_outputs
 from zmqworker.model_runner.pipeline_inputs import intermediate_inputs
+from zmqworker.model_runner.prompt_logprobs import plan_prompt_logprobs, prompt_logprobs
 from zmqworker.model_runner.sampled_tokens import (
     Samples,
     record_samples,
@@ -59,6 +61,7 @@ class _StepLogits:
     sample_index: np.ndarray  # positions in step of the requests that sample
     logits: torch.Tensor  # float32 [len(sample_index), vocab]
     greedy_ids: torch.Tensor | None = None  # their argmax, when a graph took it
+    prompt: PromptLogprobs | None = None  # of the prompt positions it computed
 
 
 def uses_triton(kernels: str, device: torch.device) -> bool:
@@ -245,6 +248,7 @@ class ModelRunner:
         sample_index = self._sample_index(step)
         batch = self.batch
         feed = token_feed(batch, self._samples) if self.fused else None
+        plan = plan_prompt_logprobs(batch, step) if self.state.is_last_stage else None
         forward = self.path.run(
             batch.token_ids,
             batch.block_table,
@@ -253,6 +257,7 @@ class ModelRunner:
             previous_stage,
             self.kv_caches,
             feed,
+            keep=None if plan is None else plan.token_index,
         )
         out = forward.out
         if not self.state.is_last_stage:
@@ -260,6 +265,9 @@ class ModelRunner:
             return IntermediateTensors(out)
         assert isinstance(out, torch.Tensor)
         step_logits = _StepLogits(step, sample_index, out, forward.greedy_ids)
+        if plan is not None:
+            assert forward.kept is not None
+            step_logits.prompt = prompt_logprobs(self.model, forward.kept, plan)
         if not sample:
             self._step_logits = step_logits
             return None
@@ -349,7 +357,9 @@ class ModelRunner:
             self._samples = record_samples(batch, rows, host_ids, event)
             write_samples(batch, self._samples, wait=False)
         sampled_index = None if len(index) == len(step) else index
-        return AsyncModelRunnerOutput(step.handles, sampled_index, host_ids, host_logprobs, event)
+        return AsyncModelRunnerOutput(
+            step.handles, sampled_index, host_ids, host_logprobs, event, step_logits.prompt
+        )
 
     def _finish_empty_step(
         self, step: ScheduledRequests, sample: bool

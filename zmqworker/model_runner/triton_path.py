@@ -31,6 +31,7 @@ from zmqworker.model_runner.forward_paths import (
     Forward,
     HiddenStates,
     PreviousStage,
+    kept_rows,
     logits_of,
     token_index,
 )
@@ -117,9 +118,12 @@ class TritonPath:
         caches: list[torch.Tensor],
         feed: TokenFeed | None = None,
         use_graphs: bool = True,
+        keep: np.ndarray | None = None,
     ) -> Forward:
         """previous_stage is called once the inputs are uploaded; feed: the previous
-        step's samples still valid; use_graphs: replay a captured graph when one fits."""
+        step's samples still valid; use_graphs: replay a captured graph when one fits;
+        keep: step tokens whose final hidden states to return too (no graph keeps them)."""
+        use_graphs = use_graphs and keep is None
         num_tokens, num_reqs = step.num_tokens, len(step)
         decode_size = token_size = None
         if use_graphs and self.graphs is not None and num_tokens == num_reqs:
@@ -151,7 +155,8 @@ class TritonPath:
                 self._feed(device_step)
             meta = device_step.metadata
             out = self.model(device_step.input_ids, meta.positions, caches, meta, hidden_in)
-            return Forward(logits_of(self.model, out, device_step.sample_index))
+            logits = logits_of(self.model, out, device_step.sample_index)
+            return Forward(logits, kept=kept_rows(out, keep))
 
     def capture_graphs(self, caches: list[torch.Tensor]) -> None:
         """Capture the graphs over these KV caches (again after a wake-up): the token

@@ -17,6 +17,7 @@ from zmqworker.serve.errors import APIError
 from zmqworker.serve.generation import (
     finish_reason,
     now,
+    prompt_logprobs,
     run_prompts,
     sampling_params,
     sse,
@@ -64,7 +65,13 @@ async def create_chat_completion(
             }
         )
     return JSONResponse(
-        {**head, "object": "chat.completion", "choices": choices, "usage": usage(finals)}
+        {
+            **head,
+            "object": "chat.completion",
+            "choices": choices,
+            "usage": usage(finals),
+            "prompt_logprobs": prompt_logprobs(finals[0]),
+        }
     )
 
 

@@ -10,10 +10,12 @@ from starlette.requests import Request as HTTPRequest
 
 from zmqworker.frontend.frontend import Frontend
 from zmqworker.frontend.outputs import PositionLogprobs, RequestOutput
+from zmqworker.serve.best_of import best_of_params, keep_best
 from zmqworker.serve.errors import APIError
 from zmqworker.serve.generation import (
     finish_reason,
     now,
+    prompt_logprobs,
     run_prompts,
     sampling_params,
     sse,
@@ -42,7 +44,11 @@ async def create_completion(
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         events = _stream(llm, prompts, params, head, echoes, include_usage)
         return StreamingResponse(events, media_type="text/event-stream")
-    finals = await until_disconnected(http, _collect(llm, prompts, params))
+    best_of = body.best_of or params.n  # above n: the n best (a stream was refused)
+    run = best_of_params(params, best_of) if best_of > params.n else params
+    finals = await until_disconnected(http, _collect(llm, prompts, run))
+    if best_of > params.n:
+        finals = keep_best(finals, best_of, params)
     choices = [
         {
             "index": i,
@@ -50,6 +56,7 @@ async def create_completion(
             "logprobs": _logprobs(out.logprobs) if out.logprobs is not None else None,
             "finish_reason": finish_reason(out),
             "stop_reason": out.stop_reason,
+            "prompt_logprobs": prompt_logprobs(out),
         }
         for i, out in enumerate(finals)
     ]

@@ -58,6 +58,7 @@ def sampling_params(
         "min_tokens": request.min_tokens,
         "bad_words": request.bad_words,
         "logprobs": logprobs,
+        "prompt_logprobs": request.prompt_logprobs,
         "max_tokens": max_tokens,
         "n": request.n,
         "structured_outputs": request.structured_params(),
@@ -144,6 +145,25 @@ def usage(outputs: Sequence[RequestOutput]) -> dict[str, int]:
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
     }
+
+
+def prompt_logprobs(out: RequestOutput) -> list[dict[str, Any] | None] | None:
+    """vLLM's prompt_logprobs: per prompt position None for the first, then by token id
+    the prompt's token and the top ones, each with its logprob, rank and text."""
+    if out.prompt_logprobs is None:
+        return None
+    positions: list[dict[str, Any] | None] = [None]
+    for entry in out.prompt_logprobs[1:]:
+        assert entry is not None
+        ranked = [(entry.sampled, entry.rank), *((t, r) for r, t in enumerate(entry.top, 1))]
+        tokens: dict[str, Any] = {}
+        for token, rank in ranked:
+            tokens.setdefault(
+                str(token.token_id),
+                {"logprob": token.logprob, "rank": rank, "decoded_token": token.text},
+            )
+        positions.append(tokens)
+    return positions
 
 
 def finish_reason(out: RequestOutput) -> str | None:

@@ -62,8 +62,7 @@ class SamplingRequest(StructuredFields, forbid_unknown_fields=True, kw_only=True
     stream_options: StreamOptions | None = None
     user: str | None = None
     n: Annotated[int, Meta(ge=1, le=MAX_N)] | None = None  # choices per prompt
-    # Not supported unless neutral (unsupported.py).
-    prompt_logprobs: Annotated[int, Meta(ge=-1)] | None = None
+    prompt_logprobs: Annotated[int, Meta(ge=-1)] | None = None  # -1: refused by name
 
     def check(self) -> None:
         """Refuse what the types cannot: unsupported features, options that need another."""
@@ -71,6 +70,10 @@ class SamplingRequest(StructuredFields, forbid_unknown_fields=True, kw_only=True
         self.structured_params()
         if self.stream_options is not None and not self.stream:
             raise APIError("stream_options needs stream=true", param="stream_options")
+        if self.stream and self.prompt_logprobs is not None:  # vLLM's refusal
+            raise APIError(
+                "`prompt_logprobs` are not available when `stream=True`.", param="prompt_logprobs"
+            )
         self.token_bias()
 
     def token_bias(self) -> dict[int, float] | None:
@@ -102,16 +105,21 @@ class CompletionRequest(SamplingRequest, kw_only=True):
     max_tokens: Annotated[int, Meta(ge=1)] | None = 16
     logprobs: Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)] | None = None
     echo: bool = False
-    best_of: Annotated[int, Meta(ge=1)] | None = None  # n only: no ranking of samples
+    best_of: Annotated[int, Meta(ge=1, le=MAX_N)] | None = None  # the n best of best_of
     # Not supported unless neutral (unsupported.py).
     suffix: str | None = None
 
     def check(self) -> None:
         super().check()
-        if self.best_of is not None and self.best_of != (self.n or 1):
+        n, best_of = self.n or 1, self.best_of
+        if best_of is not None and best_of < n:
             raise APIError(
-                f"best_of={self.best_of} with n={self.n or 1}: only best_of equal to n is "
-                "supported (no ranking of extra samples)",
+                f"best_of={best_of} with n={n}: best_of must be at least n", param="best_of"
+            )
+        if best_of is not None and best_of > n and self.stream:
+            raise APIError(
+                f"best_of={best_of} with n={n} cannot be streamed: the n best are known only "
+                "once every sample has ended",
                 param="best_of",
             )
         if self.echo and self.logprobs is not None:

@@ -3,7 +3,7 @@ server uses it, without generating. The tokenizer lives in the API server proces
 engine core is asked, so these answer while the engine cores sleep.
 
     /tokenize    {"model", "prompt", "add_special_tokens"} or {"model", "messages",
-                 "add_generation_prompt", "add_special_tokens"}
+                 "tools", "add_generation_prompt", "add_special_tokens"}
                  -> {"count", "max_model_len", "tokens"}
     /detokenize  {"model", "tokens"} -> {"prompt"}
 
@@ -20,6 +20,7 @@ from zmqworker.engine.prompts import check_text
 from zmqworker.frontend.frontend import Frontend
 from zmqworker.serve.errors import APIError
 from zmqworker.serve.protocol import ChatMessage, TokenId
+from zmqworker.serve.tools import Tool, check_tools, template_tools
 
 
 class TokenizeRequest(Struct, forbid_unknown_fields=True, kw_only=True):
@@ -28,6 +29,7 @@ class TokenizeRequest(Struct, forbid_unknown_fields=True, kw_only=True):
     model: str
     prompt: str | None = None
     messages: Annotated[list[ChatMessage], Meta(min_length=1)] | None = None
+    tools: list[Tool] | None = None  # messages only: the chat template writes them out
     add_generation_prompt: bool | None = None  # messages only; default true
     # Default: true for a prompt, false for messages (the template writes them).
     add_special_tokens: bool | None = None
@@ -36,12 +38,11 @@ class TokenizeRequest(Struct, forbid_unknown_fields=True, kw_only=True):
         if (self.prompt is None) == (self.messages is None):
             raise APIError("give either prompt or messages, not both or neither", param="prompt")
         if self.messages is None:
-            if self.add_generation_prompt is not None:
-                raise APIError(
-                    "add_generation_prompt applies to messages, not to a prompt",
-                    param="add_generation_prompt",
-                )
+            for name in ("add_generation_prompt", "tools"):
+                if getattr(self, name) is not None:
+                    raise APIError(f"{name} applies to messages, not to a prompt", param=name)
             return
+        check_tools(self.tools)
         for i, message in enumerate(self.messages):
             message.check(f"messages[{i}]")
 
@@ -61,6 +62,7 @@ def tokenize(llm: Frontend, body: TokenizeRequest) -> dict[str, Any]:
                 messages,
                 add_generation_prompt=body.add_generation_prompt is not False,
                 add_special_tokens=body.add_special_tokens is True,
+                tools=template_tools(body.tools),
             )
         except ValueError as exc:
             raise APIError.from_value_error(exc, param="messages") from None

@@ -70,19 +70,7 @@ class ToolFields:
 
     def check_tools(self) -> None:
         """Refuse tools and a tool_choice that cannot go together, naming the field."""
-        names: set[str] = set()
-        for i, tool in enumerate(self.tools or []):
-            if tool.type != "function":
-                raise APIError(
-                    f'tools[{i}].type must be "function", got {tool.type!r}',
-                    param=f"tools[{i}].type",
-                )
-            if tool.function.name in names:
-                raise APIError(
-                    f"tools[{i}]: two tools are named {tool.function.name!r}",
-                    param=f"tools[{i}].function.name",
-                )
-            names.add(tool.function.name)
+        names = check_tools(self.tools)
         choice = self.choice()
         if isinstance(choice, str):
             if choice not in CHOICES:
@@ -124,9 +112,7 @@ class ToolFields:
 
     def template_tools(self) -> list[dict[str, Any]] | None:
         """The tools as the chat template takes them (OpenAI's shape)."""
-        if not self.tools:
-            return None
-        return [{"type": "function", "function": _function(tool.function)} for tool in self.tools]
+        return template_tools(self.tools)
 
     def tool_parser(self, options: ToolOptions) -> ToolParser | None:
         """What reads the reply's calls (None: the reply is content)."""
@@ -144,6 +130,31 @@ class ToolFields:
                 param="tool_choice",
             )
         return TOOL_PARSERS[options.parser]()
+
+
+def check_tools(tools: list[Tool] | None) -> set[str]:
+    """The tools' names; refuses a tool that is not a function, or a name twice."""
+    names: set[str] = set()
+    for i, tool in enumerate(tools or []):
+        if tool.type != "function":
+            raise APIError(
+                f'tools[{i}].type must be "function", got {tool.type!r}',
+                param=f"tools[{i}].type",
+            )
+        if tool.function.name in names:
+            raise APIError(
+                f"tools[{i}]: two tools are named {tool.function.name!r}",
+                param=f"tools[{i}].function.name",
+            )
+        names.add(tool.function.name)
+    return names
+
+
+def template_tools(tools: list[Tool] | None) -> list[dict[str, Any]] | None:
+    """The tools as a chat template takes them (OpenAI's shape); None: no tools."""
+    if not tools:
+        return None
+    return [{"type": "function", "function": _function(tool.function)} for tool in tools]
 
 
 def _function(function: FunctionDefinition) -> dict[str, Any]:

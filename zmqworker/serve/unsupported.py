@@ -12,11 +12,6 @@ from zmqworker.serve.errors import APIError
 # field: (is its value neutral?, what the refusal says)
 UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "suffix": (lambda v: not v, "suffix is not supported: a completion only continues its prompt"),
-    "prompt_logprobs": (
-        lambda v: v is None,
-        "prompt_logprobs is not supported: the workers compute the logits of the positions "
-        "they sample from only",
-    ),
 }
 
 # Content part types OpenAI defines besides text, by what they carry.
