@@ -10,7 +10,6 @@ import pytest
 
 from messages import SamplingParams, StructuredOutputsParams
 from tests.test_readme import require_embedded_model
-from zmqworker.engine import structured_outputs
 from zmqworker.engine.grammar_compiler import GrammarCompiler
 from zmqworker.engine.request import FinishReason, Request
 from zmqworker.engine.request_grammar import RequestGrammar
@@ -69,7 +68,7 @@ def test_the_matcher_advances_masks_and_ends_the_request(structured):
     structured.add(req)
     ready(structured, 1)
     req.handle = 5
-    output = structured.fill([req], slot=0)
+    output = structured.fill([req], slot=0).result()
     assert output is not None and output.req_handles.tolist() == [5]
     allowed = np.flatnonzero(
         np.unpackbits(output.grammar_bitmask.view(np.uint8), bitorder="little")[:VOCAB]
@@ -87,7 +86,7 @@ def test_the_matcher_advances_masks_and_ends_the_request(structured):
     assert done.append_output_token(EOS, 100) and done.finish_reason is FinishReason.STOP
     assert done.grammar.num_accepted == 5 and done.grammar.terminated
     done.handle = 6
-    assert structured.fill([done], slot=0) is None  # finished: nothing to constrain
+    assert structured.fill([done], slot=0).result() is None  # finished: nothing to constrain
 
 
 def replayed(structured: StructuredOutputs, request: Request):
@@ -135,7 +134,8 @@ def test_batched_matchers_agree_with_their_own_through_ends_and_preemption(async
     fill, compared = structured.fill, []
 
     def checked_fill(step_requests, slot):
-        output = fill(step_requests, slot)
+        future = fill(step_requests, slot)
+        output = future.result()
         live = [r for r in step_requests if not r.is_finished]
         expected = np.zeros((len(live), VOCAB // 32), np.int32)
         for row, request in enumerate(live):
@@ -143,7 +143,7 @@ def test_batched_matchers_agree_with_their_own_through_ends_and_preemption(async
             compared.append(request.req_id)
         np.testing.assert_array_equal(output.req_handles, [r.handle for r in live])
         np.testing.assert_array_equal(output.grammar_bitmask, expected)
-        return output
+        return future
 
     structured.fill = checked_fill
     try:
@@ -206,13 +206,10 @@ def test_a_token_the_grammar_refuses_fails_the_step_and_the_engine_recovers():
         core.shutdown()
 
 
-def test_a_fill_in_shares_agrees_with_each_matcher_and_names_a_refused_token(
-    structured, monkeypatch
-):
-    """40 requests (two shares of rows, whatever the machine's cores), each lacking 0 to
-    2 tokens: every row is the one the request's own matcher gives; a refused token names
-    its request."""
-    monkeypatch.setattr(structured_outputs, "BITMASK_THREADS", 2)
+def test_a_fill_in_shares_agrees_with_each_matcher_and_names_a_refused_token(structured):
+    """40 requests (two shares of rows, on a machine of two cores or more), each lacking
+    0 to 2 tokens: every row is the one the request's own matcher gives; a refused token
+    names its request."""
     constraint = {"regex": "[a-z]{60}"}
     requests = [request(f"s{i}", **constraint) for i in range(40)]
     for r in requests:
@@ -224,7 +221,7 @@ def test_a_fill_in_shares_agrees_with_each_matcher_and_names_a_refused_token(
     for i, r in enumerate(requests):
         r.handle = i
         r.all_token_ids += words[: i % 3]
-    output = structured.fill(requests, slot=0)
+    output = structured.fill(requests, slot=0).result()
     expected = np.zeros((40, VOCAB // 32), np.int32)
     for i, r in enumerate(requests):
         replayed(structured, r).fill_next_token_bitmask(expected, i)
@@ -232,4 +229,4 @@ def test_a_fill_in_shares_agrees_with_each_matcher_and_names_a_refused_token(
     assert [r.grammar.num_accepted for r in requests] == [r.num_tokens for r in requests]
     requests[37].all_token_ids.append(vocab.index(b"1"))
     with pytest.raises(RuntimeError, match="'s37': token .* breaks"):
-        structured.fill(requests, slot=1)
+        structured.fill(requests, slot=1).result()

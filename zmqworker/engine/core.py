@@ -82,9 +82,9 @@ class EngineCore:
     Structured outputs (structured, given a GrammarCompiler's StructuredOutputs): a
     request waits there for its grammar, then goes to the scheduler. A step that samples
     for requests with a grammar is sent as its forward, then sample_tokens with their
-    bitmask (grammar_steps.py), filled once the steps in flight that sample for them are
-    back, while the workers run the forward. A step without such requests goes as one
-    call, as before.
+    bitmask (grammar_steps.py): the bitmask fills while step() returns the outputs of
+    the steps taken back for it, and the next step() (or drain) sends it first. A step
+    without such requests goes as one call, as before.
     """
 
     def __init__(
@@ -217,6 +217,7 @@ class EngineCore:
         if self.structured is not None and len(self.structured):
             self._admit_compiled()
         try:
+            self.grammar_steps.send()
             changed: list[Request] = []
             if not self.batch_queue.full:
                 output = self.scheduler.schedule()
@@ -230,6 +231,8 @@ class EngineCore:
                         return changed  # room for another step before waiting on this one
             if len(self.batch_queue) == 0:
                 return changed
+            if len(self.batch_queue) == 1:  # the step to wait for may be the unsent one
+                self.grammar_steps.send()
             output, runner_output = self.batch_queue.pop()
             return changed + self.scheduler.update_from_output(output, runner_output)
         except Exception:
@@ -275,6 +278,10 @@ class EngineCore:
     def _recover(self) -> None:
         """After a failed step: wait out the steps still in flight (the workers run them
         anyway), then abort every request, so the engine can take new ones."""
+        try:
+            self.grammar_steps.send()  # the newest step's sampling, if still unsent
+        except Exception:
+            logger.debug("the newest step's bitmask failed too", exc_info=True)
         while len(self.batch_queue):
             try:
                 self.batch_queue.pop()
@@ -291,6 +298,7 @@ class EngineCore:
         token or finished. The workers are idle when it returns."""
         changed: list[Request] = []
         try:
+            self.grammar_steps.send()
             while len(self.batch_queue):
                 output, runner_output = self.batch_queue.pop()
                 changed += self.scheduler.update_from_output(output, runner_output)

@@ -1,12 +1,13 @@
 """How the engine core sends a step that samples for requests with a grammar: as its
 forward (execute_model, sample=False) first; while the workers run it, the engine takes
 back the steps in flight that sample for those requests (their matchers must hold those
-tokens), fills the step's bitmask (structured_outputs.py: xgrammar's work in threads of
-its own while this thread waits, so that none of them waits for the GIL) and sends it
-with sample_tokens at once: the workers get it as early as the engine can make it."""
+tokens) and starts filling the step's bitmask in another thread (structured_outputs.py);
+the engine goes on with the outputs of the steps it took back meanwhile, and send()
+gives the workers the bitmask with sample_tokens before anything else reaches them."""
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
 from messages import GrammarOutput, SchedulerOutput
@@ -20,7 +21,7 @@ if TYPE_CHECKING:
 
 
 class GrammarSteps:
-    """The engine core's steps with a grammar."""
+    """The engine core's steps with a grammar; at most one waits for its bitmask."""
 
     def __init__(
         self,
@@ -33,33 +34,44 @@ class GrammarSteps:
         self.scheduler = scheduler
         self.batch_queue = batch_queue
         self.structured = structured
+        # The newest step's slot in the batch queue and its bitmask's future, until sent.
+        self._unsent: tuple[DeferredSample, Future[GrammarOutput | None]] | None = None
         # Bitmask arrays, taken in turn: one for each step that can be in flight and one
-        # filling, so that an array is filled again only once its step is back (the
-        # workers' frames may still be read from it until then).
+        # filling, so that an array is filled again only once its step is back.
         self._num_slots = batch_queue.max_concurrent_batches + 1
         self._slot = 0
 
     def submit(self, output: SchedulerOutput, requests: list[Request]) -> list[Request]:
         """Send output's forward (the step just made, which samples for requests, those
-        with a grammar), take back the steps in flight that sample for them, fill the
-        step's bitmask and send it with sample_tokens; the requests those steps changed.
-        If anything fails on the way (a step in flight, or a token that a grammar does not
-        allow), the workers get sample_tokens without a bitmask, so that they end the
-        step, and the error is raised."""
+        with a grammar) and start its bitmask once the steps in flight that sample for
+        them are back; the requests those steps changed. send() must follow before
+        anything else is sent or popped."""
         if self.structured is None:
             raise RuntimeError("a step with grammars on an engine core without them")
+        if self._unsent is not None:
+            raise RuntimeError("the step before still waits for its sample_tokens")
         forward = self.executor.execute_model(output, sample=False, non_block=True)
         deferred = DeferredSample(forward)
         self.batch_queue.submit(output, lambda _: deferred)
-        bitmask: GrammarOutput | None = None
-        try:
-            changed: list[Request] = []
-            in_flight = self.scheduler.in_flight
-            while len(self.batch_queue) > 1 and in_flight.structured_waits(output):
-                earlier, runner_output = self.batch_queue.pop()
-                changed += self.scheduler.update_from_output(earlier, runner_output)
-            bitmask = self.structured.fill(requests, self._slot)
-            self._slot = (self._slot + 1) % self._num_slots
-        finally:
-            deferred.sample = self.executor.sample_tokens(bitmask, non_block=True)
+        changed: list[Request] = []
+        in_flight = self.scheduler.in_flight
+        while len(self.batch_queue) > 1 and in_flight.structured_waits(output):
+            earlier, runner_output = self.batch_queue.pop()
+            changed += self.scheduler.update_from_output(earlier, runner_output)
+        self._unsent = (deferred, self.structured.fill(requests, self._slot))
+        self._slot = (self._slot + 1) % self._num_slots
         return changed
+
+    def send(self) -> None:
+        """Send the newest step's sample_tokens, once its bitmask is filled, if it waits
+        for that. If the fill failed (a token its grammar does not allow), the workers
+        get no bitmask, so that they end the step, and the fill's error is raised."""
+        if self._unsent is None:
+            return
+        deferred, grammar = self._unsent
+        self._unsent = None
+        error = grammar.exception()
+        bitmask = None if error is not None else grammar.result()
+        deferred.sample = self.executor.sample_tokens(bitmask, non_block=True)
+        if error is not None:
+            raise error

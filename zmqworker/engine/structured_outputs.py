@@ -8,12 +8,10 @@ with the compile's error). Its matcher only ever advances with tokens that come 
 from the workers (the request's output tokens, RequestGrammar): a request recomputed
 after preemption samples past the tokens its matcher has, never over them again.
 
-A step's bitmask is filled as soon as its requests' last tokens are back (fill): their
-matchers take the tokens they lack, one batch per token, and fill their rows, in shares
-of the rows, the engine's thread filling the first and one thread each the others
-(xgrammar's calls leave the GIL). The engine thread does not run on meanwhile: a thread
-coming back from xgrammar would then wait for it to give up the GIL (up to Python's
-switch interval, milliseconds) at every call.
+A step's bitmask is filled off the engine's thread (fill): its requests' matchers take
+the tokens they lack, one batch per token, and fill their rows, in xgrammar's threads
+(which leave the GIL), while the engine goes on with the outputs of the step just
+applied.
 """
 
 from __future__ import annotations
@@ -31,9 +29,8 @@ from zmqworker.engine.request import Request
 from zmqworker.engine.request_grammar import RequestGrammar, rejected
 
 # Threads that advance a step's matchers and fill their bitmask rows, each a share of
-# the rows (xgrammar's calls leave the GIL), the engine thread one of them: one a core
-# this process may run on, at most 8; a share is at least this many rows.
-BITMASK_THREADS = max(1, min(8, len(os.sched_getaffinity(0))))
+# the rows (xgrammar's calls leave the GIL); a share is at least this many rows.
+BITMASK_THREADS = min(4, os.cpu_count() or 1)
 MIN_ROWS_PER_THREAD = 16
 
 
@@ -47,9 +44,8 @@ class StructuredOutputs:
         # bitmask: importing xgrammar takes seconds, which an engine core that never sees
         # a constraint should not pay.
         self._batches: list[Any] = []
-        self._shares = ThreadPoolExecutor(
-            max(1, BITMASK_THREADS - 1), thread_name_prefix="grammar-rows"
-        )
+        self._filler = ThreadPoolExecutor(1, thread_name_prefix="grammar-bitmask")
+        self._shares = ThreadPoolExecutor(BITMASK_THREADS, thread_name_prefix="grammar-rows")
         self._bitmasks: dict[int, np.ndarray] = {}  # by slot (fill), grown as needed
 
     def __len__(self) -> int:
@@ -92,40 +88,43 @@ class StructuredOutputs:
             ready.append(request)
         return ready, failed
 
-    def fill(self, requests: list[Request], slot: int) -> GrammarOutput | None:
-        """The bitmask rows of the requests a step samples for, their matchers first
-        taking the tokens they lack (a RuntimeError if the grammar does not allow one);
-        None if none is left to constrain (finished ones are skipped: the step's token
-        for them is dropped). The rows are slot's array, kept for the next fill of that
-        slot: the caller fills a slot again only once the workers are done with its last
-        bitmask. The work is xgrammar's, in shares of the rows, this thread filling the
-        first and one thread each the others: none waits long for the GIL."""
+    def fill(self, requests: list[Request], slot: int) -> Future[GrammarOutput | None]:
+        """Start filling the bitmask rows of the requests a step samples for, their
+        matchers first taking the tokens they lack (a RuntimeError if the grammar does
+        not allow one); None if none is left to constrain (finished ones are skipped:
+        the step's token for them is dropped). Until the future is done, nothing else
+        may advance these requests' matchers; their tokens are read now. The rows are
+        slot's array, kept for the next fill of that slot: the caller fills a slot again
+        only once the workers are done with its last bitmask."""
         live = [r for r in requests if not r.is_finished and r.grammar is not None]
-        if not live:
-            return None
         grammars = [r.grammar for r in live if r.grammar is not None]
         lacking = []
         for request, grammar in zip(live, grammars, strict=True):
             lacking.append(request.all_token_ids[grammar.num_accepted :])
             grammar.num_accepted = request.num_tokens
+        if not live:
+            done: Future[GrammarOutput | None] = Future()
+            done.set_result(None)
+            return done
+        handles = np.array([r.handle for r in live], np.int32)
+        names = [r.req_id for r in live]
         words = cdiv(grammars[0].vocab_size, 32)
         bitmask = self._bitmasks.get(slot)
         if bitmask is None or len(bitmask) < len(live) or bitmask.shape[1] != words:
             bitmask = self._bitmasks[slot] = np.zeros((len(live), words), np.int32)
         rows = bitmask[: len(live)]  # xgrammar writes every word of a row it fills
-        names = [r.req_id for r in live]
-        self._fill(grammars, lacking, rows, names)
-        return GrammarOutput(np.array([r.handle for r in live], np.int32), rows)
+        return self._filler.submit(
+            self._fill, grammars, lacking, GrammarOutput(handles, rows), names
+        )
 
     def _fill(
         self,
         grammars: list[RequestGrammar],
         lacking: list[list[int]],
-        bitmask: np.ndarray,
+        output: GrammarOutput,
         names: list[str],
-    ) -> None:
-        """The rows in shares, the first in this thread, the others one thread each; the
-        first share's error, if any."""
+    ) -> GrammarOutput:
+        """The rows in shares, one thread each; the first share's error, if any."""
         import xgrammar as xgr
 
         n = len(grammars)
@@ -133,17 +132,16 @@ class StructuredOutputs:
         while len(self._batches) < num_shares:
             self._batches.append(xgr.BatchGrammarMatcher(max_threads=1))
         bounds = np.linspace(0, n, num_shares + 1).astype(int).tolist()
-        spans = list(zip(bounds, bounds[1:], strict=False))
         shares = [
-            self._shares.submit(self._fill_rows, k, grammars, lacking, bitmask, names, lo, hi)
-            for k, (lo, hi) in enumerate(spans[1:], start=1)
+            self._shares.submit(
+                self._fill_rows, k, grammars, lacking, output.grammar_bitmask, names, lo, hi
+            )
+            for k, (lo, hi) in enumerate(zip(bounds, bounds[1:], strict=False))
         ]
-        try:
-            self._fill_rows(0, grammars, lacking, bitmask, names, *spans[0])  # this thread's
-        finally:
-            wait(shares)  # all of them: none may still touch a matcher once this returns
+        wait(shares)  # all of them: none may still touch a matcher once this returns
         for share in shares:
             share.result()
+        return output
 
     def _fill_rows(
         self,
@@ -173,5 +171,6 @@ class StructuredOutputs:
         )
 
     def shutdown(self) -> None:
+        self._filler.shutdown(wait=True, cancel_futures=True)
         self._shares.shutdown(wait=True)
         self.compiler.shutdown()
