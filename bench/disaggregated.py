@@ -26,14 +26,20 @@ import argparse
 import json
 import os
 import subprocess
-import sys
 import time
 from typing import Any
 
 import numpy as np
 
 from bench.common import print_table, write_results
-from bench.serve_load import ROOT, Server, cli_flags, served_model
+from bench.serve_load import (
+    Server,
+    add_engine_args,
+    cli_flags,
+    client_process,
+    engine_options,
+    served_model,
+)
 from zmqworker.cli.options import parse_size
 
 MODES = ("colocated", "disaggregated")
@@ -44,24 +50,6 @@ def prompts(count: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     rng = np.random.default_rng(seed)
     low, high = min(1000, vocab // 4), vocab - min(1000, vocab // 4)
     return [rng.integers(low, high, length).tolist() for _ in range(count)]
-
-
-def client(url: str, model: str, job: dict[str, Any]) -> subprocess.Popen:
-    """A bench/serve_client.py process running job against url."""
-    host, port = url.removeprefix("http://").rsplit(":", 1)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "bench.serve_client"],
-        cwd=ROOT,
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-    )
-    job = {"host": host, "port": int(port), "path": "/v1/completions", "model": model,
-           "api_key": None, "schema": None, **job}  # fmt: skip
-    assert proc.stdin is not None
-    proc.stdin.write(json.dumps(job).encode())
-    proc.stdin.close()
-    return proc
 
 
 def records_of(proc: subprocess.Popen) -> list[dict[str, Any]]:
@@ -79,11 +67,13 @@ def mixed(url: str, model: str, decoders: list, longs: list, args: argparse.Name
     """The mixed workload once against url: its figures."""
     start_at = time.time() + 2.0  # after both clients have imported
     common = {"seed": args.seed, "start_at": start_at}
-    decode = client(url, model, {**common, "prompts": decoders, "max_tokens": args.decode_len,
-                                 "concurrency": len(decoders), "rate": None})  # fmt: skip
-    long = client(url, model, {**common, "prompts": longs, "max_tokens": args.long_len,
-                               "concurrency": len(longs), "rate": args.long_rate,
-                               "start_at": start_at + args.long_delay})  # fmt: skip
+    decode_job = {**common, "prompts": decoders, "max_tokens": args.decode_len,
+                  "concurrency": len(decoders), "rate": None}  # fmt: skip
+    long_job = {**common, "prompts": longs, "max_tokens": args.long_len,
+                "concurrency": len(longs), "rate": args.long_rate,
+                "start_at": start_at + args.long_delay}  # fmt: skip
+    decode = client_process(url, model, decode_job)
+    long = client_process(url, model, long_job)
     decoded, prefilled = records_of(decode), records_of(long)
     every = decoded + prefilled
     duration = max(r["end"] for r in every) - min(r["start"] for r in every)
@@ -103,33 +93,24 @@ def mixed(url: str, model: str, decoders: list, longs: list, args: argparse.Name
 
 
 def serve_options(args: argparse.Namespace, mode: str) -> dict[str, Any]:
-    options = {
-        "model": args.model,
-        "device": args.device,
-        "dtype": args.dtype,
-        "load_format": args.load_format,
-        "tensor_parallel_size": args.tp,
-        "max_num_seqs": args.decoders + args.long_prompts,
-        "max_model_len": max(args.decode_prompt_len + args.decode_len,
-                             args.long_prompt_len + args.long_len) + 16,
-        "max_num_batched_tokens": args.max_num_batched_tokens,
-    }  # fmt: skip
+    """serve_load's engine options for this workload, the KV cache split between the two
+    instances when disaggregated."""
+    longest = max(args.decode_prompt_len + args.decode_len, args.long_prompt_len + args.long_len)
+    sized = argparse.Namespace(
+        **vars(args), max_model_len=longest + 16, gpu_memory_utilization=None
+    )
+    options = engine_options(sized, args.decoders + args.long_prompts)
     if args.kv_cache_bytes is not None:
         options["kv_cache_bytes"] = args.kv_cache_bytes // (2 if mode == "disaggregated" else 1)
-    return {k: v for k, v in options.items() if v is not None}
+    return options
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default=None, help="checkpoint folder (default: embedded)")
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--dtype", default=None)
-    parser.add_argument("--load-format", default=None)
-    parser.add_argument("--tp", type=int, default=None)
+    add_engine_args(parser)
     parser.add_argument(
         "--kv-cache-bytes", type=parse_size, default=None, help="40G: halved when disaggregated"
     )
-    parser.add_argument("--max-num-batched-tokens", type=int, default=None)
     parser.add_argument("--decoders", type=int, default=8)
     parser.add_argument("--decode-prompt-len", type=int, default=32)
     parser.add_argument("--decode-len", type=int, default=160)

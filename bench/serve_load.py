@@ -158,18 +158,32 @@ def schema_of(option: str | None) -> dict[str, Any] | None:
     return json.loads(Path(option).read_text())
 
 
+def client_process(url: str, model: str, job: dict[str, Any]) -> subprocess.Popen:
+    """A bench/serve_client.py process running job (prompts, max_tokens, concurrency,
+    rate, seed, start_at; api_key and schema optional) against url's completions."""
+    host, port = url.removeprefix("http://").rstrip("/").rsplit(":", 1)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "bench.serve_client"],
+        cwd=ROOT,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    job = {"host": host, "port": int(port), "path": "/v1/completions", "model": model,
+           "api_key": None, "schema": None, **job}  # fmt: skip
+    assert proc.stdin is not None
+    proc.stdin.write(json.dumps(job).encode())
+    proc.stdin.close()
+    return proc
+
+
 def load(url: str, model: str, prompts: list[Any], args: argparse.Namespace, concurrency: int):
     """Every prompt through the server from --clients processes; their records."""
-    host, port = url.removeprefix("http://").rstrip("/").rsplit(":", 1)
     clients = max(1, min(args.clients, concurrency))
     start_at = time.time() + 1.0 + 0.2 * clients  # after every client has imported
     procs = []
     for i in range(clients):
         job = {
-            "host": host,
-            "port": int(port),
-            "path": "/v1/completions",
-            "model": model,
             "api_key": args.api_key,
             "prompts": prompts[i::clients],
             "max_tokens": args.output_len,
@@ -179,17 +193,7 @@ def load(url: str, model: str, prompts: list[Any], args: argparse.Namespace, con
             "start_at": start_at,
             "schema": args.schema,
         }
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "bench.serve_client"],
-            cwd=ROOT,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            env={**os.environ, "PYTHONPATH": str(ROOT)},
-        )
-        assert proc.stdin is not None
-        proc.stdin.write(json.dumps(job).encode())
-        proc.stdin.close()
-        procs.append(proc)
+        procs.append(client_process(url, model, job))
     records = []
     for proc in procs:
         assert proc.stdout is not None
@@ -232,15 +236,20 @@ def summarize(records: list[dict[str, Any]], concurrency: int) -> dict[str, Any]
     }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """The engine's options engine_options reads (all but max_model_len and sizing)."""
     parser.add_argument("--model", default=None, help="checkpoint folder (default: embedded)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default=None)
     parser.add_argument("--load-format", default=None)
     parser.add_argument("--tp", type=int, default=None)
-    parser.add_argument("--gpu-memory-utilization", type=float, default=None)
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_engine_args(parser)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=None)
     parser.add_argument("--concurrency", default="32", help="in flight; a list runs each")
     parser.add_argument("--num-prompts", type=int, default=None, help="default: concurrency")
     parser.add_argument("--prompt-len", type=int, default=128)
