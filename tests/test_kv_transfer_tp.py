@@ -7,8 +7,9 @@ from __future__ import annotations
 import msgspec
 
 from messages import ParallelConfig, SamplingParams
-from tests.test_kv_transfer import PROMPTS, free_port, run_colocated, worker_config
+from tests.test_kv_transfer import PROMPTS, run_colocated, worker_config
 from zmqworker.engine.disaggregated import start_disaggregated
+from zmqworker.frontend.disaggregated_plan import free_ports
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
 
@@ -16,7 +17,8 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
 def test_tp2_disaggregated_greedy_equals_colocated() -> None:
     config = worker_config(64)
     config = msgspec.structs.replace(config, parallel=ParallelConfig(tensor_parallel_size=2))
-    pair = start_disaggregated(config, 96, free_port(), timeout_s=10.0)
+    # Rank r of the prefill instance serves on port + r: both must be free.
+    pair = start_disaggregated(config, 96, free_ports(2), timeout_s=10.0)
     try:
         colocated = run_colocated(pair.decode, GREEDY)
         results = pair.generate(PROMPTS, GREEDY, timeout_s=300)
