@@ -201,6 +201,15 @@ class SamplingParams(msgspec.Struct, tag=True, frozen=True, omit_defaults=True):
                 f"min_tokens ({self.min_tokens}) must be at most max_tokens ({self.max_tokens})"
             )
 
+    def logprobs_over(self, max_logprobs: int) -> tuple[str, int] | None:
+        """(field, value) of the first of logprobs and prompt_logprobs that asks for more
+        than max_logprobs (-1: no limit); None when neither does."""
+        for field in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, field)
+            if value is not None and 0 <= max_logprobs < value:
+                return field, value
+        return None
+
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0

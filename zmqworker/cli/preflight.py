@@ -148,13 +148,12 @@ class _Limits:
     vocab: int | None
 
     def check(self, params: SamplingParams, names: dict[str, str]) -> None:
-        for field in ("logprobs", "prompt_logprobs"):
-            value = getattr(params, field)
-            if value is not None and 0 <= self.max_logprobs < value:
-                raise ValueError(
-                    f"{_name(field, names)} {value} is more than max_logprobs="
-                    f"{self.max_logprobs} (--max-logprobs sets it; -1: no limit)"
-                )
+        over = params.logprobs_over(self.max_logprobs)
+        if over is not None:
+            raise ValueError(
+                f"{_name(over[0], names)} {over[1]} is more than max_logprobs="
+                f"{self.max_logprobs} (--max-logprobs sets it; -1: no limit)"
+            )
         if self.vocab is None:
             return
         fields = {

@@ -284,10 +284,9 @@ class EngineCoreServer:
         if first is not None and vocab is not None and first >= vocab:
             raise ValueError(f"kv_transfer_params.first_token {first} is outside [0, {vocab})")
         max_logprobs = self.config.worker.model.max_logprobs
-        for field in ("logprobs", "prompt_logprobs"):
-            logprobs = getattr(msg.sampling_params, field)
-            if logprobs is not None and 0 <= max_logprobs < logprobs:
-                raise ValueError(f"{field}={logprobs} is more than max_logprobs={max_logprobs}")
+        over = msg.sampling_params.logprobs_over(max_logprobs)
+        if over is not None:
+            raise ValueError(f"{over[0]}={over[1]} is more than max_logprobs={max_logprobs}")
         return ids.tolist()
 
     def _utility(self, client: Client, call: UtilityCall) -> None:

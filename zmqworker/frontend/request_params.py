@@ -31,10 +31,9 @@ def request_params(
     the workers check)."""
     if not isinstance(params, SamplingParams):
         raise ValueError(f"expected SamplingParams, got {type(params).__name__}")
-    for field in ("logprobs", "prompt_logprobs"):
-        value = getattr(params, field)
-        if value is not None and 0 <= max_logprobs < value:
-            raise ValueError(f"{field}={value} is more than max_logprobs={max_logprobs}")
+    over = params.logprobs_over(max_logprobs)
+    if over is not None:
+        raise ValueError(f"{over[0]}={over[1]} is more than max_logprobs={max_logprobs}")
     if params.structured_outputs is not None:
         if tokenizer is None:
             raise ValueError("structured_outputs need the model's tokenizer, which it lacks")

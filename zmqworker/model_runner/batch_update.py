@@ -169,12 +169,9 @@ def _check_new_requests(
             req.sampling_params.validate()
         except ValueError as err:
             raise ValueError(f"{name}: {err}") from None
-        for field in ("logprobs", "prompt_logprobs"):
-            num_logprobs = getattr(req.sampling_params, field)
-            if num_logprobs is not None and num_logprobs > batch.max_logprobs:
-                raise ValueError(
-                    f"{name}: {field} {num_logprobs} > max_logprobs {batch.max_logprobs}"
-                )
+        over = req.sampling_params.logprobs_over(batch.max_logprobs)  # resolved: >= 0
+        if over is not None:
+            raise ValueError(f"{name}: {over[0]} {over[1]} > max_logprobs {batch.max_logprobs}")
         try:
             prompt = int32_array(req.prompt_token_ids, "prompt_token_ids", 1)
             block_ids = int32_array(req.block_ids, "block_ids", 1)
