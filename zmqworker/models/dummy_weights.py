@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from zmqworker.models.layers.weights import TensorSlice
-from zmqworker.models.loader import loading_plan, slice_destination
+from zmqworker.models.loader import cut, loading_plan, slice_destination
 
 # transformers' initialisation: normal(0, 0.02), norm weights 1, biases 0.
 STD = 0.02
@@ -37,16 +37,6 @@ def _draw(name: str, shape: tuple[int, ...], like: torch.Tensor, seed: int) -> t
     return full.normal_(0.0, STD, generator=generator)
 
 
-def _cut(full: torch.Tensor, s: TensorSlice) -> torch.Tensor:
-    """What slice s takes of its whole tensor (the loader's cut, on a tensor in memory)."""
-    end = s.start + s.length
-    if s.src_experts is not None:
-        first, count = s.src_experts
-        experts = full[first : first + count]
-        return experts[:, s.start : end] if s.dim == 0 else experts[:, :, s.start : end]
-    return full[s.start : end] if s.dim == 0 else full[:, s.start : end]
-
-
 @torch.no_grad()
 def fill_dummy_weights(model: nn.Module, seed: int) -> None:
     """Fill every parameter the model's layers plan to load from drawn checkpoint tensors,
@@ -57,4 +47,4 @@ def fill_dummy_weights(model: nn.Module, seed: int) -> None:
     for name, entries in by_name.items():
         full = _draw(name, entries[0][1].shape, entries[0][0], seed)
         for param, s in entries:
-            slice_destination(param, s).copy_(_cut(full, s))
+            slice_destination(param, s).copy_(cut(full, s))

@@ -15,6 +15,7 @@ from collections import defaultdict
 from collections.abc import Container, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -87,14 +88,15 @@ def _check_slice(header: TensorHeader, s: TensorSlice, path: str) -> None:
         )
 
 
-def _read_slice(f, s: TensorSlice) -> torch.Tensor:
-    part = f.get_slice(s.name)
+def cut(whole: Any, s: TensorSlice) -> torch.Tensor:
+    """What slice s takes of its whole checkpoint tensor: a tensor, or a safetensors
+    slice (which reads only that part)."""
     end = s.start + s.length
     if s.src_experts is not None:
         first, count = s.src_experts
         experts = slice(first, first + count)
-        return part[experts, s.start : end] if s.dim == 0 else part[experts, :, s.start : end]
-    return part[s.start : end] if s.dim == 0 else part[:, s.start : end]
+        return whole[experts, s.start : end] if s.dim == 0 else whole[experts, :, s.start : end]
+    return whole[s.start : end] if s.dim == 0 else whole[:, s.start : end]
 
 
 def slice_destination(param: torch.Tensor, s: TensorSlice) -> torch.Tensor:
@@ -125,7 +127,7 @@ def load_checkpoint(model: nn.Module, path: str) -> LoadReport:
     for file_name, entries in sorted(by_file.items()):
         with safe_open(str(Path(path) / file_name), framework="pt", device="cpu") as f:
             for param, s in entries:
-                slice_destination(param, s).copy_(_read_slice(f, s))
+                slice_destination(param, s).copy_(cut(f.get_slice(s.name), s))
                 report.tensors.add(s.name)
         report.files.add(file_name)
     return report
