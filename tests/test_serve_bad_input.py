@@ -35,7 +35,10 @@ IMAGE_PART = {"type": "image_url", "image_url": {"url": "https://example.com/a.p
 
 @pytest.fixture(scope="module")
 def server():
-    srv = Server("--max-request-bytes", "2MiB")
+    # One torch thread: the tokenizer's thread then leaves the worker a core of its own
+    # on a two-core machine (torch's threads wait for each other at every op, so a
+    # worker sharing its cores stalls for a second at a time, /health with it).
+    srv = Server("--max-request-bytes", "2MiB", "--num-threads", "1")
     yield srv
     srv.stop()
 
