@@ -45,14 +45,25 @@ class Pair:
         self.processor = OutputProcessor()
         self.encoder, self.decoder = Encoder(), Decoder()
 
-    def add(self, request_id: str, prompt: str, streamed: bool = False, **params) -> None:
+    def add(
+        self, request_id: str, prompt: str, streamed: bool = False, first: str = "", **params
+    ) -> None:
+        """first: the sample whose prompt logprobs are this one's too."""
         ids = self.tok.encode(prompt)
         sampling = SamplingParams(**{"max_tokens": 50, **params})
         self.engine[request_id] = Request(
             request_id, ids, sampling, eos_token_ids=[self.tok.eos_token_id]
         )
         detok = IncrementalDetokenizer(self.tok, ids)
-        state = RequestState(request_id, prompt, ids, sampling, detok, streamed=streamed)
+        state = RequestState(
+            request_id,
+            prompt,
+            ids,
+            sampling,
+            detok,
+            streamed=streamed,
+            prompt_logprobs_from=self.processor.states[first] if first else None,
+        )
         self.processor.add(state)
 
     def step(self, tokens: dict[str, list[int]], rows: LogprobsLists | None = None) -> Processed:
@@ -196,6 +207,42 @@ def test_n_siblings_are_requests_of_their_own(tok):
     assert sorted((o.request_id, o.token_ids) for o in processed.outputs) == [
         (f"r.{i}", [tokens[i]] * 2) for i in range(3)
     ]
+
+
+def test_samples_outputs_wait_for_the_first_samples_prompt_logprobs(tok):
+    """Only the first sample asks for prompt logprobs; the others' outputs, finished or
+    streamed, wait until they come with its first output, then carry them."""
+    pair = Pair(tok)
+    pair.add("p.0", "Hi there", prompt_logprobs=0)
+    pair.add("p.1", "Hi there", first="p.0", max_tokens=1)
+    pair.add("p.2", "Hi there", first="p.0", streamed=True)
+    a, b = text_ids(tok, " ab")[:2]
+    assert pair.step({"p.1": [a], "p.2": [a]}).outputs == []  # p.1 finished, held
+    assert pair.step({"p.2": [b]}).outputs == []
+    prompt = tok.encode("Hi there")
+    count = len(prompt) - 1
+    rows = LogprobsLists(
+        logprob_token_ids=np.array(prompt[1:], np.int32)[:, None],
+        logprobs=np.full((count, 1), -1.0, np.float32),
+        sampled_token_ranks=np.ones(count, np.int32),
+    )
+    request = pair.engine["p.0"]
+    assert request.prompt_logprobs is not None
+    request.prompt_logprobs.add(1, rows, 0, count)
+    processed = pair.step({"p.0": [a], "p.2": [a]})
+    by_id = {o.request_id: o for o in processed.outputs}
+    assert sorted(by_id) == ["p.1", "p.2"]  # p.0 is not streamed, and runs on
+    first = pair.processor.states["p.0"].prompt_logprobs
+    assert first is not None and [e and e.sampled.token_id for e in first] == [None, *prompt[1:]]
+    assert by_id["p.1"].finished and by_id["p.1"].prompt_logprobs == first
+    assert by_id["p.2"].new_token_ids == [a, b, a] and by_id["p.2"].prompt_logprobs == first
+    assert [o.request_id for o in pair.step({"p.2": [b]}).outputs] == ["p.2"]  # not held
+    pair.add("q.0", "Hi", prompt_logprobs=0)
+    pair.add("q.1", "Hi", first="q.0", max_tokens=1)
+    assert pair.step({"q.1": [a]}).outputs == []
+    pair.processor.remove("q.1")  # aborted while held: never comes out
+    pair.processor.remove("q.0")
+    assert pair.step({"p.2": [b]}).outputs[0].request_id == "p.2"
 
 
 def test_a_request_aborted_here_mid_stream_drops_its_late_outputs(tok):

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Iterator
 
+import msgspec
 import pytest
 
 from messages import SamplingParams
@@ -141,3 +142,18 @@ def test_a_stream_of_n_samples_closed_early_aborts_them_all(llm):
     stats = llm.stats()
     assert stats.num_running == stats.num_waiting == 0
     assert stats.num_free_blocks == stats.num_blocks
+
+
+def test_n_samples_with_prompt_logprobs_prefill_once_and_each_carries_them(llm):
+    """Only the first sample computes the prompt logprobs (and the whole prompt); the
+    others take its KV as without them, and each output carries the one computation."""
+    plain = SamplingParams(temperature=1.0, seed=1234, max_tokens=8, n=4)
+    params = msgspec.structs.replace(plain, prompt_logprobs=2)
+    before = llm.stats().num_prefill_tokens
+    outs = llm.generate([PROMPT], params)
+    assert llm.stats().num_prefill_tokens - before == len(PROMPT) + 3 * (len(PROMPT) - 8)
+    alone = llm.generate([PROMPT], SamplingParams(max_tokens=1, prompt_logprobs=2))[0]
+    assert alone.prompt_logprobs is not None and len(alone.prompt_logprobs) == len(PROMPT)
+    for out in outs:
+        assert out.prompt_logprobs == alone.prompt_logprobs
+    assert [o.token_ids for o in outs] == [o.token_ids for o in llm.generate([PROMPT], plain)]

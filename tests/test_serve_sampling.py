@@ -1,7 +1,8 @@
 """zmqworker serve with two API server processes, called with the official openai client:
-n > 1 choices (completions and chat, streamed and not, seeds, the prompt prefilled
-once), vLLM's request fields beyond OpenAI's, and /metrics under vLLM's names, added up
-over both API servers; then SIGTERM drains the request in flight and stops everything.
+n > 1 choices (completions and chat, streamed and not, seeds, the prompt and its
+prompt logprobs computed once), vLLM's request fields beyond OpenAI's, and /metrics
+under vLLM's names, added up over both API servers; then SIGTERM drains the request in
+flight and stops everything.
 The server is the one test_serve.py uses too (conftest.py): the last test here stops it."""
 
 from __future__ import annotations
@@ -90,6 +91,24 @@ def test_best_of_returns_the_n_samples_of_highest_cumulative_logprob(server):
     again = client.completions.create(**args, n=2, logprobs=1, extra_body={"best_of": 4})
     assert [c.text for c in again.choices] == [c.text for c in best.choices]
     assert [sum(c.logprobs.token_logprobs) for c in again.choices] == [sums[i] for i in ranked[:2]]
+
+
+def test_n_choices_with_prompt_logprobs_prefill_once_and_each_carries_them(server):
+    client = server.client()
+    args = {"model": MODEL, "prompt": PROMPT_IDS, "max_tokens": 2, "temperature": 1.0}
+    asked = {"prompt_logprobs": 2}
+    before = server.wait_idle()["prefill_tokens_total"]
+    four = client.completions.create(**args, n=4, seed=5, extra_body=asked)
+    # The first choice computes the prompt and its logprobs; the others share its blocks.
+    assert server.wait_idle()["prefill_tokens_total"] - before == 40 + 3 * 8
+    alone = client.completions.create(**args, extra_body=asked)
+    expected = alone.choices[0].model_extra["prompt_logprobs"]
+    assert len(expected) == 40 and expected[0] is None
+    assert [c.model_extra["prompt_logprobs"] for c in four.choices] == [expected] * 4
+    plain = client.completions.create(**args, n=4, seed=5)
+    assert [c.text for c in four.choices] == [c.text for c in plain.choices]
+    best = client.completions.create(**args, n=2, extra_body={**asked, "best_of": 3})
+    assert [c.model_extra["prompt_logprobs"] for c in best.choices] == [expected] * 2
 
 
 def test_n_chat_choices_greedy_are_equal_and_stream_by_index(server):

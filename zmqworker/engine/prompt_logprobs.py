@@ -4,8 +4,9 @@ gets them all at once with its first token, a row per prompt position after the 
 
 Such a request takes no prefix-cache hits and shares no sibling's prompt blocks
 (engine/prompt_sharing.py), as vLLM: every prompt position is computed, so every row
-comes. A prefill computed again (after a preemption) sends rows it holds already: those
-are dropped.
+comes. Of a prompt's n samples the client asks with the first only, and gives its rows
+to the others (frontend/output_processor.py), which share its prompt blocks. A prefill
+computed again (after a preemption) sends rows it holds already: those are dropped.
 """
 
 from __future__ import annotations

@@ -9,6 +9,10 @@ than copying a block on every layer of every worker, which the worker protocol w
 need a new call for; and it works with the prefix cache off.
 
 A shared block is never written again: later tokens go to positions past it.
+
+A request that asks for prompt logprobs computes its whole prompt (every position's
+logprobs), sharing nothing; the client asks them of the first sample only, so the
+others share its blocks as without them.
 """
 
 from __future__ import annotations

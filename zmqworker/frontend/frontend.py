@@ -303,7 +303,9 @@ class Frontend(ControlMethods):
         """A request state per sample (params.n) of the prompt, tokenized once. The
         samples are requests of their own (ids "<id>.<i>") with n=1 and, with a seed,
         seed + i as vLLM's are; the first computes the prompt, the others share its KV
-        (engine/prompt_sharing.py)."""
+        (engine/prompt_sharing.py). Prompt logprobs are the same for every sample: only
+        the first asks the engine core for them (a request that asks computes its whole
+        prompt, sharing nothing), and every sample's outputs carry them."""
         params = request_params(params, self.tokenizer, self.vocab_size, self.max_logprobs)
         token_ids = self.encode(prompt)
         request_id = f"{self._id_prefix}{next(self._ids)}"
@@ -315,7 +317,9 @@ class Frontend(ControlMethods):
             if seed is not None:  # seed + i, wrapped to an int64
                 seed = (seed + i + 2**63) % 2**64 - 2**63
             sample = msgspec.structs.replace(params, n=1, seed=seed)
-            first = states[0].request_id if states else None
+            first = states[0] if states else None
+            if first is not None and params.prompt_logprobs is not None:
+                sample = msgspec.structs.replace(sample, prompt_logprobs=None)  # the first's
             states.append(
                 self._make_state(f"{request_id}.{i}", prompt, token_ids, sample, streamed, i, first)
             )
@@ -329,13 +333,16 @@ class Frontend(ControlMethods):
         params: SamplingParams,
         streamed: bool,
         index: int = 0,
-        shares_prompt_with: str | None = None,
+        first: RequestState | None = None,
     ) -> RequestState:
+        """first: the prompt's first sample, which this one shares the prompt's KV and
+        prompt logprobs with (n > 1)."""
         detokenizer = None
         if self.tokenizer is not None:
             detokenizer = IncrementalDetokenizer(
                 self.tokenizer, token_ids, params.skip_special_tokens
             )
+        asked = first is not None and first.params.prompt_logprobs is not None
         return RequestState(
             request_id,
             prompt if isinstance(prompt, str) else None,
@@ -343,6 +350,7 @@ class Frontend(ControlMethods):
             params,
             detokenizer,
             index=index,
-            shares_prompt_with=shares_prompt_with,
+            shares_prompt_with=None if first is None else first.request_id,
             streamed=streamed,
+            prompt_logprobs_from=first if asked else None,
         )

@@ -5,7 +5,15 @@ A step's outputs come as columns (EngineCoreOutputs). A bulk request (RequestSta
 its caller wants only its end, and it has no stop strings or logprobs) that only got
 tokens has them appended here, in one loop over the step; the others, and what only
 some requests have (an end, a first output, logprobs), go through RequestState.apply.
-Only a streamed or finished request's output is built."""
+Only a streamed or finished request's output is built.
+
+Of n > 1 samples with prompt logprobs, only the first asks the engine core for them; a
+sample that takes the first's (RequestState.prompt_logprobs_from) has its outputs held
+until they come, with the first's first output: the engine core may send the sample's
+first (the first sample preempted, or its last prompt chunk in the step the sample
+starts in). A streamed one's held outputs come out as one (output() takes everything
+since the last); if the first ended without them, they come out without. A prompt's
+samples are aborted together (remove()), the held ones with them."""
 
 from __future__ import annotations
 
@@ -35,6 +43,7 @@ class OutputProcessor:
     def __init__(self) -> None:
         self.states: dict[str, RequestState] = {}
         self.num_late_outputs = 0  # for requests already finished or aborted here
+        self._held: dict[str, RequestState] = {}  # waiting for their prompt logprobs
 
     def add(self, state: RequestState) -> None:
         if state.request_id in self.states:
@@ -42,7 +51,8 @@ class OutputProcessor:
         self.states[state.request_id] = state
 
     def remove(self, request_id: str) -> RequestState | None:
-        return self.states.pop(request_id, None)
+        held = self._held.pop(request_id, None)
+        return self.states.pop(request_id, held)
 
     def process(self, batch: EngineCoreOutputs) -> Processed:
         processed = Processed()
@@ -84,6 +94,19 @@ class OutputProcessor:
             if state.finished:
                 del states[request_id]
             if state.streamed or state.finished:
-                processed.outputs.append(state.output())
+                if state.waits_for_prompt_logprobs:
+                    self._held[request_id] = state
+                elif request_id not in self._held:  # else it comes out with those below
+                    processed.outputs.append(state.output())
         self.num_late_outputs += late
+        if self._held:
+            self._release(processed)
         return processed
+
+    def _release(self, processed: Processed) -> None:
+        """The held outputs whose prompt logprobs came (or whose first sample ended
+        without them)."""
+        for request_id, state in list(self._held.items()):
+            if not state.waits_for_prompt_logprobs:
+                del self._held[request_id]
+                processed.outputs.append(state.output())

@@ -39,9 +39,11 @@ class RequestState:
         index: int = 0,
         shares_prompt_with: str | None = None,
         streamed: bool = True,
+        prompt_logprobs_from: RequestState | None = None,
     ) -> None:
         """streamed: its caller takes every output (output() after each apply()); else
-        only the last."""
+        only the last. prompt_logprobs_from: the sample whose prompt logprobs are this
+        one's too (n > 1: only the first asks the engine core for them)."""
         if params.stop and detokenizer is None:
             raise ValueError(f"request {request_id!r}: stop strings need a tokenizer")
         self.request_id = request_id
@@ -51,6 +53,7 @@ class RequestState:
         self.index = index  # which of its prompt's n samples it is
         # The sibling sample whose prompt KV this one takes (n > 1), sent before it.
         self.shares_prompt_with = shares_prompt_with
+        self.prompt_logprobs_from = prompt_logprobs_from
         self.output_token_ids: list[int] = []
         self.output_text = ""
         self.logprobs: list[PositionLogprobs] | None = None if params.logprobs is None else []
@@ -77,6 +80,13 @@ class RequestState:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def waits_for_prompt_logprobs(self) -> bool:
+        """Its outputs wait (OutputProcessor holds them): its prompt logprobs are its
+        first sample's, which come with that one's first output, not here yet."""
+        first = self.prompt_logprobs_from
+        return first is not None and first.prompt_logprobs is None and not first.finished
 
     def apply(
         self,
@@ -172,6 +182,8 @@ class RequestState:
             end = max(self._text_taken, end - self._holdback)
         new_text = self.output_text[self._text_taken : end]
         self._text_taken = end
+        first = self.prompt_logprobs_from  # n > 1: the one computation, the first's
+        prompt_logprobs = self.prompt_logprobs if first is None else first.prompt_logprobs
         return RequestOutput(
             request_id=self.request_id,
             prompt=self.prompt,
@@ -187,7 +199,7 @@ class RequestState:
             new_token_ids=new_tokens,
             logprobs=None if self.logprobs is None else list(self.logprobs),
             index=self.index,
-            prompt_logprobs=self.prompt_logprobs,
+            prompt_logprobs=prompt_logprobs,
         )
 
     def timings(self) -> RequestTimings:
