@@ -90,7 +90,10 @@ def test_best_of_returns_the_n_samples_of_highest_cumulative_logprob(server):
     assert [c.text for c in best.choices] == [four.choices[i].text for i in ranked[:2]]
     again = client.completions.create(**args, n=2, logprobs=1, extra_body={"best_of": 4})
     assert [c.text for c in again.choices] == [c.text for c in best.choices]
-    assert [sum(c.logprobs.token_logprobs) for c in again.choices] == [sums[i] for i in ranked[:2]]
+    # Float sums of a forward in another batch's shape: equal up to rounding.
+    assert [sum(c.logprobs.token_logprobs) for c in again.choices] == pytest.approx(
+        [sums[i] for i in ranked[:2]], abs=1e-3
+    )
 
 
 def test_n_choices_with_prompt_logprobs_prefill_once_and_each_carries_them(server):
