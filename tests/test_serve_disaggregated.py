@@ -82,6 +82,9 @@ def test_greedy_completions_equal_colocated_ones(disaggregated, colocated):
     # Both sides hold no block: the prefill's staged KV went once the decode side took it.
     metrics = disaggregated.wait_idle()
     assert metrics["kv_cache_blocks_used"] == 0 and metrics["kv_cache_blocks"] == 2 * 8 * 512 // 16
+    # Without prefix caching the decode side has nothing to reuse: every block is pulled.
+    assert metrics["kv_remote_pulled_blocks_total"] >= 2 * len(PROMPTS)
+    assert metrics["kv_remote_hit_blocks_total"] == 0
 
 
 def test_a_first_token_that_ends_the_request_stays_on_the_prefill_side(disaggregated):
