@@ -1,7 +1,9 @@
 """The scheduler side of KV transfer, without workers: a request waiting for remote KV
 holds no other back and takes its blocks only when they are free, comes in with its
-remote tokens computed, and gives its blocks back only once its pull is over; a finished
-prefill's blocks are held until its KV is reported sent."""
+remote tokens computed, and gives its blocks back only once its pull is over; it reuses
+the leading blocks it finds in the prefix cache or the host tier and has only the rest
+pulled, and a failed pull frees only the rest; a finished prefill's blocks are held
+until its KV is reported sent."""
 
 from __future__ import annotations
 
