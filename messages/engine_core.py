@@ -172,6 +172,11 @@ class EngineCoreStats(msgspec.Struct, tag=True):
     num_host_stored_blocks: NonNegative = 0
     num_host_loaded_blocks: NonNegative = 0
     num_host_dropped_blocks: NonNegative = 0
+    # A disaggregated decode instance, since start, over the requests whose remote KV came
+    # in: their prompt blocks found here already (prefix cache or host tier), and those
+    # pulled from the prefill instance.
+    num_remote_hit_blocks: NonNegative = 0
+    num_remote_pulled_blocks: NonNegative = 0
 
 
 class EngineCoreOutputs(msgspec.Struct, tag=True, omit_defaults=True):

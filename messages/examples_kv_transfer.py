@@ -50,7 +50,8 @@ def pull_step(seed: int = 12) -> SchedulerOutput:
     a later step's output)."""
     rng = Stream(seed)
     remote = RemoteKV(req_id(9), 700, PREFILL_ADDRESSES)
-    load = KVLoad(req_id(9), _blocks(rng, 700), remote)
+    # Its first 12 blocks (a shared system prompt) are in this instance's prefix cache.
+    load = KVLoad(req_id(9), _blocks(rng, 700), remote, num_cached_blocks=12)
     # A load the engine gave up on after a failed step, cancelled before this one starts.
     metadata = KVConnectorMetadata(loads=[load], cancel_loads=[req_id(8)])
     return SchedulerOutput([], CachedRequestData.empty(), 0, kv_connector_metadata=metadata)

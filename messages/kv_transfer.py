@@ -65,13 +65,22 @@ class KVSave(msgspec.Struct, tag=True, frozen=True):
     num_tokens: Positive
 
 
-class KVLoad(msgspec.Struct, tag=True, frozen=True):
+class KVLoad(msgspec.Struct, tag=True, frozen=True, omit_defaults=True):
     """Pull remote's KV into block_ids (the request's blocks here, as many as remote's
-    tokens fill)."""
+    tokens fill). The first num_cached_blocks of them hold that KV already (prefix-cache
+    hits here): only the blocks after them are written."""
 
     req_id: str
     block_ids: np.ndarray  # int32
     remote: RemoteKV
+    num_cached_blocks: NonNegative = 0
+
+    def __post_init__(self) -> None:
+        if self.num_cached_blocks > len(self.block_ids):
+            raise ValueError(
+                f"KVLoad of {self.req_id!r}: num_cached_blocks {self.num_cached_blocks} "
+                f"over its {len(self.block_ids)} block_ids"
+            )
 
 
 class KVHostCopies(msgspec.Struct, tag=True, frozen=True):

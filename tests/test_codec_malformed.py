@@ -56,6 +56,14 @@ def nested_args(depth: int) -> bytes:
     return body(None)[:-1] + shell[:-1] + b"\x91" * depth + b"\xc0"
 
 
+def pull_step(num_cached_blocks: int) -> bytes:
+    """The golden pull step's body, its load saying num_cached_blocks of its 44 blocks
+    hold their KV already."""
+    version, request = msgspec.msgpack.decode(GOLDEN["request_kv_pull_step"][0])
+    request["args"][0]["kv_connector_metadata"]["loads"][0]["num_cached_blocks"] = num_cached_blocks
+    return body(request, version)
+
+
 HANDLES = inline((2,), struct.pack("<2i", 4, 9))
 BITMASK = inline((2, 1), struct.pack("<2i", -1, 7))
 DECODE_BODY = GOLDEN["request_decode_256"][0]
@@ -135,6 +143,10 @@ CASES = {
         "frame reference must be a 4-byte index",
     ),
     "nested too deep": ([nested_args(5000)], "recursion"),
+    "more cached blocks than blocks": (
+        [pull_step(45)],
+        "num_cached_blocks 45 over its 44 block_ids",
+    ),
 }
 
 
@@ -153,6 +165,8 @@ def test_the_hand_built_messages_are_otherwise_valid() -> None:
     assert isinstance(decoded, RpcRequest)
     assert decoded.args[0].req_handles.tolist() == [4, 9]
     assert decoded.args[0].grammar_bitmask.tolist() == [[3], [5]]
+    [load] = Decoder().decode([pull_step(44)]).args[0].kv_connector_metadata.loads
+    assert load.num_cached_blocks == len(load.block_ids) == 44
 
 
 def decodes_or_protocol_error(frames: list) -> None:

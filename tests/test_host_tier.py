@@ -72,6 +72,22 @@ def test_a_slot_the_step_reads_or_writes_is_not_taken_again_in_that_step():
     assert len(tier) == 0 and tier.find([H[1]]) == []
 
 
+def test_a_step_loads_a_slot_once():
+    """Two requests of one step that miss the device where the tier holds their prefix
+    (the first's loaded block is the step's own, no hit before the next step): the
+    second finds the slot missing, since the worker refuses a slot loaded twice."""
+    tier = HostKVTier(2)
+    tier.evicted(0, H[0])
+    tier.evicted(1, H[1])
+    tier.take_copies()
+    tier.new_step()
+    tier.load(tier.find([H[0], H[1]]), [5, 6])
+    assert tier.find([H[0]]) == [] and tier.find([H[1]]) == []
+    assert tier.take_copies().load_slots.tolist() == [0, 1]
+    tier.new_step()
+    assert tier.find([H[0]]) == [0]
+
+
 def test_a_tier_of_zero_is_no_tier_and_one_too_small_is_refused():
     spec = KVCacheSpec(4, 2, 8, "float32", ["a", "b"])  # 1 KiB per block over its layers
     assert make_host_tier(0, [spec]) is None

@@ -78,24 +78,33 @@ def names(outputs: list[KVConnectorOutput], what: str) -> list[str]:
     return [n for o in outputs for n in getattr(o, what)]
 
 
+@pytest.mark.parametrize("num_cached", [0, 2], ids=["all", "after-hits"])
 @pytest.mark.parametrize("shared_memory", [True, False], ids=["memfd", "tcp"])
-def test_staged_blocks_land_in_the_consumer_s_blocks(producer, shared_memory: bool) -> None:
+def test_staged_blocks_land_in_the_consumer_s_blocks(
+    producer, shared_memory: bool, num_cached: int
+) -> None:
+    """num_cached: the first blocks hold their KV on the consumer already (prefix-cache
+    hits there): they are left as they are."""
     side, kv, address = producer
-    req = f"r-{shared_memory}"
+    req = f"r-{shared_memory}-{num_cached}"
     source, dest = [3, 7, 1], [10, 2, 5]
     side.after_step(KVConnectorMetadata(saves=[KVSave(req, np.array(source, np.int32), 11)]))
     target = caches(12, seed=2)
+    before = [t.clone() for t in target]
     consumer = connector("consumer", target, 0, shared_memory=shared_memory)
     try:
-        load = KVLoad(req, np.array(dest, np.int32), RemoteKV(req, 11, [address]))
+        remote = RemoteKV(req, 11, [address])
+        load = KVLoad(req, np.array(dest, np.int32), remote, num_cached_blocks=num_cached)
         consumer.before_step(KVConnectorMetadata(loads=[load]))
         until(consumer, lambda outs: names(outs, "finished_recving") == [req])
         path = "memfd" if shared_memory else "tcp"
         assert consumer.puller.num_pulled == {"memfd": 0, "tcp": 0, path: 1}
     finally:
         consumer.shutdown()
+    kept, pulled = dest[:num_cached], dest[num_cached:]
     for layer in range(len(SPEC.layer_names)):
-        assert torch.equal(target[layer][:, dest], kv[layer][:, source])
+        assert torch.equal(target[layer][:, pulled], kv[layer][:, source[num_cached:]])
+        assert torch.equal(target[layer][:, kept], before[layer][:, kept])
     sent = until(side, lambda outs: req in names(outs, "finished_sending"))
     assert names(sent, "failed_recving") == []
 

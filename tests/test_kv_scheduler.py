@@ -1,7 +1,9 @@
 """The scheduler side of KV transfer, without workers: a request waiting for remote KV
 holds no other back and takes its blocks only when they are free, comes in with its
-remote tokens computed, and gives its blocks back only once its pull is over; a finished
-prefill's blocks are held until its KV is reported sent."""
+remote tokens computed, and gives its blocks back only once its pull is over; it reuses
+the leading blocks it finds in the prefix cache or the host tier and has only the rest
+pulled, and a failed pull frees only the rest; a finished prefill's blocks are held
+until its KV is reported sent."""
 
 from __future__ import annotations
 
@@ -16,11 +18,13 @@ from messages import (
     SchedulerOutput,
 )
 from zmqworker.engine.block_manager import KVBlockManager
+from zmqworker.engine.host_tier import HostKVTier
 from zmqworker.engine.kv_connector import KVConnectorScheduler
 from zmqworker.engine.request import RemotePrefill, Request, RequestStatus
 from zmqworker.engine.scheduler import Scheduler
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+PARAMS_ONE = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
 ADDRESS = "tcp://10.0.0.7:47000"
 
 
@@ -135,3 +139,87 @@ def test_after_a_failed_step_the_loads_under_way_are_cancelled_before_their_bloc
     s.update_from_output(step, answer(step))
     step = s.schedule()
     assert step.kv_connector_metadata is None  # cancelled once
+
+
+def caching_scheduler(num_blocks: int, tier: HostKVTier | None = None) -> Scheduler:
+    kv = KVBlockManager(num_blocks, block_size=4, enable_prefix_caching=True, host_tier=tier)
+    return Scheduler(kv, 8, 64, 24, kv_connector=KVConnectorScheduler(kv, []))
+
+
+def run_to_end(s: Scheduler, *requests: Request) -> list[list[int]]:
+    """requests computed here, to their end; each one's blocks while it ran."""
+    for request in requests:
+        s.add_request(request)
+    tables: list[list[int]] = [[] for _ in requests]
+    while s.has_unfinished_requests():
+        step = s.schedule()
+        for i, request in enumerate(requests):
+            tables[i] = s.kv.block_ids(request.req_id) or tables[i]
+        s.update_from_output(step, answer(step))
+    return tables
+
+
+SHARED = list(range(100, 108))  # two full blocks
+
+
+def test_a_remote_request_reuses_the_blocks_it_finds_cached_and_pulls_the_rest() -> None:
+    s = caching_scheduler(8)
+    [local] = run_to_end(s, Request("local", [*SHARED, 1, 2, 3], PARAMS))
+    prompt = [*SHARED, 9, 9, 9, 9, 5]
+    waiting = remote("r", prompt)
+    s.add_request(waiting)
+    step = s.schedule()
+    [load] = step.kv_connector_metadata.loads
+    assert load.num_cached_blocks == 2 and len(load.block_ids) == 4
+    assert load.block_ids[:2].tolist() == local[:2]  # referenced, as any prefix hit
+    assert [s.kv.ref_count(b) for b in load.block_ids] == [1, 1, 1, 1]
+    # Its third block is full but its KV not here yet: no other request finds it.
+    assert s.kv.get_computed_blocks("probe", [*prompt, 0])[0] == local[:2]
+    s.update_from_output(step, answer(step, KVConnectorOutput(finished_recving=["r"])))
+    connector = s.kv_connector
+    assert (connector.num_hit_blocks, connector.num_pulled_blocks) == (2, 2)
+    step = s.schedule()
+    [new] = step.scheduled_new_reqs
+    assert new.num_computed_tokens == len(prompt) and new.num_scheduled_tokens == 1
+    s.update_from_output(step, answer(step))
+    # Scheduled, it has its KV: its full blocks are the prefix cache's, from the next step.
+    s.kv.new_step()
+    found = s.kv.get_computed_blocks("probe2", [*prompt, 0])[0]
+    assert found == load.block_ids[:3].tolist()
+
+
+def test_a_failed_pull_frees_the_new_blocks_and_leaves_the_reused_ones_cached() -> None:
+    s = caching_scheduler(8)
+    [local] = run_to_end(s, Request("local", [*SHARED, 1, 2, 3], PARAMS))
+    assert s.kv.num_free_blocks == 8
+    s.add_request(remote("r", [*SHARED, 9, 9, 9, 9, 5]))
+    step = s.schedule()
+    [load] = step.kv_connector_metadata.loads
+    assert load.num_cached_blocks == 2 and s.kv.num_free_blocks == 4
+    failure = KVFailure("r", "KV of request 'r': refused")
+    changed = s.update_from_output(step, answer(step, KVConnectorOutput(failed_recving=[failure])))
+    assert [r.error for r in changed] == [failure.error]
+    assert s.kv.num_free_blocks == 8 and not s.has_unfinished_requests()
+    assert [s.kv.ref_count(b) for b in load.block_ids] == [0, 0, 0, 0]
+    assert s.kv.get_computed_blocks("probe", [*SHARED, 0])[0] == local[:2]
+    assert (s.kv_connector.num_hit_blocks, s.kv_connector.num_pulled_blocks) == (0, 0)
+
+
+def test_a_remote_request_reuses_a_host_tier_hit_loaded_in_the_step_that_orders_its_pull():
+    tier = HostKVTier(8)
+    s = caching_scheduler(6, tier)
+    run_to_end(s, Request("local", [*SHARED, 1, 2, 3], PARAMS))
+    # Twenty other tokens take five of the six blocks: the shared prefix's second block
+    # goes to the host tier, its first stays on the device.
+    run_to_end(s, Request("filler", list(range(20, 40)), PARAMS_ONE))
+    assert tier.num_stored >= 1
+    s.add_request(remote("r", [*SHARED, 9, 9, 9, 9, 5]))
+    step = s.schedule()
+    orders = step.kv_connector_metadata
+    [load] = orders.loads
+    assert load.num_cached_blocks == 2 and tier.num_loaded == 1
+    # The same step loads the tiered block into its second block, before its forward;
+    # the pull writes only the blocks after.
+    assert orders.host.load_blocks.tolist() == [load.block_ids[1]]
+    s.update_from_output(step, answer(step, KVConnectorOutput(finished_recving=["r"])))
+    assert (s.kv_connector.num_hit_blocks, s.kv_connector.num_pulled_blocks) == (2, 2)

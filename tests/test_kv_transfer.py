@@ -1,8 +1,9 @@
 """KV transfer between a prefill instance and a decode instance, each an engine core with
 its own worker process: greedy tokens equal a colocated engine's (prefix caching and
-chunked prefill on, and a decode side small enough to preempt), a pull from a dead or
-silent prefill fails its request by name with no block left held, and a peer without
-the deployment's keys gets nothing."""
+chunked prefill on, and a decode side small enough to preempt), a prompt whose leading
+blocks the decode side has cached pulls only the rest, a pull from a dead or silent
+prefill fails its request by name with no block left held, and a peer without the
+deployment's keys gets nothing."""
 
 from __future__ import annotations
 
@@ -41,6 +42,7 @@ PROMPTS = [
     [200, 201, 7, 7, 7, 7, 7, 7, 7, 7, 9],
 ]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+SHARED = list(range(100, 120))  # five blocks: a prefix two prompts share
 
 
 def free_port() -> int:
@@ -88,9 +90,11 @@ def free_blocks(core: EngineCore) -> int:
     return core.block_manager.num_free_blocks
 
 
-def run_colocated(core: EngineCore, params: SamplingParams = GREEDY) -> list[list[int]]:
-    """PROMPTS prefilled and decoded by core alone."""
-    requests = [Request(f"c{i}", p, params) for i, p in enumerate(PROMPTS)]
+def run_colocated(
+    core: EngineCore, params: SamplingParams = GREEDY, prompts: list[list[int]] = PROMPTS
+) -> list[list[int]]:
+    """prompts prefilled and decoded by core alone."""
+    requests = [Request(f"c{i}", p, params) for i, p in enumerate(prompts)]
     for request in requests:
         core.add_request(request)
     while core.has_work():
@@ -132,19 +136,59 @@ def test_the_threaded_router_gives_the_same_tokens(pair: DisaggregatedEngine) ->
     assert all(len(r.token_times) == len(r.token_ids) for r in results)
 
 
+def test_a_prompt_whose_prefix_the_decode_side_holds_pulls_only_the_rest(
+    pair: DisaggregatedEngine,
+) -> None:
+    decode, connector = pair.decode, pair.decode.kv_connector
+    first, second = [*SHARED, 1, 2, 3], [*SHARED, 7, 7, 7, 7, 8, 9]  # 5 full blocks shared
+    [colocated] = run_colocated(decode, prompts=[second])
+    decode.reset_prefix_cache()
+    assert pair.generate([first], GREEDY, timeout_s=300)[0].error is None
+    hits, pulled = connector.num_hit_blocks, connector.num_pulled_blocks
+    [result] = pair.generate([second], GREEDY, timeout_s=300)
+    assert (result.error, result.token_ids) == (None, colocated)
+    # Its 26 tokens fill 7 blocks: the 5 the first one left cached, 2 pulled.
+    assert (connector.num_hit_blocks - hits, connector.num_pulled_blocks - pulled) == (5, 2)
+    stats = decode.stats()
+    assert (stats.num_remote_hit_blocks, stats.num_remote_pulled_blocks) == (
+        connector.num_hit_blocks,
+        connector.num_pulled_blocks,
+    )
+    while pair.has_work():
+        pair.step()
+    assert free_blocks(decode) == decode.block_manager.num_blocks
+
+
+def test_the_in_process_router_refuses_prompt_logprobs(pair: DisaggregatedEngine) -> None:
+    """It returns none (served, the client gives the prefill side's)."""
+    asked = msgspec.structs.replace(GREEDY, prompt_logprobs=1)
+    with pytest.raises(ValueError, match="'pl': prompt_logprobs through the in-process"):
+        pair.add_request("pl", PROMPTS[0], asked)
+    assert "pl" not in pair.requests and not pair.has_work()
+
+
 def test_a_pull_nobody_answers_fails_the_request_and_frees_its_blocks(
     pair: DisaggregatedEngine,
 ) -> None:
-    decode = pair.decode
+    """Its prompt's first blocks are in the decode side's prefix cache: they are reused,
+    and stay cached after the failure; the blocks taken for the rest are freed."""
+    decode, kv = pair.decode, pair.decode.block_manager
+    run_colocated(decode, prompts=[[*SHARED, 1]])  # the shared prefix cached there
+    cached, _ = kv.get_computed_blocks("probe", [*SHARED, 0])
+    assert len(cached) == len(SHARED) // BLOCK
     dead = f"tcp://127.0.0.1:{free_port()}"  # nothing listens: as if the prefill died
-    remote = RemotePrefill(RemoteKV("gone", len(PROMPTS[0]), [dead]), first_token=3)
-    request = Request("orphan", PROMPTS[0], GREEDY, remote=remote)
+    prompt = [*SHARED, 5, 5, 5, 5, 5]
+    remote = RemotePrefill(RemoteKV("gone", len(prompt), [dead]), first_token=3)
+    request = Request("orphan", prompt, GREEDY, remote=remote)
     decode.add_request(request)
+    decode.step()
+    assert kv.block_ids("orphan")[: len(cached)] == cached  # reused, not pulled
     while decode.has_work():
         decode.step()
     assert request.is_finished and request.finish_reason.value == "abort"
     assert request.error is not None and "'orphan'" in request.error and dead in request.error
     assert free_blocks(decode) == decode.block_manager.num_blocks
+    assert kv.get_computed_blocks("probe", [*SHARED, 0])[0] == cached
 
 
 def test_a_peer_without_the_keys_gets_no_blocks(pair: DisaggregatedEngine) -> None:

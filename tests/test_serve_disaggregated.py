@@ -1,9 +1,9 @@
 """zmqworker serve --disaggregate on the embedded model, called as users call it (the
 official openai client): greedy completions through a prefill and a decode instance
 equal those of the colocated server test_serve.py shares (or one of this file's own),
-whole and streamed; no KV block stays held on either side; and a killed prefill
-instance fails the requests it held, naming it, and stops the whole server. One
-disaggregated server for the file: the last test kills it."""
+whole and streamed, and prompt logprobs (the prefill's); no KV block stays held on
+either side; and a killed prefill instance fails the requests it held, naming it, and
+stops the whole server. One disaggregated server for the file: the last test kills it."""
 
 from __future__ import annotations
 
@@ -82,6 +82,9 @@ def test_greedy_completions_equal_colocated_ones(disaggregated, colocated):
     # Both sides hold no block: the prefill's staged KV went once the decode side took it.
     metrics = disaggregated.wait_idle()
     assert metrics["kv_cache_blocks_used"] == 0 and metrics["kv_cache_blocks"] == 2 * 8 * 512 // 16
+    # Without prefix caching the decode side has nothing to reuse: every block is pulled.
+    assert metrics["kv_remote_pulled_blocks_total"] >= 2 * len(PROMPTS)
+    assert metrics["kv_remote_hit_blocks_total"] == 0
 
 
 def test_a_first_token_that_ends_the_request_stays_on_the_prefill_side(disaggregated):
@@ -90,6 +93,30 @@ def test_a_first_token_that_ends_the_request_stays_on_the_prefill_side(disaggreg
         model=MODEL, prompt="The capital of France is", max_tokens=1, temperature=0
     ).choices
     assert one.text == " Paris" and one.finish_reason == "length"
+    assert disaggregated.wait_idle()["kv_cache_blocks_used"] == 0
+
+
+def test_prompt_logprobs_come_from_the_prefill_side(disaggregated, colocated):
+    """The decode side never computes the prompt: asked for, the prompt logprobs are the
+    prefill's, equal to a colocated server's, and the completion is the one without."""
+    args = dict(model=MODEL, prompt=PROMPTS[0], max_tokens=4, temperature=0)
+    asked = {"prompt_logprobs": 2}
+    [expected] = (
+        colocated.client(max_retries=0).completions.create(**args, extra_body=asked).choices
+    )
+    client = disaggregated.client(max_retries=0)
+    [got] = client.completions.create(**args, extra_body=asked).choices
+    [plain] = client.completions.create(**args).choices
+    assert got.text == plain.text == expected.text
+    assert plain.model_extra.get("prompt_logprobs") is None
+    mine, theirs = got.model_extra["prompt_logprobs"], expected.model_extra["prompt_logprobs"]
+    assert len(mine) == len(theirs) > 1 and mine[0] is None and theirs[0] is None
+    for position, reference in zip(mine[1:], theirs[1:], strict=True):
+        assert {t: e["rank"] for t, e in position.items()} == {
+            t: e["rank"] for t, e in reference.items()
+        }
+        logprobs = [e["logprob"] for e in reference.values()]
+        assert [e["logprob"] for e in position.values()] == pytest.approx(logprobs, abs=1e-4)
     assert disaggregated.wait_idle()["kv_cache_blocks_used"] == 0
 
 

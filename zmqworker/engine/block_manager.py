@@ -186,15 +186,26 @@ class KVBlockManager:
             self._register_full_blocks(req_id, token_ids, num_full)
         return new_blocks
 
-    def allocate_pending(self, req_id: str, num_tokens: int) -> bool:
-        """Blocks for the first num_tokens tokens of a request holding none, whose KV is
-        yet to arrive (from another instance): not registered for prefix caching, so no
-        other request reads them before it has; allocate_slots registers them later, once
-        they are computed. False (changing nothing) when there are not enough."""
+    def allocate_pending(self, req_id: str, token_ids: Sequence[int]) -> int | None:
+        """Blocks for token_ids, the prompt of a request holding none whose KV is to come
+        from another instance; how many leading blocks hold that KV here already, or None
+        (changing nothing) when there are not enough blocks. Those are the prefix cache's
+        hits (referenced as any hit) and the host tier's after them (loaded back by the
+        step being built), a token short of the prompt at most, as for any prefix hit.
+        The blocks after them are not registered for prefix caching, so no other request
+        reads them before their KV has come; allocate_slots registers them once the
+        request is scheduled."""
         if req_id in self._tables:
             raise ValueError(f"{req_id}: already holds blocks")
-        blocks = self.allocate_slots(req_id, (), 0, num_tokens, num_placeholders=num_tokens)
-        return blocks is not None
+        hits, _ = self.get_computed_blocks(req_id, token_ids)
+        host_slots = self.get_host_hits(req_id, token_ids, len(hits))
+        num_cached = len(hits) + len(host_slots)
+        num_hit = num_cached * self.block_size
+        num_tokens = len(token_ids)
+        blocks = self.allocate_slots(
+            req_id, (), num_hit, num_tokens - num_hit, hits, num_tokens, host_slots
+        )
+        return None if blocks is None else num_cached
 
     def free(self, req_id: str) -> None:
         """Release every block of req_id. Cached blocks stay findable until reused; the

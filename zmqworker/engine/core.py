@@ -255,7 +255,7 @@ class EngineCore:
         """Requests and KV cache blocks now."""
         kv = self.block_manager
         compiling = len(self.structured) if self.structured else 0
-        tier = kv.host_tier
+        tier, connector = kv.host_tier, self.kv_connector
         return EngineCoreStats(
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting) + compiling,
@@ -269,6 +269,8 @@ class EngineCore:
             num_host_stored_blocks=tier.num_stored if tier else 0,
             num_host_loaded_blocks=tier.num_loaded if tier else 0,
             num_host_dropped_blocks=tier.num_dropped if tier else 0,
+            num_remote_hit_blocks=connector.num_hit_blocks if connector else 0,
+            num_remote_pulled_blocks=connector.num_pulled_blocks if connector else 0,
         )
 
     def check_health(self, timeout: float = 10.0) -> None:

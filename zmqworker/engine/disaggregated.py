@@ -80,8 +80,7 @@ class DisaggregatedEngine:
         params: SamplingParams,
         eos_token_ids: Iterable[int] = (),
     ) -> None:
-        if req_id in self.requests:
-            raise ValueError(f"request id {req_id!r} is already in the router")
+        check_routed(req_id, params, self.requests)
         eos = list(eos_token_ids)
         request = Request(req_id, prompt_token_ids, params, eos_token_ids=eos, remote_decode=True)
         self.prefill.add_request(request)
@@ -140,6 +139,17 @@ class DisaggregatedEngine:
         finish = None if goes_on or reason is None else reason.value
         routed.update(request.output_token_ids, finish, request.error)
         return routed
+
+
+def check_routed(req_id: str, params: SamplingParams, requests: dict) -> None:
+    """A request an in-process router takes (ValueError naming what it cannot)."""
+    if req_id in requests:
+        raise ValueError(f"request id {req_id!r} is already in the router")
+    if params.prompt_logprobs is not None:
+        raise ValueError(
+            f"request {req_id!r}: prompt_logprobs through the in-process router, which "
+            "returns none (serve --disaggregate gives the prefill side's)"
+        )
 
 
 class Router(Protocol):

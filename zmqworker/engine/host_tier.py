@@ -74,11 +74,14 @@ class HostKVTier:
 
     def find(self, hashes: Sequence[bytes]) -> list[int]:
         """The slots of the leading hashes the tier holds (none past the first miss),
-        made the most recently used and kept from reuse in the step being built."""
+        made the most recently used and kept from reuse in the step being built. A slot
+        the step loads already (into another request's block, which is no prefix-cache
+        hit before the next step) counts as a miss: a step loads each slot once."""
+        loading = {slot for slot, _ in self._loads}
         slots = []
         for block_hash in hashes:
             slot = self._slot_of.get(block_hash)
-            if slot is None:
+            if slot is None or slot in loading:
                 break
             self._slot_of.move_to_end(block_hash)
             self._busy.add(slot)

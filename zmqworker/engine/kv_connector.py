@@ -9,8 +9,10 @@ them sent (pulled, or expired unpulled after the timeout).
 Decode side: a request with remote KV waits in a state of its own, outside the waiting
 queue, so it never holds other requests back: once blocks for its remote tokens are
 free, a step orders the pull (KVLoad); once the workers report the KV in, it joins the
-front of the waiting queue with those tokens computed. A failed pull finishes it with
-an error naming it, and its blocks go.
+front of the waiting queue with those tokens computed. The leading blocks its prompt
+finds in the prefix cache (or the host tier) here are reused, not pulled
+(KVLoad.num_cached_blocks). A failed pull finishes it with an error naming it, and its
+blocks go: the reused ones stay cached.
 
 A step's orders (step_orders) also carry the host tier's copies (host_tier.py).
 """
@@ -42,13 +44,18 @@ class KVConnectorScheduler:
         self.kv = block_manager
         self.addresses = addresses
         self._to_load: dict[str, Request] = {}  # waiting for blocks, in arrival order
-        self._loading: dict[str, Request] = {}  # pull ordered, not reported yet
+        # Pull ordered, not reported yet: the request and its load.
+        self._loading: dict[str, tuple[Request, KVLoad]] = {}
         self._sending: dict[str, Request] = {}  # staged (or to stage), blocks held
         self._aborted: set[str] = set()  # loading when aborted: freed once reported
         self._saves: list[KVSave] = []
         self._loads: list[KVLoad] = []
         self._cancels: list[str] = []  # loads given up on: the next step tells the workers
         self.num_loaded = 0  # requests whose remote KV came in, since start
+        # Since start, over the loads that came in: the blocks that held their KV here
+        # already (prefix-cache or host-tier hits), and those pulled.
+        self.num_hit_blocks = 0
+        self.num_pulled_blocks = 0
 
     @classmethod
     def of(
@@ -104,12 +111,14 @@ class KVConnectorScheduler:
         for req_id, request in list(self._to_load.items()):
             remote = request.remote
             assert remote is not None
-            if not self.kv.allocate_pending(req_id, remote.kv.num_tokens):
+            num_cached = self.kv.allocate_pending(req_id, request.prompt_token_ids)
+            if num_cached is None:
                 break  # in arrival order: a later one waits behind this one for blocks
             del self._to_load[req_id]
-            self._loading[req_id] = request
             blocks = np.array(self.kv.block_ids(req_id), np.int32)
-            self._loads.append(KVLoad(req_id, blocks, remote.kv))
+            load = KVLoad(req_id, blocks, remote.kv, num_cached)
+            self._loading[req_id] = (request, load)
+            self._loads.append(load)
         if not (self._saves or self._loads or self._cancels):
             return None
         metadata = KVConnectorMetadata(
@@ -130,23 +139,27 @@ class KVConnectorScheduler:
             if request is not None:
                 self.kv.free(req_id)
         for req_id in output.finished_recving:
-            request = self._loading.pop(req_id, None)
-            if request is None:
+            entry = self._loading.pop(req_id, None)
+            if entry is None:
                 continue
             if req_id in self._aborted:
                 self._aborted.discard(req_id)
                 self.kv.free(req_id)
                 continue
+            request, load = entry
             assert request.remote is not None
             self.num_loaded += 1
+            self.num_hit_blocks += load.num_cached_blocks
+            self.num_pulled_blocks += len(load.block_ids) - load.num_cached_blocks
             request.num_loaded_tokens = request.remote.kv.num_tokens
             request.status = RequestStatus.WAITING
             requeue(request)
         for failure in output.failed_recving:
-            request = self._loading.pop(failure.req_id, None)
-            if request is None:
+            entry = self._loading.pop(failure.req_id, None)
+            if entry is None:
                 continue
-            self.kv.free(failure.req_id)
+            request = entry[0]
+            self.kv.free(failure.req_id)  # the reused blocks stay cached
             was_aborted = failure.req_id in self._aborted
             self._aborted.discard(failure.req_id)
             if not was_aborted:
@@ -163,7 +176,7 @@ class KVConnectorScheduler:
         step runs: their blocks may go to other requests at once."""
         for req_id in self._sending:
             self.kv.free(req_id)
-        waiting = [*self._to_load.values(), *self._loading.values()]
+        waiting = [*self._to_load.values(), *(r for r, _ in self._loading.values())]
         self._cancels = [*self._cancels, *self._loading]
         self._to_load.clear()
         self._loading.clear()

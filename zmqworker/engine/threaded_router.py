@@ -12,7 +12,12 @@ from collections.abc import Iterable, Sequence
 from messages import SamplingParams
 from zmqworker.engine.core import EngineCore
 from zmqworker.engine.core_loop import CoreLoop, Snapshot
-from zmqworker.engine.disaggregated import DisaggregatedEngine, RoutedRequest, run_to_end
+from zmqworker.engine.disaggregated import (
+    DisaggregatedEngine,
+    RoutedRequest,
+    check_routed,
+    run_to_end,
+)
 from zmqworker.engine.request import RemotePrefill, Request
 
 PREFILL, DECODE = "prefill", "decode"
@@ -46,8 +51,7 @@ class ThreadedRouter:
         params: SamplingParams,
         eos_token_ids: Iterable[int] = (),
     ) -> None:
-        if req_id in self.requests:
-            raise ValueError(f"request id {req_id!r} is already in the router")
+        check_routed(req_id, params, self.requests)
         prompt, eos = list(prompt_token_ids), list(eos_token_ids)
         request = Request(req_id, prompt, params, eos_token_ids=eos, remote_decode=True)
         self.requests[req_id] = RoutedRequest(req_id)

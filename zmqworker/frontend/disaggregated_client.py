@@ -114,8 +114,11 @@ class DisaggregatedClient(EngineCoreClient):
             return request_id
         at = index if msg.token_offsets is None else int(msg.token_offsets[index])
         params = KVTransferParams(remote=kv, first_token=int(msg.new_token_ids[at]))
+        # Prompt logprobs came with the prefill's first output: the decode side never
+        # computes the prompt, and refuses a request that asks for them.
+        sampling = msgspec.structs.replace(request.sampling_params, prompt_logprobs=None)
         decode = msgspec.structs.replace(
-            request, kv_transfer_params=params, shares_prompt_with=None
+            request, sampling_params=sampling, kv_transfer_params=params, shares_prompt_with=None
         )
         self._send_request(self.engines[DECODE], decode)
         self._awaiting_kv.add(request_id)

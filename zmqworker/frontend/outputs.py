@@ -92,6 +92,9 @@ class EngineStats(msgspec.Struct, frozen=True):
     num_host_stored_blocks: int = 0
     num_host_loaded_blocks: int = 0
     num_host_dropped_blocks: int = 0
+    # A disaggregated decode side's prompt blocks reused and pulled (EngineCoreStats)
+    num_remote_hit_blocks: int = 0
+    num_remote_pulled_blocks: int = 0
     per_engine: list[EngineCoreStats] = []
 
     @classmethod

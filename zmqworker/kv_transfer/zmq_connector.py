@@ -6,7 +6,10 @@ the KV must land (its own block ids, allocated when it takes the request) and wh
 has room, so the prefill side never holds a peer's block ids or waits on its memory; the
 prefill side only keeps what it computed until it is taken or times out. Over tcp the
 staged bytes travel as one zero-copy frame; on one host the puller maps the prefill's
-memfd and copies straight into its cache.
+memfd and copies straight into its cache. A load's first num_cached_blocks blocks hold
+their KV already (prefix-cache hits on the decode side): only the rest is copied in, and
+over a memfd only that part of the staged KV is read (over tcp the whole staged prompt
+still travels).
 """
 
 from __future__ import annotations
@@ -168,8 +171,9 @@ class ZmqKVConnector(KVConnector):
         load = arrived.load
         try:
             staged = view_staged(arrived.buffer, self.layout, len(load.block_ids))
-            ids = torch.from_numpy(np.asarray(load.block_ids, np.int64))
-            scatter(self.kv_caches(), ids, staged)
+            start = load.num_cached_blocks  # the blocks before it hold their KV here
+            ids = torch.from_numpy(np.asarray(load.block_ids[start:], np.int64))
+            scatter(self.kv_caches(), ids, staged[:, :, start:])
             del staged
         finally:
             arrived.release()

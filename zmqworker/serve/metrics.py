@@ -141,6 +141,16 @@ class _EngineCollector:
                 "evicted blocks the full host KV tier dropped",
                 stats.num_host_dropped_blocks,
             ),
+            (
+                "kv_remote_hit_blocks",
+                "prompt blocks of remote-KV requests found in the decode side's cache",
+                stats.num_remote_hit_blocks,
+            ),
+            (
+                "kv_remote_pulled_blocks",
+                "prompt blocks of remote-KV requests pulled from the prefill side",
+                stats.num_remote_pulled_blocks,
+            ),
         ):
             yield CounterMetricFamily(f"zmqworker:{name}", doc, value=value)
         for name, doc, value in (
