@@ -3,7 +3,8 @@
 # and msgspec carried as wheels in .whl/): the Triton kernel tests, the other CUDA tests,
 # bench.gpu_decode, then bench.end_to_end_cuda (e2e); live weights and sleep (weights: their
 # CUDA tests, bench.weight_update and bench.sleep on Llama-3-8B's shape) and KV transfer with
-# the host tier's copies (kv: bench.kv_transfer), when asked for.
+# the host tier's copies (kv: the disaggregated pair's tests and bench.kv_transfer), when
+# asked for.
 #   bench/run_on_gpu.sh OUT_DIR [kernels,tests,bench,e2e,weights,kv] [bench.gpu_decode options...]
 # Logs and the benchmark's JSON land in OUT_DIR.
 set -uo pipefail
@@ -42,6 +43,7 @@ if [[ $what == *,e2e,* ]]; then
         2>&1 | tee "$out/e2e.log" | grep -v Warning
 fi
 if [[ $what == *,kv,* ]]; then
+    run_tests kv tests/test_kv_transfer.py tests/test_host_tier_e2e.py
     timeout 300 python3 -m bench.kv_transfer --device cuda --out "$out/kv_transfer_cuda.json" \
         2>&1 | tee "$out/kv.log" | grep -v Warning
 fi

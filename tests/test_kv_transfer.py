@@ -7,6 +7,7 @@ deployment's keys gets nothing."""
 
 from __future__ import annotations
 
+import os
 import socket
 from collections.abc import Iterator
 
@@ -43,6 +44,8 @@ PROMPTS = [
 ]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 SHARED = list(range(100, 120))  # five blocks: a prefix two prompts share
+# bench/run_on_gpu.sh runs these on CUDA too (ZMQWORKER_TEST_DEVICE=cuda).
+DEVICE = os.environ.get("ZMQWORKER_TEST_DEVICE", "cpu")
 
 
 def free_port() -> int:
@@ -57,7 +60,7 @@ def worker_config(num_blocks: int, batched_tokens: int = 256) -> WorkerConfig:
     return WorkerConfig(
         model=ModelConfig(path=path, max_model_len=MAX_MODEL_LEN),
         cache=CacheConfig(block_size=BLOCK, kv_cache_bytes=num_blocks * 2 * page),
-        device=DeviceConfig(device="cpu", num_threads=1),
+        device=DeviceConfig(device=DEVICE, num_threads=1),
         scheduler=SchedulerConfig(
             max_num_seqs=8, max_num_batched_tokens=batched_tokens, warmup_batch_sizes=[1]
         ),
