@@ -214,9 +214,11 @@ def test_triton_path_eager_decode_and_preempted_request_resumes() -> None:
     assert tokens == hf_greedy(path, tuple(prompt), 4)
 
 
-def test_token_feed_skips_a_row_taken_by_another_request() -> None:
-    """A finishes right after a sample; B takes its batch row in the next step with a
-    prompt that covers the sample's position: B's prompt token must stay B's."""
+@pytest.mark.parametrize("reused_handle", [False, True])
+def test_token_feed_skips_a_row_taken_by_another_request(reused_handle: bool) -> None:
+    """A finishes right after a sample; B takes its batch row with a prompt that covers
+    the sample's position: B's prompt token must stay B's. The engine hands a dropped
+    handle out again once the step that dropped it is back: then B has A's handle too."""
     path = small_checkpoint("llama")
     runner = make_runner(
         path, max_seqs=2, max_tokens=STEP_TOKENS, kernels="triton", enforce_eager=True
@@ -226,12 +228,17 @@ def test_token_feed_skips_a_row_taken_by_another_request() -> None:
         "a", 1, np.array([5, 6, 7, 8, 9], np.int32), GREEDY, np.arange(2, dtype=np.int32), 5
     )
     pipeline.step(SchedulerOutput([a], CachedRequestData.empty(), 5))
+    dropped = [1]
+    if reused_handle:  # A dropped by a step of its own
+        runner.execute_model(SchedulerOutput([], CachedRequestData.empty(), 0, dropped))
+        dropped = []
     prompt = list(range(40, 52))
+    handle = 1 if reused_handle else 2
     b = NewRequestData(
-        "b", 2, np.array(prompt, np.int32), GREEDY, np.arange(2, 5, dtype=np.int32), 12
+        "b", handle, np.array(prompt, np.int32), GREEDY, np.arange(2, 5, dtype=np.int32), 12
     )
-    out = pipeline.step(SchedulerOutput([b], CachedRequestData.empty(), 12, [1]))
-    assert runner.batch.row_of[2] == 0  # the row A had
+    out = pipeline.step(SchedulerOutput([b], CachedRequestData.empty(), 12, dropped))
+    assert runner.batch.row_of[handle] == 0  # the row A had
     assert int(out.sampled_token_ids[0]) == hf_greedy(path, tuple(prompt), 1)[0]
 
 

@@ -72,6 +72,9 @@ class InputBatch:
         self.block_table = np.zeros((max_num_seqs, self.max_blocks_per_req), np.int32)
         self.num_blocks = np.zeros(max_num_seqs, np.int32)
         self.handles = np.full(max_num_seqs, -1, np.int32)
+        # How often each row has been taken: what tells a sample's request from a later
+        # one in its row (the engine hands a dropped handle out again).
+        self.tenures = np.zeros(max_num_seqs, np.int64)
         self.req_ids: list[str | None] = [None] * max_num_seqs
         self.params: list[SamplingParams | None] = [None] * max_num_seqs
         self.eos_token_ids: list[list[int]] = [[] for _ in range(max_num_seqs)]
@@ -256,6 +259,7 @@ class InputBatch:
         row = heapq.heappop(self._free_rows)
         self.row_of[handle] = row
         self.handles[row] = handle
+        self.tenures[row] += 1
         self.last_sampled[row] = -1
         self.req_ids[row] = req_id
         return row

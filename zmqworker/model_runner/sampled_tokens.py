@@ -28,7 +28,7 @@ class Samples:
 
     rows: np.ndarray  # int64 [n]
     positions: np.ndarray  # int32 [n]
-    handles: np.ndarray  # int32 [n]: the rows' requests, to tell a reused row
+    tenures: np.ndarray  # int64 [n]: the rows' InputBatch.tenures, to tell a reused row
     host_ids: torch.Tensor  # int32 [n], pinned on CUDA
     event: torch.cuda.Event | None  # recorded after the host copy; None: already there
     written: bool = False  # in the token table
@@ -62,18 +62,21 @@ def record_samples(
 ) -> Samples:
     """Claim each row's next position for its sample; the ids follow (write_samples)."""
     positions = batch.claim_positions(rows)
-    return Samples(rows, positions, batch.handles[rows].copy(), host_ids, event)
+    return Samples(rows, positions, batch.tenures[rows].copy(), host_ids, event)
 
 
 def write_samples(batch: InputBatch, samples: Samples | None, wait: bool) -> None:
-    """Put the samples into the token table once their copy has landed (or wait for it)."""
+    """Put the samples into the token table once their copy has landed (or wait for it),
+    in the rows that still hold their request (another's prompt may be there now)."""
     if samples is None or samples.written:
         return
     if samples.event is not None:
         if not wait and not samples.event.query():
             return
         samples.event.synchronize()
-    batch.token_ids[samples.rows, samples.positions] = samples.host_ids.numpy()
+    held = _held(batch, samples)
+    ids = samples.host_ids.numpy()
+    batch.token_ids[samples.rows[held], samples.positions[held]] = ids[held]
     samples.written = True
 
 
@@ -82,8 +85,13 @@ def token_feed(batch: InputBatch, samples: Samples | None) -> TokenFeed | None:
     request since must not be fed the old request's token)."""
     if samples is None:
         return None
-    same = batch.handles[samples.rows] == samples.handles
+    same = _held(batch, samples)
     if not same.any():
         return None
     index = np.flatnonzero(same)
     return TokenFeed(samples.rows[index], samples.positions[index], index)
+
+
+def _held(batch: InputBatch, samples: Samples) -> np.ndarray:
+    """bool [n]: the sample's row still holds the request it sampled for."""
+    return batch.tenures[samples.rows] == samples.tenures
