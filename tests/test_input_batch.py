@@ -23,6 +23,7 @@ from zmqworker.attention.decode import AttentionGeometry
 from zmqworker.attention.workspace import GatherWorkspace
 from zmqworker.cdiv import cdiv
 from zmqworker.model_runner.input_batch import InputBatch
+from zmqworker.model_runner.sampled_tokens import record_samples, token_feed, write_samples
 from zmqworker.model_runner.step_inputs import StepInputBuilder
 
 BLOCK = 4
@@ -314,6 +315,19 @@ def test_finished_request_frees_its_row_for_a_new_one() -> None:
     batch.update(step([new_req(100, [4], [20], 1)], finished=[3, 12345]))
     assert batch.row_of[100] == freed and 3 not in batch.row_of
     assert batch.req_ids[freed] == "req-100"
+
+
+def test_a_late_sample_is_not_written_over_the_next_request_of_its_row() -> None:
+    """The sample of a request that finished lands after another took its row, under
+    the same handle (the engine reuses dropped handles): the newcomer's prompt stays."""
+    batch = make_batch()
+    batch.update(step([new_req(0, [1, 2, 3], [0], 3)]))
+    samples = record_samples(batch, np.array([0]), torch.tensor([99], dtype=torch.int32), None)
+    batch.update(step(finished=[0]))
+    batch.update(step([new_req(0, [7, 8, 9, 10, 11], [1, 2], 5)]))
+    write_samples(batch, samples, wait=True)
+    assert batch.tokens_of(0).tolist() == [7, 8, 9, 10, 11]
+    assert token_feed(batch, samples) is None
 
 
 def test_preempted_request_resumes_with_a_replaced_block_table() -> None:
