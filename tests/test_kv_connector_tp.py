@@ -1,0 +1,84 @@
+"""The ZeroMQ KV connector between sides of different tensor parallel sizes, in one
+process over real sockets: each decode rank's cache ends up with the heads the model's
+head rule gives it, taken from the prefill ranks that hold them, through the memfd and
+over tcp; a prefill rank's staged KV goes once every decode rank that reads it (or only
+releases it, a replica nobody reads) is done, not at the timeout."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import ExitStack
+
+import numpy as np
+import pytest
+import torch
+
+from messages import KVCacheSpec
+from messages.kv_transfer import KVConnectorMetadata, KVLoad, KVSave, KVTransferConfig, RemoteKV
+from tests.test_kv_connector import KEYS, free_port, names, until
+from zmqworker.kv_transfer.zmq_connector import ZmqKVConnector
+from zmqworker.models.llama import kv_heads_of_rank
+
+pytestmark = pytest.mark.filterwarnings("ignore:The given buffer is not writable")
+BLOCK, HEAD, SLOTS = 4, 8, 32  # block size, head size, block size x head size
+TIMEOUT_S = 20.0  # far above the test's run: a staged KV that went, went on KVDone
+
+
+def model_cache(num_kv_heads: int, num_blocks: int) -> list[torch.Tensor]:
+    """The whole model's cache (all heads), two layers, random."""
+    g = torch.Generator().manual_seed(num_kv_heads)
+    return [torch.randn(2, num_blocks, num_kv_heads, SLOTS, generator=g) for _ in range(2)]
+
+
+def side(role: str, kv: list[torch.Tensor], heads: int, rank: int, tp: int, **kw):
+    spec = KVCacheSpec(BLOCK, kv[0].shape[2], HEAD, "float32", ["a", "b"])
+    config = KVTransferConfig(role=role, timeout_s=TIMEOUT_S, **kw)
+    return ZmqKVConnector(config, lambda: kv, spec, rank, tp, KEYS, num_kv_heads=heads)
+
+
+def rank_slice(kv: list[torch.Tensor], heads: int, rank: int, tp: int) -> list[torch.Tensor]:
+    per_rank, first = kv_heads_of_rank(heads, tp, rank)
+    return [layer[:, :, first : first + per_rank].clone() for layer in kv]
+
+
+@pytest.fixture
+def stack() -> Iterator[ExitStack]:
+    with ExitStack() as s:
+        yield s
+
+
+@pytest.mark.parametrize("shared_memory", [True, False], ids=["memfd", "tcp"])
+@pytest.mark.parametrize(
+    ("heads", "prefill_tp", "decode_tp"),
+    [(4, 2, 1), (4, 1, 2), (4, 2, 4), (4, 4, 2), (1, 2, 1), (1, 1, 2), (2, 4, 1)],
+)
+def test_each_decode_rank_gets_its_heads(
+    stack: ExitStack, heads: int, prefill_tp: int, decode_tp: int, shared_memory: bool
+) -> None:
+    whole = model_cache(heads, 8)
+    source, dest = [3, 6], [1, 4]
+    addresses, producers = [], []
+    for p in range(prefill_tp):
+        port = free_port()  # rank p binds the config's port + p
+        kv = rank_slice(whole, heads, p, prefill_tp)
+        producer = side("producer", kv, heads, p, prefill_tp, port=port - p)
+        stack.callback(producer.shutdown)
+        producer.after_step(KVConnectorMetadata(saves=[KVSave("r", np.array(source), 7)]))
+        addresses.append(f"tcp://127.0.0.1:{port}")
+        producers.append(producer)
+    targets = []
+    for d in range(decode_tp):
+        per_rank = kv_heads_of_rank(heads, decode_tp, d)[0]
+        target = [torch.zeros(2, 6, per_rank, SLOTS) for _ in range(2)]
+        consumer = side("consumer", target, heads, d, decode_tp, shared_memory=shared_memory)
+        stack.callback(consumer.shutdown)
+        load = KVLoad("r", np.array(dest, np.int32), RemoteKV("r", 7, addresses))
+        consumer.before_step(KVConnectorMetadata(loads=[load]))
+        until(consumer, lambda outs: names(outs, "finished_recving") == ["r"])
+        targets.append(target)
+    for d, target in enumerate(targets):
+        want = rank_slice(whole, heads, d, decode_tp)
+        for layer in range(2):
+            assert torch.equal(target[layer][:, dest], want[layer][:, source])
+    for producer in producers:  # every prefill rank let it go once its readers were done
+        assert names(until(producer, bool, timeout=5.0), "finished_sending") == ["r"]
