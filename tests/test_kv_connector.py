@@ -1,7 +1,8 @@
 """The ZeroMQ KV connector's two sides in one process, over real sockets, on small
 caches: blocks staged by a producer land byte for byte in other block ids of a consumer,
 through the memfd (same host) and over tcp; a layout, or a tp size whose heads cannot
-map, fails the load by name (tests/test_kv_connector_tp.py: sizes that map); staged KV nobody pulls expires and is reported sent."""
+map, fails the load by name (tests/test_kv_connector_tp.py: sizes that map); staged KV
+nobody pulls expires and is reported sent."""
 
 from __future__ import annotations
 
