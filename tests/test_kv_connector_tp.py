@@ -82,3 +82,27 @@ def test_each_decode_rank_gets_its_heads(
             assert torch.equal(target[layer][:, dest], want[layer][:, source])
     for producer in producers:  # every prefill rank let it go once its readers were done
         assert names(until(producer, bool, timeout=5.0), "finished_sending") == ["r"]
+
+
+def test_a_prefill_rank_that_never_answers_fails_the_load_by_name(stack: ExitStack) -> None:
+    """2 -> 1 with prefill rank 1 gone: the load fails naming its address; rank 0's piece
+    is still told done, so rank 0 lets its staged KV go."""
+    whole = model_cache(4, 8)
+    port, gone = free_port(), free_port()
+    producer = side("producer", rank_slice(whole, 4, 0, 2), 4, 0, 2, port=port)
+    stack.callback(producer.shutdown)
+    producer.after_step(KVConnectorMetadata(saves=[KVSave("r", np.array([2]), 3)]))
+    target = [torch.zeros(2, 4, 4, SLOTS) for _ in range(2)]
+    spec = KVCacheSpec(BLOCK, 4, HEAD, "float32", ["a", "b"])
+    config = KVTransferConfig(role="consumer", timeout_s=0.5)
+    consumer = ZmqKVConnector(config, lambda: target, spec, 0, 1, KEYS, num_kv_heads=4)
+    stack.callback(consumer.shutdown)
+    addresses = [f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{gone}"]
+    load = KVLoad("r", np.array([1], np.int32), RemoteKV("r", 3, addresses))
+    consumer.before_step(KVConnectorMetadata(loads=[load]))
+    outs = until(consumer, lambda outs: bool(names(outs, "failed_recving")))
+    assert names(outs, "finished_recving") == []
+    [failure] = names(outs, "failed_recving")
+    assert failure.req_id == "r" and f":{gone}" in failure.error
+    assert names(until(producer, bool, timeout=5.0), "finished_sending") == ["r"]
+    assert consumer._loading == {} and consumer._pieces_left == {}
