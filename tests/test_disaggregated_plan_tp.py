@@ -9,6 +9,8 @@ import inspect
 import pytest
 
 from tests.tiny import cached_tiny_checkpoint
+from zmqworker.cli import build_parser
+from zmqworker.cli import serve as serve_cli
 from zmqworker.frontend.disaggregated_client import DECODE, PREFILL
 from zmqworker.frontend.disaggregated_plan import DisaggregatedPlan
 from zmqworker.frontend.engine_plan import EnginePlan
@@ -40,3 +42,10 @@ def test_a_decode_size_the_model_cannot_take_is_refused_by_name() -> None:
         DisaggregatedPlan.of(plan(2), decode_tp=3)
     with pytest.raises(ValueError, match="decode tensor parallel size must be >= 1"):
         DisaggregatedPlan.of(plan(2), decode_tp=0)
+
+
+def test_the_cli_option_needs_disaggregate() -> None:
+    parser, _ = build_parser()
+    args = parser.parse_args(["serve", "--model", "m", "--decode-tensor-parallel-size", "2"])
+    with pytest.raises(ValueError, match="--decode-tensor-parallel-size needs --disaggregate"):
+        serve_cli.run(args)
