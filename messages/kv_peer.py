@@ -26,12 +26,19 @@ class KVLayout(msgspec.Struct, tag=True, frozen=True):
 
 
 class KVPull(msgspec.Struct, tag=True, frozen=True):
-    """A decode rank asks for req_id's staged KV. host_id: its host's boot id, when it
-    can map the server's memory (same host); "" for the bytes over tcp."""
+    """A decode rank asks for req_id's staged KV on the prefill rank `rank` (the server's
+    own: a check that it reached the right one). host_id: its host's boot id, when it
+    can map the server's memory (same host); "" for the bytes over tcp. heads: [first,
+    count] of the server rank's staged heads to take (prefill and decode of different
+    tensor parallel sizes; docs/kv_transfer.md); None: all of them; count 0: none, this
+    reader only lets it go (no answer). readers: how many decode ranks pull req_id from
+    this server: its staged KV goes after that many KVDone (or releases)."""
 
     req_id: str
     rank: NonNegative
     host_id: str = ""
+    heads: tuple[NonNegative, NonNegative] | None = None
+    readers: Positive = 1
 
 
 class SharedKV(msgspec.Struct, tag=True, frozen=True):
@@ -44,8 +51,9 @@ class SharedKV(msgspec.Struct, tag=True, frozen=True):
 
 class KVBlocks(msgspec.Struct, tag=True, frozen=True, omit_defaults=True):
     """The answer to a KVPull: the layout and block count of the staged KV, laid out
-    [layers, 2, blocks, heads, slots]; in shared memory, or in the frame that follows
-    (shared None). error: why there is none (unknown or expired request, wrong rank)."""
+    [layers, 2, blocks, heads, slots]; in shared memory (all of it: the puller takes the
+    heads it asked), or in the frame that follows (shared None; only the heads asked).
+    error: why there is none (unknown or expired request, wrong rank, heads out of range)."""
 
     req_id: str
     layout: KVLayout | None = None

@@ -1,7 +1,8 @@
 """The ZeroMQ KV connector's two sides in one process, over real sockets, on small
 caches: blocks staged by a producer land byte for byte in other block ids of a consumer,
-through the memfd (same host) and over tcp; a layout or tp size that differs fails the
-load by name; staged KV nobody pulls expires and is reported sent."""
+through the memfd (same host) and over tcp; a layout, or a tp size whose heads cannot
+map, fails the load by name (tests/test_kv_connector_tp.py: sizes that map); staged KV
+nobody pulls expires and is reported sent."""
 
 from __future__ import annotations
 
@@ -124,7 +125,7 @@ def test_a_load_from_another_layout_or_tp_size_fails_by_name(producer) -> None:
     try:
         loads = [
             KVLoad("shape", np.array([1], np.int32), RemoteKV("shape", 4, [address])),
-            KVLoad("tp", np.array([1], np.int32), RemoteKV("tp", 4, [address, address])),
+            KVLoad("tp", np.array([1], np.int32), RemoteKV("tp", 4, [address] * 3)),
         ]
         consumer.before_step(KVConnectorMetadata(loads=loads))
         outs = until(consumer, lambda outs: len(names(outs, "failed_recving")) == 2)
@@ -132,7 +133,8 @@ def test_a_load_from_another_layout_or_tp_size_fails_by_name(producer) -> None:
         consumer.shutdown()
     errors = {f.req_id: f.error for f in names(outs, "failed_recving")}
     assert "layout" in errors["shape"] and "'shape'" in errors["shape"]
-    assert "tensor parallel size 2" in errors["tp"]
+    assert "tensor parallel size 3, this decode instance 1" in errors["tp"]
+    assert "tensor parallel size 3 is not a multiple of the 2 key/value heads" in errors["tp"]
 
 
 def test_staged_kv_nobody_pulls_expires_and_is_reported_sent() -> None:

@@ -1,10 +1,13 @@
 """KV transfer between instances of two tensor-parallel ranks each: rank i pulls from
-rank i, and a transfer is reported once both ranks have it. Greedy tokens equal the
-decode instance's own (colocated) ones."""
+rank i, and a transfer is reported once both ranks have it; and between instances of
+different sizes (prefill 2 -> decode 1, 1 -> 2), each decode rank pulling its heads from
+the prefill ranks that hold them. Greedy tokens equal the decode instance's own
+(colocated) ones, and no block is left held on either side."""
 
 from __future__ import annotations
 
 import msgspec
+import pytest
 
 from messages import ParallelConfig, SamplingParams
 from tests.test_kv_transfer import PROMPTS, run_colocated, worker_config
@@ -14,11 +17,18 @@ from zmqworker.frontend.disaggregated_plan import free_ports
 GREEDY = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
 
 
-def test_tp2_disaggregated_greedy_equals_colocated() -> None:
+@pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(2, 2), (2, 1), (1, 2)])
+def test_disaggregated_greedy_equals_colocated(prefill_tp: int, decode_tp: int) -> None:
     config = worker_config(64)
-    config = msgspec.structs.replace(config, parallel=ParallelConfig(tensor_parallel_size=2))
-    # Rank r of the prefill instance serves on port + r: both must be free.
-    pair = start_disaggregated(config, 96, free_ports(2), timeout_s=10.0)
+    config = msgspec.structs.replace(config, parallel=ParallelConfig(prefill_tp))
+    # Rank r of the prefill instance serves on port + r: all must be free.
+    pair = start_disaggregated(
+        config,
+        96,
+        free_ports(prefill_tp),
+        timeout_s=10.0,
+        decode_parallel=ParallelConfig(decode_tp),
+    )
     try:
         colocated = run_colocated(pair.decode, GREEDY)
         results = pair.generate(PROMPTS, GREEDY, timeout_s=300)

@@ -110,7 +110,8 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     )
     disagg = parser.add_argument_group(
         "disaggregated prefill and decode",
-        "two engine cores of the engine options' layout on this host: a prefill instance "
+        "two engine cores on this host, the engine options' layout (the decode instance's "
+        "tensor parallel size may differ): a prefill instance "
         "computes each prompt and its first token, a decode instance pulls the prompt's KV "
         "(shared memory, CURVE-authenticated sockets) and decodes the rest, so that long "
         "prompts arriving do not stall the decodes in flight",
@@ -118,8 +119,17 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     disagg.add_argument(
         "--disaggregate",
         action="store_true",
-        help="serve through a prefill and a decode instance (tensor parallel alike; no data "
-        "or pipeline parallelism; on CUDA both on the same GPUs, with --kv-cache-bytes)",
+        help="serve through a prefill and a decode instance (--tensor-parallel-size is the "
+        "prefill's; no data or pipeline parallelism; on CUDA both on the same GPUs, with "
+        "--kv-cache-bytes)",
+    )
+    disagg.add_argument(
+        "--decode-tensor-parallel-size",
+        type=int,
+        metavar="N",
+        help="the decode instance's tensor parallel size (default: --tensor-parallel-size); "
+        "each decode rank pulls its KV heads from the prefill ranks that hold them, and "
+        "its workers each take --kv-cache-bytes x prefill size / N (the same blocks)",
     )
     disagg.add_argument(
         "--kv-port",
@@ -150,6 +160,7 @@ def run(args: argparse.Namespace) -> int:
     for option, value in (
         ("--kv-port", args.kv_port),
         ("--kv-transfer-timeout", args.kv_transfer_timeout),
+        ("--decode-tensor-parallel-size", args.decode_tensor_parallel_size),
     ):
         if value is not None and not args.disaggregate:
             raise ValueError(f"{option} needs --disaggregate")
@@ -167,6 +178,7 @@ def run(args: argparse.Namespace) -> int:
         tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
         disaggregate=args.disaggregate,
         kv_port=args.kv_port,
+        decode_tp=args.decode_tensor_parallel_size,
         **(
             {}
             if args.kv_transfer_timeout is None

@@ -22,7 +22,7 @@ from typing import Protocol
 
 import msgspec
 
-from messages import KVTransferConfig, SamplingParams, SchedulerConfig, WorkerConfig
+from messages import KVTransferConfig, ParallelConfig, SamplingParams, SchedulerConfig, WorkerConfig
 from zmqworker.engine.core import EngineCore
 from zmqworker.engine.request import RemotePrefill, Request
 from zmqworker.executor.multiproc import MultiprocExecutor
@@ -198,17 +198,24 @@ def start_disaggregated(
     enable_prefix_caching: bool = False,
     timeout_s: float = 30.0,
     keys: KVKeys | None = None,
+    decode_parallel: ParallelConfig | None = None,
 ) -> DisaggregatedEngine:
     """A prefill instance and a decode instance of config's model on this host, each its
     own workers (MultiprocExecutor), and the router over them. The KV servers of the
     prefill's tp ranks bind 127.0.0.1:kv_port + rank; keys (a pair made here if None)
-    authenticate every KV socket."""
+    authenticate every KV socket. decode_parallel: the decode instance's layout (None:
+    config's), of another tensor parallel size where the model's KV heads map
+    (kv_transfer/head_map.py)."""
     env = {KV_CURVE_ENV: (keys or KVKeys.new()).to_env()}
 
     def start(role: str, scheduler: SchedulerConfig | None) -> EngineCore:
         transfer = KVTransferConfig(role=role, port=kv_port, timeout_s=timeout_s)
+        parallel = decode_parallel if role == "consumer" and decode_parallel else None
         instance = msgspec.structs.replace(
-            config, kv_transfer=transfer, scheduler=scheduler or config.scheduler
+            config,
+            kv_transfer=transfer,
+            scheduler=scheduler or config.scheduler,
+            parallel=parallel or config.parallel,
         )
         executor = MultiprocExecutor(instance, env=env)
         try:

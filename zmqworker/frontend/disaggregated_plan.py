@@ -1,8 +1,10 @@
 """The two engine cores of disaggregated serving on one host, planned from an engine's
-plan: a prefill instance (engine core 0, its workers KV producers) and a decode instance
-(engine core 1, KV consumers), each with the plan's layout and on the same devices (on
-CUDA, both on the plan's GPUs, each with a KV cache of kv_cache_bytes), and the key pair
-their KV sockets share."""
+plan: a prefill instance (engine core 0, its workers KV producers) with the plan's
+layout and a decode instance (engine core 1, KV consumers) with the plan's or another
+tensor parallel size (its ranks pull their KV heads from the prefill ranks that hold
+them: kv_transfer/head_map.py), on the same devices (on CUDA, both from the first GPU,
+the decode instance's workers each with kv_cache_bytes x prefill TP / decode TP of KV
+cache: the same blocks as the prefill's), and the key pair their KV sockets share."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ from dataclasses import dataclass
 import msgspec
 
 from messages import EngineCoreConfig, KVTransferConfig
+from zmqworker.frontend.devices import check_gpu_layout, visible_gpu_count
 from zmqworker.frontend.disaggregated_client import DECODE, PREFILL
 from zmqworker.frontend.engine_plan import EnginePlan
 from zmqworker.transport.curve import KV_CURVE_ENV, KVKeys
@@ -26,12 +29,18 @@ class DisaggregatedPlan:
     kv_port: int  # the prefill's tp rank r serves its KV on KV_HOST:kv_port + r
     timeout_s: float  # KVTransferConfig.timeout_s: every transfer wait's bound
     keys: KVKeys
+    decode_tp: int  # the decode instance's tensor parallel size
 
     @classmethod
     def of(
-        cls, plan: EnginePlan, kv_port: int | None = None, timeout_s: float = 30.0
+        cls,
+        plan: EnginePlan,
+        kv_port: int | None = None,
+        timeout_s: float = 30.0,
+        decode_tp: int | None = None,
     ) -> DisaggregatedPlan:
-        """Raises ValueError naming what the layout cannot do disaggregated."""
+        """decode_tp: the decode instance's tensor parallel size (None: the plan's).
+        Raises ValueError naming what the layout cannot do disaggregated."""
         worker = plan.worker_config
         parallel = worker.parallel
         if plan.num_engines != 1:
@@ -50,11 +59,16 @@ class DisaggregatedPlan:
         if not timeout_s > 0:
             raise ValueError(f"the KV transfer timeout must be positive, got {timeout_s}")
         tp = parallel.tensor_parallel_size
+        if decode_tp is not None and decode_tp < 1:
+            raise ValueError(f"the decode tensor parallel size must be >= 1, got {decode_tp}")
+        decode_tp = decode_tp or tp
+        if decode_tp != tp:
+            _check_decode_tp(plan, decode_tp)
         if kv_port is None:
             kv_port = free_ports(tp)
         elif not 0 < kv_port <= 65536 - tp:
             raise ValueError(f"--kv-port must leave {tp} port(s) in [1, 65535], got {kv_port}")
-        return cls(plan, kv_port, timeout_s, KVKeys.new())
+        return cls(plan, kv_port, timeout_s, KVKeys.new(), decode_tp)
 
     @property
     def env(self) -> dict[str, str]:
@@ -70,7 +84,32 @@ class DisaggregatedPlan:
         role = "producer" if index == PREFILL else "consumer"
         transfer = KVTransferConfig(role, KV_HOST, self.kv_port, self.timeout_s)
         worker = msgspec.structs.replace(config.worker, kv_transfer=transfer)
+        prefill_tp = worker.parallel.tensor_parallel_size
+        if index == DECODE and self.decode_tp != prefill_tp:
+            cache = worker.cache
+            if cache.kv_cache_bytes is not None:  # the same blocks as the prefill's
+                per_worker = cache.kv_cache_bytes * prefill_tp // self.decode_tp
+                cache = msgspec.structs.replace(cache, kv_cache_bytes=per_worker)
+            parallel = msgspec.structs.replace(worker.parallel, tensor_parallel_size=self.decode_tp)
+            worker = msgspec.structs.replace(worker, parallel=parallel, cache=cache)
         return msgspec.structs.replace(config, worker=worker, engine_index=index)
+
+
+def _check_decode_tp(plan: EnginePlan, decode_tp: int) -> None:
+    """Refuse a decode size the model cannot be cut into, or (on CUDA) more GPUs than
+    there are: before anything starts. Any two sizes the model can be cut into map their
+    KV heads (each side holds them by the model's rule: kv_transfer/head_map.py)."""
+    worker = plan.worker_config
+    prefill_tp = worker.parallel.tensor_parallel_size
+    try:
+        plan.folder.check_layout(decode_tp, 1, worker.parallel.enable_expert_parallel)
+    except ValueError as e:
+        raise ValueError(
+            f"--disaggregate with prefill tensor parallel size {prefill_tp} and decode "
+            f"{decode_tp}: {e}"
+        ) from None
+    if worker.device.device == "cuda" and not callable(plan.executor):
+        check_gpu_layout(1, decode_tp, 1, visible_gpu_count())
 
 
 def free_ports(count: int) -> int:

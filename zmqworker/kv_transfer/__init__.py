@@ -30,16 +30,17 @@ def make_kv_connector(
     pp_size: int,
     tp_group: ProcessGroup | None,
     device: torch.device,
+    num_kv_heads: int | None = None,
 ) -> KVConnector | None:
     """The worker's connector, over its freshly made cache: the host tier's (of
     num_host_blocks slots; 0: none), then the transfer's (config; None: none), or None
-    for neither."""
+    for neither. num_kv_heads: the model's, all ranks' (ZmqKVConnector's)."""
     connectors: list[KVConnector] = []
     if num_host_blocks:
         connectors.append(HostKVConnector(num_host_blocks, kv_caches, spec))
     if config is not None:
         connectors.append(_transfer_connector(config, kv_caches, spec, tp_rank, tp_size,
-                                              pp_size, tp_group, device))  # fmt: skip
+                                              pp_size, tp_group, device, num_kv_heads))  # fmt: skip
     if len(connectors) > 1:
         return KVConnectors(connectors)
     return connectors[0] if connectors else None
@@ -54,6 +55,7 @@ def _transfer_connector(
     pp_size: int,
     tp_group: ProcessGroup | None,
     device: torch.device,
+    num_kv_heads: int | None,
 ) -> KVConnector:
     """The ZeroMQ connector; the deployment's KV keys come from the environment
     (transport/curve.py's KV_CURVE_ENV)."""
@@ -69,7 +71,7 @@ def _transfer_connector(
             f"like every tcp socket of a run; give the workers ${KV_CURVE_ENV} "
             "(zmqworker.transport.curve.KVKeys)"
         )
-    connector = ZmqKVConnector(config, kv_caches, spec, tp_rank, tp_size, keys)
+    connector = ZmqKVConnector(config, kv_caches, spec, tp_rank, tp_size, keys, num_kv_heads)
     if tp_group is None:
         return connector
     return TPCombined(connector, tp_group, device)

@@ -76,6 +76,37 @@ def scatter(kv_caches: list[torch.Tensor], block_ids: torch.Tensor, staged: torc
         cache.index_copy_(1, ids, staged[layer].to(cache.device, non_blocking=True))
 
 
+def scatter_heads(
+    kv_caches: list[torch.Tensor],
+    block_ids: torch.Tensor,
+    staged: torch.Tensor,
+    first: int,
+    dest: int,
+    count: int,
+) -> None:
+    """Copy heads first .. first + count - 1 of staged [layers, 2, n, heads, slots] into
+    heads dest .. dest + count - 1 of block_ids of every layer (a piece of a pull from
+    an instance of another tensor parallel size)."""
+    if kv_caches[0].device.type == "cpu":
+        ids = block_ids.numpy()
+        for layer, cache in enumerate(kv_caches):
+            piece = _head_rows(staged[layer])[:, :, first : first + count]
+            _head_rows(cache)[:, ids, dest : dest + count] = piece
+        return
+    ids = block_ids.to(kv_caches[0].device)
+    for layer, cache in enumerate(kv_caches):
+        piece = staged[layer][:, :, first : first + count].to(cache.device, non_blocking=True)
+        cache[:, ids, dest : dest + count] = piece
+
+
+def _head_rows(t: torch.Tensor) -> np.ndarray:
+    """A host tensor [2, blocks, heads, slots] as numpy [2, blocks, heads] of opaque
+    head rows (as _rows, a head at a time)."""
+    row_bytes = t.shape[3] * t.element_size()
+    flat = t.view(torch.uint8).numpy().reshape(*t.shape[:3], row_bytes)
+    return flat.view(np.dtype((np.void, row_bytes)))[..., 0]
+
+
 def _rows(t: torch.Tensor) -> np.ndarray:
     """A host tensor [2, blocks, heads, slots] as numpy [2, blocks] of opaque block rows:
     numpy's indexed copies move each row as one memcpy (torch's index_copy_ element by

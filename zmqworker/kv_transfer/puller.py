@@ -1,6 +1,7 @@
-"""The decode side's puller: for each load, ask the prefill rank of the same tp rank for
-the request's staged KV and hand what comes back to the worker's thread, which copies it
-into the request's blocks; then say KVDone, so the prefill side lets it go.
+"""The decode side's puller: for each load, ask the prefill ranks its head map names
+(head_map.py: the rank of the same tp rank where the sizes match) for their heads of the
+request's staged KV and hand each piece that comes back to the worker's thread, which
+copies it into the request's blocks; then say KVDone, so the prefill side lets it go.
 
 One thread owns every socket (a CURVE DEALER per prefill address, the deployment's KV
 keys). A load not answered within the timeout fails, naming the request and the address,
@@ -17,12 +18,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 import zmq
 
 from messages.kv_peer import KVBlocks, KVDone, KVLayout, KVPull
 from messages.kv_transfer import KVLoad
 from zmqworker.kv_transfer import wire
 from zmqworker.kv_transfer.blocks import staged_nbytes
+from zmqworker.kv_transfer.head_map import HeadMap, HeadSource
 from zmqworker.kv_transfer.staging import PeerMappings, SharedMemoryError
 from zmqworker.transport.curve import KVKeys
 from zmqworker.transport.frames import recv_frames, send_frames
@@ -33,13 +36,17 @@ log = logging.getLogger("zmqworker.kv_transfer")
 
 @dataclass
 class Arrived:
-    """A load's KV, ready to copy into its blocks (buffer: [layers, 2, n, heads, slots]
-    bytes), or why it failed (error)."""
+    """A piece of a load's KV from one source, ready to copy into its blocks (buffer:
+    [layers, 2, n, heads, slots] bytes of layout; the source's heads start at head
+    first of it), or why it failed (error)."""
 
     load: KVLoad
+    source: HeadSource
     buffer: Any = None  # a zmq frame's buffer or a view of a peer's memfd mapping
     keep: list[Any] = field(default_factory=list)  # what the buffer lives in
     error: str | None = None
+    layout: KVLayout | None = None
+    first: int = 0
 
     def release(self) -> None:
         self.keep.clear()
@@ -67,20 +74,24 @@ class KVPuller:
         self._ctx = zmq.Context()
         self._socks: dict[str, zmq.Socket] = {}
         self._mappings = PeerMappings()  # the puller thread's
-        self._orders: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        self._orders: queue.SimpleQueue[tuple[str, KVLoad, HeadSource]] = queue.SimpleQueue()
         self.arrived: queue.SimpleQueue[Arrived] = queue.SimpleQueue()
         self._wake = WakePipe()
         self._stop = False
         self._thread = threading.Thread(target=self._run, name="kv-puller", daemon=True)
         self._thread.start()
 
-    def pull(self, load: KVLoad) -> None:
-        self._orders.put(("pull", load))
+    def pull(self, load: KVLoad, heads: HeadMap) -> None:
+        """Pull load's KV from heads' reads (one Arrived each), release heads' releases."""
+        for source in heads.reads:
+            self._orders.put(("pull", load, source))
+        for source in heads.releases:
+            self._orders.put(("release", load, source))
         self._wake.wake()
 
-    def done(self, load: KVLoad) -> None:
-        """The worker copied load's KV: tell its server."""
-        self._orders.put(("done", load))
+    def done(self, load: KVLoad, source: HeadSource) -> None:
+        """The worker copied load's KV from source: tell its server."""
+        self._orders.put(("done", load, source))
         self._wake.wake()
 
     def close(self) -> None:
@@ -97,12 +108,13 @@ class KVPuller:
     def _run(self) -> None:
         poller = zmq.Poller()
         poller.register(self._wake.fd, zmq.POLLIN)
-        waiting: dict[tuple[str, str], tuple[KVLoad, float, str]] = {}  # (addr, id) -> ...
+        # (address, remote req_id) -> (load, source, deadline)
+        waiting: dict[tuple[str, str], tuple[KVLoad, HeadSource, float]] = {}
         try:
             while not self._stop:
                 timeout = -1
                 if waiting:
-                    soonest = min(deadline for _, deadline, _ in waiting.values())
+                    soonest = min(deadline for _, _, deadline in waiting.values())
                     timeout = max(0, int((soonest - time.monotonic()) * 1000) + 1)
                 events = dict(poller.poll(timeout))
                 if self._wake.fd in events:
@@ -112,33 +124,38 @@ class KVPuller:
                     if events.get(sock):
                         self._receive(address, sock, waiting)
                 now = time.monotonic()
-                for key, (load, deadline, address) in list(waiting.items()):
+                for key, (load, source, deadline) in list(waiting.items()):
                     if deadline <= now:
                         del waiting[key]
-                        self._fail(load, f"no answer from {address} within {self.timeout_s} s")
+                        error = f"no answer from {key[0]} within {self.timeout_s} s"
+                        self._fail(load, source, error)
         except Exception:
             log.exception("rank %d: the KV puller stopped", self.rank)
-            for load, _, _ in waiting.values():
-                self._fail(load, "the KV puller stopped")
+            for load, source, _ in waiting.values():
+                self._fail(load, source, "the KV puller stopped")
 
     def _take_orders(self, poller: zmq.Poller, waiting: dict) -> None:
         while True:
             try:
-                kind, load = self._orders.get_nowait()
+                kind, load, source = self._orders.get_nowait()
             except queue.Empty:
                 return
-            address = load.remote.addresses[self.rank]
+            address = load.remote.addresses[source.rank]
             sock = self._socket(address, poller)
             if kind == "pull":
-                waiting[(address, load.remote.req_id)] = (
-                    load,
-                    time.monotonic() + self.timeout_s,
-                    address,
-                )
-                pull = KVPull(load.remote.req_id, self.rank, self._host_id)
-                send_frames(sock, [wire.encode(pull)])
-            else:
+                deadline = time.monotonic() + self.timeout_s
+                waiting[(address, load.remote.req_id)] = (load, source, deadline)
+            if kind == "done":
                 send_frames(sock, [wire.encode(KVDone(load.remote.req_id))])
+            else:
+                send_frames(sock, [wire.encode(self._pull_of(load, source, self._host_id))])
+
+    @staticmethod
+    def _pull_of(load: KVLoad, source: HeadSource, host_id: str) -> KVPull:
+        heads = (source.first, source.count)
+        whole = heads == (0, source.staged_heads)
+        return KVPull(load.remote.req_id, source.rank, host_id,
+                      None if whole else heads, source.readers)  # fmt: skip
 
     def _socket(self, address: str, poller: zmq.Poller) -> zmq.Socket:
         sock = self._socks.get(address)
@@ -168,43 +185,50 @@ class KVPuller:
             entry = waiting.pop((address, reply.req_id), None)
             if entry is None:
                 continue  # the answer to a pull that timed out
-            load = entry[0]
+            load, source, _ = entry
             try:
-                self._arrive(self._unpack(load, reply, frames[1:]))
+                self._arrive(self._unpack(load, source, reply, frames[1:]))
             except (OSError, SharedMemoryError) as e:
                 # This host's /proc does not show the server (another pid namespace):
                 # the bytes come over tcp from now on.
                 log.info("rank %d: no shared memory with %s (%s): tcp", self.rank, address, e)
                 self._host_id = ""
                 waiting[(address, reply.req_id)] = entry
-                send_frames(sock, [wire.encode(KVPull(reply.req_id, self.rank))])
+                send_frames(sock, [wire.encode(self._pull_of(load, source, ""))])
             except Exception as e:
-                self._fail(load, f"from {address}: {e}")
+                self._fail(load, source, f"from {address}: {e}")
 
-    def _unpack(self, load: KVLoad, reply: KVBlocks, frames: list[zmq.Frame]) -> Arrived:
+    def _unpack(
+        self, load: KVLoad, source: HeadSource, reply: KVBlocks, frames: list[zmq.Frame]
+    ) -> Arrived:
         if reply.error is not None:
-            return Arrived(load, error=reply.error)
-        if reply.layout != self.layout:
-            raise ValueError(f"the prefill's KV layout {reply.layout} differs from {self.layout}")
+            return Arrived(load, source, error=reply.error)
+        staged = msgspec.structs.replace(self.layout, num_kv_heads=source.staged_heads)
+        if reply.layout != staged:
+            raise ValueError(f"the prefill's KV layout {reply.layout} differs from {staged}")
         if reply.num_blocks != len(load.block_ids):
             raise ValueError(
                 f"{reply.num_blocks} blocks staged for {len(load.block_ids)} blocks here"
             )
-        nbytes = staged_nbytes(self.layout, reply.num_blocks)
         if reply.shared is not None:
             shared = reply.shared
+            nbytes = staged_nbytes(staged, reply.num_blocks)
             if shared.nbytes != nbytes:
                 raise ValueError(f"{shared.nbytes} bytes staged, {nbytes} expected")
             memory = self._mappings.map(shared.pid, shared.fd, nbytes)
             self.num_pulled["memfd"] += 1
-            return Arrived(load, memoryview(memory)[:nbytes], [memory])
+            view = memoryview(memory)[:nbytes]
+            return Arrived(load, source, view, [memory], layout=staged, first=source.first)
+        sent = msgspec.structs.replace(self.layout, num_kv_heads=source.count)
+        nbytes = staged_nbytes(sent, reply.num_blocks)
         if len(frames) != 1 or len(frames[0].buffer) != nbytes:
             raise ValueError(f"expected one frame of {nbytes} bytes after KVBlocks")
         self.num_pulled["tcp"] += 1
-        return Arrived(load, frames[0].buffer, [frames[0]])
+        return Arrived(load, source, frames[0].buffer, [frames[0]], layout=sent)
 
-    def _fail(self, load: KVLoad, error: str) -> None:
-        self._arrive(Arrived(load, error=f"KV of request {load.req_id!r}: {error}"))
+    def _fail(self, load: KVLoad, source: HeadSource, error: str) -> None:
+        error = f"KV of request {load.req_id!r}: {error}"
+        self._arrive(Arrived(load, source, error=error))
 
     def _arrive(self, arrived: Arrived) -> None:
         self.arrived.put(arrived)

@@ -4,9 +4,10 @@ it, over tcp or (same host) through the memfd it was staged in.
 A thread of its own serves a CURVE ROUTER (the deployment's KV keys; its ZAP handler
 admits their public key alone). Staged KV lives in a sealed memfd per request, written
 on the worker's thread after the step that computed it; the server reads nothing of the
-live cache, so steps go on beside it. A request's staged KV goes once its puller says
-KVDone, or once nobody has taken it within the timeout: either way it is reported as
-finished sending, and the engine frees its blocks.
+live cache, so steps go on beside it. A request's staged KV goes once each of its
+pullers (KVPull.readers: several where the decode instance's tensor parallel size
+differs, each taking its heads) says KVDone, or once nobody has taken it within the
+timeout: either way it is reported as finished sending, and the engine frees its blocks.
 """
 
 from __future__ import annotations
@@ -20,8 +21,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import zmq
 
+from messages.kv_cache import DTYPE_BYTES
 from messages.kv_peer import KVBlocks, KVDone, KVLayout, KVPull, SharedKV
 from zmqworker.kv_transfer import wire
 from zmqworker.kv_transfer.staging import MemfdPool, close_memfd
@@ -42,6 +45,8 @@ class Staged:
     fd: int
     memory: mmap.mmap
     deadline: float
+    readers: int = 1  # decode ranks that pull it (the pulls say)
+    done: int = 0  # of them that said KVDone (or only released it)
 
 
 class KVServer:
@@ -60,6 +65,7 @@ class KVServer:
         is gone: pulled, or expired."""
         self.rank = rank
         self.layout = layout
+        self._head_bytes = layout.block_size * layout.head_size * DTYPE_BYTES[layout.dtype]
         self._on_sent = on_sent
         self._ctx = zmq.Context()
         self._zap = start_zap(self._ctx, keys.public) if keys is not None else None
@@ -79,7 +85,7 @@ class KVServer:
         self.pool = MemfdPool()
         # Pulls that came before their staging (the prefill's next step stages it): held
         # until it does, or until the timeout.
-        self._early: dict[str, tuple[bytes, KVPull, float]] = {}
+        self._early: dict[str, list[tuple[bytes, KVPull, float]]] = {}
         self._timeout_s = timeout_s
         self._incoming: list[Staged] = []
         self._lock = threading.Lock()
@@ -149,7 +155,7 @@ class KVServer:
             if isinstance(msg, KVPull):
                 self._answer(peer, msg)
             elif isinstance(msg, KVDone):
-                self._drop(msg.req_id, pulled=True)
+                self._reader_done(msg.req_id)
 
     def _answer(self, peer: bytes, pull: KVPull) -> None:
         self._take_incoming()  # a pull may overtake the wake-up of its own staging
@@ -157,21 +163,48 @@ class KVServer:
         if pull.rank != self.rank:
             reply, frames = KVBlocks(pull.req_id, error=self._wrong_rank(pull.rank)), []
         elif staged is None:
-            self._early[pull.req_id] = (peer, pull, time.monotonic() + self._timeout_s)
+            deadline = time.monotonic() + self._timeout_s
+            self._early.setdefault(pull.req_id, []).append((peer, pull, deadline))
             return
+        elif pull.heads is not None and pull.heads[1] == 0:
+            staged.readers = pull.readers
+            self._reader_done(pull.req_id)  # a release: this reader takes nothing
+            return
+        elif pull.heads is not None and sum(pull.heads) > self.layout.num_kv_heads:
+            error = f"heads {pull.heads} asked of rank {self.rank}'s {self.layout.num_kv_heads}"
+            reply, frames = KVBlocks(pull.req_id, error=error), []
         elif pull.host_id == self._host_id:
+            staged.readers = pull.readers
             shared = SharedKV(os.getpid(), staged.fd, staged.nbytes)
             reply, frames = KVBlocks(pull.req_id, self.layout, staged.num_blocks, shared), []
         else:
+            staged.readers = pull.readers
             reply = KVBlocks(pull.req_id, self.layout, staged.num_blocks)
-            frames = [memoryview(staged.memory)[: staged.nbytes]]
+            frames = [self._heads_of(staged, pull.heads)]
         try:
             send_frames(self._sock, [peer, wire.encode(reply), *frames])
         except zmq.ZMQError as e:
             log.warning("rank %d: could not answer a pull of %r: %s", self.rank, pull.req_id, e)
 
     def _wrong_rank(self, rank: int) -> str:
-        return f"rank {rank} pulled from the KV server of rank {self.rank}: tp ranks must match"
+        return f"a pull meant for rank {rank} reached the KV server of rank {self.rank}"
+
+    def _heads_of(self, staged: Staged, heads: tuple[int, int] | None) -> memoryview:
+        """The staged bytes, or only heads [first, first + count) of them (a copy)."""
+        whole = memoryview(staged.memory)[: staged.nbytes]
+        if heads is None or heads == (0, self.layout.num_kv_heads):
+            return whole
+        rows = np.frombuffer(whole, np.uint8).reshape(
+            -1, self.layout.num_kv_heads, self._head_bytes
+        )
+        return memoryview(np.ascontiguousarray(rows[:, heads[0] : sum(heads)])).cast("B")
+
+    def _reader_done(self, req_id: str) -> None:
+        staged = self._staged.get(req_id)
+        if staged is not None:
+            staged.done += 1
+            if staged.done >= staged.readers:
+                self._drop(req_id, pulled=True)
 
     def _drop(self, req_id: str, pulled: bool) -> None:
         """Forget req_id's staged KV: its memfd is reused once its puller is done with it
@@ -189,24 +222,23 @@ class KVServer:
             incoming, self._incoming = self._incoming, []
         for staged in incoming:
             self._staged[staged.req_id] = staged
-            early = self._early.pop(staged.req_id, None)
-            if early is not None:
-                self._answer(*early[:2])
+            for peer, pull, _ in self._early.pop(staged.req_id, []):
+                self._answer(peer, pull)
 
     def _expire(self) -> None:
         now = time.monotonic()
         for req_id in [r for r, s in self._staged.items() if s.deadline <= now]:
             log.warning("rank %d: staged KV of %r expired unpulled", self.rank, req_id)
             self._drop(req_id, pulled=False)
-        for req_id in [r for r, (_, _, deadline) in self._early.items() if deadline <= now]:
-            peer, _, _ = self._early.pop(req_id)
-            error = f"no KV staged for request {req_id!r} on rank {self.rank} in time"
-            with contextlib.suppress(zmq.ZMQError):
-                send_frames(self._sock, [peer, wire.encode(KVBlocks(req_id, error=error))])
+        for req_id in [r for r, early in self._early.items() if early[0][2] <= now]:
+            for peer, _, _ in self._early.pop(req_id):
+                error = f"no KV staged for request {req_id!r} on rank {self.rank} in time"
+                with contextlib.suppress(zmq.ZMQError):
+                    send_frames(self._sock, [peer, wire.encode(KVBlocks(req_id, error=error))])
 
     def _next_deadline_ms(self) -> int:
         deadlines = [s.deadline for s in self._staged.values()]
-        deadlines += [deadline for _, _, deadline in self._early.values()]
+        deadlines += [early[0][2] for early in self._early.values()]
         if not deadlines:
             return -1
         soonest = min(deadlines)

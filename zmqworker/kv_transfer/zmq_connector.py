@@ -1,5 +1,7 @@
 """The ZeroMQ KV connector: a prefill rank serves its finished prefills' KV (server.py),
-a decode rank pulls it from the prefill rank of the same tp rank (puller.py).
+a decode rank pulls it (puller.py) from the prefill rank of the same tp rank, or, where
+the two instances' tensor parallel sizes differ, its heads from the prefill ranks that
+hold them (head_map.py).
 
 The decode side pulls, as vLLM's NIXL connector reads: the decode instance knows where
 the KV must land (its own block ids, allocated when it takes the request) and when it
@@ -29,8 +31,16 @@ from messages.kv_transfer import (
     KVSave,
     KVTransferConfig,
 )
-from zmqworker.kv_transfer.blocks import gather, layout_of, scatter, staged_nbytes, view_staged
+from zmqworker.kv_transfer.blocks import (
+    gather,
+    layout_of,
+    scatter,
+    scatter_heads,
+    staged_nbytes,
+    view_staged,
+)
 from zmqworker.kv_transfer.connector import KVConnector
+from zmqworker.kv_transfer.head_map import HeadMapError, head_map
 from zmqworker.kv_transfer.puller import Arrived, KVPuller
 from zmqworker.kv_transfer.server import KVServer
 from zmqworker.transport.curve import KVKeys
@@ -45,23 +55,28 @@ class ZmqKVConnector(KVConnector):
         tp_rank: int,
         tp_size: int,
         keys: KVKeys | None,
+        num_kv_heads: int | None = None,
     ) -> None:
-        """kv_caches: the rank's cache tensors now (sleep and wake_up make new ones)."""
+        """kv_caches: the rank's cache tensors now (sleep and wake_up make new ones).
+        num_kv_heads: the model's (all ranks'); None: spec's times tp_size (no replicated
+        heads)."""
         if not kv_caches():
             raise ValueError("the KV connector needs the KV cache: make it after the cache")
         self.config = config
         self.kv_caches = kv_caches
         self.layout = layout_of(spec)
         self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.num_kv_heads = num_kv_heads or spec.num_kv_heads * tp_size
         self._news = threading.Event()  # a transfer ended: a waiting take_output wakes
         self._lock = threading.Lock()
         self._sent: list[str] = []
         self._recved: list[str] = []
         self._failed: list[KVFailure] = []
         self._loading: dict[str, KVLoad] = {}
-        # Loads the scheduler gave up on (cancel_loads), by identity: what arrives for
-        # them is dropped (a later load of the same request id is not).
-        self._cancelled: set[int] = set()
+        # The pieces still to come of every load pulled, by identity: of a load no longer
+        # in _loading (cancelled: cancel_loads; or failed by another piece), what arrives
+        # is dropped (a later load of the same request id is not).
+        self._pieces_left: dict[int, int] = {}
         self._num_staged = 0
         self.server: KVServer | None = None
         self.puller: KVPuller | None = None
@@ -136,17 +151,19 @@ class ZmqKVConnector(KVConnector):
         if self.puller is None:
             raise RuntimeError(f"KV loads sent to a {self.config.role} (not a consumer)")
         remote_tp = len(load.remote.addresses)
-        if remote_tp != self.tp_size:
-            self._failed.append(KVFailure(load.req_id, _tp_mismatch(remote_tp, self.tp_size)))
+        try:
+            heads = head_map(self.num_kv_heads, remote_tp, self.tp_size, self.tp_rank)
+        except HeadMapError as e:
+            error = f"the prefill instance has tensor parallel size {remote_tp}, this decode "
+            self._failed.append(KVFailure(load.req_id, f"{error}instance {self.tp_size}: {e}"))
             return
         self._loading[load.req_id] = load
-        self.puller.pull(load)
+        self._pieces_left[id(load)] = len(heads.reads)
+        self.puller.pull(load, heads)
 
     def _cancel(self, req_id: str) -> None:
         """Drop the load of req_id under way, and any report of it not yet taken."""
-        load = self._loading.pop(req_id, None)
-        if load is not None:
-            self._cancelled.add(id(load))
+        self._loading.pop(req_id, None)
         self._recved = [r for r in self._recved if r != req_id]
         self._failed = [f for f in self._failed if f.req_id != req_id]
 
@@ -155,31 +172,41 @@ class ZmqKVConnector(KVConnector):
             return
         while not self.puller.arrived.empty():
             arrived = self.puller.arrived.get()
-            if id(arrived.load) in self._cancelled:
-                self._cancelled.discard(id(arrived.load))
+            load = arrived.load
+            left = self._pieces_left.pop(id(load)) - 1
+            if left:
+                self._pieces_left[id(load)] = left
+            if self._loading.get(load.req_id) is not load:  # cancelled, or failed
                 arrived.release()
                 if arrived.error is None:
-                    self.puller.done(arrived.load)
-                continue
-            self._loading.pop(arrived.load.req_id, None)
-            if arrived.error is not None:
-                self._failed.append(KVFailure(arrived.load.req_id, arrived.error))
-                continue
-            self._copy_in(arrived)
+                    self.puller.done(load, arrived.source)
+            elif arrived.error is not None:
+                del self._loading[load.req_id]
+                self._failed.append(KVFailure(load.req_id, arrived.error))
+            else:
+                self._copy_in(arrived)
+                if not left:
+                    del self._loading[load.req_id]
+                    self._recved.append(load.req_id)
 
     def _copy_in(self, arrived: Arrived) -> None:
-        load = arrived.load
+        load, source = arrived.load, arrived.source
+        assert arrived.layout is not None
         try:
-            staged = view_staged(arrived.buffer, self.layout, len(load.block_ids))
+            staged = view_staged(arrived.buffer, arrived.layout, len(load.block_ids))
             start = load.num_cached_blocks  # the blocks before it hold their KV here
             ids = torch.from_numpy(np.asarray(load.block_ids[start:], np.int64))
-            scatter(self.kv_caches(), ids, staged[:, :, start:])
+            staged = staged[:, :, start:]
+            if source.count == self.layout.num_kv_heads == arrived.layout.num_kv_heads:
+                scatter(self.kv_caches(), ids, staged)
+            else:
+                scatter_heads(self.kv_caches(), ids, staged, arrived.first, source.dest,
+                              source.count)  # fmt: skip
             del staged
         finally:
             arrived.release()
         assert self.puller is not None
-        self.puller.done(load)
-        self._recved.append(load.req_id)
+        self.puller.done(load, source)
 
     def _stage(self, save: KVSave) -> None:
         assert self.server is not None
@@ -195,11 +222,3 @@ class ZmqKVConnector(KVConnector):
             raise
         self._num_staged += 1
         self.server.offer(staged)
-
-
-def _tp_mismatch(remote_tp: int, tp: int) -> str:
-    return (
-        f"the prefill instance has tensor parallel size {remote_tp}, this decode instance "
-        f"{tp}: KV moves tp rank i to tp rank i, so the sizes must match (resharding heads "
-        "between sizes is not done yet)"
-    )

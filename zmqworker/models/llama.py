@@ -58,21 +58,26 @@ def pp_layer_range(num_layers: int, pp_rank: int, pp_size: int) -> tuple[int, in
 
 
 def kv_head_layout(num_kv_heads: int, state: ParallelState) -> tuple[int, int]:
-    """(kv heads per rank, first kv head of this rank). With fewer kv heads than TP ranks,
-    each kv head is replicated on tp_size / num_kv_heads consecutive ranks."""
-    tp = state.tp_size
+    """(kv heads per rank, first kv head of this rank): kv_heads_of_rank's."""
+    return kv_heads_of_rank(num_kv_heads, state.tp_size, state.tp_rank)
+
+
+def kv_heads_of_rank(num_kv_heads: int, tp: int, rank: int) -> tuple[int, int]:
+    """(kv heads per rank, first kv head of tp rank rank). With fewer kv heads than TP
+    ranks, each kv head is replicated on tp / num_kv_heads consecutive ranks. KV transfer
+    between instances of two TP sizes maps heads by this same rule (kv_transfer/head_map.py)."""
     if num_kv_heads >= tp:
         if num_kv_heads % tp:
             raise ValueError(
                 f"{num_kv_heads} key/value heads are not divisible by tensor parallel size {tp}"
             )
         per_rank = num_kv_heads // tp
-        return per_rank, state.tp_rank * per_rank
+        return per_rank, rank * per_rank
     if tp % num_kv_heads:
         raise ValueError(
             f"tensor parallel size {tp} is not a multiple of the {num_kv_heads} key/value heads"
         )
-    return 1, state.tp_rank // (tp // num_kv_heads)
+    return 1, rank // (tp // num_kv_heads)
 
 
 class LlamaAttention(nn.Module):

@@ -68,11 +68,12 @@ def serve(
     disaggregate: bool = False,
     kv_port: int | None = None,
     kv_transfer_timeout_s: float = 30.0,
+    decode_tp: int | None = None,
 ) -> None:
-    """disaggregate: a prefill and a decode instance (each the engine options' layout)
-    and the router in every API server (disaggregated_client.py); kv_port: the first of
-    the prefill's KV ports (None: free ones), kv_transfer_timeout_s every transfer's
-    bound."""
+    """disaggregate: a prefill and a decode instance (each the engine options' layout,
+    the decode's of tensor parallel size decode_tp where given) and the router in every
+    API server (disaggregated_client.py); kv_port: the first of the prefill's KV ports
+    (None: free ones), kv_transfer_timeout_s every transfer's bound."""
     count = api_server_count or default_api_server_count()
     if count < 1:
         raise ValueError(f"--api-server-count must be >= 1, got {count}")
@@ -88,7 +89,9 @@ def serve(
     options = {**defaults, **engine_options}
     check_args(OPTION_TYPES, options)
     plan = EnginePlan.from_options(options)
-    pair = DisaggregatedPlan.of(plan, kv_port, kv_transfer_timeout_s) if disaggregate else None
+    pair = None
+    if disaggregate:
+        pair = DisaggregatedPlan.of(plan, kv_port, kv_transfer_timeout_s, decode_tp)
     name = served_model_name or plan.folder.path.name
     listener = _listen(host, port)  # a port in use fails here, before anything starts
     if pair is None:

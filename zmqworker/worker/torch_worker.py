@@ -7,6 +7,7 @@ import os
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import torch
@@ -168,6 +169,7 @@ class Worker(WorkerBase):
                 self.state.pp_size,
                 self.state.tp_group,
                 self.state.device,
+                _num_kv_heads(runner.model.hf_config),
             )
 
     def compile_or_warm_up_model(self) -> float:
@@ -382,3 +384,8 @@ def _omp_num_threads() -> int | None:
     gives a worker (the Welcome's env) arrive after that."""
     value = os.environ.get("OMP_NUM_THREADS", "").split(",")[0].strip()
     return int(value) if value.isdigit() and int(value) > 0 else None
+
+
+def _num_kv_heads(hf_config: Any) -> int:
+    """The model's key/value heads, all ranks' (attention heads where it does not say)."""
+    return getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads

@@ -1,0 +1,51 @@
+"""The disaggregated plan with a decode instance of another tensor parallel size: the
+decode engine core's workers get that size and the same blocks as the prefill's, and a
+size the model cannot be cut into is refused by name before anything starts."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+
+from tests.tiny import cached_tiny_checkpoint
+from zmqworker.cli import build_parser
+from zmqworker.cli import serve as serve_cli
+from zmqworker.frontend.disaggregated_client import DECODE, PREFILL
+from zmqworker.frontend.disaggregated_plan import DisaggregatedPlan
+from zmqworker.frontend.engine_plan import EnginePlan
+from zmqworker.frontend.llm import LLM
+
+
+def plan(tp: int) -> EnginePlan:
+    options = {n: p.default for n, p in inspect.signature(LLM).parameters.items()}
+    path = cached_tiny_checkpoint(family="llama", num_layers=2, vocab_size=256)
+    options.update(model=path, tensor_parallel_size=tp, device="cpu", kv_cache_bytes=4096)
+    return EnginePlan.from_options(options)
+
+
+@pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(2, 1), (1, 2)])
+def test_the_decode_instance_takes_its_own_size(prefill_tp: int, decode_tp: int) -> None:
+    pair = DisaggregatedPlan.of(plan(prefill_tp), decode_tp=decode_tp)
+    prefill = pair.engine_config(PREFILL, "ipc:///x", "t").worker
+    decode = pair.engine_config(DECODE, "ipc:///y", "t").worker
+    assert prefill.parallel.tensor_parallel_size == prefill_tp
+    assert decode.parallel.tensor_parallel_size == decode_tp
+    # The same blocks on both sides: bytes per worker scale with the heads each holds.
+    assert decode.cache.kv_cache_bytes * decode_tp == 4096 * prefill_tp
+    assert prefill.kv_transfer.role == "producer" and decode.kv_transfer.role == "consumer"
+
+
+def test_a_decode_size_the_model_cannot_take_is_refused_by_name() -> None:
+    with pytest.raises(ValueError, match="prefill tensor parallel size 2 and decode 3: "
+                       "tensor_parallel_size=3 must divide"):  # fmt: skip
+        DisaggregatedPlan.of(plan(2), decode_tp=3)
+    with pytest.raises(ValueError, match="decode tensor parallel size must be >= 1"):
+        DisaggregatedPlan.of(plan(2), decode_tp=0)
+
+
+def test_the_cli_option_needs_disaggregate() -> None:
+    parser, _ = build_parser()
+    args = parser.parse_args(["serve", "--model", "m", "--decode-tensor-parallel-size", "2"])
+    with pytest.raises(ValueError, match="--decode-tensor-parallel-size needs --disaggregate"):
+        serve_cli.run(args)

@@ -1,0 +1,118 @@
+"""The ZeroMQ KV connector between sides of different tensor parallel sizes, in one
+process over real sockets: each decode rank's cache ends up with the heads the model's
+head rule gives it, taken from the prefill ranks that hold them, through the memfd and
+over tcp; a prefill rank's staged KV goes once every decode rank that reads it (or only
+releases it, a replica nobody reads) is done, not at the timeout."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import ExitStack
+
+import numpy as np
+import pytest
+import torch
+
+from messages import KVCacheSpec
+from messages.kv_transfer import KVConnectorMetadata, KVLoad, KVSave, KVTransferConfig, RemoteKV
+from tests.test_kv_connector import KEYS, free_port, names, until
+from zmqworker.kv_transfer.zmq_connector import ZmqKVConnector
+from zmqworker.models.llama import kv_heads_of_rank
+
+pytestmark = pytest.mark.filterwarnings("ignore:The given buffer is not writable")
+BLOCK, HEAD, SLOTS = 4, 8, 32  # block size, head size, block size x head size
+TIMEOUT_S = 20.0  # far above the test's run: a staged KV that went, went on KVDone
+
+
+def model_cache(num_kv_heads: int, num_blocks: int) -> list[torch.Tensor]:
+    """The whole model's cache (all heads), two layers, random."""
+    g = torch.Generator().manual_seed(num_kv_heads)
+    return [torch.randn(2, num_blocks, num_kv_heads, SLOTS, generator=g) for _ in range(2)]
+
+
+def side(role: str, kv: list[torch.Tensor], heads: int, rank: int, tp: int, **kw):
+    spec = KVCacheSpec(BLOCK, kv[0].shape[2], HEAD, "float32", ["a", "b"])
+    config = KVTransferConfig(role=role, timeout_s=TIMEOUT_S, **kw)
+    return ZmqKVConnector(config, lambda: kv, spec, rank, tp, KEYS, num_kv_heads=heads)
+
+
+def rank_slice(kv: list[torch.Tensor], heads: int, rank: int, tp: int) -> list[torch.Tensor]:
+    per_rank, first = kv_heads_of_rank(heads, tp, rank)
+    return [layer[:, :, first : first + per_rank].clone() for layer in kv]
+
+
+@pytest.fixture
+def stack() -> Iterator[ExitStack]:
+    with ExitStack() as s:
+        yield s
+
+
+@pytest.mark.parametrize("shared_memory", [True, False], ids=["memfd", "tcp"])
+@pytest.mark.parametrize(
+    ("heads", "prefill_tp", "decode_tp", "cached"),
+    [(4, 2, 1, 0), (4, 1, 2, 0), (4, 2, 4, 0), (4, 4, 2, 0), (1, 2, 1, 0), (1, 1, 2, 0),
+     (2, 4, 1, 0), (4, 2, 1, 1), (4, 1, 2, 1)],
+)  # fmt: skip
+def test_each_decode_rank_gets_its_heads(
+    stack: ExitStack,
+    heads: int,
+    prefill_tp: int,
+    decode_tp: int,
+    cached: int,
+    shared_memory: bool,
+) -> None:
+    """cached: the leading blocks the decode side holds already (left as they are)."""
+    whole = model_cache(heads, 8)
+    source, dest = [3, 6], [1, 4]
+    addresses, producers = [], []
+    for p in range(prefill_tp):
+        port = free_port()  # rank p binds the config's port + p
+        kv = rank_slice(whole, heads, p, prefill_tp)
+        producer = side("producer", kv, heads, p, prefill_tp, port=port - p)
+        stack.callback(producer.shutdown)
+        producer.after_step(KVConnectorMetadata(saves=[KVSave("r", np.array(source), 7)]))
+        addresses.append(f"tcp://127.0.0.1:{port}")
+        producers.append(producer)
+    targets = []
+    for d in range(decode_tp):
+        per_rank = kv_heads_of_rank(heads, decode_tp, d)[0]
+        target = [torch.zeros(2, 6, per_rank, SLOTS) for _ in range(2)]
+        consumer = side("consumer", target, heads, d, decode_tp, shared_memory=shared_memory)
+        stack.callback(consumer.shutdown)
+        remote = RemoteKV("r", 7, addresses)
+        load = KVLoad("r", np.array(dest, np.int32), remote, num_cached_blocks=cached)
+        consumer.before_step(KVConnectorMetadata(loads=[load]))
+        until(consumer, lambda outs: names(outs, "finished_recving") == ["r"])
+        targets.append(target)
+    for d, target in enumerate(targets):
+        want = rank_slice(whole, heads, d, decode_tp)
+        for layer in range(2):
+            assert not target[layer][:, dest[:cached]].any()  # untouched
+            pulled = target[layer][:, dest[cached:]]
+            assert torch.equal(pulled, want[layer][:, source[cached:]])
+    for producer in producers:  # every prefill rank let it go once its readers were done
+        assert names(until(producer, bool, timeout=5.0), "finished_sending") == ["r"]
+
+
+def test_a_prefill_rank_that_never_answers_fails_the_load_by_name(stack: ExitStack) -> None:
+    """2 -> 1 with prefill rank 1 gone: the load fails naming its address; rank 0's piece
+    is still told done, so rank 0 lets its staged KV go."""
+    whole = model_cache(4, 8)
+    port, gone = free_port(), free_port()
+    producer = side("producer", rank_slice(whole, 4, 0, 2), 4, 0, 2, port=port)
+    stack.callback(producer.shutdown)
+    producer.after_step(KVConnectorMetadata(saves=[KVSave("r", np.array([2]), 3)]))
+    target = [torch.zeros(2, 4, 4, SLOTS) for _ in range(2)]
+    spec = KVCacheSpec(BLOCK, 4, HEAD, "float32", ["a", "b"])
+    config = KVTransferConfig(role="consumer", timeout_s=0.5)
+    consumer = ZmqKVConnector(config, lambda: target, spec, 0, 1, KEYS, num_kv_heads=4)
+    stack.callback(consumer.shutdown)
+    addresses = [f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{gone}"]
+    load = KVLoad("r", np.array([1], np.int32), RemoteKV("r", 3, addresses))
+    consumer.before_step(KVConnectorMetadata(loads=[load]))
+    outs = until(consumer, lambda outs: bool(names(outs, "failed_recving")))
+    assert names(outs, "finished_recving") == []
+    [failure] = names(outs, "failed_recving")
+    assert failure.req_id == "r" and f":{gone}" in failure.error
+    assert names(until(producer, bool, timeout=5.0), "finished_sending") == ["r"]
+    assert consumer._loading == {} and consumer._pieces_left == {}

@@ -1,0 +1,98 @@
+"""Which prefill ranks' KV heads a decode rank pulls, when the two instances have
+different tensor parallel sizes.
+
+Both sides hold heads by the model's rule (models/llama.py, kv_heads_of_rank): rank r
+of a TP size T holds a contiguous range of the global KV heads, or, with fewer heads
+than ranks, one head replicated on T / num_kv_heads consecutive ranks. A decode rank
+reads each of its heads from a prefill rank holding it; where a head is replicated on
+the prefill side, the decode ranks holding it spread over its replicas, and a replica
+no decode rank reads from is still told by one of them that it may let go (a release:
+a pull of no heads), so that every prefill rank frees its staged KV once all its readers
+are done, never only at the timeout.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+from zmqworker.models.llama import kv_heads_of_rank
+
+
+@dataclass(frozen=True)
+class HeadSource:
+    """Heads first .. first + count - 1 of prefill rank `rank`'s staged KV (staged_heads
+    heads in all) go to heads dest .. dest + count - 1 of this rank's cache; count 0: a
+    release (nothing read). readers: how many decode ranks contact that prefill rank for
+    a request, so its server knows when all are done."""
+
+    rank: int
+    first: int
+    count: int
+    dest: int
+    staged_heads: int
+    readers: int
+
+
+@dataclass(frozen=True)
+class HeadMap:
+    """A decode rank's sources: reads (count > 0), then releases (count 0)."""
+
+    reads: tuple[HeadSource, ...]
+    releases: tuple[HeadSource, ...]
+
+
+class HeadMapError(ValueError):
+    pass
+
+
+def head_map(num_kv_heads: int, prefill_tp: int, decode_tp: int, rank: int) -> HeadMap:
+    """Decode rank `rank`'s sources; HeadMapError names sizes that cannot map."""
+    if not 0 <= rank < decode_tp:
+        raise HeadMapError(f"decode rank {rank} out of tensor parallel size {decode_tp}")
+    return _all_maps(num_kv_heads, prefill_tp, decode_tp)[rank]
+
+
+@functools.lru_cache(maxsize=64)
+def _all_maps(num_kv_heads: int, prefill_tp: int, decode_tp: int) -> tuple[HeadMap, ...]:
+    prefill = [_holds(num_kv_heads, prefill_tp, p, "prefill") for p in range(prefill_tp)]
+    decode = [_holds(num_kv_heads, decode_tp, d, "decode") for d in range(decode_tp)]
+    # (decode rank, prefill rank) -> [(global head, head in the prefill rank's staged KV)]
+    reads: dict[tuple[int, int], list[int]] = {}
+    releases: set[tuple[int, int]] = set()
+    for head in range(num_kv_heads):
+        holders = [p for p in range(prefill_tp) if head in prefill[p]]
+        takers = [d for d in range(decode_tp) if head in decode[d]]
+        for i, d in enumerate(takers):
+            reads.setdefault((d, holders[i % len(holders)]), []).append(head)
+        for j in range(len(takers), len(holders)):
+            releases.add((takers[j % len(takers)], holders[j]))
+    releases -= reads.keys()
+    readers = [0] * prefill_tp
+    for _, p in [*reads, *releases]:
+        readers[p] += 1
+    maps = []
+    for d in range(decode_tp):
+        mine = []
+        for (rd, p), heads in sorted(reads.items()):
+            if rd == d:
+                assert heads == list(range(heads[0], heads[0] + len(heads))), heads
+                mine.append(HeadSource(
+                    p, heads[0] - prefill[p].start, len(heads), heads[0] - decode[d].start,
+                    len(prefill[p]), readers[p],
+                ))  # fmt: skip
+        freed = [
+            HeadSource(p, 0, 0, 0, len(prefill[p]), readers[p])
+            for rd, p in sorted(releases)
+            if rd == d
+        ]
+        maps.append(HeadMap(tuple(mine), tuple(freed)))
+    return tuple(maps)
+
+
+def _holds(num_kv_heads: int, tp: int, rank: int, side: str) -> range:
+    try:
+        per_rank, first = kv_heads_of_rank(num_kv_heads, tp, rank)
+    except ValueError as e:
+        raise HeadMapError(f"the {side} instance's KV heads cannot be mapped: {e}") from None
+    return range(first, first + per_rank)
