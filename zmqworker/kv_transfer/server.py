@@ -173,14 +173,15 @@ class KVServer:
         elif pull.heads is not None and sum(pull.heads) > self.layout.num_kv_heads:
             error = f"heads {pull.heads} asked of rank {self.rank}'s {self.layout.num_kv_heads}"
             reply, frames = KVBlocks(pull.req_id, error=error), []
-        elif pull.host_id == self._host_id:
-            staged.readers = pull.readers
-            shared = SharedKV(os.getpid(), staged.fd, staged.nbytes)
-            reply, frames = KVBlocks(pull.req_id, self.layout, staged.num_blocks, shared), []
         else:
             staged.readers = pull.readers
-            reply = KVBlocks(pull.req_id, self.layout, staged.num_blocks)
-            frames = [self._heads_of(staged, pull.heads)]
+            if pull.host_id == self._host_id:
+                shared = SharedKV(os.getpid(), staged.fd, staged.nbytes)
+                reply = KVBlocks(pull.req_id, self.layout, staged.num_blocks, shared)
+                frames = []
+            else:
+                reply = KVBlocks(pull.req_id, self.layout, staged.num_blocks)
+                frames = [self._heads_of(staged, pull.heads)]
         try:
             send_frames(self._sock, [peer, wire.encode(reply), *frames])
         except zmq.ZMQError as e:
