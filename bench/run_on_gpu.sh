@@ -43,7 +43,8 @@ if [[ $what == *,e2e,* ]]; then
         2>&1 | tee "$out/e2e.log" | grep -v Warning
 fi
 if [[ $what == *,kv,* ]]; then
-    run_tests kv tests/test_kv_transfer.py tests/test_host_tier_e2e.py
+    run_tests kv tests/test_kv_transfer.py tests/test_host_tier_e2e.py tests/test_kv_connector.py \
+        tests/test_kv_connector_tp.py
     timeout 300 python3 -m bench.kv_transfer --device cuda --out "$out/kv_transfer_cuda.json" \
         2>&1 | tee "$out/kv.log" | grep -v Warning
 fi

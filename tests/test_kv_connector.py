@@ -2,10 +2,12 @@
 caches: blocks staged by a producer land byte for byte in other block ids of a consumer,
 through the memfd (same host) and over tcp; a layout, or a tp size whose heads cannot
 map, fails the load by name (tests/test_kv_connector_tp.py: sizes that map); staged KV
-nobody pulls expires and is reported sent."""
+nobody pulls expires and is reported sent. The caches live on ZMQWORKER_TEST_DEVICE
+(bench/run_on_gpu.sh runs these on CUDA: the device-side gathers and copies)."""
 
 from __future__ import annotations
 
+import os
 import socket
 import time
 from collections.abc import Iterator
@@ -30,6 +32,7 @@ SPEC = KVCacheSpec(
     block_size=4, num_kv_heads=2, head_size=8, dtype="float32", layer_names=["a", "b"]
 )
 KEYS = KVKeys.new()
+DEVICE = os.environ.get("ZMQWORKER_TEST_DEVICE", "cpu")
 pytestmark = pytest.mark.filterwarnings("ignore:The given buffer is not writable")
 
 
@@ -42,7 +45,7 @@ def free_port() -> int:
 def caches(num_blocks: int, seed: int) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     shape = (2, num_blocks, SPEC.num_kv_heads, SPEC.block_size * SPEC.head_size)
-    return [torch.randn(shape, generator=g) for _ in SPEC.layer_names]
+    return [torch.randn(shape, generator=g).to(DEVICE) for _ in SPEC.layer_names]
 
 
 def connector(role: str, kv: list[torch.Tensor], port: int, **kw) -> ZmqKVConnector:

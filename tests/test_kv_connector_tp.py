@@ -2,10 +2,12 @@
 process over real sockets: each decode rank's cache ends up with the heads the model's
 head rule gives it, taken from the prefill ranks that hold them, through the memfd and
 over tcp; a prefill rank's staged KV goes once every decode rank that reads it (or only
-releases it, a replica nobody reads) is done, not at the timeout."""
+releases it, a replica nobody reads) is done, not at the timeout. The caches live on
+ZMQWORKER_TEST_DEVICE (bench/run_on_gpu.sh runs these on CUDA: the head-slice copies)."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from contextlib import ExitStack
 
@@ -21,6 +23,7 @@ from zmqworker.models.llama import kv_heads_of_rank
 
 pytestmark = pytest.mark.filterwarnings("ignore:The given buffer is not writable")
 BLOCK, HEAD, SLOTS = 4, 8, 32  # block size, head size, block size x head size
+DEVICE = os.environ.get("ZMQWORKER_TEST_DEVICE", "cpu")
 TIMEOUT_S = 20.0  # far above the test's run: a staged KV that went, went on KVDone
 
 
@@ -38,7 +41,7 @@ def side(role: str, kv: list[torch.Tensor], heads: int, rank: int, tp: int, **kw
 
 def rank_slice(kv: list[torch.Tensor], heads: int, rank: int, tp: int) -> list[torch.Tensor]:
     per_rank, first = kv_heads_of_rank(heads, tp, rank)
-    return [layer[:, :, first : first + per_rank].clone() for layer in kv]
+    return [layer[:, :, first : first + per_rank].to(DEVICE, copy=True) for layer in kv]
 
 
 @pytest.fixture
@@ -76,7 +79,7 @@ def test_each_decode_rank_gets_its_heads(
     targets = []
     for d in range(decode_tp):
         per_rank = kv_heads_of_rank(heads, decode_tp, d)[0]
-        target = [torch.zeros(2, 6, per_rank, SLOTS) for _ in range(2)]
+        target = [torch.zeros(2, 6, per_rank, SLOTS, device=DEVICE) for _ in range(2)]
         consumer = side("consumer", target, heads, d, decode_tp, shared_memory=shared_memory)
         stack.callback(consumer.shutdown)
         remote = RemoteKV("r", 7, addresses)
@@ -85,7 +88,7 @@ def test_each_decode_rank_gets_its_heads(
         until(consumer, lambda outs: names(outs, "finished_recving") == ["r"])
         targets.append(target)
     for d, target in enumerate(targets):
-        want = rank_slice(whole, heads, d, decode_tp)
+        want = rank_slice(whole, heads, d, decode_tp)  # on DEVICE, as target
         for layer in range(2):
             assert not target[layer][:, dest[:cached]].any()  # untouched
             pulled = target[layer][:, dest[cached:]]
@@ -102,7 +105,7 @@ def test_a_prefill_rank_that_never_answers_fails_the_load_by_name(stack: ExitSta
     producer = side("producer", rank_slice(whole, 4, 0, 2), 4, 0, 2, port=port)
     stack.callback(producer.shutdown)
     producer.after_step(KVConnectorMetadata(saves=[KVSave("r", np.array([2]), 3)]))
-    target = [torch.zeros(2, 4, 4, SLOTS) for _ in range(2)]
+    target = [torch.zeros(2, 4, 4, SLOTS, device=DEVICE) for _ in range(2)]
     spec = KVCacheSpec(BLOCK, 4, HEAD, "float32", ["a", "b"])
     config = KVTransferConfig(role="consumer", timeout_s=0.5)
     consumer = ZmqKVConnector(config, lambda: target, spec, 0, 1, KEYS, num_kv_heads=4)
