@@ -32,13 +32,16 @@ class KVPull(msgspec.Struct, tag=True, frozen=True):
     count] of the server rank's staged heads to take (prefill and decode of different
     tensor parallel sizes; docs/kv_transfer.md); None: all of them; count 0: none, this
     reader only lets it go (no answer). readers: how many decode ranks pull req_id from
-    this server: its staged KV goes after that many KVDone (or releases)."""
+    this server: its staged KV goes after that many KVDone (or releases). first_block:
+    the leading staged blocks the reader skips (it holds their KV already): over tcp
+    only the blocks after them travel; past the staged block count, an error."""
 
     req_id: str
     rank: NonNegative
     host_id: str = ""
     heads: tuple[NonNegative, NonNegative] | None = None
     readers: Positive = 1
+    first_block: NonNegative = 0
 
 
 class SharedKV(msgspec.Struct, tag=True, frozen=True):
@@ -52,14 +55,18 @@ class SharedKV(msgspec.Struct, tag=True, frozen=True):
 class KVBlocks(msgspec.Struct, tag=True, frozen=True, omit_defaults=True):
     """The answer to a KVPull: the layout and block count of the staged KV, laid out
     [layers, 2, blocks, heads, slots]; in shared memory (all of it: the puller takes the
-    heads it asked), or in the frame that follows (shared None; only the heads asked).
-    error: why there is none (unknown or expired request, wrong rank, heads out of range)."""
+    heads it asked), or in the frame that follows (shared None; only the heads asked,
+    only the blocks from first_block on). first_block: the leading staged blocks the
+    answer leaves out (0 in shared memory: it holds them all; a producer that ignores
+    KVPull.first_block sends 0 and all of them). error: why there is none (unknown or
+    expired request, wrong rank, heads or first_block out of range)."""
 
     req_id: str
     layout: KVLayout | None = None
     num_blocks: NonNegative = 0
     shared: SharedKV | None = None
     error: str | None = None
+    first_block: NonNegative = 0
 
 
 class KVDone(msgspec.Struct, tag=True, frozen=True):

@@ -1,8 +1,10 @@
 """The ZeroMQ KV connector's two sides in one process, over real sockets, on small
 caches: blocks staged by a producer land byte for byte in other block ids of a consumer,
-through the memfd (same host) and over tcp; a layout, or a tp size whose heads cannot
-map, fails the load by name (tests/test_kv_connector_tp.py: sizes that map); staged KV
-nobody pulls expires and is reported sent. The caches live on ZMQWORKER_TEST_DEVICE
+through the memfd (same host) and over tcp, where only the blocks after the consumer's
+cached ones travel; a layout, a tp size whose heads cannot map, or an answer without the
+blocks a load needs, fails the load by name (tests/test_kv_connector_tp.py: sizes that
+map); a pull past the staged blocks is refused by name; staged KV nobody pulls expires
+and is reported sent. The caches live on ZMQWORKER_TEST_DEVICE
 (bench/run_on_gpu.sh runs these on CUDA: the device-side gathers and copies)."""
 
 from __future__ import annotations
@@ -15,8 +17,10 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 import torch
+import zmq
 
 from messages import KVCacheSpec
+from messages.kv_peer import KVBlocks, KVDone, KVPull
 from messages.kv_transfer import (
     KVConnectorMetadata,
     KVConnectorOutput,
@@ -25,14 +29,17 @@ from messages.kv_transfer import (
     KVTransferConfig,
     RemoteKV,
 )
+from zmqworker.kv_transfer import wire
+from zmqworker.kv_transfer.blocks import layout_of
 from zmqworker.kv_transfer.zmq_connector import ZmqKVConnector
-from zmqworker.transport.curve import KVKeys
+from zmqworker.transport.curve import KVKeys, make_server
 
 SPEC = KVCacheSpec(
     block_size=4, num_kv_heads=2, head_size=8, dtype="float32", layer_names=["a", "b"]
 )
 KEYS = KVKeys.new()
 DEVICE = os.environ.get("ZMQWORKER_TEST_DEVICE", "cpu")
+BLOCK_BYTES = 2 * 2 * SPEC.num_kv_heads * SPEC.block_size * SPEC.head_size * 4  # all layers
 pytestmark = pytest.mark.filterwarnings("ignore:The given buffer is not writable")
 
 
@@ -82,13 +89,14 @@ def names(outputs: list[KVConnectorOutput], what: str) -> list[str]:
     return [n for o in outputs for n in getattr(o, what)]
 
 
-@pytest.mark.parametrize("num_cached", [0, 2], ids=["all", "after-hits"])
+@pytest.mark.parametrize("num_cached", [0, 2, 3], ids=["all", "after-hits", "all-hits"])
 @pytest.mark.parametrize("shared_memory", [True, False], ids=["memfd", "tcp"])
 def test_staged_blocks_land_in_the_consumer_s_blocks(
     producer, shared_memory: bool, num_cached: int
 ) -> None:
     """num_cached: the first blocks hold their KV on the consumer already (prefix-cache
-    hits there): they are left as they are."""
+    hits there): they are left as they are, and only the blocks after them are read (the
+    memfd) or travel (tcp; none at all where every block is cached)."""
     side, kv, address = producer
     req = f"r-{shared_memory}-{num_cached}"
     source, dest = [3, 7, 1], [10, 2, 5]
@@ -103,6 +111,8 @@ def test_staged_blocks_land_in_the_consumer_s_blocks(
         until(consumer, lambda outs: names(outs, "finished_recving") == [req])
         path = "memfd" if shared_memory else "tcp"
         assert consumer.puller.num_pulled == {"memfd": 0, "tcp": 0, path: 1}
+        pulled_bytes = (len(dest) - num_cached) * BLOCK_BYTES
+        assert consumer.puller.num_bytes == {"memfd": 0, "tcp": 0, path: pulled_bytes}
     finally:
         consumer.shutdown()
     kept, pulled = dest[:num_cached], dest[num_cached:]
@@ -185,3 +195,84 @@ def test_a_cancelled_load_lands_nowhere_and_a_new_one_of_its_id_does(producer) -
         consumer.shutdown()
     for layer in range(len(SPEC.layer_names)):
         assert torch.equal(target[layer][:, dest], kv[layer][:, source])
+
+
+def peer(ctx: zmq.Context, kind: int, address: str) -> zmq.Socket:
+    """A bare CURVE socket with the deployment's keys: a DEALER connected to address, or
+    a ROUTER bound there (a producer of our own making)."""
+    sock = ctx.socket(kind)
+    sock.linger = 0
+    if kind == zmq.ROUTER:
+        make_server(sock, KEYS.public, KEYS.secret)
+        sock.bind(address)
+    else:
+        KEYS.make_client(sock)
+        sock.connect(address)
+    return sock
+
+
+def test_a_pull_past_the_staged_blocks_is_refused_by_name(producer) -> None:
+    """The server answers the refusal and goes on serving: the same request pulled from
+    a block it has comes, those blocks alone."""
+    side, kv, address = producer
+    side.after_step(KVConnectorMetadata(saves=[KVSave("past", np.array([5, 9], np.int32), 8)]))
+    ctx = zmq.Context()
+    try:
+        sock = peer(ctx, zmq.DEALER, address)
+        answers = []
+        for first_block in (3, 1):
+            sock.send(wire.encode(KVPull("past", rank=0, first_block=first_block)))
+            assert sock.poll(5000), "no answer"
+            answers.append(sock.recv_multipart())
+        sock.send(wire.encode(KVDone("past")))
+        refusal, answer = (wire.decode(a[0]) for a in answers)
+    finally:
+        ctx.destroy(linger=0)
+    assert isinstance(refusal, KVBlocks) and len(answers[0]) == 1
+    assert refusal.error is not None and "'past'" in refusal.error
+    assert "first_block 3 is past the 2 blocks staged" in refusal.error
+    assert isinstance(answer, KVBlocks) and answer.error is None
+    assert (answer.num_blocks, answer.first_block) == (2, 1)
+    data = np.frombuffer(answers[1][1], np.float32).reshape(2, 2, 1, 2, -1)
+    for layer in range(len(SPEC.layer_names)):
+        assert np.array_equal(data[layer][:, 0], kv[layer][:, 9].cpu().numpy())
+    assert "past" in names(until(side, bool), "finished_sending")
+
+
+@pytest.mark.parametrize("first_block", [0, 3], ids=["all-blocks", "too-few"])
+def test_the_consumer_checks_which_blocks_an_answer_holds(first_block: int) -> None:
+    """A load with 2 cached blocks of 3 names them in its pull; an answer holding all
+    the blocks (a producer that ignores KVPull.first_block) lands the ones it needs, one
+    that leaves out a block it needs fails the load by name."""
+    address = f"tcp://127.0.0.1:{free_port()}"
+    staged = torch.randn(len(SPEC.layer_names), 2, 3, SPEC.num_kv_heads, 32)
+    target = caches(6, seed=4)
+    before = [t.clone() for t in target]
+    ctx = zmq.Context()
+    consumer = connector("consumer", target, 0, shared_memory=False)
+    try:
+        server = peer(ctx, zmq.ROUTER, address)
+        load = KVLoad("old", np.array([4, 0, 2], np.int32), RemoteKV("old", 12, [address]),
+                      num_cached_blocks=2)  # fmt: skip
+        consumer.before_step(KVConnectorMetadata(loads=[load]))
+        assert server.poll(5000), "no pull"
+        who, body = server.recv_multipart()
+        pull = wire.decode(body)
+        assert isinstance(pull, KVPull) and pull.first_block == 2
+        reply = KVBlocks("old", layout_of(SPEC), 3, first_block=first_block)
+        server.send_multipart([who, wire.encode(reply), staged[:, :, first_block:].numpy()])
+        outs = until(consumer, lambda outs: bool(outs))
+    finally:
+        consumer.shutdown()
+        ctx.destroy(linger=0)
+    if first_block == 0:
+        assert names(outs, "finished_recving") == ["old"]
+        for layer in range(len(SPEC.layer_names)):
+            assert torch.equal(target[layer][:, 2], staged[layer][:, 2].to(DEVICE))
+            assert torch.equal(target[layer][:, [4, 0]], before[layer][:, [4, 0]])
+    else:
+        [failure] = names(outs, "failed_recving")
+        assert failure.req_id == "old" and "'old'" in failure.error
+        assert "staged blocks from 3 on, this load needs them from 2 on" in failure.error
+        for layer in range(len(SPEC.layer_names)):
+            assert torch.equal(target[layer], before[layer])

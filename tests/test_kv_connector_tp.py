@@ -64,7 +64,9 @@ def test_each_decode_rank_gets_its_heads(
     cached: int,
     shared_memory: bool,
 ) -> None:
-    """cached: the leading blocks the decode side holds already (left as they are)."""
+    """cached: the leading blocks the decode side holds already (left as they are). Each
+    decode rank reads (memfd) or receives (tcp) its own heads of the blocks after them
+    alone."""
     whole = model_cache(heads, 8)
     source, dest = [3, 6], [1, 4]
     addresses, producers = [], []
@@ -86,6 +88,9 @@ def test_each_decode_rank_gets_its_heads(
         load = KVLoad("r", np.array(dest, np.int32), remote, num_cached_blocks=cached)
         consumer.before_step(KVConnectorMetadata(loads=[load]))
         until(consumer, lambda outs: names(outs, "finished_recving") == ["r"])
+        path = "memfd" if shared_memory else "tcp"
+        pulled_bytes = 2 * 2 * per_rank * (len(dest) - cached) * SLOTS * 4  # layers, k/v
+        assert consumer.puller.num_bytes == {"memfd": 0, "tcp": 0, path: pulled_bytes}
         targets.append(target)
     for d, target in enumerate(targets):
         want = rank_slice(whole, heads, d, decode_tp)  # on DEVICE, as target

@@ -162,10 +162,11 @@ def test_a_prompt_whose_prefix_the_decode_side_holds_pulls_only_the_rest(
     assert free_blocks(decode) == decode.block_manager.num_blocks
 
 
-def test_the_in_process_router_refuses_prompt_logprobs(pair: DisaggregatedEngine) -> None:
-    """It returns none (served, the client gives the prefill side's)."""
-    asked = msgspec.structs.replace(GREEDY, prompt_logprobs=1)
-    with pytest.raises(ValueError, match="'pl': prompt_logprobs through the in-process"):
+@pytest.mark.parametrize("name", ["logprobs", "prompt_logprobs"])
+def test_the_in_process_router_refuses_logprobs(pair: DisaggregatedEngine, name: str) -> None:
+    """It returns none (served, the client gives them: tests/test_serve_disaggregated.py)."""
+    asked = msgspec.structs.replace(GREEDY, **{name: 1})
+    with pytest.raises(ValueError, match=f"'pl': {name} through the in-process"):
         pair.add_request("pl", PROMPTS[0], asked)
     assert "pl" not in pair.requests and not pair.has_work()
 

@@ -1,7 +1,8 @@
 """zmqworker serve --disaggregate on the embedded model, called as users call it (the
 official openai client): greedy completions through a prefill and a decode instance
 equal those of the colocated server test_serve.py shares (or one of this file's own),
-whole and streamed, and prompt logprobs (the prefill's); no KV block stays held on
+whole and streamed, with the logprobs of every token (the first one's from the prefill
+side), and prompt logprobs (the prefill's); no KV block stays held on
 either side; and a killed prefill instance fails the requests it held, naming it, and
 stops the whole server. One disaggregated server for the file: the last test kills it."""
 
@@ -117,6 +118,26 @@ def test_prompt_logprobs_come_from_the_prefill_side(disaggregated, colocated):
         }
         logprobs = [e["logprob"] for e in reference.values()]
         assert [e["logprob"] for e in position.values()] == pytest.approx(logprobs, abs=1e-4)
+    assert disaggregated.wait_idle()["kv_cache_blocks_used"] == 0
+
+
+def test_logprobs_cover_every_token_the_first_one_the_prefill_s(disaggregated, colocated):
+    """The first token and its logprobs come from the prefill side, the rest from the
+    decode side: streamed or whole, every token has its logprobs, equal to a colocated
+    server's."""
+    args = dict(model=MODEL, prompt=PROMPTS[1], max_tokens=5, temperature=0, logprobs=2)
+    [expected] = colocated.client(max_retries=0).completions.create(**args).choices
+    client = disaggregated.client(max_retries=0)
+    [whole] = client.completions.create(**args).choices
+    chunks = [c.choices[0] for c in client.completions.create(**args, stream=True)]
+    streamed = [t for c in chunks if c.logprobs is not None for t in c.logprobs.tokens]
+    assert whole.text == expected.text and streamed == expected.logprobs.tokens
+    got, want = whole.logprobs, expected.logprobs
+    assert got.tokens == want.tokens and len(got.tokens) == 5
+    assert got.token_logprobs == pytest.approx(want.token_logprobs, abs=1e-4)
+    for mine, theirs in zip(got.top_logprobs, want.top_logprobs, strict=True):
+        assert mine.keys() == theirs.keys()
+        assert list(mine.values()) == pytest.approx(list(theirs.values()), abs=1e-4)
     assert disaggregated.wait_idle()["kv_cache_blocks_used"] == 0
 
 

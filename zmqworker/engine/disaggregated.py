@@ -145,11 +145,12 @@ def check_routed(req_id: str, params: SamplingParams, requests: dict) -> None:
     """A request an in-process router takes (ValueError naming what it cannot)."""
     if req_id in requests:
         raise ValueError(f"request id {req_id!r} is already in the router")
-    if params.prompt_logprobs is not None:
-        raise ValueError(
-            f"request {req_id!r}: prompt_logprobs through the in-process router, which "
-            "returns none (serve --disaggregate gives the prefill side's)"
-        )
+    for name in ("logprobs", "prompt_logprobs"):
+        if getattr(params, name) is not None:
+            raise ValueError(
+                f"request {req_id!r}: {name} through the in-process router, which returns "
+                "none (serve --disaggregate gives them)"
+            )
 
 
 class Router(Protocol):

@@ -37,8 +37,8 @@ log = logging.getLogger("zmqworker.kv_transfer")
 @dataclass
 class Arrived:
     """A piece of a load's KV from one source, ready to copy into its blocks (buffer:
-    [layers, 2, n, heads, slots] bytes of layout; the source's heads start at head
-    first of it), or why it failed (error)."""
+    [layers, 2, n, heads, slots] bytes of layout, the load's blocks from first_block on;
+    the source's heads start at head first of it), or why it failed (error)."""
 
     load: KVLoad
     source: HeadSource
@@ -47,6 +47,7 @@ class Arrived:
     error: str | None = None
     layout: KVLayout | None = None
     first: int = 0
+    first_block: int = 0
 
     def release(self) -> None:
         self.keep.clear()
@@ -67,6 +68,9 @@ class KVPuller:
         self.rank = rank
         self._on_arrival = on_arrival
         self.num_pulled = {"memfd": 0, "tcp": 0}  # loads that came, by their path
+        # Their payload bytes: over tcp the data frames received; through the memfd the
+        # staged bytes the copy reads (the blocks after the cached ones, the heads taken).
+        self.num_bytes = {"memfd": 0, "tcp": 0}
         self.layout = layout
         self.timeout_s = timeout_s
         self._keys = keys
@@ -155,7 +159,8 @@ class KVPuller:
         heads = (source.first, source.count)
         whole = heads == (0, source.staged_heads)
         return KVPull(load.remote.req_id, source.rank, host_id,
-                      None if whole else heads, source.readers)  # fmt: skip
+                      None if whole else heads, source.readers,
+                      first_block=load.num_cached_blocks)  # fmt: skip
 
     def _socket(self, address: str, poller: zmq.Poller) -> zmq.Socket:
         sock = self._socks.get(address)
@@ -210,21 +215,38 @@ class KVPuller:
             raise ValueError(
                 f"{reply.num_blocks} blocks staged for {len(load.block_ids)} blocks here"
             )
+        if reply.first_block > load.num_cached_blocks:
+            raise ValueError(
+                f"the answer holds the staged blocks from {reply.first_block} on, this "
+                f"load needs them from {load.num_cached_blocks} on"
+            )
+        wanted = msgspec.structs.replace(self.layout, num_kv_heads=source.count)
         if reply.shared is not None:
             shared = reply.shared
             nbytes = staged_nbytes(staged, reply.num_blocks)
-            if shared.nbytes != nbytes:
-                raise ValueError(f"{shared.nbytes} bytes staged, {nbytes} expected")
+            if shared.nbytes != nbytes or reply.first_block != 0:
+                raise ValueError(
+                    f"{shared.nbytes} bytes staged from block {reply.first_block} on, "
+                    f"{nbytes} expected from block 0 on"
+                )
             memory = self._mappings.map(shared.pid, shared.fd, nbytes)
             self.num_pulled["memfd"] += 1
+            read = reply.num_blocks - load.num_cached_blocks
+            self.num_bytes["memfd"] += staged_nbytes(wanted, read)
             view = memoryview(memory)[:nbytes]
             return Arrived(load, source, view, [memory], layout=staged, first=source.first)
-        sent = msgspec.structs.replace(self.layout, num_kv_heads=source.count)
-        nbytes = staged_nbytes(sent, reply.num_blocks)
-        if len(frames) != 1 or len(frames[0].buffer) != nbytes:
-            raise ValueError(f"expected one frame of {nbytes} bytes after KVBlocks")
+        nbytes = staged_nbytes(wanted, reply.num_blocks - reply.first_block)
+        got = [len(f.buffer) for f in frames]
+        if got != [nbytes]:
+            raise ValueError(
+                f"expected one frame of {nbytes} bytes after KVBlocks (heads "
+                f"[{source.first}, {source.first + source.count}) of staged blocks "
+                f"{reply.first_block} to {reply.num_blocks}), got frames of {got}"
+            )
         self.num_pulled["tcp"] += 1
-        return Arrived(load, source, frames[0].buffer, [frames[0]], layout=sent)
+        self.num_bytes["tcp"] += nbytes
+        return Arrived(load, source, frames[0].buffer, [frames[0]], layout=wanted,
+                       first_block=reply.first_block)  # fmt: skip
 
     def _fail(self, load: KVLoad, source: HeadSource, error: str) -> None:
         error = f"KV of request {load.req_id!r}: {error}"

@@ -12,7 +12,6 @@ timeout: either way it is reported as finished sending, and the engine frees its
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import mmap
 import os
@@ -161,44 +160,63 @@ class KVServer:
         self._take_incoming()  # a pull may overtake the wake-up of its own staging
         staged = self._staged.get(pull.req_id)
         if pull.rank != self.rank:
-            reply, frames = KVBlocks(pull.req_id, error=self._wrong_rank(pull.rank)), []
+            self._send(peer, KVBlocks(pull.req_id, error=self._wrong_rank(pull.rank)))
         elif staged is None:
             deadline = time.monotonic() + self._timeout_s
             self._early.setdefault(pull.req_id, []).append((peer, pull, deadline))
-            return
         elif pull.heads is not None and pull.heads[1] == 0:
             staged.readers = pull.readers
             self._reader_done(pull.req_id)  # a release: this reader takes nothing
-            return
-        elif pull.heads is not None and sum(pull.heads) > self.layout.num_kv_heads:
-            error = f"heads {pull.heads} asked of rank {self.rank}'s {self.layout.num_kv_heads}"
-            reply, frames = KVBlocks(pull.req_id, error=error), []
+        elif (error := self._refusal(staged, pull)) is not None:
+            self._send(peer, KVBlocks(pull.req_id, error=error))
         else:
             staged.readers = pull.readers
             if pull.host_id == self._host_id:
                 shared = SharedKV(os.getpid(), staged.fd, staged.nbytes)
-                reply = KVBlocks(pull.req_id, self.layout, staged.num_blocks, shared)
-                frames = []
+                self._send(peer, KVBlocks(pull.req_id, self.layout, staged.num_blocks, shared))
             else:
-                reply = KVBlocks(pull.req_id, self.layout, staged.num_blocks)
-                frames = [self._heads_of(staged, pull.heads)]
+                reply = KVBlocks(pull.req_id, self.layout, staged.num_blocks,
+                                 first_block=pull.first_block)  # fmt: skip
+                self._send(peer, reply, self._tcp_bytes(staged, pull))
+
+    def _send(self, peer: bytes, reply: KVBlocks, data: memoryview | None = None) -> None:
+        """reply to peer, then data (the KV over tcp) as the frame after it."""
+        frames = [peer, wire.encode(reply)]
+        if data is not None:
+            frames.append(data)
         try:
-            send_frames(self._sock, [peer, wire.encode(reply), *frames])
+            send_frames(self._sock, frames)
         except zmq.ZMQError as e:
-            log.warning("rank %d: could not answer a pull of %r: %s", self.rank, pull.req_id, e)
+            log.warning("rank %d: could not answer a pull of %r: %s", self.rank, reply.req_id, e)
 
     def _wrong_rank(self, rank: int) -> str:
         return f"a pull meant for rank {rank} reached the KV server of rank {self.rank}"
 
-    def _heads_of(self, staged: Staged, heads: tuple[int, int] | None) -> memoryview:
-        """The staged bytes, or only heads [first, first + count) of them (a copy)."""
+    def _refusal(self, staged: Staged, pull: KVPull) -> str | None:
+        """Why pull cannot be answered from staged, or None."""
+        if pull.heads is not None and sum(pull.heads) > self.layout.num_kv_heads:
+            return f"heads {pull.heads} asked of rank {self.rank}'s {self.layout.num_kv_heads}"
+        if pull.first_block > staged.num_blocks:
+            return (
+                f"first_block {pull.first_block} is past the {staged.num_blocks} blocks "
+                f"staged for request {pull.req_id!r} on rank {self.rank}"
+            )
+        return None
+
+    def _tcp_bytes(self, staged: Staged, pull: KVPull) -> memoryview:
+        """The staged bytes pull takes: its heads (None: all) of the blocks from
+        first_block on. The whole staging goes as it lies, without a copy; a part of it
+        as one contiguous copy of that part (skipped blocks cut every layer's run)."""
         whole = memoryview(staged.memory)[: staged.nbytes]
-        if heads is None or heads == (0, self.layout.num_kv_heads):
+        heads = pull.heads or (0, self.layout.num_kv_heads)
+        if pull.first_block == 0 and heads == (0, self.layout.num_kv_heads):
             return whole
         rows = np.frombuffer(whole, np.uint8).reshape(
-            -1, self.layout.num_kv_heads, self._head_bytes
-        )
-        return memoryview(np.ascontiguousarray(rows[:, heads[0] : sum(heads)])).cast("B")
+            self.layout.num_layers * 2, staged.num_blocks, self.layout.num_kv_heads,
+            self._head_bytes,
+        )  # fmt: skip
+        part = rows[:, pull.first_block :, heads[0] : sum(heads)]
+        return memoryview(np.ascontiguousarray(part).reshape(-1))
 
     def _reader_done(self, req_id: str) -> None:
         staged = self._staged.get(req_id)
@@ -234,8 +252,7 @@ class KVServer:
         for req_id in [r for r, early in self._early.items() if early[0][2] <= now]:
             for peer, _, _ in self._early.pop(req_id):
                 error = f"no KV staged for request {req_id!r} on rank {self.rank} in time"
-                with contextlib.suppress(zmq.ZMQError):
-                    send_frames(self._sock, [peer, wire.encode(KVBlocks(req_id, error=error))])
+                self._send(peer, KVBlocks(req_id, error=error))
 
     def _next_deadline_ms(self) -> int:
         deadlines = [s.deadline for s in self._staged.values()]

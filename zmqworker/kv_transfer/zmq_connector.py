@@ -7,11 +7,11 @@ The decode side pulls, as vLLM's NIXL connector reads: the decode instance knows
 the KV must land (its own block ids, allocated when it takes the request) and when it
 has room, so the prefill side never holds a peer's block ids or waits on its memory; the
 prefill side only keeps what it computed until it is taken or times out. Over tcp the
-staged bytes travel as one zero-copy frame; on one host the puller maps the prefill's
-memfd and copies straight into its cache. A load's first num_cached_blocks blocks hold
-their KV already (prefix-cache hits on the decode side): only the rest is copied in, and
-over a memfd only that part of the staged KV is read (over tcp the whole staged prompt
-still travels).
+bytes a pull takes travel as one frame (zero-copy where that is the whole staging); on
+one host the puller maps the prefill's memfd and copies straight into its cache. A
+load's first num_cached_blocks blocks hold their KV already (prefix-cache hits on the
+decode side): only the rest is copied in; the pull names them (KVPull.first_block), so
+over tcp only the blocks after them travel, and through a memfd only they are read.
 """
 
 from __future__ import annotations
@@ -191,22 +191,28 @@ class ZmqKVConnector(KVConnector):
 
     def _copy_in(self, arrived: Arrived) -> None:
         load, source = arrived.load, arrived.source
-        assert arrived.layout is not None
+        start = load.num_cached_blocks  # the blocks before it hold their KV here
         try:
-            staged = view_staged(arrived.buffer, arrived.layout, len(load.block_ids))
-            start = load.num_cached_blocks  # the blocks before it hold their KV here
-            ids = torch.from_numpy(np.asarray(load.block_ids[start:], np.int64))
-            staged = staged[:, :, start:]
-            if source.count == self.layout.num_kv_heads == arrived.layout.num_kv_heads:
-                scatter(self.kv_caches(), ids, staged)
-            else:
-                scatter_heads(self.kv_caches(), ids, staged, arrived.first, source.dest,
-                              source.count)  # fmt: skip
-            del staged
+            if start < len(load.block_ids):
+                self._scatter(arrived, start)
         finally:
             arrived.release()
         assert self.puller is not None
         self.puller.done(load, source)
+
+    def _scatter(self, arrived: Arrived, start: int) -> None:
+        """Copy the load's blocks from start on out of arrived (which holds them from
+        its first_block on) into their block ids."""
+        load, source, layout = arrived.load, arrived.source, arrived.layout
+        assert layout is not None
+        held = len(load.block_ids) - arrived.first_block
+        staged = view_staged(arrived.buffer, layout, held)[:, :, start - arrived.first_block :]
+        ids = torch.from_numpy(np.asarray(load.block_ids[start:], np.int64))
+        if source.count == self.layout.num_kv_heads == layout.num_kv_heads:
+            scatter(self.kv_caches(), ids, staged)
+        else:
+            scatter_heads(self.kv_caches(), ids, staged, arrived.first, source.dest,
+                          source.count)  # fmt: skip
 
     def _stage(self, save: KVSave) -> None:
         assert self.server is not None
