@@ -9,9 +9,9 @@ from the workers (the request's output tokens, RequestGrammar): a request recomp
 after preemption samples past the tokens its matcher has, never over them again.
 
 A step's bitmask is filled off the engine's thread (fill): its requests' matchers take
-the tokens they lack, one batch per token, and fill their rows, in xgrammar's threads
-(which leave the GIL), while the engine goes on with the outputs of the step just
-applied.
+the tokens they lack, one batch per token, then xgrammar fills every row in one call
+with threads of its own (no GIL between them), while the engine goes on with the
+outputs of the step just applied.
 """
 
 from __future__ import annotations
@@ -28,10 +28,8 @@ from zmqworker.engine.grammar_compiler import GrammarCompiler
 from zmqworker.engine.request import Request
 from zmqworker.engine.request_grammar import RequestGrammar, rejected
 
-# Threads that advance a step's matchers and fill their bitmask rows, each a share of
-# the rows (xgrammar's calls leave the GIL); a share is at least this many rows.
-BITMASK_THREADS = min(4, os.cpu_count() or 1)
-MIN_ROWS_PER_THREAD = 16
+# xgrammar's threads for a step's bitmask rows: past 8 they stop paying on a 16-core host.
+BITMASK_THREADS = min(8, os.cpu_count() or 1)
 
 
 class StructuredOutputs:
@@ -40,12 +38,10 @@ class StructuredOutputs:
     def __init__(self, compiler: GrammarCompiler) -> None:
         self.compiler = compiler
         self._compiling: dict[str, tuple[Request, Future[Any]]] = {}
-        # xgrammar's batch fillers, one per share of the rows, made with the first
-        # bitmask: importing xgrammar takes seconds, which an engine core that never sees
-        # a constraint should not pay.
-        self._batches: list[Any] = []
+        # xgrammar's batch filler, made with the first bitmask: importing xgrammar takes
+        # seconds, which an engine core that never sees a constraint should not pay.
+        self._batch: Any = None
         self._filler = ThreadPoolExecutor(1, thread_name_prefix="grammar-bitmask")
-        self._shares = ThreadPoolExecutor(BITMASK_THREADS, thread_name_prefix="grammar-rows")
         self._bitmasks: dict[int, np.ndarray] = {}  # by slot (fill), grown as needed
 
     def __len__(self) -> int:
@@ -124,53 +120,25 @@ class StructuredOutputs:
         output: GrammarOutput,
         names: list[str],
     ) -> GrammarOutput:
-        """The rows in shares, one thread each; the first share's error, if any."""
+        """The matchers take the tokens they lack, one batch per token (a RuntimeError
+        naming the first request whose grammar refuses its token), then every row is
+        filled in one call."""
         import xgrammar as xgr
 
-        n = len(grammars)
-        num_shares = max(1, min(BITMASK_THREADS, n // MIN_ROWS_PER_THREAD))
-        while len(self._batches) < num_shares:
-            self._batches.append(xgr.BatchGrammarMatcher(max_threads=1))
-        bounds = np.linspace(0, n, num_shares + 1).astype(int).tolist()
-        shares = [
-            self._shares.submit(
-                self._fill_rows, k, grammars, lacking, output.grammar_bitmask, names, lo, hi
-            )
-            for k, (lo, hi) in enumerate(zip(bounds, bounds[1:], strict=False))
-        ]
-        wait(shares)  # all of them: none may still touch a matcher once this returns
-        for share in shares:
-            share.result()
-        return output
-
-    def _fill_rows(
-        self,
-        share: int,
-        grammars: list[RequestGrammar],
-        lacking: list[list[int]],
-        bitmask: np.ndarray,
-        names: list[str],
-        lo: int,
-        hi: int,
-    ) -> None:
-        """Rows lo to hi: their matchers take the tokens they lack, one batch per token,
-        then fill their rows (with share's filler)."""
-        import xgrammar as xgr
-
-        matchers = [g.matcher for g in grammars[lo:hi]]
-        for k in range(max(map(len, lacking[lo:hi]))):
-            rows = [i for i in range(lo, hi) if len(lacking[i]) > k]
+        if self._batch is None:
+            self._batch = xgr.BatchGrammarMatcher(max_threads=BITMASK_THREADS)
+        matchers = [g.matcher for g in grammars]
+        for k in range(max(map(len, lacking))):
+            rows = [i for i, tokens in enumerate(lacking) if len(tokens) > k]
             tokens = [lacking[i][k] for i in rows]
-            batch = matchers if len(rows) == len(matchers) else [matchers[i - lo] for i in rows]
+            batch = matchers if len(rows) == len(matchers) else [matchers[i] for i in rows]
             accepted = xgr.BatchGrammarMatcher.batch_accept_token(batch, tokens)
             if not all(accepted):
                 row = accepted.index(False)
                 raise rejected(names[rows[row]], tokens[row])
-        self._batches[share].batch_fill_next_token_bitmask(
-            matchers, bitmask, indices=list(range(lo, hi))
-        )
+        self._batch.batch_fill_next_token_bitmask(matchers, output.grammar_bitmask)
+        return output
 
     def shutdown(self) -> None:
         self._filler.shutdown(wait=True, cancel_futures=True)
-        self._shares.shutdown(wait=True)
         self.compiler.shutdown()
