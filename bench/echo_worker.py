@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gc
 import os
+import threading
 import time
 
 import numpy as np
@@ -24,6 +25,7 @@ from messages import (
     SharedWeights,
     WeightUpdate,
 )
+from zmqworker.model_runner.async_output import AsyncModelRunnerOutput
 from zmqworker.worker.worker_base import WorkerBase, freeze_startup_heap
 
 FAKE_KV_BYTES = 1 << 30
@@ -134,7 +136,42 @@ class EchoExtension:
         """How many objects this process has moved out of the collector's sight."""
         return gc.get_freeze_count()
 
+    def late_output(self, handles: list[int], delay_s: float, fail: str = "") -> object:
+        """A step's output whose ids land on the host delay_s later, as a CUDA step's
+        copy does (token = handle + 1), or whose wait then fails with `fail`."""
+        ids = np.array(handles, np.int32) + 1
+        return AsyncModelRunnerOutput(
+            np.array(handles, np.int32), None, _HostIds(ids), event=_LateCopy(delay_s, fail)
+        )
+
     def fail_on_rank(self, rank: int) -> int:
         if self.rank == rank:
             raise RuntimeError(f"failing on purpose on rank {rank}")
         return self.rank
+
+
+class _HostIds:
+    """Sampled ids as the output holds them (a host tensor, here without torch)."""
+
+    def __init__(self, ids: np.ndarray) -> None:
+        self._ids = ids
+
+    def numpy(self) -> np.ndarray:
+        return self._ids
+
+
+class _LateCopy:
+    """A device-to-host copy's event that completes delay_s after it is made."""
+
+    def __init__(self, delay_s: float, fail: str) -> None:
+        self._done = threading.Event()
+        self._fail = fail
+        threading.Timer(delay_s, self._done.set).start()
+
+    def query(self) -> bool:
+        return self._done.is_set()
+
+    def synchronize(self) -> None:
+        self._done.wait()
+        if self._fail:
+            raise RuntimeError(self._fail)

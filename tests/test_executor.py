@@ -113,6 +113,21 @@ def test_calls_run_in_arrival_order_whoever_receives_them(ex2):
     assert ex2.collective_rpc("log_call", (20,)) == [list(range(-1, 21))] * 2
 
 
+def test_an_output_still_copying_is_answered_once_it_lands_and_holds_up_nothing(ex2):
+    """An output whose ids are still on their way to the host (a CUDA step's) is answered
+    by a side thread once they land; the calls after it run meanwhile. A copy that fails
+    answers with its error."""
+    late = ex2.collective_rpc("late_output", ([3, 5], 0.5), non_block=True)
+    assert ex2.collective_rpc("echo", (1,), timeout=5) == [1, 1]
+    assert not late.done()
+    for output in late.result(timeout=30):
+        assert output.req_handles.tolist() == [3, 5]
+        assert output.sampled_token_ids.tolist() == [4, 6]
+    with pytest.raises(ExecutorError, match="the copy failed"):
+        ex2.collective_rpc("late_output", ([3], 0.05, "the copy failed"), timeout=30)
+    assert ex2.collective_rpc("echo", (2,)) == [2, 2]
+
+
 def test_a_call_in_flight_cannot_be_cancelled(ex2):
     slow = ex2.collective_rpc("sleep_for", (0.2,), non_block=True)
     other = ex2.collective_rpc("echo", (1,), non_block=True)
