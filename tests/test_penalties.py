@@ -160,6 +160,32 @@ def test_steps_of_requests_without_any_cost_nothing():
     assert state.step(np.array([0]), np.full(4, 5), np.full(4, 5), np.zeros((4, 8))) is None
 
 
+def test_a_step_like_the_one_before_uses_its_upload_again():
+    """The same sampling rows with no row joined or left, and no bans: the step before's
+    device tensors as they are; anything else uploads anew."""
+    state = PenaltyRows(4, VOCAB, DEVICE)
+    params = SamplingParams(frequency_penalty=0.5, logit_bias={3: 1.0})
+    state.add(1, params, np.arange(5, dtype=np.int32), 5, [])
+    state.flush()
+    columns = (np.full(4, 5), np.full(4, 5), np.zeros((4, 8), np.int32))
+    first = state.step(np.array([0, 1]), *columns)
+    assert first is not None and state.step(np.array([0, 1]), *columns) is first
+    assert state.step(np.array([1, 0]), *columns) is not first  # other logits rows
+    state.add(2, SamplingParams(presence_penalty=1.0), np.arange(5, dtype=np.int32), 5, [])
+    state.flush()
+    joined = state.step(np.array([0, 1]), *columns)
+    assert joined is not None and joined is not first
+    assert torch.equal(joined.dense.penalties, first.dense.penalties)
+    held = SamplingParams(min_tokens=2, stop_token_ids=[17])
+    state.add(3, held, np.arange(5, dtype=np.int32), 5, [])
+    banning = state.step(np.array([3]), *columns)  # no output yet: 17 is banned
+    assert banning is not None and banning.bans is not None
+    again = state.step(np.array([3]), *columns)
+    assert again is not banning and again.bans is not None  # bans are found every step
+    free = (np.full(4, 7), np.full(4, 5), np.zeros((4, 8), np.int32))  # 2 outputs now
+    assert state.step(np.array([3]), *free) is None
+
+
 def bans(state: PenaltyRows, rows, num_tokens, num_prompt, table) -> set[tuple[int, int]]:
     """(logits row, token) pairs the step bans."""
     step = state.step(np.array(rows), np.array(num_tokens), np.array(num_prompt), table)

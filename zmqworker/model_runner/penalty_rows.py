@@ -16,7 +16,9 @@ stop ids and its bad words (RowTable). A step's bans are found on the
 host, vectorised over the batch: min_tokens from the rows' token counts, the bad words
 against the token table, which holds every earlier sample by the time a step samples
 (model_runner waits for the previous step's copy there anyway). A step uploads what it
-uses in one copy; a step whose sampling requests use none of this costs nothing.
+uses in one copy, and a step like the one before (the same sampling rows, no row joined
+or left since, no bans) uses that copy again: a decode step's host time is what sets the
+pace at small batches. A step whose sampling requests use none of this costs nothing.
 """
 
 from __future__ import annotations
@@ -53,6 +55,9 @@ class PenaltyRows:
         self.bad_words = RowTable(max_num_seqs)  # [k, length]: a bad word per entry
         self._bias_device: tuple[int, Entries] | None = None  # (bias.version, entries)
         self._joining: list[tuple[int, np.ndarray | None, np.ndarray]] = []
+        self._version = 0  # bumped when a row that uses something here joins or leaves
+        # The last step without bans, by (version, its sampling rows): used again as is.
+        self._kept: tuple[tuple[int, bytes], PenaltyStep | None] | None = None
 
     @property
     def nbytes(self) -> int:
@@ -100,12 +105,14 @@ class PenaltyRows:
         if uses:
             self.in_use[row] = True
             self._num_in_use += 1
+            self._version += 1
 
     def remove(self, row: int) -> None:
         if not self.in_use[row]:
             return
         self.in_use[row] = False
         self._num_in_use -= 1
+        self._version += 1
         self.values[:, row] = (1.0, 0.0, 0.0)
         self.penalized[row] = False
         self.min_tokens[row] = 0
@@ -153,13 +160,24 @@ class PenaltyRows:
         batch's columns (each row's tokens so far, its samples included)."""
         if not self._num_in_use or not self.in_use[rows].any():
             return None
+        ban_rows, ban_tokens = self._bans(rows, num_tokens, num_prompt, token_ids)
+        key = (self._version, rows.tobytes())
+        if not len(ban_rows) and self._kept is not None and self._kept[0] == key:
+            return self._kept[1]
+        step = self._upload(rows, ban_rows, ban_tokens)
+        self._kept = None if len(ban_rows) else (key, step)
+        return step
+
+    def _upload(
+        self, rows: np.ndarray, ban_rows: np.ndarray, ban_tokens: np.ndarray
+    ) -> PenaltyStep | None:
+        """The step of sampling rows with these bans, in one copy to the device."""
         arrays: list[np.ndarray] = []
         dense_at = np.flatnonzero(self.penalized[rows]).astype(np.int32)
         dense_rows = rows[dense_at].astype(np.int32)
         values = np.ascontiguousarray(self.values[:, dense_rows])
         if len(dense_at):
             arrays += [dense_at, dense_rows, values]
-        ban_rows, ban_tokens = self._bans(rows, num_tokens, num_prompt, token_ids)
         if len(ban_rows):
             arrays += [ban_rows, ban_tokens]
         with_bias = bool(self.bias.has[rows].any())
