@@ -166,7 +166,9 @@ class _LateCopy:
     def __init__(self, delay_s: float, fail: str) -> None:
         self._done = threading.Event()
         self._fail = fail
-        threading.Timer(delay_s, self._done.set).start()
+        timer = threading.Timer(delay_s, self._done.set)
+        timer.daemon = True  # a worker that exits first does not wait for it
+        timer.start()
 
     def query(self) -> bool:
         return self._done.is_set()

@@ -28,8 +28,10 @@ from zmqworker.engine.grammar_compiler import GrammarCompiler
 from zmqworker.engine.request import Request
 from zmqworker.engine.request_grammar import RequestGrammar, rejected
 
-# xgrammar's threads for a step's bitmask rows: past 8 they stop paying on a 16-core host.
-BITMASK_THREADS = min(8, os.cpu_count() or 1)
+# xgrammar's threads for a step's bitmask rows, one for each MIN_ROWS_PER_THREAD rows:
+# past 8 they stop paying on a 16-core host.
+BITMASK_THREADS = min(8, len(os.sched_getaffinity(0)))
+MIN_ROWS_PER_THREAD = 16
 
 
 class StructuredOutputs:
@@ -38,9 +40,10 @@ class StructuredOutputs:
     def __init__(self, compiler: GrammarCompiler) -> None:
         self.compiler = compiler
         self._compiling: dict[str, tuple[Request, Future[Any]]] = {}
-        # xgrammar's batch filler, made with the first bitmask: importing xgrammar takes
-        # seconds, which an engine core that never sees a constraint should not pay.
-        self._batch: Any = None
+        # xgrammar's batch fillers by thread count, made with the first bitmask: importing
+        # xgrammar takes seconds, which an engine core that never sees a constraint
+        # should not pay.
+        self._fillers: dict[int, Any] = {}
         self._filler = ThreadPoolExecutor(1, thread_name_prefix="grammar-bitmask")
         self._bitmasks: dict[int, np.ndarray] = {}  # by slot (fill), grown as needed
 
@@ -125,8 +128,10 @@ class StructuredOutputs:
         filled in one call."""
         import xgrammar as xgr
 
-        if self._batch is None:
-            self._batch = xgr.BatchGrammarMatcher(max_threads=BITMASK_THREADS)
+        threads = max(1, min(BITMASK_THREADS, len(grammars) // MIN_ROWS_PER_THREAD))
+        filler = self._fillers.get(threads)
+        if filler is None:
+            filler = self._fillers[threads] = xgr.BatchGrammarMatcher(max_threads=threads)
         matchers = [g.matcher for g in grammars]
         for k in range(max(map(len, lacking))):
             rows = [i for i, tokens in enumerate(lacking) if len(tokens) > k]
@@ -136,7 +141,7 @@ class StructuredOutputs:
             if not all(accepted):
                 row = accepted.index(False)
                 raise rejected(names[rows[row]], tokens[row])
-        self._batch.batch_fill_next_token_bitmask(matchers, output.grammar_bitmask)
+        filler.batch_fill_next_token_bitmask(matchers, output.grammar_bitmask)
         return output
 
     def shutdown(self) -> None:

@@ -57,7 +57,7 @@ class PenaltyRows:
         self._joining: list[tuple[int, np.ndarray | None, np.ndarray]] = []
         self._version = 0  # bumped when a row that uses something here joins or leaves
         # The last step without bans, by (version, its sampling rows): used again as is.
-        self._kept: tuple[tuple[int, bytes], PenaltyStep | None] | None = None
+        self._kept: tuple[tuple[int, str, bytes], PenaltyStep | None] | None = None
 
     @property
     def nbytes(self) -> int:
@@ -161,7 +161,7 @@ class PenaltyRows:
         if not self._num_in_use or not self.in_use[rows].any():
             return None
         ban_rows, ban_tokens = self._bans(rows, num_tokens, num_prompt, token_ids)
-        key = (self._version, rows.tobytes())
+        key = (self._version, rows.dtype.str, rows.tobytes())
         if not len(ban_rows) and self._kept is not None and self._kept[0] == key:
             return self._kept[1]
         step = self._upload(rows, ban_rows, ban_tokens)
