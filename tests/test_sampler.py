@@ -264,6 +264,35 @@ def test_grammar_bitmask_errors() -> None:
         apply_grammar_bitmask(logits, np.array([0]), np.zeros((1, 3), np.int32), ["x"])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_the_bitmask_kernel_bans_what_the_torch_ops_ban(dtype) -> None:
+    """The Triton path's upload and kernel (the interpreter on the CPU) against the torch
+    ops: rows out of order, a vocabulary that ends mid-word, a bitmask narrower than it,
+    and a second upload through the same buffers."""
+    pytest.importorskip("triton")
+    from tests.runner_helpers import DEVICE
+    from zmqworker.model_runner.grammar_upload import BitmaskUpload
+
+    vocab, n = 300, 5
+    rng = np.random.default_rng(3)
+    upload = BitmaskUpload(8, vocab, DEVICE)
+    buffers = upload._device.data_ptr()
+    for rows, width in ((np.array([4, 0, 6, 2, 5]), cdiv(vocab, 32)), (np.array([1, 3]), 7)):
+        allowed = rng.random((len(rows), vocab)) < 0.3
+        allowed[:, [0, 31, 32, vocab - 1]] = True  # the first, a sign bit, the last
+        bitmask = np.ascontiguousarray(pack_bitmask(allowed)[:, :width])
+        logits = torch.randn(n + 2, vocab, generator=torch.Generator().manual_seed(4))
+        by_torch, by_kernel = logits.to(dtype), logits.to(dtype).to(DEVICE)
+        names = [f"r{i}" for i in range(len(rows))]
+        apply_grammar_bitmask(by_torch, rows, bitmask, names)
+        apply_grammar_bitmask(by_kernel, rows, bitmask, names, upload)
+        assert torch.equal(by_torch, by_kernel.cpu())
+        assert torch.isinf(by_torch[rows]).any() and torch.isfinite(by_torch[rows]).any()
+    assert upload._device.data_ptr() == buffers
+    with pytest.raises(ValueError, match=r"shape \(9, 10\) for 9 rows does not fit \[8, 10\]"):
+        upload.upload(np.arange(9), np.zeros((9, 10), np.int32))
+
+
 def test_bad_logits_shape_is_an_error() -> None:
     with pytest.raises(ValueError, match="logits must be"):
         Sampler()(torch.zeros(VOCAB), metadata(1))

@@ -19,6 +19,7 @@ from zmqworker.attention.paged_attention import probe_steps
 from zmqworker.cdiv import cdiv
 from zmqworker.distributed.parallel_state import ParallelState
 from zmqworker.model_runner.batch_update import ScheduledRequests
+from zmqworker.model_runner.grammar_upload import BitmaskUpload
 from zmqworker.model_runner.input_batch import InputBatch
 from zmqworker.model_runner.penalties import count_outputs
 from zmqworker.model_runner.sampler import Sampler, SamplingMetadata
@@ -33,6 +34,7 @@ class Runner(Protocol):
     model: Any
     batch: InputBatch
     sampler: Sampler
+    bitmask_upload: BitmaskUpload | None
     fused: bool
     block_size: int
     max_model_len: int
@@ -165,6 +167,12 @@ class DummySteps:
             penalties=step,
         )
         with torch.inference_mode():
+            upload = runner.bitmask_upload
+            if not greedy and upload is not None:  # a bitmask allowing every token
+                from zmqworker.model_runner.grammar_kernel import apply_bitmask
+
+                allowed = np.full((n, upload.words), -1, np.int32)
+                apply_bitmask(logits, *upload.upload(np.arange(n), allowed))
             sampled = runner.sampler(logits, metadata)
             if step is not None and step.dense is not None:
                 # Counted into a row of its own: the batch's counts stay as they are.

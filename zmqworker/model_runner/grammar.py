@@ -9,6 +9,7 @@ import torch
 
 from messages import GrammarOutput
 from zmqworker.cdiv import cdiv
+from zmqworker.model_runner.grammar_upload import BitmaskUpload
 from zmqworker.model_runner.host_to_device import to_device
 from zmqworker.model_runner.int32_arrays import int32_array
 
@@ -16,11 +17,16 @@ _BITS = 32
 
 
 def apply_grammar_bitmask(
-    logits: torch.Tensor, rows: np.ndarray, bitmask: np.ndarray, names: list[str]
+    logits: torch.Tensor,
+    rows: np.ndarray,
+    bitmask: np.ndarray,
+    names: list[str],
+    upload: BitmaskUpload | None = None,
 ) -> None:
     """Set logits[rows[i], j] to -inf where bit j of bitmask[i] is 0 (word j // 32, bit
     j % 32). A bitmask narrower than the vocabulary disallows the tokens it does not cover.
-    names[i] names the request of rows[i] in errors."""
+    names[i] names the request of rows[i] in errors. With upload (the Triton path's), the
+    bitmask goes through its buffers to one kernel; else torch ops."""
     vocab = logits.shape[1]
     words = cdiv(vocab, _BITS)
     if bitmask.ndim != 2 or bitmask.shape[0] != len(rows) or bitmask.shape[1] > words:
@@ -37,6 +43,11 @@ def apply_grammar_bitmask(
     empty = _rows_allowing_nothing(packed, vocab)
     if len(empty):
         raise ValueError(f"grammar bitmask allows no token for {names[int(empty[0])]}")
+    if upload is not None:
+        from zmqworker.model_runner.grammar_kernel import apply_bitmask
+
+        apply_bitmask(logits, *upload.upload(rows, packed))
+        return
     # Unpacked a byte at a time (bit j is bit j % 8 of the row's byte j // 8, the words
     # being little-endian int32): the intermediates are n x vocab bytes, not int32s.
     device = logits.device
@@ -70,10 +81,11 @@ def apply_grammar_output(
     sample_index: np.ndarray,
     grammar: GrammarOutput,
     describe: Callable[[int], str],
+    upload: BitmaskUpload | None = None,
 ) -> None:
     """Apply a step's GrammarOutput to its sampling requests' logits: handles are the
     step's requests, sample_index the positions of those that sample (logits' rows);
-    describe names a request by its handle in errors."""
+    describe names a request by its handle in errors; upload as apply_grammar_bitmask's."""
     sampling = {h: i for i, h in enumerate(handles[sample_index].tolist())}
     in_step = set(handles.tolist())
     grammar_handles = int32_array(grammar.req_handles, "GrammarOutput.req_handles", 1).tolist()
@@ -92,4 +104,4 @@ def apply_grammar_output(
         )
     names = [describe(grammar_handles[k]) for k in keep]
     rows = bitmask if len(keep) == len(grammar_handles) else bitmask[keep]  # no copy: all
-    apply_grammar_bitmask(logits, np.array(targets, np.int64), rows, names)
+    apply_grammar_bitmask(logits, np.array(targets, np.int64), rows, names, upload)

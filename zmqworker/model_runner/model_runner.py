@@ -34,6 +34,7 @@ from zmqworker.model_runner.cuda_graphs import Capture, StepGraphs
 from zmqworker.model_runner.dummy_steps import DummySteps
 from zmqworker.model_runner.forward_paths import HiddenStates, TorchPath
 from zmqworker.model_runner.grammar import apply_grammar_output
+from zmqworker.model_runner.grammar_upload import BitmaskUpload
 from zmqworker.model_runner.input_batch import InputBatch
 from zmqworker.model_runner.kv_cache_config import check_kv_cache_config
 from zmqworker.model_runner.penalties import count_outputs
@@ -108,6 +109,11 @@ class ModelRunner:
         )
         self.kv_caches: list[torch.Tensor] = []
         self.sampler = Sampler(fused=self.fused)
+        self.bitmask_upload = (
+            BitmaskUpload(self.max_num_reqs, self.model.vocab_size, self.device)
+            if self.fused and state.is_last_stage
+            else None
+        )
         self.path: TorchPath | TritonPath
         if self.fused:
             self.path = TritonPath(
@@ -347,7 +353,12 @@ class ModelRunner:
             with torch.inference_mode():
                 if grammar_output is not None:
                     apply_grammar_output(
-                        logits, step.handles, index, grammar_output, batch.describe
+                        logits,
+                        step.handles,
+                        index,
+                        grammar_output,
+                        batch.describe,
+                        self.bitmask_upload,
                     )
                 sampled = self.sampler(logits, metadata, out)
                 if penalties is not None:
