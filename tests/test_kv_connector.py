@@ -239,6 +239,26 @@ def test_a_pull_past_the_staged_blocks_is_refused_by_name(producer) -> None:
     assert "past" in names(until(side, bool), "finished_sending")
 
 
+def test_a_refused_pull_lets_the_staging_go_at_once() -> None:
+    """A consumer that believes it holds more blocks than were staged is refused; it
+    fails the load by name and says KVDone, so the producer frees the staging long
+    before it would expire."""
+    port = free_port()
+    side = connector("producer", caches(4, seed=5), port, timeout_s=60.0)
+    consumer = connector("consumer", caches(6, seed=6), 0, timeout_s=60.0)
+    try:
+        side.after_step(KVConnectorMetadata(saves=[KVSave("short", np.array([3], np.int32), 4)]))
+        remote = RemoteKV("short", 4, [f"tcp://127.0.0.1:{port}"])
+        load = KVLoad("short", np.array([0, 1, 2], np.int32), remote, num_cached_blocks=2)
+        consumer.before_step(KVConnectorMetadata(loads=[load]))
+        [failure] = names(until(consumer, bool), "failed_recving")
+        assert names(until(side, bool, timeout=10.0), "finished_sending") == ["short"]
+    finally:
+        consumer.shutdown()
+        side.shutdown()
+    assert "first_block 2 is past the 1 blocks staged for request 'short'" in failure.error
+
+
 @pytest.mark.parametrize("first_block", [0, 3], ids=["all-blocks", "too-few"])
 def test_the_consumer_checks_which_blocks_an_answer_holds(first_block: int) -> None:
     """A load with 2 cached blocks of 3 names them in its pull; an answer holding all
@@ -262,6 +282,9 @@ def test_the_consumer_checks_which_blocks_an_answer_holds(first_block: int) -> N
         reply = KVBlocks("old", layout_of(SPEC), 3, first_block=first_block)
         server.send_multipart([who, wire.encode(reply), staged[:, :, first_block:].numpy()])
         outs = until(consumer, lambda outs: bool(outs))
+        # Landed or refused, the consumer is done with the staging: the server hears so.
+        assert server.poll(5000), "no KVDone"
+        assert wire.decode(server.recv_multipart()[1]) == KVDone("old")
     finally:
         consumer.shutdown()
         ctx.destroy(linger=0)

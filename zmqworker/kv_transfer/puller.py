@@ -1,7 +1,8 @@
 """The decode side's puller: for each load, ask the prefill ranks its head map names
 (head_map.py: the rank of the same tp rank where the sizes match) for their heads of the
 request's staged KV and hand each piece that comes back to the worker's thread, which
-copies it into the request's blocks; then say KVDone, so the prefill side lets it go.
+copies it into the request's blocks; then say KVDone, so the prefill side lets it go. A
+refused pull, or an answer this rank cannot use, fails the load and says KVDone at once.
 
 One thread owns every socket (a CURVE DEALER per prefill address, the deployment's KV
 keys). A load not answered within the timeout fails, naming the request and the address,
@@ -192,7 +193,7 @@ class KVPuller:
                 continue  # the answer to a pull that timed out
             load, source, _ = entry
             try:
-                self._arrive(self._unpack(load, source, reply, frames[1:]))
+                arrived = self._unpack(load, source, reply, frames[1:])
             except (OSError, SharedMemoryError) as e:
                 # This host's /proc does not show the server (another pid namespace):
                 # the bytes come over tcp from now on.
@@ -200,8 +201,14 @@ class KVPuller:
                 self._host_id = ""
                 waiting[(address, reply.req_id)] = entry
                 send_frames(sock, [wire.encode(self._pull_of(load, source, ""))])
+                continue
             except Exception as e:
-                self._fail(load, source, f"from {address}: {e}")
+                arrived = self._failed(load, source, f"from {address}: {e}")
+            if arrived.error is not None:
+                # Refused, or an answer this rank cannot use: it will not read, so the
+                # server may let the staging go now rather than when it expires.
+                send_frames(sock, [wire.encode(KVDone(load.remote.req_id))])
+            self._arrive(arrived)
 
     def _unpack(
         self, load: KVLoad, source: HeadSource, reply: KVBlocks, frames: list[zmq.Frame]
@@ -248,9 +255,12 @@ class KVPuller:
         return Arrived(load, source, frames[0].buffer, [frames[0]], layout=wanted,
                        first_block=reply.first_block)  # fmt: skip
 
+    @staticmethod
+    def _failed(load: KVLoad, source: HeadSource, error: str) -> Arrived:
+        return Arrived(load, source, error=f"KV of request {load.req_id!r}: {error}")
+
     def _fail(self, load: KVLoad, source: HeadSource, error: str) -> None:
-        error = f"KV of request {load.req_id!r}: {error}"
-        self._arrive(Arrived(load, source, error=error))
+        self._arrive(self._failed(load, source, error))
 
     def _arrive(self, arrived: Arrived) -> None:
         self.arrived.put(arrived)

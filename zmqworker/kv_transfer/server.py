@@ -168,6 +168,7 @@ class KVServer:
             staged.readers = pull.readers
             self._reader_done(pull.req_id)  # a release: this reader takes nothing
         elif (error := self._refusal(staged, pull)) is not None:
+            staged.readers = pull.readers  # so that its KVDone counts among all of them
             self._send(peer, KVBlocks(pull.req_id, error=error))
         else:
             staged.readers = pull.readers
