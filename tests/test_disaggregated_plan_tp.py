@@ -17,11 +17,11 @@ from zmqworker.frontend.engine_plan import EnginePlan
 from zmqworker.frontend.llm import LLM
 
 
-def plan(tp: int) -> EnginePlan:
+def plan(tp: int, **more) -> EnginePlan:
     options = {n: p.default for n, p in inspect.signature(LLM).parameters.items()}
     path = cached_tiny_checkpoint(family="llama", num_layers=2, vocab_size=256)
     options.update(model=path, tensor_parallel_size=tp, device="cpu", kv_cache_bytes=4096)
-    return EnginePlan.from_options(options)
+    return EnginePlan.from_options({**options, **more})
 
 
 @pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(2, 1), (1, 2)])
@@ -44,8 +44,24 @@ def test_a_decode_size_the_model_cannot_take_is_refused_by_name() -> None:
         DisaggregatedPlan.of(plan(2), decode_tp=0)
 
 
-def test_the_cli_option_needs_disaggregate() -> None:
+@pytest.mark.parametrize(
+    "flag, name",
+    [
+        ("--decode-tensor-parallel-size", "decode_tensor_parallel_size"),
+        ("--kv-port", "kv_port"),
+        ("--kv-transfer-timeout", "kv_transfer_timeout_s"),
+    ],
+)
+def test_an_option_of_the_pair_needs_disaggregate(flag: str, name: str) -> None:
+    """Refused by name before the model folder is opened, from the CLI and from LLM."""
     parser, _ = build_parser()
-    args = parser.parse_args(["serve", "--model", "m", "--decode-tensor-parallel-size", "2"])
-    with pytest.raises(ValueError, match="--decode-tensor-parallel-size needs --disaggregate"):
+    args = parser.parse_args(["serve", "--model", "no/such/model", flag, "2"])
+    with pytest.raises(ValueError, match=f"{name}=2.* needs disaggregate=True"):
         serve_cli.run(args)
+    with pytest.raises(ValueError, match=f"{name}=2.* needs disaggregate=True"):
+        LLM(model="no/such/model", **{name: 2})
+
+
+def test_a_pair_takes_no_engine_cores_in_this_process() -> None:
+    with pytest.raises(ValueError, match="disaggregate runs its two engine cores as processes"):
+        DisaggregatedPlan.from_options(plan(1, executor=lambda config: None), {})

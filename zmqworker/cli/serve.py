@@ -108,43 +108,6 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     cors.add_argument(
         "--allow-credentials", action="store_true", help="let them send cookies and credentials"
     )
-    disagg = parser.add_argument_group(
-        "disaggregated prefill and decode",
-        "two engine cores on this host, the engine options' layout (the decode instance's "
-        "tensor parallel size may differ): a prefill instance "
-        "computes each prompt and its first token, a decode instance pulls the prompt's KV "
-        "(shared memory, CURVE-authenticated sockets) and decodes the rest, so that long "
-        "prompts arriving do not stall the decodes in flight",
-    )
-    disagg.add_argument(
-        "--disaggregate",
-        action="store_true",
-        help="serve through a prefill and a decode instance (--tensor-parallel-size is the "
-        "prefill's; no data or pipeline parallelism; on CUDA both on the same GPUs, with "
-        "--kv-cache-bytes)",
-    )
-    disagg.add_argument(
-        "--decode-tensor-parallel-size",
-        type=int,
-        metavar="N",
-        help="the decode instance's tensor parallel size (default: --tensor-parallel-size); "
-        "each decode rank pulls its KV heads from the prefill ranks that hold them, and "
-        "its workers each take --kv-cache-bytes x prefill size / N (the same blocks)",
-    )
-    disagg.add_argument(
-        "--kv-port",
-        type=int,
-        metavar="PORT",
-        help="the prefill's tensor-parallel rank r serves its KV on 127.0.0.1:PORT+r "
-        "(default: free ports)",
-    )
-    disagg.add_argument(
-        "--kv-transfer-timeout",
-        type=float,
-        metavar="S",
-        help="seconds a request's KV waits to be pulled, and a pull for its answer, before "
-        "the request fails (default: 30)",
-    )
     add_options(parser.add_argument_group("engine"), LLM_OPTIONS)
     return parser
 
@@ -157,13 +120,6 @@ def run(args: argparse.Namespace) -> int:
     cors = _cors(args)
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
-    for option, value in (
-        ("--kv-port", args.kv_port),
-        ("--kv-transfer-timeout", args.kv_transfer_timeout),
-        ("--decode-tensor-parallel-size", args.decode_tensor_parallel_size),
-    ):
-        if value is not None and not args.disaggregate:
-            raise ValueError(f"{option} needs --disaggregate")
     serve(
         given(args, LLM_OPTIONS),
         host=args.host,
@@ -176,14 +132,6 @@ def run(args: argparse.Namespace) -> int:
         enable_admin_endpoints=args.enable_admin_endpoints,
         cors=cors,
         tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
-        disaggregate=args.disaggregate,
-        kv_port=args.kv_port,
-        decode_tp=args.decode_tensor_parallel_size,
-        **(
-            {}
-            if args.kv_transfer_timeout is None
-            else {"kv_transfer_timeout_s": args.kv_transfer_timeout}
-        ),
         **({} if args.max_request_bytes is None else {"max_request_bytes": args.max_request_bytes}),
     )
     return 0

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import socket
 from dataclasses import dataclass
+from typing import Any
 
 import msgspec
 
@@ -21,6 +22,19 @@ from zmqworker.transport.curve import KV_CURVE_ENV, KVKeys
 
 KV_HOST = "127.0.0.1"  # one host: the prefill's KV servers take local peers only
 PORT_TRIES = 20
+KV_TIMEOUT_S = 30.0  # every transfer wait's bound, unless the options give another
+# LLM options that only a disaggregated pair takes.
+COMPANIONS = ("decode_tensor_parallel_size", "kv_port", "kv_transfer_timeout_s")
+
+
+def disaggregated(options: dict[str, Any]) -> bool:
+    """Whether the LLM's options ask for a pair. Raises ValueError naming an option that
+    only a pair takes, given without disaggregate: before anything is opened."""
+    if not options["disaggregate"]:
+        for name in COMPANIONS:
+            if options.get(name) is not None:
+                raise ValueError(f"{name}={options[name]!r} needs disaggregate=True")
+    return bool(options["disaggregate"])
 
 
 @dataclass(frozen=True)
@@ -32,11 +46,26 @@ class DisaggregatedPlan:
     decode_tp: int  # the decode instance's tensor parallel size
 
     @classmethod
+    def from_options(cls, plan: EnginePlan, options: dict[str, Any]) -> DisaggregatedPlan:
+        """The pair the LLM's options ask for (disaggregate=True)."""
+        if plan.make_executor is not None:
+            raise ValueError(
+                "disaggregate runs its two engine cores as processes: an executor factory "
+                "(engine cores in this process) is not taken with it"
+            )
+        return cls.of(
+            plan,
+            options["kv_port"],
+            options["kv_transfer_timeout_s"] or KV_TIMEOUT_S,
+            options["decode_tensor_parallel_size"],
+        )
+
+    @classmethod
     def of(
         cls,
         plan: EnginePlan,
         kv_port: int | None = None,
-        timeout_s: float = 30.0,
+        timeout_s: float = KV_TIMEOUT_S,
         decode_tp: int | None = None,
     ) -> DisaggregatedPlan:
         """decode_tp: the decode instance's tensor parallel size (None: the plan's).

@@ -13,6 +13,12 @@ from messages import WorkerConfig
 from zmqworker.executor.abstract import STEP_TIMEOUT_S, Executor
 from zmqworker.frontend.core_client import EngineCoreClient
 from zmqworker.frontend.core_process import EngineCoreLauncher
+from zmqworker.frontend.disaggregated_client import DisaggregatedClient
+from zmqworker.frontend.disaggregated_plan import (
+    KV_TIMEOUT_S,
+    DisaggregatedPlan,
+    disaggregated,
+)
 from zmqworker.frontend.engine_plan import EnginePlan
 from zmqworker.frontend.engine_shutdown import shut_down_engines
 from zmqworker.frontend.errors import (
@@ -25,6 +31,7 @@ from zmqworker.frontend.llm_args import (
     AtLeastMinusOne,
     Fraction,
     GiB,
+    Port,
     Positive,
     Seconds,
     arg_types,
@@ -137,19 +144,65 @@ class LLM(Frontend):
         worker_extension_cls: Annotated[
             str, opt("package.module.Class whose public methods the workers also serve")
         ] = "",
+        disaggregate: Annotated[
+            bool,
+            opt(
+                "two engine cores on this host: a prefill instance computes each prompt "
+                "and its first token, a decode instance pulls the prompt's KV (shared "
+                "memory, CURVE-authenticated sockets) and decodes the rest, so that long "
+                "prompts arriving do not stall the decodes in flight; the layout options "
+                "are the prefill's (no data or pipeline parallelism; on CUDA both on the "
+                "same GPUs, with kv_cache_bytes)"
+            ),
+        ] = False,
+        decode_tensor_parallel_size: Annotated[
+            Positive | None,
+            opt(
+                "disaggregate: the decode instance's tensor parallel size (default: the "
+                "prefill's); each decode rank pulls its KV heads from the prefill ranks that "
+                "hold them, and its workers each take kv_cache_bytes x prefill size / this",
+                aliases=["--decode-tp"],
+                metavar="N",
+            ),
+        ] = None,
+        kv_port: Annotated[
+            Port | None,
+            opt(
+                "disaggregate: the prefill's tensor-parallel rank r serves its KV on "
+                "127.0.0.1:PORT+r (default: free ports)",
+                metavar="PORT",
+            ),
+        ] = None,
+        kv_transfer_timeout_s: Annotated[
+            Seconds | None,
+            opt(
+                "disaggregate: seconds a request's KV waits to be pulled, and a pull for its "
+                f"answer, before the request fails (default: {KV_TIMEOUT_S:g})",
+                flag="--kv-transfer-timeout",
+                metavar="S",
+            ),
+        ] = None,
     ) -> None:
         self._launcher: EngineCoreLauncher | None = None
         options = {k: v for k, v in locals().items() if k in OPTION_TYPES}
         check_args(OPTION_TYPES, options)
+        pairs = disaggregated(options)
         started = time.perf_counter()
         plan = EnginePlan.from_options(options)
+        pair = DisaggregatedPlan.from_options(plan, options) if pairs else None
         self.worker_config = plan.worker_config
         with ThreadPoolExecutor(1, thread_name_prefix="zmqworker-tokenizer") as pool:
             # The tokenizer loads while the engine cores start their workers.
             text_side = pool.submit(plan.folder.load_text_side)
-            launcher = EngineCoreLauncher(plan.num_engines, plan.engine_config, plan.make_executor)
+            if pair is None:
+                launcher = EngineCoreLauncher(
+                    plan.num_engines, plan.engine_config, plan.make_executor
+                )
+            else:
+                launcher = EngineCoreLauncher(2, pair.engine_config, env=pair.env)
+            client_class = EngineCoreClient if pair is None else DisaggregatedClient
             try:
-                client = EngineCoreClient(
+                client = client_class(
                     launcher.addresses, launcher.handles, launcher.token, 0, plan.output_bytes
                 )
                 try:

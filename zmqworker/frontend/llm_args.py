@@ -17,6 +17,7 @@ Fraction = Annotated[float, Meta(gt=0, le=1)]
 Seconds = Annotated[float, Meta(gt=0)]
 GiB = Annotated[float, Meta(ge=0)]
 AtLeastMinusOne = Annotated[int, Meta(ge=-1)]
+Port = Annotated[int, Meta(ge=1, le=65535)]
 
 
 def opt(description: str, **extra: Any) -> Meta:

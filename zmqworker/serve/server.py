@@ -33,7 +33,7 @@ from zmqworker.executor.process import ChildProcess, spawn_all
 from zmqworker.frontend.core_client import EngineCoreClient
 from zmqworker.frontend.core_process import EngineCoreLauncher
 from zmqworker.frontend.disaggregated_client import DisaggregatedClient
-from zmqworker.frontend.disaggregated_plan import DisaggregatedPlan
+from zmqworker.frontend.disaggregated_plan import DisaggregatedPlan, disaggregated
 from zmqworker.frontend.engine_connection import Failed
 from zmqworker.frontend.engine_plan import EnginePlan
 from zmqworker.frontend.engine_shutdown import shut_down_engines
@@ -65,15 +65,9 @@ def serve(
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
     cors: CorsOptions | None = None,
     tool_call_parser: str | None = None,
-    disaggregate: bool = False,
-    kv_port: int | None = None,
-    kv_transfer_timeout_s: float = 30.0,
-    decode_tp: int | None = None,
 ) -> None:
-    """disaggregate: a prefill and a decode instance (each the engine options' layout,
-    the decode's of tensor parallel size decode_tp where given) and the router in every
-    API server (disaggregated_client.py); kv_port: the first of the prefill's KV ports
-    (None: free ones), kv_transfer_timeout_s every transfer's bound."""
+    """engine_options: the LLM's; with disaggregate, a prefill and a decode instance
+    (disaggregated_plan.py) and the router in every API server (disaggregated_client.py)."""
     count = api_server_count or default_api_server_count()
     if count < 1:
         raise ValueError(f"--api-server-count must be >= 1, got {count}")
@@ -88,10 +82,9 @@ def serve(
     defaults = {n: p.default for n, p in inspect.signature(LLM).parameters.items()}
     options = {**defaults, **engine_options}
     check_args(OPTION_TYPES, options)
+    pairs = disaggregated(options)
     plan = EnginePlan.from_options(options)
-    pair = None
-    if disaggregate:
-        pair = DisaggregatedPlan.of(plan, kv_port, kv_transfer_timeout_s, decode_tp)
+    pair = DisaggregatedPlan.from_options(plan, options) if pairs else None
     name = served_model_name or plan.folder.path.name
     listener = _listen(host, port)  # a port in use fails here, before anything starts
     if pair is None:

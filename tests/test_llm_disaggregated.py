@@ -1,0 +1,24 @@
+"""LLM(disaggregate=True): a prefill and a decode engine core on this host behind the
+same client as the server's (frontend/disaggregated_client.py), offline."""
+
+from __future__ import annotations
+
+from messages import SamplingParams
+from tests.test_engine_e2e import PROMPTS, hf_greedy, make_llm
+from tests.test_executor import wait_gone
+
+
+def test_a_disaggregated_llm_gives_transformers_tokens_and_a_logprob_for_each() -> None:
+    """Each prompt is prefilled on one engine core and decoded on the other (its KV
+    pulled across): greedy tokens equal transformers', every token has its logprob (the
+    first the prefill's), and both instances' processes leave with the LLM."""
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=1)
+    with make_llm(disaggregate=True, kv_transfer_timeout_s=60.0) as llm:
+        pids = [*llm.engine_core_pids, *llm.worker_pids]
+        assert len(llm.engine_core_pids) == 2 and len(llm.worker_pids) == 2
+        outs = llm.generate(PROMPTS, params)
+    for prompt, out in zip(PROMPTS, outs, strict=True):
+        assert out.token_ids == hf_greedy(tuple(prompt), 6), prompt
+        assert out.logprobs is not None and len(out.logprobs) == 6
+        assert [lp.sampled.token_id for lp in out.logprobs] == out.token_ids
+    assert wait_gone(pids, 10.0)
