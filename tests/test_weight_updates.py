@@ -12,6 +12,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -101,16 +102,24 @@ def free_port() -> int:
 def push_from_trainer(
     llm: LLM, tied: bool, seed: int, bad_shape: bool = False
 ) -> tuple[int, Exception | None]:
-    """A trainer process joins a new group with the workers and sends its weights: the
-    trainer's exit status, and what update_weights_from_group raised."""
+    """A trainer process joins a new group with the workers and sends the weights of
+    hf_model(tied, seed), which it loads from a file: the trainer's exit status, and what
+    update_weights_from_group raised."""
+    weights = list(hf_model(tied, seed).named_parameters())
+    with tempfile.TemporaryDirectory(prefix="zmqworker-trainer-") as folder:
+        saved = Path(folder, "weights.pt")
+        torch.save([(name, param.detach()) for name, param in weights], saved)
+        return _push(llm, weights, saved, bad_shape)
+
+
+def _push(llm: LLM, weights: list, saved: Path, bad_shape: bool) -> tuple[int, Exception | None]:
     port, world = free_port(), 1 + llm.worker_config.parallel.world_size
-    argv = [sys.executable, "-m", "tests.weight_trainer", checkpoint(tied), str(port)]
-    argv += [str(world), str(seed), *(["--bad-shape"] if bad_shape else [])]
+    argv = [sys.executable, "-m", "tests.weight_trainer", str(saved), str(port), str(world)]
+    argv += ["--bad-shape"] if bad_shape else []
     trainer = subprocess.Popen(argv, cwd=ROOT, stderr=subprocess.PIPE, text=True)
     error = None
     try:
         llm.init_weight_transfer_group("127.0.0.1", port, world, rank_offset=1, timeout_s=60.0)
-        weights = list(hf_model(tied, seed).named_parameters())
         if bad_shape:
             weights[0] = (weights[0][0], weights[0][1][1:])
         llm.update_weights_from_group(describe(weights, piece_bytes=4096))
