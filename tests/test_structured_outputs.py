@@ -27,7 +27,9 @@ SCHEMA = {
 }
 # SmolLM2-135M: 30 layers of 3 KV heads of 64, float32; a stage holds 15 of them.
 BLOCK_BYTES_PER_STAGE = 15 * 2 * 3 * 64 * 4 * 16
-NUM_BLOCKS = 16  # max_model_len's; 8 requests of ~70 tokens need ~40: some are preempted
+# max_model_len's: four 59-token prompts take all 16 blocks, so the first decode to need
+# a fifth block preempts (every output is longer than the 5 tokens left in its last).
+NUM_BLOCKS = 16
 
 
 @pytest.fixture(scope="module")
@@ -53,8 +55,9 @@ def constrained(seed: int, max_tokens: int = 64, **kind) -> SamplingParams:
 
 def test_schema_outputs_validate_through_preemption_on_two_stages(llm):
     story = "A family keeps several pets at home, each with a name and a few tags. "
-    prompts = [f"{story * 3}Describe pet number {i} as JSON:" for i in range(8)]
-    params = [constrained(i, json=SCHEMA) for i in range(8)]
+    # Five: four fill the cache, the fifth waits for blocks.
+    prompts = [f"{story * 3}Describe pet number {i} as JSON:" for i in range(5)]
+    params = [constrained(i, json=SCHEMA) for i in range(5)]
     before = llm.stats().num_preemptions
     outputs = llm.generate(prompts, params)
     assert llm.stats().num_preemptions > before, "the KV cache was meant to preempt some"

@@ -12,6 +12,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -98,29 +99,48 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def push_from_trainer(
-    llm: LLM, tied: bool, seed: int, bad_shape: bool = False
-) -> tuple[int, Exception | None]:
-    """A trainer process joins a new group with the workers and sends its weights: the
-    trainer's exit status, and what update_weights_from_group raised."""
-    port, world = free_port(), 1 + llm.worker_config.parallel.world_size
-    argv = [sys.executable, "-m", "tests.weight_trainer", checkpoint(tied), str(port)]
-    argv += [str(world), str(seed), *(["--bad-shape"] if bad_shape else [])]
-    trainer = subprocess.Popen(argv, cwd=ROOT, stderr=subprocess.PIPE, text=True)
-    error = None
-    try:
-        llm.init_weight_transfer_group("127.0.0.1", port, world, rank_offset=1, timeout_s=60.0)
-        weights = list(hf_model(tied, seed).named_parameters())
-        if bad_shape:
-            weights[0] = (weights[0][0], weights[0][1][1:])
-        llm.update_weights_from_group(describe(weights, piece_bytes=4096))
-    except ValueError as e:
-        error = e
-    finally:
-        _, err = trainer.communicate(timeout=120)
-    if trainer.returncode not in (0, 3):
-        raise AssertionError(f"the trainer failed: {err[-2000:]}")
-    return trainer.returncode, error
+class Trainer:
+    """A trainer process that loads hf_model(tied, seed)'s weights from a file. Started
+    on entering, ahead of its push: its seconds of importing torch overlap the test's
+    other steps. push() has it join a new group with the workers and send them."""
+
+    def __init__(self, llm: LLM, tied: bool, seed: int, bad_shape: bool = False) -> None:
+        self.weights = list(hf_model(tied, seed).named_parameters())
+        self.bad_shape = bad_shape
+        self.port, self.world = free_port(), 1 + llm.worker_config.parallel.world_size
+        self.folder = tempfile.TemporaryDirectory(prefix="zmqworker-trainer-")
+        saved = Path(self.folder.name, "weights.pt")
+        torch.save([(name, param.detach()) for name, param in self.weights], saved)
+        argv = [sys.executable, "-m", "tests.weight_trainer", str(saved), str(self.port)]
+        argv += [str(self.world), *(["--bad-shape"] if bad_shape else [])]
+        self.process = subprocess.Popen(argv, cwd=ROOT, stderr=subprocess.PIPE, text=True)
+
+    def __enter__(self) -> Trainer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.process.poll() is None:  # a test that failed before its push
+            self.process.kill()
+            self.process.communicate()
+        self.folder.cleanup()
+
+    def push(self, llm: LLM) -> tuple[int, Exception | None]:
+        """The trainer's exit status, and what update_weights_from_group raised."""
+        weights, error = list(self.weights), None
+        try:
+            llm.init_weight_transfer_group(
+                "127.0.0.1", self.port, self.world, rank_offset=1, timeout_s=60.0
+            )
+            if self.bad_shape:
+                weights[0] = (weights[0][0], weights[0][1][1:])
+            llm.update_weights_from_group(describe(weights, piece_bytes=4096))
+        except ValueError as e:
+            error = e
+        finally:
+            _, err = self.process.communicate(timeout=120)
+        if self.process.returncode not in (0, 3):
+            raise AssertionError(f"the trainer failed: {err[-2000:]}")
+        return self.process.returncode, error
 
 
 def test_each_way_in_gives_the_new_weights_and_the_old_come_back(layout, tmp_path):
@@ -128,14 +148,15 @@ def test_each_way_in_gives_the_new_weights_and_the_old_come_back(layout, tmp_pat
     old, new = hf_tokens(tied, None), hf_tokens(tied, SEED)
     assert old != new
     assert tokens(llm) == old
-    # From this process, through shared memory; a tied model's state_dict carries the
-    # head under its own name too.
-    llm.update_weights(hf_model(tied, SEED).state_dict().items(), chunk_bytes=8192)
-    assert tokens(llm) == new
-    llm.reload_weights()  # the checkpoint it started with
-    assert tokens(llm) == old
-    # From a trainer process, through the gloo group.
-    assert push_from_trainer(llm, tied, SEED) == (0, None)
+    with Trainer(llm, tied, SEED) as trainer:
+        # From this process, through shared memory; a tied model's state_dict carries the
+        # head under its own name too.
+        llm.update_weights(hf_model(tied, SEED).state_dict().items(), chunk_bytes=8192)
+        assert tokens(llm) == new
+        llm.reload_weights()  # the checkpoint it started with
+        assert tokens(llm) == old
+        # From a trainer process, through the gloo group.
+        assert trainer.push(llm) == (0, None)
     assert tokens(llm) == new
     # From a folder of the same architecture.
     llm.update_weights(hf_model(tied, None).named_parameters())
@@ -163,7 +184,8 @@ def test_bad_updates_change_nothing(layout, tmp_path):
             llm.update_weights(weights)
         assert tokens(llm) == old, reason
     if llm.worker_config.parallel.world_size == 1:  # the same refusal at every layout
-        status, error = push_from_trainer(llm, tied, SEED, bad_shape=True)
+        with Trainer(llm, tied, SEED, bad_shape=True) as trainer:
+            status, error = trainer.push(llm)
         assert status == 3 and "model.embed_tokens.weight has shape" in str(error)
         assert tokens(llm) == old
     other = cached_tiny_checkpoint(family="llama", num_layers=2, vocab_size=320)

@@ -1,8 +1,9 @@
-"""A trainer in a process of its own, for the weight-transfer group tests: it loads a
-checkpoint with transformers, moves its weights as `perturb` does, joins the group as
-rank 0 and sends them.
+"""A trainer in a process of its own, for the weight-transfer group tests: it loads the
+named weights the test saved (torch.save of a list of (name, tensor) pairs, in the order
+the test announced them), joins the group as rank 0 and sends them. It imports neither
+transformers nor the model: starting it is most of a test's time otherwise.
 
-    python -m tests.weight_trainer CHECKPOINT PORT WORLD_SIZE SEED [--bad-shape]
+    python -m tests.weight_trainer WEIGHTS PORT WORLD_SIZE [--bad-shape]
 
 --bad-shape sends the first tensor with a row too few, which the workers must refuse
 before any weight changes. Exit status 0 once sent; 3 when the workers refused.
@@ -14,7 +15,6 @@ import argparse
 import sys
 
 import torch
-import transformers
 
 from zmqworker.distributed.trainer_sender import TrainerWeightSender
 
@@ -29,15 +29,12 @@ def perturb(model: torch.nn.Module, seed: int) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser()
-    parser.add_argument("checkpoint")
+    parser.add_argument("weights")
     parser.add_argument("port", type=int)
     parser.add_argument("world_size", type=int)
-    parser.add_argument("seed", type=int)
     parser.add_argument("--bad-shape", action="store_true")
     args = parser.parse_args()
-    model = transformers.AutoModelForCausalLM.from_pretrained(args.checkpoint, dtype=torch.float32)
-    perturb(model, args.seed)
-    weights = list(model.named_parameters())
+    weights = torch.load(args.weights, weights_only=True)
     if args.bad_shape:
         name, first = weights[0]
         weights[0] = (name, first[1:])
