@@ -15,6 +15,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import openai
@@ -347,8 +348,24 @@ def processes(srv: Server, module: str) -> list[psutil.Process]:
     ]
 
 
-def test_a_killed_engine_core_fails_the_stream_naming_it_and_stops_the_server():
-    srv = Server("--api-server-count", "2")
+@pytest.fixture(scope="module")
+def doomed():
+    """Two servers of two API server processes each, one for each test below that kills
+    it: started together, as a start is mostly imports that the machine's cores share."""
+    with ThreadPoolExecutor(2) as pool:
+        starts = [pool.submit(Server, "--api-server-count", "2") for _ in range(2)]
+    servers = [start.result() for start in starts if start.exception() is None]
+    try:
+        if len(servers) < len(starts):
+            raise next(start.exception() for start in starts if start.exception())
+        yield servers
+    finally:
+        for srv in servers:
+            srv.stop()
+
+
+def test_a_killed_engine_core_fails_the_stream_naming_it_and_stops_the_server(doomed):
+    srv = doomed[0]
     everything = psutil.Process(srv.proc.pid).children(recursive=True)
     try:
         [core] = processes(srv, "zmqworker.engine")
@@ -369,8 +386,8 @@ def test_a_killed_engine_core_fails_the_stream_naming_it_and_stops_the_server():
     assert not any(p.is_running() and p.status() != "zombie" for p in everything)
 
 
-def test_a_killed_api_server_stops_the_whole_server():
-    srv = Server("--api-server-count", "2")
+def test_a_killed_api_server_stops_the_whole_server(doomed):
+    srv = doomed[1]
     everything = psutil.Process(srv.proc.pid).children(recursive=True)
     try:
         victim = processes(srv, "zmqworker.serve.api_server")[1]
