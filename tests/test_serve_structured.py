@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from concurrent.futures import ThreadPoolExecutor
 
 import jsonschema
 import openai
@@ -84,27 +85,35 @@ def test_fifty_schema_requests_all_validate(server):
 def test_vllm_fields_regex_choice_grammar_and_json_object(server):
     client = server.client()
 
-    def complete(extra: dict, prompt: str = "Answer:") -> openai.types.Completion:
+    def complete(extra: dict) -> openai.types.Completion:
         return client.completions.create(
-            model=MODEL, prompt=prompt, max_tokens=40, temperature=0.7, seed=3, extra_body=extra
+            model=MODEL, prompt="Answer:", max_tokens=40, temperature=0.7, seed=3, extra_body=extra
         )
 
-    date = complete({"structured_outputs": {"regex": r"20[0-9]{2}-0[1-9]-[0-2][0-9]"}})
+    def json_object() -> openai.types.chat.ChatCompletion:
+        return client.chat.completions.create(
+            model=MODEL,
+            messages=chat("Give any JSON object."),
+            response_format={"type": "json_object"},
+            max_tokens=60,
+            seed=4,
+        )
+
+    # Sent at once (each seeded, each checked for its own constraint): one batch.
+    extras = [
+        {"structured_outputs": {"regex": r"20[0-9]{2}-0[1-9]-[0-2][0-9]"}},
+        {"structured_outputs": {"choice": ["left", "right"]}},
+        {"structured_outputs": {"grammar": 'root ::= "It is " ("on" | "off") "."'}},
+        {"guided_choice": ["up", "down"]},
+    ]
+    with ThreadPoolExecutor(len(extras) + 1) as pool:
+        replied = pool.submit(json_object)
+        date, pick, said, old = pool.map(complete, extras)
+        reply = replied.result()
     assert len(date.choices[0].text) == 10 and date.choices[0].finish_reason == "stop"
-    pick = complete({"structured_outputs": {"choice": ["left", "right"]}})
     assert pick.choices[0].text in ("left", "right")
-    grammar = 'root ::= "It is " ("on" | "off") "."'
-    said = complete({"structured_outputs": {"grammar": grammar}})
     assert said.choices[0].text in ("It is on.", "It is off.")
-    old = complete({"guided_choice": ["up", "down"]})
     assert old.choices[0].text in ("up", "down")
-    reply = client.chat.completions.create(
-        model=MODEL,
-        messages=chat("Give any JSON object."),
-        response_format={"type": "json_object"},
-        max_tokens=60,
-        seed=4,
-    )
     if reply.choices[0].finish_reason == "stop":
         assert isinstance(json.loads(reply.choices[0].message.content), dict)
     else:  # cut by max_tokens: what came is a prefix of an object
