@@ -352,13 +352,9 @@ class ModelRunner:
         else:
             with torch.inference_mode():
                 if grammar_output is not None:
+                    upload = self.bitmask_upload
                     apply_grammar_output(
-                        logits,
-                        step.handles,
-                        index,
-                        grammar_output,
-                        batch.describe,
-                        self.bitmask_upload,
+                        logits, step.handles, index, grammar_output, batch.describe, upload
                     )
                 sampled = self.sampler(logits, metadata, out)
                 if penalties is not None:
