@@ -64,4 +64,5 @@ def test_an_option_of_the_pair_needs_disaggregate(flag: str, name: str) -> None:
 
 def test_a_pair_takes_no_engine_cores_in_this_process() -> None:
     with pytest.raises(ValueError, match="disaggregate runs its two engine cores as processes"):
-        DisaggregatedPlan.from_options(plan(1, executor=lambda config: None), {})
+        in_process = plan(1, executor=lambda config: None)
+        DisaggregatedPlan.from_options(in_process, {"disaggregate": True})

@@ -15,8 +15,10 @@ from typing import Any
 import msgspec
 
 from messages import EngineCoreConfig, KVTransferConfig
+from zmqworker.frontend.core_client import EngineCoreClient
+from zmqworker.frontend.core_process import EngineCoreLauncher
 from zmqworker.frontend.devices import check_gpu_layout, visible_gpu_count
-from zmqworker.frontend.disaggregated_client import DECODE, PREFILL
+from zmqworker.frontend.disaggregated_client import DECODE, PREFILL, DisaggregatedClient
 from zmqworker.frontend.engine_plan import EnginePlan
 from zmqworker.transport.curve import KV_CURVE_ENV, KVKeys
 
@@ -27,14 +29,24 @@ KV_TIMEOUT_S = 30.0  # every transfer wait's bound, unless the options give anot
 COMPANIONS = ("decode_tensor_parallel_size", "kv_port", "kv_transfer_timeout_s")
 
 
-def disaggregated(options: dict[str, Any]) -> bool:
-    """Whether the LLM's options ask for a pair. Raises ValueError naming an option that
-    only a pair takes, given without disaggregate: before anything is opened."""
+def check_pair_options(options: dict[str, Any]) -> None:
+    """Raise ValueError naming an option that only a pair takes, given without
+    disaggregate: before anything is opened."""
     if not options["disaggregate"]:
         for name in COMPANIONS:
             if options.get(name) is not None:
                 raise ValueError(f"{name}={options[name]!r} needs disaggregate=True")
-    return bool(options["disaggregate"])
+
+
+def start_engine_cores(
+    plan: EnginePlan, pair: DisaggregatedPlan | None
+) -> tuple[EngineCoreLauncher, type[EngineCoreClient]]:
+    """The plan's engine cores (its replicas, or its pair), starting, and the client
+    class that drives them."""
+    if pair is None:
+        launcher = EngineCoreLauncher(plan.num_engines, plan.engine_config, plan.make_executor)
+        return launcher, EngineCoreClient
+    return EngineCoreLauncher(2, pair.engine_config, env=pair.env), DisaggregatedClient
 
 
 @dataclass(frozen=True)
@@ -46,8 +58,10 @@ class DisaggregatedPlan:
     decode_tp: int  # the decode instance's tensor parallel size
 
     @classmethod
-    def from_options(cls, plan: EnginePlan, options: dict[str, Any]) -> DisaggregatedPlan:
-        """The pair the LLM's options ask for (disaggregate=True)."""
+    def from_options(cls, plan: EnginePlan, options: dict[str, Any]) -> DisaggregatedPlan | None:
+        """The pair the LLM's options ask for, or None without disaggregate."""
+        if not options["disaggregate"]:
+            return None
         if plan.make_executor is not None:
             raise ValueError(
                 "disaggregate runs its two engine cores as processes: an executor factory "

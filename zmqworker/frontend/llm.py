@@ -11,13 +11,12 @@ from typing import Annotated, Literal
 
 from messages import WorkerConfig
 from zmqworker.executor.abstract import STEP_TIMEOUT_S, Executor
-from zmqworker.frontend.core_client import EngineCoreClient
 from zmqworker.frontend.core_process import EngineCoreLauncher
-from zmqworker.frontend.disaggregated_client import DisaggregatedClient
 from zmqworker.frontend.disaggregated_plan import (
     KV_TIMEOUT_S,
     DisaggregatedPlan,
-    disaggregated,
+    check_pair_options,
+    start_engine_cores,
 )
 from zmqworker.frontend.engine_plan import EnginePlan
 from zmqworker.frontend.engine_shutdown import shut_down_engines
@@ -186,21 +185,15 @@ class LLM(Frontend):
         self._launcher: EngineCoreLauncher | None = None
         options = {k: v for k, v in locals().items() if k in OPTION_TYPES}
         check_args(OPTION_TYPES, options)
-        pairs = disaggregated(options)
+        check_pair_options(options)
         started = time.perf_counter()
         plan = EnginePlan.from_options(options)
-        pair = DisaggregatedPlan.from_options(plan, options) if pairs else None
+        pair = DisaggregatedPlan.from_options(plan, options)
         self.worker_config = plan.worker_config
         with ThreadPoolExecutor(1, thread_name_prefix="zmqworker-tokenizer") as pool:
             # The tokenizer loads while the engine cores start their workers.
             text_side = pool.submit(plan.folder.load_text_side)
-            if pair is None:
-                launcher = EngineCoreLauncher(
-                    plan.num_engines, plan.engine_config, plan.make_executor
-                )
-            else:
-                launcher = EngineCoreLauncher(2, pair.engine_config, env=pair.env)
-            client_class = EngineCoreClient if pair is None else DisaggregatedClient
+            launcher, client_class = start_engine_cores(plan, pair)
             try:
                 client = client_class(
                     launcher.addresses, launcher.handles, launcher.token, 0, plan.output_bytes

@@ -31,9 +31,11 @@ import msgspec
 
 from zmqworker.executor.process import ChildProcess, spawn_all
 from zmqworker.frontend.core_client import EngineCoreClient
-from zmqworker.frontend.core_process import EngineCoreLauncher
-from zmqworker.frontend.disaggregated_client import DisaggregatedClient
-from zmqworker.frontend.disaggregated_plan import DisaggregatedPlan, disaggregated
+from zmqworker.frontend.disaggregated_plan import (
+    DisaggregatedPlan,
+    check_pair_options,
+    start_engine_cores,
+)
 from zmqworker.frontend.engine_connection import Failed
 from zmqworker.frontend.engine_plan import EnginePlan
 from zmqworker.frontend.engine_shutdown import shut_down_engines
@@ -82,16 +84,12 @@ def serve(
     defaults = {n: p.default for n, p in inspect.signature(LLM).parameters.items()}
     options = {**defaults, **engine_options}
     check_args(OPTION_TYPES, options)
-    pairs = disaggregated(options)
+    check_pair_options(options)
     plan = EnginePlan.from_options(options)
-    pair = DisaggregatedPlan.from_options(plan, options) if pairs else None
+    pair = DisaggregatedPlan.from_options(plan, options)
     name = served_model_name or plan.folder.path.name
     listener = _listen(host, port)  # a port in use fails here, before anything starts
-    if pair is None:
-        launcher = EngineCoreLauncher(plan.num_engines, plan.engine_config)
-    else:
-        launcher = EngineCoreLauncher(2, pair.engine_config, env=pair.env)
-    client_class = EngineCoreClient if pair is None else DisaggregatedClient
+    launcher, client_class = start_engine_cores(plan, pair)
     servers: list[ChildProcess] = []
     spawner = threading.Event()  # set: the spawning thread may end
     client = None
