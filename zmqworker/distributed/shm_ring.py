@@ -104,19 +104,18 @@ class _Segment:
         import torch
 
         self.bytes = torch.frombuffer(mm, dtype=torch.uint8)
-        self.pinned = self._pin_tried = False
+        self._pin_tried = False
+        self.pinned_for: torch.device | None = None  # the device it is page-locked for
 
-    def pin(self) -> None:
+    def pin(self, device: torch.device) -> None:
         """Page-lock the segment for CUDA (once): device-to-host copies then land in it by
-        DMA, much faster than into pageable memory (docs/cuda.md, the host side). Where
-        the driver refuses, the copies stay pageable."""
+        DMA (page_lock.py). Where the driver refuses, the copies stay pageable."""
         if not self._pin_tried:
             self._pin_tried = True
-            import torch
+            from zmqworker.distributed.page_lock import page_lock
 
-            # 1: cudaHostRegisterPortable, pinned for every CUDA context
-            err = torch.cuda.cudart().cudaHostRegister(self.bytes.data_ptr(), self.nbytes, 1)
-            self.pinned = int(err) == 0
+            if page_lock(self.bytes.data_ptr(), self.nbytes, device):
+                self.pinned_for = device
 
     def free_slot(self, start: int) -> int | None:
         for k in range(self.num_slots):
@@ -130,10 +129,10 @@ class _Segment:
 
     def close(self) -> None:
         """Close the fd; the mapping goes with the last reference to it."""
-        if self.pinned:
-            import torch
+        if self.pinned_for is not None:
+            from zmqworker.distributed.page_lock import page_unlock
 
-            torch.cuda.cudart().cudaHostUnregister(self.bytes.data_ptr())
+            page_unlock(self.bytes.data_ptr(), self.pinned_for)
         os.close(self.fd)
         del self.words, self.bytes
 
@@ -174,7 +173,7 @@ class ShmSender:
             segment = self._grow(needed)
         devices = {t.device for t in tensors.values() if t.is_cuda}
         if devices:
-            segment.pin()
+            segment.pin(min(devices, key=str))
         slot = self._wait_for_slot(segment)
         seq = (segment.words[HEADER_WORDS + slot] >> 1) + 1
         offset = segment.data_offset + slot * segment.slot_size

@@ -15,15 +15,13 @@ CPU device, where the pool is plain host memory.
 
 from __future__ import annotations
 
-import logging
 import mmap
 
 import torch
 from torch import nn
 
 from messages import KVCacheConfig
-
-log = logging.getLogger(__name__)
+from zmqworker.distributed.page_lock import page_lock, page_unlock
 
 WAKE_TAGS = ("weights", "kv_cache")
 POOL_ALIGN = 512  # each tensor's place in the pool: DMA-friendly
@@ -37,25 +35,21 @@ class HostPool:
 
     def __init__(self) -> None:
         self.buffer = torch.empty(0, dtype=torch.uint8)
-        self._registered = False
+        self._locked_for: torch.device | None = None  # the device it is page-locked for
 
-    def take(self, nbytes: int, pin: bool) -> torch.Tensor:
-        """At least nbytes of it."""
+    def take(self, nbytes: int, device: torch.device) -> torch.Tensor:
+        """At least nbytes of it, page-locked where device is a GPU."""
         if self.buffer.numel() < nbytes:
             self.release()
             self.buffer = torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8)
-            if pin:
-                err = torch.cuda.cudart().cudaHostRegister(self.buffer.data_ptr(), nbytes, 0)
-                self._registered = int(err) == 0
-                if not self._registered:
-                    log.warning("pinning the %d-byte sleep pool failed (%s): copies stay "
-                                "pageable, and slower", nbytes, err)  # fmt: skip
+            if device.type == "cuda" and page_lock(self.buffer.data_ptr(), nbytes, device):
+                self._locked_for = device
         return self.buffer
 
     def release(self) -> None:
-        if self._registered:
-            torch.cuda.cudart().cudaHostUnregister(self.buffer.data_ptr())
-            self._registered = False
+        if self._locked_for is not None:
+            page_unlock(self.buffer.data_ptr(), self._locked_for)
+            self._locked_for = None
         self.buffer = torch.empty(0, dtype=torch.uint8)
 
 
@@ -92,7 +86,7 @@ class SleepState:
             offsets.append(end)
             end += -(-param.nbytes // POOL_ALIGN) * POOL_ALIGN
         if level == 1:
-            pool = self._pool.take(end, pin=device.type == "cuda")
+            pool = self._pool.take(end, device)
             for param, offset in zip(params, offsets, strict=True):
                 _place(pool, offset, param).copy_(param.data, non_blocking=True)
             _wait_for_copies(device)
