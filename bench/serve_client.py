@@ -20,6 +20,10 @@ from typing import Any
 import h11
 
 READ_BYTES = 1 << 16
+# A connection idle this long is opened afresh: the server closes one idle for its
+# keep-alive timeout (uvicorn's default: 5 s), and a request sent as it does so would
+# meet a closed connection.
+IDLE_REOPEN_S = 4.0
 
 
 class Connection:
@@ -30,6 +34,7 @@ class Connection:
         self.reader: asyncio.StreamReader | None = None
         self.writer: asyncio.StreamWriter | None = None
         self.conn = h11.Connection(h11.CLIENT)
+        self.idle_since = time.monotonic()
 
     async def open(self) -> None:
         self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
@@ -38,7 +43,8 @@ class Connection:
     async def post_stream(self, path: str, body: bytes, headers: list[tuple[str, str]]):
         """POST body; yield (arrival time, event data bytes) for each server-sent event,
         then the response status as an int."""
-        if self.writer is None or self.conn.our_state is not h11.IDLE:
+        idle = time.monotonic() - self.idle_since
+        if self.writer is None or self.conn.our_state is not h11.IDLE or idle > IDLE_REOPEN_S:
             await self.close()
             await self.open()
         assert self.reader is not None and self.writer is not None
@@ -77,6 +83,7 @@ class Connection:
                 break
         if self.conn.our_state is h11.DONE and self.conn.their_state is h11.DONE:
             self.conn.start_next_cycle()
+        self.idle_since = time.monotonic()
         yield status
 
     async def close(self) -> None:
