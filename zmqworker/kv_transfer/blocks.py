@@ -8,8 +8,11 @@ whatever the block ids on either side.
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -56,24 +59,36 @@ def gather(kv_caches: list[torch.Tensor], block_ids: torch.Tensor, out: torch.Te
     """Copy block_ids of every layer into out [layers, 2, n, heads, slots] (on the host)."""
     if kv_caches[0].device.type == "cpu":
         ids = block_ids.numpy()
-        for layer, cache in enumerate(kv_caches):
-            np.take(_rows(cache), ids, axis=1, out=_rows(out[layer]))
+
+        def copy(layer: int) -> None:
+            np.take(_rows(kv_caches[layer]), ids, axis=1, out=_rows(out[layer]))
+
+        _for_each_layer(copy, len(kv_caches))
         return
-    ids = block_ids.to(kv_caches[0].device)
+    device = kv_caches[0].device
+    ids = block_ids.to(device)
+    on_device = torch.empty(out.shape, dtype=out.dtype, device=device)
     for layer, cache in enumerate(kv_caches):
-        out[layer].copy_(cache.index_select(1, ids))
+        torch.index_select(cache, 1, ids, out=on_device[layer])
+    out.copy_(on_device, non_blocking=True)  # one copy, by DMA where out is page-locked
+    torch.cuda.current_stream(device).synchronize()  # out holds the KV on return
 
 
 def scatter(kv_caches: list[torch.Tensor], block_ids: torch.Tensor, staged: torch.Tensor) -> None:
     """Copy staged [layers, 2, n, heads, slots] into block_ids of every layer."""
     if kv_caches[0].device.type == "cpu":
         ids = block_ids.numpy()
-        for layer, cache in enumerate(kv_caches):
-            _rows(cache)[:, ids] = _rows(staged[layer])
+
+        def copy(layer: int) -> None:
+            _rows(kv_caches[layer])[:, ids] = _rows(staged[layer])
+
+        _for_each_layer(copy, len(kv_caches))
         return
     ids = block_ids.to(kv_caches[0].device)
+    on_device, read = _to_device(staged, kv_caches[0].device)
     for layer, cache in enumerate(kv_caches):
-        cache.index_copy_(1, ids, staged[layer].to(cache.device, non_blocking=True))
+        cache.index_copy_(1, ids, on_device[layer])
+    read.synchronize()
 
 
 def scatter_heads(
@@ -89,14 +104,59 @@ def scatter_heads(
     an instance of another tensor parallel size)."""
     if kv_caches[0].device.type == "cpu":
         ids = block_ids.numpy()
-        for layer, cache in enumerate(kv_caches):
+
+        def copy(layer: int) -> None:
             piece = _head_rows(staged[layer])[:, :, first : first + count]
-            _head_rows(cache)[:, ids, dest : dest + count] = piece
+            _head_rows(kv_caches[layer])[:, ids, dest : dest + count] = piece
+
+        _for_each_layer(copy, len(kv_caches))
         return
     ids = block_ids.to(kv_caches[0].device)
+    # All of staged's heads cross (one copy by DMA), then the piece is cut on the device:
+    # cut on the host, it would first be copied into pageable memory.
+    on_device, read = _to_device(staged, kv_caches[0].device)
     for layer, cache in enumerate(kv_caches):
-        piece = staged[layer][:, :, first : first + count].to(cache.device, non_blocking=True)
-        cache[:, ids, dest : dest + count] = piece
+        cache[:, ids, dest : dest + count] = on_device[layer][:, :, first : first + count]
+    read.synchronize()
+
+
+def _to_device(staged: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.cuda.Event]:
+    """staged (host memory) copied to device on a stream of its own, which the current
+    stream waits for; and the event the host waits on before the host memory may go. The
+    copy does not wait for the steps already queued on the current stream."""
+    current = torch.cuda.current_stream(device)
+    side = _copy_stream(device)
+    with torch.cuda.stream(side):
+        on_device = staged.to(device, non_blocking=True)
+        read = torch.cuda.Event()
+        read.record(side)
+    current.wait_stream(side)
+    on_device.record_stream(current)  # its memory is not reused before the current stream is done
+    return on_device, read
+
+
+def _for_each_layer(copy: Callable[[int], None], num_layers: int) -> None:
+    """copy(layer) for every layer, spread over as many threads as torch computes with:
+    those are idle while the KV is copied (before or after a step), and numpy's copies
+    let go of the GIL."""
+    threads = min(num_layers, torch.get_num_threads())
+    if threads <= 1:
+        for layer in range(num_layers):
+            copy(layer)
+    else:
+        list(_copy_threads(threads).map(copy, range(num_layers)))
+
+
+@functools.cache
+def _copy_threads(threads: int) -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(threads, thread_name_prefix="kv-copy")
+
+
+@functools.cache
+def _copy_stream(device: torch.device) -> torch.cuda.Stream:
+    """One stream a device for the copies in: its memory pool stays warm (the caching
+    allocator keeps one per stream)."""
+    return torch.cuda.Stream(device)
 
 
 def _head_rows(t: torch.Tensor) -> np.ndarray:

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
+import torch
 import zmq
 
 from messages.kv_peer import KVBlocks, KVDone, KVLayout, KVPull
@@ -49,10 +50,15 @@ class Arrived:
     layout: KVLayout | None = None
     first: int = 0
     first_block: int = 0
+    unhold: Callable[[], None] | None = None  # lets the mapping the buffer is in go
 
     def release(self) -> None:
+        """Nothing reads the buffer any more (its copies are done)."""
         self.keep.clear()
         self.buffer = None
+        if self.unhold is not None:
+            self.unhold, unhold = None, self.unhold
+            unhold()
 
 
 class KVPuller:
@@ -64,8 +70,11 @@ class KVPuller:
         timeout_s: float,
         shm: bool,
         on_arrival: Callable[[], None],
+        device: torch.device | None,
     ) -> None:
-        """on_arrival() is called (on the puller's thread) after each arrival."""
+        """on_arrival() is called (on the puller's thread) after each arrival. device:
+        the GPU the KV is copied into (the mappings of producers' memfds are page-locked
+        for it), or None."""
         self.rank = rank
         self._on_arrival = on_arrival
         self.num_pulled = {"memfd": 0, "tcp": 0}  # loads that came, by their path
@@ -78,7 +87,7 @@ class KVPuller:
         self._host_id = wire.boot_id() if shm else ""
         self._ctx = zmq.Context()
         self._socks: dict[str, zmq.Socket] = {}
-        self._mappings = PeerMappings()  # the puller thread's
+        self._mappings = PeerMappings(device)
         self._orders: queue.SimpleQueue[tuple[str, KVLoad, HeadSource]] = queue.SimpleQueue()
         self.arrived: queue.SimpleQueue[Arrived] = queue.SimpleQueue()
         self._wake = WakePipe()
@@ -236,12 +245,13 @@ class KVPuller:
                     f"{shared.nbytes} bytes staged from block {reply.first_block} on, "
                     f"{nbytes} expected from block 0 on"
                 )
-            memory = self._mappings.map(shared.pid, shared.fd, nbytes)
+            mapping = self._mappings.acquire(shared.pid, shared.fd, nbytes)
             self.num_pulled["memfd"] += 1
             read = reply.num_blocks - load.num_cached_blocks
             self.num_bytes["memfd"] += staged_nbytes(wanted, read)
-            view = memoryview(memory)[:nbytes]
-            return Arrived(load, source, view, [memory], layout=staged, first=source.first)
+            view = memoryview(mapping.memory)[:nbytes]
+            return Arrived(load, source, view, layout=staged, first=source.first,
+                           unhold=lambda: self._mappings.release(mapping))  # fmt: skip
         nbytes = staged_nbytes(wanted, reply.num_blocks - reply.first_block)
         got = [len(f.buffer) for f in frames]
         if got != [nbytes]:

@@ -13,7 +13,6 @@ timeout: either way it is reported as finished sending, and the engine frees its
 from __future__ import annotations
 
 import logging
-import mmap
 import os
 import threading
 import time
@@ -21,12 +20,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 import zmq
 
 from messages.kv_cache import DTYPE_BYTES
 from messages.kv_peer import KVBlocks, KVDone, KVLayout, KVPull, SharedKV
 from zmqworker.kv_transfer import wire
-from zmqworker.kv_transfer.staging import MemfdPool, close_memfd
+from zmqworker.kv_transfer.staging import Memfd, MemfdPool
 from zmqworker.transport.curve import KVKeys, make_server, start_zap
 from zmqworker.transport.frames import recv_frames, send_frames
 from zmqworker.transport.wake_pipe import WakePipe
@@ -41,8 +41,7 @@ class Staged:
     req_id: str
     num_blocks: int
     nbytes: int
-    fd: int
-    memory: mmap.mmap
+    memfd: Memfd
     deadline: float
     readers: int = 1  # decode ranks that pull it (the pulls say)
     done: int = 0  # of them that said KVDone (or only released it)
@@ -59,9 +58,11 @@ class KVServer:
         keys: KVKeys | None,
         on_sent: Callable[[str], None],
         timeout_s: float,
+        device: torch.device | None,
     ) -> None:
         """on_sent(req_id) is called (on the server's thread) when a request's staged KV
-        is gone: pulled, or expired."""
+        is gone: pulled, or expired. device: the GPU the KV is staged from (its memfds
+        are page-locked for it), or None."""
         self.rank = rank
         self.layout = layout
         self._head_bytes = layout.block_size * layout.head_size * DTYPE_BYTES[layout.dtype]
@@ -81,7 +82,7 @@ class KVServer:
         self.address = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._host_id = wire.boot_id()
         self._staged: dict[str, Staged] = {}
-        self.pool = MemfdPool()
+        self.pool = MemfdPool(device)
         # Pulls that came before their staging (the prefill's next step stages it): held
         # until it does, or until the timeout.
         self._early: dict[str, list[tuple[bytes, KVPull, float]]] = {}
@@ -96,8 +97,8 @@ class KVServer:
     def stage(self, req_id: str, nbytes: int, num_blocks: int) -> Staged:
         """A memfd of nbytes for req_id's KV (from the worker's thread): fill it, then
         offer it."""
-        fd, memory = self.pool.take(nbytes)
-        return Staged(req_id, num_blocks, nbytes, fd, memory, time.monotonic() + self._timeout_s)
+        memfd = self.pool.take(nbytes)
+        return Staged(req_id, num_blocks, nbytes, memfd, time.monotonic() + self._timeout_s)
 
     def offer(self, staged: Staged) -> None:
         """From the worker's thread: staged is complete and may be pulled."""
@@ -132,7 +133,7 @@ class KVServer:
         finally:
             self._take_incoming()
             for staged in self._staged.values():
-                close_memfd(staged.fd, staged.memory)
+                staged.memfd.close()
             self._staged.clear()
             self.pool.close()
 
@@ -173,7 +174,7 @@ class KVServer:
         else:
             staged.readers = pull.readers
             if pull.host_id == self._host_id:
-                shared = SharedKV(os.getpid(), staged.fd, staged.nbytes)
+                shared = SharedKV(os.getpid(), staged.memfd.fd, staged.nbytes)
                 self._send(peer, KVBlocks(pull.req_id, self.layout, staged.num_blocks, shared))
             else:
                 reply = KVBlocks(pull.req_id, self.layout, staged.num_blocks,
@@ -208,7 +209,7 @@ class KVServer:
         """The staged bytes pull takes: its heads (None: all) of the blocks from
         first_block on. The whole staging goes as it lies, without a copy; a part of it
         as one contiguous copy of that part (skipped blocks cut every layer's run)."""
-        whole = memoryview(staged.memory)[: staged.nbytes]
+        whole = memoryview(staged.memfd.memory)[: staged.nbytes]
         heads = pull.heads or (0, self.layout.num_kv_heads)
         if pull.first_block == 0 and heads == (0, self.layout.num_kv_heads):
             return whole
@@ -232,9 +233,9 @@ class KVServer:
         staged = self._staged.pop(req_id, None)
         if staged is not None:
             if pulled:
-                self.pool.give_back(staged.fd, staged.memory)
+                self.pool.give_back(staged.memfd)
             else:
-                close_memfd(staged.fd, staged.memory)
+                staged.memfd.close()
             self._on_sent(req_id)
 
     def _take_incoming(self) -> None:

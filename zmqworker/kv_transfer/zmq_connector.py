@@ -78,6 +78,8 @@ class ZmqKVConnector(KVConnector):
         # is dropped (a later load of the same request id is not).
         self._pieces_left: dict[int, int] = {}
         self._num_staged = 0
+        device = kv_caches()[0].device
+        locked_for = device if device.type == "cuda" else None  # page-lock host memory
         self.server: KVServer | None = None
         self.puller: KVPuller | None = None
         try:
@@ -89,11 +91,12 @@ class ZmqKVConnector(KVConnector):
                     keys,
                     self._on_sent,
                     config.timeout_s,
+                    locked_for,
                 )
             if config.consumes:
                 self.puller = KVPuller(
                     tp_rank, self.layout, keys, config.timeout_s, config.shared_memory,
-                    on_arrival=self._news.set,
+                    on_arrival=self._news.set, device=locked_for,
                 )  # fmt: skip
         except BaseException:
             self.shutdown()
@@ -220,11 +223,11 @@ class ZmqKVConnector(KVConnector):
         nbytes = staged_nbytes(self.layout, num_blocks)
         staged = self.server.stage(save.req_id, nbytes, num_blocks)
         try:
-            view = view_staged(memoryview(staged.memory), self.layout, num_blocks)
+            view = view_staged(memoryview(staged.memfd.memory), self.layout, num_blocks)
             gather(self.kv_caches(), torch.from_numpy(np.asarray(save.block_ids, np.int64)), view)
             del view
         except BaseException:
-            self.server.pool.give_back(staged.fd, staged.memory)
+            self.server.pool.give_back(staged.memfd)
             raise
         self._num_staged += 1
         self.server.offer(staged)
