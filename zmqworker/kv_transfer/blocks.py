@@ -12,7 +12,7 @@ import functools
 import math
 import warnings
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 
 import numpy as np
 import torch
@@ -20,6 +20,7 @@ import torch
 from messages import KVCacheSpec
 from messages.kv_cache import DTYPE_BYTES
 from messages.kv_peer import KVLayout
+from zmqworker.kv_transfer import device_copies
 from zmqworker.models.registry import torch_dtype
 
 # A peer's memfd is mapped read-only: the tensors over it are only read (as the codec's).
@@ -65,13 +66,7 @@ def gather(kv_caches: list[torch.Tensor], block_ids: torch.Tensor, out: torch.Te
 
         _for_each_layer(copy, len(kv_caches))
         return
-    device = kv_caches[0].device
-    ids = block_ids.to(device)
-    on_device = torch.empty(out.shape, dtype=out.dtype, device=device)
-    for layer, cache in enumerate(kv_caches):
-        torch.index_select(cache, 1, ids, out=on_device[layer])
-    out.copy_(on_device, non_blocking=True)  # one copy, by DMA where out is page-locked
-    torch.cuda.current_stream(device).synchronize()  # out holds the KV on return
+    device_copies.gather(kv_caches, block_ids, out)
 
 
 def scatter(kv_caches: list[torch.Tensor], block_ids: torch.Tensor, staged: torch.Tensor) -> None:
@@ -84,11 +79,7 @@ def scatter(kv_caches: list[torch.Tensor], block_ids: torch.Tensor, staged: torc
 
         _for_each_layer(copy, len(kv_caches))
         return
-    ids = block_ids.to(kv_caches[0].device)
-    on_device, read = _to_device(staged, kv_caches[0].device)
-    for layer, cache in enumerate(kv_caches):
-        cache.index_copy_(1, ids, on_device[layer])
-    read.synchronize()
+    device_copies.scatter(kv_caches, block_ids, staged)
 
 
 def scatter_heads(
@@ -111,52 +102,28 @@ def scatter_heads(
 
         _for_each_layer(copy, len(kv_caches))
         return
-    ids = block_ids.to(kv_caches[0].device)
-    # All of staged's heads cross (one copy by DMA), then the piece is cut on the device:
-    # cut on the host, it would first be copied into pageable memory.
-    on_device, read = _to_device(staged, kv_caches[0].device)
-    for layer, cache in enumerate(kv_caches):
-        cache[:, ids, dest : dest + count] = on_device[layer][:, :, first : first + count]
-    read.synchronize()
-
-
-def _to_device(staged: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.cuda.Event]:
-    """staged (host memory) copied to device on a stream of its own, which the current
-    stream waits for; and the event the host waits on before the host memory may go. The
-    copy does not wait for the steps already queued on the current stream."""
-    current = torch.cuda.current_stream(device)
-    side = _copy_stream(device)
-    with torch.cuda.stream(side):
-        on_device = staged.to(device, non_blocking=True)
-        read = torch.cuda.Event()
-        read.record(side)
-    current.wait_stream(side)
-    on_device.record_stream(current)  # its memory is not reused before the current stream is done
-    return on_device, read
+    device_copies.scatter(kv_caches, block_ids, staged, (first, dest, count))
 
 
 def _for_each_layer(copy: Callable[[int], None], num_layers: int) -> None:
     """copy(layer) for every layer, spread over as many threads as torch computes with:
     those are idle while the KV is copied (before or after a step), and numpy's copies
-    let go of the GIL."""
+    let go of the GIL. Returns (or raises the first error) once every copy has ended:
+    the caller may then let the memory go."""
     threads = min(num_layers, torch.get_num_threads())
     if threads <= 1:
         for layer in range(num_layers):
             copy(layer)
-    else:
-        list(_copy_threads(threads).map(copy, range(num_layers)))
+        return
+    copies = [_copy_threads(threads).submit(copy, layer) for layer in range(num_layers)]
+    wait(copies)
+    for done in copies:
+        done.result()
 
 
 @functools.cache
 def _copy_threads(threads: int) -> ThreadPoolExecutor:
     return ThreadPoolExecutor(threads, thread_name_prefix="kv-copy")
-
-
-@functools.cache
-def _copy_stream(device: torch.device) -> torch.cuda.Stream:
-    """One stream a device for the copies in: its memory pool stays warm (the caching
-    allocator keeps one per stream)."""
-    return torch.cuda.Stream(device)
 
 
 def _head_rows(t: torch.Tensor) -> np.ndarray:

@@ -70,10 +70,14 @@ class MemfdPool:
             if fits:
                 return self._free.pop(min(fits, key=lambda i: len(self._free[i].memory)))
         memfd = Memfd(*create_sealed(MEMFD_NAME, max(nbytes, 1)))
-        if self._device is not None and page_lock(
-            _address(memfd.memory), len(memfd.memory), self._device
-        ):
-            memfd.locked_for = self._device
+        try:
+            if self._device is not None and page_lock(
+                _address(memfd.memory), len(memfd.memory), self._device
+            ):
+                memfd.locked_for = self._device
+        except BaseException:
+            memfd.close()
+            raise
         return memfd
 
     def give_back(self, memfd: Memfd) -> None:
@@ -128,8 +132,10 @@ class PeerMappings:
                 raise SharedMemoryError(f"the peer's memfd holds {size} bytes, {nbytes} needed")
             key = (pid, os.fstat(fd).st_ino)
             with self._lock:
+                # A memfd is sealed against resizing, and a mapping keeps its inode from
+                # reuse: one (pid, inode) is one memfd of one size.
                 mapping = self._maps.get(key)
-                if mapping is not None and len(mapping.memory) == size:
+                if mapping is not None:
                     mapping.users += 1
                     self._maps.move_to_end(key)
                     return mapping
@@ -144,11 +150,15 @@ class PeerMappings:
         ):
             mapping.locked_for = self._device
         with self._lock:
-            replaced = self._maps.pop(key, None)  # the same inode grown: a stale size
-            self._maps[key] = mapping
+            raced = self._maps.get(key)  # mapped meanwhile by another thread: use that one
+            if raced is not None:
+                raced.users += 1
+            else:
+                self._maps[key] = mapping
             gone = self._unused_beyond_kept()
-        if replaced is not None and replaced.users == 0:
-            gone.append(replaced)
+        if raced is not None:
+            gone.append(mapping)
+            mapping = raced
         for old in gone:
             _unmap(old)
         return mapping
@@ -159,7 +169,7 @@ class PeerMappings:
             mapping.users -= 1
             gone = self._unused_beyond_kept()
             if mapping.users == 0 and self._maps.get(mapping.key) is not mapping:
-                gone.append(mapping)  # replaced while it was read
+                gone.append(mapping)  # closed (close()) while it was read
         for old in gone:
             _unmap(old)
 

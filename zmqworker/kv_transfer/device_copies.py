@@ -1,0 +1,113 @@
+"""A request's KV between a GPU cache and host memory (blocks.py's CUDA side), in groups
+of layers of at most GROUP_BYTES, so that a long prompt's KV never needs as much spare
+device memory as all of it.
+
+Out (staging, after the step that computed the KV): the blocks are gathered on the
+current stream, after that step, and each group goes to the host in one copy (by DMA
+where the host memory is page-locked); the host waits once, at the end.
+
+In (a pull, before a step): each group crosses on a stream of its own, so the copies do
+not wait for the steps already queued on the current stream, into one of two device
+buffers used in turn (a buffer is refilled once the current stream has written the
+previous group out of it into the cache); the current stream waits for each group
+before writing it into the cache. The host waits for the copies alone before returning:
+the host memory they read may then go.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+GROUP_BYTES = 256 << 20
+
+
+def gather(kv_caches: list[torch.Tensor], block_ids: torch.Tensor, out: torch.Tensor) -> None:
+    """block_ids of every layer into out [layers, 2, n, heads, slots] (host memory)."""
+    device = kv_caches[0].device
+    ids = block_ids.to(device)
+    group = _layers_a_group(out)
+    buffer = torch.empty((group, *out.shape[1:]), dtype=out.dtype, device=device)
+    for lo in range(0, len(kv_caches), group):
+        hi = min(lo + group, len(kv_caches))
+        for layer in range(lo, hi):
+            torch.index_select(kv_caches[layer], 1, ids, out=buffer[layer - lo])
+        out[lo:hi].copy_(buffer[: hi - lo], non_blocking=True)
+    torch.cuda.current_stream(device).synchronize()  # out holds the KV on return
+
+
+def scatter(
+    kv_caches: list[torch.Tensor],
+    block_ids: torch.Tensor,
+    staged: torch.Tensor,
+    heads: tuple[int, int, int] | None = None,
+) -> None:
+    """staged [layers, 2, n, heads, slots] (host memory) into block_ids of every layer;
+    heads (first, dest, count): only staged's heads first .. first + count - 1, into heads
+    dest .. of the cache (all of staged's heads cross, and the piece is cut on the
+    device: cut on the host, it would first be copied into pageable memory)."""
+    device = kv_caches[0].device
+    current, side = torch.cuda.current_stream(device), _copy_stream(device)
+    group = _layers_a_group(staged)
+    starts = range(0, len(kv_caches), group)
+    with torch.cuda.stream(side):
+        ids = block_ids.to(device, non_blocking=True)
+        shape = (group, *staged.shape[1:])
+        buffers = [torch.empty(shape, dtype=staged.dtype, device=device) for _ in starts[:2]]
+    written: list[torch.cuda.Event | None] = [None] * len(buffers)
+    try:
+        for g, lo in enumerate(starts):
+            hi = min(lo + group, len(kv_caches))
+            turn = g % len(buffers)
+            buffer = buffers[turn][: hi - lo]
+            with torch.cuda.stream(side):
+                if written[turn] is not None:
+                    side.wait_event(written[turn])
+                _copy_in(buffer, staged[lo:hi])
+            current.wait_stream(side)
+            for layer in range(lo, hi):
+                _write(kv_caches[layer], ids, buffer[layer - lo], heads)
+            written[turn] = torch.cuda.Event()
+            written[turn].record(current)
+    finally:
+        side.synchronize()  # the host memory is read (even where a write above failed)
+    for t in (ids, *buffers):
+        t.record_stream(current)  # not reused before the current stream is done with it
+
+
+def _copy_in(buffer: torch.Tensor, src: torch.Tensor) -> None:
+    """src (host) into buffer (device): one copy where src is contiguous, else one per
+    layer's keys or values (src is cut along blocks: each is contiguous, and crosses by
+    DMA, where torch would first copy a non-contiguous src into pageable memory)."""
+    if src.is_contiguous():
+        buffer.copy_(src, non_blocking=True)
+        return
+    for layer in range(src.shape[0]):
+        for kv in range(2):
+            buffer[layer, kv].copy_(src[layer, kv], non_blocking=True)
+
+
+def _write(
+    cache: torch.Tensor,
+    ids: torch.Tensor,
+    piece: torch.Tensor,
+    heads: tuple[int, int, int] | None,
+) -> None:
+    if heads is None:
+        cache.index_copy_(1, ids, piece)
+    else:
+        first, dest, count = heads
+        cache[:, ids, dest : dest + count] = piece[:, :, first : first + count]
+
+
+def _layers_a_group(staged: torch.Tensor) -> int:
+    layer_bytes = staged[0].numel() * staged.element_size()
+    return max(1, min(staged.shape[0], GROUP_BYTES // max(1, layer_bytes)))
+
+
+@functools.cache
+def _copy_stream(device: torch.device) -> torch.cuda.Stream:
+    """One stream a device for the copies in: its memory pool stays warm (the caching
+    allocator keeps one per stream)."""
+    return torch.cuda.Stream(device)
