@@ -113,8 +113,8 @@ class PeerMapping:
 
 
 class PeerMappings:
-    """A consumer's mappings of producers' memfds: thread-safe (mapped on the puller's
-    thread, released on the worker's once its copy is done). The mappings no arrival
+    """A consumer's mappings of producers' memfds: acquired on one thread (the puller's),
+    released on any (the worker's, once its copy is done). The mappings no arrival
     reads are kept, the most recent MAX_KEPT. device: a GPU to page-lock them for, or
     None."""
 
@@ -150,15 +150,8 @@ class PeerMappings:
         ):
             mapping.locked_for = self._device
         with self._lock:
-            raced = self._maps.get(key)  # mapped meanwhile by another thread: use that one
-            if raced is not None:
-                raced.users += 1
-            else:
-                self._maps[key] = mapping
+            self._maps[key] = mapping
             gone = self._unused_beyond_kept()
-        if raced is not None:
-            gone.append(mapping)
-            mapping = raced
         for old in gone:
             _unmap(old)
         return mapping
