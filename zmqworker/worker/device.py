@@ -29,6 +29,10 @@ class DeviceOps:
     def empty_cache(self) -> None:
         """Return cached device memory to the system; the CPU keeps no cache."""
 
+    def release_workspaces(self) -> None:
+        """Let the math libraries' workspaces go (made again by their next call): only
+        while no captured graph uses them. The CPU's libraries keep none."""
+
     def free_and_total_bytes(self) -> tuple[int, int]:
         memory = psutil.virtual_memory()
         return memory.available, memory.total
@@ -69,6 +73,12 @@ class CudaOps(DeviceOps):
 
     def empty_cache(self) -> None:
         torch.cuda.empty_cache()
+        if torch.cuda.is_initialized():
+            torch.cuda.ipc_collect()  # memory a peer had opened (KV transfer) and let go
+
+    def release_workspaces(self) -> None:
+        # cuBLAS keeps a workspace for each stream it ran on (capture streams included).
+        torch._C._cuda_clearCublasWorkspaces()
 
     def free_and_total_bytes(self) -> tuple[int, int]:
         return torch.cuda.mem_get_info()

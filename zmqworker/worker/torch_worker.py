@@ -258,6 +258,7 @@ class Worker(WorkerBase):
         self._sleep.sleep(runner, level)
         if level == 2:
             self._transfer().weights_released()
+        self.ops.release_workspaces()
         self.ops.empty_cache()
 
     def wake_up(self, tags: list[str] | None = None) -> None:
