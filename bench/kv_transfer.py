@@ -1,15 +1,19 @@
 """KV transfer between two workers' caches: the ZeroMQ connector's pull of 16 MiB of
-blocks, same host (through the producer's memfd) and over tcp, against the floors of the
-same run: a memcpy of 16 MiB (same host), and bare pyzmq moving 16 MiB over the same
-CURVE tcp (and without CURVE, for scale). A transfer is timed from the consumer's load
-order to its blocks holding the KV (the copy into the cache included); staging on the
-producer (after the prefill's step) is reported apart. Targets: memfd >= 70% of memcpy,
-tcp >= 80% of bare pyzmq. The host tier's copies of as many blocks (store: cache blocks
-into scattered host slots; load: back into other blocks) are timed against the copy of
-as many bytes in one piece: a memcpy on the CPU, a pinned device-to-host (host-to-device)
-copy on CUDA. Writes bench/results/kv_transfer.json (kv_transfer_cuda.json
-with --device cuda, where both caches live on the GPU and the KV is staged through host
-memory, page-locked). Each side copies with --threads threads, and so does the memcpy.
+blocks, same host (through the producer's memfd; on CUDA also straight out of its GPU
+cache, by CUDA IPC) and over tcp, against the floors of the same run: a memcpy of 16 MiB
+(same host; on CUDA also a device-to-device copy of as much), and bare pyzmq moving 16
+MiB over the same CURVE tcp (and without CURVE, for scale). A transfer is timed from the
+consumer's load order to its blocks holding the KV (the copy into the cache included;
+so is the producer's gather out of its cache where the pull finds it under way or not
+begun); the producer's part after the prefill's step (offering the blocks) is reported
+apart. Targets: memfd >= 70% of memcpy, tcp >= 80% of bare pyzmq.
+
+The host tier's copies of as many blocks (store: cache blocks into scattered host
+slots; load: back into other blocks) are timed against the copy of as many bytes in one
+piece: a memcpy on the CPU, a pinned device-to-host (host-to-device) copy on CUDA.
+Writes bench/results/kv_transfer.json (kv_transfer_cuda.json with --device cuda, where
+both caches live on the GPU; the memfds are page-locked). Each side copies with
+--threads threads, and so does the memcpy.
 
     python -m bench.kv_transfer [--device cuda] [--repeats 20] [--threads N]
 """
@@ -133,13 +137,13 @@ def producer(
 def pull_seconds(
     conn: Any, side: ZmqKVConnector, address: str, blocks: int, tag: str, repeats: int
 ) -> tuple[list[float], list[float]]:
-    """(transfer seconds, staging seconds) of repeats pulls (after one untimed)."""
+    """(transfer seconds, offer seconds) of repeats pulls (after one untimed)."""
     dest = np.arange(1, 2 * blocks, 2, dtype=np.int32)
-    transfers, stagings = [], []
+    transfers, offers = [], []
     for i in range(repeats + 1):
         req = f"{tag}-{i}"
         conn.send(req)
-        staging = conn.recv()
+        offer = conn.recv()
         load = KVLoad(req, dest, RemoteKV(req, blocks * SPEC.block_size, [address]))
         started = time.perf_counter()
         side.before_step(KVConnectorMetadata(loads=[load]))
@@ -153,8 +157,8 @@ def pull_seconds(
             raise RuntimeError(out.failed_recving[0].error)
         if i:
             transfers.append(elapsed)
-            stagings.append(staging)
-    return transfers, stagings
+            offers.append(offer)
+    return transfers, offers
 
 
 def memcpy_seconds(nbytes: int, repeats: int) -> list[float]:
@@ -167,6 +171,12 @@ def memcpy_seconds(nbytes: int, repeats: int) -> list[float]:
         dst.copy_(src)
         times.append(time.perf_counter() - started)
     return times
+
+
+def device_copy_seconds(nbytes: int, repeats: int) -> list[float]:
+    src = torch.ones(nbytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    return timed(functools.partial(dst.copy_, src), "cuda", repeats)
 
 
 def timed(action: Any, device: str, repeats: int) -> list[float]:
@@ -256,19 +266,26 @@ def main() -> None:
         assert conn.recv() == "ready"
         kv = make_caches(blocks * 2, args.device)
         seconds: dict[str, list[float]] = {}
-        staging: list[float] = []
-        for path, shared in (("memfd", True), ("tcp", False)):
-            config = KVTransferConfig(role="consumer", timeout_s=60.0, shared_memory=shared)
+        offer: list[float] = []
+        paths = [("memfd", True, False), ("tcp", False, False)]
+        if args.device == "cuda":
+            paths.insert(0, ("cuda_ipc", True, True))
+        for path, shared, ipc in paths:
+            config = KVTransferConfig(
+                role="consumer", timeout_s=60.0, shared_memory=shared, cuda_ipc=ipc
+            )
             side = ZmqKVConnector(config, lambda: kv, SPEC, 0, 1, keys)
             try:
                 seconds[path], stage = pull_seconds(
                     conn, side, f"tcp://127.0.0.1:{ports['kv']}", blocks, path, args.repeats
                 )
-                staging += stage
+                offer += stage
                 assert side.puller.num_pulled[path] == args.repeats + 1, side.puller.num_pulled
             finally:
                 side.shutdown()
         seconds["memcpy"] = memcpy_seconds(nbytes, args.repeats)
+        if args.device == "cuda":
+            seconds["device_copy"] = device_copy_seconds(nbytes, args.repeats)
         seconds.update(host_tier_seconds(kv, blocks, args.repeats))
         address = "tcp://127.0.0.1:{}"
         seconds["pyzmq_curve"] = bare_zmq_seconds(
@@ -285,8 +302,8 @@ def main() -> None:
     median = {k: statistics.median(v) for k, v in seconds.items()}
     gib_s = {k: nbytes / v / (1 << 30) for k, v in median.items()}
     rows = [{"path": k, "median_ms": median[k] * 1e3, "GiB/s": gib_s[k]} for k in median]
-    rows.append({"path": "staging (producer)", "median_ms": statistics.median(staging) * 1e3,
-                 "GiB/s": nbytes / statistics.median(staging) / (1 << 30)})  # fmt: skip
+    rows.append({"path": "offer (producer)", "median_ms": statistics.median(offer) * 1e3,
+                 "GiB/s": nbytes / statistics.median(offer) / (1 << 30)})  # fmt: skip
     print_table(rows, precision=2)
     ratios = {
         "memfd_vs_memcpy": median["memcpy"] / median["memfd"],
@@ -299,6 +316,8 @@ def main() -> None:
     ratios["host_load_vs_" + floors[1]] = median[floors[1]] / median["host_load"]
     if cuda:  # the decode side's part of a same-host pull: one copy into the device
         ratios["memfd_vs_pinned_h2d"] = median["pinned_h2d"] / median["memfd"]
+        ratios["cuda_ipc_vs_memcpy"] = median["memcpy"] / median["cuda_ipc"]
+        ratios["cuda_ipc_vs_device_copy"] = median["device_copy"] / median["cuda_ipc"]
     print({k: round(v, 3) for k, v in ratios.items()}, "targets: memfd >= 0.70, tcp >= 0.80")
     name = "kv_transfer" if args.device == "cpu" else "kv_transfer_cuda"
     write_results(

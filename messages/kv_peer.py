@@ -1,15 +1,18 @@
 """The messages between the KV transfer workers of two instances (their own sockets,
 not the engine's): the decode side pulls. A prefill instance keeps a finished prefill's
 KV staged; a decode worker asks for it by request id (KVPull), gets a KVBlocks answer
-(the bytes as the next frame over tcp, or where they lie in shared memory on one host),
-copies them into its own blocks and says KVDone; only then does the prefill side let it
-go. docs/protocol.md, "KV transfer between instances", has the frames."""
+(the bytes as the next frame over tcp, where they lie in shared memory on one host, or
+the prefill's GPU cache itself where the decode side can open it), copies them into its
+own blocks and says KVDone; only then does the prefill side let it go.
+docs/protocol.md, "KV transfer between instances", has the frames."""
 
 from __future__ import annotations
 
 from typing import Annotated
 
 import msgspec
+
+from messages.weights import CudaWeightRef
 
 NonNegative = Annotated[int, msgspec.Meta(ge=0)]
 Positive = Annotated[int, msgspec.Meta(ge=1)]
@@ -34,7 +37,9 @@ class KVPull(msgspec.Struct, tag=True, frozen=True):
     reader only lets it go (no answer). readers: how many decode ranks pull req_id from
     this server: its staged KV goes after that many KVDone (or releases). first_block:
     the leading staged blocks the reader skips (it holds their KV already): over tcp
-    only the blocks after them travel; past the staged block count, an error."""
+    only the blocks after them travel; past the staged block count, an error. gpus: the
+    UUIDs of the GPUs the puller can open CUDA IPC handles on (same host only): a server
+    whose cache lies on one of them answers with CudaKV."""
 
     req_id: str
     rank: NonNegative
@@ -42,6 +47,7 @@ class KVPull(msgspec.Struct, tag=True, frozen=True):
     heads: tuple[NonNegative, NonNegative] | None = None
     readers: Positive = 1
     first_block: NonNegative = 0
+    gpus: list[str] = []
 
 
 class SharedKV(msgspec.Struct, tag=True, frozen=True):
@@ -52,14 +58,26 @@ class SharedKV(msgspec.Struct, tag=True, frozen=True):
     nbytes: NonNegative
 
 
+class CudaKV(msgspec.Struct, tag=True, frozen=True):
+    """A staged prefill where the prefill computed it, in its GPU cache: each layer's
+    cache tensor [2, num_cache_blocks, heads, slots] (the layout's dtype) as CUDA IPC
+    handles, and the request's blocks in it, in order. The puller reads them within
+    half the timeout of the answer (the server holds them for the whole of it)."""
+
+    layers: list[CudaWeightRef]
+    num_cache_blocks: Positive
+    block_ids: list[NonNegative]
+
+
 class KVBlocks(msgspec.Struct, tag=True, frozen=True, omit_defaults=True):
     """The answer to a KVPull: the layout and block count of the staged KV, laid out
     [layers, 2, blocks, heads, slots]; in shared memory (all of it: the puller takes the
-    heads it asked), or in the frame that follows (shared None; only the heads asked,
-    only the blocks from first_block on). first_block: the leading staged blocks the
-    answer leaves out (0 in shared memory: it holds them all; a producer that ignores
-    KVPull.first_block sends 0 and all of them). error: why there is none (unknown or
-    expired request, wrong rank, heads or first_block out of range)."""
+    heads it asked), in the prefill's GPU cache (cuda), or in the frame that follows
+    (shared and cuda None; only the heads asked, only the blocks from first_block on).
+    first_block: the leading staged blocks the answer leaves out (0 in shared memory or
+    the GPU cache: they hold them all; a producer that ignores KVPull.first_block sends
+    0 and all of them). error: why there is none (unknown or expired request, wrong
+    rank, heads or first_block out of range)."""
 
     req_id: str
     layout: KVLayout | None = None
@@ -67,6 +85,7 @@ class KVBlocks(msgspec.Struct, tag=True, frozen=True, omit_defaults=True):
     shared: SharedKV | None = None
     error: str | None = None
     first_block: NonNegative = 0
+    cuda: CudaKV | None = None
 
 
 class KVDone(msgspec.Struct, tag=True, frozen=True):

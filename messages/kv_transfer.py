@@ -33,6 +33,7 @@ class KVTransferConfig(msgspec.Struct, tag=True, frozen=True, omit_defaults=True
     port: NonNegative = 0
     timeout_s: float = 30.0
     shared_memory: bool = True  # same-host peers copy through a memfd, not tcp
+    cuda_ipc: bool = True  # same-host GPU caches are read through CUDA IPC, not a memfd
 
     def address(self, rank: int) -> str:
         return f"tcp://{self.host}:{self.port + rank}"
@@ -102,12 +103,17 @@ class KVConnectorMetadata(msgspec.Struct, tag=True, omit_defaults=True):
     host copies are done before it. cancel_loads: requests whose loads under way the
     scheduler gave up on (after a failed step, with their blocks): applied first, so
     that whatever arrives for them is dropped, never copied into blocks that may hold
-    other requests' KV by then, and never reported."""
+    other requests' KV by then, and never reported. cancel_saves: finished prefills
+    whose staged KV the scheduler gave up on (after a failed step; it still holds their
+    blocks): no pull is answered for them any more, and each is reported in
+    finished_sending once nothing reads its blocks (at once, unless a puller was
+    answered with them in place and has not said it is done)."""
 
     saves: list[KVSave] = []
     loads: list[KVLoad] = []
     host: KVHostCopies | None = None
     cancel_loads: list[str] = []
+    cancel_saves: list[str] = []
 
 
 class KVFailure(msgspec.Struct, tag=True, frozen=True):

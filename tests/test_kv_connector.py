@@ -19,8 +19,8 @@ import pytest
 import torch
 import zmq
 
-from messages import KVCacheSpec
-from messages.kv_peer import KVBlocks, KVDone, KVPull
+from messages import CudaWeightRef, KVCacheSpec
+from messages.kv_peer import CudaKV, KVBlocks, KVDone, KVPull
 from messages.kv_transfer import (
     KVConnectorMetadata,
     KVConnectorOutput,
@@ -110,9 +110,14 @@ def test_staged_blocks_land_in_the_consumer_s_blocks(
         consumer.before_step(KVConnectorMetadata(loads=[load]))
         until(consumer, lambda outs: names(outs, "finished_recving") == [req])
         path = "memfd" if shared_memory else "tcp"
-        assert consumer.puller.num_pulled == {"memfd": 0, "tcp": 0, path: 1}
+        assert consumer.puller.num_pulled == {"cuda_ipc": 0, "memfd": 0, "tcp": 0, path: 1}
         pulled_bytes = (len(dest) - num_cached) * BLOCK_BYTES
-        assert consumer.puller.num_bytes == {"memfd": 0, "tcp": 0, path: pulled_bytes}
+        assert consumer.puller.num_bytes == {
+            "cuda_ipc": 0,
+            "memfd": 0,
+            "tcp": 0,
+            path: pulled_bytes,
+        }
     finally:
         consumer.shutdown()
     kept, pulled = dest[:num_cached], dest[num_cached:]
@@ -299,3 +304,68 @@ def test_the_consumer_checks_which_blocks_an_answer_holds(first_block: int) -> N
         assert "staged blocks from 3 on, this load needs them from 2 on" in failure.error
         for layer in range(len(SPEC.layer_names)):
             assert torch.equal(target[layer], before[layer])
+
+
+def test_an_answer_in_gpu_memory_to_a_pull_that_did_not_offer_to_open_it_fails_the_load() -> None:
+    """A peer that answers with CUDA IPC handles where the puller named no GPU it can
+    open (a CPU cache, or tcp) fails the load by name: nothing is opened, nothing lands."""
+    address = f"tcp://127.0.0.1:{free_port()}"
+    target = caches(6, seed=5)
+    before = [t.clone() for t in target]
+    ctx = zmq.Context()
+    consumer = connector("consumer", target, 0, shared_memory=False)
+    try:
+        server = peer(ctx, zmq.ROUTER, address)
+        load = KVLoad("gpu", np.array([1, 3], np.int32), RemoteKV("gpu", 8, [address]))
+        consumer.before_step(KVConnectorMetadata(loads=[load]))
+        assert server.poll(5000), "no pull"
+        who, body = server.recv_multipart()
+        assert wire.decode(body).gpus == []
+        ref = CudaWeightRef("layer 0", "GPU-0", b"h", 64, 0, b"c", 0, b"", False, [1], 0)
+        cuda = CudaKV([ref, ref], num_cache_blocks=4, block_ids=[0, 1])
+        server.send_multipart([who, wire.encode(KVBlocks("gpu", layout_of(SPEC), 2, cuda=cuda))])
+        [failure] = names(until(consumer, bool), "failed_recving")
+        assert server.poll(5000), "no KVDone"
+        assert wire.decode(server.recv_multipart()[1]) == KVDone("gpu")
+    finally:
+        consumer.shutdown()
+        ctx.destroy(linger=0)
+    assert "'gpu'" in failure.error and "did not offer to open it" in failure.error
+    for layer in range(len(SPEC.layer_names)):
+        assert torch.equal(target[layer], before[layer])
+
+
+def test_staged_kv_counts_as_read_from_the_cache_until_it_is_gone() -> None:
+    """A prefill's KV stays in its blocks until pulled or expired (the worker refuses to
+    release the cache meanwhile: tests/test_worker.py); then it no longer counts."""
+    side = connector("producer", caches(8, seed=6), free_port(), timeout_s=0.3)
+    try:
+        side.after_step(KVConnectorMetadata(saves=[KVSave("held", np.array([2], np.int32), 3)]))
+        assert side.num_cache_readers == 1
+        assert names(until(side, bool), "finished_sending") == ["held"]
+        assert side.num_cache_readers == 0
+    finally:
+        side.shutdown()
+
+
+def test_withdrawn_staged_kv_is_reported_sent_and_refused_to_pullers() -> None:
+    """cancel_saves (the engine gave up on a save after a failed step): staged KV that no
+    puller reads in place goes at once, reported sent, and a later pull gets no blocks;
+    a save that never reached this worker is reported sent at once too."""
+    port = free_port()
+    kv = caches(8, seed=7)
+    side = connector("producer", kv, port, timeout_s=0.5)
+    consumer = connector("consumer", caches(8, seed=8), 0)
+    try:
+        side.after_step(KVConnectorMetadata(saves=[KVSave("gone", np.array([2], np.int32), 3)]))
+        side.before_step(KVConnectorMetadata(cancel_saves=["gone", "never-staged"]))
+        sent = names(until(side, lambda outs: len(names(outs, "finished_sending")) == 2),
+                     "finished_sending")  # fmt: skip
+        assert sorted(sent) == ["gone", "never-staged"] and side.num_cache_readers == 0
+        remote = RemoteKV("gone", 3, [f"tcp://127.0.0.1:{port}"])
+        consumer.before_step(KVConnectorMetadata(loads=[KVLoad("gone", np.array([5]), remote)]))
+        [failure] = names(until(consumer, bool), "failed_recving")
+    finally:
+        consumer.shutdown()
+        side.shutdown()
+    assert failure.req_id == "gone" and "no KV staged for request 'gone'" in failure.error

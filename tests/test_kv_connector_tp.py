@@ -90,7 +90,12 @@ def test_each_decode_rank_gets_its_heads(
         until(consumer, lambda outs: names(outs, "finished_recving") == ["r"])
         path = "memfd" if shared_memory else "tcp"
         pulled_bytes = 2 * 2 * per_rank * (len(dest) - cached) * SLOTS * 4  # layers, k/v
-        assert consumer.puller.num_bytes == {"memfd": 0, "tcp": 0, path: pulled_bytes}
+        assert consumer.puller.num_bytes == {
+            "cuda_ipc": 0,
+            "memfd": 0,
+            "tcp": 0,
+            path: pulled_bytes,
+        }
         targets.append(target)
     for d, target in enumerate(targets):
         want = rank_slice(whole, heads, d, decode_tp)  # on DEVICE, as target

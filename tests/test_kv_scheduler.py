@@ -141,6 +141,44 @@ def test_after_a_failed_step_the_loads_under_way_are_cancelled_before_their_bloc
     assert step.kv_connector_metadata is None  # cancelled once
 
 
+def test_after_a_failed_step_staged_kv_is_withdrawn_and_its_blocks_held_until_sent() -> None:
+    """A finished prefill's KV may be read in place by a puller when a step fails: its
+    blocks stay held, the next step withdraws it, and they go once it is reported
+    sent. A save no step carried yet was never staged: its blocks go at once."""
+    s = scheduler(8, [ADDRESS])
+    for req_id in ("staged", "unsent"):
+        s.add_request(Request(req_id, list(range(8)), PARAMS, remote_decode=True))
+        step = s.schedule()
+        s.update_from_output(step, answer(step))  # finished: blocks held, save queued
+        if req_id == "staged":
+            step = s.schedule()  # carries the save
+            assert [save.req_id for save in step.kv_connector_metadata.saves] == ["staged"]
+            s.update_from_output(step, answer(step))
+    assert s.kv.num_free_blocks == 4
+    s.reset_after_failure()
+    assert s.kv.num_free_blocks == 6  # the unsent save's blocks
+    step = s.schedule()
+    assert step.kv_connector_metadata.cancel_saves == ["staged"]
+    assert step.kv_connector_metadata.saves == []
+    s.update_from_output(step, answer(step))
+    assert s.kv.num_free_blocks == 6 and s.has_unfinished_requests()
+    step = s.schedule()
+    report = KVConnectorOutput(finished_sending=["staged"])
+    s.update_from_output(step, answer(step, report))
+    assert s.kv.num_free_blocks == 8 and s.schedule() is None
+
+
+def test_after_a_worker_died_the_staged_kv_s_blocks_go_at_once() -> None:
+    s = scheduler(8, [ADDRESS])
+    s.add_request(Request("p", list(range(8)), PARAMS, remote_decode=True))
+    for _ in range(2):  # finishes, then its save goes out
+        step = s.schedule()
+        s.update_from_output(step, answer(step))
+    assert s.kv.num_free_blocks == 6
+    s.reset_after_failure(workers_lost=True)  # nothing will report it sent
+    assert s.kv.num_free_blocks == 8 and s.schedule() is None
+
+
 def caching_scheduler(num_blocks: int, tier: HostKVTier | None = None) -> Scheduler:
     kv = KVBlockManager(num_blocks, block_size=4, enable_prefix_caching=True, host_tier=tier)
     return Scheduler(kv, 8, 64, 24, kv_connector=KVConnectorScheduler(kv, []))

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import msgspec
@@ -28,8 +30,10 @@ from messages import (
     WorkerConfig,
     make_kv_cache_config,
 )
+from messages.kv_transfer import KVConnectorMetadata, KVSave, KVTransferConfig
 from tests.tiny import cached_tiny_checkpoint
 from zmqworker.model_runner.async_output import AsyncModelRunnerOutput
+from zmqworker.transport.curve import KV_CURVE_ENV, KVKeys
 from zmqworker.worker.torch_worker import Worker
 from zmqworker.worker.wrapper import WorkerWrapper, with_extension
 
@@ -37,6 +41,12 @@ BLOCK = 4
 # ZMQWORKER_TEST_DEVICE=cuda runs these workers on a GPU (checked on the lent H200).
 DEVICE = os.environ.get("ZMQWORKER_TEST_DEVICE", "cpu")
 PROMPT = [5, 17, 42, 9, 100, 3, 77]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def config(**kw) -> WorkerConfig:
@@ -152,6 +162,27 @@ def test_sleep_releases_memory_and_wake_restores_outputs(level):
             w.reload_weights()
         assert generate(w, 3) == before
     assert level == 2 or pools[0] == pools[1]
+    w.shutdown()
+
+
+def test_sleep_is_refused_while_a_prefill_s_kv_waits_in_the_cache(monkeypatch):
+    """A producer's staged KV stays in its cache blocks until a puller takes it: sleep
+    (which would release that cache) is refused by name until it is gone (here: expired),
+    then goes ahead."""
+    monkeypatch.setenv(KV_CURVE_ENV, KVKeys.new().to_env())
+    transfer = KVTransferConfig(role="producer", port=free_port(), timeout_s=0.3)
+    w = started(config(kv_transfer=transfer))
+    generate(w, 1)
+    save = KVSave("waiting", np.array([3], np.int32), 2)
+    w.kv_connector.after_step(KVConnectorMetadata(saves=[save]))
+    with pytest.raises(RuntimeError, match=r"KV of 1 request\(s\) staged for transfer"):
+        w.sleep(1)
+    deadline = time.monotonic() + 10
+    while w.kv_connector.num_cache_readers:
+        assert time.monotonic() < deadline, "the staged KV never expired"
+        w.kv_connector.take_output(wait_s=0.05)
+    w.sleep(1)
+    w.wake_up()
     w.shutdown()
 
 

@@ -24,7 +24,7 @@ from zmqworker.engine.kv_connector import KVConnectorScheduler
 from zmqworker.engine.request import FinishReason, Request
 from zmqworker.engine.scheduler import Scheduler
 from zmqworker.engine.structured_outputs import StructuredOutputs
-from zmqworker.executor.errors import WorkerError, as_local
+from zmqworker.executor.errors import WorkerDiedError, WorkerError, WorkerStuckError, as_local
 
 if TYPE_CHECKING:
     from zmqworker.executor.abstract import Executor
@@ -235,8 +235,8 @@ class EngineCore:
                 self.grammar_steps.send()
             output, runner_output = self.batch_queue.pop()
             return changed + self.scheduler.update_from_output(output, runner_output)
-        except Exception:
-            self._recover()
+        except Exception as e:
+            self._recover(isinstance(e, WorkerDiedError | WorkerStuckError))
             raise
 
     def _admit_compiled(self) -> None:
@@ -277,9 +277,10 @@ class EngineCore:
         """Raise if a worker does not answer within timeout (they answer beside steps)."""
         self.executor.check_health(timeout=timeout)
 
-    def _recover(self) -> None:
+    def _recover(self, workers_lost: bool) -> None:
         """After a failed step: wait out the steps still in flight (the workers run them
-        anyway), then abort every request, so the engine can take new ones."""
+        anyway), then abort every request, so the engine can take new ones.
+        workers_lost: a worker died or is stuck (nothing of its cache is read any more)."""
         try:
             self.grammar_steps.send()  # the newest step's sampling, if still unsent
         except Exception:
@@ -289,7 +290,7 @@ class EngineCore:
                 self.batch_queue.pop()
             except Exception:
                 logger.debug("a step in flight failed too", exc_info=True)
-        aborted = self.scheduler.reset_after_failure()
+        aborted = self.scheduler.reset_after_failure(workers_lost)
         self.block_manager.reset_prefix_cache()  # the step may have left blocks half written
         logger.warning("a step failed: %d requests aborted", len(aborted))
 
@@ -304,8 +305,8 @@ class EngineCore:
             while len(self.batch_queue):
                 output, runner_output = self.batch_queue.pop()
                 changed += self.scheduler.update_from_output(output, runner_output)
-        except Exception:
-            self._recover()
+        except Exception as e:
+            self._recover(isinstance(e, WorkerDiedError | WorkerStuckError))
             raise
         return changed
 

@@ -51,6 +51,7 @@ class KVConnectorScheduler:
         self._saves: list[KVSave] = []
         self._loads: list[KVLoad] = []
         self._cancels: list[str] = []  # loads given up on: the next step tells the workers
+        self._withdrawn: list[str] = []  # saves given up on: the next step tells them too
         self.num_loaded = 0  # requests whose remote KV came in, since start
         # Since start, over the loads that came in: the blocks that held their KV here
         # already (prefix-cache or host-tier hits), and those pulled.
@@ -119,12 +120,15 @@ class KVConnectorScheduler:
             load = KVLoad(req_id, blocks, remote.kv, num_cached)
             self._loading[req_id] = (request, load)
             self._loads.append(load)
-        if not (self._saves or self._loads or self._cancels):
+        if not (self._saves or self._loads or self._cancels or self._withdrawn):
             return None
         metadata = KVConnectorMetadata(
-            saves=self._saves, loads=self._loads, cancel_loads=self._cancels
+            saves=self._saves,
+            loads=self._loads,
+            cancel_loads=self._cancels,
+            cancel_saves=self._withdrawn,
         )
-        self._saves, self._loads, self._cancels = [], [], []
+        self._saves, self._loads, self._cancels, self._withdrawn = [], [], [], []
         return metadata
 
     def update(
@@ -168,19 +172,24 @@ class KVConnectorScheduler:
                 finished.append(request)
         return finished
 
-    def reset(self) -> list[Request]:
-        """After a failed step: every transfer is forgotten, the held blocks of finished
-        prefills freed (those of requests waiting for KV are the scheduler's to free,
-        with every unfinished request's). Returns the requests that waited for KV. The
-        loads under way are cancelled by the next step's orders, before anything of that
-        step runs: their blocks may go to other requests at once."""
-        for req_id in self._sending:
+    def reset(self, workers_lost: bool = False) -> list[Request]:
+        """After a failed step: every load is forgotten (the blocks of requests waiting
+        for KV are the scheduler's to free, with every unfinished request's), and so is
+        every save. Returns the requests that waited for KV. The loads under way are
+        cancelled by the next step's orders, before anything of that step runs: their
+        blocks may go to other requests at once. The finished prefills' blocks stay held
+        until the workers report them sent: the next step withdraws their staged KV,
+        which a puller may be reading in place (the saves no step carried yet were never
+        staged, and with the workers lost nothing will report: their blocks go now)."""
+        unstaged = self._sending if workers_lost else [s.req_id for s in self._saves]
+        for req_id in list(unstaged):
+            del self._sending[req_id]
             self.kv.free(req_id)
         waiting = [*self._to_load.values(), *(r for r, _ in self._loading.values())]
         self._cancels = [*self._cancels, *self._loading]
+        self._withdrawn = list(dict.fromkeys([*self._withdrawn, *self._sending]))
         self._to_load.clear()
         self._loading.clear()
-        self._sending.clear()
         self._aborted.clear()
         self._saves, self._loads = [], []
         return waiting

@@ -353,11 +353,12 @@ class Scheduler:
             changed += failed
         return changed
 
-    def reset_after_failure(self) -> list[Request]:
+    def reset_after_failure(self, workers_lost: bool = False) -> list[Request]:
         """Abort every request after a step failed (and every step in flight has been
         waited for): the workers may or may not have applied the failed step, so the next
         step reports every handle they could hold as finished (workers ignore finished
-        handles they do not hold). Returns the aborted requests."""
+        handles they do not hold). workers_lost: the failure was a worker's death (the
+        KV transfers' blocks need no report to go). Returns the aborted requests."""
         aborted = list(self._requests.values())
         for request in aborted:
             request.finish(FinishReason.ABORT)
@@ -373,7 +374,7 @@ class Scheduler:
         self._draining.clear()
         self.in_flight.clear()
         if self.kv_connector is not None:
-            self.kv_connector.reset()
+            self.kv_connector.reset(workers_lost)
         return aborted
 
     def _release(self, request: Request, hold_kv: bool = False) -> None:

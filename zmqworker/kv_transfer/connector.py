@@ -34,6 +34,12 @@ class KVConnector(ABC):
     def shutdown(self) -> None:
         """Stop serving and pulling; staged KV and sockets go. Safe to call twice."""
 
+    @property
+    def num_cache_readers(self) -> int:
+        """Requests whose KV a transfer will still read out of the live cache (staged
+        and not yet taken): the cache must not be released under them."""
+        return 0
+
 
 class KVConnectors(KVConnector):
     """Several connectors as one (the host tier's and the transfer's): each hook calls
@@ -63,3 +69,7 @@ class KVConnectors(KVConnector):
     def shutdown(self) -> None:
         for connector in self.connectors:
             connector.shutdown()
+
+    @property
+    def num_cache_readers(self) -> int:
+        return sum(connector.num_cache_readers for connector in self.connectors)

@@ -1,6 +1,7 @@
 """A request's KV between a GPU cache and host memory (blocks.py's CUDA side), in groups
 of layers of at most GROUP_BYTES, so that a long prompt's KV never needs as much spare
-device memory as all of it.
+device memory as all of it; and from another process's GPU cache into this one's
+(copy_blocks).
 
 Out (staging, after the step that computed the KV): the blocks are gathered on the
 current stream, after that step, and each group goes to the host in one copy (by DMA
@@ -74,6 +75,33 @@ def scatter(
         side.synchronize()  # the host memory is read (even where a write above failed)
     for t in (ids, *buffers):
         t.record_stream(current)  # not reused before the current stream is done with it
+
+
+def copy_blocks(
+    kv_caches: list[torch.Tensor],
+    block_ids: torch.Tensor,
+    sources: list[torch.Tensor],
+    source_ids: torch.Tensor,
+    heads: tuple[int, int, int] | None = None,
+) -> None:
+    """Blocks source_ids of sources (a producer's cache, opened through CUDA IPC: its
+    layers, [2, blocks, heads, slots] each) into block_ids of kv_caches, a layer at a
+    time; heads as scatter's. Queued on the current stream, after the steps already
+    there (they may still use the blocks the load was given), with nothing for the host
+    to wait on: the ids cross on the copy stream."""
+    device, source_device = kv_caches[0].device, sources[0].device
+    side = _copy_stream(device)
+    with torch.cuda.stream(side):
+        ids = block_ids.to(device, non_blocking=True)
+        src_ids = source_ids.to(source_device, non_blocking=True)
+    torch.cuda.current_stream(device).wait_stream(side)
+    if source_device != device:
+        torch.cuda.current_stream(source_device).wait_stream(side)
+    for cache, source in zip(kv_caches, sources, strict=True):
+        piece = source.index_select(1, src_ids).to(device, non_blocking=True)
+        _write(cache, ids, piece, heads)
+    ids.record_stream(torch.cuda.current_stream(device))
+    src_ids.record_stream(torch.cuda.current_stream(source_device))
 
 
 def _copy_in(buffer: torch.Tensor, src: torch.Tensor) -> None:

@@ -1,7 +1,10 @@
 """The decode side's puller: for each load, ask the prefill ranks its head map names
 (head_map.py: the rank of the same tp rank where the sizes match) for their heads of the
 request's staged KV and hand each piece that comes back to the worker's thread, which
-copies it into the request's blocks; then say KVDone, so the prefill side lets it go. A
+copies it into the request's blocks; then say KVDone, so the prefill side lets it go.
+On one host a piece comes as the producer's memfd (mapped here), or, where this rank's
+cache is on a GPU and it can open the producer's, as the producer's cache tensors
+themselves (CUDA IPC, cuda_peers.py) and the request's block ids in them. A
 refused pull, or an answer this rank cannot use, fails the load and says KVDone at once.
 
 One thread owns every socket (a CURVE DEALER per prefill address, the deployment's KV
@@ -20,13 +23,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
+import numpy as np
 import torch
 import zmq
 
 from messages.kv_peer import KVBlocks, KVDone, KVLayout, KVPull
 from messages.kv_transfer import KVLoad
+from zmqworker.distributed.cuda_ipc import device_uuid
 from zmqworker.kv_transfer import wire
 from zmqworker.kv_transfer.blocks import staged_nbytes
+from zmqworker.kv_transfer.cuda_peers import PeerCaches, PeerCudaError
 from zmqworker.kv_transfer.head_map import HeadMap, HeadSource
 from zmqworker.kv_transfer.staging import PeerMappings, SharedMemoryError
 from zmqworker.transport.curve import KVKeys
@@ -34,13 +40,15 @@ from zmqworker.transport.frames import recv_frames, send_frames
 from zmqworker.transport.wake_pipe import WakePipe
 
 log = logging.getLogger("zmqworker.kv_transfer")
+COPY_POLL_MS = 1  # how often the thread looks at the device copies under way
 
 
 @dataclass
 class Arrived:
     """A piece of a load's KV from one source, ready to copy into its blocks (buffer:
     [layers, 2, n, heads, slots] bytes of layout, the load's blocks from first_block on;
-    the source's heads start at head first of it), or why it failed (error)."""
+    or sources: the producer's GPU cache tensors, the load's blocks at source_ids in
+    them; the source's heads start at head first of it), or why it failed (error)."""
 
     load: KVLoad
     source: HeadSource
@@ -51,11 +59,24 @@ class Arrived:
     first: int = 0
     first_block: int = 0
     unhold: Callable[[], None] | None = None  # lets the mapping the buffer is in go
+    sources: list[torch.Tensor] | None = None
+    source_ids: np.ndarray | None = None  # int64
+    received: float = field(default_factory=time.monotonic)
+
+    def stale(self, limit_s: float) -> str | None:
+        """Why a copy out of the producer's GPU cache must not start now (its answer is
+        older than limit_s, and the producer holds the blocks for twice that), or None."""
+        age = time.monotonic() - self.received
+        if self.sources is None or age <= limit_s:
+            return None
+        return (
+            f"the prefill's answer is {age:.1f} s old, past {limit_s:.1f} s: its blocks may be gone"
+        )
 
     def release(self) -> None:
         """Nothing reads the buffer any more (its copies are done)."""
         self.keep.clear()
-        self.buffer = None
+        self.buffer = self.sources = None
         if self.unhold is not None:
             self.unhold, unhold = None, self.unhold
             unhold()
@@ -71,16 +92,18 @@ class KVPuller:
         shm: bool,
         on_arrival: Callable[[], None],
         device: torch.device | None,
+        cuda_ipc: bool = True,
     ) -> None:
         """on_arrival() is called (on the puller's thread) after each arrival. device:
         the GPU the KV is copied into (the mappings of producers' memfds are page-locked
-        for it), or None."""
+        for it), or None. cuda_ipc: on one host, offer to read producers' GPU caches."""
         self.rank = rank
         self._on_arrival = on_arrival
-        self.num_pulled = {"memfd": 0, "tcp": 0}  # loads that came, by their path
-        # Their payload bytes: over tcp the data frames received; through the memfd the
-        # staged bytes the copy reads (the blocks after the cached ones, the heads taken).
-        self.num_bytes = {"memfd": 0, "tcp": 0}
+        self.num_pulled = {"cuda_ipc": 0, "memfd": 0, "tcp": 0}  # loads that came, by path
+        # Their payload bytes: over tcp the data frames received; through the memfd or a
+        # producer's GPU cache the bytes the copy reads (the blocks after the cached ones,
+        # the heads taken).
+        self.num_bytes = {"cuda_ipc": 0, "memfd": 0, "tcp": 0}
         self.layout = layout
         self.timeout_s = timeout_s
         self._keys = keys
@@ -88,7 +111,13 @@ class KVPuller:
         self._ctx = zmq.Context()
         self._socks: dict[str, zmq.Socket] = {}
         self._mappings = PeerMappings(device)
+        self._peer_caches = PeerCaches()
+        cuda = shm and cuda_ipc and device is not None
+        self._gpus = [device_uuid(i) for i in range(torch.cuda.device_count())] if cuda else []
+        self._no_ipc: set[str] = set()  # producer addresses whose caches cannot be opened
         self._orders: queue.SimpleQueue[tuple[str, KVLoad, HeadSource]] = queue.SimpleQueue()
+        self._copies: queue.SimpleQueue[tuple[torch.cuda.Event, Arrived]] = queue.SimpleQueue()
+        self._running: list[tuple[torch.cuda.Event, Arrived]] = []  # the thread's
         self.arrived: queue.SimpleQueue[Arrived] = queue.SimpleQueue()
         self._wake = WakePipe()
         self._stop = False
@@ -108,14 +137,26 @@ class KVPuller:
         self._orders.put(("done", load, source))
         self._wake.wake()
 
+    def done_once_run(self, copied: torch.cuda.Event, arrived: Arrived) -> None:
+        """The worker queued arrived's copies out of a producer's GPU cache, then
+        copied: let arrived go and tell its server once that event has passed (this
+        thread watches it: the worker may have no further step to do it in)."""
+        self._copies.put((copied, arrived))
+        self._wake.wake()
+
     def close(self) -> None:
         self._stop = True
         self._wake.wake()
         self._thread.join(timeout=10.0)
+        self._take_copies()
+        for copied, arrived in self._running:  # nothing reads a producer's cache after
+            copied.synchronize()
+            arrived.release()
         for sock in self._socks.values():
             sock.close(linger=0)
         self._ctx.term()
         self._mappings.close()
+        self._peer_caches.close()
 
     # the puller's thread ---------------------------------------------------------
 
@@ -130,10 +171,14 @@ class KVPuller:
                 if waiting:
                     soonest = min(deadline for _, _, deadline in waiting.values())
                     timeout = max(0, int((soonest - time.monotonic()) * 1000) + 1)
+                if self._running:
+                    timeout = COPY_POLL_MS if timeout < 0 else min(timeout, COPY_POLL_MS)
                 events = dict(poller.poll(timeout))
                 if self._wake.fd in events:
                     self._wake.drain()
                     self._take_orders(poller, waiting)
+                    self._take_copies()
+                self._copies_run(poller)
                 for address, sock in self._socks.items():
                     if events.get(sock):
                         self._receive(address, sock, waiting)
@@ -147,6 +192,26 @@ class KVPuller:
             log.exception("rank %d: the KV puller stopped", self.rank)
             for load, source, _ in waiting.values():
                 self._fail(load, source, "the KV puller stopped")
+
+    def _take_copies(self) -> None:
+        while True:
+            try:
+                self._running.append(self._copies.get_nowait())
+            except queue.Empty:
+                return
+
+    def _copies_run(self, poller: zmq.Poller) -> None:
+        """Let go of the arrivals whose copies have run, and tell their servers."""
+        running = []
+        for copied, arrived in self._running:
+            if copied.query():
+                arrived.release()
+                address = arrived.load.remote.addresses[arrived.source.rank]
+                done = KVDone(arrived.load.remote.req_id)
+                send_frames(self._socket(address, poller), [wire.encode(done)])
+            else:
+                running.append((copied, arrived))
+        self._running = running
 
     def _take_orders(self, poller: zmq.Poller, waiting: dict) -> None:
         while True:
@@ -162,15 +227,16 @@ class KVPuller:
             if kind == "done":
                 send_frames(sock, [wire.encode(KVDone(load.remote.req_id))])
             else:
-                send_frames(sock, [wire.encode(self._pull_of(load, source, self._host_id))])
+                send_frames(sock, [wire.encode(self._pull_of(load, source))])
 
-    @staticmethod
-    def _pull_of(load: KVLoad, source: HeadSource, host_id: str) -> KVPull:
+    def _pull_of(self, load: KVLoad, source: HeadSource) -> KVPull:
         heads = (source.first, source.count)
         whole = heads == (0, source.staged_heads)
-        return KVPull(load.remote.req_id, source.rank, host_id,
+        openable = self._host_id and load.remote.addresses[source.rank] not in self._no_ipc
+        return KVPull(load.remote.req_id, source.rank, self._host_id,
                       None if whole else heads, source.readers,
-                      first_block=load.num_cached_blocks)  # fmt: skip
+                      first_block=load.num_cached_blocks,
+                      gpus=self._gpus if openable else [])  # fmt: skip
 
     def _socket(self, address: str, poller: zmq.Poller) -> zmq.Socket:
         sock = self._socks.get(address)
@@ -202,14 +268,23 @@ class KVPuller:
                 continue  # the answer to a pull that timed out
             load, source, _ = entry
             try:
-                arrived = self._unpack(load, source, reply, frames[1:])
+                arrived = self._unpack(address, load, source, reply, frames[1:])
+            except PeerCudaError as e:
+                # The producer's GPU is not this process's to open: its memfd from now on
+                # (an answer to a pull sent before that is asked again too).
+                if address not in self._no_ipc:
+                    log.info("rank %d: no CUDA IPC with %s (%s): memfd", self.rank, address, e)
+                self._no_ipc.add(address)
+                waiting[(address, reply.req_id)] = entry
+                send_frames(sock, [wire.encode(self._pull_of(load, source))])
+                continue
             except (OSError, SharedMemoryError) as e:
                 # This host's /proc does not show the server (another pid namespace):
                 # the bytes come over tcp from now on.
                 log.info("rank %d: no shared memory with %s (%s): tcp", self.rank, address, e)
                 self._host_id = ""
                 waiting[(address, reply.req_id)] = entry
-                send_frames(sock, [wire.encode(self._pull_of(load, source, ""))])
+                send_frames(sock, [wire.encode(self._pull_of(load, source))])
                 continue
             except Exception as e:
                 arrived = self._failed(load, source, f"from {address}: {e}")
@@ -220,7 +295,12 @@ class KVPuller:
             self._arrive(arrived)
 
     def _unpack(
-        self, load: KVLoad, source: HeadSource, reply: KVBlocks, frames: list[zmq.Frame]
+        self,
+        address: str,
+        load: KVLoad,
+        source: HeadSource,
+        reply: KVBlocks,
+        frames: list[zmq.Frame],
     ) -> Arrived:
         if reply.error is not None:
             return Arrived(load, source, error=reply.error)
@@ -237,6 +317,17 @@ class KVPuller:
                 f"load needs them from {load.num_cached_blocks} on"
             )
         wanted = msgspec.structs.replace(self.layout, num_kv_heads=source.count)
+        read = reply.num_blocks - load.num_cached_blocks
+        if reply.cuda is not None:
+            if not self._gpus:
+                raise ValueError("an answer in CUDA memory to a pull that did not offer to open it")
+            if address in self._no_ipc:
+                raise PeerCudaError("an answer in CUDA memory from a producer asked for bytes")
+            sources, ids = self._peer_caches.open(address, reply.cuda, staged, reply.num_blocks)
+            self.num_pulled["cuda_ipc"] += 1
+            self.num_bytes["cuda_ipc"] += staged_nbytes(wanted, read)
+            return Arrived(load, source, layout=staged, first=source.first,
+                           sources=sources, source_ids=ids)  # fmt: skip
         if reply.shared is not None:
             shared = reply.shared
             nbytes = staged_nbytes(staged, reply.num_blocks)
@@ -247,7 +338,6 @@ class KVPuller:
                 )
             mapping = self._mappings.acquire(shared.pid, shared.fd, nbytes)
             self.num_pulled["memfd"] += 1
-            read = reply.num_blocks - load.num_cached_blocks
             self.num_bytes["memfd"] += staged_nbytes(wanted, read)
             view = memoryview(mapping.memory)[:nbytes]
             return Arrived(load, source, view, layout=staged, first=source.first,

@@ -1,13 +1,19 @@
-"""The prefill side's server: staged requests' KV, handed to the decode ranks that pull
-it, over tcp or (same host) through the memfd it was staged in.
+"""The prefill side's server: finished prefills' KV, handed to the decode ranks that pull
+it, over tcp, through a memfd (same host), or straight out of the GPU cache (same host,
+CUDA IPC).
 
 A thread of its own serves a CURVE ROUTER (the deployment's KV keys; its ZAP handler
-admits their public key alone). Staged KV lives in a sealed memfd per request, written
-on the worker's thread after the step that computed it; the server reads nothing of the
-live cache, so steps go on beside it. A request's staged KV goes once each of its
-pullers (KVPull.readers: several where the decode instance's tensor parallel size
-differs, each taking its heads) says KVDone, or once nobody has taken it within the
-timeout: either way it is reported as finished sending, and the engine frees its blocks.
+admits their public key alone). A finished prefill's KV stays in the blocks that hold
+it (the engine keeps them until it hears the request was sent), and is offered by its
+block ids once the step that computed it is queued: nothing is copied on the worker's
+thread. This thread gathers the blocks into a sealed memfd, which every pull over tcp or
+through the memfd reads: as soon as they are offered, unless the last pull came from a
+puller that reads the cache itself (on this host, able to open the cache's GPU), else on
+the first pull that needs bytes. The server reads only blocks the engine holds for it,
+so steps go on beside it. A request's KV goes once each of its pullers (KVPull.readers:
+several where the decode instance's tensor parallel size differs, each taking its heads)
+says KVDone, or once nobody has taken it within the timeout: either way it is reported
+as finished sending, and the engine frees its blocks.
 """
 
 from __future__ import annotations
@@ -24,8 +30,10 @@ import torch
 import zmq
 
 from messages.kv_cache import DTYPE_BYTES
-from messages.kv_peer import KVBlocks, KVDone, KVLayout, KVPull, SharedKV
+from messages.kv_peer import CudaKV, KVBlocks, KVDone, KVLayout, KVPull, SharedKV
+from zmqworker.distributed.cuda_ipc import CudaSharer, device_uuid
 from zmqworker.kv_transfer import wire
+from zmqworker.kv_transfer.blocks import gather, staged_nbytes, view_staged
 from zmqworker.kv_transfer.staging import Memfd, MemfdPool
 from zmqworker.transport.curve import KVKeys, make_server, start_zap
 from zmqworker.transport.frames import recv_frames, send_frames
@@ -36,15 +44,24 @@ log = logging.getLogger("zmqworker.kv_transfer")
 
 @dataclass
 class Staged:
-    """One request's KV in the first nbytes of a memfd, until pulled or expired."""
+    """One request's KV in block_ids of the live cache (complete once ready, on a GPU,
+    has passed), and once a pull needed bytes, in the first nbytes of a memfd too; until
+    pulled or expired."""
 
     req_id: str
-    num_blocks: int
+    block_ids: np.ndarray  # int64
     nbytes: int
-    memfd: Memfd
     deadline: float
+    ready: torch.cuda.Event | None = None
+    memfd: Memfd | None = None
     readers: int = 1  # decode ranks that pull it (the pulls say)
     done: int = 0  # of them that said KVDone (or only released it)
+    lent: bool = False  # a puller was answered with the blocks in place
+    withdrawn: bool = False  # the engine gave up on it: no pull is answered
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.block_ids)
 
 
 class KVServer:
@@ -58,12 +75,22 @@ class KVServer:
         keys: KVKeys | None,
         on_sent: Callable[[str], None],
         timeout_s: float,
-        device: torch.device | None,
+        kv_caches: Callable[[], list[torch.Tensor]],
+        cuda_ipc: bool,
     ) -> None:
         """on_sent(req_id) is called (on the server's thread) when a request's staged KV
-        is gone: pulled, or expired. device: the GPU the KV is staged from (its memfds
-        are page-locked for it), or None."""
+        is gone: pulled, or expired. kv_caches: the rank's cache tensors now. cuda_ipc:
+        answer pullers that can open the cache's GPU with its CUDA IPC handles."""
         self.rank = rank
+        self._kv_caches = kv_caches
+        device = kv_caches()[0].device
+        self._cuda = device if device.type == "cuda" else None
+        self._gpu = device_uuid(device.index or 0) if self._cuda and cuda_ipc else None
+        # Whether the last pull read the cache itself: the next stagings wait for a pull
+        # to be gathered (pullers are alike, as a rule).
+        self._reads_in_place = self._gpu is not None
+        # The gathers into memfds wait on their prefill's step from a stream of their own.
+        self._stream = torch.cuda.Stream(device) if self._cuda else None
         self.layout = layout
         self._head_bytes = layout.block_size * layout.head_size * DTYPE_BYTES[layout.dtype]
         self._on_sent = on_sent
@@ -82,28 +109,39 @@ class KVServer:
         self.address = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._host_id = wire.boot_id()
         self._staged: dict[str, Staged] = {}
-        self.pool = MemfdPool(device)
+        self.pool = MemfdPool(self._cuda)  # page-locked for the GPU where there is one
         # Pulls that came before their staging (the prefill's next step stages it): held
         # until it does, or until the timeout.
         self._early: dict[str, list[tuple[bytes, KVPull, float]]] = {}
         self._timeout_s = timeout_s
         self._incoming: list[Staged] = []
+        self._withdrawals: list[str] = []
         self._lock = threading.Lock()
         self._wake = WakePipe()
         self._stop = False
         self._thread = threading.Thread(target=self._serve, name="kv-server", daemon=True)
         self._thread.start()
 
-    def stage(self, req_id: str, nbytes: int, num_blocks: int) -> Staged:
-        """A memfd of nbytes for req_id's KV (from the worker's thread): fill it, then
-        offer it."""
-        memfd = self.pool.take(nbytes)
-        return Staged(req_id, num_blocks, nbytes, memfd, time.monotonic() + self._timeout_s)
-
-    def offer(self, staged: Staged) -> None:
-        """From the worker's thread: staged is complete and may be pulled."""
+    def offer(self, req_id: str, block_ids: np.ndarray) -> None:
+        """From the worker's thread, after the step that computes req_id's KV in
+        block_ids (of the cache) was queued: it may be pulled once that step is done."""
+        ready = None
+        if self._cuda is not None:
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(self._cuda))
+        ids = np.asarray(block_ids, np.int64)
+        nbytes = staged_nbytes(self.layout, len(ids))
+        deadline = time.monotonic() + self._timeout_s
         with self._lock:
-            self._incoming.append(staged)
+            self._incoming.append(Staged(req_id, ids, nbytes, deadline, ready))
+        self._wake.wake()
+
+    def withdraw(self, req_id: str) -> None:
+        """From the worker's thread: answer no more pulls of req_id; it goes (reported
+        sent) at once, or where a puller was answered with its blocks in place, once
+        that puller is done or the staging expires."""
+        with self._lock:
+            self._withdrawals.append(req_id)
         self._wake.wake()
 
     def close(self) -> None:
@@ -133,7 +171,8 @@ class KVServer:
         finally:
             self._take_incoming()
             for staged in self._staged.values():
-                staged.memfd.close()
+                if staged.memfd is not None:
+                    staged.memfd.close()
             self._staged.clear()
             self.pool.close()
 
@@ -165,6 +204,10 @@ class KVServer:
         elif staged is None:
             deadline = time.monotonic() + self._timeout_s
             self._early.setdefault(pull.req_id, []).append((peer, pull, deadline))
+        elif staged.withdrawn:
+            staged.readers = pull.readers  # so that its KVDone counts among all of them
+            error = f"the KV of request {pull.req_id!r} was withdrawn on rank {self.rank}"
+            self._send(peer, KVBlocks(pull.req_id, error=error))
         elif pull.heads is not None and pull.heads[1] == 0:
             staged.readers = pull.readers
             self._reader_done(pull.req_id)  # a release: this reader takes nothing
@@ -173,13 +216,60 @@ class KVServer:
             self._send(peer, KVBlocks(pull.req_id, error=error))
         else:
             staged.readers = pull.readers
-            if pull.host_id == self._host_id:
-                shared = SharedKV(os.getpid(), staged.memfd.fd, staged.nbytes)
+            same_host = pull.host_id == self._host_id
+            self._reads_in_place = same_host and self._gpu is not None and self._gpu in pull.gpus
+            if self._reads_in_place:
+                self._send(peer, self._cuda_answer(staged))
+                return
+            try:
+                memfd = self._gathered(staged)
+            except Exception as e:
+                log.exception("rank %d: could not gather %r", self.rank, pull.req_id)
+                self._send(peer, KVBlocks(pull.req_id, error=f"rank {self.rank}: {e}"))
+                return
+            if same_host:
+                shared = SharedKV(os.getpid(), memfd.fd, staged.nbytes)
                 self._send(peer, KVBlocks(pull.req_id, self.layout, staged.num_blocks, shared))
             else:
                 reply = KVBlocks(pull.req_id, self.layout, staged.num_blocks,
                                  first_block=pull.first_block)  # fmt: skip
                 self._send(peer, reply, self._tcp_bytes(staged, pull))
+
+    def _cuda_answer(self, staged: Staged) -> KVBlocks:
+        """staged's blocks where they lie, for a puller on this host that can open the
+        cache's GPU; held for a whole timeout from now (the puller reads them within
+        half of it). Refs are made afresh: sleep and wake_up make new cache tensors."""
+        assert staged.ready is not None
+        staged.ready.synchronize()  # the prefill's step is done
+        sharer = CudaSharer()
+        caches = self._kv_caches()
+        layers = [sharer.ref(f"layer {i}", cache) for i, cache in enumerate(caches)]
+        staged.deadline = max(staged.deadline, time.monotonic() + self._timeout_s)
+        staged.lent = True
+        cuda = CudaKV(layers, caches[0].shape[1], staged.block_ids.tolist())
+        return KVBlocks(staged.req_id, self.layout, staged.num_blocks, cuda=cuda)
+
+    def _gathered(self, staged: Staged) -> Memfd:
+        """staged's KV in a memfd: gathered out of the cache on the first call."""
+        if staged.memfd is not None:
+            return staged.memfd
+        memfd = self.pool.take(staged.nbytes)
+        try:
+            view = view_staged(memoryview(memfd.memory), self.layout, staged.num_blocks)
+            ids = torch.from_numpy(staged.block_ids)
+            if self._stream is None:
+                gather(self._kv_caches(), ids, view)
+            else:
+                assert staged.ready is not None
+                with torch.cuda.device(self._cuda), torch.cuda.stream(self._stream):
+                    self._stream.wait_event(staged.ready)
+                    gather(self._kv_caches(), ids, view)
+            del view
+        except BaseException:
+            self.pool.give_back(memfd)
+            raise
+        staged.memfd = memfd
+        return memfd
 
     def _send(self, peer: bytes, reply: KVBlocks, data: memoryview | None = None) -> None:
         """reply to peer, then data (the KV over tcp) as the frame after it."""
@@ -209,6 +299,7 @@ class KVServer:
         """The staged bytes pull takes: its heads (None: all) of the blocks from
         first_block on. The whole staging goes as it lies, without a copy; a part of it
         as one contiguous copy of that part (skipped blocks cut every layer's run)."""
+        assert staged.memfd is not None
         whole = memoryview(staged.memfd.memory)[: staged.nbytes]
         heads = pull.heads or (0, self.layout.num_kv_heads)
         if pull.first_block == 0 and heads == (0, self.layout.num_kv_heads):
@@ -228,23 +319,42 @@ class KVServer:
                 self._drop(req_id, pulled=True)
 
     def _drop(self, req_id: str, pulled: bool) -> None:
-        """Forget req_id's staged KV: its memfd is reused once its puller is done with it
-        (pulled), never after an expiry (a late puller may still read it)."""
+        """Forget req_id's staged KV: its memfd (if a pull needed one) is reused once its
+        puller is done with it (pulled), never after an expiry (a late puller may still
+        read it)."""
         staged = self._staged.pop(req_id, None)
         if staged is not None:
-            if pulled:
+            if staged.memfd is not None and pulled:
                 self.pool.give_back(staged.memfd)
-            else:
+            elif staged.memfd is not None:
                 staged.memfd.close()
             self._on_sent(req_id)
 
     def _take_incoming(self) -> None:
         with self._lock:
             incoming, self._incoming = self._incoming, []
+            withdrawals, self._withdrawals = self._withdrawals, []
         for staged in incoming:
             self._staged[staged.req_id] = staged
-            for peer, pull, _ in self._early.pop(staged.req_id, []):
+            early = self._early.pop(staged.req_id, [])
+            if not early and not self._reads_in_place:
+                self._gather_ahead(staged)
+            for peer, pull, _ in early:
                 self._answer(peer, pull)
+        for req_id in withdrawals:
+            staged = self._staged.get(req_id)  # None: gone already (and reported)
+            if staged is not None:
+                staged.withdrawn = True
+                if not staged.lent:
+                    self._drop(req_id, pulled=False)
+
+    def _gather_ahead(self, staged: Staged) -> None:
+        """Gather staged now, before any pull (which will likely need the bytes, as the
+        last one did). A failure is left for the first pull to meet again and answer."""
+        try:
+            self._gathered(staged)
+        except Exception:
+            log.exception("rank %d: could not gather %r ahead", self.rank, staged.req_id)
 
     def _expire(self) -> None:
         now = time.monotonic()

@@ -8,7 +8,9 @@ the KV must land (its own block ids, allocated when it takes the request) and wh
 has room, so the prefill side never holds a peer's block ids or waits on its memory; the
 prefill side only keeps what it computed until it is taken or times out. Over tcp the
 bytes a pull takes travel as one frame (zero-copy where that is the whole staging); on
-one host the puller maps the prefill's memfd and copies straight into its cache. A
+one host the puller maps the prefill's memfd and copies straight into its cache, or,
+where both caches are on GPUs it can open, copies from the prefill's cache into its own
+on the device (CUDA IPC) and says KVDone once that copy has run. A
 load's first num_cached_blocks blocks hold their KV already (prefix-cache hits on the
 decode side): only the rest is copied in; the pull names them (KVPull.first_block), so
 over tcp only the blocks after them travel, and through a memfd only they are read.
@@ -31,14 +33,8 @@ from messages.kv_transfer import (
     KVSave,
     KVTransferConfig,
 )
-from zmqworker.kv_transfer.blocks import (
-    gather,
-    layout_of,
-    scatter,
-    scatter_heads,
-    staged_nbytes,
-    view_staged,
-)
+from zmqworker.kv_transfer import device_copies
+from zmqworker.kv_transfer.blocks import layout_of, scatter, scatter_heads, view_staged
 from zmqworker.kv_transfer.connector import KVConnector
 from zmqworker.kv_transfer.head_map import HeadMapError, head_map
 from zmqworker.kv_transfer.puller import Arrived, KVPuller
@@ -77,7 +73,7 @@ class ZmqKVConnector(KVConnector):
         # in _loading (cancelled: cancel_loads; or failed by another piece), what arrives
         # is dropped (a later load of the same request id is not).
         self._pieces_left: dict[int, int] = {}
-        self._num_staged = 0
+        self._offered: set[str] = set()  # saves offered and not reported sent yet
         device = kv_caches()[0].device
         locked_for = device if device.type == "cuda" else None  # page-lock host memory
         self.server: KVServer | None = None
@@ -91,12 +87,14 @@ class ZmqKVConnector(KVConnector):
                     keys,
                     self._on_sent,
                     config.timeout_s,
-                    locked_for,
+                    kv_caches,
+                    config.cuda_ipc,
                 )
             if config.consumes:
                 self.puller = KVPuller(
                     tp_rank, self.layout, keys, config.timeout_s, config.shared_memory,
                     on_arrival=self._news.set, device=locked_for,
+                    cuda_ipc=config.cuda_ipc,
                 )  # fmt: skip
         except BaseException:
             self.shutdown()
@@ -106,6 +104,8 @@ class ZmqKVConnector(KVConnector):
         if metadata is not None:
             for req_id in metadata.cancel_loads:
                 self._cancel(req_id)
+            for req_id in metadata.cancel_saves:
+                self._withdraw(req_id)
             for load in metadata.loads:
                 self._start_load(load)
         self._copy_arrived()
@@ -119,17 +119,21 @@ class ZmqKVConnector(KVConnector):
             self._stage(save)
 
     def take_output(self, wait_s: float = 0.0) -> KVConnectorOutput | None:
-        if wait_s > 0 and not self._has_news() and (self._loading or self._num_staged):
+        if wait_s > 0 and not self._has_news() and (self._loading or self._offered):
             self._news.wait(wait_s)
         self._news.clear()
         self._copy_arrived()
         with self._lock:
             sent, self._sent = self._sent, []
-        self._num_staged -= len(sent)
+        self._offered.difference_update(sent)
         recved, failed = self._recved, self._failed
         self._recved, self._failed = [], []
         output = KVConnectorOutput(sent, recved, failed)
         return output if output else None
+
+    @property
+    def num_cache_readers(self) -> int:
+        return len(self._offered)
 
     def shutdown(self) -> None:
         if self.server is not None:
@@ -170,6 +174,14 @@ class ZmqKVConnector(KVConnector):
         self._recved = [r for r in self._recved if r != req_id]
         self._failed = [f for f in self._failed if f.req_id != req_id]
 
+    def _withdraw(self, req_id: str) -> None:
+        """The engine gave up on req_id's save: its server stops serving it (and reports
+        it sent once nothing reads its blocks); never offered, it is reported at once."""
+        if self.server is not None and req_id in self._offered:
+            self.server.withdraw(req_id)
+        else:
+            self._on_sent(req_id)
+
     def _copy_arrived(self) -> None:
         if self.puller is None:
             return
@@ -179,6 +191,9 @@ class ZmqKVConnector(KVConnector):
             left = self._pieces_left.pop(id(load)) - 1
             if left:
                 self._pieces_left[id(load)] = left
+            if arrived.error is None and (stale := arrived.stale(self.config.timeout_s / 2)):
+                self._let_go(arrived)
+                arrived.error = f"KV of request {load.req_id!r}: {stale}"
             if self._loading.get(load.req_id) is not load:  # cancelled, or failed
                 arrived.release()
                 if arrived.error is None:
@@ -195,6 +210,9 @@ class ZmqKVConnector(KVConnector):
     def _copy_in(self, arrived: Arrived) -> None:
         load, source = arrived.load, arrived.source
         start = load.num_cached_blocks  # the blocks before it hold their KV here
+        if arrived.sources is not None:
+            self._copy_from_device(arrived, start)
+            return
         try:
             if start < len(load.block_ids):
                 self._scatter(arrived, start)
@@ -217,17 +235,39 @@ class ZmqKVConnector(KVConnector):
             scatter_heads(self.kv_caches(), ids, staged, arrived.first, source.dest,
                           source.count)  # fmt: skip
 
+    def _copy_from_device(self, arrived: Arrived, start: int) -> None:
+        """Queue the copy of the load's blocks from start on out of the producer's GPU
+        cache (arrived.sources, its blocks arrived.source_ids); the puller lets the
+        arrival go once it has run."""
+        load, source = arrived.load, arrived.source
+        assert arrived.sources is not None and arrived.source_ids is not None
+        heads = None
+        if not source.count == self.layout.num_kv_heads == arrived.sources[0].shape[2]:
+            heads = (arrived.first, source.dest, source.count)
+        try:
+            if start < len(load.block_ids):
+                device_copies.copy_blocks(
+                    self.kv_caches(),
+                    torch.from_numpy(np.asarray(load.block_ids[start:], np.int64)),
+                    arrived.sources,
+                    torch.from_numpy(arrived.source_ids[start:]),
+                    heads,
+                )
+        except BaseException:
+            torch.cuda.current_stream(self.kv_caches()[0].device).synchronize()
+            self._let_go(arrived)
+            raise
+        copied = torch.cuda.Event()
+        copied.record()
+        assert self.puller is not None
+        self.puller.done_once_run(copied, arrived)
+
+    def _let_go(self, arrived: Arrived) -> None:
+        arrived.release()
+        if self.puller is not None:
+            self.puller.done(arrived.load, arrived.source)
+
     def _stage(self, save: KVSave) -> None:
         assert self.server is not None
-        num_blocks = len(save.block_ids)
-        nbytes = staged_nbytes(self.layout, num_blocks)
-        staged = self.server.stage(save.req_id, nbytes, num_blocks)
-        try:
-            view = view_staged(memoryview(staged.memfd.memory), self.layout, num_blocks)
-            gather(self.kv_caches(), torch.from_numpy(np.asarray(save.block_ids, np.int64)), view)
-            del view
-        except BaseException:
-            self.server.pool.give_back(staged.memfd)
-            raise
-        self._num_staged += 1
-        self.server.offer(staged)
+        self._offered.add(save.req_id)
+        self.server.offer(save.req_id, save.block_ids)

@@ -255,6 +255,11 @@ class Worker(WorkerBase):
 
     def sleep(self, level: int = 1) -> None:
         runner = self._runner()
+        if self.kv_connector is not None and (staged := self.kv_connector.num_cache_readers):
+            raise RuntimeError(
+                f"sleep with the KV of {staged} request(s) staged for transfer out of the "
+                "cache it would release: let them be pulled (or expire) first"
+            )
         self._sleep.sleep(runner, level)
         if level == 2:
             self._transfer().weights_released()

@@ -1,0 +1,134 @@
+"""KV pulled straight out of a producer's GPU cache (CUDA IPC, same host): on a GPU, the
+blocks land byte for byte, the producer hears KVDone once the copy ran, and a decode
+rank's own cached blocks stay as they are. On the CPU: an answer naming blocks or layers
+the load cannot use is refused before anything is opened, and an answer too old to read
+from is refused by name."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import socket
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from messages import CudaWeightRef, KVCacheSpec
+from messages.kv_peer import CudaKV
+from messages.kv_transfer import (
+    KVConnectorMetadata,
+    KVLoad,
+    KVSave,
+    KVTransferConfig,
+    RemoteKV,
+)
+from zmqworker.kv_transfer.blocks import layout_of
+from zmqworker.kv_transfer.cuda_peers import PeerCaches
+from zmqworker.kv_transfer.head_map import HeadSource
+from zmqworker.kv_transfer.puller import Arrived
+from zmqworker.kv_transfer.zmq_connector import ZmqKVConnector
+from zmqworker.transport.curve import KVKeys
+
+SPEC = KVCacheSpec(
+    block_size=4, num_kv_heads=2, head_size=8, dtype="float16", layer_names=["a", "b", "c"]
+)
+REF = CudaWeightRef("layer", "GPU-x", b"h", 1 << 20, 0, b"c", 0, b"", False, [1], 0)
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+
+
+def caches(num_blocks: int, seed: int, device: str) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    shape = (2, num_blocks, SPEC.num_kv_heads, SPEC.block_size * SPEC.head_size)
+    return [torch.randn(shape, generator=g).half().to(device) for _ in SPEC.layer_names]
+
+
+@pytest.mark.parametrize(
+    "layers, ids, error",
+    [
+        (2, [0, 1], "2 layers of GPU cache for 3"),
+        (3, [0], "1 block ids in the GPU cache for 2 blocks"),
+        (3, [0, 8], "block id 8 past the producer's 8 cache blocks"),
+    ],
+)
+def test_an_answer_that_does_not_fit_the_load_is_refused_before_opening(layers, ids, error):
+    cuda = CudaKV([REF] * layers, num_cache_blocks=8, block_ids=ids)
+    with pytest.raises(ValueError, match=error):
+        PeerCaches().open("tcp://127.0.0.1:1", cuda, layout_of(SPEC), num_blocks=2)
+
+
+def test_an_answer_too_old_to_read_from_is_stale():
+    load = KVLoad("r", np.array([1], np.int32), RemoteKV("r", 4, ["tcp://127.0.0.1:1"]))
+    source = HeadSource(rank=0, first=0, count=2, dest=0, staged_heads=2, readers=1)
+    fresh = Arrived(load, source, sources=[torch.zeros(1)], source_ids=np.zeros(1, np.int64))
+    assert fresh.stale(1.0) is None
+    old = Arrived(load, source, sources=[torch.zeros(1)], received=time.monotonic() - 2.0)
+    assert "answer is 2.0 s old, past 1.0 s" in old.stale(1.0)
+    assert Arrived(load, source, received=time.monotonic() - 2.0).stale(1.0) is None  # bytes
+
+
+def _producer(conn, port: int, keys: tuple[bytes, bytes]) -> None:
+    kv = caches(16, seed=1, device="cuda")
+    config = KVTransferConfig(role="producer", port=port, timeout_s=30.0)
+    side = ZmqKVConnector(config, lambda: kv, SPEC, 0, 1, KVKeys(*keys))
+    try:
+        while (order := conn.recv()) != "quit":
+            req, ids = order
+            side.after_step(KVConnectorMetadata(saves=[KVSave(req, np.array(ids, np.int32), 12)]))
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:
+                out = side.take_output(wait_s=0.05)
+                if out is not None and req in out.finished_sending:
+                    conn.send("sent")
+                    break
+            else:
+                conn.send("never sent")
+    finally:
+        side.shutdown()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@gpu
+def test_blocks_come_straight_out_of_the_producer_s_gpu_cache():
+    keys, port = KVKeys.new(), free_port()
+    ctx = mp.get_context("spawn")
+    conn, child_conn = ctx.Pipe()
+    child = ctx.Process(target=_producer, args=(child_conn, port, (keys.public, keys.secret)))
+    child.start()
+    source = caches(16, seed=1, device="cuda")  # the producer's, made alike
+    target = caches(12, seed=2, device="cuda")
+    before = [t.clone() for t in target]
+    config = KVTransferConfig(role="consumer", timeout_s=30.0)
+    consumer = ZmqKVConnector(config, lambda: target, SPEC, 0, 1, keys)
+    try:
+        for num_cached, req in ((0, "all"), (1, "after-hit")):
+            src, dest = [3, 7, 1], [10, 2, 5]
+            conn.send((req, src))
+            remote = RemoteKV(req, 12, [f"tcp://127.0.0.1:{port}"])
+            load = KVLoad(req, np.array(dest, np.int32), remote, num_cached_blocks=num_cached)
+            consumer.before_step(KVConnectorMetadata(loads=[load]))
+            recved, deadline = [], time.monotonic() + 30
+            while req not in recved:
+                assert time.monotonic() < deadline, "the load never landed"
+                consumer.before_step(None)
+                out = consumer.take_output(wait_s=0.05)
+                recved += out.finished_recving if out is not None else []
+                assert out is None or not out.failed_recving, out
+            assert conn.poll(30) and conn.recv() == "sent"  # KVDone came after the copy
+            for layer in range(len(SPEC.layer_names)):
+                kept, pulled = dest[:num_cached], dest[num_cached:]
+                assert torch.equal(target[layer][:, pulled], source[layer][:, src[num_cached:]])
+                assert torch.equal(target[layer][:, kept], before[layer][:, kept])
+                target[layer][:, dest] = before[layer][:, dest]  # as new for the next
+        assert consumer.puller.num_pulled == {"cuda_ipc": 2, "memfd": 0, "tcp": 0}
+    finally:
+        consumer.shutdown()
+        conn.send("quit")
+        child.join(timeout=30)
+        if child.is_alive():
+            child.kill()
