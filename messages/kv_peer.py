@@ -12,8 +12,6 @@ from typing import Annotated
 
 import msgspec
 
-from messages.weights import CudaWeightRef
-
 NonNegative = Annotated[int, msgspec.Meta(ge=0)]
 Positive = Annotated[int, msgspec.Meta(ge=1)]
 
@@ -51,20 +49,33 @@ class KVPull(msgspec.Struct, tag=True, frozen=True):
 
 
 class SharedKV(msgspec.Struct, tag=True, frozen=True):
-    """A staged prefill in the server's memfd: open /proc/pid/fd/fd, nbytes long."""
+    """A staged prefill in the server's memfd: open /proc/pid/fd/fd, nbytes long; inode:
+    the memfd's (0: unchecked), so that a puller never reads another memfd that took
+    the same fd number after its staging went."""
 
     pid: Positive
     fd: NonNegative
     nbytes: NonNegative
+    inode: NonNegative = 0
+
+
+class CudaKVLayer(msgspec.Struct, tag=True, frozen=True):
+    """One layer's cache tensor in the producer's GPU memory: the CUDA IPC handle
+    (cudaIpcMemHandle_t, 64 bytes) of the allocation holding it, and its offset there
+    in bytes."""
+
+    handle: bytes
+    offset: NonNegative
 
 
 class CudaKV(msgspec.Struct, tag=True, frozen=True):
-    """A staged prefill where the prefill computed it, in its GPU cache: each layer's
-    cache tensor [2, num_cache_blocks, heads, slots] (the layout's dtype) as CUDA IPC
-    handles, and the request's blocks in it, in order. The puller reads them within
-    half the timeout of the answer (the server holds them for the whole of it)."""
+    """A staged prefill where the prefill computed it, in its GPU cache (device_uuid):
+    each layer's cache tensor [2, num_cache_blocks, heads, slots] (the layout's dtype,
+    contiguous), and the request's blocks in it, in order. The puller reads them within
+    half the timeout of the answer (the server holds them for longer)."""
 
-    layers: list[CudaWeightRef]
+    device_uuid: str
+    layers: list[CudaKVLayer]
     num_cache_blocks: Positive
     block_ids: list[NonNegative]
 

@@ -19,8 +19,8 @@ import pytest
 import torch
 import zmq
 
-from messages import CudaWeightRef, KVCacheSpec
-from messages.kv_peer import CudaKV, KVBlocks, KVDone, KVPull
+from messages import KVCacheSpec
+from messages.kv_peer import CudaKV, CudaKVLayer, KVBlocks, KVDone, KVPull
 from messages.kv_transfer import (
     KVConnectorMetadata,
     KVConnectorOutput,
@@ -321,8 +321,8 @@ def test_an_answer_in_gpu_memory_to_a_pull_that_did_not_offer_to_open_it_fails_t
         assert server.poll(5000), "no pull"
         who, body = server.recv_multipart()
         assert wire.decode(body).gpus == []
-        ref = CudaWeightRef("layer 0", "GPU-0", b"h", 64, 0, b"c", 0, b"", False, [1], 0)
-        cuda = CudaKV([ref, ref], num_cache_blocks=4, block_ids=[0, 1])
+        layer = CudaKVLayer(bytes(64), 0)
+        cuda = CudaKV("GPU-0", [layer, layer], num_cache_blocks=4, block_ids=[0, 1])
         server.send_multipart([who, wire.encode(KVBlocks("gpu", layout_of(SPEC), 2, cuda=cuda))])
         [failure] = names(until(consumer, bool), "failed_recving")
         assert server.poll(5000), "no KVDone"
@@ -350,8 +350,8 @@ def test_staged_kv_counts_as_read_from_the_cache_until_it_is_gone() -> None:
 
 def test_withdrawn_staged_kv_is_reported_sent_and_refused_to_pullers() -> None:
     """cancel_saves (the engine gave up on a save after a failed step): staged KV that no
-    puller reads in place goes at once, reported sent, and a later pull gets no blocks;
-    a save that never reached this worker is reported sent at once too."""
+    puller reads in place goes at once, reported sent, and a later pull is refused by
+    name at once; a save that never reached this worker is reported sent at once too."""
     port = free_port()
     kv = caches(8, seed=7)
     side = connector("producer", kv, port, timeout_s=0.5)
@@ -368,4 +368,4 @@ def test_withdrawn_staged_kv_is_reported_sent_and_refused_to_pullers() -> None:
     finally:
         consumer.shutdown()
         side.shutdown()
-    assert failure.req_id == "gone" and "no KV staged for request 'gone'" in failure.error
+    assert failure.req_id == "gone" and "KV of request 'gone' was withdrawn" in failure.error

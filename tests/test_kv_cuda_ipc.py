@@ -1,6 +1,7 @@
 """KV pulled straight out of a producer's GPU cache (CUDA IPC, same host): on a GPU, the
-blocks land byte for byte, the producer hears KVDone once the copy ran, and a decode
-rank's own cached blocks stay as they are. On the CPU: an answer naming blocks or layers
+blocks land byte for byte (bfloat16), the producer hears KVDone, a decode rank's own
+cached blocks stay as they are, and the opening of the producer's cache is closed once
+idle. On the CPU: an answer naming blocks or layers
 the load cannot use is refused before anything is opened, and an answer too old to read
 from is refused by name."""
 
@@ -14,8 +15,8 @@ import numpy as np
 import pytest
 import torch
 
-from messages import CudaWeightRef, KVCacheSpec
-from messages.kv_peer import CudaKV
+from messages import KVCacheSpec
+from messages.kv_peer import CudaKV, CudaKVLayer
 from messages.kv_transfer import (
     KVConnectorMetadata,
     KVLoad,
@@ -24,23 +25,23 @@ from messages.kv_transfer import (
     RemoteKV,
 )
 from zmqworker.kv_transfer.blocks import layout_of
-from zmqworker.kv_transfer.cuda_peers import PeerCaches
+from zmqworker.kv_transfer.cuda_peers import IDLE_CLOSE_S, PeerCache, PeerCaches
 from zmqworker.kv_transfer.head_map import HeadSource
 from zmqworker.kv_transfer.puller import Arrived
 from zmqworker.kv_transfer.zmq_connector import ZmqKVConnector
 from zmqworker.transport.curve import KVKeys
 
 SPEC = KVCacheSpec(
-    block_size=4, num_kv_heads=2, head_size=8, dtype="float16", layer_names=["a", "b", "c"]
+    block_size=4, num_kv_heads=2, head_size=8, dtype="bfloat16", layer_names=["a", "b", "c"]
 )
-REF = CudaWeightRef("layer", "GPU-x", b"h", 1 << 20, 0, b"c", 0, b"", False, [1], 0)
+LAYER = CudaKVLayer(bytes(64), 0)
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 
 
 def caches(num_blocks: int, seed: int, device: str) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     shape = (2, num_blocks, SPEC.num_kv_heads, SPEC.block_size * SPEC.head_size)
-    return [torch.randn(shape, generator=g).half().to(device) for _ in SPEC.layer_names]
+    return [torch.randn(shape, generator=g).to(torch.bfloat16).to(device) for _ in SPEC.layer_names]
 
 
 @pytest.mark.parametrize(
@@ -52,17 +53,19 @@ def caches(num_blocks: int, seed: int, device: str) -> list[torch.Tensor]:
     ],
 )
 def test_an_answer_that_does_not_fit_the_load_is_refused_before_opening(layers, ids, error):
-    cuda = CudaKV([REF] * layers, num_cache_blocks=8, block_ids=ids)
-    with pytest.raises(ValueError, match=error):
-        PeerCaches().open("tcp://127.0.0.1:1", cuda, layout_of(SPEC), num_blocks=2)
+    cuda = CudaKV("GPU-x", [LAYER] * layers, num_cache_blocks=8, block_ids=ids)
+    with pytest.raises(ValueError, match=error):  # checked before anything is opened
+        caches = PeerCaches(torch.device("cuda", 0))
+        caches.acquire("tcp://127.0.0.1:1", cuda, layout_of(SPEC), num_blocks=2)
 
 
 def test_an_answer_too_old_to_read_from_is_stale():
     load = KVLoad("r", np.array([1], np.int32), RemoteKV("r", 4, ["tcp://127.0.0.1:1"]))
     source = HeadSource(rank=0, first=0, count=2, dest=0, staged_heads=2, readers=1)
-    fresh = Arrived(load, source, sources=[torch.zeros(1)], source_ids=np.zeros(1, np.int64))
+    cache = PeerCache((), [0], num_blocks=1, num_kv_heads=2, opened=[])
+    fresh = Arrived(load, source, sources=cache, source_ids=np.zeros(1, np.int64))
     assert fresh.stale(1.0) is None
-    old = Arrived(load, source, sources=[torch.zeros(1)], received=time.monotonic() - 2.0)
+    old = Arrived(load, source, sources=cache, received=time.monotonic() - 2.0)
     assert "answer is 2.0 s old, past 1.0 s" in old.stale(1.0)
     assert Arrived(load, source, received=time.monotonic() - 2.0).stale(1.0) is None  # bytes
 
@@ -126,6 +129,12 @@ def test_blocks_come_straight_out_of_the_producer_s_gpu_cache():
                 assert torch.equal(target[layer][:, kept], before[layer][:, kept])
                 target[layer][:, dest] = before[layer][:, dest]  # as new for the next
         assert consumer.puller.num_pulled == {"cuda_ipc": 2, "memfd": 0, "tcp": 0}
+        peer_caches = consumer.puller._peer_caches
+        assert peer_caches.any_open  # kept for the next pulls
+        deadline = time.monotonic() + IDLE_CLOSE_S + 5
+        while peer_caches.any_open:  # closed once idle: the producer's memory may go
+            assert time.monotonic() < deadline, "the producer's cache stayed open"
+            time.sleep(0.1)
     finally:
         consumer.shutdown()
         conn.send("quit")

@@ -78,6 +78,21 @@ def test_a_refused_peer_memfd_is_named() -> None:
         mappings.acquire(os.getpid(), f.fileno(), 1)
 
 
+def test_a_memfd_fd_that_now_names_another_memfd_is_refused_by_inode() -> None:
+    """A staging's fd number, taken by another memfd after the staging went, is not read."""
+    pool, mappings = MemfdPool(None), PeerMappings(None)
+    memfd = pool.take(4096)
+    try:
+        inode = os.fstat(memfd.fd).st_ino
+        mappings.release(mappings.acquire(os.getpid(), memfd.fd, 4096, inode))
+        with pytest.raises(ValueError, match=f"fd {memfd.fd} is another memfd now"):
+            mappings.acquire(os.getpid(), memfd.fd, 4096, inode + 1)
+    finally:
+        memfd.close()
+        mappings.close()
+        pool.close()
+
+
 @CUDA
 def test_memfds_and_mappings_are_page_locked_for_the_gpu() -> None:
     device = torch.device("cuda")

@@ -11,11 +11,11 @@ clears it, and the memory stays pageable.
 
 from __future__ import annotations
 
-import ctypes
-import functools
 import logging
 
 import torch
+
+from zmqworker.distributed.cuda_libs import runtime
 
 log = logging.getLogger(__name__)
 
@@ -44,21 +44,9 @@ def page_unlock(address: int, device: torch.device) -> None:
 
 
 def _clear_last_error() -> None:
-    runtime = _cuda_runtime()
-    if runtime is not None:
-        runtime.cudaGetLastError()
-
-
-@functools.cache
-def _cuda_runtime() -> ctypes.CDLL | None:
-    """The CUDA runtime torch loaded (torch.cuda.cudart() has no cudaGetLastError)."""
-    with open("/proc/self/maps") as maps:
-        paths = {line.split()[-1] for line in maps if "/libcudart" in line}
-    for path in sorted(paths):
-        try:
-            return ctypes.CDLL(path)
-        except OSError:
-            continue
-    log.warning("no CUDA runtime library among this process's mappings: a refused "
-                "page-lock's error stays CUDA's last error")  # fmt: skip
-    return None
+    library = runtime()
+    if library is None:
+        log.warning("no CUDA runtime library among this process's mappings: a refused "
+                    "page-lock's error stays CUDA's last error")  # fmt: skip
+        return
+    library.cudaGetLastError()

@@ -3,9 +3,10 @@ of layers of at most GROUP_BYTES, so that a long prompt's KV never needs as much
 device memory as all of it; and from another process's GPU cache into this one's
 (copy_blocks).
 
-Out (staging, after the step that computed the KV): the blocks are gathered on the
-current stream, after that step, and each group goes to the host in one copy (by DMA
-where the host memory is page-locked); the host waits once, at the end.
+Out (a staging, on the server's thread): the blocks are gathered on that thread's
+current stream (which waits for the step that computed them), and each group goes to
+the host in one copy (by DMA where the host memory is page-locked); the host waits
+once, at the end.
 
 In (a pull, before a step): each group crosses on a stream of its own, so the copies do
 not wait for the steps already queued on the current stream, into one of two device
@@ -20,6 +21,9 @@ from __future__ import annotations
 import functools
 
 import torch
+
+from zmqworker.kv_transfer import block_copy_kernel
+from zmqworker.kv_transfer.cuda_peers import PeerCache
 
 GROUP_BYTES = 256 << 20
 
@@ -80,28 +84,35 @@ def scatter(
 def copy_blocks(
     kv_caches: list[torch.Tensor],
     block_ids: torch.Tensor,
-    sources: list[torch.Tensor],
+    source: PeerCache,
     source_ids: torch.Tensor,
     heads: tuple[int, int, int] | None = None,
 ) -> None:
-    """Blocks source_ids of sources (a producer's cache, opened through CUDA IPC: its
-    layers, [2, blocks, heads, slots] each) into block_ids of kv_caches, a layer at a
-    time; heads as scatter's. Queued on the current stream, after the steps already
-    there (they may still use the blocks the load was given), with nothing for the host
-    to wait on: the ids cross on the copy stream."""
-    device, source_device = kv_caches[0].device, sources[0].device
+    """Blocks source_ids of source (a producer's cache on this device, opened through
+    CUDA IPC) into block_ids of kv_caches, in one launch; heads as scatter's. Queued on
+    the current stream, after the steps already there (they may still use the blocks the
+    load was given), with nothing for the host to wait on: the layers' addresses and the
+    ids cross in one copy from page-locked memory, on the copy stream."""
+    device = kv_caches[0].device
+    n, layers = len(block_ids), len(kv_caches)
+    if len(source.layers) != layers:
+        raise ValueError(f"{len(source.layers)} layers copied into {layers}")
+    host = torch.empty(2 * layers + 2 * n, dtype=torch.int64, pin_memory=True)
+    table = host.numpy()
+    table[:layers] = [cache.data_ptr() for cache in kv_caches]
+    table[layers : 2 * layers] = source.layers
+    table[2 * layers : 2 * layers + n] = block_ids.numpy()
+    table[2 * layers + n :] = source_ids.numpy()
     side = _copy_stream(device)
     with torch.cuda.stream(side):
-        ids = block_ids.to(device, non_blocking=True)
-        src_ids = source_ids.to(source_device, non_blocking=True)
-    torch.cuda.current_stream(device).wait_stream(side)
-    if source_device != device:
-        torch.cuda.current_stream(source_device).wait_stream(side)
-    for cache, source in zip(kv_caches, sources, strict=True):
-        piece = source.index_select(1, src_ids).to(device, non_blocking=True)
-        _write(cache, ids, piece, heads)
-    ids.record_stream(torch.cuda.current_stream(device))
-    src_ids.record_stream(torch.cuda.current_stream(source_device))
+        on_device = host.to(device, non_blocking=True)
+    current = torch.cuda.current_stream(device)
+    current.wait_stream(side)
+    dst_table, src_table = on_device[:layers], on_device[layers : 2 * layers]
+    ids, src_ids = on_device[2 * layers : 2 * layers + n], on_device[2 * layers + n :]
+    shape = (source.num_blocks, source.num_kv_heads)
+    block_copy_kernel.copy_blocks(kv_caches, dst_table, ids, src_table, src_ids, shape, heads)
+    on_device.record_stream(current)
 
 
 def _copy_in(buffer: torch.Tensor, src: torch.Tensor) -> None:

@@ -32,7 +32,7 @@ from messages.kv_transfer import KVLoad
 from zmqworker.distributed.cuda_ipc import device_uuid
 from zmqworker.kv_transfer import wire
 from zmqworker.kv_transfer.blocks import staged_nbytes
-from zmqworker.kv_transfer.cuda_peers import PeerCaches, PeerCudaError
+from zmqworker.kv_transfer.cuda_peers import PeerCache, PeerCaches, PeerCudaError
 from zmqworker.kv_transfer.head_map import HeadMap, HeadSource
 from zmqworker.kv_transfer.staging import PeerMappings, SharedMemoryError
 from zmqworker.transport.curve import KVKeys
@@ -41,13 +41,14 @@ from zmqworker.transport.wake_pipe import WakePipe
 
 log = logging.getLogger("zmqworker.kv_transfer")
 COPY_POLL_MS = 1  # how often the thread looks at the device copies under way
+IDLE_POLL_MS = 500  # and at the openings of producers' caches, to close the idle ones
 
 
 @dataclass
 class Arrived:
     """A piece of a load's KV from one source, ready to copy into its blocks (buffer:
     [layers, 2, n, heads, slots] bytes of layout, the load's blocks from first_block on;
-    or sources: the producer's GPU cache tensors, the load's blocks at source_ids in
+    or sources: the producer's GPU cache, opened here, the load's blocks at source_ids in
     them; the source's heads start at head first of it), or why it failed (error)."""
 
     load: KVLoad
@@ -59,7 +60,7 @@ class Arrived:
     first: int = 0
     first_block: int = 0
     unhold: Callable[[], None] | None = None  # lets the mapping the buffer is in go
-    sources: list[torch.Tensor] | None = None
+    sources: PeerCache | None = None
     source_ids: np.ndarray | None = None  # int64
     received: float = field(default_factory=time.monotonic)
 
@@ -111,9 +112,9 @@ class KVPuller:
         self._ctx = zmq.Context()
         self._socks: dict[str, zmq.Socket] = {}
         self._mappings = PeerMappings(device)
-        self._peer_caches = PeerCaches()
+        self._peer_caches = PeerCaches(device) if device is not None else None
         cuda = shm and cuda_ipc and device is not None
-        self._gpus = [device_uuid(i) for i in range(torch.cuda.device_count())] if cuda else []
+        self._gpus = [device_uuid(device.index or 0)] if cuda else []  # its own GPU
         self._no_ipc: set[str] = set()  # producer addresses whose caches cannot be opened
         self._orders: queue.SimpleQueue[tuple[str, KVLoad, HeadSource]] = queue.SimpleQueue()
         self._copies: queue.SimpleQueue[tuple[torch.cuda.Event, Arrived]] = queue.SimpleQueue()
@@ -148,6 +149,9 @@ class KVPuller:
         self._stop = True
         self._wake.wake()
         self._thread.join(timeout=10.0)
+        if self._thread.is_alive():
+            log.error("rank %d: the KV puller did not stop; its openings stay", self.rank)
+            return
         self._take_copies()
         for copied, arrived in self._running:  # nothing reads a producer's cache after
             copied.synchronize()
@@ -156,7 +160,8 @@ class KVPuller:
             sock.close(linger=0)
         self._ctx.term()
         self._mappings.close()
-        self._peer_caches.close()
+        if self._peer_caches is not None:
+            self._peer_caches.close()
 
     # the puller's thread ---------------------------------------------------------
 
@@ -173,12 +178,16 @@ class KVPuller:
                     timeout = max(0, int((soonest - time.monotonic()) * 1000) + 1)
                 if self._running:
                     timeout = COPY_POLL_MS if timeout < 0 else min(timeout, COPY_POLL_MS)
+                elif self._peer_caches is not None and self._peer_caches.any_open:
+                    timeout = IDLE_POLL_MS if timeout < 0 else min(timeout, IDLE_POLL_MS)
                 events = dict(poller.poll(timeout))
                 if self._wake.fd in events:
                     self._wake.drain()
                     self._take_orders(poller, waiting)
                     self._take_copies()
                 self._copies_run(poller)
+                if self._peer_caches is not None:
+                    self._peer_caches.close_idle()
                 for address, sock in self._socks.items():
                     if events.get(sock):
                         self._receive(address, sock, waiting)
@@ -256,6 +265,7 @@ class KVPuller:
                 frames = recv_frames(sock)
             except zmq.Again:
                 return
+            received = time.monotonic()
             try:
                 reply = wire.decode(frames[0].buffer)
             except wire.PeerProtocolError as e:
@@ -268,7 +278,7 @@ class KVPuller:
                 continue  # the answer to a pull that timed out
             load, source, _ = entry
             try:
-                arrived = self._unpack(address, load, source, reply, frames[1:])
+                arrived = self._unpack(address, load, source, reply, frames[1:], received)
             except PeerCudaError as e:
                 # The producer's GPU is not this process's to open: its memfd from now on
                 # (an answer to a pull sent before that is asked again too).
@@ -301,6 +311,7 @@ class KVPuller:
         source: HeadSource,
         reply: KVBlocks,
         frames: list[zmq.Frame],
+        received: float,
     ) -> Arrived:
         if reply.error is not None:
             return Arrived(load, source, error=reply.error)
@@ -319,15 +330,19 @@ class KVPuller:
         wanted = msgspec.structs.replace(self.layout, num_kv_heads=source.count)
         read = reply.num_blocks - load.num_cached_blocks
         if reply.cuda is not None:
-            if not self._gpus:
+            if not self._gpus or self._peer_caches is None:
                 raise ValueError("an answer in CUDA memory to a pull that did not offer to open it")
+            if reply.cuda.device_uuid not in self._gpus:
+                raise ValueError(f"an answer in the memory of {reply.cuda.device_uuid}, not here")
             if address in self._no_ipc:
                 raise PeerCudaError("an answer in CUDA memory from a producer asked for bytes")
-            sources, ids = self._peer_caches.open(address, reply.cuda, staged, reply.num_blocks)
+            peer_caches = self._peer_caches
+            cache, ids = peer_caches.acquire(address, reply.cuda, staged, reply.num_blocks)
             self.num_pulled["cuda_ipc"] += 1
             self.num_bytes["cuda_ipc"] += staged_nbytes(wanted, read)
             return Arrived(load, source, layout=staged, first=source.first,
-                           sources=sources, source_ids=ids)  # fmt: skip
+                           sources=cache, source_ids=ids, received=received,
+                           unhold=lambda: peer_caches.release(cache))  # fmt: skip
         if reply.shared is not None:
             shared = reply.shared
             nbytes = staged_nbytes(staged, reply.num_blocks)
@@ -336,7 +351,7 @@ class KVPuller:
                     f"{shared.nbytes} bytes staged from block {reply.first_block} on, "
                     f"{nbytes} expected from block 0 on"
                 )
-            mapping = self._mappings.acquire(shared.pid, shared.fd, nbytes)
+            mapping = self._mappings.acquire(shared.pid, shared.fd, nbytes, shared.inode)
             self.num_pulled["memfd"] += 1
             self.num_bytes["memfd"] += staged_nbytes(wanted, read)
             view = memoryview(mapping.memory)[:nbytes]

@@ -22,6 +22,7 @@ import logging
 import os
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -30,8 +31,9 @@ import torch
 import zmq
 
 from messages.kv_cache import DTYPE_BYTES
-from messages.kv_peer import CudaKV, KVBlocks, KVDone, KVLayout, KVPull, SharedKV
-from zmqworker.distributed.cuda_ipc import CudaSharer, device_uuid
+from messages.kv_peer import CudaKV, CudaKVLayer, KVBlocks, KVDone, KVLayout, KVPull, SharedKV
+from zmqworker.distributed.cuda_ipc import device_uuid
+from zmqworker.distributed.ipc_memory import IpcError, export
 from zmqworker.kv_transfer import wire
 from zmqworker.kv_transfer.blocks import gather, staged_nbytes, view_staged
 from zmqworker.kv_transfer.staging import Memfd, MemfdPool
@@ -40,6 +42,9 @@ from zmqworker.transport.frames import recv_frames, send_frames
 from zmqworker.transport.wake_pipe import WakePipe
 
 log = logging.getLogger("zmqworker.kv_transfer")
+# A staging answered with its blocks in place is held this many timeouts from the answer
+# (the puller copies within half of one): the copy may wait behind its queued steps.
+LENT_TIMEOUTS = 4
 
 
 @dataclass
@@ -89,6 +94,9 @@ class KVServer:
         # Whether the last pull read the cache itself: the next stagings wait for a pull
         # to be gathered (pullers are alike, as a rule).
         self._reads_in_place = self._gpu is not None
+        # The cache's layers as exported (CUDA IPC), for the cache tensors they name.
+        self._exported: tuple[list[weakref.ref], list[CudaKVLayer]] | None = None
+        self._withdrawn: dict[str, float] = {}  # dropped on withdrawal, until a timeout
         # The gathers into memfds wait on their prefill's step from a stream of their own.
         self._stream = torch.cuda.Stream(device) if self._cuda else None
         self.layout = layout
@@ -169,10 +177,14 @@ class KVServer:
         except Exception:
             log.exception("rank %d: the KV server stopped", self.rank)
         finally:
-            self._take_incoming()
-            for staged in self._staged.values():
+            with self._lock:
+                incoming, self._incoming = self._incoming, []
+            self._staged.update((staged.req_id, staged) for staged in incoming)
+            for req_id, staged in self._staged.items():
                 if staged.memfd is not None:
                     staged.memfd.close()
+                if not self._stop and not staged.lent:
+                    self._on_sent(req_id)  # nothing serves it any more: its blocks may go
             self._staged.clear()
             self.pool.close()
 
@@ -201,6 +213,9 @@ class KVServer:
         staged = self._staged.get(pull.req_id)
         if pull.rank != self.rank:
             self._send(peer, KVBlocks(pull.req_id, error=self._wrong_rank(pull.rank)))
+        elif staged is None and pull.req_id in self._withdrawn:
+            error = f"the KV of request {pull.req_id!r} was withdrawn on rank {self.rank}"
+            self._send(peer, KVBlocks(pull.req_id, error=error))
         elif staged is None:
             deadline = time.monotonic() + self._timeout_s
             self._early.setdefault(pull.req_id, []).append((peer, pull, deadline))
@@ -219,8 +234,14 @@ class KVServer:
             same_host = pull.host_id == self._host_id
             self._reads_in_place = same_host and self._gpu is not None and self._gpu in pull.gpus
             if self._reads_in_place:
-                self._send(peer, self._cuda_answer(staged))
-                return
+                try:
+                    self._send(peer, self._cuda_answer(staged))
+                    return
+                except (IpcError, TimeoutError) as e:
+                    # Not shareable (or the step never ended): bytes from now on.
+                    log.warning("rank %d: KV not answered in place (%s): memfds", self.rank, e)
+                    self._gpu = None
+                    self._reads_in_place = False
             try:
                 memfd = self._gathered(staged)
             except Exception as e:
@@ -228,7 +249,8 @@ class KVServer:
                 self._send(peer, KVBlocks(pull.req_id, error=f"rank {self.rank}: {e}"))
                 return
             if same_host:
-                shared = SharedKV(os.getpid(), memfd.fd, staged.nbytes)
+                inode = os.fstat(memfd.fd).st_ino
+                shared = SharedKV(os.getpid(), memfd.fd, staged.nbytes, inode)
                 self._send(peer, KVBlocks(pull.req_id, self.layout, staged.num_blocks, shared))
             else:
                 reply = KVBlocks(pull.req_id, self.layout, staged.num_blocks,
@@ -237,17 +259,37 @@ class KVServer:
 
     def _cuda_answer(self, staged: Staged) -> KVBlocks:
         """staged's blocks where they lie, for a puller on this host that can open the
-        cache's GPU; held for a whole timeout from now (the puller reads them within
-        half of it). Refs are made afresh: sleep and wake_up make new cache tensors."""
-        assert staged.ready is not None
-        staged.ready.synchronize()  # the prefill's step is done
-        sharer = CudaSharer()
+        cache's GPU; held for LENT_TIMEOUTS timeouts from now."""
+        assert staged.ready is not None and self._gpu is not None
+        deadline = time.monotonic() + self._timeout_s
+        while not staged.ready.query():  # the prefill's step
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the step computing {staged.req_id!r} did not end")
+            time.sleep(50e-6)
         caches = self._kv_caches()
-        layers = [sharer.ref(f"layer {i}", cache) for i, cache in enumerate(caches)]
-        staged.deadline = max(staged.deadline, time.monotonic() + self._timeout_s)
+        cuda = CudaKV(self._gpu, self._layers(caches), caches[0].shape[1],
+                      staged.block_ids.tolist())  # fmt: skip
         staged.lent = True
-        cuda = CudaKV(layers, caches[0].shape[1], staged.block_ids.tolist())
+        staged.deadline = time.monotonic() + LENT_TIMEOUTS * self._timeout_s
         return KVBlocks(staged.req_id, self.layout, staged.num_blocks, cuda=cuda)
+
+    def _layers(self, caches: list[torch.Tensor]) -> list[CudaKVLayer]:
+        """caches' layers as exported: once for each set of cache tensors (sleep and
+        wake_up make new ones), held by weak references (the cache goes when the worker
+        lets it go)."""
+        if self._exported is not None:
+            refs, layers = self._exported
+            same = len(refs) == len(caches)
+            if same and all(r() is c for r, c in zip(refs, caches, strict=True)):
+                return layers
+        layers = []
+        for cache in caches:
+            if not cache.is_contiguous():
+                raise IpcError(f"a cache layer of strides {cache.stride()} is not contiguous")
+            exported = export(cache.data_ptr(), cache.device)
+            layers.append(CudaKVLayer(exported.handle, exported.offset))
+        self._exported = ([weakref.ref(cache) for cache in caches], layers)
+        return layers
 
     def _gathered(self, staged: Staged) -> Memfd:
         """staged's KV in a memfd: gathered out of the cache on the first call."""
@@ -347,6 +389,7 @@ class KVServer:
                 staged.withdrawn = True
                 if not staged.lent:
                     self._drop(req_id, pulled=False)
+                    self._withdrawn[req_id] = time.monotonic() + self._timeout_s
 
     def _gather_ahead(self, staged: Staged) -> None:
         """Gather staged now, before any pull (which will likely need the bytes, as the
@@ -358,8 +401,14 @@ class KVServer:
 
     def _expire(self) -> None:
         now = time.monotonic()
+        self._withdrawn = {r: t for r, t in self._withdrawn.items() if t > now}
         for req_id in [r for r, s in self._staged.items() if s.deadline <= now]:
-            log.warning("rank %d: staged KV of %r expired unpulled", self.rank, req_id)
+            staged = self._staged[req_id]
+            if staged.lent:
+                log.error("rank %d: KV of %r answered in place was never said taken within %d "
+                          "timeouts: its blocks go", self.rank, req_id, LENT_TIMEOUTS)  # fmt: skip
+            else:
+                log.warning("rank %d: staged KV of %r expired unpulled", self.rank, req_id)
             self._drop(req_id, pulled=False)
         for req_id in [r for r, early in self._early.items() if early[0][2] <= now]:
             for peer, _, _ in self._early.pop(req_id):

@@ -123,14 +123,20 @@ class PeerMappings:
         self._maps: OrderedDict[tuple[int, int], PeerMapping] = OrderedDict()
         self._lock = threading.Lock()
 
-    def acquire(self, pid: int, peer_fd: int, nbytes: int) -> PeerMapping:
+    def acquire(self, pid: int, peer_fd: int, nbytes: int, inode: int = 0) -> PeerMapping:
         """The peer's memfd, mapped (at least nbytes long), held until release(); OSError
-        or SharedMemoryError where it cannot be."""
+        or SharedMemoryError where it cannot be, ValueError where the fd is now another
+        memfd than inode (0: unchecked)."""
         fd, size = open_peer(pid, peer_fd, MEMFD_NAME, SharedMemoryError, "KV memfd")
         try:
+            key = (pid, os.fstat(fd).st_ino)
+            if inode and key[1] != inode:
+                raise ValueError(
+                    f"the peer's fd {peer_fd} is another memfd now (inode {key[1]}, not "
+                    f"{inode}): the staging it held is gone"
+                )
             if size < nbytes:
                 raise SharedMemoryError(f"the peer's memfd holds {size} bytes, {nbytes} needed")
-            key = (pid, os.fstat(fd).st_ino)
             with self._lock:
                 # A memfd is sealed against resizing, and a mapping keeps its inode from
                 # reuse: one (pid, inode) is one memfd of one size.

@@ -242,7 +242,7 @@ class ZmqKVConnector(KVConnector):
         load, source = arrived.load, arrived.source
         assert arrived.sources is not None and arrived.source_ids is not None
         heads = None
-        if not source.count == self.layout.num_kv_heads == arrived.sources[0].shape[2]:
+        if not source.count == self.layout.num_kv_heads == arrived.sources.num_kv_heads:
             heads = (arrived.first, source.dest, source.count)
         try:
             if start < len(load.block_ids):

@@ -73,8 +73,6 @@ class CudaOps(DeviceOps):
 
     def empty_cache(self) -> None:
         torch.cuda.empty_cache()
-        if torch.cuda.is_initialized():
-            torch.cuda.ipc_collect()  # memory a peer had opened (KV transfer) and let go
 
     def release_workspaces(self) -> None:
         # cuBLAS keeps a workspace for each stream it ran on (capture streams included).
