@@ -13,6 +13,8 @@ import os
 import socket
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -264,35 +266,49 @@ def test_a_refused_pull_lets_the_staging_go_at_once() -> None:
     assert "first_block 2 is past the 1 blocks staged for request 'short'" in failure.error
 
 
+@contextmanager
+def answered_by_hand(
+    target: list[torch.Tensor], req: str, dest: list[int], num_cached_blocks: int = 0
+) -> Iterator[SimpleNamespace]:
+    """A consumer over target pulls req into dest from a bare CURVE ROUTER of the test's
+    making; the body answers the pull (hand.server, hand.who: the puller's identity,
+    hand.pull: its KVPull). On exit the consumer has ended the load (hand.outputs: its
+    reports) and told the server it is done with the staging, landed or refused."""
+    address = f"tcp://127.0.0.1:{free_port()}"
+    ctx = zmq.Context()
+    consumer = connector("consumer", target, 0, shared_memory=False)
+    try:
+        server = peer(ctx, zmq.ROUTER, address)
+        remote = RemoteKV(req, 4 * len(dest), [address])
+        load = KVLoad(req, np.array(dest, np.int32), remote, num_cached_blocks=num_cached_blocks)
+        consumer.before_step(KVConnectorMetadata(loads=[load]))
+        assert server.poll(5000), "no pull"
+        who, body = server.recv_multipart()
+        hand = SimpleNamespace(server=server, who=who, pull=wire.decode(body), outputs=[])
+        assert isinstance(hand.pull, KVPull)
+        yield hand
+        hand.outputs = until(consumer, bool)
+        assert server.poll(5000), "no KVDone"
+        assert wire.decode(server.recv_multipart()[1]) == KVDone(req)
+    finally:
+        consumer.shutdown()
+        ctx.destroy(linger=0)
+
+
 @pytest.mark.parametrize("first_block", [0, 3], ids=["all-blocks", "too-few"])
 def test_the_consumer_checks_which_blocks_an_answer_holds(first_block: int) -> None:
     """A load with 2 cached blocks of 3 names them in its pull; an answer holding all
     the blocks (a producer that ignores KVPull.first_block) lands the ones it needs, one
     that leaves out a block it needs fails the load by name."""
-    address = f"tcp://127.0.0.1:{free_port()}"
     staged = torch.randn(len(SPEC.layer_names), 2, 3, SPEC.num_kv_heads, 32)
     target = caches(6, seed=4)
     before = [t.clone() for t in target]
-    ctx = zmq.Context()
-    consumer = connector("consumer", target, 0, shared_memory=False)
-    try:
-        server = peer(ctx, zmq.ROUTER, address)
-        load = KVLoad("old", np.array([4, 0, 2], np.int32), RemoteKV("old", 12, [address]),
-                      num_cached_blocks=2)  # fmt: skip
-        consumer.before_step(KVConnectorMetadata(loads=[load]))
-        assert server.poll(5000), "no pull"
-        who, body = server.recv_multipart()
-        pull = wire.decode(body)
-        assert isinstance(pull, KVPull) and pull.first_block == 2
+    with answered_by_hand(target, "old", [4, 0, 2], num_cached_blocks=2) as hand:
+        assert hand.pull.first_block == 2
         reply = KVBlocks("old", layout_of(SPEC), 3, first_block=first_block)
-        server.send_multipart([who, wire.encode(reply), staged[:, :, first_block:].numpy()])
-        outs = until(consumer, lambda outs: bool(outs))
-        # Landed or refused, the consumer is done with the staging: the server hears so.
-        assert server.poll(5000), "no KVDone"
-        assert wire.decode(server.recv_multipart()[1]) == KVDone("old")
-    finally:
-        consumer.shutdown()
-        ctx.destroy(linger=0)
+        data = staged[:, :, first_block:].numpy()
+        hand.server.send_multipart([hand.who, wire.encode(reply), data])
+    outs = hand.outputs
     if first_block == 0:
         assert names(outs, "finished_recving") == ["old"]
         for layer in range(len(SPEC.layer_names)):
@@ -309,27 +325,15 @@ def test_the_consumer_checks_which_blocks_an_answer_holds(first_block: int) -> N
 def test_an_answer_in_gpu_memory_to_a_pull_that_did_not_offer_to_open_it_fails_the_load() -> None:
     """A peer that answers with CUDA IPC handles where the puller named no GPU it can
     open (a CPU cache, or tcp) fails the load by name: nothing is opened, nothing lands."""
-    address = f"tcp://127.0.0.1:{free_port()}"
     target = caches(6, seed=5)
     before = [t.clone() for t in target]
-    ctx = zmq.Context()
-    consumer = connector("consumer", target, 0, shared_memory=False)
-    try:
-        server = peer(ctx, zmq.ROUTER, address)
-        load = KVLoad("gpu", np.array([1, 3], np.int32), RemoteKV("gpu", 8, [address]))
-        consumer.before_step(KVConnectorMetadata(loads=[load]))
-        assert server.poll(5000), "no pull"
-        who, body = server.recv_multipart()
-        assert wire.decode(body).gpus == []
+    with answered_by_hand(target, "gpu", [1, 3]) as hand:
+        assert hand.pull.gpus == []
         layer = CudaKVLayer(bytes(64), 0)
         cuda = CudaKV("GPU-0", [layer, layer], num_cache_blocks=4, block_ids=[0, 1])
-        server.send_multipart([who, wire.encode(KVBlocks("gpu", layout_of(SPEC), 2, cuda=cuda))])
-        [failure] = names(until(consumer, bool), "failed_recving")
-        assert server.poll(5000), "no KVDone"
-        assert wire.decode(server.recv_multipart()[1]) == KVDone("gpu")
-    finally:
-        consumer.shutdown()
-        ctx.destroy(linger=0)
+        reply = KVBlocks("gpu", layout_of(SPEC), 2, cuda=cuda)
+        hand.server.send_multipart([hand.who, wire.encode(reply)])
+    [failure] = names(hand.outputs, "failed_recving")
     assert "'gpu'" in failure.error and "did not offer to open it" in failure.error
     for layer in range(len(SPEC.layer_names)):
         assert torch.equal(target[layer], before[layer])
