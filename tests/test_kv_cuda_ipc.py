@@ -1,9 +1,8 @@
 """KV pulled straight out of a producer's GPU cache (CUDA IPC, same host): on a GPU, the
 blocks land byte for byte (bfloat16), the producer hears KVDone, a decode rank's own
 cached blocks stay as they are, and the opening of the producer's cache is closed once
-idle. On the CPU: an answer naming blocks or layers
-the load cannot use is refused before anything is opened, and an answer too old to read
-from is refused by name."""
+idle. On the CPU: an answer naming blocks or layers the load cannot use is refused
+before anything is opened, and an answer too old to copy from fails its load by name."""
 
 from __future__ import annotations
 
@@ -141,3 +140,29 @@ def test_blocks_come_straight_out_of_the_producer_s_gpu_cache():
         child.join(timeout=30)
         if child.is_alive():
             child.kill()
+
+
+def test_a_stale_answer_in_place_fails_its_load_by_name_and_lets_the_producer_go():
+    """An answer naming blocks in a producer's GPU cache that comes too late to copy
+    from (half the timeout) fails the load by name, copies nothing and says KVDone (the
+    producer may let its blocks go); the load's later end is dropped."""
+    target = caches(4, seed=3, device="cpu")
+    before = [t.clone() for t in target]
+    config = KVTransferConfig(role="consumer", timeout_s=2.0, shared_memory=False)
+    consumer = ZmqKVConnector(config, lambda: target, SPEC, 0, 1, KVKeys.new())
+    try:
+        remote = RemoteKV("late", 4, [f"tcp://127.0.0.1:{free_port()}"])  # nobody there
+        load = KVLoad("late", np.array([2], np.int32), remote)
+        consumer.before_step(KVConnectorMetadata(loads=[load]))
+        source = HeadSource(rank=0, first=0, count=2, dest=0, staged_heads=2, readers=1)
+        cache = PeerCache((), [0, 0, 0], num_blocks=1, num_kv_heads=2, opened=[])
+        late = Arrived(load, source, sources=cache, source_ids=np.zeros(1, np.int64),
+                       received=time.monotonic() - 1.5)  # fmt: skip
+        consumer.puller.arrived.put(late)
+        out = consumer.take_output()
+        assert out is not None and [f.req_id for f in out.failed_recving] == ["late"]
+        assert "answer is 1.5 s old, past 1.0 s" in out.failed_recving[0].error
+        assert late.sources is None  # let go
+    finally:
+        consumer.shutdown()
+    assert all(torch.equal(a, b) for a, b in zip(target, before, strict=True))

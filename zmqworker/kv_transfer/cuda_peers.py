@@ -10,6 +10,7 @@ cache anew). Acquired on the puller's thread; released on any (the copies' end).
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from dataclasses import dataclass, field
@@ -21,6 +22,7 @@ from messages.kv_cache import DTYPE_BYTES
 from messages.kv_peer import CudaKV, KVLayout
 from zmqworker.distributed.ipc_memory import IpcError, Opened, close_handle, open_handle
 
+log = logging.getLogger("zmqworker.kv_transfer")
 IDLE_CLOSE_S = 2.0
 
 
@@ -74,6 +76,8 @@ class PeerCaches:
                 del self._open[address]
                 self._retired.append(cache)
         cache = self._opened(key, cuda, layout)
+        log.info("opened the GPU cache of the KV producer at %s (%d layers): its blocks "
+                 "are read in place", address, len(cache.layers))  # fmt: skip
         with self._lock:
             cache.users += 1
             self._open[address] = cache
