@@ -44,9 +44,12 @@ if [[ $what == *,e2e,* ]]; then
 fi
 if [[ $what == *,kv,* ]]; then
     run_tests kv tests/test_kv_transfer.py tests/test_host_tier_e2e.py tests/test_kv_connector.py \
-        tests/test_kv_connector_tp.py tests/test_kv_staging.py tests/test_kv_cuda_ipc.py
+        tests/test_kv_connector_tp.py tests/test_kv_staging.py tests/test_kv_cuda_ipc.py \
+        tests/test_kv_block_copy_kernel.py
     timeout 300 python3 -m bench.kv_transfer --device cuda --out "$out/kv_transfer_cuda.json" \
-        2>&1 | tee "$out/kv.log" | grep -v Warning
+        2>&1 | tee "$out/kv_bench.log" | grep -v Warning
+    timeout 300 python3 -m bench.kv_transfer --device cuda --mib 256 --repeats 10 \
+        --out "$out/kv_transfer_cuda_256mib.json" 2>&1 | tee "$out/kv_256mib.log" | grep -v Warning
 fi
 if [[ $what == *,weights,* ]]; then
     run_tests weights tests/test_weight_updates_cuda.py tests/test_worker.py
