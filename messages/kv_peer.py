@@ -71,13 +71,14 @@ class CudaKVLayer(msgspec.Struct, tag=True, frozen=True):
 class CudaKV(msgspec.Struct, tag=True, frozen=True):
     """A staged prefill where the prefill computed it, in its GPU cache (device_uuid):
     each layer's cache tensor [2, num_cache_blocks, heads, slots] (the layout's dtype,
-    contiguous), and the request's blocks in it, in order. The puller reads them within
-    half the timeout of the answer (the server holds them for longer)."""
+    contiguous), and the request's blocks in it, in order. The puller copies them within
+    half of hold_s (and of its own timeout) from the answer."""
 
     device_uuid: str
     layers: list[CudaKVLayer]
     num_cache_blocks: Positive
     block_ids: list[NonNegative]
+    hold_s: float = 0.0  # how long from the answer the server holds them (0: unsaid)
 
 
 class KVBlocks(msgspec.Struct, tag=True, frozen=True, omit_defaults=True):

@@ -63,3 +63,12 @@ def test_no_blocks_copy_nothing_and_heads_out_of_range_are_named() -> None:
     assert all(torch.equal(a, b) for a, b in zip(dst, before, strict=True))
     with pytest.raises(ValueError, match="heads 1..2 of 2 into 0.. of 2"):
         copy_blocks(dst, table(dst), ids([0]), table(src), ids([0]), (4, 2), (1, 0, 2))
+
+
+def test_the_warm_up_copy_leaves_the_cache_as_it_was() -> None:
+    from zmqworker.kv_transfer.device_copies import warm_up_copies
+
+    cache = layers(2, 3, 2, 8, torch.bfloat16 if DEVICE == "cuda" else torch.float16, seed=5)
+    before = [t.clone() for t in cache]
+    warm_up_copies(cache)
+    assert all(torch.equal(a, b) for a, b in zip(cache, before, strict=True))

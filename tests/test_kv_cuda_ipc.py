@@ -59,13 +59,18 @@ def test_an_answer_that_does_not_fit_the_load_is_refused_before_opening(layers, 
 
 
 def test_an_answer_too_old_to_read_from_is_stale():
+    """Past half of the time the producer holds the blocks (its hold_s, or this side's
+    timeout where shorter or unsaid), an answer in place is not copied from."""
     load = KVLoad("r", np.array([1], np.int32), RemoteKV("r", 4, ["tcp://127.0.0.1:1"]))
     source = HeadSource(rank=0, first=0, count=2, dest=0, staged_heads=2, readers=1)
     cache = PeerCache((), [0], num_blocks=1, num_kv_heads=2, opened=[])
     fresh = Arrived(load, source, sources=cache, source_ids=np.zeros(1, np.int64))
-    assert fresh.stale(1.0) is None
+    assert fresh.stale(2.0) is None
     old = Arrived(load, source, sources=cache, received=time.monotonic() - 2.0)
-    assert "answer is 2.0 s old, past 1.0 s" in old.stale(1.0)
+    assert "answer is 2.0 s old, past 1.0 s" in old.stale(2.0)
+    assert old.stale(8.0) is None
+    held_less = Arrived(load, source, sources=cache, received=old.received, hold_s=3.0)
+    assert "past 1.5 s" in held_less.stale(8.0)  # the producer's hold, not this timeout
     assert Arrived(load, source, received=time.monotonic() - 2.0).stale(1.0) is None  # bytes
 
 

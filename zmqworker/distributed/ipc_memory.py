@@ -1,9 +1,9 @@
 """Device memory shared between processes of one host by CUDA IPC handles, raw: an
 exporter names an allocation by its handle and a place in it; an importer opens the
-handle (once a process: CUDA refuses a second opening) and reads at that place, until
-it closes it. torch's own sharing (`_share_cuda_`) adds reference counters that tie the
-exporter's memory to every sharing ever made; a cache that lives as long as its worker,
-read by peers that come and go, wants neither.
+handle and reads at that place, until it closes it. torch's own sharing
+(`_share_cuda_`) adds reference counters that tie the exporter's memory to every sharing
+ever made; a cache that lives as long as its worker, read by peers that come and go,
+wants neither.
 
 CUDA keeps an allocation's memory while an importer has it open, even after the
 exporter frees it: an importer closes what it no longer reads. A refused call leaves its
@@ -67,7 +67,12 @@ def open_handle(handle: bytes, device: torch.device) -> Opened:
         raw = _Handle.from_buffer_copy(handle)
         _check(_runtime().cudaIpcOpenMemHandle(ctypes.byref(address), raw, LAZY_PEER_ACCESS),
                "cudaIpcOpenMemHandle")  # fmt: skip
-        base, size = _range(address.value or 0)
+        opened = Opened(address.value or 0, 0)
+        try:
+            base, size = _range(opened.address)
+        except IpcError:
+            close_handle(opened, device)
+            raise
     return Opened(base, size)
 
 

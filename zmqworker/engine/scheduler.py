@@ -356,9 +356,8 @@ class Scheduler:
     def reset_after_failure(self, workers_lost: bool = False) -> list[Request]:
         """Abort every request after a step failed (and every step in flight has been
         waited for): the workers may or may not have applied the failed step, so the next
-        step reports every handle they could hold as finished (workers ignore finished
-        handles they do not hold). workers_lost: the failure was a worker's death (the
-        KV transfers' blocks need no report to go). Returns the aborted requests."""
+        step reports every handle they could hold as finished (workers ignore those they
+        do not hold). workers_lost: a worker died. Returns the aborted requests."""
         aborted = list(self._requests.values())
         for request in aborted:
             request.finish(FinishReason.ABORT)

@@ -5,7 +5,7 @@ between steps.
 
 Each cache is a list of layer tensors, [2, blocks, heads, slots] each (attention/
 kv_cache.py); the launch takes their addresses from a table of pointers, one program
-per (layer, keys or values, block, piece of a row). A row is a (kv, block)'s heads: all
+per (block, layer and keys or values, piece of a row). A row is a (kv, block)'s heads: all
 of them, or the heads first .. first + count - 1 of the source into dest .. of the
 destination (instances of different tensor parallel sizes).
 """
@@ -37,8 +37,8 @@ def _copy_blocks_kernel(
     WORD: tl.constexpr,
     PIECE: tl.constexpr,
 ):
-    layer_kv = tl.program_id(0)
-    i = tl.program_id(1)
+    i = tl.program_id(0)  # the block: axis 0, which has room for any count
+    layer_kv = tl.program_id(1)
     piece = tl.program_id(2)
     layer = layer_kv // 2
     kv = layer_kv % 2
@@ -80,7 +80,7 @@ def copy_blocks(
     if len(dst_ids) == 0:
         return
     length = count * slots
-    grid = (2 * len(dst), len(dst_ids), triton.cdiv(length, ROW_PIECE))
+    grid = (len(dst_ids), 2 * len(dst), triton.cdiv(length, ROW_PIECE))
     _copy_blocks_kernel[grid](
         dst_table,
         src_table,

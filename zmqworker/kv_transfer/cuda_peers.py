@@ -24,6 +24,7 @@ from zmqworker.distributed.ipc_memory import IpcError, Opened, close_handle, ope
 
 log = logging.getLogger("zmqworker.kv_transfer")
 IDLE_CLOSE_S = 2.0
+ALIGN = 16  # bytes: a cache tensor's allocation is aligned far beyond, a forged offset not
 
 
 class PeerCudaError(RuntimeError):
@@ -126,6 +127,8 @@ class PeerCaches:
                 opened = by_handle.get(layer.handle)
                 if opened is None:
                     opened = by_handle[layer.handle] = open_handle(layer.handle, self._device)
+                if layer.offset % ALIGN:
+                    raise ValueError(f"a cache layer at offset {layer.offset}, not {ALIGN}-aligned")
                 if layer.offset + layer_bytes > opened.size:
                     raise ValueError(
                         f"a cache layer of {layer_bytes} bytes at offset {layer.offset} of an "
@@ -133,8 +136,7 @@ class PeerCaches:
                     )
                 layers.append(opened.address + layer.offset)
         except BaseException as e:
-            for opened in by_handle.values():
-                close_handle(opened, self._device)
+            self._close(PeerCache(key, [], 0, 0, list(by_handle.values())))
             if isinstance(e, IpcError):
                 raise PeerCudaError(str(e)) from e
             raise
@@ -143,4 +145,7 @@ class PeerCaches:
 
     def _close(self, cache: PeerCache) -> None:
         for opened in cache.opened:
-            close_handle(opened, self._device)
+            try:
+                close_handle(opened, self._device)
+            except IpcError as e:
+                log.error("a producer's cache could not be closed: %s", e)

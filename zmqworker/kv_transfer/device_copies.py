@@ -115,6 +115,15 @@ def copy_blocks(
     on_device.record_stream(current)
 
 
+def warm_up_copies(kv_caches: list[torch.Tensor]) -> None:
+    """Compile copy_blocks' kernel before a pull needs it (else the worker's thread would,
+    between two steps): by copying block 0 of kv_caches onto itself."""
+    device, cache = kv_caches[0].device, kv_caches[0]
+    table = torch.tensor([c.data_ptr() for c in kv_caches], dtype=torch.int64, device=device)
+    zero = torch.zeros(1, dtype=torch.int64, device=device)
+    block_copy_kernel.copy_blocks(kv_caches, table, zero, table, zero, cache.shape[1:3])
+
+
 def _copy_in(buffer: torch.Tensor, src: torch.Tensor) -> None:
     """src (host) into buffer (device): one copy where src is contiguous, else one per
     layer's keys or values (src is cut along blocks: each is contiguous, and crosses by

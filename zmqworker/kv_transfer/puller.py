@@ -64,15 +64,17 @@ class Arrived:
     source_ids: np.ndarray | None = None  # int64
     received: float = field(default_factory=time.monotonic)
 
-    def stale(self, limit_s: float) -> str | None:
-        """Why a copy out of the producer's GPU cache must not start now (its answer is
-        older than limit_s, and the producer holds the blocks for twice that), or None."""
+    hold_s: float = 0.0  # how long the producer holds sources' blocks from its answer
+
+    def stale(self, timeout_s: float) -> str | None:
+        """Why a copy out of the producer's GPU cache must not start now, or None: past
+        half of the time the producer holds the blocks from its answer (hold_s, and
+        this side's timeout_s where it said none or more)."""
+        limit_s = min(timeout_s, self.hold_s or timeout_s) / 2
         age = time.monotonic() - self.received
         if self.sources is None or age <= limit_s:
             return None
-        return (
-            f"the prefill's answer is {age:.1f} s old, past {limit_s:.1f} s: its blocks may be gone"
-        )
+        return f"the prefill's answer is {age:.1f} s old, past {limit_s:.1f} s: its blocks may go"
 
     def release(self) -> None:
         """Nothing reads the buffer any more (its copies are done)."""
@@ -122,11 +124,16 @@ class KVPuller:
         self.arrived: queue.SimpleQueue[Arrived] = queue.SimpleQueue()
         self._wake = WakePipe()
         self._stop = False
+        self._dead = False  # the thread ended on an error: pulls fail at once
         self._thread = threading.Thread(target=self._run, name="kv-puller", daemon=True)
         self._thread.start()
 
     def pull(self, load: KVLoad, heads: HeadMap) -> None:
         """Pull load's KV from heads' reads (one Arrived each), release heads' releases."""
+        if self._dead:  # nothing would send it: each piece fails at once
+            for source in heads.reads:
+                self._fail(load, source, "the KV puller stopped")
+            return
         for source in heads.reads:
             self._orders.put(("pull", load, source))
         for source in heads.releases:
@@ -199,8 +206,13 @@ class KVPuller:
                         self._fail(load, source, error)
         except Exception:
             log.exception("rank %d: the KV puller stopped", self.rank)
+            self._dead = True
             for load, source, _ in waiting.values():
                 self._fail(load, source, "the KV puller stopped")
+            while not self._orders.empty():
+                kind, load, source = self._orders.get()
+                if kind == "pull":
+                    self._fail(load, source, "the KV puller stopped")
 
     def _take_copies(self) -> None:
         while True:
@@ -274,8 +286,10 @@ class KVPuller:
             if not isinstance(reply, KVBlocks):
                 continue
             entry = waiting.pop((address, reply.req_id), None)
-            if entry is None:
-                continue  # the answer to a pull that timed out
+            if entry is None:  # the answer to a pull that timed out: nothing will read it
+                if reply.error is None:
+                    send_frames(sock, [wire.encode(KVDone(reply.req_id))])
+                continue
             load, source, _ = entry
             try:
                 arrived = self._unpack(address, load, source, reply, frames[1:], received)
@@ -342,6 +356,7 @@ class KVPuller:
             self.num_bytes["cuda_ipc"] += staged_nbytes(wanted, read)
             return Arrived(load, source, layout=staged, first=source.first,
                            sources=cache, source_ids=ids, received=received,
+                           hold_s=reply.cuda.hold_s,
                            unhold=lambda: peer_caches.release(cache))  # fmt: skip
         if reply.shared is not None:
             shared = reply.shared

@@ -22,21 +22,18 @@ import logging
 import os
 import threading
 import time
-import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 import zmq
 
-from messages.kv_cache import DTYPE_BYTES
-from messages.kv_peer import CudaKV, CudaKVLayer, KVBlocks, KVDone, KVLayout, KVPull, SharedKV
-from zmqworker.distributed.cuda_ipc import device_uuid
-from zmqworker.distributed.ipc_memory import IpcError, export
+from messages.kv_peer import KVBlocks, KVDone, KVLayout, KVPull, SharedKV
+from zmqworker.distributed.ipc_memory import IpcError
 from zmqworker.kv_transfer import wire
-from zmqworker.kv_transfer.blocks import gather, staged_nbytes, view_staged
-from zmqworker.kv_transfer.staging import Memfd, MemfdPool
+from zmqworker.kv_transfer.blocks import staged_nbytes
+from zmqworker.kv_transfer.cache_exports import CacheExports
+from zmqworker.kv_transfer.staged import Staged, StagedBytes
 from zmqworker.transport.curve import KVKeys, make_server, start_zap
 from zmqworker.transport.frames import recv_frames, send_frames
 from zmqworker.transport.wake_pipe import WakePipe
@@ -45,28 +42,6 @@ log = logging.getLogger("zmqworker.kv_transfer")
 # A staging answered with its blocks in place is held this many timeouts from the answer
 # (the puller copies within half of one): the copy may wait behind its queued steps.
 LENT_TIMEOUTS = 4
-
-
-@dataclass
-class Staged:
-    """One request's KV in block_ids of the live cache (complete once ready, on a GPU,
-    has passed), and once a pull needed bytes, in the first nbytes of a memfd too; until
-    pulled or expired."""
-
-    req_id: str
-    block_ids: np.ndarray  # int64
-    nbytes: int
-    deadline: float
-    ready: torch.cuda.Event | None = None
-    memfd: Memfd | None = None
-    readers: int = 1  # decode ranks that pull it (the pulls say)
-    done: int = 0  # of them that said KVDone (or only released it)
-    lent: bool = False  # a puller was answered with the blocks in place
-    withdrawn: bool = False  # the engine gave up on it: no pull is answered
-
-    @property
-    def num_blocks(self) -> int:
-        return len(self.block_ids)
 
 
 class KVServer:
@@ -90,17 +65,15 @@ class KVServer:
         self._kv_caches = kv_caches
         device = kv_caches()[0].device
         self._cuda = device if device.type == "cuda" else None
-        self._gpu = device_uuid(device.index or 0) if self._cuda and cuda_ipc else None
+        # In-place reads (None: none, the cache on the CPU, CUDA IPC off or refused).
+        self._exports = CacheExports(device) if self._cuda and cuda_ipc else None
         # Whether the last pull read the cache itself: the next stagings wait for a pull
         # to be gathered (pullers are alike, as a rule).
-        self._reads_in_place = self._gpu is not None
-        # The cache's layers as exported (CUDA IPC), for the cache tensors they name.
-        self._exported: tuple[list[weakref.ref], list[CudaKVLayer]] | None = None
+        self._reads_in_place = self._exports is not None
+        self._unready: list[tuple[bytes, KVPull, float]] = []  # in-place pulls, step running
+        self._dead = False  # the thread ended on an error: offers are reported sent at once
         self._withdrawn: dict[str, float] = {}  # dropped on withdrawal, until a timeout
-        # The gathers into memfds wait on their prefill's step from a stream of their own.
-        self._stream = torch.cuda.Stream(device) if self._cuda else None
         self.layout = layout
-        self._head_bytes = layout.block_size * layout.head_size * DTYPE_BYTES[layout.dtype]
         self._on_sent = on_sent
         self._ctx = zmq.Context()
         self._zap = start_zap(self._ctx, keys.public) if keys is not None else None
@@ -117,7 +90,7 @@ class KVServer:
         self.address = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._host_id = wire.boot_id()
         self._staged: dict[str, Staged] = {}
-        self.pool = MemfdPool(self._cuda)  # page-locked for the GPU where there is one
+        self.bytes = StagedBytes(layout, kv_caches)
         # Pulls that came before their staging (the prefill's next step stages it): held
         # until it does, or until the timeout.
         self._early: dict[str, list[tuple[bytes, KVPull, float]]] = {}
@@ -141,7 +114,11 @@ class KVServer:
         nbytes = staged_nbytes(self.layout, len(ids))
         deadline = time.monotonic() + self._timeout_s
         with self._lock:
-            self._incoming.append(Staged(req_id, ids, nbytes, deadline, ready))
+            dead = self._dead
+            if not dead:
+                self._incoming.append(Staged(req_id, ids, nbytes, deadline, ready))
+        if dead:
+            self._on_sent(req_id)  # nothing would serve it: its blocks may go
         self._wake.wake()
 
     def withdraw(self, req_id: str) -> None:
@@ -173,20 +150,23 @@ class KVServer:
                     else:
                         self._wake.drain()
                 self._take_incoming()
+                self._answer_unready()
                 self._expire()
         except Exception:
             log.exception("rank %d: the KV server stopped", self.rank)
         finally:
             with self._lock:
                 incoming, self._incoming = self._incoming, []
+                self._dead = not self._stop
             self._staged.update((staged.req_id, staged) for staged in incoming)
             for req_id, staged in self._staged.items():
                 if staged.memfd is not None:
                     staged.memfd.close()
-                if not self._stop and not staged.lent:
-                    self._on_sent(req_id)  # nothing serves it any more: its blocks may go
+                if self._dead:  # nothing serves it any more: its blocks go (once unread)
+                    wait_s = max(0.0, staged.deadline - time.monotonic()) if staged.lent else 0
+                    threading.Timer(wait_s, self._on_sent, [req_id]).start()
             self._staged.clear()
-            self.pool.close()
+            self.bytes.close()
 
     def _receive_all(self) -> None:
         while True:
@@ -232,18 +212,22 @@ class KVServer:
         else:
             staged.readers = pull.readers
             same_host = pull.host_id == self._host_id
-            self._reads_in_place = same_host and self._gpu is not None and self._gpu in pull.gpus
+            exports = self._exports
+            self._reads_in_place = same_host and exports is not None and exports.gpu in pull.gpus
             if self._reads_in_place:
-                try:
-                    self._send(peer, self._cuda_answer(staged))
+                assert staged.ready is not None
+                if not staged.ready.query():  # its step still runs: answered once it ends
+                    self._unready.append((peer, pull, time.monotonic() + self._timeout_s))
                     return
-                except (IpcError, TimeoutError) as e:
-                    # Not shareable (or the step never ended): bytes from now on.
-                    log.warning("rank %d: KV not answered in place (%s): memfds", self.rank, e)
-                    self._gpu = None
-                    self._reads_in_place = False
+                try:
+                    self._lend(peer, staged)
+                    return
+                except IpcError as e:
+                    log.warning("rank %d: the cache cannot be read in place (%s): memfds",
+                                self.rank, e)  # fmt: skip
+                    self._exports, self._reads_in_place = None, False
             try:
-                memfd = self._gathered(staged)
+                memfd = self.bytes.memfd(staged)
             except Exception as e:
                 log.exception("rank %d: could not gather %r", self.rank, pull.req_id)
                 self._send(peer, KVBlocks(pull.req_id, error=f"rank {self.rank}: {e}"))
@@ -255,66 +239,38 @@ class KVServer:
             else:
                 reply = KVBlocks(pull.req_id, self.layout, staged.num_blocks,
                                  first_block=pull.first_block)  # fmt: skip
-                self._send(peer, reply, self._tcp_bytes(staged, pull))
+                self._send(peer, reply, self.bytes.for_tcp(staged, pull))
 
-    def _cuda_answer(self, staged: Staged) -> KVBlocks:
-        """staged's blocks where they lie, for a puller on this host that can open the
-        cache's GPU; held for LENT_TIMEOUTS timeouts from now."""
-        assert staged.ready is not None and self._gpu is not None
-        deadline = time.monotonic() + self._timeout_s
-        while not staged.ready.query():  # the prefill's step
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"the step computing {staged.req_id!r} did not end")
-            time.sleep(50e-6)
-        caches = self._kv_caches()
-        cuda = CudaKV(self._gpu, self._layers(caches), caches[0].shape[1],
-                      staged.block_ids.tolist())  # fmt: skip
-        staged.lent = True
-        staged.deadline = time.monotonic() + LENT_TIMEOUTS * self._timeout_s
-        return KVBlocks(staged.req_id, self.layout, staged.num_blocks, cuda=cuda)
+    def _lend(self, peer: bytes, staged: Staged) -> None:
+        """Answer with staged's blocks where they lie (its step has ended), and hold them
+        LENT_TIMEOUTS timeouts from now if the answer went out."""
+        assert self._exports is not None
+        hold_s = LENT_TIMEOUTS * self._timeout_s
+        ids = staged.block_ids.tolist()
+        cuda = self._exports.answer(self._kv_caches(), ids, hold_s)
+        if self._send(peer, KVBlocks(staged.req_id, self.layout, staged.num_blocks, cuda=cuda)):
+            staged.lent = True
+            staged.deadline = time.monotonic() + hold_s
 
-    def _layers(self, caches: list[torch.Tensor]) -> list[CudaKVLayer]:
-        """caches' layers as exported: once for each set of cache tensors (sleep and
-        wake_up make new ones), held by weak references (the cache goes when the worker
-        lets it go)."""
-        if self._exported is not None:
-            refs, layers = self._exported
-            same = len(refs) == len(caches)
-            if same and all(r() is c for r, c in zip(refs, caches, strict=True)):
-                return layers
-        layers = []
-        for cache in caches:
-            if not cache.is_contiguous():
-                raise IpcError(f"a cache layer of strides {cache.stride()} is not contiguous")
-            exported = export(cache.data_ptr(), cache.device)
-            layers.append(CudaKVLayer(exported.handle, exported.offset))
-        self._exported = ([weakref.ref(cache) for cache in caches], layers)
-        return layers
-
-    def _gathered(self, staged: Staged) -> Memfd:
-        """staged's KV in a memfd: gathered out of the cache on the first call."""
-        if staged.memfd is not None:
-            return staged.memfd
-        memfd = self.pool.take(staged.nbytes)
-        try:
-            view = view_staged(memoryview(memfd.memory), self.layout, staged.num_blocks)
-            ids = torch.from_numpy(staged.block_ids)
-            if self._stream is None:
-                gather(self._kv_caches(), ids, view)
+    def _answer_unready(self) -> None:
+        """The pulls to read in place that waited for their step: answered once it has
+        ended, refused by name if it has not within the timeout."""
+        unready, self._unready = self._unready, []
+        for peer, pull, deadline in unready:
+            staged = self._staged.get(pull.req_id)
+            running = staged is not None and staged.ready is not None and not staged.ready.query()
+            if running and time.monotonic() < deadline:
+                self._unready.append((peer, pull, deadline))
+            elif running:
+                error = (f"the step computing {pull.req_id!r} on rank {self.rank} did not "
+                         f"end within {self._timeout_s} s")  # fmt: skip
+                self._send(peer, KVBlocks(pull.req_id, error=error))
             else:
-                assert staged.ready is not None
-                with torch.cuda.device(self._cuda), torch.cuda.stream(self._stream):
-                    self._stream.wait_event(staged.ready)
-                    gather(self._kv_caches(), ids, view)
-            del view
-        except BaseException:
-            self.pool.give_back(memfd)
-            raise
-        staged.memfd = memfd
-        return memfd
+                self._answer(peer, pull)
 
-    def _send(self, peer: bytes, reply: KVBlocks, data: memoryview | None = None) -> None:
-        """reply to peer, then data (the KV over tcp) as the frame after it."""
+    def _send(self, peer: bytes, reply: KVBlocks, data: memoryview | None = None) -> bool:
+        """reply to peer, then data (the KV over tcp) as the frame after it: whether it
+        went out."""
         frames = [peer, wire.encode(reply)]
         if data is not None:
             frames.append(data)
@@ -322,6 +278,8 @@ class KVServer:
             send_frames(self._sock, frames)
         except zmq.ZMQError as e:
             log.warning("rank %d: could not answer a pull of %r: %s", self.rank, reply.req_id, e)
+            return False
+        return True
 
     def _wrong_rank(self, rank: int) -> str:
         return f"a pull meant for rank {rank} reached the KV server of rank {self.rank}"
@@ -337,22 +295,6 @@ class KVServer:
             )
         return None
 
-    def _tcp_bytes(self, staged: Staged, pull: KVPull) -> memoryview:
-        """The staged bytes pull takes: its heads (None: all) of the blocks from
-        first_block on. The whole staging goes as it lies, without a copy; a part of it
-        as one contiguous copy of that part (skipped blocks cut every layer's run)."""
-        assert staged.memfd is not None
-        whole = memoryview(staged.memfd.memory)[: staged.nbytes]
-        heads = pull.heads or (0, self.layout.num_kv_heads)
-        if pull.first_block == 0 and heads == (0, self.layout.num_kv_heads):
-            return whole
-        rows = np.frombuffer(whole, np.uint8).reshape(
-            self.layout.num_layers * 2, staged.num_blocks, self.layout.num_kv_heads,
-            self._head_bytes,
-        )  # fmt: skip
-        part = rows[:, pull.first_block :, heads[0] : sum(heads)]
-        return memoryview(np.ascontiguousarray(part).reshape(-1))
-
     def _reader_done(self, req_id: str) -> None:
         staged = self._staged.get(req_id)
         if staged is not None:
@@ -367,7 +309,7 @@ class KVServer:
         staged = self._staged.pop(req_id, None)
         if staged is not None:
             if staged.memfd is not None and pulled:
-                self.pool.give_back(staged.memfd)
+                self.bytes.pool.give_back(staged.memfd)
             elif staged.memfd is not None:
                 staged.memfd.close()
             self._on_sent(req_id)
@@ -395,7 +337,7 @@ class KVServer:
         """Gather staged now, before any pull (which will likely need the bytes, as the
         last one did). A failure is left for the first pull to meet again and answer."""
         try:
-            self._gathered(staged)
+            self.bytes.memfd(staged)
         except Exception:
             log.exception("rank %d: could not gather %r ahead", self.rank, staged.req_id)
 
@@ -416,6 +358,8 @@ class KVServer:
                 self._send(peer, KVBlocks(req_id, error=error))
 
     def _next_deadline_ms(self) -> int:
+        if self._unready:
+            return 1  # a step to see end
         deadlines = [s.deadline for s in self._staged.values()]
         deadlines += [early[0][2] for early in self._early.values()]
         if not deadlines:

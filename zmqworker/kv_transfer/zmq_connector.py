@@ -91,6 +91,8 @@ class ZmqKVConnector(KVConnector):
                     config.cuda_ipc,
                 )
             if config.consumes:
+                if locked_for is not None and config.shared_memory and config.cuda_ipc:
+                    device_copies.warm_up_copies(kv_caches())
                 self.puller = KVPuller(
                     tp_rank, self.layout, keys, config.timeout_s, config.shared_memory,
                     on_arrival=self._news.set, device=locked_for,
@@ -191,7 +193,7 @@ class ZmqKVConnector(KVConnector):
             left = self._pieces_left.pop(id(load)) - 1
             if left:
                 self._pieces_left[id(load)] = left
-            if arrived.error is None and (stale := arrived.stale(self.config.timeout_s / 2)):
+            if arrived.error is None and (stale := arrived.stale(self.config.timeout_s)):
                 self._let_go(arrived)
                 arrived.error = f"KV of request {load.req_id!r}: {stale}"
             if self._loading.get(load.req_id) is not load:  # cancelled, or failed

@@ -1,0 +1,93 @@
+"""A prefill rank's staged KV (server.py's, one per request): the blocks that hold it in
+the live cache, and the bytes a pull takes when it cannot read them in place: gathered
+into a sealed memfd of the pool (on the server's thread, after the step that computed
+them), whole for a pull through the memfd, the part asked for a pull over tcp.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from messages.kv_cache import DTYPE_BYTES
+from messages.kv_peer import KVLayout, KVPull
+from zmqworker.kv_transfer.blocks import gather, view_staged
+from zmqworker.kv_transfer.staging import Memfd, MemfdPool
+
+
+@dataclass
+class Staged:
+    """One request's KV in block_ids of the live cache (complete once ready, on a GPU,
+    has passed), and once a pull needed bytes, in the first nbytes of a memfd too; until
+    pulled or expired."""
+
+    req_id: str
+    block_ids: np.ndarray  # int64
+    nbytes: int
+    deadline: float
+    ready: torch.cuda.Event | None = None
+    memfd: Memfd | None = None
+    readers: int = 1  # decode ranks that pull it (the pulls say)
+    done: int = 0  # of them that said KVDone (or only released it)
+    lent: bool = False  # a puller was answered with the blocks in place
+    withdrawn: bool = False  # the engine gave up on it: no pull is answered
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.block_ids)
+
+
+class StagedBytes:
+    def __init__(self, layout: KVLayout, kv_caches: Callable[[], list[torch.Tensor]]) -> None:
+        self.layout = layout
+        self._kv_caches = kv_caches
+        device = kv_caches()[0].device
+        self._device = device if device.type == "cuda" else None
+        self.pool = MemfdPool(self._device)  # page-locked for the GPU where there is one
+        # The gathers wait on their prefill's step from a stream of their own.
+        self._stream = torch.cuda.Stream(device) if self._device else None
+        self._head_bytes = layout.block_size * layout.head_size * DTYPE_BYTES[layout.dtype]
+
+    def memfd(self, staged: Staged) -> Memfd:
+        """staged's KV in a memfd: gathered out of the cache on the first call."""
+        if staged.memfd is not None:
+            return staged.memfd
+        memfd = self.pool.take(staged.nbytes)
+        try:
+            view = view_staged(memoryview(memfd.memory), self.layout, staged.num_blocks)
+            ids = torch.from_numpy(staged.block_ids)
+            if self._stream is None:
+                gather(self._kv_caches(), ids, view)
+            else:
+                assert staged.ready is not None
+                with torch.cuda.device(self._device), torch.cuda.stream(self._stream):
+                    self._stream.wait_event(staged.ready)
+                    gather(self._kv_caches(), ids, view)
+            del view
+        except BaseException:
+            self.pool.give_back(memfd)
+            raise
+        staged.memfd = memfd
+        return memfd
+
+    def for_tcp(self, staged: Staged, pull: KVPull) -> memoryview:
+        """The staged bytes pull takes: its heads (None: all) of the blocks from
+        first_block on. The whole staging goes as it lies, without a copy; a part of it
+        as one contiguous copy of that part (skipped blocks cut every layer's run)."""
+        assert staged.memfd is not None
+        whole = memoryview(staged.memfd.memory)[: staged.nbytes]
+        heads = pull.heads or (0, self.layout.num_kv_heads)
+        if pull.first_block == 0 and heads == (0, self.layout.num_kv_heads):
+            return whole
+        rows = np.frombuffer(whole, np.uint8).reshape(
+            self.layout.num_layers * 2, staged.num_blocks, self.layout.num_kv_heads,
+            self._head_bytes,
+        )  # fmt: skip
+        part = rows[:, pull.first_block :, heads[0] : sum(heads)]
+        return memoryview(np.ascontiguousarray(part).reshape(-1))
+
+    def close(self) -> None:
+        self.pool.close()
