@@ -358,7 +358,7 @@ def test_withdrawn_staged_kv_is_reported_sent_and_refused_to_pullers() -> None:
     name at once; a save that never reached this worker is reported sent at once too."""
     port = free_port()
     kv = caches(8, seed=7)
-    side = connector("producer", kv, port, timeout_s=0.5)
+    side = connector("producer", kv, port, timeout_s=10.0)  # withdrawn ids kept that long
     consumer = connector("consumer", caches(8, seed=8), 0)
     try:
         side.after_step(KVConnectorMetadata(saves=[KVSave("gone", np.array([2], np.int32), 3)]))

@@ -133,6 +133,9 @@ class KVServer:
         self._stop = True
         self._wake.wake()
         self._thread.join(timeout=10.0)
+        if self._thread.is_alive():  # its socket stays rather than go under it
+            log.error("rank %d: the KV server did not stop; its socket stays", self.rank)
+            return
         self._release()
 
     # the server's thread -----------------------------------------------------------
