@@ -33,6 +33,8 @@ from messages.kv_transfer import (
 )
 from zmqworker.kv_transfer import wire
 from zmqworker.kv_transfer.blocks import layout_of
+from zmqworker.kv_transfer.head_map import HeadSource
+from zmqworker.kv_transfer.puller import Arrived
 from zmqworker.kv_transfer.zmq_connector import ZmqKVConnector
 from zmqworker.transport.curve import KVKeys, make_server
 
@@ -373,3 +375,25 @@ def test_withdrawn_staged_kv_is_reported_sent_and_refused_to_pullers() -> None:
         consumer.shutdown()
         side.shutdown()
     assert failure.req_id == "gone" and "KV of request 'gone' was withdrawn" in failure.error
+
+
+def test_an_arrival_that_cannot_be_copied_in_fails_its_load_not_the_step() -> None:
+    """A piece whose bytes do not fit its blocks fails its load by name (its blocks
+    untouched, its server told it was read); the step, and the other loads, go on."""
+    target = caches(6, seed=9)
+    before = [t.clone() for t in target]
+    consumer = connector("consumer", target, 0, shared_memory=False)
+    try:
+        remote = RemoteKV("short", 8, [f"tcp://127.0.0.1:{free_port()}"])  # nobody there
+        load = KVLoad("short", np.array([1, 4], np.int32), remote)
+        consumer.before_step(KVConnectorMetadata(loads=[load]))
+        source = HeadSource(rank=0, first=0, count=2, dest=0, staged_heads=2, readers=1)
+        piece = Arrived(load, source, bytearray(16), layout=layout_of(SPEC))
+        consumer.puller.arrived.put(piece)
+        out = consumer.take_output()
+    finally:
+        consumer.shutdown()
+    assert out is not None and [f.req_id for f in out.failed_recving] == ["short"]
+    assert "copying it in failed" in out.failed_recving[0].error
+    assert "2 blocks need 2048 bytes, the buffer holds 16" in out.failed_recving[0].error
+    assert all(torch.equal(a, b) for a, b in zip(target, before, strict=True))

@@ -18,6 +18,7 @@ over tcp only the blocks after them travel, and through a memfd only they are re
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable
 
@@ -40,6 +41,8 @@ from zmqworker.kv_transfer.head_map import HeadMapError, head_map
 from zmqworker.kv_transfer.puller import Arrived, KVPuller
 from zmqworker.kv_transfer.server import KVServer
 from zmqworker.transport.curve import KVKeys
+
+log = logging.getLogger("zmqworker.kv_transfer")
 
 
 class ZmqKVConnector(KVConnector):
@@ -204,7 +207,14 @@ class ZmqKVConnector(KVConnector):
                 del self._loading[load.req_id]
                 self._failed.append(KVFailure(load.req_id, arrived.error))
             else:
-                self._copy_in(arrived)
+                try:
+                    self._copy_in(arrived)
+                except Exception as e:  # this load fails; the step and its requests go on
+                    log.exception("rank %d: copying in the KV of %r", self.tp_rank, load.req_id)
+                    del self._loading[load.req_id]
+                    error = f"KV of request {load.req_id!r}: copying it in failed: {e}"
+                    self._failed.append(KVFailure(load.req_id, error))
+                    continue
                 if not left:
                     del self._loading[load.req_id]
                     self._recved.append(load.req_id)
@@ -218,10 +228,10 @@ class ZmqKVConnector(KVConnector):
         try:
             if start < len(load.block_ids):
                 self._scatter(arrived, start)
-        finally:
+        finally:  # copied or not, nothing reads the staging any more
             arrived.release()
-        assert self.puller is not None
-        self.puller.done(load, source)
+            assert self.puller is not None
+            self.puller.done(load, source)
 
     def _scatter(self, arrived: Arrived, start: int) -> None:
         """Copy the load's blocks from start on out of arrived (which holds them from
