@@ -177,7 +177,7 @@ def test_a_failed_step_forgets_the_host_tier():
     core = make_core(num_slots=16)
     core.block_manager.host_tier.evicted(0, H[0])
     core.block_manager.host_tier.take_copies()
-    core._recover(workers_lost=False)  # what a failed step runs
+    core._recover(RuntimeError("a step failed"))  # what a failed step runs
     assert len(core.block_manager.host_tier) == 0
 
 

@@ -236,7 +236,7 @@ class EngineCore:
             output, runner_output = self.batch_queue.pop()
             return changed + self.scheduler.update_from_output(output, runner_output)
         except Exception as e:
-            self._recover(isinstance(e, WorkerDiedError | WorkerStuckError))
+            self._recover(e)
             raise
 
     def _admit_compiled(self) -> None:
@@ -277,10 +277,9 @@ class EngineCore:
         """Raise if a worker does not answer within timeout (they answer beside steps)."""
         self.executor.check_health(timeout=timeout)
 
-    def _recover(self, workers_lost: bool) -> None:
-        """After a failed step: wait out the steps still in flight (the workers run them
-        anyway), then abort every request, so the engine can take new ones.
-        workers_lost: a worker died or is stuck (nothing of its cache is read any more)."""
+    def _recover(self, error: Exception) -> None:
+        """After a step failed with error: wait out the steps still in flight (the workers
+        run them anyway), then abort every request, so the engine can take new ones."""
         try:
             self.grammar_steps.send()  # the newest step's sampling, if still unsent
         except Exception:
@@ -290,6 +289,8 @@ class EngineCore:
                 self.batch_queue.pop()
             except Exception:
                 logger.debug("a step in flight failed too", exc_info=True)
+        # A worker that died or is stuck reads nothing of its cache any more.
+        workers_lost = isinstance(error, WorkerDiedError | WorkerStuckError)
         aborted = self.scheduler.reset_after_failure(workers_lost)
         self.block_manager.reset_prefix_cache()  # the step may have left blocks half written
         logger.warning("a step failed: %d requests aborted", len(aborted))
@@ -306,7 +307,7 @@ class EngineCore:
                 output, runner_output = self.batch_queue.pop()
                 changed += self.scheduler.update_from_output(output, runner_output)
         except Exception as e:
-            self._recover(isinstance(e, WorkerDiedError | WorkerStuckError))
+            self._recover(e)
             raise
         return changed
 

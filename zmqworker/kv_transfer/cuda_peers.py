@@ -11,6 +11,7 @@ cache anew). Acquired on the puller's thread; released on any (the copies' end).
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from dataclasses import dataclass, field
@@ -20,6 +21,7 @@ import torch
 
 from messages.kv_cache import DTYPE_BYTES
 from messages.kv_peer import CudaKV, KVLayout
+from zmqworker.attention.kv_cache import kv_cache_shape
 from zmqworker.distributed.ipc_memory import IpcError, Opened, close_handle, open_handle
 
 log = logging.getLogger("zmqworker.kv_transfer")
@@ -118,8 +120,9 @@ class PeerCaches:
             self._close(cache)
 
     def _opened(self, key: tuple, cuda: CudaKV, layout: KVLayout) -> PeerCache:
-        layer_bytes = (2 * cuda.num_cache_blocks * layout.num_kv_heads * layout.block_size
-                       * layout.head_size * DTYPE_BYTES[layout.dtype])  # fmt: skip
+        shape = kv_cache_shape(cuda.num_cache_blocks, layout.block_size, layout.num_kv_heads,
+                               layout.head_size)  # fmt: skip
+        layer_bytes = math.prod(shape) * DTYPE_BYTES[layout.dtype]
         by_handle: dict[bytes, Opened] = {}
         try:
             layers = []
@@ -136,7 +139,7 @@ class PeerCaches:
                     )
                 layers.append(opened.address + layer.offset)
         except BaseException as e:
-            self._close(PeerCache(key, [], 0, 0, list(by_handle.values())))
+            self._close_all(list(by_handle.values()))
             if isinstance(e, IpcError):
                 raise PeerCudaError(str(e)) from e
             raise
@@ -144,7 +147,10 @@ class PeerCaches:
         return PeerCache(key, layers, cuda.num_cache_blocks, layout.num_kv_heads, opened)
 
     def _close(self, cache: PeerCache) -> None:
-        for opened in cache.opened:
+        self._close_all(cache.opened)
+
+    def _close_all(self, openings: list[Opened]) -> None:
+        for opened in openings:
             try:
                 close_handle(opened, self._device)
             except IpcError as e:

@@ -63,7 +63,6 @@ class Arrived:
     sources: PeerCache | None = None
     source_ids: np.ndarray | None = None  # int64
     received: float = field(default_factory=time.monotonic)
-
     hold_s: float = 0.0  # how long the producer holds sources' blocks from its answer
 
     def stale(self, timeout_s: float) -> str | None:

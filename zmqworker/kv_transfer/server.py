@@ -31,7 +31,6 @@ import zmq
 from messages.kv_peer import KVBlocks, KVDone, KVLayout, KVPull, SharedKV
 from zmqworker.distributed.ipc_memory import IpcError
 from zmqworker.kv_transfer import wire
-from zmqworker.kv_transfer.blocks import staged_nbytes
 from zmqworker.kv_transfer.cache_exports import CacheExports
 from zmqworker.kv_transfer.staged import Staged, StagedBytes
 from zmqworker.transport.curve import KVKeys, make_server, start_zap
@@ -111,12 +110,11 @@ class KVServer:
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(self._cuda))
         ids = np.asarray(block_ids, np.int64)
-        nbytes = staged_nbytes(self.layout, len(ids))
         deadline = time.monotonic() + self._timeout_s
         with self._lock:
             dead = self._dead
             if not dead:
-                self._incoming.append(Staged(req_id, ids, nbytes, deadline, ready))
+                self._incoming.append(Staged(req_id, ids, deadline, ready))
         if dead:
             self._on_sent(req_id)  # nothing would serve it: its blocks may go
         self._wake.wake()
@@ -197,15 +195,13 @@ class KVServer:
         if pull.rank != self.rank:
             self._send(peer, KVBlocks(pull.req_id, error=self._wrong_rank(pull.rank)))
         elif staged is None and pull.req_id in self._withdrawn:
-            error = f"the KV of request {pull.req_id!r} was withdrawn on rank {self.rank}"
-            self._send(peer, KVBlocks(pull.req_id, error=error))
+            self._send(peer, KVBlocks(pull.req_id, error=self._withdrawal(pull.req_id)))
         elif staged is None:
             deadline = time.monotonic() + self._timeout_s
             self._early.setdefault(pull.req_id, []).append((peer, pull, deadline))
         elif staged.withdrawn:
             staged.readers = pull.readers  # so that its KVDone counts among all of them
-            error = f"the KV of request {pull.req_id!r} was withdrawn on rank {self.rank}"
-            self._send(peer, KVBlocks(pull.req_id, error=error))
+            self._send(peer, KVBlocks(pull.req_id, error=self._withdrawal(pull.req_id)))
         elif pull.heads is not None and pull.heads[1] == 0:
             staged.readers = pull.readers
             self._reader_done(pull.req_id)  # a release: this reader takes nothing
@@ -237,7 +233,7 @@ class KVServer:
                 return
             if same_host:
                 inode = os.fstat(memfd.fd).st_ino
-                shared = SharedKV(os.getpid(), memfd.fd, staged.nbytes, inode)
+                shared = SharedKV(os.getpid(), memfd.fd, self.bytes.nbytes(staged), inode)
                 self._send(peer, KVBlocks(pull.req_id, self.layout, staged.num_blocks, shared))
             else:
                 reply = KVBlocks(pull.req_id, self.layout, staged.num_blocks,
@@ -283,6 +279,9 @@ class KVServer:
             log.warning("rank %d: could not answer a pull of %r: %s", self.rank, reply.req_id, e)
             return False
         return True
+
+    def _withdrawal(self, req_id: str) -> str:
+        return f"the KV of request {req_id!r} was withdrawn on rank {self.rank}"
 
     def _wrong_rank(self, rank: int) -> str:
         return f"a pull meant for rank {rank} reached the KV server of rank {self.rank}"

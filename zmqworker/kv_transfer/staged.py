@@ -14,19 +14,18 @@ import torch
 
 from messages.kv_cache import DTYPE_BYTES
 from messages.kv_peer import KVLayout, KVPull
-from zmqworker.kv_transfer.blocks import gather, view_staged
+from zmqworker.kv_transfer.blocks import gather, staged_nbytes, view_staged
 from zmqworker.kv_transfer.staging import Memfd, MemfdPool
 
 
 @dataclass
 class Staged:
     """One request's KV in block_ids of the live cache (complete once ready, on a GPU,
-    has passed), and once a pull needed bytes, in the first nbytes of a memfd too; until
-    pulled or expired."""
+    has passed), and once a pull needed bytes, at the start of a memfd too; until pulled
+    or expired."""
 
     req_id: str
     block_ids: np.ndarray  # int64
-    nbytes: int
     deadline: float
     ready: torch.cuda.Event | None = None
     memfd: Memfd | None = None
@@ -51,11 +50,15 @@ class StagedBytes:
         self._stream = torch.cuda.Stream(device) if self._device else None
         self._head_bytes = layout.block_size * layout.head_size * DTYPE_BYTES[layout.dtype]
 
+    def nbytes(self, staged: Staged) -> int:
+        """The bytes staged's KV takes in its memfd."""
+        return staged_nbytes(self.layout, staged.num_blocks)
+
     def memfd(self, staged: Staged) -> Memfd:
         """staged's KV in a memfd: gathered out of the cache on the first call."""
         if staged.memfd is not None:
             return staged.memfd
-        memfd = self.pool.take(staged.nbytes)
+        memfd = self.pool.take(self.nbytes(staged))
         try:
             view = view_staged(memoryview(memfd.memory), self.layout, staged.num_blocks)
             ids = torch.from_numpy(staged.block_ids)
@@ -78,7 +81,7 @@ class StagedBytes:
         first_block on. The whole staging goes as it lies, without a copy; a part of it
         as one contiguous copy of that part (skipped blocks cut every layer's run)."""
         assert staged.memfd is not None
-        whole = memoryview(staged.memfd.memory)[: staged.nbytes]
+        whole = memoryview(staged.memfd.memory)[: self.nbytes(staged)]
         heads = pull.heads or (0, self.layout.num_kv_heads)
         if pull.first_block == 0 and heads == (0, self.layout.num_kv_heads):
             return whole

@@ -220,7 +220,7 @@ class ZmqKVConnector(KVConnector):
                     self._recved.append(load.req_id)
 
     def _copy_in(self, arrived: Arrived) -> None:
-        load, source = arrived.load, arrived.source
+        load = arrived.load
         start = load.num_cached_blocks  # the blocks before it hold their KV here
         if arrived.sources is not None:
             self._copy_from_device(arrived, start)
@@ -229,9 +229,7 @@ class ZmqKVConnector(KVConnector):
             if start < len(load.block_ids):
                 self._scatter(arrived, start)
         finally:  # copied or not, nothing reads the staging any more
-            arrived.release()
-            assert self.puller is not None
-            self.puller.done(load, source)
+            self._let_go(arrived)
 
     def _scatter(self, arrived: Arrived, start: int) -> None:
         """Copy the load's blocks from start on out of arrived (which holds them from
