@@ -2,7 +2,8 @@
 not the engine's): the decode side pulls. A prefill instance keeps a finished prefill's
 KV staged; a decode worker asks for it by request id (KVPull), gets a KVBlocks answer
 (the bytes as the next frame over tcp, where they lie in shared memory on one host, or
-the prefill's GPU cache itself where the decode side can open it), copies them into its
+the prefill's cache itself where the decode side can read it: its GPU cache through CUDA
+IPC, its host cache through the memfd that holds it), copies them into its
 own blocks and says KVDone; only then does the prefill side let it go.
 docs/protocol.md, "KV transfer between instances", has the frames."""
 
@@ -37,7 +38,9 @@ class KVPull(msgspec.Struct, tag=True, frozen=True):
     the leading staged blocks the reader skips (it holds their KV already): over tcp
     only the blocks after them travel; past the staged block count, an error. gpus: the
     UUIDs of the GPUs the puller can open CUDA IPC handles on (same host only): a server
-    whose cache lies on one of them answers with CudaKV."""
+    whose cache lies on one of them answers with CudaKV. host_cache: the puller's cache
+    is in host memory and it can map the server's (same host only): a server whose
+    cache lies in a memfd answers with HostCacheKV."""
 
     req_id: str
     rank: NonNegative
@@ -46,6 +49,7 @@ class KVPull(msgspec.Struct, tag=True, frozen=True):
     readers: Positive = 1
     first_block: NonNegative = 0
     gpus: list[str] = []
+    host_cache: bool = False
 
 
 class SharedKV(msgspec.Struct, tag=True, frozen=True):
@@ -81,15 +85,30 @@ class CudaKV(msgspec.Struct, tag=True, frozen=True):
     hold_s: float = 0.0  # how long from the answer the server holds them (0: unsaid)
 
 
+class HostCacheKV(msgspec.Struct, tag=True, frozen=True):
+    """A staged prefill where the prefill computed it, in its host cache: the memfd that
+    holds every layer's cache tensor (memfd: open /proc/pid/fd/fd, nbytes long, of that
+    inode), each layer's tensor [2, num_cache_blocks, heads, slots] (the layout's dtype,
+    contiguous) at offsets[layer] bytes in it, and the request's blocks in it, in order.
+    The puller copies them within half of hold_s (and of its own timeout) from the
+    answer."""
+
+    memfd: SharedKV
+    offsets: list[NonNegative]
+    num_cache_blocks: Positive
+    block_ids: list[NonNegative]
+    hold_s: float = 0.0  # how long from the answer the server holds them (0: unsaid)
+
+
 class KVBlocks(msgspec.Struct, tag=True, frozen=True, omit_defaults=True):
     """The answer to a KVPull: the layout and block count of the staged KV, laid out
     [layers, 2, blocks, heads, slots]; in shared memory (all of it: the puller takes the
-    heads it asked), in the prefill's GPU cache (cuda), or in the frame that follows
-    (shared and cuda None; only the heads asked, only the blocks from first_block on).
-    first_block: the leading staged blocks the answer leaves out (0 in shared memory or
-    the GPU cache: they hold them all; a producer that ignores KVPull.first_block sends
-    0 and all of them). error: why there is none (unknown or expired request, wrong
-    rank, heads or first_block out of range)."""
+    heads it asked), in the prefill's GPU cache (cuda) or host cache (host_cache), or in
+    the frame that follows (none of the three; only the heads asked, only the blocks
+    from first_block on). first_block: the leading staged blocks the answer leaves out
+    (0 in shared memory or a cache: they hold them all; a producer that ignores
+    KVPull.first_block sends 0 and all of them). error: why there is none (unknown or
+    expired request, wrong rank, heads or first_block out of range)."""
 
     req_id: str
     layout: KVLayout | None = None
@@ -98,6 +117,7 @@ class KVBlocks(msgspec.Struct, tag=True, frozen=True, omit_defaults=True):
     error: str | None = None
     first_block: NonNegative = 0
     cuda: CudaKV | None = None
+    host_cache: HostCacheKV | None = None
 
 
 class KVDone(msgspec.Struct, tag=True, frozen=True):

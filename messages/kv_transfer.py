@@ -32,7 +32,8 @@ class KVTransferConfig(msgspec.Struct, tag=True, frozen=True, omit_defaults=True
     host: str = "127.0.0.1"
     port: NonNegative = 0
     timeout_s: float = 30.0
-    shared_memory: bool = True  # same-host peers copy through a memfd, not tcp
+    # Same-host peers copy through a memfd, not tcp (a producer's host cache lies in one).
+    shared_memory: bool = True
     cuda_ipc: bool = True  # same-host GPU caches are read through CUDA IPC, not a memfd
 
     def address(self, rank: int) -> str:

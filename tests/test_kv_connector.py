@@ -32,9 +32,9 @@ from messages.kv_transfer import (
     RemoteKV,
 )
 from zmqworker.kv_transfer import wire
+from zmqworker.kv_transfer.arrived import Arrived
 from zmqworker.kv_transfer.blocks import layout_of
 from zmqworker.kv_transfer.head_map import HeadSource
-from zmqworker.kv_transfer.puller import Arrived
 from zmqworker.kv_transfer.zmq_connector import ZmqKVConnector
 from zmqworker.transport.curve import KVKeys, make_server
 
@@ -114,10 +114,17 @@ def test_staged_blocks_land_in_the_consumer_s_blocks(
         consumer.before_step(KVConnectorMetadata(loads=[load]))
         until(consumer, lambda outs: names(outs, "finished_recving") == [req])
         path = "memfd" if shared_memory else "tcp"
-        assert consumer.puller.num_pulled == {"cuda_ipc": 0, "memfd": 0, "tcp": 0, path: 1}
+        assert consumer.puller.num_pulled == {
+            "cuda_ipc": 0,
+            "host_cache": 0,
+            "memfd": 0,
+            "tcp": 0,
+            path: 1,
+        }
         pulled_bytes = (len(dest) - num_cached) * BLOCK_BYTES
         assert consumer.puller.num_bytes == {
             "cuda_ipc": 0,
+            "host_cache": 0,
             "memfd": 0,
             "tcp": 0,
             path: pulled_bytes,

@@ -1,9 +1,10 @@
 """The ZeroMQ KV connector between sides of different tensor parallel sizes, in one
 process over real sockets: each decode rank's cache ends up with the heads the model's
-head rule gives it, taken from the prefill ranks that hold them, through the memfd and
-over tcp; a prefill rank's staged KV goes once every decode rank that reads it (or only
-releases it, a replica nobody reads) is done, not at the timeout. The caches live on
-ZMQWORKER_TEST_DEVICE (bench/run_on_gpu.sh runs these on CUDA: the head-slice copies)."""
+head rule gives it, taken from the prefill ranks that hold them, out of their host
+caches in place, through the memfd and over tcp; a prefill rank's staged KV goes once
+every decode rank that reads it (or only releases it, a replica nobody reads) is done,
+not at the timeout. The caches live on ZMQWORKER_TEST_DEVICE (bench/run_on_gpu.sh runs
+these on CUDA: the head-slice copies)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import torch
 from messages import KVCacheSpec
 from messages.kv_transfer import KVConnectorMetadata, KVLoad, KVSave, KVTransferConfig, RemoteKV
 from tests.test_kv_connector import KEYS, free_port, names, until
+from zmqworker.distributed.shared_cache import SharedKVCache
 from zmqworker.kv_transfer.zmq_connector import ZmqKVConnector
 from zmqworker.models.llama import kv_heads_of_rank
 
@@ -33,10 +35,19 @@ def model_cache(num_kv_heads: int, num_blocks: int) -> list[torch.Tensor]:
     return [torch.randn(2, num_blocks, num_kv_heads, SLOTS, generator=g) for _ in range(2)]
 
 
-def side(role: str, kv: list[torch.Tensor], heads: int, rank: int, tp: int, **kw):
+def side(role: str, kv: list[torch.Tensor], heads: int, rank: int, tp: int, shared=None, **kw):
+    """shared: the SharedKVCache holding kv (a producer's host cache, read in place)."""
     spec = KVCacheSpec(BLOCK, kv[0].shape[2], HEAD, "float32", ["a", "b"])
     config = KVTransferConfig(role=role, timeout_s=TIMEOUT_S, **kw)
-    return ZmqKVConnector(config, lambda: kv, spec, rank, tp, KEYS, num_kv_heads=heads)
+    return ZmqKVConnector(config, lambda: kv, spec, rank, tp, KEYS, num_kv_heads=heads,
+                          shared_cache=lambda: shared)  # fmt: skip
+
+
+def in_shared_memory(kv: list[torch.Tensor]) -> SharedKVCache:
+    shared = SharedKVCache(len(kv), tuple(kv[0].shape), kv[0].dtype)
+    for mine, layer in zip(shared.layers, kv, strict=True):
+        mine.copy_(layer)
+    return shared
 
 
 def rank_slice(kv: list[torch.Tensor], heads: int, rank: int, tp: int) -> list[torch.Tensor]:
@@ -50,7 +61,7 @@ def stack() -> Iterator[ExitStack]:
         yield s
 
 
-@pytest.mark.parametrize("shared_memory", [True, False], ids=["memfd", "tcp"])
+@pytest.mark.parametrize("path", ["host_cache", "memfd", "tcp"])
 @pytest.mark.parametrize(
     ("heads", "prefill_tp", "decode_tp", "cached"),
     [(4, 2, 1, 0), (4, 1, 2, 0), (4, 2, 4, 0), (4, 4, 2, 0), (1, 2, 1, 0), (1, 1, 2, 0),
@@ -62,18 +73,25 @@ def test_each_decode_rank_gets_its_heads(
     prefill_tp: int,
     decode_tp: int,
     cached: int,
-    shared_memory: bool,
+    path: str,
 ) -> None:
     """cached: the leading blocks the decode side holds already (left as they are). Each
-    decode rank reads (memfd) or receives (tcp) its own heads of the blocks after them
-    alone."""
+    decode rank reads (the producer's host cache, the memfd) or receives (tcp) its own
+    heads of the blocks after them alone."""
+    if path == "host_cache" and DEVICE != "cpu":
+        pytest.skip("host caches: the caches on the CPU")
+    shared_memory = path != "tcp"
     whole = model_cache(heads, 8)
     source, dest = [3, 6], [1, 4]
     addresses, producers = [], []
     for p in range(prefill_tp):
         port = free_port()  # rank p binds the config's port + p
-        kv = rank_slice(whole, heads, p, prefill_tp)
-        producer = side("producer", kv, heads, p, prefill_tp, port=port - p)
+        kv, shared = rank_slice(whole, heads, p, prefill_tp), None
+        if path == "host_cache":
+            shared = in_shared_memory(kv)
+            stack.callback(shared.close)
+            kv = shared.layers
+        producer = side("producer", kv, heads, p, prefill_tp, shared, port=port - p)
         stack.callback(producer.shutdown)
         producer.after_step(KVConnectorMetadata(saves=[KVSave("r", np.array(source), 7)]))
         addresses.append(f"tcp://127.0.0.1:{port}")
@@ -88,10 +106,10 @@ def test_each_decode_rank_gets_its_heads(
         load = KVLoad("r", np.array(dest, np.int32), remote, num_cached_blocks=cached)
         consumer.before_step(KVConnectorMetadata(loads=[load]))
         until(consumer, lambda outs: names(outs, "finished_recving") == ["r"])
-        path = "memfd" if shared_memory else "tcp"
         pulled_bytes = 2 * 2 * per_rank * (len(dest) - cached) * SLOTS * 4  # layers, k/v
         assert consumer.puller.num_bytes == {
             "cuda_ipc": 0,
+            "host_cache": 0,
             "memfd": 0,
             "tcp": 0,
             path: pulled_bytes,

@@ -23,10 +23,11 @@ from messages.kv_transfer import (
     KVTransferConfig,
     RemoteKV,
 )
+from zmqworker.kv_transfer.arrived import Arrived
 from zmqworker.kv_transfer.blocks import layout_of
-from zmqworker.kv_transfer.cuda_peers import IDLE_CLOSE_S, PeerCache, PeerCaches
+from zmqworker.kv_transfer.cuda_peers import open_gpu_cache
 from zmqworker.kv_transfer.head_map import HeadSource
-from zmqworker.kv_transfer.puller import Arrived
+from zmqworker.kv_transfer.peer_caches import IDLE_CLOSE_S, PeerCache, checked_ids
 from zmqworker.kv_transfer.zmq_connector import ZmqKVConnector
 from zmqworker.transport.curve import KVKeys
 
@@ -47,15 +48,15 @@ def caches(num_blocks: int, seed: int, device: str) -> list[torch.Tensor]:
     "layers, ids, error",
     [
         (2, [0, 1], "2 layers of GPU cache for 3"),
-        (3, [0], "1 block ids in the GPU cache for 2 blocks"),
+        (3, [0], "1 block ids in the producer's cache for 2 blocks"),
         (3, [0, 8], "block id 8 past the producer's 8 cache blocks"),
     ],
 )
 def test_an_answer_that_does_not_fit_the_load_is_refused_before_opening(layers, ids, error):
     cuda = CudaKV("GPU-x", [LAYER] * layers, num_cache_blocks=8, block_ids=ids)
     with pytest.raises(ValueError, match=error):  # checked before anything is opened
-        caches = PeerCaches(torch.device("cuda", 0))
-        caches.acquire("tcp://127.0.0.1:1", cuda, layout_of(SPEC), num_blocks=2)
+        checked_ids(cuda.block_ids, 2, cuda.num_cache_blocks)
+        open_gpu_cache(cuda, layout_of(SPEC), torch.device("cuda", 0))
 
 
 def test_an_answer_too_old_to_read_from_is_stale():
@@ -63,7 +64,7 @@ def test_an_answer_too_old_to_read_from_is_stale():
     timeout where shorter or unsaid), an answer in place is not copied from."""
     load = KVLoad("r", np.array([1], np.int32), RemoteKV("r", 4, ["tcp://127.0.0.1:1"]))
     source = HeadSource(rank=0, first=0, count=2, dest=0, staged_heads=2, readers=1)
-    cache = PeerCache((), [0], num_blocks=1, num_kv_heads=2, opened=[])
+    cache = PeerCache((), [0], num_blocks=1, num_kv_heads=2, close=lambda: None)
     fresh = Arrived(load, source, sources=cache, source_ids=np.zeros(1, np.int64))
     assert fresh.stale(2.0) is None
     old = Arrived(load, source, sources=cache, received=time.monotonic() - 2.0)
@@ -132,7 +133,7 @@ def test_blocks_come_straight_out_of_the_producer_s_gpu_cache():
                 assert torch.equal(target[layer][:, pulled], source[layer][:, src[num_cached:]])
                 assert torch.equal(target[layer][:, kept], before[layer][:, kept])
                 target[layer][:, dest] = before[layer][:, dest]  # as new for the next
-        assert consumer.puller.num_pulled == {"cuda_ipc": 2, "memfd": 0, "tcp": 0}
+        assert consumer.puller.num_pulled == {"cuda_ipc": 2, "host_cache": 0, "memfd": 0, "tcp": 0}
         peer_caches = consumer.puller._peer_caches
         assert peer_caches.any_open  # kept for the next pulls
         deadline = time.monotonic() + IDLE_CLOSE_S + 5
@@ -160,7 +161,7 @@ def test_a_stale_answer_in_place_fails_its_load_by_name_and_lets_the_producer_go
         load = KVLoad("late", np.array([2], np.int32), remote)
         consumer.before_step(KVConnectorMetadata(loads=[load]))
         source = HeadSource(rank=0, first=0, count=2, dest=0, staged_heads=2, readers=1)
-        cache = PeerCache((), [0, 0, 0], num_blocks=1, num_kv_heads=2, opened=[])
+        cache = PeerCache((), [0, 0, 0], num_blocks=1, num_kv_heads=2, close=lambda: None)
         late = Arrived(load, source, sources=cache, source_ids=np.zeros(1, np.int64),
                        received=time.monotonic() - 1.5)  # fmt: skip
         consumer.puller.arrived.put(late)

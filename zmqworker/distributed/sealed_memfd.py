@@ -34,7 +34,7 @@ def open_peer(
     the path otherwise); the caller closes the fd. OSError where it cannot be reached."""
     path = f"/proc/{pid}/fd/{peer_fd}"
     target = os.readlink(path)
-    if not target.startswith(f"/memfd:{name}"):
+    if target.removesuffix(" (deleted)") != f"/memfd:{name}":
         raise error(f"{path} is {target!r}, not a {what}")
     fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
     try:

@@ -11,6 +11,7 @@ import torch
 from torch.distributed import ProcessGroup
 
 from messages import KVCacheSpec, KVTransferConfig
+from zmqworker.distributed.shared_cache import SharedKVCache
 from zmqworker.kv_transfer.connector import KVConnector, KVConnectors
 from zmqworker.kv_transfer.host_tier import HostKVConnector
 from zmqworker.kv_transfer.tp_reports import TPCombined
@@ -31,16 +32,18 @@ def make_kv_connector(
     tp_group: ProcessGroup | None,
     device: torch.device,
     num_kv_heads: int | None = None,
+    shared_cache: Callable[[], SharedKVCache | None] = lambda: None,
 ) -> KVConnector | None:
     """The worker's connector, over its freshly made cache: the host tier's (of
     num_host_blocks slots; 0: none), then the transfer's (config; None: none), or None
-    for neither. num_kv_heads: the model's, all ranks' (ZmqKVConnector's)."""
+    for neither. num_kv_heads, shared_cache: ZmqKVConnector's."""
     connectors: list[KVConnector] = []
     if num_host_blocks:
         connectors.append(HostKVConnector(num_host_blocks, kv_caches, spec))
     if config is not None:
         connectors.append(_transfer_connector(config, kv_caches, spec, tp_rank, tp_size,
-                                              pp_size, tp_group, device, num_kv_heads))  # fmt: skip
+                                              pp_size, tp_group, device, num_kv_heads,
+                                              shared_cache))  # fmt: skip
     if len(connectors) > 1:
         return KVConnectors(connectors)
     return connectors[0] if connectors else None
@@ -56,6 +59,7 @@ def _transfer_connector(
     tp_group: ProcessGroup | None,
     device: torch.device,
     num_kv_heads: int | None,
+    shared_cache: Callable[[], SharedKVCache | None],
 ) -> KVConnector:
     """The ZeroMQ connector; the deployment's KV keys come from the environment
     (transport/curve.py's KV_CURVE_ENV)."""
@@ -71,7 +75,8 @@ def _transfer_connector(
             f"like every tcp socket of a run; give the workers ${KV_CURVE_ENV} "
             "(zmqworker.transport.curve.KVKeys)"
         )
-    connector = ZmqKVConnector(config, kv_caches, spec, tp_rank, tp_size, keys, num_kv_heads)
+    connector = ZmqKVConnector(config, kv_caches, spec, tp_rank, tp_size, keys, num_kv_heads,
+                               shared_cache)  # fmt: skip
     if tp_group is None:
         return connector
     return TPCombined(connector, tp_group, device)

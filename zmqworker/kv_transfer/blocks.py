@@ -105,6 +105,57 @@ def scatter_heads(
     device_copies.scatter(kv_caches, block_ids, staged, (first, dest, count))
 
 
+def copy_blocks(
+    kv_caches: list[torch.Tensor],
+    block_ids: np.ndarray,
+    sources: list[torch.Tensor],
+    source_ids: np.ndarray,
+    heads: tuple[int, int, int] | None = None,
+) -> None:
+    """Blocks source_ids of sources (a producer's host cache, mapped here) into block_ids
+    of kv_caches (host tensors too); heads as scatter's. Each run of blocks that follow
+    each other on both sides (each block's heads, with heads) is one memcpy of keys and
+    one of values, with no gathered copy in between: slices of byte memoryviews, whose
+    assignment costs far less than numpy's or torch's indexed copies around the same
+    memcpy (on one thread: it holds the GIL)."""
+    if len(sources) != len(kv_caches):
+        raise ValueError(f"{len(sources)} layers copied into {len(kv_caches)}")
+    for ids, cache in ((block_ids, kv_caches[0]), (source_ids, sources[0])):
+        if len(ids) and (ids.min() < 0 or ids.max() >= cache.shape[1]):
+            raise ValueError(f"block ids {ids.min()} .. {ids.max()} of {cache.shape[1]} blocks")
+    dst_block, src_block = (c[0, 0].nbytes for c in (kv_caches[0], sources[0]))
+    if heads is None:
+        if dst_block != src_block:
+            raise ValueError(f"blocks of {src_block} bytes copied into blocks of {dst_block}")
+        pieces = [(to * dst_block, at * src_block, n * dst_block)
+                  for to, at, n in _runs(block_ids, source_ids)]  # fmt: skip
+    else:
+        first, dest, count = heads
+        head = kv_caches[0][0, 0, 0].nbytes
+        pieces = [
+            (to * dst_block + dest * head, at * src_block + first * head, count * head)
+            for to, at in zip(block_ids.tolist(), source_ids.tolist(), strict=True)
+        ]
+    dst_values, src_values = kv_caches[0][0].nbytes, sources[0][0].nbytes
+    for dst_cache, src_cache in zip(kv_caches, sources, strict=True):
+        dst, src = _bytes(dst_cache), _bytes(src_cache)
+        for d, s in ((0, 0), (dst_values, src_values)):  # keys, then values
+            for to, at, n in pieces:
+                dst[d + to : d + to + n] = src[s + at : s + at + n]
+
+
+def _runs(block_ids: np.ndarray, source_ids: np.ndarray) -> list[tuple[int, int, int]]:
+    """(block id, source id, length) of each run of consecutive ids on both sides."""
+    if len(block_ids) != len(source_ids):
+        raise ValueError(f"{len(source_ids)} source blocks for {len(block_ids)} blocks")
+    if not len(block_ids):
+        return []
+    breaks = np.flatnonzero((np.diff(block_ids) != 1) | (np.diff(source_ids) != 1)) + 1
+    starts, ends = np.r_[0, breaks], np.r_[breaks, len(block_ids)]
+    pairs = zip(starts, ends, strict=True)
+    return [(int(block_ids[a]), int(source_ids[a]), int(b - a)) for a, b in pairs]
+
+
 def _for_each_layer(copy: Callable[[int], None], num_layers: int) -> None:
     """copy(layer) for every layer, spread over as many threads as torch computes with:
     those are idle while the KV is copied (before or after a step), and numpy's copies
@@ -132,6 +183,13 @@ def _head_rows(t: torch.Tensor) -> np.ndarray:
     row_bytes = t.shape[3] * t.element_size()
     flat = t.view(torch.uint8).numpy().reshape(*t.shape[:3], row_bytes)
     return flat.view(np.dtype((np.void, row_bytes)))[..., 0]
+
+
+def _bytes(t: torch.Tensor) -> memoryview:
+    """A contiguous host tensor's bytes, flat."""
+    if not t.is_contiguous():
+        raise ValueError(f"a cache layer of strides {t.stride()} is not contiguous")
+    return memoryview(t.view(torch.uint8).numpy()).cast("B")
 
 
 def _rows(t: torch.Tensor) -> np.ndarray:

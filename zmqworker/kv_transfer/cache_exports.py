@@ -1,30 +1,48 @@
-"""A prefill rank's GPU cache as a puller on its GPU reads it in place: each layer's CUDA
-IPC handle and offset (distributed/ipc_memory.py), exported once for each set of cache
-tensors (sleep and wake_up make new ones), and the answer that names a staging's blocks
-in them. Used on the server's thread; the cache is held by weak references only, so
-that it goes when the worker lets it go.
+"""A prefill rank's cache as a puller on its host reads it in place, and the answers that
+name a staging's blocks in it: a GPU cache through each layer's CUDA IPC handle and
+offset (distributed/ipc_memory.py), exported once for each set of cache tensors (sleep
+and wake_up make new ones); a host cache through the memfd that holds every layer
+(distributed/shared_cache.py). Used on the server's thread; the cache is held by weak
+references only, so that it goes when the worker lets it go.
 """
 
 from __future__ import annotations
 
+import os
 import weakref
+from collections.abc import Callable
 
 import torch
 
-from messages.kv_peer import CudaKV, CudaKVLayer
+from messages.kv_peer import CudaKV, CudaKVLayer, HostCacheKV, KVBlocks, KVLayout, KVPull, SharedKV
 from zmqworker.distributed.cuda_ipc import device_uuid
 from zmqworker.distributed.ipc_memory import IpcError, export
+from zmqworker.distributed.shared_cache import SharedKVCache
 
 
-class CacheExports:
+class NotShareable(RuntimeError):
+    """The cache cannot be read in place (the pulls get its bytes instead)."""
+
+
+class GpuCacheExports:
     def __init__(self, device: torch.device) -> None:
         self.gpu = device_uuid(device.index or 0)
         self._exported: tuple[list[weakref.ref], list[CudaKVLayer]] | None = None
 
-    def answer(self, caches: list[torch.Tensor], block_ids: list[int], hold_s: float) -> CudaKV:
-        """block_ids of caches, held hold_s from now; IpcError where the cache cannot be
-        shared (memory torch did not get from cudaMalloc, say)."""
-        return CudaKV(self.gpu, self._layers(caches), caches[0].shape[1], block_ids, hold_s)
+    def readable_by(self, pull: KVPull) -> bool:
+        return self.gpu in pull.gpus
+
+    def reply(
+        self,
+        req_id: str,
+        layout: KVLayout,
+        caches: list[torch.Tensor],
+        ids: list[int],
+        hold_s: float,
+    ) -> KVBlocks:
+        """The answer naming blocks ids of caches, held hold_s from now."""
+        cuda = CudaKV(self.gpu, self._layers(caches), caches[0].shape[1], ids, hold_s)
+        return KVBlocks(req_id, layout, len(ids), cuda=cuda)
 
     def _layers(self, caches: list[torch.Tensor]) -> list[CudaKVLayer]:
         if self._exported is not None:
@@ -35,8 +53,41 @@ class CacheExports:
         layers = []
         for cache in caches:
             if not cache.is_contiguous():
-                raise IpcError(f"a cache layer of strides {cache.stride()} is not contiguous")
-            exported = export(cache.data_ptr(), cache.device)
+                raise NotShareable(f"a cache layer of strides {cache.stride()} is not contiguous")
+            try:
+                exported = export(cache.data_ptr(), cache.device)
+            except IpcError as e:  # memory torch did not get from cudaMalloc, say
+                raise NotShareable(str(e)) from e
             layers.append(CudaKVLayer(exported.handle, exported.offset))
         self._exported = ([weakref.ref(cache) for cache in caches], layers)
         return layers
+
+
+class HostCacheExports:
+    def __init__(self, shared: Callable[[], SharedKVCache | None]) -> None:
+        """shared: the memfd holding the rank's cache now."""
+        self._shared = shared
+
+    def readable_by(self, pull: KVPull) -> bool:
+        return pull.host_cache
+
+    def reply(
+        self,
+        req_id: str,
+        layout: KVLayout,
+        caches: list[torch.Tensor],
+        ids: list[int],
+        hold_s: float,
+    ) -> KVBlocks:
+        """The answer naming blocks ids of caches, held hold_s from now."""
+        shared = self._shared()
+        if shared is None or shared.fd < 0 or len(shared.layers) != len(caches):
+            raise NotShareable("the host cache is not in shared memory")
+        if any(mine is not cache for mine, cache in zip(shared.layers, caches, strict=True)):
+            raise NotShareable("the host cache is not the one in shared memory")
+        memfd = SharedKV(os.getpid(), shared.fd, shared.nbytes, shared.inode)
+        host = HostCacheKV(memfd, shared.offsets, caches[0].shape[1], ids, hold_s)
+        return KVBlocks(req_id, layout, len(ids), host_cache=host)
+
+
+CacheExports = GpuCacheExports | HostCacheExports

@@ -23,7 +23,7 @@ import functools
 import torch
 
 from zmqworker.kv_transfer import block_copy_kernel
-from zmqworker.kv_transfer.cuda_peers import PeerCache
+from zmqworker.kv_transfer.peer_caches import PeerCache
 
 GROUP_BYTES = 256 << 20
 

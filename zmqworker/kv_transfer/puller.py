@@ -2,9 +2,10 @@
 (head_map.py: the rank of the same tp rank where the sizes match) for their heads of the
 request's staged KV and hand each piece that comes back to the worker's thread, which
 copies it into the request's blocks; then say KVDone, so the prefill side lets it go.
-On one host a piece comes as the producer's memfd (mapped here), or, where this rank's
-cache is on a GPU and it can open the producer's, as the producer's cache tensors
-themselves (CUDA IPC, cuda_peers.py) and the request's block ids in them. A
+On one host a piece comes as the producer's memfd (mapped here), or as the producer's
+cache itself and the request's block ids in it: where this rank's cache is on a GPU and
+it can open the producer's (CUDA IPC, cuda_peers.py), or where both caches are in host
+memory and the producer's lies in a memfd (host_peers.py). A
 refused pull, or an answer this rank cannot use, fails the load and says KVDone at once.
 
 One thread owns every socket (a CURVE DEALER per prefill address, the deployment's KV
@@ -19,11 +20,8 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any
 
 import msgspec
-import numpy as np
 import torch
 import zmq
 
@@ -31,9 +29,12 @@ from messages.kv_peer import KVBlocks, KVDone, KVLayout, KVPull
 from messages.kv_transfer import KVLoad
 from zmqworker.distributed.cuda_ipc import device_uuid
 from zmqworker.kv_transfer import wire
+from zmqworker.kv_transfer.arrived import Arrived
 from zmqworker.kv_transfer.blocks import staged_nbytes
-from zmqworker.kv_transfer.cuda_peers import PeerCache, PeerCaches, PeerCudaError
+from zmqworker.kv_transfer.cuda_peers import PeerCudaError, cuda_key, open_gpu_cache
 from zmqworker.kv_transfer.head_map import HeadMap, HeadSource
+from zmqworker.kv_transfer.host_peers import host_key, open_host_cache
+from zmqworker.kv_transfer.peer_caches import PeerCache, PeerCaches, checked_ids
 from zmqworker.kv_transfer.staging import PeerMappings, SharedMemoryError
 from zmqworker.transport.curve import KVKeys
 from zmqworker.transport.frames import recv_frames, send_frames
@@ -42,46 +43,6 @@ from zmqworker.transport.wake_pipe import WakePipe
 log = logging.getLogger("zmqworker.kv_transfer")
 COPY_POLL_MS = 1  # how often the thread looks at the device copies under way
 IDLE_POLL_MS = 500  # and at the openings of producers' caches, to close the idle ones
-
-
-@dataclass
-class Arrived:
-    """A piece of a load's KV from one source, ready to copy into its blocks (buffer:
-    [layers, 2, n, heads, slots] bytes of layout, the load's blocks from first_block on;
-    or sources: the producer's GPU cache, opened here, the load's blocks at source_ids in
-    them; the source's heads start at head first of it), or why it failed (error)."""
-
-    load: KVLoad
-    source: HeadSource
-    buffer: Any = None  # a zmq frame's buffer or a view of a peer's memfd mapping
-    keep: list[Any] = field(default_factory=list)  # what the buffer lives in
-    error: str | None = None
-    layout: KVLayout | None = None
-    first: int = 0
-    first_block: int = 0
-    unhold: Callable[[], None] | None = None  # lets the mapping the buffer is in go
-    sources: PeerCache | None = None
-    source_ids: np.ndarray | None = None  # int64
-    received: float = field(default_factory=time.monotonic)
-    hold_s: float = 0.0  # how long the producer holds sources' blocks from its answer
-
-    def stale(self, timeout_s: float) -> str | None:
-        """Why a copy out of the producer's GPU cache must not start now, or None: past
-        half of the time the producer holds the blocks from its answer (hold_s, and
-        this side's timeout_s where it said none or more)."""
-        limit_s = min(timeout_s, self.hold_s or timeout_s) / 2
-        age = time.monotonic() - self.received
-        if self.sources is None or age <= limit_s:
-            return None
-        return f"the prefill's answer is {age:.1f} s old, past {limit_s:.1f} s: its blocks may go"
-
-    def release(self) -> None:
-        """Nothing reads the buffer any more (its copies are done)."""
-        self.keep.clear()
-        self.buffer = self.sources = None
-        if self.unhold is not None:
-            self.unhold, unhold = None, self.unhold
-            unhold()
 
 
 class KVPuller:
@@ -101,19 +62,20 @@ class KVPuller:
         for it), or None. cuda_ipc: on one host, offer to read producers' GPU caches."""
         self.rank = rank
         self._on_arrival = on_arrival
-        self.num_pulled = {"cuda_ipc": 0, "memfd": 0, "tcp": 0}  # loads that came, by path
-        # Their payload bytes: over tcp the data frames received; through the memfd or a
-        # producer's GPU cache the bytes the copy reads (the blocks after the cached ones,
-        # the heads taken).
-        self.num_bytes = {"cuda_ipc": 0, "memfd": 0, "tcp": 0}
+        # Loads that came, by path, and their payload bytes: over tcp the data frames
+        # received; through the memfd or a producer's cache the bytes the copy reads (the
+        # blocks after the cached ones, the heads taken).
+        self.num_pulled = {"cuda_ipc": 0, "host_cache": 0, "memfd": 0, "tcp": 0}
+        self.num_bytes = dict.fromkeys(self.num_pulled, 0)
         self.layout = layout
         self.timeout_s = timeout_s
         self._keys = keys
         self._host_id = wire.boot_id() if shm else ""
         self._ctx = zmq.Context()
         self._socks: dict[str, zmq.Socket] = {}
+        self._device = device
         self._mappings = PeerMappings(device)
-        self._peer_caches = PeerCaches(device) if device is not None else None
+        self._peer_caches = PeerCaches()
         cuda = shm and cuda_ipc and device is not None
         self._gpus = [device_uuid(device.index or 0)] if cuda else []  # its own GPU
         self._no_ipc: set[str] = set()  # producer addresses whose caches cannot be opened
@@ -166,8 +128,7 @@ class KVPuller:
             sock.close(linger=0)
         self._ctx.term()
         self._mappings.close()
-        if self._peer_caches is not None:
-            self._peer_caches.close()
+        self._peer_caches.close()
 
     # the puller's thread ---------------------------------------------------------
 
@@ -184,7 +145,7 @@ class KVPuller:
                     timeout = max(0, int((soonest - time.monotonic()) * 1000) + 1)
                 if self._running:
                     timeout = COPY_POLL_MS if timeout < 0 else min(timeout, COPY_POLL_MS)
-                elif self._peer_caches is not None and self._peer_caches.any_open:
+                elif self._peer_caches.any_open:
                     timeout = IDLE_POLL_MS if timeout < 0 else min(timeout, IDLE_POLL_MS)
                 events = dict(poller.poll(timeout))
                 if self._wake.fd in events:
@@ -192,8 +153,7 @@ class KVPuller:
                     self._take_orders(poller, waiting)
                     self._take_copies()
                 self._copies_run(poller)
-                if self._peer_caches is not None:
-                    self._peer_caches.close_idle()
+                self._peer_caches.close_idle()
                 for address, sock in self._socks.items():
                     if events.get(sock):
                         self._receive(address, sock, waiting)
@@ -256,7 +216,8 @@ class KVPuller:
         return KVPull(load.remote.req_id, source.rank, self._host_id,
                       None if whole else heads, source.readers,
                       first_block=load.num_cached_blocks,
-                      gpus=self._gpus if openable else [])  # fmt: skip
+                      gpus=self._gpus if openable else [],
+                      host_cache=bool(self._host_id) and self._device is None)  # fmt: skip
 
     def _socket(self, address: str, poller: zmq.Poller) -> zmq.Socket:
         sock = self._socks.get(address)
@@ -343,20 +304,33 @@ class KVPuller:
         wanted = msgspec.structs.replace(self.layout, num_kv_heads=source.count)
         read = reply.num_blocks - load.num_cached_blocks
         if reply.cuda is not None:
-            if not self._gpus or self._peer_caches is None:
+            cuda, device = reply.cuda, self._device
+            if not self._gpus or device is None:
                 raise ValueError("an answer in CUDA memory to a pull that did not offer to open it")
-            if reply.cuda.device_uuid not in self._gpus:
-                raise ValueError(f"an answer in the memory of {reply.cuda.device_uuid}, not here")
+            if cuda.device_uuid not in self._gpus:
+                raise ValueError(f"an answer in the memory of {cuda.device_uuid}, not here")
             if address in self._no_ipc:
                 raise PeerCudaError("an answer in CUDA memory from a producer asked for bytes")
-            peer_caches = self._peer_caches
-            cache, ids = peer_caches.acquire(address, reply.cuda, staged, reply.num_blocks)
+            ids = checked_ids(cuda.block_ids, reply.num_blocks, cuda.num_cache_blocks)
+            arrived = Arrived(load, source, layout=staged, first=source.first, source_ids=ids,
+                              received=received, hold_s=cuda.hold_s)  # fmt: skip
+            opener = lambda: open_gpu_cache(cuda, staged, device)  # noqa: E731
+            arrived = self._in_place(address, cuda_key(cuda), opener, arrived)
             self.num_pulled["cuda_ipc"] += 1
             self.num_bytes["cuda_ipc"] += staged_nbytes(wanted, read)
-            return Arrived(load, source, layout=staged, first=source.first,
-                           sources=cache, source_ids=ids, received=received,
-                           hold_s=reply.cuda.hold_s,
-                           unhold=lambda: peer_caches.release(cache))  # fmt: skip
+            return arrived
+        if reply.host_cache is not None:
+            host = reply.host_cache
+            if not self._host_id or self._device is not None:
+                raise ValueError("an answer in a host cache to a pull that did not offer to map it")
+            ids = checked_ids(host.block_ids, reply.num_blocks, host.num_cache_blocks)
+            arrived = Arrived(load, source, layout=staged, first=source.first, source_ids=ids,
+                              received=received, hold_s=host.hold_s)  # fmt: skip
+            opener = lambda: open_host_cache(host, staged)  # noqa: E731
+            arrived = self._in_place(address, host_key(host), opener, arrived)
+            self.num_pulled["host_cache"] += 1
+            self.num_bytes["host_cache"] += staged_nbytes(wanted, read)
+            return arrived
         if reply.shared is not None:
             shared = reply.shared
             nbytes = staged_nbytes(staged, reply.num_blocks)
@@ -383,6 +357,16 @@ class KVPuller:
         self.num_bytes["tcp"] += nbytes
         return Arrived(load, source, frames[0].buffer, [frames[0]], layout=wanted,
                        first_block=reply.first_block)  # fmt: skip
+
+    def _in_place(
+        self, address: str, key: tuple, opener: Callable[[], PeerCache], arrived: Arrived
+    ) -> Arrived:
+        """arrived, reading the producer's cache at address (key names it; opener opens
+        it where it is not open here yet)."""
+        peer_caches = self._peer_caches
+        cache = peer_caches.acquire(address, key, opener)
+        arrived.sources, arrived.unhold = cache, lambda: peer_caches.release(cache)
+        return arrived
 
     @staticmethod
     def _failed(load: KVLoad, source: HeadSource, error: str) -> Arrived:

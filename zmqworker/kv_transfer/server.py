@@ -1,6 +1,6 @@
 """The prefill side's server: finished prefills' KV, handed to the decode ranks that pull
-it, over tcp, through a memfd (same host), or straight out of the GPU cache (same host,
-CUDA IPC).
+it, over tcp, through a memfd (same host), or straight out of the cache (same host: a GPU
+cache through CUDA IPC, a host cache through the memfd that holds it).
 
 A thread of its own serves a CURVE ROUTER (the deployment's KV keys; its ZAP handler
 admits their public key alone). A finished prefill's KV stays in the blocks that hold
@@ -8,12 +8,12 @@ it (the engine keeps them until it hears the request was sent), and is offered b
 block ids once the step that computed it is queued: nothing is copied on the worker's
 thread. This thread gathers the blocks into a sealed memfd, which every pull over tcp or
 through the memfd reads: as soon as they are offered, unless the last pull came from a
-puller that reads the cache itself (on this host, able to open the cache's GPU), else on
-the first pull that needs bytes. The server reads only blocks the engine holds for it,
-so steps go on beside it. A request's KV goes once each of its pullers (KVPull.readers:
-several where the decode instance's tensor parallel size differs, each taking its heads)
-says KVDone, or once nobody has taken it within the timeout: either way it is reported
-as finished sending, and the engine frees its blocks.
+puller that reads the cache itself (on this host, able to open the cache's GPU or map
+its host cache), else on the first pull that needs bytes. The server reads only blocks
+the engine holds for it, so steps go on beside it. A request's KV goes once each of its
+pullers (KVPull.readers: several where the decode instance's tensor parallel size
+differs, each taking its heads) says KVDone, or once nobody has taken it within the
+timeout: either way it is reported as finished sending, and the engine frees its blocks.
 """
 
 from __future__ import annotations
@@ -29,9 +29,14 @@ import torch
 import zmq
 
 from messages.kv_peer import KVBlocks, KVDone, KVLayout, KVPull, SharedKV
-from zmqworker.distributed.ipc_memory import IpcError
+from zmqworker.distributed.shared_cache import SharedKVCache
 from zmqworker.kv_transfer import wire
-from zmqworker.kv_transfer.cache_exports import CacheExports
+from zmqworker.kv_transfer.cache_exports import (
+    CacheExports,
+    GpuCacheExports,
+    HostCacheExports,
+    NotShareable,
+)
 from zmqworker.kv_transfer.staged import Staged, StagedBytes
 from zmqworker.transport.curve import KVKeys, make_server, start_zap
 from zmqworker.transport.frames import recv_frames, send_frames
@@ -56,16 +61,23 @@ class KVServer:
         timeout_s: float,
         kv_caches: Callable[[], list[torch.Tensor]],
         cuda_ipc: bool,
+        shared_cache: Callable[[], SharedKVCache | None] = lambda: None,
     ) -> None:
         """on_sent(req_id) is called (on the server's thread) when a request's staged KV
         is gone: pulled, or expired. kv_caches: the rank's cache tensors now. cuda_ipc:
-        answer pullers that can open the cache's GPU with its CUDA IPC handles."""
+        answer pullers that can open the cache's GPU with its CUDA IPC handles.
+        shared_cache: the memfd holding a host cache now (None: the cache is not in
+        one), whose pullers on this host map it."""
         self.rank = rank
         self._kv_caches = kv_caches
         device = kv_caches()[0].device
         self._cuda = device if device.type == "cuda" else None
-        # In-place reads (None: none, the cache on the CPU, CUDA IPC off or refused).
-        self._exports = CacheExports(device) if self._cuda and cuda_ipc else None
+        # In-place reads (None: none, CUDA IPC off, a private host cache, or refused).
+        self._exports: CacheExports | None = None
+        if self._cuda and cuda_ipc:
+            self._exports = GpuCacheExports(device)
+        elif self._cuda is None and shared_cache() is not None:
+            self._exports = HostCacheExports(shared_cache)
         # Whether the last pull read the cache itself: the next stagings wait for a pull
         # to be gathered (pullers are alike, as a rule).
         self._reads_in_place = self._exports is not None
@@ -212,16 +224,16 @@ class KVServer:
             staged.readers = pull.readers
             same_host = pull.host_id == self._host_id
             exports = self._exports
-            self._reads_in_place = same_host and exports is not None and exports.gpu in pull.gpus
+            self._reads_in_place = same_host and exports is not None and exports.readable_by(pull)
             if self._reads_in_place:
-                assert staged.ready is not None
-                if not staged.ready.query():  # its step still runs: answered once it ends
+                if staged.ready is not None and not staged.ready.query():
+                    # Its step still runs: answered once it ends.
                     self._unready.append((peer, pull, time.monotonic() + self._timeout_s))
                     return
                 try:
                     self._lend(peer, staged)
                     return
-                except IpcError as e:
+                except NotShareable as e:
                     log.warning("rank %d: the cache cannot be read in place (%s): memfds",
                                 self.rank, e)  # fmt: skip
                     self._exports, self._reads_in_place = None, False
@@ -246,8 +258,8 @@ class KVServer:
         assert self._exports is not None
         hold_s = LENT_TIMEOUTS * self._timeout_s
         ids = staged.block_ids.tolist()
-        cuda = self._exports.answer(self._kv_caches(), ids, hold_s)
-        if self._send(peer, KVBlocks(staged.req_id, self.layout, staged.num_blocks, cuda=cuda)):
+        reply = self._exports.reply(staged.req_id, self.layout, self._kv_caches(), ids, hold_s)
+        if self._send(peer, reply):
             staged.lent = True
             staged.deadline = time.monotonic() + hold_s
 

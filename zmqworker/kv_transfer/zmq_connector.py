@@ -8,9 +8,11 @@ the KV must land (its own block ids, allocated when it takes the request) and wh
 has room, so the prefill side never holds a peer's block ids or waits on its memory; the
 prefill side only keeps what it computed until it is taken or times out. Over tcp the
 bytes a pull takes travel as one frame (zero-copy where that is the whole staging); on
-one host the puller maps the prefill's memfd and copies straight into its cache, or,
-where both caches are on GPUs it can open, copies from the prefill's cache into its own
-on the device (CUDA IPC) and says KVDone once that copy has run. A
+one host the puller maps the prefill's memfd and copies straight into its cache, or
+copies from the prefill's cache itself into its own: where both caches are on GPUs it
+can open, on the device (CUDA IPC), saying KVDone once that copy has run; where both are
+in host memory and the prefill's lies in a memfd (a producer's host cache does), from
+its mapping. A
 load's first num_cached_blocks blocks hold their KV already (prefix-cache hits on the
 decode side): only the rest is copied in; the pull names them (KVPull.first_block), so
 over tcp only the blocks after them travel, and through a memfd only they are read.
@@ -34,11 +36,19 @@ from messages.kv_transfer import (
     KVSave,
     KVTransferConfig,
 )
+from zmqworker.distributed.shared_cache import SharedKVCache
 from zmqworker.kv_transfer import device_copies
-from zmqworker.kv_transfer.blocks import layout_of, scatter, scatter_heads, view_staged
+from zmqworker.kv_transfer.arrived import Arrived
+from zmqworker.kv_transfer.blocks import (
+    copy_blocks,
+    layout_of,
+    scatter,
+    scatter_heads,
+    view_staged,
+)
 from zmqworker.kv_transfer.connector import KVConnector
 from zmqworker.kv_transfer.head_map import HeadMapError, head_map
-from zmqworker.kv_transfer.puller import Arrived, KVPuller
+from zmqworker.kv_transfer.puller import KVPuller
 from zmqworker.kv_transfer.server import KVServer
 from zmqworker.transport.curve import KVKeys
 
@@ -55,10 +65,11 @@ class ZmqKVConnector(KVConnector):
         tp_size: int,
         keys: KVKeys | None,
         num_kv_heads: int | None = None,
+        shared_cache: Callable[[], SharedKVCache | None] = lambda: None,
     ) -> None:
         """kv_caches: the rank's cache tensors now (sleep and wake_up make new ones).
         num_kv_heads: the model's (all ranks'); None: spec's times tp_size (no replicated
-        heads)."""
+        heads). shared_cache: the memfd holding a host cache now, if one does."""
         if not kv_caches():
             raise ValueError("the KV connector needs the KV cache: make it after the cache")
         self.config = config
@@ -92,6 +103,7 @@ class ZmqKVConnector(KVConnector):
                     config.timeout_s,
                     kv_caches,
                     config.cuda_ipc,
+                    shared_cache,
                 )
             if config.consumes:
                 if locked_for is not None and config.shared_memory and config.cuda_ipc:
@@ -222,11 +234,13 @@ class ZmqKVConnector(KVConnector):
     def _copy_in(self, arrived: Arrived) -> None:
         load = arrived.load
         start = load.num_cached_blocks  # the blocks before it hold their KV here
-        if arrived.sources is not None:
+        if arrived.sources is not None and self.kv_caches()[0].device.type == "cuda":
             self._copy_from_device(arrived, start)
             return
         try:
-            if start < len(load.block_ids):
+            if start < len(load.block_ids) and arrived.sources is not None:
+                self._copy_from_host(arrived, start)
+            elif start < len(load.block_ids):
                 self._scatter(arrived, start)
         finally:  # copied or not, nothing reads the staging any more
             self._let_go(arrived)
@@ -244,6 +258,17 @@ class ZmqKVConnector(KVConnector):
         else:
             scatter_heads(self.kv_caches(), ids, staged, arrived.first, source.dest,
                           source.count)  # fmt: skip
+
+    def _copy_from_host(self, arrived: Arrived, start: int) -> None:
+        """Copy the load's blocks from start on out of the producer's host cache
+        (arrived.sources, mapped here; its blocks arrived.source_ids)."""
+        load, source, sources = arrived.load, arrived.source, arrived.sources
+        assert sources is not None and arrived.source_ids is not None
+        heads = None
+        if not source.count == self.layout.num_kv_heads == sources.num_kv_heads:
+            heads = (arrived.first, source.dest, source.count)
+        ids = np.asarray(load.block_ids[start:], np.int64)
+        copy_blocks(self.kv_caches(), ids, sources.layers, arrived.source_ids[start:], heads)
 
     def _copy_from_device(self, arrived: Arrived, start: int) -> None:
         """Queue the copy of the load's blocks from start on out of the producer's GPU

@@ -25,9 +25,9 @@ from messages import (
     SchedulerOutput,
     WorkerConfig,
 )
-from zmqworker.attention.kv_cache import allocate_kv_cache
 from zmqworker.distributed.parallel_state import ParallelState
 from zmqworker.distributed.pp_channel import PendingTensors
+from zmqworker.distributed.shared_cache import SharedKVCache
 from zmqworker.model_runner.async_output import AsyncModelRunnerOutput
 from zmqworker.model_runner.batch_update import ScheduledRequests
 from zmqworker.model_runner.cuda_graphs import Capture, StepGraphs
@@ -37,6 +37,7 @@ from zmqworker.model_runner.grammar import apply_grammar_output
 from zmqworker.model_runner.grammar_upload import BitmaskUpload
 from zmqworker.model_runner.input_batch import InputBatch
 from zmqworker.model_runner.kv_cache_config import check_kv_cache_config
+from zmqworker.model_runner.kv_cache_memory import make_caches, new_cache
 from zmqworker.model_runner.penalties import count_outputs
 from zmqworker.model_runner.pipeline_inputs import intermediate_inputs
 from zmqworker.model_runner.prompt_logprobs import plan_prompt_logprobs, prompt_logprobs
@@ -49,7 +50,7 @@ from zmqworker.model_runner.sampled_tokens import (
 )
 from zmqworker.model_runner.sampler import Sampler, SamplerOutput, SamplingMetadata
 from zmqworker.model_runner.triton_path import TritonPath
-from zmqworker.models.registry import build_model, torch_dtype
+from zmqworker.models.registry import build_model
 
 KERNELS = ("auto", "torch", "triton")
 
@@ -108,6 +109,7 @@ class ModelRunner:
             samples=state.is_last_stage,
         )
         self.kv_caches: list[torch.Tensor] = []
+        self.shared_kv: SharedKVCache | None = None  # the memfd holding kv_caches, if any
         self.sampler = Sampler(fused=self.fused)
         self.bitmask_upload = (
             BitmaskUpload(self.max_num_reqs, self.model.vocab_size, self.device)
@@ -153,25 +155,20 @@ class ModelRunner:
             raise ValueError(f"KV cache config has {num_blocks} blocks; at least 1 is needed")
         check_kv_cache_config(kv_cache_config, spec)
         self.release_kv_cache()
-        self.kv_caches = [self.new_cache(num_blocks) for _ in spec.layer_names]
+        transfer = self.config.kv_transfer
+        self.kv_caches, self.shared_kv = make_caches(spec, num_blocks, self.device, transfer)
         self.batch.num_kv_blocks = num_blocks
 
     def new_cache(self, num_blocks: int) -> torch.Tensor:
-        spec = self.get_kv_cache_spec()
-        return allocate_kv_cache(
-            num_blocks,
-            spec.block_size,
-            spec.num_kv_heads,
-            spec.head_size,
-            torch_dtype(spec.dtype),
-            self.device,
-        )
+        return new_cache(self.get_kv_cache_spec(), num_blocks, self.device)
 
     def release_kv_cache(self) -> None:
         """Drop the cache and the buffers sized from it or captured over it (the graphs,
         the attention's gather workspace): sleep and shutdown must give all back."""
         self.path.release_buffers()
-        self.kv_caches = []
+        if self.shared_kv is not None:
+            self.shared_kv.close()
+        self.kv_caches, self.shared_kv = [], None
         self.batch.num_kv_blocks = 0
 
     def profile_run(self) -> None:

@@ -170,6 +170,7 @@ class Worker(WorkerBase):
                 self.state.tp_group,
                 self.state.device,
                 _num_kv_heads(runner.model.hf_config),
+                lambda: runner.shared_kv,
             )
 
     def compile_or_warm_up_model(self) -> float:
