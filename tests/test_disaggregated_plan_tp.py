@@ -1,10 +1,12 @@
 """The disaggregated plan with a decode instance of another tensor parallel size: the
-decode engine core's workers get that size and the same blocks as the prefill's, and a
-size the model cannot be cut into is refused by name before anything starts."""
+decode engine core's workers get that size and the same blocks as the prefill's, both
+instances' CPU workers share the host's cores, and a size the model cannot be cut into
+is refused by name before anything starts."""
 
 from __future__ import annotations
 
 import inspect
+import os
 
 import pytest
 
@@ -34,6 +36,18 @@ def test_the_decode_instance_takes_its_own_size(prefill_tp: int, decode_tp: int)
     # The same blocks on both sides: bytes per worker scale with the heads each holds.
     assert decode.cache.kv_cache_bytes * decode_tp == 4096 * prefill_tp
     assert prefill.kv_transfer.role == "producer" and decode.kv_transfer.role == "consumer"
+
+
+@pytest.mark.parametrize("given", [None, 3])
+def test_the_two_instances_share_the_host_s_cores(given: int | None) -> None:
+    """On the CPU each instance's workers get their share of the cores of the pair's
+    ranks (oversubscribed, a long prefill would stall the decodes); a count given is
+    kept."""
+    pair = DisaggregatedPlan.of(plan(1, num_threads=given), decode_tp=2)
+    share = max(1, len(os.sched_getaffinity(0)) // 3)  # 1 prefill rank, 2 decode ranks
+    for index in (PREFILL, DECODE):
+        worker = pair.engine_config(index, "ipc:///x", "t").worker
+        assert worker.device.num_threads == (given or share)
 
 
 def test_a_decode_size_the_model_cannot_take_is_refused_by_name() -> None:

@@ -8,6 +8,7 @@ cache: the same blocks as the prefill's), and the key pair their KV sockets shar
 
 from __future__ import annotations
 
+import os
 import socket
 from dataclasses import dataclass
 from typing import Any
@@ -135,6 +136,14 @@ class DisaggregatedPlan:
                 cache = msgspec.structs.replace(cache, kv_cache_bytes=per_worker)
             parallel = msgspec.structs.replace(worker.parallel, tensor_parallel_size=self.decode_tp)
             worker = msgspec.structs.replace(worker, parallel=parallel, cache=cache)
+        if worker.device.device == "cpu" and worker.device.num_threads is None:
+            # Both instances' workers share this host's cores (a worker's own default
+            # counts its instance's ranks alone): oversubscribed, each would stall the
+            # other's steps.
+            cores = len(os.sched_getaffinity(0))
+            threads = max(1, cores // (prefill_tp + self.decode_tp))
+            device = msgspec.structs.replace(worker.device, num_threads=threads)
+            worker = msgspec.structs.replace(worker, device=device)
         return msgspec.structs.replace(config, worker=worker, engine_index=index)
 
 
