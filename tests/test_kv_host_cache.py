@@ -14,16 +14,17 @@ import time
 import numpy as np
 import pytest
 import torch
+import zmq
 
 from messages import KVCacheSpec
-from messages.kv_peer import HostCacheKV, SharedKV
+from messages.kv_peer import HostCacheKV, KVBlocks, SharedKV
 from messages.kv_transfer import KVConnectorMetadata, KVLoad, KVSave, KVTransferConfig, RemoteKV
-from tests.test_kv_connector import KEYS, free_port, names, until
+from tests.test_kv_connector import KEYS, free_port, names, peer, until
 from zmqworker.distributed.shared_cache import SharedKVCache
+from zmqworker.kv_transfer import wire
 from zmqworker.kv_transfer.blocks import copy_blocks, layout_of
 from zmqworker.kv_transfer.host_peers import open_host_cache
-from zmqworker.kv_transfer.peer_caches import IDLE_CLOSE_S
-from zmqworker.kv_transfer.staging import SharedMemoryError
+from zmqworker.kv_transfer.peer_caches import IDLE_CLOSE_S, PeerCacheError
 from zmqworker.kv_transfer.zmq_connector import ZmqKVConnector
 from zmqworker.model_runner.kv_cache_memory import make_caches
 
@@ -174,6 +175,7 @@ def test_kv_withdrawn_while_read_in_place_waits_for_its_reader() -> None:
         ({"num_cache_blocks": 10**6}, "bytes at offset 0 of a memfd of"),
         ("nbytes", "holds .* bytes, not"),
         ("inode", "is another memfd now"),
+        ("no-inode", "does not name the memfd's inode"),
         ("staging", "not a KV cache"),
     ],
 )
@@ -186,15 +188,44 @@ def test_an_answer_that_does_not_fit_its_cache_is_refused_before_mapping(change,
             memfd = SharedKV(memfd.pid, memfd.fd, memfd.nbytes + 4096, memfd.inode)
         elif change == "inode":
             memfd = SharedKV(memfd.pid, memfd.fd, memfd.nbytes, memfd.inode + 1)
+        elif change == "no-inode":
+            memfd = SharedKV(memfd.pid, memfd.fd, memfd.nbytes, 0)
         elif change == "staging":
-            memfd = SharedKV(memfd.pid, staging, memfd.nbytes, 0)
+            memfd = SharedKV(memfd.pid, staging, memfd.nbytes, memfd.inode)
         fields = {"offsets": shared.offsets, "num_cache_blocks": SHAPE[1], "block_ids": [0]}
         host = HostCacheKV(memfd, **(fields | (change if isinstance(change, dict) else {})))
-        with pytest.raises((ValueError, SharedMemoryError), match=error):
+        with pytest.raises((ValueError, PeerCacheError), match=error):
             open_host_cache(host, layout_of(SPEC))
     finally:
         os.close(staging)
         shared.close()
+
+
+def test_a_host_cache_that_cannot_be_mapped_is_asked_for_bytes_instead() -> None:
+    """From then on, of that producer alone: its answers come through a memfd."""
+    port = free_port()
+    ctx = zmq.Context()
+    side = consumer([torch.zeros(SHAPE) for _ in SPEC.layer_names])
+    null = os.open("/dev/null", os.O_RDONLY)
+    try:
+        server = peer(ctx, zmq.ROUTER, f"tcp://127.0.0.1:{port}")
+        pull(side, "r", [2], port)
+        assert server.poll(5000), "no pull"
+        who, body = server.recv_multipart()
+        assert wire.decode(body).host_cache
+        forged = HostCacheKV(SharedKV(os.getpid(), null, 4096, 1), [0, 0, 0], 1, [0])
+        server.send_multipart([who, wire.encode(KVBlocks("r", layout_of(SPEC), 1,
+                                                         host_cache=forged))])  # fmt: skip
+        assert server.poll(5000), "not asked again"
+        again = wire.decode(server.recv_multipart()[1])
+        assert again.req_id == "r" and again.host_id and not again.host_cache
+        server.send_multipart([who, wire.encode(KVBlocks("r", error="expired"))])
+        [failure] = names(until(side, bool), "failed_recving")
+        assert "expired" in failure.error
+    finally:
+        os.close(null)
+        side.shutdown()
+        ctx.destroy(linger=0)
 
 
 def test_a_cpu_producer_keeps_its_cache_in_a_memfd() -> None:
@@ -206,7 +237,8 @@ def test_a_cpu_producer_keeps_its_cache_in_a_memfd() -> None:
     assert shared is not None and os.readlink(f"/proc/self/fd/{shared.fd}").startswith(
         "/memfd:zmqworker-kv-cache"
     )
-    assert [t.data_ptr() - shared.address for t in layers] == shared.offsets
+    base = layers[0].data_ptr() - shared.offsets[0]
+    assert [t.data_ptr() - base for t in layers] == shared.offsets
     assert all(not t.any() for t in layers)  # zeroed, as every cache
     fd = shared.fd
     shared.close()

@@ -28,15 +28,16 @@ def create_sealed(name: str, nbytes: int) -> tuple[int, mmap.mmap]:
 
 
 def open_peer(
-    pid: int, peer_fd: int, name: str, error: type[Exception], what: str
+    pid: int, peer_fd: int, name: str, error: type[Exception], what: str, writable: bool = True
 ) -> tuple[int, int]:
     """(fd, size in bytes) of the peer's memfd, checked as the module says (error naming
-    the path otherwise); the caller closes the fd. OSError where it cannot be reached."""
+    the path otherwise), opened for writing too unless not writable; the caller closes
+    the fd. OSError where it cannot be reached."""
     path = f"/proc/{pid}/fd/{peer_fd}"
     target = os.readlink(path)
     if target.removesuffix(" (deleted)") != f"/memfd:{name}":
         raise error(f"{path} is {target!r}, not a {what}")
-    fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+    fd = os.open(path, (os.O_RDWR if writable else os.O_RDONLY) | os.O_CLOEXEC)
     try:
         if not fcntl.fcntl(fd, fcntl.F_GET_SEALS) & fcntl.F_SEAL_SHRINK:
             raise error(f"{path} is not sealed against shrinking")

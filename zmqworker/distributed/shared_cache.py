@@ -30,10 +30,16 @@ class SharedKVCache:
         stride = -(-layer_bytes // LAYER_ALIGN) * LAYER_ALIGN
         self.nbytes = max(stride * num_layers, 1)
         self.fd, memory = create_sealed(CACHE_MEMFD_NAME, self.nbytes)
+        try:
+            # Every page taken now, as a cache in private memory is: a host without
+            # room for it fails here, by name, not at some step's first touch of a page.
+            os.posix_fallocate(self.fd, 0, self.nbytes)
+        except OSError as e:
+            os.close(self.fd)
+            raise MemoryError(f"a KV cache of {self.nbytes} bytes in shared memory: {e}") from e
         self.inode = os.fstat(self.fd).st_ino
         self.offsets = [i * stride for i in range(num_layers)]
         flat = torch.frombuffer(memory, dtype=torch.uint8)  # holds the mapping alive
-        self.address = flat.data_ptr()
         self.layers = [
             flat[offset : offset + layer_bytes].view(dtype).view(shape) for offset in self.offsets
         ]

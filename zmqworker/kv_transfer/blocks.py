@@ -132,13 +132,20 @@ def copy_blocks(
     else:
         first, dest, count = heads
         head = kv_caches[0][0, 0, 0].nbytes
+        if sources[0][0, 0, 0].nbytes != head:
+            raise ValueError(f"heads of {sources[0][0, 0, 0].nbytes} bytes copied into {head}")
+        if first + count > sources[0].shape[2] or dest + count > kv_caches[0].shape[2]:
+            raise ValueError(
+                f"heads {first} .. {first + count - 1} of {sources[0].shape[2]} copied into "
+                f"heads {dest} .. of {kv_caches[0].shape[2]}"
+            )
         pieces = [
             (to * dst_block + dest * head, at * src_block + first * head, count * head)
             for to, at in zip(block_ids.tolist(), source_ids.tolist(), strict=True)
         ]
     dst_values, src_values = kv_caches[0][0].nbytes, sources[0][0].nbytes
     for dst_cache, src_cache in zip(kv_caches, sources, strict=True):
-        dst, src = _bytes(dst_cache), _bytes(src_cache)
+        dst, src = _bytes(dst_cache), _bytes(src_cache).toreadonly()
         for d, s in ((0, 0), (dst_values, src_values)):  # keys, then values
             for to, at, n in pieces:
                 dst[d + to : d + to + n] = src[s + at : s + at + n]

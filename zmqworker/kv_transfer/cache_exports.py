@@ -30,6 +30,7 @@ class GpuCacheExports:
         self._exported: tuple[list[weakref.ref], list[CudaKVLayer]] | None = None
 
     def readable_by(self, pull: KVPull) -> bool:
+        """Whether pull's puller can open this GPU (it is on this host)."""
         return self.gpu in pull.gpus
 
     def reply(
@@ -69,6 +70,7 @@ class HostCacheExports:
         self._shared = shared
 
     def readable_by(self, pull: KVPull) -> bool:
+        """Whether pull's puller can map a host cache (it is on this host)."""
         return pull.host_cache
 
     def reply(

@@ -14,14 +14,9 @@ from messages.kv_cache import DTYPE_BYTES
 from messages.kv_peer import CudaKV, KVLayout
 from zmqworker.attention.kv_cache import kv_cache_shape
 from zmqworker.distributed.ipc_memory import IpcError, Opened, close_handle, open_handle
-from zmqworker.kv_transfer.peer_caches import PeerCache
+from zmqworker.kv_transfer.peer_caches import ALIGN, PeerCache, PeerCacheError
 
 log = logging.getLogger("zmqworker.kv_transfer")
-ALIGN = 16  # bytes: a cache tensor's allocation is aligned far beyond, a forged offset not
-
-
-class PeerCudaError(RuntimeError):
-    """A producer's cache cannot be opened here."""
 
 
 def cuda_key(cuda: CudaKV) -> tuple:
@@ -31,7 +26,7 @@ def cuda_key(cuda: CudaKV) -> tuple:
 
 def open_gpu_cache(cuda: CudaKV, layout: KVLayout, device: torch.device) -> PeerCache:
     """The cache cuda names (of layout: the producer's heads) opened on device; ValueError
-    where the answer does not fit it, PeerCudaError where it cannot be opened here."""
+    where the answer does not fit it, PeerCacheError where it cannot be opened here."""
     if len(cuda.layers) != layout.num_layers:
         raise ValueError(f"{len(cuda.layers)} layers of GPU cache for {layout.num_layers}")
     shape = kv_cache_shape(cuda.num_cache_blocks, layout.block_size, layout.num_kv_heads,
@@ -55,7 +50,7 @@ def open_gpu_cache(cuda: CudaKV, layout: KVLayout, device: torch.device) -> Peer
     except BaseException as e:
         _close_all(list(by_handle.values()), device)
         if isinstance(e, IpcError):
-            raise PeerCudaError(str(e)) from e
+            raise PeerCacheError(str(e)) from e
         raise
     close = functools.partial(_close_all, list(by_handle.values()), device)
     return PeerCache(cuda_key(cuda), layers, cuda.num_cache_blocks, layout.num_kv_heads, close)

@@ -22,11 +22,9 @@ from messages.kv_peer import HostCacheKV, KVLayout
 from zmqworker.attention.kv_cache import kv_cache_shape
 from zmqworker.distributed.sealed_memfd import open_peer
 from zmqworker.distributed.shared_cache import CACHE_MEMFD_NAME
-from zmqworker.kv_transfer.peer_caches import PeerCache
+from zmqworker.kv_transfer.peer_caches import ALIGN, PeerCache, PeerCacheError
 from zmqworker.kv_transfer.staging import SharedMemoryError
 from zmqworker.models.registry import torch_dtype
-
-ALIGN = 16  # bytes: shared_cache.py aligns each layer to a page, a forged offset not
 
 
 def host_key(host: HostCacheKV) -> tuple:
@@ -37,17 +35,23 @@ def host_key(host: HostCacheKV) -> tuple:
 
 def open_host_cache(host: HostCacheKV, layout: KVLayout) -> PeerCache:
     """The cache host names (of layout: the producer's heads), mapped; ValueError where
-    the answer does not fit it, OSError or SharedMemoryError where it cannot be mapped."""
+    the answer does not fit it, PeerCacheError where it cannot be mapped here."""
     if len(host.offsets) != layout.num_layers:
         raise ValueError(f"{len(host.offsets)} layers of host cache for {layout.num_layers}")
+    if not host.memfd.inode:  # a producer's new cache may take the old one's fd number
+        raise ValueError("an answer in a host cache that does not name the memfd's inode")
     shape = kv_cache_shape(host.num_cache_blocks, layout.block_size, layout.num_kv_heads,
                            layout.head_size)  # fmt: skip
     layer_bytes = math.prod(shape) * DTYPE_BYTES[layout.dtype]
     memfd = host.memfd
-    fd, size = open_peer(memfd.pid, memfd.fd, CACHE_MEMFD_NAME, SharedMemoryError, "KV cache")
+    try:
+        fd, size = open_peer(memfd.pid, memfd.fd, CACHE_MEMFD_NAME, SharedMemoryError,
+                             "KV cache", writable=False)  # fmt: skip
+    except (OSError, SharedMemoryError) as e:
+        raise PeerCacheError(str(e)) from e
     try:
         inode = os.fstat(fd).st_ino
-        if memfd.inode and inode != memfd.inode:
+        if inode != memfd.inode:
             raise ValueError(
                 f"the peer's fd {memfd.fd} is another memfd now (inode {inode}, not "
                 f"{memfd.inode}): the cache it held is gone"
@@ -61,7 +65,10 @@ def open_host_cache(host: HostCacheKV, layout: KVLayout) -> PeerCache:
                 raise ValueError(
                     f"a cache layer of {layer_bytes} bytes at offset {offset} of a memfd of {size}"
                 )
-        memory = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+        try:
+            memory = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+        except OSError as e:
+            raise PeerCacheError(f"the peer's KV cache cannot be mapped: {e}") from e
     finally:
         os.close(fd)
     with warnings.catch_warnings():  # read-only: the tensors over it are only read

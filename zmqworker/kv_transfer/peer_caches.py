@@ -22,16 +22,20 @@ import numpy as np
 
 log = logging.getLogger("zmqworker.kv_transfer")
 IDLE_CLOSE_S = 2.0
+ALIGN = 16  # bytes: a cache layer's offset (real ones are aligned far beyond, forged not)
 
 
-@dataclass
+class PeerCacheError(RuntimeError):
+    """A producer's cache cannot be opened here (its pulls take bytes instead)."""
+
+
+@dataclass(eq=False)
 class PeerCache:
     """A producer's cache opened here: each layer ([2, num_blocks, heads, slots],
-    contiguous) as this side reads it (a GPU cache: its address here; a host cache: a
-    tensor over the mapping), how to close it, and the copies reading it."""
+    contiguous) as this side reads it, how to close it, and the copies reading it."""
 
     key: tuple
-    layers: list[Any]
+    layers: list[Any]  # a GPU cache: each layer's address here; a host cache: a tensor
     num_blocks: int
     num_kv_heads: int
     close: Callable[[], None]

@@ -31,10 +31,10 @@ from zmqworker.distributed.cuda_ipc import device_uuid
 from zmqworker.kv_transfer import wire
 from zmqworker.kv_transfer.arrived import Arrived
 from zmqworker.kv_transfer.blocks import staged_nbytes
-from zmqworker.kv_transfer.cuda_peers import PeerCudaError, cuda_key, open_gpu_cache
+from zmqworker.kv_transfer.cuda_peers import cuda_key, open_gpu_cache
 from zmqworker.kv_transfer.head_map import HeadMap, HeadSource
 from zmqworker.kv_transfer.host_peers import host_key, open_host_cache
-from zmqworker.kv_transfer.peer_caches import PeerCache, PeerCaches, checked_ids
+from zmqworker.kv_transfer.peer_caches import PeerCache, PeerCacheError, PeerCaches, checked_ids
 from zmqworker.kv_transfer.staging import PeerMappings, SharedMemoryError
 from zmqworker.transport.curve import KVKeys
 from zmqworker.transport.frames import recv_frames, send_frames
@@ -78,7 +78,7 @@ class KVPuller:
         self._peer_caches = PeerCaches()
         cuda = shm and cuda_ipc and device is not None
         self._gpus = [device_uuid(device.index or 0)] if cuda else []  # its own GPU
-        self._no_ipc: set[str] = set()  # producer addresses whose caches cannot be opened
+        self._not_in_place: set[str] = set()  # producers whose caches cannot be opened
         self._orders: queue.SimpleQueue[tuple[str, KVLoad, HeadSource]] = queue.SimpleQueue()
         self._copies: queue.SimpleQueue[tuple[torch.cuda.Event, Arrived]] = queue.SimpleQueue()
         self._running: list[tuple[torch.cuda.Event, Arrived]] = []  # the thread's
@@ -212,12 +212,13 @@ class KVPuller:
     def _pull_of(self, load: KVLoad, source: HeadSource) -> KVPull:
         heads = (source.first, source.count)
         whole = heads == (0, source.staged_heads)
-        openable = self._host_id and load.remote.addresses[source.rank] not in self._no_ipc
+        address = load.remote.addresses[source.rank]
+        openable = bool(self._host_id) and address not in self._not_in_place
         return KVPull(load.remote.req_id, source.rank, self._host_id,
                       None if whole else heads, source.readers,
                       first_block=load.num_cached_blocks,
                       gpus=self._gpus if openable else [],
-                      host_cache=bool(self._host_id) and self._device is None)  # fmt: skip
+                      host_cache=openable and self._device is None)  # fmt: skip
 
     def _socket(self, address: str, poller: zmq.Poller) -> zmq.Socket:
         sock = self._socks.get(address)
@@ -253,12 +254,13 @@ class KVPuller:
             load, source, _ = entry
             try:
                 arrived = self._unpack(address, load, source, reply, frames[1:], received)
-            except PeerCudaError as e:
-                # The producer's GPU is not this process's to open: its memfd from now on
-                # (an answer to a pull sent before that is asked again too).
-                if address not in self._no_ipc:
-                    log.info("rank %d: no CUDA IPC with %s (%s): memfd", self.rank, address, e)
-                self._no_ipc.add(address)
+            except PeerCacheError as e:
+                # The producer's cache is not this process's to open: its memfd from now
+                # on (an answer to a pull sent before that is asked again too).
+                if address not in self._not_in_place:
+                    log.info("rank %d: cannot read the cache of %s in place (%s): memfd",
+                             self.rank, address, e)  # fmt: skip
+                self._not_in_place.add(address)
                 waiting[(address, reply.req_id)] = entry
                 send_frames(sock, [wire.encode(self._pull_of(load, source))])
                 continue
@@ -309,8 +311,8 @@ class KVPuller:
                 raise ValueError("an answer in CUDA memory to a pull that did not offer to open it")
             if cuda.device_uuid not in self._gpus:
                 raise ValueError(f"an answer in the memory of {cuda.device_uuid}, not here")
-            if address in self._no_ipc:
-                raise PeerCudaError("an answer in CUDA memory from a producer asked for bytes")
+            if address in self._not_in_place:
+                raise PeerCacheError("an answer in CUDA memory from a producer asked for bytes")
             ids = checked_ids(cuda.block_ids, reply.num_blocks, cuda.num_cache_blocks)
             arrived = Arrived(load, source, layout=staged, first=source.first, source_ids=ids,
                               received=received, hold_s=cuda.hold_s)  # fmt: skip
@@ -323,6 +325,8 @@ class KVPuller:
             host = reply.host_cache
             if not self._host_id or self._device is not None:
                 raise ValueError("an answer in a host cache to a pull that did not offer to map it")
+            if address in self._not_in_place:
+                raise PeerCacheError("an answer in a host cache from a producer asked for bytes")
             ids = checked_ids(host.block_ids, reply.num_blocks, host.num_cache_blocks)
             arrived = Arrived(load, source, layout=staged, first=source.first, source_ids=ids,
                               received=received, hold_s=host.hold_s)  # fmt: skip
