@@ -92,7 +92,8 @@ def copy_blocks(
     CUDA IPC) into block_ids of kv_caches, in one launch; heads as scatter's. Queued on
     the current stream, after the steps already there (they may still use the blocks the
     load was given), with nothing for the host to wait on: the layers' addresses and the
-    ids cross in one copy from page-locked memory, on the copy stream."""
+    ids cross in one copy from page-locked memory, queued there too (the launch waits
+    for those steps anyway; a stream of its own would only add the hand-over)."""
     device = kv_caches[0].device
     n, layers = len(block_ids), len(kv_caches)
     if len(source.layers) != layers:
@@ -103,16 +104,11 @@ def copy_blocks(
     table[layers : 2 * layers] = source.layers
     table[2 * layers : 2 * layers + n] = block_ids.numpy()
     table[2 * layers + n :] = source_ids.numpy()
-    side = _copy_stream(device)
-    with torch.cuda.stream(side):
-        on_device = host.to(device, non_blocking=True)
-    current = torch.cuda.current_stream(device)
-    current.wait_stream(side)
+    on_device = host.to(device, non_blocking=True)
     dst_table, src_table = on_device[:layers], on_device[layers : 2 * layers]
     ids, src_ids = on_device[2 * layers : 2 * layers + n], on_device[2 * layers + n :]
     shape = (source.num_blocks, source.num_kv_heads)
     block_copy_kernel.copy_blocks(kv_caches, dst_table, ids, src_table, src_ids, shape, heads)
-    on_device.record_stream(current)
 
 
 def warm_up_copies(kv_caches: list[torch.Tensor]) -> None:
