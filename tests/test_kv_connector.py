@@ -35,6 +35,7 @@ from zmqworker.kv_transfer import wire
 from zmqworker.kv_transfer.arrived import Arrived
 from zmqworker.kv_transfer.blocks import layout_of
 from zmqworker.kv_transfer.head_map import HeadSource
+from zmqworker.kv_transfer.peer_caches import IDLE_CLOSE_S
 from zmqworker.kv_transfer.zmq_connector import ZmqKVConnector
 from zmqworker.transport.curve import KVKeys, make_server
 
@@ -87,6 +88,15 @@ def until(side: ZmqKVConnector, done, timeout: float = 10.0) -> list[KVConnector
         if out is not None:
             outputs.append(out)
     return outputs
+
+
+def until_closed(peer_caches, what: str) -> None:
+    """Until a puller's openings of producers' caches are all closed: once idle, so that
+    the producers' memory may go."""
+    deadline = time.monotonic() + IDLE_CLOSE_S + 5
+    while peer_caches.any_open:
+        assert time.monotonic() < deadline, what
+        time.sleep(0.1)
 
 
 def names(outputs: list[KVConnectorOutput], what: str) -> list[str]:

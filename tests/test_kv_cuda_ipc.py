@@ -23,11 +23,12 @@ from messages.kv_transfer import (
     KVTransferConfig,
     RemoteKV,
 )
+from tests.test_kv_connector import until_closed
 from zmqworker.kv_transfer.arrived import Arrived
 from zmqworker.kv_transfer.blocks import layout_of
 from zmqworker.kv_transfer.cuda_peers import open_gpu_cache
 from zmqworker.kv_transfer.head_map import HeadSource
-from zmqworker.kv_transfer.peer_caches import IDLE_CLOSE_S, PeerCache, checked_ids
+from zmqworker.kv_transfer.peer_caches import PeerCache, checked_ids
 from zmqworker.kv_transfer.zmq_connector import ZmqKVConnector
 from zmqworker.transport.curve import KVKeys
 
@@ -134,12 +135,8 @@ def test_blocks_come_straight_out_of_the_producer_s_gpu_cache():
                 assert torch.equal(target[layer][:, kept], before[layer][:, kept])
                 target[layer][:, dest] = before[layer][:, dest]  # as new for the next
         assert consumer.puller.num_pulled == {"cuda_ipc": 2, "host_cache": 0, "memfd": 0, "tcp": 0}
-        peer_caches = consumer.puller._peer_caches
-        assert peer_caches.any_open  # kept for the next pulls
-        deadline = time.monotonic() + IDLE_CLOSE_S + 5
-        while peer_caches.any_open:  # closed once idle: the producer's memory may go
-            assert time.monotonic() < deadline, "the producer's cache stayed open"
-            time.sleep(0.1)
+        assert consumer.puller._peer_caches.any_open  # kept for the next pulls
+        until_closed(consumer.puller._peer_caches, "the producer's cache stayed open")
     finally:
         consumer.shutdown()
         conn.send("quit")

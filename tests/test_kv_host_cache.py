@@ -19,12 +19,12 @@ import zmq
 from messages import KVCacheSpec
 from messages.kv_peer import HostCacheKV, KVBlocks, SharedKV
 from messages.kv_transfer import KVConnectorMetadata, KVLoad, KVSave, KVTransferConfig, RemoteKV
-from tests.test_kv_connector import KEYS, free_port, names, peer, until
+from tests.test_kv_connector import KEYS, free_port, names, peer, until, until_closed
 from zmqworker.distributed.shared_cache import SharedKVCache
 from zmqworker.kv_transfer import wire
 from zmqworker.kv_transfer.blocks import copy_blocks, layout_of
 from zmqworker.kv_transfer.host_peers import open_host_cache
-from zmqworker.kv_transfer.peer_caches import IDLE_CLOSE_S, PeerCacheError
+from zmqworker.kv_transfer.peer_caches import PeerCacheError
 from zmqworker.kv_transfer.zmq_connector import ZmqKVConnector
 from zmqworker.model_runner.kv_cache_memory import make_caches
 
@@ -90,11 +90,7 @@ def test_blocks_land_from_the_producer_s_host_cache_in_place(source, dest, cache
         for mine, theirs in zip(target, producer.shared.layers, strict=True):
             assert torch.equal(mine[:, dest[cached:]], theirs[:, source[cached:]])
             assert not mine[:, dest[:cached]].any()  # held here already: untouched
-        peer_caches = side.puller._peer_caches
-        deadline = time.monotonic() + IDLE_CLOSE_S + 5
-        while peer_caches.any_open:  # closed once idle: the producer's memory may go
-            assert time.monotonic() < deadline, "the producer's cache was never unmapped"
-            time.sleep(0.1)
+        until_closed(side.puller._peer_caches, "the producer's cache was never unmapped")
     finally:
         side.shutdown()
         producer.close()

@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import torch
 
-from messages.kv_peer import CudaKV, CudaKVLayer, HostCacheKV, KVBlocks, KVLayout, KVPull, SharedKV
+from messages.kv_peer import CudaKV, CudaKVLayer, HostCacheKV, KVPull, SharedKV
 from zmqworker.distributed.cuda_ipc import device_uuid
 from zmqworker.distributed.ipc_memory import IpcError, export
 from zmqworker.distributed.shared_cache import SharedKVCache
@@ -33,17 +33,9 @@ class GpuCacheExports:
         """Whether pull's puller can open this GPU (it is on this host)."""
         return self.gpu in pull.gpus
 
-    def reply(
-        self,
-        req_id: str,
-        layout: KVLayout,
-        caches: list[torch.Tensor],
-        ids: list[int],
-        hold_s: float,
-    ) -> KVBlocks:
-        """The answer naming blocks ids of caches, held hold_s from now."""
-        cuda = CudaKV(self.gpu, self._layers(caches), caches[0].shape[1], ids, hold_s)
-        return KVBlocks(req_id, layout, len(ids), cuda=cuda)
+    def answer(self, caches: list[torch.Tensor], ids: list[int], hold_s: float) -> CudaKV:
+        """Blocks ids of caches, held hold_s from now."""
+        return CudaKV(self.gpu, self._layers(caches), caches[0].shape[1], ids, hold_s)
 
     def _layers(self, caches: list[torch.Tensor]) -> list[CudaKVLayer]:
         if self._exported is not None:
@@ -73,23 +65,15 @@ class HostCacheExports:
         """Whether pull's puller can map a host cache (it is on this host)."""
         return pull.host_cache
 
-    def reply(
-        self,
-        req_id: str,
-        layout: KVLayout,
-        caches: list[torch.Tensor],
-        ids: list[int],
-        hold_s: float,
-    ) -> KVBlocks:
-        """The answer naming blocks ids of caches, held hold_s from now."""
+    def answer(self, caches: list[torch.Tensor], ids: list[int], hold_s: float) -> HostCacheKV:
+        """Blocks ids of caches, held hold_s from now."""
         shared = self._shared()
         if shared is None or shared.fd < 0 or len(shared.layers) != len(caches):
             raise NotShareable("the host cache is not in shared memory")
         if any(mine is not cache for mine, cache in zip(shared.layers, caches, strict=True)):
             raise NotShareable("the host cache is not the one in shared memory")
         memfd = SharedKV(os.getpid(), shared.fd, shared.nbytes, shared.inode)
-        host = HostCacheKV(memfd, shared.offsets, caches[0].shape[1], ids, hold_s)
-        return KVBlocks(req_id, layout, len(ids), host_cache=host)
+        return HostCacheKV(memfd, shared.offsets, caches[0].shape[1], ids, hold_s)
 
 
 CacheExports = GpuCacheExports | HostCacheExports

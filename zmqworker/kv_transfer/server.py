@@ -28,7 +28,7 @@ import numpy as np
 import torch
 import zmq
 
-from messages.kv_peer import KVBlocks, KVDone, KVLayout, KVPull, SharedKV
+from messages.kv_peer import CudaKV, HostCacheKV, KVBlocks, KVDone, KVLayout, KVPull, SharedKV
 from zmqworker.distributed.shared_cache import SharedKVCache
 from zmqworker.kv_transfer import wire
 from zmqworker.kv_transfer.cache_exports import (
@@ -258,7 +258,10 @@ class KVServer:
         assert self._exports is not None
         hold_s = LENT_TIMEOUTS * self._timeout_s
         ids = staged.block_ids.tolist()
-        reply = self._exports.reply(staged.req_id, self.layout, self._kv_caches(), ids, hold_s)
+        answer = self._exports.answer(self._kv_caches(), ids, hold_s)
+        cuda = answer if isinstance(answer, CudaKV) else None
+        host = answer if isinstance(answer, HostCacheKV) else None
+        reply = KVBlocks(staged.req_id, self.layout, len(ids), cuda=cuda, host_cache=host)
         if self._send(peer, reply):
             staged.lent = True
             staged.deadline = time.monotonic() + hold_s
