@@ -38,16 +38,23 @@ def test_the_decode_instance_takes_its_own_size(prefill_tp: int, decode_tp: int)
     assert prefill.kv_transfer.role == "producer" and decode.kv_transfer.role == "consumer"
 
 
-@pytest.mark.parametrize("given", [None, 3])
-def test_the_two_instances_share_the_host_s_cores(given: int | None) -> None:
-    """On the CPU each instance's workers get their share of the cores of the pair's
-    ranks (oversubscribed, a long prefill would stall the decodes); a count given is
-    kept."""
+@pytest.mark.parametrize(
+    ("given", "omp", "threads"), [(None, None, 4), (3, None, 3), (None, "5", None)]
+)
+def test_the_two_instances_share_the_host_s_cores(monkeypatch, given, omp, threads) -> None:
+    """On the CPU each instance's workers get their share of the cores over the pair's
+    ranks (oversubscribed, a long prefill would stall the decodes): 12 cores over 1
+    prefill rank and 2 decode ranks, 4 threads each; a count given stands, and so does
+    OMP_NUM_THREADS (the workers read it)."""
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(12)))
+    if omp is None:
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    else:
+        monkeypatch.setenv("OMP_NUM_THREADS", omp)
     pair = DisaggregatedPlan.of(plan(1, num_threads=given), decode_tp=2)
-    share = max(1, len(os.sched_getaffinity(0)) // 3)  # 1 prefill rank, 2 decode ranks
     for index in (PREFILL, DECODE):
         worker = pair.engine_config(index, "ipc:///x", "t").worker
-        assert worker.device.num_threads == (given or share)
+        assert worker.device.num_threads == threads
 
 
 def test_a_decode_size_the_model_cannot_take_is_refused_by_name() -> None:

@@ -17,7 +17,7 @@ import torch
 import zmq
 
 from messages import KVCacheSpec
-from messages.kv_peer import HostCacheKV, KVBlocks, SharedKV
+from messages.kv_peer import HostCacheKV, KVBlocks, KVPull, SharedKV
 from messages.kv_transfer import KVConnectorMetadata, KVLoad, KVSave, KVTransferConfig, RemoteKV
 from tests.test_kv_connector import KEYS, free_port, names, peer, until, until_closed
 from zmqworker.distributed.shared_cache import SharedKVCache
@@ -197,8 +197,9 @@ def test_an_answer_that_does_not_fit_its_cache_is_refused_before_mapping(change,
         shared.close()
 
 
-def test_a_host_cache_that_cannot_be_mapped_is_asked_for_bytes_instead() -> None:
-    """From then on, of that producer alone: its answers come through a memfd."""
+def test_a_host_cache_that_cannot_be_opened_is_asked_for_bytes_instead() -> None:
+    """The pull is asked again for a memfd (and fails if answered in place again), and so
+    is every later pull of that producer."""
     port = free_port()
     ctx = zmq.Context()
     side = consumer([torch.zeros(SHAPE) for _ in SPEC.layer_names])
@@ -215,9 +216,17 @@ def test_a_host_cache_that_cannot_be_mapped_is_asked_for_bytes_instead() -> None
         assert server.poll(5000), "not asked again"
         again = wire.decode(server.recv_multipart()[1])
         assert again.req_id == "r" and again.host_id and not again.host_cache
-        server.send_multipart([who, wire.encode(KVBlocks("r", error="expired"))])
+        # Answered in place again: the load fails (it is not asked a third time).
+        server.send_multipart([who, wire.encode(KVBlocks("r", layout_of(SPEC), 1,
+                                                         host_cache=forged))])  # fmt: skip
         [failure] = names(until(side, bool), "failed_recving")
-        assert "expired" in failure.error
+        assert "from a producer asked for bytes" in failure.error
+        pull(side, "later", [3], port)
+        later = None
+        while not isinstance(later, KVPull):  # after the KVDone of "r"
+            assert server.poll(5000), "no later pull"
+            later = wire.decode(server.recv_multipart()[1])
+        assert later.req_id == "later" and later.host_id and not later.host_cache
     finally:
         os.close(null)
         side.shutdown()

@@ -31,11 +31,12 @@ class SharedKVCache:
         self.nbytes = max(stride * num_layers, 1)
         self.fd, memory = create_sealed(CACHE_MEMFD_NAME, self.nbytes)
         try:
-            # Every page taken now, as a cache in private memory is: a host without
-            # room for it fails here, by name, not at some step's first touch of a page.
+            # Every page taken now, as a cache in private memory is (where the host
+            # refuses, here and by name, rather than at some step's first touch).
             os.posix_fallocate(self.fd, 0, self.nbytes)
         except OSError as e:
             os.close(self.fd)
+            memory.close()
             raise MemoryError(f"a KV cache of {self.nbytes} bytes in shared memory: {e}") from e
         self.inode = os.fstat(self.fd).st_ino
         self.offsets = [i * stride for i in range(num_layers)]

@@ -136,10 +136,11 @@ class DisaggregatedPlan:
                 cache = msgspec.structs.replace(cache, kv_cache_bytes=per_worker)
             parallel = msgspec.structs.replace(worker.parallel, tensor_parallel_size=self.decode_tp)
             worker = msgspec.structs.replace(worker, parallel=parallel, cache=cache)
-        if worker.device.device == "cpu" and worker.device.num_threads is None:
+        local = self.plan.executor == "mp" and not os.environ.get("OMP_NUM_THREADS")
+        if worker.device.device == "cpu" and worker.device.num_threads is None and local:
             # Both instances' workers share this host's cores (a worker's own default
             # counts its instance's ranks alone): oversubscribed, each would stall the
-            # other's steps.
+            # other's steps. A count given (OMP_NUM_THREADS too: Ray sets it) stands.
             cores = len(os.sched_getaffinity(0))
             threads = max(1, cores // (prefill_tp + self.decode_tp))
             device = msgspec.structs.replace(worker.device, num_threads=threads)

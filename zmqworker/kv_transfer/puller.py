@@ -79,6 +79,7 @@ class KVPuller:
         cuda = shm and cuda_ipc and device is not None
         self._gpus = [device_uuid(device.index or 0)] if cuda else []  # its own GPU
         self._not_in_place: set[str] = set()  # producers whose caches cannot be opened
+        self._asked_again: set[tuple[str, str]] = set()  # (address, req_id) asked for bytes
         self._orders: queue.SimpleQueue[tuple[str, KVLoad, HeadSource]] = queue.SimpleQueue()
         self._copies: queue.SimpleQueue[tuple[torch.cuda.Event, Arrived]] = queue.SimpleQueue()
         self._running: list[tuple[torch.cuda.Event, Arrived]] = []  # the thread's
@@ -161,6 +162,7 @@ class KVPuller:
                 for key, (load, source, deadline) in list(waiting.items()):
                     if deadline <= now:
                         del waiting[key]
+                        self._asked_again.discard(key)
                         error = f"no answer from {key[0]} within {self.timeout_s} s"
                         self._fail(load, source, error)
         except Exception:
@@ -255,15 +257,20 @@ class KVPuller:
             try:
                 arrived = self._unpack(address, load, source, reply, frames[1:], received)
             except PeerCacheError as e:
-                # The producer's cache is not this process's to open: its memfd from now
-                # on (an answer to a pull sent before that is asked again too).
-                if address not in self._not_in_place:
-                    log.info("rank %d: cannot read the cache of %s in place (%s): memfd",
-                             self.rank, address, e)  # fmt: skip
-                self._not_in_place.add(address)
-                waiting[(address, reply.req_id)] = entry
-                send_frames(sock, [wire.encode(self._pull_of(load, source))])
-                continue
+                key = (address, reply.req_id)
+                if key in self._asked_again:  # and answered in place again: it fails
+                    arrived = self._failed(load, source, f"from {address}: {e}")
+                else:
+                    # The producer's cache is not this process's to open: its memfd from
+                    # now on (an answer to a pull sent before that is asked again too).
+                    if address not in self._not_in_place:
+                        log.info("rank %d: cannot read the cache of %s in place (%s): memfd",
+                                 self.rank, address, e)  # fmt: skip
+                    self._not_in_place.add(address)
+                    self._asked_again.add(key)
+                    waiting[key] = entry
+                    send_frames(sock, [wire.encode(self._pull_of(load, source))])
+                    continue
             except (OSError, SharedMemoryError) as e:
                 # This host's /proc does not show the server (another pid namespace):
                 # the bytes come over tcp from now on.
@@ -274,6 +281,7 @@ class KVPuller:
                 continue
             except Exception as e:
                 arrived = self._failed(load, source, f"from {address}: {e}")
+            self._asked_again.discard((address, reply.req_id))
             if arrived.error is not None:
                 # Refused, or an answer this rank cannot use: it will not read, so the
                 # server may let the staging go now rather than when it expires.
