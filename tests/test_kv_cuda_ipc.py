@@ -1,8 +1,9 @@
 """KV pulled straight out of a producer's GPU cache (CUDA IPC, same host): on a GPU, the
 blocks land byte for byte (bfloat16), the producer hears KVDone, a decode rank's own
-cached blocks stay as they are, and the opening of the producer's cache is closed once
-idle. On the CPU: an answer naming blocks or layers the load cannot use is refused
-before anything is opened, and an answer too old to copy from fails its load by name."""
+cached blocks stay as they are, a producer's new cache (a wake-up's) is opened anew,
+and the openings are closed once idle. On the CPU: an answer naming blocks or layers
+the load cannot use is refused before anything is opened, and an answer too old to copy
+from fails its load by name."""
 
 from __future__ import annotations
 
@@ -77,11 +78,15 @@ def test_an_answer_too_old_to_read_from_is_stale():
 
 
 def _producer(conn, port: int, keys: tuple[bytes, bytes]) -> None:
-    kv = caches(16, seed=1, device="cuda")
+    kv = [caches(16, seed=1, device="cuda")]  # [the cache now]; the ones before it
     config = KVTransferConfig(role="producer", port=port, timeout_s=30.0)
-    side = ZmqKVConnector(config, lambda: kv, SPEC, 0, 1, KVKeys(*keys))
+    side = ZmqKVConnector(config, lambda: kv[0], SPEC, 0, 1, KVKeys(*keys))
     try:
         while (order := conn.recv()) != "quit":
+            if order == "remake":  # as a wake-up does: a new cache, in new allocations
+                kv.insert(0, caches(16, seed=3, device="cuda"))
+                conn.send("remade")
+                continue
             req, ids = order
             side.after_step(KVConnectorMetadata(saves=[KVSave(req, np.array(ids, np.int32), 12)]))
             deadline = time.monotonic() + 30
@@ -102,8 +107,25 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _pull_in_place(consumer, conn, port: int, req: str, src, dest, num_cached: int = 0) -> None:
+    conn.send((req, src))
+    remote = RemoteKV(req, 12, [f"tcp://127.0.0.1:{port}"])
+    load = KVLoad(req, np.array(dest, np.int32), remote, num_cached_blocks=num_cached)
+    consumer.before_step(KVConnectorMetadata(loads=[load]))
+    recved, deadline = [], time.monotonic() + 30
+    while req not in recved:
+        assert time.monotonic() < deadline, "the load never landed"
+        consumer.before_step(None)
+        out = consumer.take_output(wait_s=0.05)
+        recved += out.finished_recving if out is not None else []
+        assert out is None or not out.failed_recving, out
+    assert conn.poll(30) and conn.recv() == "sent"  # KVDone came after the copy
+
+
 @gpu
 def test_blocks_come_straight_out_of_the_producer_s_gpu_cache():
+    """Then out of the producer's new cache once it has made one (a wake-up): the old
+    opening is closed, the new one opened."""
     keys, port = KVKeys.new(), free_port()
     ctx = mp.get_context("spawn")
     conn, child_conn = ctx.Pipe()
@@ -117,26 +139,23 @@ def test_blocks_come_straight_out_of_the_producer_s_gpu_cache():
     try:
         for num_cached, req in ((0, "all"), (1, "after-hit")):
             src, dest = [3, 7, 1], [10, 2, 5]
-            conn.send((req, src))
-            remote = RemoteKV(req, 12, [f"tcp://127.0.0.1:{port}"])
-            load = KVLoad(req, np.array(dest, np.int32), remote, num_cached_blocks=num_cached)
-            consumer.before_step(KVConnectorMetadata(loads=[load]))
-            recved, deadline = [], time.monotonic() + 30
-            while req not in recved:
-                assert time.monotonic() < deadline, "the load never landed"
-                consumer.before_step(None)
-                out = consumer.take_output(wait_s=0.05)
-                recved += out.finished_recving if out is not None else []
-                assert out is None or not out.failed_recving, out
-            assert conn.poll(30) and conn.recv() == "sent"  # KVDone came after the copy
+            _pull_in_place(consumer, conn, port, req, src, dest, num_cached)
             for layer in range(len(SPEC.layer_names)):
                 kept, pulled = dest[:num_cached], dest[num_cached:]
                 assert torch.equal(target[layer][:, pulled], source[layer][:, src[num_cached:]])
                 assert torch.equal(target[layer][:, kept], before[layer][:, kept])
                 target[layer][:, dest] = before[layer][:, dest]  # as new for the next
-        assert consumer.puller.num_pulled == {"cuda_ipc": 2, "host_cache": 0, "memfd": 0, "tcp": 0}
-        assert consumer.puller._peer_caches.any_open  # kept for the next pulls
-        until_closed(consumer.puller._peer_caches, "the producer's cache stayed open")
+        peer_caches = consumer.puller._peer_caches
+        first = [cache.key for cache in peer_caches._open.values()]
+        conn.send("remake")
+        assert conn.poll(30) and conn.recv() == "remade"
+        _pull_in_place(consumer, conn, port, "after-wake", [3, 4], [0, 9])
+        remade = caches(16, seed=3, device="cuda")
+        for layer in range(len(SPEC.layer_names)):
+            assert torch.equal(target[layer][:, [0, 9]], remade[layer][:, [3, 4]])
+        assert [cache.key for cache in peer_caches._open.values()] != first  # opened anew
+        assert consumer.puller.num_pulled == {"cuda_ipc": 3, "host_cache": 0, "memfd": 0, "tcp": 0}
+        until_closed(peer_caches, "the producer's caches stayed open")
     finally:
         consumer.shutdown()
         conn.send("quit")
