@@ -28,11 +28,18 @@ def create_sealed(name: str, nbytes: int) -> tuple[int, mmap.mmap]:
 
 
 def open_peer(
-    pid: int, peer_fd: int, name: str, error: type[Exception], what: str, writable: bool = True
+    pid: int,
+    peer_fd: int,
+    name: str,
+    error: type[Exception],
+    what: str,
+    writable: bool = True,
+    inode: int = 0,
 ) -> tuple[int, int]:
     """(fd, size in bytes) of the peer's memfd, checked as the module says (error naming
     the path otherwise), opened for writing too unless not writable; the caller closes
-    the fd. OSError where it cannot be reached."""
+    the fd. OSError where it cannot be reached; ValueError where it is another memfd
+    than inode (0: unchecked): the peer closed the one named and reused its number."""
     path = f"/proc/{pid}/fd/{peer_fd}"
     target = os.readlink(path)
     if target.removesuffix(" (deleted)") != f"/memfd:{name}":
@@ -41,7 +48,13 @@ def open_peer(
     try:
         if not fcntl.fcntl(fd, fcntl.F_GET_SEALS) & fcntl.F_SEAL_SHRINK:
             raise error(f"{path} is not sealed against shrinking")
-        return fd, os.fstat(fd).st_size
+        stat = os.fstat(fd)
+        if inode and stat.st_ino != inode:
+            raise ValueError(
+                f"the peer's fd {peer_fd} is another memfd now (inode {stat.st_ino}, not "
+                f"{inode}): the {what} it held is gone"
+            )
+        return fd, stat.st_size
     except BaseException:
         os.close(fd)
         raise

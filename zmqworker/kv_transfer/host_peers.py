@@ -46,16 +46,10 @@ def open_host_cache(host: HostCacheKV, layout: KVLayout) -> PeerCache:
     memfd = host.memfd
     try:
         fd, size = open_peer(memfd.pid, memfd.fd, CACHE_MEMFD_NAME, SharedMemoryError,
-                             "KV cache", writable=False)  # fmt: skip
+                             "KV cache", writable=False, inode=memfd.inode)  # fmt: skip
     except (OSError, SharedMemoryError) as e:
         raise PeerCacheError(str(e)) from e
     try:
-        inode = os.fstat(fd).st_ino
-        if inode != memfd.inode:
-            raise ValueError(
-                f"the peer's fd {memfd.fd} is another memfd now (inode {inode}, not "
-                f"{memfd.inode}): the cache it held is gone"
-            )
         if size != memfd.nbytes:
             raise ValueError(f"the peer's cache memfd holds {size} bytes, not {memfd.nbytes}")
         for offset in host.offsets:

@@ -127,14 +127,10 @@ class PeerMappings:
         """The peer's memfd, mapped (at least nbytes long), held until release(); OSError
         or SharedMemoryError where it cannot be, ValueError where the fd is now another
         memfd than inode (0: unchecked)."""
-        fd, size = open_peer(pid, peer_fd, MEMFD_NAME, SharedMemoryError, "KV memfd")
+        fd, size = open_peer(pid, peer_fd, MEMFD_NAME, SharedMemoryError, "KV memfd",
+                             inode=inode)  # fmt: skip
         try:
-            key = (pid, os.fstat(fd).st_ino)
-            if inode and key[1] != inode:
-                raise ValueError(
-                    f"the peer's fd {peer_fd} is another memfd now (inode {key[1]}, not "
-                    f"{inode}): the staging it held is gone"
-                )
+            key = (pid, inode or os.fstat(fd).st_ino)
             if size < nbytes:
                 raise SharedMemoryError(f"the peer's memfd holds {size} bytes, {nbytes} needed")
             with self._lock:

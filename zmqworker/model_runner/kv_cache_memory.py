@@ -16,8 +16,8 @@ from zmqworker.models.registry import torch_dtype
 
 def new_cache(spec: KVCacheSpec, num_blocks: int, device: torch.device) -> torch.Tensor:
     """One layer's cache of num_blocks blocks, zeroed."""
-    shape = (num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size)
-    return allocate_kv_cache(*shape, torch_dtype(spec.dtype), device)
+    return allocate_kv_cache(num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size,
+                             torch_dtype(spec.dtype), device)  # fmt: skip
 
 
 def make_caches(
