@@ -5,7 +5,7 @@ SmolLM2-135M's shape with dummy weights (bf16), 256 requests of 128 random promp
 256 greedy output tokens each. The floor: the model runner alone, in this process, at
 the same batch over the same contexts (128 to 383 tokens), its steps pipelined as a
 worker runs them (bench.gpu_decode's harness). Decode throughput is the batch over the
-mean time per output token. Targets: async decode throughput >= 0.9x the runner's, and
+mean time per output token. Targets: async decode throughput >= 0.95x the runner's, and
 >= 1.3x the throughput with async scheduling off. Writes
 bench/results/end_to_end_cuda.json (or --out).
 
@@ -119,7 +119,7 @@ def main() -> None:
     print_table(rows)
     print(
         f"async decode over the runner alone: {summary['async_over_floor']:.3f}x "
-        f"(target >= 0.9); over sync: {summary['async_over_sync']:.3f}x (target >= 1.3)"
+        f"(target >= 0.95); over sync: {summary['async_over_sync']:.3f}x (target >= 1.3)"
     )
     print(f"wrote {write_results('end_to_end_cuda', summary, args.out)}")
 

@@ -166,14 +166,19 @@ class StepGraphs:
             self._outputs[name][: tensor.shape[0]].copy_(tensor)
 
 
-def capture_all(sets: list[StepGraphs], capture: Capture | None) -> None:
-    """Capture every set, in order, into one memory pool (capture=None: CUDA graphs on a
-    side stream, as CUDA graphs want; else the given recorder)."""
+def capture_all(
+    sets: list[StepGraphs], capture: Capture | None, stream: torch.cuda.Stream | None
+) -> None:
+    """Capture every set, in order, into one memory pool: with capture None, as CUDA
+    graphs on the side stream given (its owner keeps one for every capture: graphs
+    captured again on a new stream replay slower, docs/cuda.md); else the given
+    recorder."""
     if capture is not None:
         for graphs in sets:
             graphs.capture(capture)
         return
-    stream = torch.cuda.Stream()
+    if stream is None:
+        raise ValueError("capturing CUDA graphs needs the side stream they are captured on")
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         cuda = capture_cuda_graph(torch.cuda.graph_pool_handle(), stream)

@@ -88,6 +88,13 @@ class TritonPath:
                 self.token_graphs = StepGraphs(
                     "token", tokens, self._token_body, self._idle_tokens, self._outputs
                 )
+        # Every capture of this path's graphs (start-up's probe, the real one, each wake-up)
+        # on one side stream: graphs captured again on a new one replay slower.
+        self._capture_stream = (
+            torch.cuda.Stream(device)
+            if self.graphs is not None and capture is None and device.type == "cuda"
+            else None
+        )
         # The graphs' fixed inputs on later pipeline stages, and the caches they run over.
         self._graph_inputs: HiddenStates = {}
         self._graph_caches: list[torch.Tensor] = []
@@ -170,7 +177,7 @@ class TritonPath:
             model = self.model
             buf = torch.zeros(rows, model.hidden_size, dtype=model.dtype, device=self.device)
             self._graph_inputs = {"hidden_states": buf, "residual": buf.clone()}
-        capture_all(sets, self._capture)
+        capture_all(sets, self._capture, self._capture_stream)
 
     def release_buffers(self) -> None:
         """Drop the graphs with the buffers captured over the KV cache."""
