@@ -24,6 +24,7 @@ that replays the captured function, which exercises the same buffers and padding
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Protocol
 
@@ -166,13 +167,20 @@ class StepGraphs:
             self._outputs[name][: tensor.shape[0]].copy_(tensor)
 
 
+@functools.cache
+def capture_stream(device_index: int) -> torch.cuda.Stream:
+    """The side stream every CUDA graph of this process is captured on, on one device:
+    graphs captured again on a new stream replay slower than the first capture's
+    (docs/cuda.md), and a worker captures at start-up's probe, then for real, then at
+    each wake-up."""
+    return torch.cuda.Stream(device_index)
+
+
 def capture_all(
     sets: list[StepGraphs], capture: Capture | None, stream: torch.cuda.Stream | None
 ) -> None:
     """Capture every set, in order, into one memory pool: with capture None, as CUDA
-    graphs on the side stream given (its owner keeps one for every capture: graphs
-    captured again on a new stream replay slower, docs/cuda.md); else the given
-    recorder."""
+    graphs on the side stream given (capture_stream); else the given recorder."""
     if capture is not None:
         for graphs in sets:
             graphs.capture(capture)

@@ -22,6 +22,7 @@ from zmqworker.model_runner.cuda_graphs import (
     Capture,
     StepGraphs,
     capture_all,
+    capture_stream,
     default_graph_sizes,
     default_token_sizes,
     token_graph_reqs,
@@ -88,10 +89,10 @@ class TritonPath:
                 self.token_graphs = StepGraphs(
                     "token", tokens, self._token_body, self._idle_tokens, self._outputs
                 )
-        # Every capture of this path's graphs (start-up's probe, the real one, each wake-up)
-        # on one side stream: graphs captured again on a new one replay slower.
         self._capture_stream = (
-            torch.cuda.Stream(device)
+            capture_stream(
+                device.index if device.index is not None else torch.cuda.current_device()
+            )
             if self.graphs is not None and capture is None and device.type == "cuda"
             else None
         )
