@@ -26,7 +26,8 @@ class ModelConfig(msgspec.Struct, tag=True, frozen=True, omit_defaults=True):
 class ParallelConfig(msgspec.Struct, tag=True, frozen=True, omit_defaults=True):
     """The layout. A worker's rank within its data-parallel replica is
     pp_rank * tensor_parallel_size + tp_rank; the replicas of a host run side by side,
-    and a worker's local rank (its GPU) is data_parallel_rank * world_size + rank."""
+    and a worker's local rank (its GPU) is first_local_rank + data_parallel_rank *
+    world_size + rank."""
 
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
@@ -36,6 +37,11 @@ class ParallelConfig(msgspec.Struct, tag=True, frozen=True, omit_defaults=True):
     # Mixture-of-experts layers: each rank holds its share of the experts whole (over
     # tensor_parallel_size x data_parallel_size ranks) instead of a slice of every expert.
     enable_expert_parallel: bool = False
+    # Another instance's ranks on this host (a disaggregated pair's): where this
+    # instance's local ranks start, and every rank on the host whose cores a CPU worker
+    # shares (0: this instance's own, world_size x data_parallel_size).
+    first_local_rank: int = 0
+    host_ranks: int = 0
 
     @property
     def world_size(self) -> int:

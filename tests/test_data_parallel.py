@@ -11,6 +11,7 @@ import contextlib
 import os
 import signal
 
+import msgspec
 import psutil
 import pytest
 import torch
@@ -145,6 +146,14 @@ def test_a_worker_s_local_rank_follows_its_replica():
     parallel = ParallelConfig(tensor_parallel_size=2, data_parallel_size=2, data_parallel_rank=1)
     config = WorkerConfig(model=ModelConfig(path="unused"), parallel=parallel)
     assert [Worker(config, rank).local_rank for rank in range(2)] == [2, 3]
+    # Another instance's ranks first on the host (a disaggregated pair's prefill's).
+    after = msgspec.structs.replace(parallel, first_local_rank=4)
+    config = WorkerConfig(model=ModelConfig(path="unused"), parallel=after)
+    assert [Worker(config, rank).local_rank for rank in range(2)] == [6, 7]
+    for field in ("first_local_rank", "host_ranks"):
+        bad = msgspec.structs.replace(parallel, **{field: -1})
+        with pytest.raises(ValueError, match=f"{field}=-1"):
+            Worker(WorkerConfig(model=ModelConfig(path="unused"), parallel=bad), 0)
 
 
 @pytest.mark.parametrize(

@@ -1,18 +1,20 @@
 """The disaggregated plan with a decode instance of another tensor parallel size: the
 decode engine core's workers get that size and the same blocks as the prefill's, both
-instances' CPU workers share the host's cores, and a size the model cannot be cut into
-is refused by name before anything starts."""
+instances' CPU workers share the host's cores, on CUDA the decode instance takes the GPUs
+after the prefill's where there are enough, and a size the model cannot be cut into is
+refused by name before anything starts."""
 
 from __future__ import annotations
 
 import inspect
-import os
 
 import pytest
 
 from tests.tiny import cached_tiny_checkpoint
 from zmqworker.cli import build_parser
 from zmqworker.cli import serve as serve_cli
+from zmqworker.frontend import disaggregated_plan, engine_plan
+from zmqworker.frontend.devices import SHARE_GPUS_ENV
 from zmqworker.frontend.disaggregated_client import DECODE, PREFILL
 from zmqworker.frontend.disaggregated_plan import DisaggregatedPlan
 from zmqworker.frontend.engine_plan import EnginePlan
@@ -38,23 +40,37 @@ def test_the_decode_instance_takes_its_own_size(prefill_tp: int, decode_tp: int)
     assert prefill.kv_transfer.role == "producer" and decode.kv_transfer.role == "consumer"
 
 
-@pytest.mark.parametrize(
-    ("given", "omp", "threads"), [(None, None, 4), (3, None, 3), (None, "5", None)]
-)
-def test_the_two_instances_share_the_host_s_cores(monkeypatch, given, omp, threads) -> None:
-    """On the CPU each instance's workers get their share of the cores over the pair's
-    ranks (oversubscribed, a long prefill would stall the decodes): 12 cores over 1
-    prefill rank and 2 decode ranks, 4 threads each; a count given stands, and so does
-    OMP_NUM_THREADS (the workers read it)."""
-    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(12)))
-    if omp is None:
-        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    else:
-        monkeypatch.setenv("OMP_NUM_THREADS", omp)
-    pair = DisaggregatedPlan.of(plan(1, num_threads=given), decode_tp=2)
+def test_the_two_instances_share_the_host() -> None:
+    """On the CPU both instances' workers divide the host's cores over the pair's ranks
+    (the worker's rule, told of the other instance: host_ranks), the decode's ranks
+    placed after the prefill's only where the GPUs suffice (not on the CPU)."""
+    pair = DisaggregatedPlan.of(plan(1), decode_tp=2)
     for index in (PREFILL, DECODE):
-        worker = pair.engine_config(index, "ipc:///x", "t").worker
-        assert worker.device.num_threads == threads
+        parallel = pair.engine_config(index, "ipc:///x", "t").worker.parallel
+        assert parallel.host_ranks == 3 and parallel.first_local_rank == 0
+
+
+@pytest.mark.parametrize(("gpus", "decode_first"), [(4, 2), (3, 0), (1, 0)])
+def test_cuda_places_the_decode_instance_after_the_prefill_s_gpus(
+    monkeypatch, gpus: int, decode_first: int
+) -> None:
+    """Two prefill and two decode ranks: apart on four GPUs (the decode's from GPU 2, each
+    sized by memory: no kv_cache_bytes needed), sharing them from the first on fewer,
+    where kv_cache_bytes is required, named in the error."""
+    monkeypatch.setattr(disaggregated_plan, "visible_gpu_count", lambda: gpus)
+    monkeypatch.setattr(engine_plan, "visible_gpu_count", lambda: gpus)
+    monkeypatch.setenv(SHARE_GPUS_ENV, "1")
+    pair = DisaggregatedPlan.of(plan(2, device="cuda"), decode_tp=2)
+    prefill = pair.engine_config(PREFILL, "ipc:///x", "t").worker
+    decode = pair.engine_config(DECODE, "ipc:///y", "t").worker
+    assert prefill.parallel.first_local_rank == 0
+    assert decode.parallel.first_local_rank == decode_first
+    if decode_first:
+        DisaggregatedPlan.of(plan(2, device="cuda", kv_cache_bytes=None), decode_tp=2)
+    else:
+        with pytest.raises(ValueError, match=f"{gpus} GPU.* visible for 2 prefill and 2 "
+                           "decode.*share the GPUs, so give --kv-cache-bytes"):  # fmt: skip
+            DisaggregatedPlan.of(plan(2, device="cuda", kv_cache_bytes=None), decode_tp=2)
 
 
 def test_a_decode_size_the_model_cannot_take_is_refused_by_name() -> None:

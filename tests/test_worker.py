@@ -258,12 +258,14 @@ def test_shutdown_after_a_failed_init_device():
 THREADS_SCRIPT = """
 import sys
 import torch
-from messages import DeviceConfig, ModelConfig, WorkerConfig
+from messages import DeviceConfig, ModelConfig, ParallelConfig, WorkerConfig
 from zmqworker.worker.wrapper import WorkerWrapper
 late = dict(arg.split("=", 1) for arg in sys.argv[1:])
+host_ranks = int(late.pop("host_ranks", 0))
 w = WorkerWrapper(rpc_rank=0)
 w.update_environment(late)  # as a Welcome's env does, torch long imported
-config = WorkerConfig(model=ModelConfig(path="unused"), device=DeviceConfig(device="cpu"))
+config = WorkerConfig(model=ModelConfig(path="unused"), device=DeviceConfig(device="cpu"),
+                      parallel=ParallelConfig(host_ranks=host_ranks))
 w.init_worker(config)
 w.init_device()
 print(torch.get_num_threads())
@@ -272,22 +274,33 @@ w.shutdown()
 
 
 @pytest.mark.parametrize(
-    ("at_start", "late", "expected"),
-    [(None, None, "cores"), ("1", None, 1), (None, "1", 1), ("abc", None, "cores")],
+    ("at_start", "late", "host_ranks", "expected"),
+    [
+        (None, None, 0, "cores"),
+        ("1", None, 0, 1),
+        (None, "1", 0, 1),
+        ("abc", None, 0, "cores"),
+        (None, None, 2, "half the cores"),
+        ("1", None, 2, 1),
+    ],
 )
-def test_cpu_threads_follow_omp_num_threads_else_the_cores(at_start, late, expected):
+def test_cpu_threads_follow_omp_num_threads_else_the_cores(at_start, late, host_ranks, expected):
     """A CPU worker with no num_threads takes OMP_NUM_THREADS when it is a count (Ray
     sets it to the actor's CPUs), set as the process starts or later by the engine's
-    environment for the rank; else the cores it may run on, shared among the workers."""
+    environment for the rank; else the cores it may run on, shared among the workers
+    of the host (host_ranks: a disaggregated pair's, both instances')."""
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
     if at_start is not None:
         env["OMP_NUM_THREADS"] = at_start
     args = [] if late is None else [f"OMP_NUM_THREADS={late}"]
+    args += [f"host_ranks={host_ranks}"]
     root = Path(__file__).resolve().parent.parent
     out = subprocess.run([sys.executable, "-c", THREADS_SCRIPT, *args], env=env, cwd=root,
                          capture_output=True, text=True, timeout=120, check=True)  # fmt: skip
     if expected == "cores":
         expected = len(os.sched_getaffinity(0))
+    elif expected == "half the cores":
+        expected = max(1, len(os.sched_getaffinity(0)) // 2)
     assert int(out.stdout.strip().splitlines()[-1]) == expected
 
 

@@ -57,6 +57,11 @@ def resolve_dtype(dtype: str, device: str, checkpoint_dtype: object) -> tuple[st
     return chosen, f"auto: the checkpoint's {saved or 'unstated dtype'} on CUDA"
 
 
+def gpu_range(first: int, count: int) -> str:
+    """GPUs first .. first + count - 1, as a log line names them."""
+    return str(first) if count == 1 else f"{first}-{first + count - 1}"
+
+
 def check_gpu_layout(dp: int, tp: int, pp: int, gpus: int) -> None:
     """Refuse more ranks on this host than GPUs visible, unless SHARE_GPUS_ENV allows
     ranks to share them."""

@@ -2,13 +2,17 @@
 plan: a prefill instance (engine core 0, its workers KV producers) with the plan's
 layout and a decode instance (engine core 1, KV consumers) with the plan's or another
 tensor parallel size (its ranks pull their KV heads from the prefill ranks that hold
-them: kv_transfer/head_map.py), on the same devices (on CUDA, both from the first GPU,
-the decode instance's workers each with kv_cache_bytes x prefill TP / decode TP of KV
-cache: the same blocks as the prefill's), and the key pair their KV sockets share."""
+them: kv_transfer/head_map.py), and the key pair their KV sockets share.
+
+On CUDA the decode instance takes the GPUs after the prefill's when the host has enough
+for both; otherwise the two share the GPUs from the first, each worker with
+kv_cache_bytes of KV cache (the decode's x prefill TP / decode TP: the same blocks as
+the prefill's), since sizing by memory would race between them. On the CPU both
+instances' workers divide the host's cores between them (ParallelConfig.host_ranks)."""
 
 from __future__ import annotations
 
-import os
+import logging
 import socket
 from dataclasses import dataclass
 from typing import Any
@@ -18,11 +22,12 @@ import msgspec
 from messages import EngineCoreConfig, KVTransferConfig
 from zmqworker.frontend.core_client import EngineCoreClient
 from zmqworker.frontend.core_process import EngineCoreLauncher
-from zmqworker.frontend.devices import check_gpu_layout, visible_gpu_count
+from zmqworker.frontend.devices import check_gpu_layout, gpu_range, visible_gpu_count
 from zmqworker.frontend.disaggregated_client import DECODE, PREFILL, DisaggregatedClient
 from zmqworker.frontend.engine_plan import EnginePlan
 from zmqworker.transport.curve import KV_CURVE_ENV, KVKeys
 
+logger = logging.getLogger("zmqworker.frontend")
 KV_HOST = "127.0.0.1"  # one host: the prefill's KV servers take local peers only
 PORT_TRIES = 20
 KV_TIMEOUT_S = 30.0  # every transfer wait's bound, unless the options give another
@@ -57,6 +62,7 @@ class DisaggregatedPlan:
     timeout_s: float  # KVTransferConfig.timeout_s: every transfer wait's bound
     keys: KVKeys
     decode_tp: int  # the decode instance's tensor parallel size
+    decode_first_local_rank: int  # where its ranks start: after the prefill's, or 0 (shared)
 
     @classmethod
     def from_options(cls, plan: EnginePlan, options: dict[str, Any]) -> DisaggregatedPlan | None:
@@ -94,12 +100,6 @@ class DisaggregatedPlan:
             )
         if parallel.pipeline_parallel_size != 1:
             raise ValueError("--disaggregate: KV transfer does not take pipeline parallelism")
-        if worker.device.device == "cuda" and worker.cache.kv_cache_bytes is None:
-            raise ValueError(
-                "--disaggregate on CUDA: give --kv-cache-bytes (each instance's KV cache per "
-                "worker); the two instances share the GPUs, and sizing by "
-                "gpu_memory_utilization would race between them"
-            )
         if not timeout_s > 0:
             raise ValueError(f"the KV transfer timeout must be positive, got {timeout_s}")
         tp = parallel.tensor_parallel_size
@@ -108,11 +108,32 @@ class DisaggregatedPlan:
         decode_tp = decode_tp or tp
         if decode_tp != tp:
             _check_decode_tp(plan, decode_tp)
+        decode_first = 0
+        if worker.device.device == "cuda":
+            gpus = visible_gpu_count()
+            if tp + decode_tp <= gpus and plan.executor == "mp":
+                decode_first = tp
+                logger.info(
+                    "disaggregated: prefill on GPU(s) %s, decode on GPU(s) %s",
+                    gpu_range(0, tp), gpu_range(tp, decode_tp),
+                )  # fmt: skip
+            elif worker.cache.kv_cache_bytes is None:
+                raise ValueError(
+                    f"--disaggregate on CUDA with {gpus} GPU(s) visible for {tp} prefill and "
+                    f"{decode_tp} decode rank(s): the two instances share the GPUs, so give "
+                    "--kv-cache-bytes (each instance's KV cache per worker); sizing by "
+                    "gpu_memory_utilization would race between them"
+                )
+            else:
+                logger.info(
+                    "disaggregated: %d GPU(s) visible for %d prefill and %d decode rank(s): "
+                    "the two instances share them", gpus, tp, decode_tp,
+                )  # fmt: skip
         if kv_port is None:
             kv_port = free_ports(tp)
         elif not 0 < kv_port <= 65536 - tp:
             raise ValueError(f"--kv-port must leave {tp} port(s) in [1, 65535], got {kv_port}")
-        return cls(plan, kv_port, timeout_s, KVKeys.new(), decode_tp)
+        return cls(plan, kv_port, timeout_s, KVKeys.new(), decode_tp, decode_first)
 
     @property
     def env(self) -> dict[str, str]:
@@ -120,8 +141,8 @@ class DisaggregatedPlan:
         return {KV_CURVE_ENV: self.keys.to_env()}
 
     def engine_config(self, index: int, address: str, token: str) -> EngineCoreConfig:
-        """Engine core index's configuration: PREFILL or DECODE, both as the plan's one
-        replica (the same devices)."""
+        """Engine core index's configuration: PREFILL or DECODE, each as the plan's one
+        replica, placed on the host beside the other."""
         if index not in (PREFILL, DECODE):
             raise ValueError(f"engine core {index}: disaggregated serving runs two")
         config = self.plan.engine_config(0, address, token)
@@ -129,22 +150,19 @@ class DisaggregatedPlan:
         transfer = KVTransferConfig(role, KV_HOST, self.kv_port, self.timeout_s)
         worker = msgspec.structs.replace(config.worker, kv_transfer=transfer)
         prefill_tp = worker.parallel.tensor_parallel_size
-        if index == DECODE and self.decode_tp != prefill_tp:
-            cache = worker.cache
+        parallel, cache = worker.parallel, worker.cache
+        if index == DECODE:
+            parallel = msgspec.structs.replace(
+                parallel,
+                tensor_parallel_size=self.decode_tp,
+                first_local_rank=self.decode_first_local_rank,
+            )
             if cache.kv_cache_bytes is not None:  # the same blocks as the prefill's
                 per_worker = cache.kv_cache_bytes * prefill_tp // self.decode_tp
                 cache = msgspec.structs.replace(cache, kv_cache_bytes=per_worker)
-            parallel = msgspec.structs.replace(worker.parallel, tensor_parallel_size=self.decode_tp)
-            worker = msgspec.structs.replace(worker, parallel=parallel, cache=cache)
-        local = self.plan.executor == "mp" and not os.environ.get("OMP_NUM_THREADS")
-        if worker.device.device == "cpu" and worker.device.num_threads is None and local:
-            # Both instances' workers share this host's cores (a worker's own default
-            # counts its instance's ranks alone): oversubscribed, each would stall the
-            # other's steps. A count given (OMP_NUM_THREADS too: Ray sets it) stands.
-            cores = len(os.sched_getaffinity(0))
-            threads = max(1, cores // (prefill_tp + self.decode_tp))
-            device = msgspec.structs.replace(worker.device, num_threads=threads)
-            worker = msgspec.structs.replace(worker, device=device)
+        if self.plan.executor == "mp":  # both instances' workers on this host
+            parallel = msgspec.structs.replace(parallel, host_ranks=prefill_tp + self.decode_tp)
+        worker = msgspec.structs.replace(worker, parallel=parallel, cache=cache)
         return msgspec.structs.replace(config, worker=worker, engine_index=index)
 
 

@@ -83,11 +83,12 @@ class Worker(WorkerBase):
         self.device = self.ops.select(self.local_rank)
         threads = self.config.device.num_threads
         if threads is None and self.device.type == "cpu":
-            # The layout's workers share this host's cores; torch's default (every core
-            # in each of them) oversubscribes and slows every rank down severalfold.
+            # The host's workers (the layout's, and another instance's: host_ranks) share
+            # its cores; torch's default (every core in each of them) oversubscribes and
+            # slows every rank down severalfold.
             cores = len(os.sched_getaffinity(0))
             layout = self.config.parallel
-            ranks = layout.world_size * layout.data_parallel_size  # on this host
+            ranks = layout.host_ranks or layout.world_size * layout.data_parallel_size
             threads = _omp_num_threads() or max(1, cores // ranks)
         if threads:
             torch.set_num_threads(threads)

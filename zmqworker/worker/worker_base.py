@@ -71,11 +71,18 @@ class WorkerBase(ABC):
         world = config.parallel.world_size
         if not 0 <= rank < world:
             raise ValueError(f"rank {rank} outside the layout's {world} ranks (tp x pp)")
+        parallel = config.parallel
+        if parallel.first_local_rank < 0 or parallel.host_ranks < 0:
+            raise ValueError(
+                f"first_local_rank={parallel.first_local_rank} and host_ranks="
+                f"{parallel.host_ranks} must be >= 0"
+            )
         self.config = config
         self.pipeline = pipeline
         self._rank = rank
-        # Data-parallel replicas on one host: each replica's ranks take the next GPUs.
-        replica_offset = config.parallel.data_parallel_rank * world
+        # Data-parallel replicas on one host: each replica's ranks take the next GPUs,
+        # after those of another instance on the host (first_local_rank).
+        replica_offset = parallel.first_local_rank + parallel.data_parallel_rank * world
         self._local_rank = replica_offset + rank if local_rank is None else local_rank
         self._init_method = distributed_init_method or config.parallel.distributed_init_method
 
