@@ -4,9 +4,9 @@ A worker captures its graphs more than once: start-up's memory probe captures an
 them before the real capture, and every wake-up captures them anew. Each capture must
 replay as fast as the first. SmolLM2-135M's shape with dummy weights (bf16), 256 requests
 of 128 prompt tokens, 200 pipelined decode steps a measure (bench.gpu_runner's harness),
-two measures after the first capture, after each of three captures again (the last as a
-wake-up makes it, cuBLAS's workspaces given back first), and with a second runner made
-in the process after the first is closed. The floor is
+two measures after the first capture, after each of three captures again (the last
+after cuBLAS's workspaces were given back, as sleep does before a wake-up captures
+again), and with a second runner made in the process after the first is closed. The floor is
 the first capture's step, measured in the same run. Writes bench/results/graph_recapture.json
 (or --out).
 
@@ -52,13 +52,15 @@ def main() -> None:
         transformers.LlamaConfig(**SHAPES[SHAPE], bos_token_id=1, eos_token_id=2).save_pretrained(
             folder
         )
-        ours = Ours(folder, dummy=True, loads=[(args.requests, args.prompt_len)], decodes=256)
+        ours = Ours(
+            folder, dummy=True, loads=[(args.requests, args.prompt_len)], decodes=args.steps
+        )
         first = step_ms(ours, *measure)
         rows = [{"capture": "first", "step_ms": first, "x_first": 1.0}]
-        for again in ("again", "again", "as at a wake-up"):
+        for again in ("again", "again", "workspaces gone"):
             ours.runner.path.release_buffers()
             torch.cuda.synchronize()
-            if again == "as at a wake-up":  # sleep gives cuBLAS's workspaces back too
+            if again == "workspaces gone":  # as sleep gives them back before a wake-up
                 torch._C._cuda_clearCublasWorkspaces()
                 torch.cuda.empty_cache()
             ours.runner.capture_graphs()
@@ -67,7 +69,9 @@ def main() -> None:
         ours.close()
         # A benchmark runs shapes one after another in one process: the next runner's
         # graphs are captures again too.
-        ours = Ours(folder, dummy=True, loads=[(args.requests, args.prompt_len)], decodes=256)
+        ours = Ours(
+            folder, dummy=True, loads=[(args.requests, args.prompt_len)], decodes=args.steps
+        )
         ms = step_ms(ours, *measure)
         rows.append({"capture": "a second runner", "step_ms": ms, "x_first": ms / first})
         ours.close()

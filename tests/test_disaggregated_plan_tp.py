@@ -50,27 +50,43 @@ def test_the_two_instances_share_the_host() -> None:
         assert parallel.host_ranks == 3 and parallel.first_local_rank == 0
 
 
-@pytest.mark.parametrize(("gpus", "decode_first"), [(4, 2), (3, 0), (1, 0)])
+@pytest.mark.parametrize(
+    ("prefill_tp", "decode_tp", "gpus", "decode_first"),
+    [(2, 2, 4, 2), (1, 2, 3, 1), (2, 2, 3, 0), (1, 1, 1, 0)],
+)
 def test_cuda_places_the_decode_instance_after_the_prefill_s_gpus(
-    monkeypatch, gpus: int, decode_first: int
+    monkeypatch, prefill_tp: int, decode_tp: int, gpus: int, decode_first: int
 ) -> None:
-    """Two prefill and two decode ranks: apart on four GPUs (the decode's from GPU 2, each
-    sized by memory: no kv_cache_bytes needed), sharing them from the first on fewer,
-    where kv_cache_bytes is required, named in the error."""
+    """Apart where the GPUs suffice for both (the decode's from the GPU after the
+    prefill's, each sized by memory: no kv_cache_bytes needed, and where given, the
+    decode's scaled to the same blocks), sharing them from the first on fewer, where
+    kv_cache_bytes is required, named in the error."""
     monkeypatch.setattr(disaggregated_plan, "visible_gpu_count", lambda: gpus)
     monkeypatch.setattr(engine_plan, "visible_gpu_count", lambda: gpus)
     monkeypatch.setenv(SHARE_GPUS_ENV, "1")
-    pair = DisaggregatedPlan.of(plan(2, device="cuda"), decode_tp=2)
+    pair = DisaggregatedPlan.of(plan(prefill_tp, device="cuda"), decode_tp=decode_tp)
     prefill = pair.engine_config(PREFILL, "ipc:///x", "t").worker
     decode = pair.engine_config(DECODE, "ipc:///y", "t").worker
     assert prefill.parallel.first_local_rank == 0
     assert decode.parallel.first_local_rank == decode_first
+    assert decode.cache.kv_cache_bytes * decode_tp == 4096 * prefill_tp
+    sized_by_memory = plan(prefill_tp, device="cuda", kv_cache_bytes=None)
     if decode_first:
-        DisaggregatedPlan.of(plan(2, device="cuda", kv_cache_bytes=None), decode_tp=2)
+        DisaggregatedPlan.of(sized_by_memory, decode_tp=decode_tp)
     else:
-        with pytest.raises(ValueError, match=f"{gpus} GPU.* visible for 2 prefill and 2 "
-                           "decode.*share the GPUs, so give --kv-cache-bytes"):  # fmt: skip
-            DisaggregatedPlan.of(plan(2, device="cuda", kv_cache_bytes=None), decode_tp=2)
+        named = f"{gpus} GPU.* visible for {prefill_tp} prefill and {decode_tp} decode"
+        with pytest.raises(ValueError, match=f"{named}.*share the GPUs, so give --kv-cache-bytes"):
+            DisaggregatedPlan.of(sized_by_memory, decode_tp=decode_tp)
+
+
+def test_a_pair_of_ray_workers_shares_the_gpus(monkeypatch) -> None:
+    """Ray places the workers itself (and may spread them over hosts): the planner
+    neither places the decode instance apart nor counts the host's ranks."""
+    monkeypatch.setattr(disaggregated_plan, "visible_gpu_count", lambda: 4)
+    monkeypatch.setattr(engine_plan, "visible_gpu_count", lambda: 4)
+    pair = DisaggregatedPlan.of(plan(1, device="cuda", executor="ray"))
+    decode = pair.engine_config(DECODE, "ipc:///y", "t").worker.parallel
+    assert decode.first_local_rank == 0 and decode.host_ranks == 0
 
 
 def test_a_decode_size_the_model_cannot_take_is_refused_by_name() -> None:

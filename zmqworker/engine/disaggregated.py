@@ -206,7 +206,9 @@ def start_disaggregated(
     prefill's tp ranks bind 127.0.0.1:kv_port + rank; keys (a pair made here if None)
     authenticate every KV socket. decode_parallel: the decode instance's layout (None:
     config's), of another tensor parallel size where the model's KV heads map
-    (kv_transfer/head_map.py)."""
+    (kv_transfer/head_map.py); its first_local_rank places it on the GPUs after the
+    prefill's, and host_ranks (in both layouts) shares the CPU's cores between them, as
+    frontend/disaggregated_plan.py does."""
     env = {KV_CURVE_ENV: (keys or KVKeys.new()).to_env()}
 
     def start(role: str, scheduler: SchedulerConfig | None) -> EngineCore:

@@ -150,8 +150,9 @@ class LLM(Frontend):
                 "and its first token, a decode instance pulls the prompt's KV (shared "
                 "memory, CURVE-authenticated sockets) and decodes the rest, so that long "
                 "prompts arriving do not stall the decodes in flight; the layout options "
-                "are the prefill's (no data or pipeline parallelism; on CUDA both on the "
-                "same GPUs, with kv_cache_bytes)"
+                "are the prefill's (no data or pipeline parallelism; on CUDA the decode "
+                "instance on the GPUs after the prefill's where there are enough, else both "
+                "on the same GPUs, with kv_cache_bytes)"
             ),
         ] = False,
         decode_tensor_parallel_size: Annotated[

@@ -187,9 +187,9 @@ def capture_all(
         return
     if stream is None:
         raise ValueError("capturing CUDA graphs needs the side stream they are captured on")
-    stream.wait_stream(torch.cuda.current_stream())
+    stream.wait_stream(torch.cuda.current_stream(stream.device))
     with torch.cuda.stream(stream):
         cuda = capture_cuda_graph(torch.cuda.graph_pool_handle(), stream)
         for graphs in sets:
             graphs.capture(cuda)
-    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.current_stream(stream.device).wait_stream(stream)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -375,9 +376,12 @@ class Worker(WorkerBase):
             raise RuntimeError(f"{what}: {not_ready}")
 
     def _device_probe(self) -> float:
-        x = torch.ones(1, device=self.device) + 1
-        self.ops.synchronize()
-        return float(x.item())
+        # On a thread of its own, whose current device is the first: this rank's, here.
+        on_device = torch.cuda.device(self.device) if self.device.type == "cuda" else nullcontext()
+        with on_device:
+            x = torch.ones(1, device=self.device) + 1
+            self.ops.synchronize()
+            return float(x.item())
 
 
 def _weights_bytes(model: torch.nn.Module | None) -> int:
