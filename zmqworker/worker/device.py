@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import re
+from contextlib import AbstractContextManager, nullcontext
 
 import psutil
 import torch
@@ -25,6 +26,10 @@ class DeviceOps:
 
     def synchronize(self) -> None:
         """Wait for queued device work; nothing is queued on the CPU."""
+
+    def on(self, device: torch.device) -> AbstractContextManager[object]:
+        """The calling thread on device (a new thread starts on the first GPU)."""
+        return nullcontext()
 
     def empty_cache(self) -> None:
         """Return cached device memory to the system; the CPU keeps no cache."""
@@ -70,6 +75,9 @@ class CudaOps(DeviceOps):
 
     def synchronize(self) -> None:
         torch.cuda.synchronize()
+
+    def on(self, device: torch.device) -> AbstractContextManager[object]:
+        return torch.cuda.device(device)
 
     def empty_cache(self) -> None:
         torch.cuda.empty_cache()

@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import threading
 import time
-from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -84,9 +83,8 @@ class Worker(WorkerBase):
         self.device = self.ops.select(self.local_rank)
         threads = self.config.device.num_threads
         if threads is None and self.device.type == "cpu":
-            # The host's workers (the layout's, and another instance's: host_ranks) share
-            # its cores; torch's default (every core in each of them) oversubscribes and
-            # slows every rank down severalfold.
+            # The host's workers (host_ranks: another instance's too) share its cores;
+            # torch's default (all of them in each) slows every rank down severalfold.
             cores = len(os.sched_getaffinity(0))
             layout = self.config.parallel
             ranks = layout.host_ranks or layout.world_size * layout.data_parallel_size
@@ -376,9 +374,7 @@ class Worker(WorkerBase):
             raise RuntimeError(f"{what}: {not_ready}")
 
     def _device_probe(self) -> float:
-        # On a thread of its own, whose current device is the first: this rank's, here.
-        on_device = torch.cuda.device(self.device) if self.device.type == "cuda" else nullcontext()
-        with on_device:
+        with self.ops.on(self.device):  # the probe's own thread
             x = torch.ones(1, device=self.device) + 1
             self.ops.synchronize()
             return float(x.item())
