@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # The CUDA checks on a lent GPU machine (torch, Triton and transformers installed; pyzmq
 # and msgspec carried as wheels in .whl/): the Triton kernel tests, the other CUDA tests,
-# bench.gpu_decode, then bench.end_to_end_cuda (e2e); live weights and sleep (weights: their
-# CUDA tests, bench.weight_update and bench.sleep on Llama-3-8B's shape) and KV transfer with
-# the host tier's copies (kv: the disaggregated pair's tests and bench.kv_transfer), when
-# asked for.
+# bench.gpu_decode, then bench.end_to_end_cuda and bench.graph_recapture (e2e); live weights
+# and sleep (weights: their CUDA tests, bench.weight_update and bench.sleep on Llama-3-8B's
+# shape) and KV transfer with the host tier's copies (kv: the disaggregated pair's tests and
+# bench.kv_transfer), when asked for.
 #   bench/run_on_gpu.sh OUT_DIR [kernels,tests,bench,e2e,weights,kv] [bench.gpu_decode options...]
 # Logs and the benchmark's JSON land in OUT_DIR.
 set -uo pipefail
@@ -41,6 +41,8 @@ fi
 if [[ $what == *,e2e,* ]]; then
     timeout 480 python3 -m bench.end_to_end_cuda --tmp /dev/shm --out "$out/end_to_end_cuda.json" \
         2>&1 | tee "$out/e2e.log" | grep -v Warning
+    timeout 240 python3 -m bench.graph_recapture --out "$out/graph_recapture.json" \
+        2>&1 | tee "$out/recapture.log" | grep -v Warning
 fi
 if [[ $what == *,kv,* ]]; then
     run_tests kv tests/test_kv_transfer.py tests/test_host_tier_e2e.py tests/test_kv_connector.py \

@@ -47,6 +47,11 @@ class ParallelConfig(msgspec.Struct, tag=True, frozen=True, omit_defaults=True):
     def world_size(self) -> int:
         return self.tensor_parallel_size * self.pipeline_parallel_size
 
+    @property
+    def ranks_on_host(self) -> int:
+        """The ranks sharing this host's cores and memory: host_ranks, or this layout's."""
+        return self.host_ranks or self.world_size * self.data_parallel_size
+
 
 class CacheConfig(msgspec.Struct, tag=True, frozen=True, omit_defaults=True):
     """KV cache sizing. kv_cache_bytes, when set, overrides both memory rules."""

@@ -23,6 +23,7 @@ from messages import (
     DeviceConfig,
     ModelConfig,
     NewRequestData,
+    ParallelConfig,
     ProfilerConfig,
     SamplingParams,
     SchedulerConfig,
@@ -239,6 +240,26 @@ def test_memory_budget_is_measured_when_no_kv_bytes_given():
     total = torch.cuda.mem_get_info()[1] if DEVICE == "cuda" else w._host_free_at_start
     assert 0 < available < total
     w.shutdown()
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="the host's memory is a CPU worker's budget")
+def test_a_cpu_worker_s_memory_share_counts_the_host_s_ranks():
+    """cpu_memory_fraction of the host is shared by every rank on it: a worker told of
+    four (host_ranks: a disaggregated pair's, say) takes a quarter of what one alone
+    does, the weights and activations taken off each alike."""
+    available = []
+    for host_ranks in (1, 4):
+        parallel = ParallelConfig(host_ranks=host_ranks)
+        cfg = msgspec.structs.replace(config(), cache=CacheConfig(block_size=BLOCK),
+                                      parallel=parallel)  # fmt: skip
+        w = Worker(cfg, rank=0)
+        w.init_device()
+        w._host_free_at_start = 64 << 30  # as if measured: the same host for both
+        w.load_model()
+        available.append(w.determine_available_memory())
+        w.shutdown()
+    share = int((64 << 30) * CacheConfig().cpu_memory_fraction)
+    assert abs((available[0] - available[1]) - (share - share // 4)) < 256 << 20
 
 
 def test_shutdown_after_a_failed_init_device():

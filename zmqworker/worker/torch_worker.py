@@ -86,8 +86,7 @@ class Worker(WorkerBase):
             # The host's workers (host_ranks: another instance's too) share its cores;
             # torch's default (all of them in each) slows every rank down severalfold.
             cores = len(os.sched_getaffinity(0))
-            layout = self.config.parallel
-            ranks = layout.host_ranks or layout.world_size * layout.data_parallel_size
+            ranks = self.config.parallel.ranks_on_host
             threads = _omp_num_threads() or max(1, cores // ranks)
         if threads:
             torch.set_num_threads(threads)
@@ -127,8 +126,8 @@ class Worker(WorkerBase):
             budget = int(total * cache.gpu_memory_utilization) - (total - free)
             available = budget - activation_peak - self.graph_bytes
         else:
-            # The host is shared by every worker of the layout: each gets its share.
-            share = cache.cpu_memory_fraction / self.config.parallel.world_size
+            # The host is shared by every worker on it: each gets its share.
+            share = cache.cpu_memory_fraction / self.config.parallel.ranks_on_host
             budget = int(self._host_free_at_start * share)
             # The penalties' counts were made with the runner (on CUDA: taken already).
             penalties = runner.batch.penalties
