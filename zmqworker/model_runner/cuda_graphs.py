@@ -168,7 +168,7 @@ class StepGraphs:
 
 
 @functools.cache
-def capture_stream(device_index: int) -> torch.cuda.Stream:
+def _capture_stream(device_index: int) -> torch.cuda.Stream:
     """The side stream every CUDA graph of this process is captured on, on one device:
     graphs captured again on a new stream replay slower than the first capture's
     (docs/cuda.md), and a worker captures at start-up's probe, then for real, then at
@@ -176,17 +176,15 @@ def capture_stream(device_index: int) -> torch.cuda.Stream:
     return torch.cuda.Stream(device_index)
 
 
-def capture_all(
-    sets: list[StepGraphs], capture: Capture | None, stream: torch.cuda.Stream | None
-) -> None:
+def capture_all(sets: list[StepGraphs], capture: Capture | None, device: torch.device) -> None:
     """Capture every set, in order, into one memory pool: with capture None, as CUDA
-    graphs on the side stream given (capture_stream); else the given recorder."""
+    graphs on device's one capture stream; else the given recorder."""
     if capture is not None:
         for graphs in sets:
             graphs.capture(capture)
         return
-    if stream is None:
-        raise ValueError("capturing CUDA graphs needs the side stream they are captured on")
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    stream = _capture_stream(index)
     stream.wait_stream(torch.cuda.current_stream(stream.device))
     with torch.cuda.stream(stream):
         cuda = capture_cuda_graph(torch.cuda.graph_pool_handle(), stream)

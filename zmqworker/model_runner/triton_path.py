@@ -22,7 +22,6 @@ from zmqworker.model_runner.cuda_graphs import (
     Capture,
     StepGraphs,
     capture_all,
-    capture_stream,
     default_graph_sizes,
     default_token_sizes,
     token_graph_reqs,
@@ -89,13 +88,6 @@ class TritonPath:
                 self.token_graphs = StepGraphs(
                     "token", tokens, self._token_body, self._idle_tokens, self._outputs
                 )
-        self._capture_stream = (
-            capture_stream(
-                device.index if device.index is not None else torch.cuda.current_device()
-            )
-            if self.graphs is not None and capture is None and device.type == "cuda"
-            else None
-        )
         # The graphs' fixed inputs on later pipeline stages, and the caches they run over.
         self._graph_inputs: HiddenStates = {}
         self._graph_caches: list[torch.Tensor] = []
@@ -178,7 +170,7 @@ class TritonPath:
             model = self.model
             buf = torch.zeros(rows, model.hidden_size, dtype=model.dtype, device=self.device)
             self._graph_inputs = {"hidden_states": buf, "residual": buf.clone()}
-        capture_all(sets, self._capture, self._capture_stream)
+        capture_all(sets, self._capture, self.device)
 
     def release_buffers(self) -> None:
         """Drop the graphs with the buffers captured over the KV cache."""
