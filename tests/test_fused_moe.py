@@ -93,10 +93,12 @@ def test_every_tile_set_gives_the_same_result(regime, dtype):
 
 
 @pytest.mark.parametrize("first_expert", [0, 4])
-def test_experts_held_elsewhere_add_nothing(first_expert):
+@pytest.mark.parametrize("tokens", [33, 16])
+def test_experts_held_elsewhere_add_nothing(first_expert, tokens):
     """Expert parallelism: this rank holds experts [first, first + 4); a token whose
-    choices are all elsewhere gets zeros, and the ranks' parts sum to the whole."""
-    x, logits, w13, w2 = problem(33, torch.float32, seed=2)
+    choices are all elsewhere gets zeros, and the ranks' parts sum to the whole. 33
+    tokens route in chunks, 16 in one (route_place_kernel)."""
+    x, logits, w13, w2 = problem(tokens, torch.float32, seed=2)
     mine = slice(first_expert, first_expert + 4)
     got = fm.fused_moe(
         x, logits, w13[mine].contiguous(), w2[mine].contiguous(), 2, False, first_expert
@@ -120,22 +122,23 @@ def test_pairs_are_sorted_by_expert_in_padded_runs(tokens, chunk):
     blocks = moe_sort.max_blocks(tokens * top_k, EXPERTS, block_m)
     sorted_pairs = torch.full((blocks * block_m,), -7, dtype=torch.int32, device=DEVICE)
     block_expert = torch.full((blocks,), -7, dtype=torch.int32, device=DEVICE)
-    both = dict(NUM_LOCAL=EXPERTS, TOP_K=top_k, CHUNK=chunk, PDL=False)
-    routing = dict(NUM_EXPERTS=EXPERTS, EXPERTS_P2=EXPERTS, TOP_K_P2=4, RENORMALIZE=False, SUB=16)
-    placing = dict(LOCAL_P2=EXPERTS, BLOCK_M=block_m, SUB_PAIRS=32, BLOCK_TILE=16)
+    both = dict(NUM_LOCAL=EXPERTS, TOP_K=top_k, CHUNK=chunk, BLOCK_M=block_m, PDL=False)
+    routing = dict(NUM_EXPERTS=EXPERTS, EXPERTS_P2=EXPERTS, TOP_K_P2=4, RENORMALIZE=False)
     if chunks == 1:
         moe_sort.route_place_kernel[(1,)](
             ids, weights, sorted_pairs, block_expert, logits, tokens, logits.stride(0),
-            blocks, 0, **both, **routing, **placing,
+            blocks, 0, **both, **routing, BLOCK_TILE=16,
         )  # fmt: skip
     else:
         counts = torch.empty(chunks, EXPERTS, dtype=torch.int32, device=DEVICE)
+        both.pop("BLOCK_M")
         moe_sort.route_kernel[(chunks,)](
-            ids, weights, counts, logits, tokens, logits.stride(0), 0, **both, **routing
+            ids, weights, counts, logits, tokens, logits.stride(0), 0, **both, **routing, SUB=16
         )
         moe_sort.place_kernel[(chunks,)](
             sorted_pairs, block_expert, counts, ids, tokens, chunks, blocks,
-            -(-blocks // chunks), 0, **both, **placing, CHUNK_TILE=64,
+            -(-blocks // chunks), 0, **both, LOCAL_P2=EXPERTS, BLOCK_M=block_m, SUB_PAIRS=32,
+            BLOCK_TILE=16, CHUNK_TILE=64,
         )  # fmt: skip
     expected_weights, expected_ids = route(logits.cpu(), top_k, False)
     assert torch.equal(ids.cpu().long(), expected_ids)

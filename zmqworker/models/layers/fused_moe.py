@@ -274,31 +274,28 @@ def fused_moe(
     blocks = max_blocks(num_pairs, num_local, t.block_m)
     sorted_pairs = torch.empty(blocks * t.block_m, dtype=torch.int32, device=device)
     block_expert = torch.empty(blocks, dtype=torch.int32, device=device)
-    # The routing kernels' constexprs: both kernels', routing's, placing's.
-    both = dict(NUM_LOCAL=num_local, TOP_K=top_k, CHUNK=t.chunk)
+    # The routing kernels' constexprs: every kernel's, routing's, the two-kernel path's.
+    common = dict(NUM_LOCAL=num_local, TOP_K=top_k, CHUNK=t.chunk)
     routing = dict(
         NUM_EXPERTS=num_experts, EXPERTS_P2=triton.next_power_of_2(num_experts),
-        TOP_K_P2=triton.next_power_of_2(top_k), RENORMALIZE=renormalize, SUB=16,
-    )  # fmt: skip
-    placing = dict(
-        LOCAL_P2=triton.next_power_of_2(num_local), BLOCK_M=t.block_m, SUB_PAIRS=32,
-        BLOCK_TILE=16,
+        TOP_K_P2=triton.next_power_of_2(top_k), RENORMALIZE=renormalize,
     )  # fmt: skip
     if num_chunks == 1:
         route_place_kernel[(1,)](
             ids, weights, sorted_pairs, block_expert, logits, num_tokens, logits.stride(0),
-            blocks, first_expert, **both, **routing, **placing, **pdl,
+            blocks, first_expert, **common, **routing, BLOCK_M=t.block_m, BLOCK_TILE=16, **pdl,
         )  # fmt: skip
     else:
         counts = torch.empty(num_chunks, num_local, dtype=torch.int32, device=device)
         route_kernel[(num_chunks,)](
             ids, weights, counts, logits, num_tokens, logits.stride(0), first_expert,
-            **both, **routing, **pdl,
+            **common, **routing, SUB=16, **pdl,
         )  # fmt: skip
         place_kernel[(num_chunks,)](
             sorted_pairs, block_expert, counts, ids, num_tokens, num_chunks, blocks,
-            triton.cdiv(blocks, num_chunks), first_expert, **both, **placing, CHUNK_TILE=64,
-            **pdl,
+            triton.cdiv(blocks, num_chunks), first_expert, **common, BLOCK_M=t.block_m,
+            LOCAL_P2=triton.next_power_of_2(num_local), SUB_PAIRS=32, CHUNK_TILE=64,
+            BLOCK_TILE=16, **pdl,
         )  # fmt: skip
     precision = dot_precision(x.dtype)
     activation = torch.empty(num_pairs, inter, dtype=x.dtype, device=device)

@@ -45,8 +45,9 @@ def _route_rows(
     RENORMALIZE: tl.constexpr,
     SUB: tl.constexpr,
 ):
-    """The top k experts of these rows' tokens and their weights, stored; returns which
-    experts each row chose [rows, EXPERTS_P2]. Each probability and its expert pack into
+    """The top k experts of these rows' tokens and their weights, stored; returns each
+    expert's place among its row's choices [rows, EXPERTS_P2] (-1: not chosen, or a row
+    past num_tokens). Each probability and its expert pack into
     one int64 (the float's bits above, the expert reversed below, so that a tie goes to
     the lower expert): a round of the top k is one max, not a max and an argmax."""
     experts = tl.arange(0, EXPERTS_P2)
@@ -63,7 +64,7 @@ def _route_rows(
     keys = (bits << 32) | (EXPERTS_P2 - 1 - experts)[None, :].to(tl.int64)
     chosen = tl.zeros([SUB, TOP_K_P2], dtype=tl.int32)
     weights = tl.zeros([SUB, TOP_K_P2], dtype=tl.float32)
-    picked = keys < 0  # all false
+    choice = tl.full([SUB, EXPERTS_P2], -1, dtype=tl.int32)
     for j in tl.static_range(TOP_K):
         best = tl.max(keys, axis=1)
         index = EXPERTS_P2 - 1 - (best & 0xFFFFFFFF).to(tl.int32)
@@ -71,7 +72,7 @@ def _route_rows(
         chosen = tl.where(slots[None, :] == j, index[:, None], chosen)
         weights = tl.where(slots[None, :] == j, weight[:, None], weights)
         hit = keys == best[:, None]
-        picked = picked | hit
+        choice = tl.where(hit, j, choice)
         keys = tl.where(hit, -1, keys)
     if RENORMALIZE:
         weights = weights / tl.sum(weights, axis=1)[:, None]
@@ -79,7 +80,7 @@ def _route_rows(
     ok = row_ok[:, None] & (slots[None, :] < TOP_K)
     tl.store(ids_ptr + out, chosen, mask=ok)
     tl.store(weights_ptr + out, weights, mask=ok)
-    return picked & row_ok[:, None]
+    return tl.where(row_ok[:, None], choice, -1)
 
 
 # The token count changes with every step: specialised, each new kind would cost a compile.
@@ -109,11 +110,11 @@ def route_kernel(
     counts = tl.zeros([EXPERTS_P2], dtype=tl.int32)
     for t0 in range(0, CHUNK, SUB):
         rows = pid * CHUNK + t0 + tl.arange(0, SUB)
-        picked = _route_rows(
+        choice = _route_rows(
             ids_ptr, weights_ptr, logits_ptr, rows, num_tokens, stride_logits,
             NUM_EXPERTS, EXPERTS_P2, TOP_K, TOP_K_P2, RENORMALIZE, SUB,
         )  # fmt: skip
-        counts += tl.sum(picked.to(tl.int32), axis=0)
+        counts += tl.sum((choice >= 0).to(tl.int32), axis=0)
     local = experts - first_expert
     held = (local >= 0) & (local < NUM_LOCAL)
     tl.store(counts_ptr + pid * NUM_LOCAL + local, counts, mask=held)
@@ -174,40 +175,40 @@ def route_place_kernel(
     NUM_EXPERTS: tl.constexpr,
     EXPERTS_P2: tl.constexpr,
     NUM_LOCAL: tl.constexpr,
-    LOCAL_P2: tl.constexpr,
     TOP_K: tl.constexpr,
     TOP_K_P2: tl.constexpr,
     RENORMALIZE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     CHUNK: tl.constexpr,
-    SUB: tl.constexpr,
-    SUB_PAIRS: tl.constexpr,
     BLOCK_TILE: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """route_kernel then place_kernel in one program, for a step of at most CHUNK tokens
-    (decode-sized): one launch, and the counts never leave the program."""
+    """route_kernel then place_kernel for a step of at most CHUNK tokens (decode-sized), in
+    one program that keeps the step's choices in registers: a choice's sorted place is
+    its expert's run start plus the earlier tokens that chose the same expert (a token
+    chooses an expert once), so nothing stored is read back."""
     wait_for_inputs(PDL)
     release_dependents(PDL)
-    for t0 in range(0, CHUNK, SUB):
-        _route_rows(
-            ids_ptr, weights_ptr, logits_ptr, t0 + tl.arange(0, SUB), num_tokens,
-            stride_logits, NUM_EXPERTS, EXPERTS_P2, TOP_K, TOP_K_P2, RENORMALIZE, SUB,
-        )  # fmt: skip
-    tl.debug_barrier()  # every warp's ids stored before any is read back
-    experts = tl.arange(0, LOCAL_P2)
-    totals = tl.zeros([LOCAL_P2], dtype=tl.int32)
-    sub = tl.arange(0, SUB_PAIRS)
-    for p0 in range(0, CHUNK * TOP_K, SUB_PAIRS):
-        pairs = p0 + sub
-        onehot, _, _ = _pairs_experts(
-            ids_ptr, pairs, num_tokens * TOP_K, first_expert, experts, NUM_LOCAL
-        )
-        totals += tl.sum(onehot.to(tl.int32), axis=0)
-    _place(
-        sorted_ptr, block_expert_ptr, ids_ptr, 0, num_tokens, num_blocks, num_blocks,
-        first_expert, totals, totals * 0, NUM_LOCAL, LOCAL_P2, TOP_K, BLOCK_M, CHUNK,
-        SUB_PAIRS, BLOCK_TILE,
+    rows = tl.arange(0, CHUNK)
+    choice = _route_rows(
+        ids_ptr, weights_ptr, logits_ptr, rows, num_tokens, stride_logits, NUM_EXPERTS,
+        EXPERTS_P2, TOP_K, TOP_K_P2, RENORMALIZE, CHUNK,
+    )  # fmt: skip
+    # Every expert by its global index; those held here are a contiguous range.
+    local = tl.arange(0, EXPERTS_P2) - first_expert
+    held = (local >= 0) & (local < NUM_LOCAL)
+    here = (choice >= 0) & held[None, :]
+    ones = here.to(tl.int32)
+    totals = tl.sum(ones, axis=0)
+    padded = (totals + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, axis=0)
+    starts = ends - padded
+    total = tl.sum(padded, axis=0)
+    slot = starts[None, :] + tl.cumsum(ones, axis=0) - ones
+    tl.store(sorted_ptr + slot, rows[:, None] * TOP_K + choice, mask=here)
+    _mark_blocks(
+        sorted_ptr, block_expert_ptr, 0, num_blocks, num_blocks, totals, starts, ends, total,
+        local, held, num_tokens * TOP_K, BLOCK_M, BLOCK_TILE,
     )  # fmt: skip
 
 
@@ -263,16 +264,43 @@ def _place(
         slot = tl.sum(tl.where(onehot, next_slot[None, :], 0), axis=1) + rank
         tl.store(sorted_ptr + slot, pairs, mask=mine)
         next_slot += tl.sum(onehot.to(tl.int32), axis=0)
+    first = pid * blocks_each
+    _mark_blocks(
+        sorted_ptr, block_expert_ptr, first, tl.minimum(first + blocks_each, num_blocks),
+        blocks_each, totals, starts, ends, total, experts, held, num_pairs, BLOCK_M, BLOCK_TILE,
+    )  # fmt: skip
+
+
+@triton.jit
+def _mark_blocks(
+    sorted_ptr,
+    block_expert_ptr,
+    first,
+    last,
+    count,
+    totals,
+    starts,
+    ends,
+    total,
+    local,
+    held,
+    num_pairs,
+    BLOCK_M: tl.constexpr,
+    BLOCK_TILE: tl.constexpr,
+):
+    """Blocks [first, last) of at most count: the local expert of each (-1 past the last
+    run) and the sentinel num_pairs in its padding. The runs' totals, starts and ends are
+    indexed as local gives each its local expert; held marks those held here."""
     lane = tl.arange(0, BLOCK_M)
-    last = tl.minimum((pid + 1) * blocks_each, num_blocks)
-    for b0 in range(0, blocks_each, BLOCK_TILE):
-        blocks = pid * blocks_each + b0 + tl.arange(0, BLOCK_TILE)
+    for b0 in range(0, count, BLOCK_TILE):
+        blocks = first + b0 + tl.arange(0, BLOCK_TILE)
         block_ok = blocks < last
         begin = blocks * BLOCK_M
         used = begin < total
+        # The run that holds the block: the held runs that end at or before it, counted.
         expert = tl.sum(((ends[None, :] <= begin[:, None]) & held[None, :]).to(tl.int32), axis=1)
         tl.store(block_expert_ptr + blocks, tl.where(used, expert, -1), mask=block_ok)
-        onehot = expert[:, None] == experts[None, :]
+        onehot = expert[:, None] == local[None, :]
         run_start = tl.sum(tl.where(onehot, starts[None, :], 0), axis=1)
         run_count = tl.sum(tl.where(onehot, totals[None, :], 0), axis=1)
         position = begin[:, None] + lane[None, :]
