@@ -401,17 +401,24 @@ def test_silu_and_mul_matches_torch(dtype):
     torch.testing.assert_close(silu_and_mul(x), expected, atol=1e-6, rtol=1e-5)
 
 
-def test_rms_norm_kernel_in_place_over_heads():
+def test_q_and_k_norms_in_place_in_one_launch():
+    """Qwen3's q heads (0-5) and k heads (6-7) of one qkv view, each with its own norm's
+    weight; the value heads after them untouched."""
     gen = torch.Generator().manual_seed(8)
     qkv = torch.randn(5, 6 + 4, HEAD_DIM, generator=gen).to(DEVICE)
-    norm = RMSNorm(HEAD_DIM, 1e-6, "k_norm", fused=True).to(DEVICE)
-    norm.weight.data = torch.rand(HEAD_DIM, generator=gen).to(DEVICE)
-    expected = RMSNorm(HEAD_DIM, 1e-6, "k_norm").to(DEVICE)
-    expected.weight.data = norm.weight.data
-    want, untouched = expected(qkv[:, 6:8]), qkv[:, 8:].clone()
-    norm.normalize_(qkv[:, 6:8])
-    torch.testing.assert_close(qkv[:, 6:8], want, atol=1e-6, rtol=1e-5)
+    norms = [RMSNorm(HEAD_DIM, 1e-6, name, fused=True).to(DEVICE) for name in ("q", "k")]
+    expected = [RMSNorm(HEAD_DIM, 1e-6, name).to(DEVICE) for name in ("q", "k")]
+    for norm, reference in zip(norms, expected, strict=True):
+        norm.weight.data = torch.rand(HEAD_DIM, generator=gen).to(DEVICE)
+        reference.weight.data = norm.weight.data
+    want_q, want_k = expected[0](qkv[:, :6]), expected[1](qkv[:, 6:8])
+    untouched = qkv[:, 8:].clone()
+    norms[0].normalize_with_(qkv[:, :8], norms[1], 6)
+    torch.testing.assert_close(qkv[:, :6], want_q, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(qkv[:, 6:8], want_k, atol=1e-6, rtol=1e-5)
     assert torch.equal(qkv[:, 8:], untouched)
+    with pytest.raises(ValueError, match="differ in eps"):
+        norms[0].normalize_with_(qkv[:, :8], RMSNorm(HEAD_DIM, 1e-5, "k2", fused=True), 6)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

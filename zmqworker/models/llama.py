@@ -151,8 +151,7 @@ class LlamaAttention(nn.Module):
             raise RuntimeError("Triton attention metadata given to a model built unfused")
         heads, kv_heads = self.num_heads, self.num_kv_heads
         if self.q_norm is not None and self.k_norm is not None:
-            self.q_norm.normalize_(qkv[:, :heads])
-            self.k_norm.normalize_(qkv[:, heads : heads + kv_heads])
+            self.q_norm.normalize_with_(qkv[:, : heads + kv_heads], self.k_norm, heads)
         return self._triton(qkv, heads, rope.table, kv_cache, meta, self.scale)
 
 

@@ -21,12 +21,14 @@ def _rms_norm_kernel(
     x_ptr,
     residual_ptr,
     weight_ptr,
+    second_weight_ptr,
     eps,
     stride_x_row,
     stride_x_sub,
     stride_out_row,
     stride_out_sub,
     NUM_SUB: tl.constexpr,
+    SECOND_FROM: tl.constexpr,
     SIZE: tl.constexpr,
     BLOCK: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
@@ -48,7 +50,12 @@ def _rms_norm_kernel(
         tl.store(residual_out_ptr + row * SIZE + offs, x, mask=ok)
     x32 = x.to(tl.float32)
     rstd = tl.rsqrt(tl.sum(x32 * x32, 0) / SIZE + eps)
-    weight = tl.load(weight_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+    # Sub-rows from SECOND_FROM take the second weight (k's heads after q's, one launch).
+    first = (sub + 0 * offs) < SECOND_FROM
+    weight = tl.load(weight_ptr + offs, mask=ok & first, other=0.0).to(tl.float32)
+    if SECOND_FROM < NUM_SUB:
+        second = tl.load(second_weight_ptr + offs, mask=ok & ~first, other=0.0)
+        weight += second.to(tl.float32)
     if dtype == tl.float32:
         y = x32 * rstd * weight
     else:
@@ -62,11 +69,14 @@ def rms_norm(
     eps: float,
     residual: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
+    second: tuple[int, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(norm(x + residual), x + residual), or (norm(x), None) without a residual.
 
     x is [rows, size] or [rows, sub, size] (q/k heads; unit last stride). Outputs are new
-    contiguous tensors, or the norm goes into out (of x's shape; out=x normalises in place)."""
+    contiguous tensors, or the norm goes into out (of x's shape; out=x normalises in place).
+    second=(sub, weight): the sub-rows from sub on take that weight (q's and k's heads of
+    one qkv view, each with its own norm)."""
     size = x.shape[-1]
     if x.stride(-1) != 1:
         raise ValueError(f"rms_norm needs a unit last stride, got strides {x.stride()}")
@@ -81,6 +91,12 @@ def rms_norm(
         if x.dim() != 2 or residual.shape != x.shape or not residual.is_contiguous():
             raise ValueError(f"residual {tuple(residual.shape)} must match x {tuple(x.shape)}")
         residual_out = torch.empty_like(residual)
+    second_from, second_weight = second if second is not None else (num_sub, weight)
+    if not 0 <= second_from <= num_sub or second_weight.shape != weight.shape:
+        raise ValueError(
+            f"second weight {tuple(second_weight.shape)} from sub-row {second_from} of "
+            f"{num_sub} (weight {tuple(weight.shape)})"
+        )
     if rows * num_sub == 0:
         return out, residual_out
     sub_stride = x.stride(1) if x.dim() == 3 else 0
@@ -91,12 +107,14 @@ def rms_norm(
         x,
         x if residual is None else residual,
         weight,
+        second_weight,
         eps,
         x.stride(0),
         sub_stride,
         out.stride(0),
         out_sub_stride,
         NUM_SUB=num_sub,
+        SECOND_FROM=second_from,
         SIZE=size,
         BLOCK=triton.next_power_of_2(size),
         HAS_RESIDUAL=residual is not None,
