@@ -1,8 +1,11 @@
 """The zmqworker command: `generate` (complete prompts), `serve` (an OpenAI-compatible
-server) and `worker` (one worker process, as engines spawn it).
+server), `engine-core` (one engine core served over CURVE tcp for clients on other
+hosts), `keys` (the key pairs such a deployment shares) and `worker` (one worker
+process, as engines spawn it).
 
 zmqworker generate "The capital of France is" --pp 2 --max-tokens 16 --temperature 0
 zmqworker serve --port 8000
+zmqworker engine-core --listen tcp://10.0.0.5:7100 --model /models/llama
 zmqworker worker --engine ipc:///run/engine.sock --rank 0
 """
 
@@ -21,7 +24,7 @@ from zmqworker.runtime.main import run_worker
 
 def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
     """The parser and its subcommands' parsers, by name."""
-    from zmqworker.cli import generate, serve
+    from zmqworker.cli import engine_core, generate, serve
 
     parser = argparse.ArgumentParser(
         prog="zmqworker",
@@ -31,6 +34,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     parser.add_argument("--version", action="version", version=f"zmqworker {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     commands = {"generate": generate.add_parser(sub), "serve": serve.add_parser(sub)}
+    commands.update(engine_core.add_parsers(sub))
     commands["worker"] = sub.add_parser(
         "worker",
         help="run one worker process (engines spawn it)",
@@ -63,13 +67,17 @@ def _run(argv: list[str] | None) -> int:
         commands[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
     if args.command == "worker":
         return run_worker(args)
+    from zmqworker.cli import engine_core, generate, serve
+
+    if args.command == "keys":
+        return engine_core.print_keys(args)
     _show_progress()
-    from zmqworker.cli import generate, serve
 
     # uvicorn installs its own SIGTERM handler while it serves (a drain, not this).
     signal.signal(signal.SIGTERM, _terminate)
     try:
-        return (generate.run if args.command == "generate" else serve.run)(args)
+        run = {"generate": generate.run, "serve": serve.run, "engine-core": engine_core.run}
+        return run[args.command](args)
     except Terminated:
         print("zmqworker: terminated", file=sys.stderr)
         return 128 + signal.SIGTERM

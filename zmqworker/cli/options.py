@@ -147,6 +147,15 @@ def _parts(hint: Any) -> tuple[Any, Any, list[str] | None]:
     return hint, None, None
 
 
+def _without_none(hint: Any) -> Any:
+    """X of an optional X (X | None), else hint."""
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        members = [a for a in typing.get_args(hint) if a is not type(None)]
+        if len(members) == 1:
+            return members[0]
+    return hint
+
+
 def _strip(hint: Any) -> Any:
     return typing.get_args(hint)[0] if typing.get_origin(hint) is Annotated else hint
 
@@ -154,7 +163,7 @@ def _strip(hint: Any) -> Any:
 def _checked(base: Any, hint: Any, unit: str | None = None, list_item: bool = False) -> Callable:
     """An argparse type: parse the text as base, then check it against the definition's
     constraints, so a bad value is reported as an error of that option."""
-    item_hint = typing.get_args(_strip(hint))[0] if list_item else hint
+    item_hint = typing.get_args(_without_none(_strip(hint)))[0] if list_item else hint
 
     def convert(text: str) -> Any:
         try:

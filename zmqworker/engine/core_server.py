@@ -43,6 +43,7 @@ from zmqworker.engine.core_limits import engine_core_limits
 from zmqworker.engine.request import FinishReason, RemotePrefill, Request
 from zmqworker.engine.utility import EngineCoreUtilities, call_utility, waits_for_steps
 from zmqworker.executor.errors import WorkerDiedError, WorkerStuckError
+from zmqworker.transport.curve import serve_core_securely
 from zmqworker.transport.drops import DropCounter
 from zmqworker.transport.frames import recv_frames, send_frames
 
@@ -82,11 +83,15 @@ class EngineCoreServer:
         sock.setsockopt(zmq.HEARTBEAT_IVL, round(HEARTBEAT_IVL_S * 1000))
         sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, round(CLIENT_SILENT_S * 1000))
         sock.setsockopt(zmq.HEARTBEAT_TTL, round(CLIENT_SILENT_S * 1000))
+        self._zap = None
         try:
+            self._zap = serve_core_securely(sock, ctx, config.address)
             sock.bind(config.address)
             self._monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         except BaseException:
             sock.close(linger=0)
+            if self._zap is not None:
+                self._zap.stop()
             raise
         self._sock = sock
         self._poller = zmq.Poller()
@@ -126,6 +131,8 @@ class EngineCoreServer:
         self._sock.disable_monitor()
         self._monitor.close(linger=0)
         self._sock.close(linger=CLOSE_LINGER_MS)
+        if self._zap is not None:
+            self._zap.stop()
 
     # the loop ---------------------------------------------------------------------------
 

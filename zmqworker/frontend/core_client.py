@@ -24,7 +24,6 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import zmq
-from zmq.utils.monitor import recv_monitor_message
 
 from messages import (
     PROTOCOL_VERSION,
@@ -41,7 +40,7 @@ from messages import (
     UtilityResult,
 )
 from zmqworker.frontend.core_process import EngineCoreHandle
-from zmqworker.frontend.engine_connection import EngineConnection, Event, Failed
+from zmqworker.frontend.engine_connection import LOST_GRACE_S, EngineConnection, Event, Failed
 from zmqworker.frontend.errors import EngineCoreDiedError, EngineCoreError
 from zmqworker.frontend.utility_calls import PendingCall, UtilityCalls
 from zmqworker.transport.drops import DropCounter
@@ -50,7 +49,6 @@ from zmqworker.transport.frames import NOBLOCK, recv_frames, send_frames
 log = logging.getLogger("zmqworker.frontend")
 
 POLL_SLICE_S = 1.0  # the longest a blocking receive sleeps before it looks around again
-LOST_GRACE_S = 0.3  # a dropped connection whose process has not died by then: stuck
 UTILITY_TIMEOUT_S = 60.0
 _POLLIN = int(zmq.POLLIN)
 
@@ -70,12 +68,18 @@ class EngineCoreClient:
         self.engines: list[EngineConnection] = []
         self._poller = zmq.Poller()
         self._deaths = select.poll()
-        for index, (address, handle) in enumerate(zip(addresses, handles, strict=True)):
-            engine = EngineConnection(index, handle, self._ctx, address, max_output_bytes)
-            self.engines.append(engine)
-            for what in (engine.sock, engine.monitor, handle.death_fd):
-                self._poller.register(what, zmq.POLLIN)
-            self._deaths.register(handle.death_fd, select.POLLIN)
+        try:
+            for index, (address, handle) in enumerate(zip(addresses, handles, strict=True)):
+                engine = EngineConnection(index, handle, self._ctx, address, max_output_bytes)
+                self.engines.append(engine)
+                for what in (engine.sock, engine.monitor, handle.death_fd):
+                    self._poller.register(what, zmq.POLLIN)
+                self._deaths.register(handle.death_fd, select.POLLIN)
+        except BaseException:
+            for engine in self.engines:
+                engine.close()
+            self._ctx.term()
+            raise
         self._owner: dict[str, EngineConnection] = {}  # request id -> the engine core running it
         self._calls = UtilityCalls()
         self._backlog: list[Event] = []  # received during a blocking utility call
@@ -280,11 +284,11 @@ class EngineCoreClient:
         for engine in self.engines:
             if engine.dead is None:
                 self._read(engine, events)
-                while engine.monitor.poll(0):
-                    if recv_monitor_message(engine.monitor)["event"] == zmq.EVENT_DISCONNECTED:
-                        engine.disconnected_at = engine.disconnected_at or now
-                        if self._loop is not None and not self._loop.is_closed():
-                            self._loop.call_later(LOST_GRACE_S, self._schedule_dispatch)
+                refused = engine.watch(now)
+                if refused is not None:
+                    self._lose(engine, EngineCoreDiedError(engine.index, refused), events)
+                elif engine.disconnected_at == now and self._loop and not self._loop.is_closed():
+                    self._loop.call_later(LOST_GRACE_S, self._schedule_dispatch)
         for fd, _ in self._deaths.poll(0):
             engine = next(e for e in self.engines if e.handle.death_fd == fd)
             if engine.dead is None:
@@ -294,10 +298,9 @@ class EngineCoreClient:
                     engine, EngineCoreDiedError(engine.index, engine.handle.how_it_ended()), events
                 )
         for engine in self.engines:
-            since = engine.disconnected_at
-            if engine.dead is None and since is not None and now - since >= LOST_GRACE_S:
-                how = f"(pid {engine.handle.pid}) stopped answering: its connection dropped"
-                self._lose(engine, EngineCoreDiedError(engine.index, how), events)
+            gone = engine.why_gone(now) if engine.dead is None else None
+            if gone is not None:
+                self._lose(engine, EngineCoreDiedError(engine.index, gone), events)
         self._calls.expire(now)
 
     def _read(self, engine: EngineConnection, events: list[Event]) -> None:

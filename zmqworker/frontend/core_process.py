@@ -42,6 +42,12 @@ SIGTERM_GRACE_S = 3.0
 class EngineCoreHandle(ABC):
     index: int
     pid: int
+    owned = True  # this client started it, and stops it (shut_down_engines)
+
+    @property
+    def label(self) -> str:
+        """How errors name it after "engine core N"."""
+        return f"(pid {self.pid})"
 
     @property
     @abstractmethod
@@ -147,6 +153,34 @@ class WatchedEngineCore(EngineCoreHandle):
 
     def close(self) -> None:
         os.close(self._pidfd)
+
+
+class RemoteEngineCore(EngineCoreHandle):
+    """An engine core served on its own (`zmqworker engine-core`, on another host or
+    this one): this client cannot watch its process, so its end is known from its
+    connection alone (heartbeats), and it is not this client's to stop."""
+
+    owned = False
+
+    def __init__(self, index: int, address: str) -> None:
+        self.index = index
+        self.pid = 0  # on another host, maybe: its EngineCoreReady says
+        self.address = address
+        self._never = WakePipe()  # a death fd that never fires
+
+    @property
+    def label(self) -> str:
+        return f"at {self.address}"
+
+    @property
+    def death_fd(self) -> int:
+        return self._never.fd
+
+    def how_it_ended(self) -> str:
+        return f"{self.label} ended"
+
+    def close(self) -> None:
+        self._never.close()
 
 
 class EngineCoreLauncher:

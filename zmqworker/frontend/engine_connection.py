@@ -5,13 +5,27 @@ what the client hands on from it (events)."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from messages import EngineCoreOutputs, EngineCoreReady, EngineCoreStats
 from zmqworker.frontend.core_process import EngineCoreHandle
+from zmqworker.transport.curve import CORE_CURVE_ENV, connect_core_securely
 
+# A CURVE handshake refused (the wrong key pair) or broken: the engine core is not this
+# client's to reach.
+HANDSHAKE_FAILED = (
+    zmq.EVENT_HANDSHAKE_FAILED_AUTH
+    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+)
+LOST_GRACE_S = 0.3  # a dropped connection whose process has not died by then: stuck
+# An engine core served on its own that no handshake reached by then is not there (one
+# this client started is watched through its process instead).
+REACH_TIMEOUT_S = 30.0
 PING_EVERY_S = 1.0
 ENGINE_SILENT_S = 5.0  # an engine core silent this long (stopped, wedged) is gone
 
@@ -53,14 +67,23 @@ class EngineConnection:
         sock.setsockopt(zmq.HEARTBEAT_IVL, round(PING_EVERY_S * 1000))
         sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, round(ENGINE_SILENT_S * 1000))
         self.sock = sock
-        self.monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-        sock.connect(address)
+        try:
+            connect_core_securely(sock, address)
+            self.monitor = sock.get_monitor_socket(
+                zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED | HANDSHAKE_FAILED
+            )
+            sock.connect(address)
+        except BaseException:
+            sock.close(linger=0)
+            raise
         self.ready: EngineCoreReady | None = None
         self.dead: Exception | None = None
         self.requests: set[str] = set()
         self.reported_load = 0  # running and waiting, as the engine core last said
         self.sent_since_report = 0
         self.disconnected_at: float | None = None
+        self.opened_at = time.monotonic()
+        self.reached = False  # a handshake with the engine core succeeded
         self.stopping = False  # asked to shut down: its end is expected
 
     @property
@@ -73,6 +96,32 @@ class EngineConnection:
         self.reported_load = stats.num_running + stats.num_waiting
         self.sent_since_report = 0
 
+    def watch(self, now: float) -> str | None:
+        """Take in what the monitor saw (a handshake done, the connection dropped: then
+        disconnected_at is now); why the engine core refused this client, if it did."""
+        while self.monitor.poll(0):
+            event = recv_monitor_message(self.monitor)["event"]
+            if event & HANDSHAKE_FAILED:
+                return (
+                    f"{self.handle.label} refused this client: the CURVE handshake failed "
+                    f"(${CORE_CURVE_ENV} must hold the engine core's key pair)"
+                )
+            if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self.reached = True
+            elif event == zmq.EVENT_DISCONNECTED and self.disconnected_at is None:
+                self.disconnected_at = now
+        return None
+
+    def why_gone(self, now: float) -> str | None:
+        """Why the engine core counts as gone from its connection alone (None: it does
+        not): dropped, and its process not dead LOST_GRACE_S later; or served on its own
+        and never reached."""
+        if self.disconnected_at is not None and now - self.disconnected_at >= LOST_GRACE_S:
+            return f"{self.handle.label} stopped answering: its connection dropped"
+        if not (self.reached or self.handle.owned) and now - self.opened_at >= REACH_TIMEOUT_S:
+            return f"{self.handle.label}: nothing answered within {REACH_TIMEOUT_S:g} s"
+        return None
+
     def fds(self) -> list[int]:
         """What an event loop watches for it: its socket, its monitor, its end."""
         return [self.sock.getsockopt(zmq.FD), self.monitor.getsockopt(zmq.FD), self.handle.death_fd]
@@ -81,3 +130,5 @@ class EngineConnection:
         self.sock.disable_monitor()
         self.monitor.close(linger=0)
         self.sock.close(linger=0)
+        if not self.handle.owned:  # an engine core served on its own: the handle is ours
+            self.handle.close()

@@ -18,7 +18,7 @@ def shut_down_engines(client: EngineCoreClient, timeout: float = SHUTDOWN_CALL_S
     within timeout; the indexes of those that answered (they are leaving)."""
     calls = {}
     for engine in client.engines:
-        if engine.ready is not None and engine.dead is None:
+        if engine.handle.owned and engine.ready is not None and engine.dead is None:
             engine.stopping = True
             calls[engine.index] = client.submit("shutdown", timeout=timeout, engines=[engine.index])
     answered = set()

@@ -3,6 +3,7 @@ over a Hugging Face checkpoint."""
 
 from __future__ import annotations
 
+import inspect
 import logging
 import time
 from collections.abc import Callable
@@ -37,6 +38,7 @@ from zmqworker.frontend.llm_args import (
     check_args,
     opt,
 )
+from zmqworker.frontend.remote_cores import check_readies, check_remote_options, connect
 
 logger = logging.getLogger(__name__)
 
@@ -182,12 +184,30 @@ class LLM(Frontend):
                 metavar="S",
             ),
         ] = None,
+        engine_core_addresses: Annotated[
+            list[str] | None,
+            opt(
+                "connect to engine cores served on their own (zmqworker engine-core, on "
+                "other hosts) instead of starting them: tcp://HOST:PORT each, data-parallel "
+                "replicas, or with disaggregate the prefill instance's then the decode's; "
+                "needs $ZMQWORKER_CORE_CURVE, and shutdown() leaves them running",
+                flag="--engine-core-address",
+                metavar="tcp://HOST:PORT",
+            ),
+        ] = None,
     ) -> None:
         self._launcher: EngineCoreLauncher | None = None
         options = {k: v for k, v in locals().items() if k in OPTION_TYPES}
         check_args(OPTION_TYPES, options)
-        check_pair_options(options)
         started = time.perf_counter()
+        if engine_core_addresses:
+            check_remote_options(options, OPTION_DEFAULTS)
+            plan = EnginePlan.from_options(options)
+            self.worker_config = plan.worker_config
+            self._connect(plan, engine_core_addresses, disaggregate)
+            logger.info("connected: %.1f s", time.perf_counter() - started)
+            return
+        check_pair_options(options)
         plan = EnginePlan.from_options(options)
         pair = DisaggregatedPlan.from_options(plan, options)
         self.worker_config = plan.worker_config
@@ -217,10 +237,27 @@ class LLM(Frontend):
         self._launcher = launcher
         logger.info("ready: %.1f s", time.perf_counter() - started)
 
+    def _connect(self, plan: EnginePlan, addresses: list[str], disaggregate: bool) -> None:
+        """Become a client of the engine cores at addresses, once they are ready."""
+        texts = plan.folder.load_text_side()
+        client = connect(addresses, disaggregate, plan.output_bytes)
+        try:
+            readies = client.wait_ready(START_TIMEOUT_S)
+            check_readies(plan, readies, addresses)
+        except (EngineCoreError, EngineCoreDiedError, TimeoutError) as exc:
+            client.close()
+            raise EngineCoreStartupError(f"could not connect: {exc}") from exc
+        except BaseException:
+            client.close()
+            raise
+        super().__init__(client, readies, texts, plan.folder, plan.max_logprobs)
+
     def shutdown(self) -> None:
-        """Stop the engine cores and their workers. Idempotent."""
+        """Stop the engine cores and their workers (engine cores at engine_core_addresses
+        are left running: only this client's connections end). Idempotent."""
         launcher, self._launcher = self._launcher, None
         if launcher is None:
+            self.close()
             return
         leaving: set[int] = set()
         try:
@@ -239,3 +276,6 @@ class LLM(Frontend):
 
 # The options' types, Meta included, for the checks above and for the CLI.
 OPTION_TYPES = arg_types(LLM.__init__)
+OPTION_DEFAULTS = {
+    name: p.default for name, p in inspect.signature(LLM).parameters.items() if name in OPTION_TYPES
+}

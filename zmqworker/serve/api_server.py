@@ -27,6 +27,7 @@ from zmqworker.frontend.core_client import EngineCoreClient
 from zmqworker.frontend.core_process import WatchedEngineCore
 from zmqworker.frontend.disaggregated_client import DisaggregatedClient
 from zmqworker.frontend.frontend import Frontend
+from zmqworker.frontend.remote_cores import connect as connect_remote
 from zmqworker.runtime.parent_death import PARENT_DEATH_SIGNAL, exit_with_parent
 from zmqworker.serve.app import build_app
 from zmqworker.serve.cors import CorsOptions
@@ -46,7 +47,7 @@ class ApiServerConfig(msgspec.Struct, frozen=True):
     served_model_name: str
     api_key: str | None
     engine_addresses: list[str]
-    engine_pids: list[int]
+    engine_pids: list[int] | None  # None: engine cores served on their own (remote_cores.py)
     token: str
     max_logprobs: int
     output_bytes: int
@@ -65,11 +66,16 @@ def connect(config: ApiServerConfig) -> Frontend:
     """A client of the engine cores, once each is ready, with the model's text side."""
     folder = ModelFolder.open(config.model)
     texts = folder.load_text_side()
-    handles = [WatchedEngineCore(i, pid) for i, pid in enumerate(config.engine_pids)]
-    client_class = DisaggregatedClient if config.disaggregated else EngineCoreClient
-    client = client_class(
-        config.engine_addresses, handles, config.token, config.index, config.output_bytes
-    )
+    if config.engine_pids is None:
+        client = connect_remote(
+            config.engine_addresses, config.disaggregated, config.output_bytes, config.index
+        )
+    else:
+        handles = [WatchedEngineCore(i, pid) for i, pid in enumerate(config.engine_pids)]
+        client_class = DisaggregatedClient if config.disaggregated else EngineCoreClient
+        client = client_class(
+            config.engine_addresses, handles, config.token, config.index, config.output_bytes
+        )
     try:
         readies = client.wait_ready(READY_TIMEOUT_S)
     except BaseException:

@@ -16,7 +16,6 @@ stop their workers. Nothing is left running either way.
 from __future__ import annotations
 
 import functools
-import inspect
 import logging
 import os
 import shutil
@@ -39,8 +38,9 @@ from zmqworker.frontend.disaggregated_plan import (
 from zmqworker.frontend.engine_connection import Failed
 from zmqworker.frontend.engine_plan import EnginePlan
 from zmqworker.frontend.engine_shutdown import shut_down_engines
-from zmqworker.frontend.llm import LLM, OPTION_TYPES
+from zmqworker.frontend.llm import OPTION_DEFAULTS, OPTION_TYPES
 from zmqworker.frontend.llm_args import check_args
+from zmqworker.frontend.remote_cores import check_remote_options, connect, core_token
 from zmqworker.serve.api_server import ApiServerConfig
 from zmqworker.serve.body_limit import DEFAULT_MAX_REQUEST_BYTES
 from zmqworker.serve.cors import CorsOptions
@@ -81,15 +81,19 @@ def serve(
         raise ValueError(
             f"unknown tool call parser {tool_call_parser!r}; known: {', '.join(TOOL_PARSERS)}"
         )
-    defaults = {n: p.default for n, p in inspect.signature(LLM).parameters.items()}
-    options = {**defaults, **engine_options}
+    options = {**OPTION_DEFAULTS, **engine_options}
     check_args(OPTION_TYPES, options)
-    check_pair_options(options)
+    remote = options["engine_core_addresses"]
+    if remote:  # engine cores served on their own: connected to, never started or stopped
+        check_remote_options(options, OPTION_DEFAULTS)
+    else:
+        check_pair_options(options)
     plan = EnginePlan.from_options(options)
-    pair = DisaggregatedPlan.from_options(plan, options)
+    pair = None if remote else DisaggregatedPlan.from_options(plan, options)
     name = served_model_name or plan.folder.path.name
     listener = _listen(host, port)  # a port in use fails here, before anything starts
-    launcher, client_class = start_engine_cores(plan, pair)
+    launcher, client_class = (None, None) if remote else start_engine_cores(plan, pair)
+    addresses = remote or launcher.addresses
     servers: list[ChildProcess] = []
     spawner = threading.Event()  # set: the spawning thread may end
     client = None
@@ -101,9 +105,9 @@ def serve(
             model=str(plan.folder.path),
             served_model_name=name,
             api_key=api_key,
-            engine_addresses=launcher.addresses,
-            engine_pids=launcher.pids,
-            token=launcher.token,
+            engine_addresses=addresses,
+            engine_pids=None if launcher is None else launcher.pids,
+            token=core_token() if launcher is None else launcher.token,
             max_logprobs=plan.max_logprobs,
             output_bytes=plan.output_bytes,
             listen_fd=listener.fileno(),
@@ -112,7 +116,7 @@ def serve(
             enable_admin_endpoints=enable_admin_endpoints,
             cors=cors,
             tool_call_parser=tool_call_parser,
-            disaggregated=pair is not None,
+            disaggregated=options["disaggregate"],
             log_level=log_level,
             engine_log_level=logging.getLevelName(logger.getEffectiveLevel()),
         )
@@ -130,9 +134,12 @@ def serve(
         ]
         spawn_all(makers, servers, spawner)
         listener.close()  # the API servers hold it now
-        client = client_class(
-            launcher.addresses, launcher.handles, launcher.token, count, plan.output_bytes
-        )
+        if launcher is None:
+            client = connect(addresses, options["disaggregate"], plan.output_bytes, count)
+        else:
+            client = client_class(
+                addresses, launcher.handles, launcher.token, count, plan.output_bytes
+            )
         _Supervisor(client, servers, name, f"http://{host}:{port}/v1").run(shutdown_timeout_s)
     finally:
         listener.close()
@@ -142,7 +149,8 @@ def serve(
         if client is not None:
             leaving = shut_down_engines(client)
             client.close()
-        launcher.stop(leaving)
+        if launcher is not None:
+            launcher.stop(leaving)
         for server in servers:
             server.close()
         spawner.set()

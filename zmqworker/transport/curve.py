@@ -12,9 +12,11 @@ and skip CURVE.
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import os
 from dataclasses import dataclass
+from typing import ClassVar, Self
 
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
@@ -101,35 +103,35 @@ def start_zap(ctx: zmq.Context, worker_public: bytes) -> ThreadAuthenticator:
 
 
 KV_CURVE_ENV = "ZMQWORKER_KV_CURVE"  # "public,secret" (z85): the KV transfer peers' pair
+CORE_CURVE_ENV = "ZMQWORKER_CORE_CURVE"  # "public,secret" (z85): remote engine cores' pair
 
 
 @dataclass(frozen=True)
-class KVKeys:
-    """The key pair every KV transfer socket of a deployment uses: the prefill
-    instance's servers hold it, the decode instance's pullers connect with it, and each
-    server's ZAP handler admits its public key alone. Made by whoever starts both
-    instances, handed to their workers through the environment like the run's keys."""
+class SharedKeys:
+    """A deployment's key pair that a server and its clients all hold: the server is a
+    CURVE server with it, each client connects with it, and the server's ZAP handler
+    admits its public key alone. Made by whoever deploys both sides and handed to them
+    through the environment (ENV), never the command line or a file."""
 
     public: bytes
     secret: bytes
+    ENV: ClassVar[str]
 
     @classmethod
-    def new(cls) -> KVKeys:
+    def new(cls) -> Self:
         return cls(*zmq.curve_keypair())
 
     def to_env(self) -> str:
         return b",".join((self.public, self.secret)).decode()
 
     @classmethod
-    def from_env(cls) -> KVKeys | None:
-        value = os.environ.get(KV_CURVE_ENV, "")
+    def from_env(cls) -> Self | None:
+        value = os.environ.get(cls.ENV, "")
         if not value:
             return None
         parts = value.encode().split(b",")
         if len(parts) != 2 or any(len(p) != 40 for p in parts):
-            raise ValueError(
-                f"${KV_CURVE_ENV} must hold two z85 keys of 40 characters, comma-separated"
-            )
+            raise ValueError(f"${cls.ENV} must hold two z85 keys of 40 characters, comma-separated")
         return cls(*parts)
 
     def make_client(self, sock: zmq.Socket) -> None:
@@ -137,3 +139,51 @@ class KVKeys:
         sock.curve_serverkey = self.public
         sock.curve_publickey = self.public
         sock.curve_secretkey = self.secret
+
+
+class KVKeys(SharedKeys):
+    """The KV transfer sockets' pair: the prefill instance's servers hold it, the decode
+    instance's pullers connect with it."""
+
+    ENV = KV_CURVE_ENV
+
+
+class CoreKeys(SharedKeys):
+    """The pair of engine cores served on tcp (`zmqworker engine-core`) and of the
+    clients that connect to them (an LLM, `zmqworker serve`)."""
+
+    ENV = CORE_CURVE_ENV
+
+    @property
+    def token(self) -> str:
+        """The Hello token that goes with the pair (a client that holds it knows it)."""
+        return hashlib.sha256(b"zmqworker engine core token:" + self.secret).hexdigest()
+
+
+def serve_core_securely(
+    sock: zmq.Socket, ctx: zmq.Context, address: str
+) -> ThreadAuthenticator | None:
+    """Before bind: an engine core's ROUTER on tcp is a CURVE server with the pair in
+    $ZMQWORKER_CORE_CURVE and admits its holders alone (the ZAP handler returned: stop it
+    before the context ends); on ipc (a 0700 folder) it stays as it is (None)."""
+    if not address.startswith("tcp://"):
+        return None
+    keys = CoreKeys.from_env()
+    if keys is None:
+        raise ValueError(
+            f"an engine core on {address} needs ${CORE_CURVE_ENV} (the deployment's key pair: "
+            "zmqworker keys makes one): tcp is never served without CURVE"
+        )
+    make_server(sock, keys.public, keys.secret)
+    return start_zap(ctx, keys.public)
+
+
+def connect_core_securely(sock: zmq.Socket, address: str) -> None:
+    """Before connect: a client's DEALER to an engine core on tcp is a CURVE client with
+    the pair in $ZMQWORKER_CORE_CURVE."""
+    if not address.startswith("tcp://"):
+        return
+    keys = CoreKeys.from_env()
+    if keys is None:
+        raise ValueError(f"connecting to the engine core at {address} needs ${CORE_CURVE_ENV}")
+    keys.make_client(sock)
