@@ -8,6 +8,7 @@ until its KV is reported sent."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from messages import (
     KVConnectorOutput,
@@ -261,3 +262,16 @@ def test_a_remote_request_reuses_a_host_tier_hit_loaded_in_the_step_that_orders_
     assert orders.host.load_blocks.tolist() == [load.block_ids[1]]
     s.update_from_output(step, answer(step, KVConnectorOutput(finished_recving=["r"])))
     assert (s.kv_connector.num_hit_blocks, s.kv_connector.num_pulled_blocks) == (2, 2)
+
+
+def test_a_request_sent_to_the_wrong_side_of_a_pair_is_refused() -> None:
+    """A prefill-only engine refuses a request that brings remote KV, a decode-only one a
+    request that asks for a remote decode: each before it runs, naming the side."""
+    kv = KVBlockManager(8, block_size=4)
+    prefill = Scheduler(kv, 8, 64, 16, kv_connector=KVConnectorScheduler(kv, [ADDRESS], False))
+    with pytest.raises(ValueError, match="pulls none.*decode instance"):
+        prefill.add_request(remote("r", list(range(8))))
+    decode = scheduler(8, [])
+    with pytest.raises(ValueError, match="serves no KV.*prefill instance"):
+        decode.add_request(Request("p", [1, 2, 3], PARAMS, remote_decode=True))
+    assert not prefill.has_unfinished_requests() and not decode.has_unfinished_requests()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -43,29 +44,37 @@ def keys(monkeypatch: pytest.MonkeyPatch) -> tuple[CoreKeys, KVKeys]:
 
 
 @contextmanager
-def engine_core(*extra: str) -> Iterator[tuple[subprocess.Popen, str]]:
-    """`zmqworker engine-core` on a free port of this host: (its process, its address);
-    SIGTERM at the end."""
-    address = f"tcp://127.0.0.1:{free_ports(1)}"
-    argv = [sys.executable, "-m", "zmqworker", "engine-core", "--listen", address]
-    argv += ["--model", checkpoint_with_tokenizer(), *ENGINE, *extra]
-    proc = subprocess.Popen(argv, stderr=subprocess.PIPE, text=True)
+def engine_core(*options: str) -> Iterator[tuple[subprocess.Popen, str]]:
+    """`zmqworker engine-core` on a free port of this host, listening: (its process, its
+    address); SIGTERM at the end. Clients connect once it listens, as operators start the
+    engine cores first (a client gives up on an address nothing answers at)."""
+    port = free_ports(1)
+    address = f"tcp://127.0.0.1:{port}"
+    argv = [sys.executable, "-m", "zmqworker", "engine-core", "--listen", address, *options]
+    proc = subprocess.Popen(argv)
     try:
+        deadline = time.monotonic() + 240
+        while not listening(port):
+            assert proc.poll() is None and time.monotonic() < deadline, "it did not listen"
+            time.sleep(0.1)
         yield proc, address
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
-        proc.communicate(timeout=30)
+        proc.wait(30)
+
+
+def listening(port: int) -> bool:
+    with socket.socket() as probe:
+        return probe.connect_ex(("127.0.0.1", port)) == 0
+
+
+def tiny_core(*options: str):
+    return engine_core("--model", checkpoint_with_tokenizer(), *ENGINE, *options)
 
 
 def connect(*addresses: str, **kw) -> LLM:
-    return LLM(
-        model=checkpoint_with_tokenizer(),
-        device="cpu",
-        dtype="float32",
-        engine_core_addresses=list(addresses),
-        **kw,
-    )
+    return LLM(model=checkpoint_with_tokenizer(), engine_core_addresses=list(addresses), **kw)
 
 
 def test_clients_come_and_go_and_the_engine_core_serves_on(keys) -> None:
@@ -73,7 +82,7 @@ def test_clients_come_and_go_and_the_engine_core_serves_on(keys) -> None:
     serving the next; a client without the pair is refused at the handshake; the engine
     core stopped, its client's next request fails naming its address, and its workers
     leave with it."""
-    with engine_core() as (proc, address):
+    with tiny_core() as (proc, address):
         with connect(address) as llm:
             assert llm.engine_core_pids == [proc.pid]
             outs = llm.generate(PROMPTS, GREEDY)
@@ -102,8 +111,8 @@ def test_a_disaggregated_pair_on_two_engine_cores(keys) -> None:
     transformers' greedy tokens."""
     kv = ("--kv-host", "127.0.0.1", "--kv-port", str(free_ports(1)))
     with (
-        engine_core("--disaggregate-role", "prefill", *kv) as (_, prefill),
-        engine_core("--disaggregate-role", "decode") as (_, decode),
+        tiny_core("--disaggregate-role", "prefill", *kv) as (_, prefill),
+        tiny_core("--disaggregate-role", "decode") as (_, decode),
         connect(prefill, decode, disaggregate=True) as llm,
     ):
         outs = llm.generate(PROMPTS, GREEDY)
@@ -127,9 +136,11 @@ def test_what_engine_core_addresses_cannot_take(keys, monkeypatch) -> None:
         ({"engine_core_addresses": [address], "disaggregate": True}, "takes two"),
         ({"engine_core_addresses": [address], "data_parallel_size": 2}, "data_parallel_size"),
         ({"engine_core_addresses": [address], "kv_port": 9000}, "kv_port"),
+        ({"engine_core_addresses": [address], "max_num_seqs": 4}, "the engine cores' to take"),
+        ({"engine_core_addresses": ["tcp://*:7100"]}, "not a wildcard"),
     ]:
         with pytest.raises(ValueError, match=match):
-            LLM(model=checkpoint_with_tokenizer(), device="cpu", **kw)
+            LLM(model=checkpoint_with_tokenizer(), **kw)
     monkeypatch.delenv(CoreKeys.ENV)
     with pytest.raises(ValueError, match=CoreKeys.ENV):
         connect(address)
@@ -151,7 +162,31 @@ def test_the_engine_core_command_refuses_before_it_starts(keys) -> None:
             {KVKeys.ENV: ""},
             KVKeys.ENV,
         ),
-        (["--listen", "tcp://127.0.0.1:7101", "--kv-port", "9000"], {}, "need --disaggregate-role"),
+        (["--listen", "tcp://127.0.0.1:7101", "--kv-port", "9000"], {}, "are a prefill's"),
+        (
+            ["--listen", "tcp://127.0.0.1:7101", "--disaggregate-role", "decode", "--kv-port", "1"],
+            {},
+            "are a prefill's",
+        ),
+        (
+            ["--listen", "tcp://127.0.0.1:7101", "--kv-transfer-timeout", "5"],
+            {},
+            "needs --disaggregate-role",
+        ),
+        (
+            [
+                "--listen",
+                "tcp://127.0.0.1:7101",
+                "--disaggregate-role",
+                "prefill",
+                "--kv-host",
+                "0.0.0.0",
+                "--kv-port",
+                "9000",
+            ],
+            {},
+            "not a wildcard",
+        ),  # fmt: skip
     ]
     for argv, env, message in cases:
         run = subprocess.run(
@@ -181,11 +216,8 @@ def test_serve_over_an_engine_core_served_on_its_own(keys, colocated) -> None:  
     """`zmqworker serve --engine-core-address` on the embedded model: greedy completions
     equal the colocated server's, and the server's SIGTERM leaves the engine core
     serving (it is not the server's to stop)."""
-    address = f"tcp://127.0.0.1:{free_ports(1)}"
-    argv = [sys.executable, "-m", "zmqworker", "engine-core", "--listen", address]
-    core = subprocess.Popen([*argv, "--max-model-len", "512", "--max-num-seqs", "8"])
-    try:
-        srv = Server("--engine-core-address", address, "--api-server-count", "1")
+    with engine_core("--max-model-len", "512", "--max-num-seqs", "8") as (core, address):
+        srv = Server("--engine-core-address", address, "--api-server-count", "1", engine=False)
         try:
             expected = complete_all(colocated, stream=False)
             assert complete_all(srv, stream=False) == expected
@@ -193,6 +225,3 @@ def test_serve_over_an_engine_core_served_on_its_own(keys, colocated) -> None:  
         finally:
             assert srv.stop() == 0, srv.output()[-3000:]
         assert core.poll() is None
-    finally:
-        core.send_signal(signal.SIGTERM)
-        core.wait(30)

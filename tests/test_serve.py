@@ -41,14 +41,16 @@ def get(url: str) -> tuple[int, str]:
 class Server:
     """A `zmqworker serve` process on a free port; stopped with SIGTERM, then killed."""
 
-    def __init__(self, *options: str) -> None:
+    def __init__(self, *options: str, engine: bool = True) -> None:
+        """engine: the engine cores are this server's (it sizes them), not served apart."""
         require_embedded_model()
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.TemporaryFile()  # noqa: SIM115 (closed by stop())
+        sizes = ["--max-model-len", "512", "--max-num-seqs", "8"] if engine else []
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "zmqworker", "serve", "--port", str(self.port),
-             "--max-model-len", "512", "--max-num-seqs", "8", *options],
+            [sys.executable, "-m", "zmqworker", "serve", "--port", str(self.port), *sizes,
+             *options],
             cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT,
         )  # fmt: skip
         deadline = time.monotonic() + START_TIMEOUT_S

@@ -25,6 +25,7 @@ from typing import Any
 import msgspec
 
 from zmqworker.cli.options import add_options, given, llm_options
+from zmqworker.frontend.disaggregated_plan import KV_TIMEOUT_S
 
 # LLM options a lone engine core has no use for: a pair's are its own flags here, and
 # the replicas of data parallelism are engine cores of their own.
@@ -74,9 +75,9 @@ def add_parsers(sub: Any) -> dict[str, argparse.ArgumentParser]:
     parser.add_argument(
         "--kv-transfer-timeout",
         type=float,
-        default=30.0,
         metavar="S",
-        help="seconds a prompt's KV waits to be pulled, and a pull for its answer (default: 30)",
+        help="with --disaggregate-role: seconds a prompt's KV waits to be pulled, and a pull "
+        f"for its answer (default: {KV_TIMEOUT_S:g})",
     )
     add_options(parser.add_argument_group("engine"), LLM_OPTIONS)
     keys = sub.add_parser(
@@ -108,12 +109,17 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, _leave)
     signal.signal(signal.SIGINT, _leave)
     ctx = zmq.Context()
-    server = EngineCoreServer(config, ctx)
     try:
-        log.info("engine core on %s", config.address)
-        return server.serve(lambda: build_core(config))
+        try:
+            server = EngineCoreServer(config, ctx)
+        except zmq.ZMQError as exc:
+            raise OSError(f"--listen {config.address}: {exc}") from None
+        try:
+            log.info("engine core on %s", config.address)
+            return server.serve(lambda: build_core(config))
+        finally:
+            server.close()
     finally:
-        server.close()
         ctx.term()
 
 
@@ -127,34 +133,41 @@ def engine_core_config(args: argparse.Namespace) -> Any:
     from zmqworker.frontend.remote_cores import check_address
     from zmqworker.transport.curve import CoreKeys, KVKeys
 
-    check_address(args.listen)
+    check_address(args.listen, "--listen", bind=True)
     keys = CoreKeys.from_env()
     if keys is None:
         raise ValueError(f"--listen {args.listen} needs ${CoreKeys.ENV} (zmqworker keys)")
+    role = args.disaggregate_role
+    if role != "prefill" and (args.kv_host is not None or args.kv_port is not None):
+        raise ValueError("--kv-host and --kv-port are a prefill's: --disaggregate-role prefill")
+    if role is None and args.kv_transfer_timeout is not None:
+        raise ValueError("--kv-transfer-timeout needs --disaggregate-role")
+    if role == "prefill":
+        if args.kv_host is None or args.kv_port is None:
+            raise ValueError("--disaggregate-role prefill needs --kv-host and --kv-port")
+        # The decode ranks connect there: the address its KV servers bind is advertised.
+        check_address(f"tcp://{args.kv_host}:{args.kv_port}", "--kv-host and --kv-port")
+    timeout = KV_TIMEOUT_S if args.kv_transfer_timeout is None else args.kv_transfer_timeout
+    if not timeout > 0:
+        raise ValueError(f"--kv-transfer-timeout must be positive, got {timeout}")
+    if role is not None and KVKeys.from_env() is None:
+        raise ValueError(f"--disaggregate-role needs ${KVKeys.ENV} (zmqworker keys)")
     chosen = given(args, LLM_OPTIONS)
     check_args(OPTION_TYPES, chosen)
     plan = EnginePlan.from_options(OPTION_DEFAULTS | chosen)
     config = plan.engine_config(0, args.listen, keys.token)
-    role = args.disaggregate_role
     if role is None:
-        if args.kv_host is not None or args.kv_port is not None:
-            raise ValueError("--kv-host and --kv-port need --disaggregate-role")
         return config
-    if KVKeys.from_env() is None:
-        raise ValueError(f"--disaggregate-role needs ${KVKeys.ENV} (zmqworker keys)")
-    if plan.worker_config.parallel.pipeline_parallel_size != 1:
+    parallel = plan.worker_config.parallel
+    if parallel.pipeline_parallel_size != 1:
         raise ValueError("--disaggregate-role: KV transfer does not take pipeline parallelism")
-    if not args.kv_transfer_timeout > 0:
-        raise ValueError(f"--kv-transfer-timeout must be positive, got {args.kv_transfer_timeout}")
-    tp = plan.worker_config.parallel.tensor_parallel_size
-    if role == "prefill" and (args.kv_host is None or args.kv_port is None):
-        raise ValueError("--disaggregate-role prefill needs --kv-host and --kv-port")
-    if role == "prefill" and not 0 < args.kv_port <= 65536 - tp:
+    tp = parallel.tensor_parallel_size
+    if role == "prefill" and args.kv_port > 65536 - tp:
         raise ValueError(f"--kv-port must leave {tp} port(s) in [1, 65535], got {args.kv_port}")
-    transfer = KVTransferConfig(
-        ROLES[role], args.kv_host or "127.0.0.1", args.kv_port or 0, args.kv_transfer_timeout
+    host, port = args.kv_host or "127.0.0.1", args.kv_port or 0
+    worker = msgspec.structs.replace(
+        config.worker, kv_transfer=KVTransferConfig(ROLES[role], host, port, timeout)
     )
-    worker = msgspec.structs.replace(config.worker, kv_transfer=transfer)
     return msgspec.structs.replace(config, worker=worker)
 
 

@@ -95,7 +95,7 @@ def check_run(
 def engine_prompts(llm: Any, jobs: Sequence[Job]) -> list[list[int]]:
     """Every prompt's token ids from the engine's own tokenizer (conversations through the
     chat template), checked as before the start: all of them before any runs."""
-    limits = _Limits(llm.max_model_len, llm.worker_config.model.max_logprobs, llm.vocab_size)
+    limits = _Limits(llm.max_model_len, llm.max_logprobs, llm.vocab_size)
     prompts = []
     for index, job in enumerate(jobs):
         try:

@@ -24,8 +24,9 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         description="Serve /v1/completions, /v1/chat/completions, /v1/models, /tokenize, "
         "/detokenize, /health and /metrics over the reference engine: API server processes "
         "on one port, each a client of the engine core processes (one per data-parallel "
-        "replica). SIGINT or SIGTERM lets the requests in flight finish, then stops the "
-        "workers; any of the processes dying stops the whole server.",
+        "replica), or of engine cores served on their own (--engine-core-address). SIGINT or "
+        "SIGTERM lets the requests in flight finish, then stops the workers it started; any "
+        "of the processes dying stops the whole server.",
     )
     parser.add_argument("--host", default="127.0.0.1", help="address (default: 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000, help="port (default: 8000)")

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Protocol
 
 from zmqworker.engine.block_manager import KVBlockManager
+from zmqworker.engine.kv_connector import KVConnectorScheduler
 from zmqworker.engine.request import Request, RequestStatus
 
 
@@ -50,15 +51,26 @@ def check_limits(scheduler: Limits) -> None:
         )
 
 
-def check_new_request(request: Request, max_model_len: int, has_kv_connector: bool) -> None:
-    """A request about to be added (not a duplicate: the scheduler checks that)."""
+def check_new_request(
+    request: Request, max_model_len: int, kv: KVConnectorScheduler | None
+) -> None:
+    """A request about to be added (not a duplicate: the scheduler checks that). kv: this
+    engine's KV transfer, whose role says what it takes (a decode instance pulls, a
+    prefill instance serves), so that a request sent to the wrong side of a pair is
+    refused before it runs."""
+    pulls_kv, serves_kv = kv is not None and kv.consumes, kv is not None and bool(kv.addresses)
     num_given = 0 if request.remote is None else 1  # the remote prefill's token
     if request.status is not RequestStatus.WAITING or len(request.output_token_ids) > num_given:
         raise ValueError(f"request {request.req_id!r} is not a fresh request")
-    if (request.remote or request.remote_decode) and not has_kv_connector:
+    if request.remote is not None and not pulls_kv:
         raise ValueError(
-            f"request {request.req_id!r} takes part in KV transfer, but this engine has "
-            "no KV connector (give its workers a kv_transfer config)"
+            f"request {request.req_id!r} brings a remote prefill's KV, but this engine pulls "
+            "none (its workers' kv_transfer role is not a consumer: is it a decode instance?)"
+        )
+    if request.remote_decode and not serves_kv:
+        raise ValueError(
+            f"request {request.req_id!r} asks for a remote decode, but this engine serves no "
+            "KV (its workers' kv_transfer role is not a producer: is it a prefill instance?)"
         )
     if request.num_tokens > max_model_len:
         raise ValueError(

@@ -38,11 +38,15 @@ from zmqworker.engine.request import FinishReason, Request, RequestStatus
 
 
 class KVConnectorScheduler:
-    def __init__(self, block_manager: KVBlockManager, addresses: list[str]) -> None:
+    def __init__(
+        self, block_manager: KVBlockManager, addresses: list[str], consumes: bool = True
+    ) -> None:
         """addresses: where this instance's tp ranks serve staged KV (a producer's), in
-        tp rank order; empty for an instance that only consumes."""
+        tp rank order; empty for an instance that only consumes. consumes: whether its
+        workers pull remote KV (a consumer's)."""
         self.kv = block_manager
         self.addresses = addresses
+        self.consumes = consumes
         self._to_load: dict[str, Request] = {}  # waiting for blocks, in arrival order
         # Pull ordered, not reported yet: the request and its load.
         self._loading: dict[str, tuple[Request, KVLoad]] = {}
@@ -66,7 +70,7 @@ class KVConnectorScheduler:
         if config is None:
             return None
         produces = range(tp) if config.produces else range(0)
-        return cls(block_manager, [config.address(rank) for rank in produces])
+        return cls(block_manager, [config.address(rank) for rank in produces], config.consumes)
 
     @property
     def busy(self) -> bool:

@@ -104,7 +104,7 @@ class Scheduler:
     def check_request(self, request: Request) -> None:  # add_request's ValueErrors
         if request.req_id in self._requests or request.req_id in self._draining:
             raise ValueError(f"request id {request.req_id!r} is already in the scheduler")
-        check_new_request(request, self.max_model_len, self.kv_connector is not None)
+        check_new_request(request, self.max_model_len, self.kv_connector)
 
     def abort_request(self, req_id: str) -> Request | None:
         """Finish req_id as aborted; None if it is unknown or already finished. A request

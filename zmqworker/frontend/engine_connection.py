@@ -15,8 +15,9 @@ from messages import EngineCoreOutputs, EngineCoreReady, EngineCoreStats
 from zmqworker.frontend.core_process import EngineCoreHandle
 from zmqworker.transport.curve import CORE_CURVE_ENV, connect_core_securely
 
-# A CURVE handshake refused (the wrong key pair) or broken: the engine core is not this
-# client's to reach.
+# A first CURVE handshake that fails (refused, or cut short: what another key pair
+# looks like from here) tells a client of an engine core served on its own that it is
+# not this client's to reach. Engine cores a client started are on ipc: no handshake.
 HANDSHAKE_FAILED = (
     zmq.EVENT_HANDSHAKE_FAILED_AUTH
     | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
@@ -67,15 +68,20 @@ class EngineConnection:
         sock.setsockopt(zmq.HEARTBEAT_IVL, round(PING_EVERY_S * 1000))
         sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, round(ENGINE_SILENT_S * 1000))
         self.sock = sock
+        monitor = None
         try:
             connect_core_securely(sock, address)
-            self.monitor = sock.get_monitor_socket(
+            monitor = sock.get_monitor_socket(
                 zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED | HANDSHAKE_FAILED
             )
             sock.connect(address)
         except BaseException:
+            if monitor is not None:  # else the context's term() would wait for it
+                sock.disable_monitor()
+                monitor.close(linger=0)
             sock.close(linger=0)
             raise
+        self.monitor = monitor
         self.ready: EngineCoreReady | None = None
         self.dead: Exception | None = None
         self.requests: set[str] = set()
@@ -101,7 +107,7 @@ class EngineConnection:
         disconnected_at is now); why the engine core refused this client, if it did."""
         while self.monitor.poll(0):
             event = recv_monitor_message(self.monitor)["event"]
-            if event & HANDSHAKE_FAILED:
+            if event & HANDSHAKE_FAILED and not (self.reached or self.handle.owned):
                 return (
                     f"{self.handle.label} refused this client: the CURVE handshake failed "
                     f"(${CORE_CURVE_ENV} must hold the engine core's key pair)"

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import secrets
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -68,7 +69,9 @@ class Frontend(ControlMethods):
         self._processor = OutputProcessor()
         self._sinks: dict[str, Sink] = {}  # request id -> where its outputs go
         self._ids = itertools.count()
-        self._id_prefix = f"req-{client_index}-"
+        # Unique among the clients of an engine core, which keys requests by id alone:
+        # independent clients (two servers, an LLM) may share an engine core.
+        self._id_prefix = f"req-{secrets.token_hex(4)}-{client_index}-"
         self._closed = False
         self._pusher: WeightPusher | None = None  # made at the first update from here
         self._observers: list[Callable[[RequestOutput], None]] = []

@@ -38,7 +38,7 @@ from zmqworker.frontend.llm_args import (
     check_args,
     opt,
 )
-from zmqworker.frontend.remote_cores import check_readies, check_remote_options, connect
+from zmqworker.frontend.remote_cores import RemotePlan
 
 logger = logging.getLogger(__name__)
 
@@ -54,8 +54,10 @@ class LLM(Frontend):
     max_num_seqs sequences of max_model_len tokens, capped by memory, unless
     kv_cache_bytes, cpu_memory_fraction or (on CUDA) gpu_memory_utilization ask
     otherwise. executor may also be a factory of executors made in this process (tests):
-    the engine cores then run in threads of this process, over the same protocol. Not
-    thread-safe; generate() and generate_stream() are not to be mixed at one time.
+    the engine cores then run in threads of this process, over the same protocol. With
+    engine_core_addresses it starts none and connects to those (frontend/remote_cores.py;
+    worker_config is then None: their configs are where they run). Not thread-safe;
+    generate() and generate_stream() are not to be mixed at one time.
     """
 
     def __init__(
@@ -201,10 +203,9 @@ class LLM(Frontend):
         check_args(OPTION_TYPES, options)
         started = time.perf_counter()
         if engine_core_addresses:
-            check_remote_options(options, OPTION_DEFAULTS)
-            plan = EnginePlan.from_options(options)
-            self.worker_config = plan.worker_config
-            self._connect(plan, engine_core_addresses, disaggregate)
+            # Their configs are where they run: none here.
+            self.worker_config: WorkerConfig | None = None
+            self._connect(RemotePlan.from_options(options, OPTION_DEFAULTS))
             logger.info("connected: %.1f s", time.perf_counter() - started)
             return
         check_pair_options(options)
@@ -237,13 +238,13 @@ class LLM(Frontend):
         self._launcher = launcher
         logger.info("ready: %.1f s", time.perf_counter() - started)
 
-    def _connect(self, plan: EnginePlan, addresses: list[str], disaggregate: bool) -> None:
-        """Become a client of the engine cores at addresses, once they are ready."""
+    def _connect(self, plan: RemotePlan) -> None:
+        """Become a client of engine cores served on their own, once they are ready."""
         texts = plan.folder.load_text_side()
-        client = connect(addresses, disaggregate, plan.output_bytes)
+        client = plan.connect()
         try:
             readies = client.wait_ready(START_TIMEOUT_S)
-            check_readies(plan, readies, addresses)
+            plan.check_readies(readies)
         except (EngineCoreError, EngineCoreDiedError, TimeoutError) as exc:
             client.close()
             raise EngineCoreStartupError(f"could not connect: {exc}") from exc

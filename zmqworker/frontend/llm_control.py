@@ -82,6 +82,12 @@ class ControlMethods:
         unknown name, a wrong shape or dtype raises ValueError and nothing changes."""
         from zmqworker.executor.weight_push import WeightPusher  # torch: not at start-up
 
+        if not all(engine.handle.owned for engine in self.client.engines):
+            raise RuntimeError(
+                "update_weights pushes through this host's shared memory or CUDA IPC: not to "
+                "engine cores served on their own (init_weight_transfer_group sends over "
+                "NCCL to any host)"
+            )
         self._between_steps("update_weights")
         if self._pusher is None:
             self._pusher = WeightPusher(EngineCoreWorkers(self.client))  # type: ignore[arg-type]

@@ -1,91 +1,108 @@
 """A client of engine cores it did not start: each served on its own over CURVE tcp
 (`zmqworker engine-core`, on other hosts or this one), as data-parallel replicas or as a
 disaggregated pair (prefill, then decode). The client holds the deployment's pair
-($ZMQWORKER_CORE_CURVE); it learns the engine cores' sizes from their Ready, and checks
-that they serve the model it tokenises for."""
+($ZMQWORKER_CORE_CURVE) and the model folder it tokenises with; everything else about
+the engine cores (layout, memory, limits) was given where they run, and the client
+learns what it needs from their Ready: it checks that they serve its model's vocabulary
+and agree on max_model_len."""
 
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from typing import Any
 
 from messages import EngineCoreReady
+from zmqworker.engine.model_folder import ModelFolder
 from zmqworker.frontend.core_client import EngineCoreClient
 from zmqworker.frontend.core_process import RemoteEngineCore
 from zmqworker.frontend.disaggregated_client import DisaggregatedClient
-from zmqworker.frontend.disaggregated_plan import COMPANIONS
-from zmqworker.frontend.engine_plan import EnginePlan
 from zmqworker.transport.curve import CoreKeys
 
-_TCP = re.compile(r"tcp://([^:/\s]+|\[[0-9a-fA-F:]+\]):(\d{1,5})")
-# Options that describe engine cores this client starts: those served on their own were
-# given theirs where they run.
-STARTED_HERE = ("data_parallel_size", *COMPANIONS)
+_TCP = re.compile(r"tcp://([^:/\s\[\]]+):(\d{1,5})")  # a host name or IPv4 address
+WILDCARDS = ("0.0.0.0", "*")  # every interface: to bind, not to connect to
+# The options a client of such engine cores takes; any other is the engine cores'.
+CLIENT_OPTIONS = ("model", "max_logprobs", "disaggregate", "engine_core_addresses")
 
 
-def check_address(address: str) -> None:
-    """Raise ValueError unless address is tcp://HOST:PORT with a port in [1, 65535]."""
+def check_address(address: str, what: str = "an engine core address", bind: bool = False) -> None:
+    """Raise ValueError unless address is tcp://HOST:PORT: a host name or IPv4 address
+    (a wildcard only where it is bound: peers connect to the others) and a port in
+    [1, 65535]."""
     match = _TCP.fullmatch(address)
-    if match is None or not 0 < int(match.group(2)) < 65536:
-        raise ValueError(f"an engine core address must be tcp://HOST:PORT, got {address!r}")
-
-
-def check_remote_options(options: dict[str, Any], defaults: dict[str, Any]) -> None:
-    """Raise ValueError naming what engine_core_addresses cannot take, before any socket."""
-    addresses = options["engine_core_addresses"]
-    for address in addresses:
-        check_address(address)
-    if len(set(addresses)) != len(addresses):
-        raise ValueError(f"engine_core_addresses names one engine core twice: {addresses}")
-    if options["disaggregate"] and len(addresses) != 2:
+    wildcard = match is not None and match.group(1) in WILDCARDS
+    if match is None or (wildcard and not bind) or not 0 < int(match.group(2)) < 65536:
+        kind = "a host name or IPv4 address" + ("" if bind else ", not a wildcard")
         raise ValueError(
-            "disaggregate with engine_core_addresses takes two: the prefill instance's, "
-            f"then the decode instance's; got {len(addresses)}"
+            f"{what} must be tcp://HOST:PORT ({kind}; a port in [1, 65535]), got {address!r}"
         )
-    for name in STARTED_HERE:
-        if options.get(name) != defaults[name]:
+
+
+@dataclass(frozen=True)
+class RemotePlan:
+    folder: ModelFolder  # the client's tokenizer and generation defaults
+    addresses: list[str]
+    disaggregate: bool  # the addresses are a prefill instance's, then a decode's
+    max_logprobs: int
+    token: str  # the Hello token of the deployment's pair
+
+    @classmethod
+    def from_options(cls, options: dict[str, Any], defaults: dict[str, Any]) -> RemotePlan:
+        """options: every argument of LLM (checked already). Raises ValueError naming
+        what engine_core_addresses cannot take, before any socket opens."""
+        addresses = options["engine_core_addresses"]
+        for address in addresses:
+            check_address(address)
+        if len(set(addresses)) != len(addresses):
+            raise ValueError(f"engine_core_addresses names one engine core twice: {addresses}")
+        if options["disaggregate"] and len(addresses) != 2:
             raise ValueError(
-                f"{name}={options[name]!r} is for engine cores this client starts: those at "
-                "engine_core_addresses were given theirs where they run"
+                "disaggregate with engine_core_addresses takes two: the prefill instance's, "
+                f"then the decode instance's; got {len(addresses)}"
             )
-    if callable(options["executor"]):
-        raise ValueError("an executor factory starts engine cores here: not with addresses")
-    if CoreKeys.from_env() is None:
-        raise ValueError(f"engine_core_addresses needs ${CoreKeys.ENV} (zmqworker keys)")
+        for name, value in options.items():
+            if name not in CLIENT_OPTIONS and value != defaults[name]:
+                raise ValueError(
+                    f"{name}={value!r} is the engine cores' to take: give it where they run "
+                    "(zmqworker engine-core); a client of engine_core_addresses takes "
+                    f"{', '.join(CLIENT_OPTIONS)}"
+                )
+        keys = CoreKeys.from_env()
+        if keys is None:
+            raise ValueError(f"engine_core_addresses needs ${CoreKeys.ENV} (zmqworker keys)")
+        folder = ModelFolder.open(options["model"])
+        return cls(folder, addresses, options["disaggregate"], options["max_logprobs"], keys.token)
+
+    def connect(self, client_index: int = 0) -> EngineCoreClient:
+        """A client of the engine cores, its Hello sent (wait_ready next)."""
+        return remote_client(self.addresses, self.token, self.disaggregate, client_index)
+
+    def check_readies(self, readies: list[EngineCoreReady]) -> None:
+        """Raise ValueError unless every engine core serves this client's vocabulary, and
+        all of them one context length (the client's limit)."""
+        vocab = self.folder.vocab_size
+        for ready, address in zip(readies, self.addresses, strict=True):
+            if ready.vocab_size != vocab:
+                raise ValueError(
+                    f"the engine core at {address} serves a vocabulary of {ready.vocab_size} "
+                    f"tokens, this client's model {self.folder.path} has {vocab}"
+                )
+        lengths = {a: r.max_model_len for a, r in zip(self.addresses, readies, strict=True)}
+        if len(set(lengths.values())) > 1:
+            raise ValueError(f"the engine cores take different max_model_len: {lengths}")
 
 
-def connect(
-    addresses: list[str], disaggregate: bool, output_bytes: int, client_index: int = 0
+def remote_client(
+    addresses: list[str], token: str, disaggregate: bool, client_index: int
 ) -> EngineCoreClient:
-    """A client of the engine cores at addresses, its Hello sent (wait_ready next); it
-    closes their handles with its connections."""
+    """A client of engine cores served on their own (it closes their handles with its
+    connections). Their outputs are not bounded here: each is a peer the deployment's
+    pair authenticated, sized by limits given where it runs."""
     handles = [RemoteEngineCore(i, a) for i, a in enumerate(addresses)]
     client_class = DisaggregatedClient if disaggregate else EngineCoreClient
     try:
-        return client_class(addresses, handles, core_token(), client_index, output_bytes)
+        return client_class(addresses, handles, token, client_index, -1)
     except BaseException:
         for handle in handles:
             handle.close()
         raise
-
-
-def core_token() -> str:
-    """The Hello token of engine cores served with this process's pair."""
-    keys = CoreKeys.from_env()
-    if keys is None:
-        raise ValueError(f"engine cores served on their own need ${CoreKeys.ENV} (zmqworker keys)")
-    return keys.token
-
-
-def check_readies(plan: EnginePlan, readies: list[EngineCoreReady], addresses: list[str]) -> None:
-    """Raise ValueError unless every engine core serves this client's vocabulary, and all
-    of them one context length (the client's limit)."""
-    for ready, address in zip(readies, addresses, strict=True):
-        if ready.vocab_size != plan.folder.vocab_size:
-            raise ValueError(
-                f"the engine core at {address} serves a vocabulary of {ready.vocab_size} "
-                f"tokens, this client's model {plan.folder.path} has {plan.folder.vocab_size}"
-            )
-    lengths = {a: r.max_model_len for a, r in zip(addresses, readies, strict=True)}
-    if len(set(lengths.values())) > 1:
-        raise ValueError(f"the engine cores take different max_model_len: {lengths}")

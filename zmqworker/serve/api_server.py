@@ -27,7 +27,7 @@ from zmqworker.frontend.core_client import EngineCoreClient
 from zmqworker.frontend.core_process import WatchedEngineCore
 from zmqworker.frontend.disaggregated_client import DisaggregatedClient
 from zmqworker.frontend.frontend import Frontend
-from zmqworker.frontend.remote_cores import connect as connect_remote
+from zmqworker.frontend.remote_cores import remote_client
 from zmqworker.runtime.parent_death import PARENT_DEATH_SIGNAL, exit_with_parent
 from zmqworker.serve.app import build_app
 from zmqworker.serve.cors import CorsOptions
@@ -67,8 +67,8 @@ def connect(config: ApiServerConfig) -> Frontend:
     folder = ModelFolder.open(config.model)
     texts = folder.load_text_side()
     if config.engine_pids is None:
-        client = connect_remote(
-            config.engine_addresses, config.disaggregated, config.output_bytes, config.index
+        client = remote_client(
+            config.engine_addresses, config.token, config.disaggregated, config.index
         )
     else:
         handles = [WatchedEngineCore(i, pid) for i, pid in enumerate(config.engine_pids)]

@@ -3,14 +3,16 @@ anything starts), binds the port, starts the engine cores (one per data-parallel
 replica) and N API server processes that accept on the same listening socket, each a
 client of every engine core, and then supervises them. Disaggregated (--disaggregate),
 the engine cores are a prefill and a decode instance, and each API server's client
-routes every request through both (frontend/disaggregated_client.py).
+routes every request through both (frontend/disaggregated_client.py). With
+--engine-core-address it starts none: it connects to engine cores served on their own
+(frontend/remote_cores.py), which it checks and watches but never stops.
 
 Any of them dying takes the whole server down: the others are stopped in order and the
 command fails with an error naming what died (a server that lost part of itself would
 serve on degraded and unnoticed; let the supervisor above, systemd or Kubernetes, start
 a whole one again). SIGINT or SIGTERM drains: the API servers stop taking connections
 and let the requests in flight finish (at most shutdown_timeout_s), then the engine cores
-stop their workers. Nothing is left running either way.
+stop their workers. Nothing this process started is left running either way.
 """
 
 from __future__ import annotations
@@ -40,8 +42,8 @@ from zmqworker.frontend.engine_plan import EnginePlan
 from zmqworker.frontend.engine_shutdown import shut_down_engines
 from zmqworker.frontend.llm import OPTION_DEFAULTS, OPTION_TYPES
 from zmqworker.frontend.llm_args import check_args
-from zmqworker.frontend.remote_cores import check_remote_options, connect, core_token
-from zmqworker.serve.api_server import ApiServerConfig
+from zmqworker.frontend.remote_cores import RemotePlan
+from zmqworker.serve.api_server import READY_TIMEOUT_S, ApiServerConfig
 from zmqworker.serve.body_limit import DEFAULT_MAX_REQUEST_BYTES
 from zmqworker.serve.cors import CorsOptions
 from zmqworker.serve.metrics import MULTIPROC_ENV
@@ -83,17 +85,22 @@ def serve(
         )
     options = {**OPTION_DEFAULTS, **engine_options}
     check_args(OPTION_TYPES, options)
-    remote = options["engine_core_addresses"]
-    if remote:  # engine cores served on their own: connected to, never started or stopped
-        check_remote_options(options, OPTION_DEFAULTS)
-    else:
+    # Engine cores served on their own (remote) are connected to, never started or stopped.
+    remote = (
+        RemotePlan.from_options(options, OPTION_DEFAULTS)
+        if options["engine_core_addresses"]
+        else None
+    )
+    if remote is None:
         check_pair_options(options)
-    plan = EnginePlan.from_options(options)
-    pair = None if remote else DisaggregatedPlan.from_options(plan, options)
-    name = served_model_name or plan.folder.path.name
+        plan = EnginePlan.from_options(options)
+        pair = DisaggregatedPlan.from_options(plan, options)
+        folder, max_logprobs, output_bytes = plan.folder, plan.max_logprobs, plan.output_bytes
+    else:
+        folder, max_logprobs, output_bytes = remote.folder, remote.max_logprobs, -1
+    name = served_model_name or folder.path.name
     listener = _listen(host, port)  # a port in use fails here, before anything starts
     launcher, client_class = (None, None) if remote else start_engine_cores(plan, pair)
-    addresses = remote or launcher.addresses
     servers: list[ChildProcess] = []
     spawner = threading.Event()  # set: the spawning thread may end
     client = None
@@ -102,14 +109,14 @@ def serve(
     try:
         config = functools.partial(
             ApiServerConfig,
-            model=str(plan.folder.path),
+            model=str(folder.path),
             served_model_name=name,
             api_key=api_key,
-            engine_addresses=addresses,
-            engine_pids=None if launcher is None else launcher.pids,
-            token=core_token() if launcher is None else launcher.token,
-            max_logprobs=plan.max_logprobs,
-            output_bytes=plan.output_bytes,
+            engine_addresses=remote.addresses if remote else launcher.addresses,
+            engine_pids=None if remote else launcher.pids,
+            token=remote.token if remote else launcher.token,
+            max_logprobs=max_logprobs,
+            output_bytes=output_bytes,
             listen_fd=listener.fileno(),
             shutdown_timeout_s=shutdown_timeout_s,
             max_request_bytes=max_request_bytes,
@@ -134,11 +141,12 @@ def serve(
         ]
         spawn_all(makers, servers, spawner)
         listener.close()  # the API servers hold it now
-        if launcher is None:
-            client = connect(addresses, options["disaggregate"], plan.output_bytes, count)
+        if remote is not None:
+            client = remote.connect(count)
+            remote.check_readies(client.wait_ready(READY_TIMEOUT_S))
         else:
             client = client_class(
-                addresses, launcher.handles, launcher.token, count, plan.output_bytes
+                launcher.addresses, launcher.handles, launcher.token, count, output_bytes
             )
         _Supervisor(client, servers, name, f"http://{host}:{port}/v1").run(shutdown_timeout_s)
     finally:
