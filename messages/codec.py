@@ -195,7 +195,8 @@ class Decoder:
             raise ProtocolError(f"malformed body: {e}") from None
         if env.version != PROTOCOL_VERSION:
             raise ProtocolError(
-                f"protocol version {env.version} is not this side's {PROTOCOL_VERSION}"
+                f"protocol version {env.version} is not this side's {PROTOCOL_VERSION}",
+                version=env.version,
             )
         return self._msg.decode(env.msg)
 

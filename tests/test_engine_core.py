@@ -21,7 +21,9 @@ import zmq
 
 from messages import (
     PROTOCOL_VERSION,
+    Decoder,
     Encoder,
+    EngineCoreFailure,
     EngineCoreHello,
     EngineCoreRequest,
     SamplingParams,
@@ -30,7 +32,7 @@ from tests.engine_helpers import FakeExecutor, byte_level_tokenizer
 from tests.test_engine_e2e import PROMPTS, make_llm
 from tests.test_executor import wait_gone
 from zmqworker.frontend.core_client import EngineCoreClient
-from zmqworker.frontend.core_process import WatchedEngineCore
+from zmqworker.frontend.core_process import RemoteEngineCore, WatchedEngineCore
 from zmqworker.frontend.engine_connection import ENGINE_SILENT_S
 from zmqworker.frontend.errors import EngineCoreDiedError, EngineCoreError
 from zmqworker.frontend.llm import LLM
@@ -129,6 +131,51 @@ def test_junk_and_strangers_at_the_socket_are_dropped(fake_llm):
     sock.close()
     out = fake_llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=3))
     assert len(out[0].token_ids) == 3
+
+
+def another_version(frames: list) -> list:
+    """frames of this version's encoder, as the next protocol version would send them."""
+    body = bytearray(frames[0])
+    assert body[:2] == bytes([0x92, PROTOCOL_VERSION])  # [version, message]
+    body[1] = PROTOCOL_VERSION + 1
+    return [bytes(body), *frames[1:]]
+
+
+def test_a_peer_of_another_release_is_told_so(fake_llm):
+    """Its Hello is refused with a fatal EngineCoreFailure naming both versions (in this
+    version: the peer's decoder names them as it fails), not left to wait for Ready."""
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(fake_llm._launcher.addresses[0])
+    hello = EngineCoreHello(PROTOCOL_VERSION, fake_llm._launcher.token, os.getpid())
+    sock.send_multipart(another_version(Encoder().encode(hello)))
+    assert sock.poll(5000)
+    refusal = Decoder().decode(sock.recv_multipart())
+    sock.close()
+    assert isinstance(refusal, EngineCoreFailure) and refusal.fatal
+    assert f"protocol version {PROTOCOL_VERSION}, not {PROTOCOL_VERSION + 1}" in refusal.message
+
+
+def test_a_client_fails_an_engine_core_of_another_release_at_once(tmp_path):
+    """What such an engine core sends does not decode here: the client gives it up,
+    naming both versions, rather than waiting for a Ready it cannot read."""
+    address = f"ipc://{tmp_path}/core.sock"
+    router = zmq.Context.instance().socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    router.bind(address)
+    client = EngineCoreClient([address], [RemoteEngineCore(0, address)], "token")
+    try:
+        identity, *frames = router.recv_multipart()
+        assert isinstance(Decoder().decode(frames), EngineCoreHello)
+        ready = EngineCoreFailure(0, [], "ProtocolError", "another release", fatal=True)
+        router.send_multipart([identity, *another_version(Encoder().encode(ready))])
+        started = time.monotonic()
+        with pytest.raises(EngineCoreError, match=f"protocol version {PROTOCOL_VERSION + 1}"):
+            client.wait_ready(30)
+        assert time.monotonic() - started < 5
+    finally:
+        client.close()
+        router.close()
 
 
 def test_a_killed_engine_core_fails_the_stream_naming_it_and_leaves_nothing():

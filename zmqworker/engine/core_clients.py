@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import zmq
 
-from messages import PROTOCOL_VERSION, Encoder, EngineCoreHello, Ping
+from messages import PROTOCOL_VERSION, Encoder, EngineCoreFailure, EngineCoreHello, Ping
 from zmqworker.transport.frames import send_frames
 
 PROBE_WINDOW_S = 1.0
@@ -57,6 +57,16 @@ class Clients:
         client = Client(identity, hello.pid, hello.client_index)
         self.by_identity[identity] = client
         return client
+
+    @staticmethod
+    def version_refusal(engine_index: int, version: int) -> EngineCoreFailure:
+        """What a peer of another release is told (in this version, which it cannot
+        decode: its decoder names both versions) in place of an answer. Every peer at
+        the socket passed its own check: CURVE on tcp, the 0700 folder on ipc."""
+        text = (
+            f"engine core {engine_index} speaks protocol version {PROTOCOL_VERSION}, not {version}"
+        )
+        return EngineCoreFailure(engine_index, [], "ProtocolError", text, fatal=True)
 
     def add_request(self, client: Client, request_id: str) -> None:
         client.request_ids.add(request_id)

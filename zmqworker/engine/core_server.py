@@ -14,6 +14,7 @@ and the engine core stops.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -220,6 +221,10 @@ class EngineCoreServer:
             msg = self._dec.decode(frames)
         except ProtocolError as exc:
             self.drops.count(f"a message that did not decode: {exc}")
+            if exc.version is not None and identity not in self.clients.by_identity:
+                refusal = self.clients.version_refusal(self.index, exc.version)
+                with contextlib.suppress(zmq.ZMQError):  # gone already
+                    send_frames(self._sock, (identity, *self._enc.encode(refusal)), zmq.NOBLOCK)
             return
         client = self.clients.by_identity.get(identity)
         if isinstance(msg, EngineCoreHello):

@@ -40,7 +40,13 @@ from messages import (
     UtilityResult,
 )
 from zmqworker.frontend.core_process import EngineCoreHandle
-from zmqworker.frontend.engine_connection import LOST_GRACE_S, EngineConnection, Event, Failed
+from zmqworker.frontend.engine_connection import (
+    LOST_GRACE_S,
+    EngineConnection,
+    Event,
+    Failed,
+    open_connections,
+)
 from zmqworker.frontend.errors import EngineCoreDiedError, EngineCoreError
 from zmqworker.frontend.utility_calls import PendingCall, UtilityCalls
 from zmqworker.transport.drops import DropCounter
@@ -65,21 +71,13 @@ class EngineCoreClient:
         self._ctx = zmq.Context()
         self._enc, self._dec = Encoder(), Decoder()
         self.drops = DropCounter(log, "messages from engine cores")
-        self.engines: list[EngineConnection] = []
         self._poller = zmq.Poller()
         self._deaths = select.poll()
-        try:
-            for index, (address, handle) in enumerate(zip(addresses, handles, strict=True)):
-                engine = EngineConnection(index, handle, self._ctx, address, max_output_bytes)
-                self.engines.append(engine)
-                for what in (engine.sock, engine.monitor, handle.death_fd):
-                    self._poller.register(what, zmq.POLLIN)
-                self._deaths.register(handle.death_fd, select.POLLIN)
-        except BaseException:
-            for engine in self.engines:
-                engine.close()
-            self._ctx.term()
-            raise
+        self.engines = open_connections(self._ctx, addresses, handles, max_output_bytes)
+        for engine in self.engines:
+            for what in (engine.sock, engine.monitor, engine.handle.death_fd):
+                self._poller.register(what, zmq.POLLIN)
+            self._deaths.register(engine.handle.death_fd, select.POLLIN)
         self._owner: dict[str, EngineConnection] = {}  # request id -> the engine core running it
         self._calls = UtilityCalls()
         self._backlog: list[Event] = []  # received during a blocking utility call
@@ -352,7 +350,10 @@ class EngineCoreClient:
     ) -> None:
         """A message from the engine core did not decode, so its ids cannot be trusted:
         every request (aborted there) and call pending on it fails, naming it and what
-        was wrong. The engine core goes on serving."""
+        was wrong. The engine core goes on serving, unless it speaks another version."""
+        if exc.version is not None:  # it runs another release
+            lost = EngineCoreError(engine.index, "ProtocolError", f"{engine.handle.label}: {exc}")
+            return self._lose(engine, lost, events)
         error = EngineCoreError(engine.index, "ProtocolError", f"a malformed message: {exc}")
         ids = sorted(engine.requests)
         if ids:

@@ -6,6 +6,7 @@ what the client hands on from it (events)."""
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import zmq
@@ -138,3 +139,22 @@ class EngineConnection:
         self.sock.close(linger=0)
         if not self.handle.owned:  # an engine core served on its own: the handle is ours
             self.handle.close()
+
+
+def open_connections(
+    ctx: zmq.Context,
+    addresses: Sequence[str],
+    handles: Sequence[EngineCoreHandle],
+    max_output_bytes: int,
+) -> list[EngineConnection]:
+    """A connection to each engine core; on a failure none is left open, nor the context."""
+    engines: list[EngineConnection] = []
+    try:
+        for index, (address, handle) in enumerate(zip(addresses, handles, strict=True)):
+            engines.append(EngineConnection(index, handle, ctx, address, max_output_bytes))
+    except BaseException:
+        for engine in engines:
+            engine.close()
+        ctx.term()
+        raise
+    return engines

@@ -3,10 +3,11 @@ over a Hugging Face checkpoint."""
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Annotated, Literal
 
@@ -216,7 +217,7 @@ class LLM(Frontend):
             # The tokenizer loads while the engine cores start their workers.
             text_side = pool.submit(plan.folder.load_text_side)
             launcher, client_class = start_engine_cores(plan, pair)
-            try:
+            with starting("the engine did not start", launcher.stop):
                 client = client_class(
                     launcher.addresses, launcher.handles, launcher.token, 0, plan.output_bytes
                 )
@@ -228,12 +229,6 @@ class LLM(Frontend):
                     client.close()
                     launcher.stop(leaving)
                     raise
-            except (EngineCoreError, EngineCoreDiedError, TimeoutError) as exc:
-                launcher.stop()
-                raise EngineCoreStartupError(f"the engine did not start: {exc}") from exc
-            except BaseException:
-                launcher.stop()
-                raise
         super().__init__(client, readies, texts, plan.folder, plan.max_logprobs)
         self._launcher = launcher
         logger.info("ready: %.1f s", time.perf_counter() - started)
@@ -242,15 +237,9 @@ class LLM(Frontend):
         """Become a client of engine cores served on their own, once they are ready."""
         texts = plan.folder.load_text_side()
         client = plan.connect()
-        try:
+        with starting("could not connect", client.close):
             readies = client.wait_ready(START_TIMEOUT_S)
             plan.check_readies(readies)
-        except (EngineCoreError, EngineCoreDiedError, TimeoutError) as exc:
-            client.close()
-            raise EngineCoreStartupError(f"could not connect: {exc}") from exc
-        except BaseException:
-            client.close()
-            raise
         super().__init__(client, readies, texts, plan.folder, plan.max_logprobs)
 
     def shutdown(self) -> None:
@@ -273,6 +262,20 @@ class LLM(Frontend):
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
+
+
+@contextlib.contextmanager
+def starting(what: str, undo: Callable[[], object]) -> Iterator[None]:
+    """Undo a start that fails; an engine core's failure or a timeout is raised as an
+    EngineCoreStartupError that says what did not happen."""
+    try:
+        yield
+    except (EngineCoreError, EngineCoreDiedError, TimeoutError) as exc:
+        undo()
+        raise EngineCoreStartupError(f"{what}: {exc}") from exc
+    except BaseException:
+        undo()
+        raise
 
 
 # The options' types, Meta included, for the checks above and for the CLI.
