@@ -4,6 +4,7 @@ standing for other hosts."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -88,6 +89,15 @@ def test_clients_come_and_go_and_the_engine_core_serves_on(keys) -> None:
             outs = llm.generate(PROMPTS, GREEDY)
         assert [o.token_ids for o in outs] == [hf_greedy(tuple(p), 6) for p in PROMPTS]
         assert proc.poll() is None
+        cli = [sys.executable, "-m", "zmqworker", "generate", "Hello", "--model"]
+        cli += [checkpoint_with_tokenizer(), "--engine-core-address", address]
+        run = subprocess.run(
+            [*cli, "--max-tokens", "3", "--temperature", "0", "--json"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert run.returncode == 0 and len(json.loads(run.stdout)["token_ids"]) == 3, run.stderr
         with pytest.MonkeyPatch.context() as patch:
             patch.setenv(CoreKeys.ENV, CoreKeys.new().to_env())
             started = time.monotonic()

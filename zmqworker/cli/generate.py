@@ -74,7 +74,8 @@ def run(args: argparse.Namespace) -> int:
         system=args.system,
     )
     num_samples = sum(job.params.n for job in jobs)
-    engine.setdefault("max_num_seqs", min(num_samples, _default("max_num_seqs")))
+    if not engine.get("engine_core_addresses"):  # else the engine cores were sized apart
+        engine.setdefault("max_num_seqs", min(num_samples, _default("max_num_seqs")))
     with LLM(**engine) as llm:
         prompts = engine_prompts(llm, jobs)
         began = time.perf_counter()
