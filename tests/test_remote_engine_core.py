@@ -235,3 +235,20 @@ def test_serve_over_an_engine_core_served_on_its_own(keys, colocated) -> None:  
         finally:
             assert srv.stop() == 0, srv.output()[-3000:]
         assert core.poll() is None
+
+
+def test_serve_a_disaggregated_pair_of_engine_cores_served_on_their_own(keys, colocated) -> None:  # noqa: F811
+    """`zmqworker serve --disaggregate` over a prefill and a decode engine core, each
+    started on its own: greedy completions equal the colocated server's."""
+    sizes = ("--max-model-len", "512", "--max-num-seqs", "8")
+    kv = ("--kv-host", "127.0.0.1", "--kv-port", str(free_ports(1)))
+    with (
+        engine_core("--disaggregate-role", "prefill", *kv, *sizes) as (_, prefill),
+        engine_core("--disaggregate-role", "decode", *sizes) as (_, decode),
+    ):
+        addresses = ("--engine-core-address", prefill, "--engine-core-address", decode)
+        srv = Server("--disaggregate", *addresses, "--api-server-count", "1", engine=False)
+        try:
+            assert complete_all(srv, stream=False) == complete_all(colocated, stream=False)
+        finally:
+            assert srv.stop() == 0, srv.output()[-3000:]
