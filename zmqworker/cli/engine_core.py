@@ -25,7 +25,7 @@ from typing import Any
 import msgspec
 
 from zmqworker.cli.options import add_options, given, llm_options
-from zmqworker.frontend.disaggregated_plan import KV_TIMEOUT_S
+from zmqworker.frontend.disaggregated_plan import KV_TIMEOUT_S, check_kv_transfer
 
 # LLM options a lone engine core has no use for: a pair's are its own flags here, and
 # the replicas of data parallelism are engine cores of their own.
@@ -147,9 +147,6 @@ def engine_core_config(args: argparse.Namespace) -> Any:
             raise ValueError("--disaggregate-role prefill needs --kv-host and --kv-port")
         # The decode ranks connect there: the address its KV servers bind is advertised.
         check_address(f"tcp://{args.kv_host}:{args.kv_port}", "--kv-host and --kv-port")
-    timeout = KV_TIMEOUT_S if args.kv_transfer_timeout is None else args.kv_transfer_timeout
-    if not timeout > 0:
-        raise ValueError(f"--kv-transfer-timeout must be positive, got {timeout}")
     if role is not None and KVKeys.from_env() is None:
         raise ValueError(f"--disaggregate-role needs ${KVKeys.ENV} (zmqworker keys)")
     chosen = given(args, LLM_OPTIONS)
@@ -158,16 +155,12 @@ def engine_core_config(args: argparse.Namespace) -> Any:
     config = plan.engine_config(0, args.listen, keys.token)
     if role is None:
         return config
-    parallel = plan.worker_config.parallel
-    if parallel.pipeline_parallel_size != 1:
-        raise ValueError("--disaggregate-role: KV transfer does not take pipeline parallelism")
-    tp = parallel.tensor_parallel_size
-    if role == "prefill" and args.kv_port > 65536 - tp:
-        raise ValueError(f"--kv-port must leave {tp} port(s) in [1, 65535], got {args.kv_port}")
-    host, port = args.kv_host or "127.0.0.1", args.kv_port or 0
-    worker = msgspec.structs.replace(
-        config.worker, kv_transfer=KVTransferConfig(ROLES[role], host, port, timeout)
-    )
+    timeout = KV_TIMEOUT_S if args.kv_transfer_timeout is None else args.kv_transfer_timeout
+    check_kv_transfer(plan.worker_config.parallel, timeout, args.kv_port)
+    transfer = KVTransferConfig(ROLES[role], timeout_s=timeout)
+    if role == "prefill":  # where its KV servers bind; a decode instance serves none
+        transfer = msgspec.structs.replace(transfer, host=args.kv_host, port=args.kv_port)
+    worker = msgspec.structs.replace(config.worker, kv_transfer=transfer)
     return msgspec.structs.replace(config, worker=worker)
 
 

@@ -19,7 +19,7 @@ from typing import Any
 
 import msgspec
 
-from messages import EngineCoreConfig, KVTransferConfig
+from messages import EngineCoreConfig, KVTransferConfig, ParallelConfig
 from zmqworker.frontend.core_client import EngineCoreClient
 from zmqworker.frontend.core_process import EngineCoreLauncher
 from zmqworker.frontend.devices import check_gpu_layout, gpu_range, visible_gpu_count
@@ -98,10 +98,7 @@ class DisaggregatedPlan:
                 f"--disaggregate runs one prefill and one decode instance; "
                 f"data_parallel_size={plan.num_engines} is not taken with it"
             )
-        if parallel.pipeline_parallel_size != 1:
-            raise ValueError("--disaggregate: KV transfer does not take pipeline parallelism")
-        if not timeout_s > 0:
-            raise ValueError(f"the KV transfer timeout must be positive, got {timeout_s}")
+        check_kv_transfer(parallel, timeout_s, kv_port)
         tp = parallel.tensor_parallel_size
         if decode_tp is not None and decode_tp < 1:
             raise ValueError(f"the decode tensor parallel size must be >= 1, got {decode_tp}")
@@ -131,8 +128,6 @@ class DisaggregatedPlan:
                 )  # fmt: skip
         if kv_port is None:
             kv_port = free_ports(tp)
-        elif not 0 < kv_port <= 65536 - tp:
-            raise ValueError(f"--kv-port must leave {tp} port(s) in [1, 65535], got {kv_port}")
         return cls(plan, kv_port, timeout_s, KVKeys.new(), decode_tp, decode_first)
 
     @property
@@ -164,6 +159,19 @@ class DisaggregatedPlan:
             parallel = msgspec.structs.replace(parallel, host_ranks=prefill_tp + self.decode_tp)
         worker = msgspec.structs.replace(worker, parallel=parallel, cache=cache)
         return msgspec.structs.replace(config, worker=worker, engine_index=index)
+
+
+def check_kv_transfer(parallel: ParallelConfig, timeout_s: float, kv_port: int | None) -> None:
+    """Raise ValueError naming what KV transfer cannot take in this layout: pipeline
+    parallelism, a timeout that is not positive, or a first port (the prefill's; None:
+    not given) that leaves no room for its tensor-parallel ranks."""
+    if parallel.pipeline_parallel_size != 1:
+        raise ValueError("disaggregated serving: KV transfer does not take pipeline parallelism")
+    if not timeout_s > 0:
+        raise ValueError(f"the KV transfer timeout must be positive, got {timeout_s}")
+    tp = parallel.tensor_parallel_size
+    if kv_port is not None and not 0 < kv_port <= 65536 - tp:
+        raise ValueError(f"--kv-port must leave {tp} port(s) in [1, 65535], got {kv_port}")
 
 
 def _check_decode_tp(plan: EnginePlan, decode_tp: int) -> None:
