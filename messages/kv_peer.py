@@ -37,8 +37,9 @@ class KVPull(msgspec.Struct, tag=True, frozen=True):
     this server: its staged KV goes after that many KVDone (or releases). first_block:
     the leading staged blocks the reader skips (it holds their KV already): over tcp
     only the blocks after them travel; past the staged block count, an error. gpus: the
-    UUIDs of the GPUs the puller can open CUDA IPC handles on (same host only): a server
-    whose cache lies on one of them answers with CudaKV. host_cache: the puller's cache
+    UUIDs of the GPUs whose memory the puller can read through CUDA IPC (same host
+    only; its own, then its peers): a server whose cache lies on one of them answers
+    with CudaKV. host_cache: the puller's cache
     is in host memory and it can map the server's (same host only): a server whose
     cache lies in a memfd answers with HostCacheKV."""
 

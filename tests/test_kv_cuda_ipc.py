@@ -1,9 +1,9 @@
-"""KV pulled straight out of a producer's GPU cache (CUDA IPC, same host): on a GPU, the
-blocks land byte for byte (bfloat16), the producer hears KVDone, a decode rank's own
-cached blocks stay as they are, a producer's new cache (a wake-up's) is opened anew,
-and the openings are closed once idle. On the CPU: an answer naming blocks or layers
-the load cannot use is refused before anything is opened, and an answer too old to copy
-from fails its load by name."""
+"""KV pulled straight out of a producer's GPU cache (CUDA IPC, same host): on a GPU, and
+from a peer GPU where there are two, the blocks land byte for byte (bfloat16), the
+producer hears KVDone, a decode rank's own cached blocks stay as they are, a producer's
+new cache (a wake-up's) is opened anew, and the openings are closed once idle. On the
+CPU: an answer naming blocks or layers the load cannot use is refused before anything is
+opened, and an answer too old to copy from fails its load by name."""
 
 from __future__ import annotations
 
@@ -38,6 +38,10 @@ SPEC = KVCacheSpec(
 )
 LAYER = CudaKVLayer(bytes(64), 0)
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+peers = pytest.mark.skipif(
+    torch.cuda.device_count() < 2 or not torch.cuda.can_device_access_peer(0, 1),
+    reason="needs two GPUs with peer access",
+)
 
 
 def caches(num_blocks: int, seed: int, device: str) -> list[torch.Tensor]:
@@ -77,14 +81,15 @@ def test_an_answer_too_old_to_read_from_is_stale():
     assert Arrived(load, source, received=time.monotonic() - 2.0).stale(1.0) is None  # bytes
 
 
-def _producer(conn, port: int, keys: tuple[bytes, bytes]) -> None:
-    kv = [caches(16, seed=1, device="cuda")]  # [the cache now]; the ones before it
+def _producer(conn, port: int, keys: tuple[bytes, bytes], device: str) -> None:
+    torch.cuda.set_device(device)
+    kv = [caches(16, seed=1, device=device)]  # [the cache now]; the ones before it
     config = KVTransferConfig(role="producer", port=port, timeout_s=30.0)
     side = ZmqKVConnector(config, lambda: kv[0], SPEC, 0, 1, KVKeys(*keys))
     try:
         while (order := conn.recv()) != "quit":
             if order == "remake":  # as a wake-up does: a new cache, in new allocations
-                kv.insert(0, caches(16, seed=3, device="cuda"))
+                kv.insert(0, caches(16, seed=3, device=device))
                 conn.send("remade")
                 continue
             req, ids = order
@@ -123,16 +128,19 @@ def _pull_in_place(consumer, conn, port: int, req: str, src, dest, num_cached: i
 
 
 @gpu
-def test_blocks_come_straight_out_of_the_producer_s_gpu_cache():
+@pytest.mark.parametrize("producer", ["cuda:0", pytest.param("cuda:1", marks=peers)])
+def test_blocks_come_straight_out_of_the_producer_s_gpu_cache(producer):
     """Then out of the producer's new cache once it has made one (a wake-up): the old
-    opening is closed, the new one opened."""
+    opening is closed, the new one opened. The consumer is on cuda:0: a producer on
+    cuda:1 is read across the peer link."""
     keys, port = KVKeys.new(), free_port()
     ctx = mp.get_context("spawn")
     conn, child_conn = ctx.Pipe()
-    child = ctx.Process(target=_producer, args=(child_conn, port, (keys.public, keys.secret)))
+    args = (child_conn, port, (keys.public, keys.secret), producer)
+    child = ctx.Process(target=_producer, args=args)
     child.start()
-    source = caches(16, seed=1, device="cuda")  # the producer's, made alike
-    target = caches(12, seed=2, device="cuda")
+    source = caches(16, seed=1, device="cuda:0")  # the producer's, made alike here
+    target = caches(12, seed=2, device="cuda:0")
     before = [t.clone() for t in target]
     config = KVTransferConfig(role="consumer", timeout_s=30.0)
     consumer = ZmqKVConnector(config, lambda: target, SPEC, 0, 1, keys)
@@ -150,7 +158,7 @@ def test_blocks_come_straight_out_of_the_producer_s_gpu_cache():
         conn.send("remake")
         assert conn.poll(30) and conn.recv() == "remade"
         _pull_in_place(consumer, conn, port, "after-wake", [3, 4], [0, 9])
-        remade = caches(16, seed=3, device="cuda")
+        remade = caches(16, seed=3, device="cuda:0")
         for layer in range(len(SPEC.layer_names)):
             assert torch.equal(target[layer][:, [0, 9]], remade[layer][:, [3, 4]])
         assert [cache.key for cache in peer_caches._open.values()] != first  # opened anew

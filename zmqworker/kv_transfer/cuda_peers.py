@@ -1,6 +1,8 @@
 """A prefill rank's GPU cache opened on a decode rank's GPU through CUDA IPC
 (ipc_memory.py), for pulls that copy blocks device to device; kept in peer_caches.py's
-PeerCaches."""
+PeerCaches. The producer's GPU is the decode rank's own or a peer its kernels can read
+(NVLink or PCIe peer-to-peer): the copy reads across the link, with no host memory on
+the way."""
 
 from __future__ import annotations
 
@@ -13,10 +15,20 @@ import torch
 from messages.kv_cache import DTYPE_BYTES
 from messages.kv_peer import CudaKV, KVLayout
 from zmqworker.attention.kv_cache import kv_cache_shape
+from zmqworker.distributed.cuda_ipc import device_uuid
 from zmqworker.distributed.ipc_memory import IpcError, Opened, close_handle, open_handle
 from zmqworker.kv_transfer.peer_caches import ALIGN, PeerCache, PeerCacheError
 
 log = logging.getLogger("zmqworker.kv_transfer")
+
+
+def readable_gpus(device: torch.device) -> list[str]:
+    """The GPUs whose caches device's kernels can read: its own, then every visible GPU
+    it has peer access to."""
+    own = device.index or 0
+    peers = [i for i in range(torch.cuda.device_count())
+             if i != own and torch.cuda.can_device_access_peer(own, i)]  # fmt: skip
+    return [device_uuid(i) for i in (own, *peers)]
 
 
 def cuda_key(cuda: CudaKV) -> tuple:

@@ -1,7 +1,7 @@
 """A request's KV between a GPU cache and host memory (blocks.py's CUDA side), in groups
 of layers of at most GROUP_BYTES, so that a long prompt's KV never needs as much spare
 device memory as all of it; and from another process's GPU cache into this one's
-(copy_blocks).
+(copy_blocks, across the peer link where that cache lies on another GPU).
 
 Out (a staging, on the server's thread): the blocks are gathered on that thread's
 current stream (which waits for the step that computed them), and each group goes to
@@ -88,9 +88,9 @@ def copy_blocks(
     source_ids: torch.Tensor,
     heads: tuple[int, int, int] | None = None,
 ) -> None:
-    """Blocks source_ids of source (a producer's cache on this device, opened through
-    CUDA IPC) into block_ids of kv_caches, in one launch; heads as scatter's. Queued on
-    the current stream, after the steps already there (they may still use the blocks the
+    """Blocks source_ids of source (a producer's cache on this device or a peer, opened
+    through CUDA IPC) into block_ids of kv_caches, in one launch; heads as scatter's.
+    Queued on the current stream, after the steps already there (they may still use the blocks the
     load was given), with nothing for the host to wait on: the layers' addresses and the
     ids cross in one copy from page-locked memory, queued there too (the launch waits
     for those steps anyway; a stream of its own would only add the hand-over)."""

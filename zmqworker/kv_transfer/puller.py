@@ -27,11 +27,10 @@ import zmq
 
 from messages.kv_peer import KVBlocks, KVDone, KVLayout, KVPull
 from messages.kv_transfer import KVLoad
-from zmqworker.distributed.cuda_ipc import device_uuid
 from zmqworker.kv_transfer import wire
 from zmqworker.kv_transfer.arrived import Arrived
 from zmqworker.kv_transfer.blocks import staged_nbytes
-from zmqworker.kv_transfer.cuda_peers import cuda_key, open_gpu_cache
+from zmqworker.kv_transfer.cuda_peers import cuda_key, open_gpu_cache, readable_gpus
 from zmqworker.kv_transfer.head_map import HeadMap, HeadSource
 from zmqworker.kv_transfer.host_peers import host_key, open_host_cache
 from zmqworker.kv_transfer.peer_caches import PeerCache, PeerCacheError, PeerCaches, checked_ids
@@ -59,7 +58,8 @@ class KVPuller:
     ) -> None:
         """on_arrival() is called (on the puller's thread) after each arrival. device:
         the GPU the KV is copied into (the mappings of producers' memfds are page-locked
-        for it), or None. cuda_ipc: on one host, offer to read producers' GPU caches."""
+        for it), or None. cuda_ipc: on one host, offer to read producers' GPU caches
+        (on device or a peer of it)."""
         self.rank = rank
         self._on_arrival = on_arrival
         # Loads that came, by path, and their payload bytes: over tcp the data frames
@@ -77,7 +77,7 @@ class KVPuller:
         self._mappings = PeerMappings(device)
         self._peer_caches = PeerCaches()
         cuda = shm and cuda_ipc and device is not None
-        self._gpus = [device_uuid(device.index or 0)] if cuda else []  # its own GPU
+        self._gpus = readable_gpus(device) if cuda else []
         self._not_in_place: set[str] = set()  # producers whose caches cannot be opened
         self._asked_again: set[tuple[str, str]] = set()  # (address, req_id) asked for bytes
         self._orders: queue.SimpleQueue[tuple[str, KVLoad, HeadSource]] = queue.SimpleQueue()
@@ -318,7 +318,7 @@ class KVPuller:
             if not self._gpus or device is None:
                 raise ValueError("an answer in CUDA memory to a pull that did not offer to open it")
             if cuda.device_uuid not in self._gpus:
-                raise ValueError(f"an answer in the memory of {cuda.device_uuid}, not here")
+                raise ValueError(f"an answer in {cuda.device_uuid}'s memory, not readable here")
             if address in self._not_in_place:
                 raise PeerCacheError("an answer in CUDA memory from a producer asked for bytes")
             ids = checked_ids(cuda.block_ids, reply.num_blocks, cuda.num_cache_blocks)
