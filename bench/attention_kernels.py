@@ -27,11 +27,10 @@ from bench.gpu_decode import hbm_bandwidth
 from zmqworker.attention import triton_attention
 from zmqworker.attention.kv_cache import allocate_kv_cache
 from zmqworker.attention.triton_metadata import (
-    MERGE_FAN_IN,
+    FEW_SPLITS,
     TARGET_DECODE_PROGRAMS,
     TritonAttentionMetadata,
     decode_splits,
-    split_counter_slots,
     tile_size,
 )
 from zmqworker.cdiv import cdiv
@@ -77,7 +76,6 @@ def decode_case(
         torch.arange(batch + 1, dtype=torch.int32, device="cuda"),
         seq_lens,
         tables,
-        torch.zeros(split_counter_slots(batch, kv_heads, splits), dtype=torch.int32, device="cuda"),
     )
     qkv = torch.randn(batch, heads + 2 * kv_heads, head_dim, dtype=torch.bfloat16, device="cuda")
     cos_sin = torch.randn(context, head_dim, dtype=torch.bfloat16, device="cuda")
@@ -125,7 +123,7 @@ def long_rows(bandwidth: float) -> list[dict]:
     for context in (8192, 32768):
         for batch in (1, 4):
             chosen = decode_splits(batch, 8, 32768 + 256, tile_size(BLOCK_SIZE))
-            for splits in (MERGE_FAN_IN, 32, 64, 128, 256):
+            for splits in (FEW_SPLITS, 32, 64, 128, 256):
                 ms, nbytes = decode_case("llama-3-8b", batch, splits, 2, 2, context=context)
                 floor = nbytes / bandwidth * 1e3
                 rows.append(
@@ -183,7 +181,7 @@ def main() -> None:
                     for programs in (TARGET_DECODE_PROGRAMS // 2, TARGET_DECODE_PROGRAMS, 1536):
                         want = cdiv(programs, batch * kv_heads)
                         splits = 1
-                        while splits * 2 <= min(want, MERGE_FAN_IN):  # a short history's
+                        while splits * 2 <= min(want, FEW_SPLITS):  # a short history's
                             splits *= 2
                         ms, nbytes = decode_case(model, batch, splits, warps, stages, tile)
                         floor = nbytes / bandwidth * 1e3

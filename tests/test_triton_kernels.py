@@ -6,7 +6,6 @@ exact there; bfloat16 is not, so it is checked with ZMQWORKER_TEST_DEVICE=cuda).
 
 from __future__ import annotations
 
-import dataclasses
 import os
 
 import numpy as np
@@ -15,6 +14,7 @@ import torch
 
 pytest.importorskip("triton")
 
+from zmqworker.attention import triton_metadata  # noqa: E402
 from zmqworker.attention.kv_cache import allocate_kv_cache, write_kv  # noqa: E402
 from zmqworker.attention.triton_attention import (  # noqa: E402
     decode_attention,
@@ -23,10 +23,12 @@ from zmqworker.attention.triton_attention import (  # noqa: E402
 )
 from zmqworker.attention.triton_cache import rope_and_cache  # noqa: E402
 from zmqworker.attention.triton_metadata import (  # noqa: E402
-    MERGE_FAN_IN,
+    FEW_SPLITS,
+    MAX_DECODE_SPLITS,
+    MERGE_TILE,
     TritonAttentionMetadata,
     decode_splits,
-    split_counter_slots,
+    merge_chunk,
     split_length,
 )
 from zmqworker.cdiv import cdiv
@@ -132,11 +134,6 @@ class Step:
             query_start_loc=dev(start),
             seq_lens=dev(self.seq_lens),
             block_tables=dev(self.tables),
-            split_counters=torch.zeros(
-                split_counter_slots(len(self.reqs), self.kv_heads, num_splits),
-                dtype=torch.int32,
-                device=DEVICE,
-            ),
         )
 
     def check(self, out):
@@ -186,13 +183,11 @@ class Step:
         write_kv(self.cache, torch.randn_like(k_rot), torch.randn_like(v), blocks, offsets)
         meta = self.metadata(num_splits, positions, slots)
         attend = paged_attention if fused else decode_attention
-        for _ in range(2):  # the second call starts from the counters the first left
-            out = attend(qkv, heads, rotary.cos_sin, self.cache, meta, HEAD_DIM**-0.5)
-            assert out.shape == (len(self.reqs), heads, HEAD_DIM) and out.dtype == self.dtype
-            self.check(out)
+        out = attend(qkv, heads, rotary.cos_sin, self.cache, meta, HEAD_DIM**-0.5)
+        assert out.shape == (len(self.reqs), heads, HEAD_DIM) and out.dtype == self.dtype
+        self.check(out)
         ulp = ROTARY_ULP[self.dtype]
         torch.testing.assert_close(self.cache, expected_cache, atol=ulp, rtol=ulp)
-        assert not meta.split_counters.any()
 
 
 GQA = [(4, 4), (6, 2), (8, 2)]  # group sizes 1, 3 and 4
@@ -241,7 +236,6 @@ def test_decode_padding_rows_give_zeros_and_write_nothing():
         4, 4, 1, True, 2, pad(meta.slot_mapping, -1), pad(meta.positions, 0),
         torch.arange(5, dtype=torch.int32, device=DEVICE), pad(meta.seq_lens, 0),
         torch.cat([meta.block_tables, meta.block_tables]),
-        torch.zeros(4 * 2, dtype=torch.int32, device=DEVICE),
     )  # fmt: skip
     rotary = rotary_table(torch.float32)
     qkv, _, k_rot, v = new_tokens(4, 6, 2, torch.float32, np.append(positions, [0, 0]), rotary)
@@ -251,16 +245,6 @@ def test_decode_padding_rows_give_zeros_and_write_nothing():
     out = decode_attention(qkv, 6, rotary.cos_sin, step.cache, padded, HEAD_DIM**-0.5)
     assert torch.equal(out[2:], torch.zeros_like(out[2:]))
     torch.testing.assert_close(step.cache, expected_cache, atol=1e-6, rtol=1e-6)
-    assert not padded.split_counters.any()
-
-
-def test_decode_with_splits_needs_its_counters():
-    step = Step([(10, 1)], 4, 2, block_size=4, dtype=torch.float32, seed=4)
-    meta = dataclasses.replace(step.metadata(num_splits=2), split_counters=None)
-    qkv = torch.randn(1, 8, HEAD_DIM, device=DEVICE)
-    table = rotary_table(torch.float32).cos_sin
-    with pytest.raises(ValueError, match="needs split_counters"):
-        decode_attention(qkv, 4, table, step.cache, meta, HEAD_DIM**-0.5)
 
 
 def test_decode_attention_refuses_steps_of_more_tokens_than_requests():
@@ -287,29 +271,29 @@ def test_decode_splits_fill_the_gpu_and_stay_powers_of_two():
     assert decode_splits(64, 8, max_model_len=32768, tile=16) == 2
     assert decode_splits(128, 8, max_model_len=32768, tile=16) == 1
     # A short max_model_len caps them at what its longest history can use.
-    assert decode_splits(1, 8, max_model_len=1040, tile=16) == 16
+    assert decode_splits(1, 8, max_model_len=1040, tile=16) == 32
     assert decode_splits(1, 8, max_model_len=4096, tile=16) == 64
     assert decode_splits(1, 8, max_model_len=48, tile=16) == 2  # no more than its tiles
 
 
 def test_a_short_history_keeps_a_few_splits_whatever_the_split_count():
-    """Past MERGE_FAN_IN splits a split holds at least 64 positions: a short history
-    works in at most MERGE_FAN_IN of them (one merge level), a long one in all."""
-    for seq_len in (1, 16, 100, 552, 1024):
-        for splits in (32, 128, 256):
+    """Past FEW_SPLITS splits a split holds at least 64 positions: a short history
+    works in at most FEW_SPLITS of them, a long one in all."""
+    for seq_len in (1, 16, 100, 552, 1024, 2048):
+        for splits in (64, 128, 256):
             length = split_length(seq_len, splits, 16)
-            assert length % 16 == 0 and cdiv(seq_len, length) <= MERGE_FAN_IN
-            assert length == split_length(seq_len, MERGE_FAN_IN, 16)
+            assert length % 16 == 0 and cdiv(seq_len, length) <= FEW_SPLITS
+            assert length == split_length(seq_len, FEW_SPLITS, 16)
     assert split_length(8192, 128, 16) == 64 and split_length(32768, 128, 16) == 256
     assert cdiv(32768 + 37, split_length(32768 + 37, 64, 512)) == 33
-    assert split_length(552, 16, 16) == 48  # today's splits below MERGE_FAN_IN
+    assert split_length(552, 16, 16) == 48  # splits below FEW_SPLITS
     assert split_length(0, 4, 16) == 16
 
 
-def test_decode_of_one_long_history_merges_in_two_levels(monkeypatch):
+def test_decode_of_one_long_history_merges_its_working_splits(monkeypatch):
     """One request of 32k positions of a small head over 64 splits: 33 working splits of
-    1024 positions (31 idle), merged by groups of MERGE_FAN_IN (the last of one), then the
-    groups. Pages and tiles of 512 positions keep the interpreter's loop short."""
+    1024 positions (31 idle), merged into one output. Pages and tiles of 512 positions
+    keep the interpreter's loop short."""
     from zmqworker.attention import triton_attention
 
     monkeypatch.setattr(triton_attention, "tile_size", lambda block_size: block_size)
@@ -320,7 +304,8 @@ def test_decode_of_one_long_history_merges_in_two_levels(monkeypatch):
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="the interpreter takes minutes at this size")
 def test_decode_of_long_histories_at_the_8b_shapes_split_count():
     """Llama-3-8B's heads (32 over 8 kv heads) at batch 1 with 32k positions, in pages
-    and tiles of 16: the 128 splits that fill an H200, merged in two levels."""
+    and tiles of 16: the 128 splits that fill an H200, merged over slices of the head
+    dim."""
     splits = decode_splits(1, 8, max_model_len=32768 + 64, tile=16)
     assert splits == 128
     reqs = [(32768 + 20, 1)]
@@ -329,12 +314,25 @@ def test_decode_of_long_histories_at_the_8b_shapes_split_count():
     Step(reqs, 32, 8, block_size=16, dtype=torch.bfloat16, seed=8).run_decode(32)
 
 
-def test_decode_mixes_one_and_two_merge_levels_in_a_launch():
-    """At 32 splits, short requests work in a few splits (one merge level, or none), the
-    long ones in more than MERGE_FAN_IN; an empty history (a padding row) gives zeros."""
+def test_decode_mixes_short_and_long_histories_in_a_launch():
+    """At 32 splits, short requests work in a few splits (or one), the long ones in more
+    than FEW_SPLITS; an empty history (a padding row) gives zeros."""
     reqs = [(3, 1), (700, 1), (1100, 1), (0, 1), (2100, 1)]
     assert [cdiv(c + 1, split_length(c + 1, 32, 64)) for c, _ in reqs] == [1, 11, 18, 1, 17]
     Step(reqs, 3, 1, block_size=64, dtype=torch.float32, seed=6).run_decode(32)
+
+
+def test_decode_merges_the_widest_split_count_over_slices_of_the_head_dim(monkeypatch):
+    """256 splits, each working over one tile: the merge takes each head's partials in
+    slices of the head dim (merge_chunk; a smaller tile here, for the small head), each
+    slice from all 256 of them."""
+    assert merge_chunk(2, 128) == 128 and merge_chunk(256, 128) == MERGE_TILE // 256
+    monkeypatch.setattr(triton_metadata, "MERGE_TILE", 1024)
+    assert merge_chunk(MAX_DECODE_SPLITS, HEAD_DIM) == HEAD_DIM // 4
+    seq_len = MAX_DECODE_SPLITS * 64
+    assert split_length(seq_len, MAX_DECODE_SPLITS, 64) == 64
+    step = Step([(seq_len - 1, 1), (100, 1)], 4, 2, block_size=64, dtype=torch.float16, seed=9)
+    step.run_decode(MAX_DECODE_SPLITS)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -20,9 +20,8 @@ reads its kv head's history once.
   One program per (request, kv head, split of the history); each rotates its query heads
   as it loads them, and the split that holds the last position also rotates the token's
   key and writes it and the value into the cache first: no rotary kernel of its own.
-  With more than one split, the split that finishes last merges the partial results by
-  their softmax statistics (counters in the metadata tell it), in the same launch
-  (triton_decode.py).
+  With more than one split, a second kernel merges the splits' partial results by their
+  softmax statistics (triton_decode.py).
 """
 
 from __future__ import annotations
@@ -31,14 +30,13 @@ import torch
 import triton
 
 from zmqworker.attention.triton_cache import rope_and_cache
-from zmqworker.attention.triton_decode import decode_kernel
+from zmqworker.attention.triton_decode import decode_kernel, merge_kernel
 from zmqworker.attention.triton_kernels import varlen_kernel
 from zmqworker.attention.triton_metadata import (
-    MERGE_FAN_IN,
+    FEW_SPLITS,
     MIN_LONG_SPLIT,
     TritonAttentionMetadata,
-    split_counter_slots,
-    split_counter_stride,
+    merge_chunk,
     tile_size,
 )
 from zmqworker.dot_precision import dot_precision
@@ -51,6 +49,9 @@ PREFILL_ROWS = 64
 # Small programs, many of them: a decode program streams its history with little math,
 # and more of them in flight hide the memory latency (triton_metadata.py has the sweep).
 DECODE_LAUNCH = {"num_warps": 2, "num_stages": 2}
+# The merge's programs: a warp for every MERGE_WARP_VALUES of their tile, at most 4 (the
+# widest tile at batch 1), one for the few partials of a large batch (docs/cuda.md).
+MERGE_WARP_VALUES = 1024
 
 
 def _rows(group: int, minimum: int) -> int:
@@ -106,7 +107,7 @@ def decode_attention(
     scale: float,
 ) -> torch.Tensor:
     """paged_attention of a decode step (one token per request, the token of request r
-    at row r), in one kernel."""
+    at row r), in one kernel (and the merge's, where the history splits)."""
     num_tokens, _, head_dim = qkv.shape
     if qkv.stride(2) != 1 or qkv.stride(1) != head_dim:
         raise ValueError(f"qkv must have unit head strides, got strides {qkv.stride()}")
@@ -125,19 +126,12 @@ def decode_attention(
         part_stats = torch.empty(width * 2, dtype=torch.float32, device=qkv.device)
     else:
         part_out = part_stats = out  # unused
-    counters = meta.split_counters
-    need = split_counter_slots(meta.num_reqs, num_kv_heads, splits)
-    if splits > 1 and (counters is None or counters.numel() < need):
-        raise ValueError(
-            f"decode with {splits} splits needs split_counters of at least {need} int32 "
-            f"zeros ({meta.num_reqs} requests x {num_kv_heads} kv heads)"
-        )
     tables = meta.block_tables
+    splitting = {"NUM_SPLITS": splits, "FEW": FEW_SPLITS, "MIN_LONG": MIN_LONG_SPLIT}
     decode_kernel[(meta.num_reqs, num_kv_heads, splits)](
         out,
         part_out,
         part_stats,
-        out if counters is None else counters,
         qkv,
         cos_sin,
         meta.positions,
@@ -153,14 +147,31 @@ def decode_attention(
         tables.stride(0),
         NUM_HEADS=num_heads,
         BLOCK_M=_rows(common["GROUP"], MIN_ROWS),
-        NUM_SPLITS=splits,
-        FAN_IN=MERGE_FAN_IN,
-        MIN_LONG=MIN_LONG_SPLIT,
-        MERGE_WIDTH=min(splits, MERGE_FAN_IN),
-        COUNTER_STRIDE=split_counter_stride(splits),
+        **splitting,
         **common,
         **DECODE_LAUNCH,
     )
+    if splits > 1:
+        chunk = merge_chunk(splits, common["HEAD_DIM_P"])
+        warps = max(1, min(4, splits * chunk // MERGE_WARP_VALUES))
+        merge_kernel[(meta.num_reqs, num_heads, common["HEAD_DIM_P"] // chunk)](
+            out,
+            part_out,
+            part_stats,
+            meta.seq_lens,
+            out.stride(0),
+            out.stride(1),
+            NUM_HEADS=num_heads,
+            HEAD_DIM=head_dim,
+            HEAD_DIM_P=common["HEAD_DIM_P"],
+            CHUNK_D=chunk,
+            TILE_N=common["TILE_N"],
+            PDL=common["PDL"],
+            launch_pdl=common["launch_pdl"],
+            **splitting,
+            num_warps=warps,
+            num_stages=1,
+        )
     return out
 
 

@@ -1,8 +1,8 @@
-"""The decode kernel of paged attention (triton_attention.decode_attention launches it).
+"""The decode kernels of paged attention (triton_attention.decode_attention launches them).
 
-One program per (request, kv head, split of the history). The split count is a
-host-known constexpr (triton_metadata.decode_splits: a function of the batch size), so a
-CUDA graph captured at a batch size holds for any history; each program reads its
+decode_kernel: one program per (request, kv head, split of the history). The split count
+is a host-known constexpr (triton_metadata.decode_splits: a function of the batch size),
+so a CUDA graph captured at a batch size holds for any history; each program reads its
 request's sequence length and works out how many splits the history fills
 (split_length): the others exit at once. So a long history at batch 1 spreads over as
 many programs as a large batch does, and a short one keeps a few short splits.
@@ -10,12 +10,11 @@ many programs as a large batch does, and a short one keeps a few short splits.
 Each working split rotates its query heads as it loads them; the one holding the last
 position also rotates the token's key and writes it and the value into the cache first.
 With one split it writes the output itself. Otherwise every working split writes its
-partial result (float32, normalised) and softmax statistics, and the split that finishes
-last (an atomic counter per (request, kv head)) merges them in the same launch. Past
-MERGE_FAN_IN working splits the merge has two levels: the last split of each group of
-MERGE_FAN_IN merges its group into the group's first slot, and the last group merges the
-groups, so no program loads more than MERGE_FAN_IN partials per head. Every counter is
-left at zero for the next launch.
+partial result (float32, normalised) and softmax statistics, and merge_kernel, launched
+next, merges them: one program per (request, query head, slice of the head dim), each
+loading all of its partials at once. Merged by the last split in the same launch, a kv
+head's query heads waited on each other, one round trip to memory each, behind a
+counter's fence (docs/cuda.md).
 """
 
 from __future__ import annotations
@@ -33,13 +32,13 @@ def _split_length(
     seq_len,
     NUM_SPLITS: tl.constexpr,
     TILE_N: tl.constexpr,
-    FAN_IN: tl.constexpr,
+    FEW: tl.constexpr,
     MIN_LONG: tl.constexpr,
 ):
     """triton_metadata.split_length, on the device."""
     even = tl.cdiv(seq_len, NUM_SPLITS)
-    if NUM_SPLITS > FAN_IN:
-        even = tl.maximum(even, tl.minimum(tl.cdiv(seq_len, FAN_IN), MIN_LONG))
+    if NUM_SPLITS > FEW:
+        even = tl.maximum(even, tl.minimum(tl.cdiv(seq_len, FEW), MIN_LONG))
     return tl.maximum(tl.cdiv(even, TILE_N), 1) * TILE_N
 
 
@@ -48,7 +47,6 @@ def decode_kernel(
     out_ptr,
     part_out_ptr,
     part_stats_ptr,
-    counters_ptr,
     qkv_ptr,
     cos_sin_ptr,
     positions_ptr,
@@ -71,10 +69,8 @@ def decode_kernel(
     BLOCK_M: tl.constexpr,
     TILE_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
-    FAN_IN: tl.constexpr,
+    FEW: tl.constexpr,
     MIN_LONG: tl.constexpr,
-    MERGE_WIDTH: tl.constexpr,
-    COUNTER_STRIDE: tl.constexpr,
     PRECISION: tl.constexpr,
     PDL: tl.constexpr,
 ):
@@ -83,7 +79,7 @@ def decode_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + req)
-    per_split = _split_length(seq_len, NUM_SPLITS, TILE_N, FAN_IN, MIN_LONG)
+    per_split = _split_length(seq_len, NUM_SPLITS, TILE_N, FEW, MIN_LONG)
     # A padding row (seq_len 0) has one working split, which writes zeros.
     active = tl.maximum(tl.cdiv(seq_len, per_split), 1)
     if split < active:
@@ -160,239 +156,52 @@ def decode_kernel(
             tl.store(part_out_ptr + part[:, None] * HEAD_DIM_P + offs_d[None, :], out, mask=mask)
             tl.store(part_stats_ptr + part * 2, m_i, mask=row_ok)
             tl.store(part_stats_ptr + part * 2 + 1, l_i, mask=row_ok)
-            _merge_when_last(
-                out_ptr,
-                part_out_ptr,
-                part_stats_ptr,
-                counters_ptr,
-                req,
-                kv_head,
-                split,
-                active,
-                stride_o_tok,
-                stride_o_head,
-                NUM_HEADS,
-                NUM_KV_HEADS,
-                GROUP,
-                HEAD_DIM,
-                HEAD_DIM_P,
-                NUM_SPLITS,
-                FAN_IN,
-                MERGE_WIDTH,
-                COUNTER_STRIDE,
-            )
 
 
 @triton.jit
-def _merge_when_last(
+def merge_kernel(
     out_ptr,
     part_out_ptr,
     part_stats_ptr,
-    counters_ptr,
-    req,
-    kv_head,
-    split,
-    active,
+    seq_lens_ptr,
     stride_o_tok,
     stride_o_head,
     NUM_HEADS: tl.constexpr,
-    NUM_KV_HEADS: tl.constexpr,
-    GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_P: tl.constexpr,
+    CHUNK_D: tl.constexpr,
+    TILE_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
-    FAN_IN: tl.constexpr,
-    MERGE_WIDTH: tl.constexpr,
-    COUNTER_STRIDE: tl.constexpr,
+    FEW: tl.constexpr,
+    MIN_LONG: tl.constexpr,
+    PDL: tl.constexpr,
 ):
-    """After a split stored its partial: the last of the working splits merges them all
-    (one level), or the last of its group merges the group and the last group the groups.
-    acq_rel: the others' partials are visible to the merger; the barriers: every warp's
-    stores come before the one thread's release."""
-    # Counters of a (request, kv head): [the whole, then one per group when grouped].
-    whole = counters_ptr + (req * NUM_KV_HEADS + kv_head) * COUNTER_STRIDE
-    tl.debug_barrier()
-    # Tested on the constexpr first: a launch of at most FAN_IN splits has no second level.
-    if NUM_SPLITS <= FAN_IN:
-        _merge_all(
-            out_ptr,
-            part_out_ptr,
-            part_stats_ptr,
-            whole,
-            req,
-            kv_head,
-            active,
-            stride_o_tok,
-            stride_o_head,
-            NUM_HEADS,
-            GROUP,
-            HEAD_DIM,
-            HEAD_DIM_P,
-            NUM_SPLITS,
-            MERGE_WIDTH,
-        )
-    elif active <= FAN_IN:
-        _merge_all(
-            out_ptr,
-            part_out_ptr,
-            part_stats_ptr,
-            whole,
-            req,
-            kv_head,
-            active,
-            stride_o_tok,
-            stride_o_head,
-            NUM_HEADS,
-            GROUP,
-            HEAD_DIM,
-            HEAD_DIM_P,
-            NUM_SPLITS,
-            MERGE_WIDTH,
-        )
-    else:
-        group = split // FAN_IN
-        first = group * FAN_IN
-        members = tl.minimum(active - first, FAN_IN)
-        mine = whole + 1 + group
-        if tl.atomic_add(mine, 1, sem="acq_rel") == members - 1:
-            tl.store(mine, 0)
-            _merge(
-                out_ptr,
-                part_out_ptr,
-                part_stats_ptr,
-                req,
-                kv_head,
-                first,
-                1,
-                members,
-                stride_o_tok,
-                stride_o_head,
-                NUM_HEADS,
-                GROUP,
-                HEAD_DIM,
-                HEAD_DIM_P,
-                NUM_SPLITS,
-                MERGE_WIDTH,
-                False,
-            )
-            tl.debug_barrier()
-            groups = tl.cdiv(active, FAN_IN)
-            if tl.atomic_add(whole, 1, sem="acq_rel") == groups - 1:
-                tl.store(whole, 0)
-                _merge(
-                    out_ptr,
-                    part_out_ptr,
-                    part_stats_ptr,
-                    req,
-                    kv_head,
-                    0,
-                    FAN_IN,
-                    groups,
-                    stride_o_tok,
-                    stride_o_head,
-                    NUM_HEADS,
-                    GROUP,
-                    HEAD_DIM,
-                    HEAD_DIM_P,
-                    NUM_SPLITS,
-                    MERGE_WIDTH,
-                    True,
-                )
-
-
-@triton.jit
-def _merge_all(
-    out_ptr,
-    part_out_ptr,
-    part_stats_ptr,
-    whole,
-    req,
-    kv_head,
-    active,
-    stride_o_tok,
-    stride_o_head,
-    NUM_HEADS: tl.constexpr,
-    GROUP: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    HEAD_DIM_P: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
-    MERGE_WIDTH: tl.constexpr,
-):
-    """One level: the last of the working splits merges them into the output."""
-    if tl.atomic_add(whole, 1, sem="acq_rel") == active - 1:
-        tl.store(whole, 0)
-        _merge(
-            out_ptr,
-            part_out_ptr,
-            part_stats_ptr,
-            req,
-            kv_head,
-            0,
-            1,
-            active,
-            stride_o_tok,
-            stride_o_head,
-            NUM_HEADS,
-            GROUP,
-            HEAD_DIM,
-            HEAD_DIM_P,
-            NUM_SPLITS,
-            MERGE_WIDTH,
-            True,
-        )
-
-
-@triton.jit
-def _merge(
-    out_ptr,
-    part_out_ptr,
-    part_stats_ptr,
-    req,
-    kv_head,
-    first,
-    step,
-    count,
-    stride_o_tok,
-    stride_o_head,
-    NUM_HEADS: tl.constexpr,
-    GROUP: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    HEAD_DIM_P: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
-    MERGE_WIDTH: tl.constexpr,
-    TO_OUT: tl.constexpr,
-):
-    """Each query head of the kv head from `count` partials at slots first, first + step,
-    ..., weighted by their softmax statistics: into the output (TO_OUT), or as one
-    partial with its statistics into slot `first`. A head's partials load as one tile,
-    and the heads are unrolled: a handful of independent loads, not one round trip per
-    partial."""
-    idx = tl.arange(0, MERGE_WIDTH)
-    ok = idx < count
-    slots = first + idx * step
-    offs_d = tl.arange(0, HEAD_DIM_P)
+    """Dims [chunk * CHUNK_D, + CHUNK_D) of one query head of one request, from the
+    partials of its history's working splits weighted by their softmax statistics."""
+    wait_for_inputs(PDL)
+    req = tl.program_id(0)
+    head = tl.program_id(1)
+    chunk = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + req)
+    per_split = _split_length(seq_len, NUM_SPLITS, TILE_N, FEW, MIN_LONG)
+    active = tl.maximum(tl.cdiv(seq_len, per_split), 1)  # as decode_kernel's
+    idx = tl.arange(0, NUM_SPLITS)
+    ok = idx < active
+    offs_d = chunk * CHUNK_D + tl.arange(0, CHUNK_D)
     d_ok = offs_d < HEAD_DIM  # the partials' padding columns were never written
-    for g in tl.static_range(GROUP):
-        head = kv_head * GROUP + g
-        row = (req.to(tl.int64) * NUM_HEADS + head) * NUM_SPLITS
-        part = row + slots
-        m = tl.load(part_stats_ptr + part * 2, mask=ok, other=float("-inf"))
-        weight = tl.load(part_stats_ptr + part * 2 + 1, mask=ok, other=0.0)
-        parts = tl.load(
-            part_out_ptr + part[:, None] * HEAD_DIM_P + offs_d[None, :],
-            mask=ok[:, None] & d_ok[None, :],
-            other=0.0,
-        )
-        m_max = tl.max(m, 0)
-        m_ref = tl.where(m_max == float("-inf"), 0.0, m_max)
-        weight = weight * tl.exp2(m - m_ref)
-        total = tl.sum(weight, 0)
-        out = tl.sum(parts * weight[:, None], 0) / tl.where(total > 0, total, 1.0)
-        if TO_OUT:
-            o_ptrs = out_ptr + req.to(tl.int64) * stride_o_tok + head * stride_o_head + offs_d
-            tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=d_ok)
-        else:
-            dst = row + first
-            tl.store(part_out_ptr + dst * HEAD_DIM_P + offs_d, out, mask=d_ok)
-            tl.store(part_stats_ptr + dst * 2, m_max)
-            tl.store(part_stats_ptr + dst * 2 + 1, total)
+    part = (req.to(tl.int64) * NUM_HEADS + head) * NUM_SPLITS + idx
+    m = tl.load(part_stats_ptr + part * 2, mask=ok, other=float("-inf"))
+    weight = tl.load(part_stats_ptr + part * 2 + 1, mask=ok, other=0.0)
+    parts = tl.load(
+        part_out_ptr + part[:, None] * HEAD_DIM_P + offs_d[None, :],
+        mask=ok[:, None] & d_ok[None, :],
+        other=0.0,
+    )
+    release_dependents(PDL)
+    m_max = tl.max(m, 0)
+    m_ref = tl.where(m_max == float("-inf"), 0.0, m_max)  # a padding row's one split
+    weight = weight * tl.exp2(m - m_ref)
+    total = tl.sum(weight, 0)
+    out = tl.sum(parts * weight[:, None], 0) / tl.where(total > 0, total, 1.0)
+    o_ptrs = out_ptr + req.to(tl.int64) * stride_o_tok + head * stride_o_head + offs_d
+    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=d_ok)

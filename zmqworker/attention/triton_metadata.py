@@ -18,15 +18,15 @@ from zmqworker.cdiv import cdiv
 # time), so one long history needs as many programs as a large batch; 1024 two-warp
 # programs (triton_attention.DECODE_LAUNCH) was the best setting of a sweep (docs/cuda.md).
 TARGET_DECODE_PROGRAMS = 1024
-# Splits merged by one program: their partials (FAN_IN x the group's heads x head_dim
-# float32) are about what one small program loads at once. More splits merge in two
-# levels (groups of MERGE_FAN_IN, then the groups), so at most MERGE_FAN_IN ** 2.
-MERGE_FAN_IN = 16
-MAX_DECODE_SPLITS = MERGE_FAN_IN * MERGE_FAN_IN
-# Beyond MERGE_FAN_IN splits a split holds at least this many positions, so the second
-# merge level comes only where the history's read is long next to it: a short history
-# splits as it would over MERGE_FAN_IN splits whatever the step's split count.
+# Past FEW_SPLITS splits a split holds at least MIN_LONG_SPLIT positions: a short
+# history's read is short next to a split's fixed costs (its query, its partial), so it
+# splits as it would over FEW_SPLITS splits whatever the step's split count.
+FEW_SPLITS = 32
 MIN_LONG_SPLIT = 64
+# The merge kernel loads a head's partials of every split at once, over slices of the
+# head dim of at most MERGE_TILE values (merge_chunk; the sweep is in docs/cuda.md).
+MAX_DECODE_SPLITS = 256
+MERGE_TILE = 4096
 # History positions per attention tile: within one page when pages allow (a power of two
 # of at least MIN_TILE, the tensor cores' smallest), else gathered across pages.
 MIN_TILE = 16
@@ -46,9 +46,6 @@ class TritonAttentionMetadata:
     query_start_loc: torch.Tensor  # int32 [num_reqs + 1]
     seq_lens: torch.Tensor  # int32 [num_reqs]: context after the step; 0 for padding rows
     block_tables: torch.Tensor  # int32 [num_reqs, max_blocks_per_req], rows may be padded
-    # int32 zeros, at least split_counter_slots(): which split of a decode finishes last.
-    # The kernel leaves them zero; a persistent buffer, so that graphs replay over it.
-    split_counters: torch.Tensor | None = None
 
 
 def split_length(seq_len: int, num_splits: int, tile: int) -> int:
@@ -56,8 +53,8 @@ def split_length(seq_len: int, num_splits: int, tile: int) -> int:
     decode kernel computes the same from the sequence length it reads. Splits past
     cdiv(seq_len, split_length) have nothing to do."""
     even = cdiv(seq_len, num_splits)
-    if num_splits > MERGE_FAN_IN:
-        even = max(even, min(cdiv(seq_len, MERGE_FAN_IN), MIN_LONG_SPLIT))
+    if num_splits > FEW_SPLITS:
+        even = max(even, min(cdiv(seq_len, FEW_SPLITS), MIN_LONG_SPLIT))
     return max(1, cdiv(even, tile)) * tile
 
 
@@ -69,22 +66,16 @@ def decode_splits(num_reqs: int, num_kv_heads: int, max_model_len: int, tile: in
     splits idle."""
     want = cdiv(TARGET_DECODE_PROGRAMS, max(1, num_reqs * num_kv_heads))
     tiles = cdiv(max_model_len, tile)
-    usable = min(tiles, max(MERGE_FAN_IN, cdiv(max_model_len, MIN_LONG_SPLIT)))
+    usable = min(tiles, max(FEW_SPLITS, cdiv(max_model_len, MIN_LONG_SPLIT)))
     splits = 1
     while splits * 2 <= min(want, MAX_DECODE_SPLITS, max(1, usable)):
         splits *= 2
     return splits
 
 
-def split_counter_stride(num_splits: int) -> int:
-    """Counters per (request, kv head) of a decode of this many splits: one for the
-    whole, and past MERGE_FAN_IN splits one more per group of them."""
-    return 1 + (num_splits // MERGE_FAN_IN if num_splits > MERGE_FAN_IN else 0)
-
-
-def split_counter_slots(num_reqs: int, num_kv_heads: int, num_splits: int) -> int:
-    """int32 counters a decode of this many splits and requests needs."""
-    return num_reqs * num_kv_heads * split_counter_stride(num_splits)
+def merge_chunk(num_splits: int, head_dim_p: int) -> int:
+    """Head dims one merge program takes: its partials' tile at most MERGE_TILE values."""
+    return max(1, min(head_dim_p, MERGE_TILE // num_splits))
 
 
 def tile_size(block_size: int) -> int:

@@ -22,12 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from zmqworker.attention.triton_metadata import (
-    TritonAttentionMetadata,
-    decode_splits,
-    split_counter_slots,
-    tile_size,
-)
+from zmqworker.attention.triton_metadata import TritonAttentionMetadata, decode_splits, tile_size
 from zmqworker.model_runner.step_inputs import HostStep, StepGather
 
 
@@ -108,10 +103,6 @@ class DeviceInputs:
         # How many of them this step's sample replaces (int32 [1]): a graph's argmax
         # writes no more (a step that samples nothing must keep them for the feed).
         self.sample_count = self._device_views["sample_count"]
-        # The decode attention's split counters, for its largest step: zero between steps.
-        sizes = range(1, reqs + 1)
-        slots = max(split_counter_slots(n, num_kv_heads, self.splits(n)) for n in sizes)
-        self.split_counters = torch.zeros(slots, dtype=torch.int32, device=device)
         # Recorded after each upload: the host buffer is rewritten only once it has fired.
         self._uploaded = torch.cuda.Event() if pinned else None
         self._stream = torch.cuda.current_stream(device) if pinned else None
@@ -197,7 +188,6 @@ class DeviceInputs:
             query_start_loc=device["query_start_loc"][: num_reqs + 1],
             seq_lens=device["seq_lens"][:num_reqs],
             block_tables=self.block_tables[:num_reqs],
-            split_counters=self.split_counters,
         )
         return DeviceStep(
             metadata=metadata,
