@@ -123,7 +123,7 @@ def long_rows(bandwidth: float) -> list[dict]:
     for context in (8192, 32768):
         for batch in (1, 4):
             chosen = decode_splits(batch, 8, 32768 + 256, tile_size(BLOCK_SIZE))
-            for splits in (FEW_SPLITS, 32, 64, 128, 256):
+            for splits in (16, FEW_SPLITS, 64, 128, 256):
                 ms, nbytes = decode_case("llama-3-8b", batch, splits, 2, 2, context=context)
                 floor = nbytes / bandwidth * 1e3
                 rows.append(

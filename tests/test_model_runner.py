@@ -358,6 +358,7 @@ def test_no_triton_kernel_compiles_after_warm_up(monkeypatch, enforce_eager: boo
     kernels = [
         triton_kernels.varlen_kernel,
         triton_decode.decode_kernel,
+        triton_decode.merge_kernel,
         skinny_gate_up._gate_up_silu_kernel,
         skinny_linear._skinny_linear_kernel,
         triton_cache._rope_and_cache_kernel,

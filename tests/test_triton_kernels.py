@@ -315,8 +315,8 @@ def test_decode_of_long_histories_at_the_8b_shapes_split_count():
 
 
 def test_decode_mixes_short_and_long_histories_in_a_launch():
-    """At 32 splits, short requests work in a few splits (or one), the long ones in more
-    than FEW_SPLITS; an empty history (a padding row) gives zeros."""
+    """At 32 splits, short requests work in a few splits (or one), the long ones in most
+    of them; an empty history (a padding row) gives zeros."""
     reqs = [(3, 1), (700, 1), (1100, 1), (0, 1), (2100, 1)]
     assert [cdiv(c + 1, split_length(c + 1, 32, 64)) for c, _ in reqs] == [1, 11, 18, 1, 17]
     Step(reqs, 3, 1, block_size=64, dtype=torch.float32, seed=6).run_decode(32)

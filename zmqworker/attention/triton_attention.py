@@ -39,6 +39,7 @@ from zmqworker.attention.triton_metadata import (
     merge_chunk,
     tile_size,
 )
+from zmqworker.cdiv import cdiv
 from zmqworker.dot_precision import dot_precision
 from zmqworker.pdl import launch_options
 
@@ -70,7 +71,8 @@ def paged_attention(
     num_kv_heads, head_dim] (unit strides but the first), queries and keys not yet
     rotated: rotary at meta.positions (cos_sin [positions, head_dim]: cos then sin), this
     step's keys and values into the cache at meta.slot_mapping, attention over the cache.
-    A decode step does all of it in one kernel; any other step rotates and writes first
+    A decode step does all of it in one kernel (and a merge kernel where its history
+    splits); any other step rotates and writes first
     (triton_cache.py), then runs the varlen kernel. Returns a new contiguous
     [num_tokens, num_heads, head_dim]."""
     if meta.decode_only:
@@ -154,7 +156,7 @@ def decode_attention(
     if splits > 1:
         chunk = merge_chunk(splits, common["HEAD_DIM_P"])
         warps = max(1, min(4, splits * chunk // MERGE_WARP_VALUES))
-        merge_kernel[(meta.num_reqs, num_heads, common["HEAD_DIM_P"] // chunk)](
+        merge_kernel[(meta.num_reqs, num_heads, cdiv(head_dim, chunk))](
             out,
             part_out,
             part_stats,

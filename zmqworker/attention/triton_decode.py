@@ -197,7 +197,7 @@ def merge_kernel(
         mask=ok[:, None] & d_ok[None, :],
         other=0.0,
     )
-    release_dependents(PDL)
+    release_dependents(PDL)  # its loads are its main loop
     m_max = tl.max(m, 0)
     m_ref = tl.where(m_max == float("-inf"), 0.0, m_max)  # a padding row's one split
     weight = weight * tl.exp2(m - m_ref)

@@ -25,8 +25,10 @@ FEW_SPLITS = 32
 MIN_LONG_SPLIT = 64
 # The merge kernel loads a head's partials of every split at once, over slices of the
 # head dim of at most MERGE_TILE values (merge_chunk; the sweep is in docs/cuda.md).
-MAX_DECODE_SPLITS = 256
 MERGE_TILE = 4096
+# Enough for TARGET_DECODE_PROGRAMS at batch 1 over 4 kv heads; at MERGE_TILE a merge
+# program still takes 16 dims of a head (64-byte rows of float32 partials).
+MAX_DECODE_SPLITS = 256
 # History positions per attention tile: within one page when pages allow (a power of two
 # of at least MIN_TILE, the tensor cores' smallest), else gathered across pages.
 MIN_TILE = 16
