@@ -38,10 +38,7 @@ SPEC = KVCacheSpec(
 )
 LAYER = CudaKVLayer(bytes(64), 0)
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
-peers = pytest.mark.skipif(
-    torch.cuda.device_count() < 2 or not torch.cuda.can_device_access_peer(0, 1),
-    reason="needs two GPUs with peer access",
-)
+two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 
 
 def caches(num_blocks: int, seed: int, device: str) -> list[torch.Tensor]:
@@ -128,11 +125,13 @@ def _pull_in_place(consumer, conn, port: int, req: str, src, dest, num_cached: i
 
 
 @gpu
-@pytest.mark.parametrize("producer", ["cuda:0", pytest.param("cuda:1", marks=peers)])
+@pytest.mark.parametrize("producer", ["cuda:0", pytest.param("cuda:1", marks=two_gpus)])
 def test_blocks_come_straight_out_of_the_producer_s_gpu_cache(producer):
     """Then out of the producer's new cache once it has made one (a wake-up): the old
     opening is closed, the new one opened. The consumer is on cuda:0: a producer on
     cuda:1 is read across the peer link."""
+    if producer != "cuda:0" and not torch.cuda.can_device_access_peer(0, 1):
+        pytest.skip("cuda:0 has no peer access to cuda:1")
     keys, port = KVKeys.new(), free_port()
     ctx = mp.get_context("spawn")
     conn, child_conn = ctx.Pipe()

@@ -4,6 +4,7 @@ standing for other hosts."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import signal
@@ -208,6 +209,29 @@ def test_the_engine_core_command_refuses_before_it_starts(keys) -> None:
         )
         assert run.returncode == 1, (argv, run.stderr)
         assert message in run.stderr, (argv, run.stderr)
+
+
+def test_first_gpu_places_the_ranks_on_the_gpus_from_there(keys, monkeypatch) -> None:
+    """--first-gpu sets where the engine core's ranks start on the host's GPUs, refused
+    by name where they would not fit, or on the CPU."""
+    from zmqworker.cli import engine_core
+    from zmqworker.frontend import devices
+
+    sub = argparse.ArgumentParser().add_subparsers()
+    parser = engine_core.add_parsers(sub)["engine-core"]
+    model = ["--listen", "tcp://127.0.0.1:7101", "--model", checkpoint_with_tokenizer()]
+
+    def config(*argv: str):
+        return engine_core.engine_core_config(parser.parse_args([*model, *argv]))
+
+    with pytest.raises(ValueError, match="--first-gpu places ranks on GPUs: the device is cpu"):
+        config("--device", "cpu", "--first-gpu", "1")
+    monkeypatch.setenv("ZMQWORKER_SHARE_GPUS", "1")  # a plan for CUDA on a host without one
+    monkeypatch.setattr(devices, "visible_gpu_count", lambda: 4)
+    placed = config("--device", "cuda", "--tp", "2", "--first-gpu", "2").worker.parallel
+    assert placed.first_local_rank == 2 and placed.tensor_parallel_size == 2
+    with pytest.raises(ValueError, match=r"needs GPUs 3 \.\. 4, but 4 GPU\(s\) are visible"):
+        config("--device", "cuda", "--tp", "2", "--first-gpu", "3")
 
 
 def test_keys_prints_both_pairs_for_a_shell() -> None:

@@ -8,7 +8,9 @@ client that ends does not stop it. Its ROUTER is a CURVE server with the pair in
 $ZMQWORKER_CORE_CURVE and admits its holders alone. With --disaggregate-role it is one
 side of a disaggregated pair: a prefill instance's ranks serve their KV on
 tcp://KV_HOST:KV_PORT+rank (an address the decode host reaches), the decode instance's
-pull from there; both hold the pair in $ZMQWORKER_KV_CURVE.
+pull from there; both hold the pair in $ZMQWORKER_KV_CURVE. --first-gpu places engine
+cores side by side on one host's GPUs, each seeing all of them: a decode instance then
+reads a prefill instance's cache on a peer GPU in place.
 
     eval "$(zmqworker keys)"   # on one host; the same two variables on every other
     zmqworker engine-core --listen tcp://10.0.0.5:7100 --model /models/llama --tp 2
@@ -78,6 +80,12 @@ def add_parsers(sub: Any) -> dict[str, argparse.ArgumentParser]:
         metavar="S",
         help="with --disaggregate-role: seconds a prompt's KV waits to be pulled, and a pull "
         f"for its answer (default: {KV_TIMEOUT_S:g})",
+    )
+    parser.add_argument(
+        "--first-gpu",
+        type=int,
+        metavar="N",
+        help="CUDA: the visible GPU its first rank takes, the others the GPUs after it (default 0)",
     )
     add_options(parser.add_argument_group("engine"), LLM_OPTIONS)
     keys = sub.add_parser(
@@ -153,6 +161,8 @@ def engine_core_config(args: argparse.Namespace) -> Any:
     check_args(OPTION_TYPES, chosen)
     plan = EnginePlan.from_options(OPTION_DEFAULTS | chosen)
     config = plan.engine_config(0, args.listen, keys.token)
+    if args.first_gpu is not None:
+        config = _placed(config, args.first_gpu)
     if role is None:
         return config
     timeout = KV_TIMEOUT_S if args.kv_transfer_timeout is None else args.kv_transfer_timeout
@@ -161,6 +171,26 @@ def engine_core_config(args: argparse.Namespace) -> Any:
     if role == "prefill":  # where its KV servers bind; a decode instance serves none
         transfer = msgspec.structs.replace(transfer, host=args.kv_host, port=args.kv_port)
     worker = msgspec.structs.replace(config.worker, kv_transfer=transfer)
+    return msgspec.structs.replace(config, worker=worker)
+
+
+def _placed(config: Any, first: int) -> Any:
+    """config with its ranks on the visible GPUs from first on; ValueError where they
+    do not fit."""
+    from zmqworker.frontend.devices import visible_gpu_count
+
+    worker = config.worker
+    if worker.device.device != "cuda":
+        raise ValueError(f"--first-gpu places ranks on GPUs: the device is {worker.device.device}")
+    ranks = worker.parallel.tensor_parallel_size * worker.parallel.pipeline_parallel_size
+    gpus = visible_gpu_count()
+    if first < 0 or first + ranks > gpus:
+        raise ValueError(
+            f"--first-gpu {first} with {ranks} rank(s) needs GPUs {first} .. "
+            f"{first + ranks - 1}, but {gpus} GPU(s) are visible"
+        )
+    parallel = msgspec.structs.replace(worker.parallel, first_local_rank=first)
+    worker = msgspec.structs.replace(worker, parallel=parallel)
     return msgspec.structs.replace(config, worker=worker)
 
 

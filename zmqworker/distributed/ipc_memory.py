@@ -59,7 +59,9 @@ def export(pointer: int, device: torch.device) -> Exported:
 
 
 def open_handle(handle: bytes, device: torch.device) -> Opened:
-    """Open another process's allocation on device (this process's index for it)."""
+    """Open another process's allocation on device (this process's index for the GPU
+    that reads it, which may be a peer of the allocation's: peer access is enabled as
+    the opening needs it)."""
     if len(handle) != HANDLE_BYTES:
         raise IpcError(f"a CUDA IPC handle of {len(handle)} bytes, not {HANDLE_BYTES}")
     with torch.cuda.device(device):

@@ -90,10 +90,11 @@ def copy_blocks(
 ) -> None:
     """Blocks source_ids of source (a producer's cache on this device or a peer, opened
     through CUDA IPC) into block_ids of kv_caches, in one launch; heads as scatter's.
-    Queued on the current stream, after the steps already there (they may still use the blocks the
-    load was given), with nothing for the host to wait on: the layers' addresses and the
-    ids cross in one copy from page-locked memory, queued there too (the launch waits
-    for those steps anyway; a stream of its own would only add the hand-over)."""
+    Queued on the current stream, after the steps already there (they may still use the
+    blocks the load was given), with nothing for the host to wait on: the layers'
+    addresses and the ids cross in one copy from page-locked memory, queued there too
+    (the launch waits for those steps anyway; a stream of its own would only add the
+    hand-over)."""
     device = kv_caches[0].device
     n, layers = len(block_ids), len(kv_caches)
     if len(source.layers) != layers:
