@@ -63,6 +63,9 @@ class EngineCoreReady(msgspec.Struct, tag=True):
     num_workers: int  # tp x pp
     pid: int
     worker_pids: list[int] = []
+    # Its workers' KV transfer role (KVTransferConfig.role): "producer" for a prefill
+    # instance, "consumer" for a decode instance; "" without KV transfer.
+    kv_role: Literal["", "producer", "consumer", "both"] = ""
 
 
 class KVTransferParams(msgspec.Struct, tag=True, frozen=True, omit_defaults=True):

@@ -2,7 +2,9 @@
 decode engine core's workers get that size and the same blocks as the prefill's, both
 instances' CPU workers share the host's cores, on CUDA the decode instance takes the GPUs
 after the prefill's where there are enough, and a size the model cannot be cut into is
-refused by name before anything starts."""
+refused by name before anything starts. Several instances of each role: each prefill
+instance's KV on ports of its own, each instance on GPUs of its own where there are
+enough; and the roles a router reads from the engine cores' Readies."""
 
 from __future__ import annotations
 
@@ -10,15 +12,18 @@ import inspect
 
 import pytest
 
+from messages import EngineCoreReady
 from tests.tiny import cached_tiny_checkpoint
 from zmqworker.cli import build_parser
 from zmqworker.cli import serve as serve_cli
 from zmqworker.frontend import disaggregated_plan, engine_plan
 from zmqworker.frontend.devices import SHARE_GPUS_ENV
-from zmqworker.frontend.disaggregated_client import DECODE, PREFILL
+from zmqworker.frontend.disaggregated_client import instance_roles
 from zmqworker.frontend.disaggregated_plan import DisaggregatedPlan
 from zmqworker.frontend.engine_plan import EnginePlan
 from zmqworker.frontend.llm import LLM
+
+PREFILL, DECODE = 0, 1  # the engine cores of one prefill and one decode instance
 
 
 def plan(tp: int, **more) -> EnginePlan:
@@ -103,6 +108,8 @@ def test_a_decode_size_the_model_cannot_take_is_refused_by_name() -> None:
         ("--decode-tensor-parallel-size", "decode_tensor_parallel_size"),
         ("--kv-port", "kv_port"),
         ("--kv-transfer-timeout", "kv_transfer_timeout_s"),
+        ("--prefill-instances", "prefill_instances"),
+        ("--decode-instances", "decode_instances"),
     ],
 )
 def test_an_option_of_the_pair_needs_disaggregate(flag: str, name: str) -> None:
@@ -113,6 +120,51 @@ def test_an_option_of_the_pair_needs_disaggregate(flag: str, name: str) -> None:
         serve_cli.run(args)
     with pytest.raises(ValueError, match=f"{name}=2.* needs disaggregate=True"):
         LLM(model="no/such/model", **{name: 2})
+
+
+def test_several_instances_of_each_role_each_have_their_ports_and_gpus(monkeypatch) -> None:
+    """Two prefill instances of tp 1 and two decode instances of tp 2: engine cores 0, 1
+    prefill, their KV on ports kv_port and kv_port + 1, then 2, 3 decode; on six GPUs
+    each on GPUs of its own (0, 1, 2-3, 4-5), and every worker counts the host's six
+    ranks. On fewer, all share them."""
+    monkeypatch.setattr(disaggregated_plan, "visible_gpu_count", lambda: 6)
+    monkeypatch.setattr(engine_plan, "visible_gpu_count", lambda: 6)
+    monkeypatch.setenv(SHARE_GPUS_ENV, "1")
+    pair = DisaggregatedPlan.of(plan(1, device="cuda"), 47000, 30.0, 2, prefills=2, decodes=2)
+    assert pair.num_engines == 4
+    workers = [pair.engine_config(i, f"ipc:///{i}", "t").worker for i in range(4)]
+    assert [w.kv_transfer.role for w in workers] == ["producer"] * 2 + ["consumer"] * 2
+    assert [w.kv_transfer.port for w in workers[:2]] == [47000, 47001]
+    assert [w.parallel.first_local_rank for w in workers] == [0, 1, 2, 4]
+    assert [w.parallel.tensor_parallel_size for w in workers] == [1, 1, 2, 2]
+    assert all(w.parallel.host_ranks == 6 for w in workers)
+    monkeypatch.setattr(disaggregated_plan, "visible_gpu_count", lambda: 5)
+    shared = DisaggregatedPlan.of(plan(1, device="cuda"), 47000, 30.0, 2, 2, 2)
+    assert {shared.engine_config(i, "ipc:///x", "t").worker.parallel.first_local_rank
+            for i in range(4)} == {0}  # fmt: skip
+    with pytest.raises(ValueError, match="this deployment runs 4"):
+        shared.engine_config(4, "ipc:///x", "t")
+    with pytest.raises(ValueError, match="--decode-instances must be >= 1, got 0"):
+        DisaggregatedPlan.of(plan(1), decodes=0)
+    with pytest.raises(ValueError, match="--kv-port must leave 2 port"):
+        DisaggregatedPlan.of(plan(1), 65535, prefills=2)
+
+
+def test_a_router_tells_the_roles_from_the_readies() -> None:
+    """Each engine core's KV transfer role; one of neither, or a deployment without a
+    prefill or a decode instance, refused by name."""
+
+    def ready(index: int, role: str) -> EngineCoreReady:
+        return EngineCoreReady(index, 96, 8, 4, 8, 256, 1, 100 + index, kv_role=role)
+
+    readies = [ready(0, "consumer"), ready(1, "producer"), ready(2, "producer")]
+    assert instance_roles(readies) == ["decode", "prefill", "prefill"]
+    with pytest.raises(ValueError, match=r"engine core 1 \(pid 101\) has no KV transfer"):
+        instance_roles([ready(0, "producer"), ready(1, "")])
+    with pytest.raises(ValueError, match="KV transfer role 'both'"):
+        instance_roles([ready(0, "both"), ready(1, "consumer")])
+    with pytest.raises(ValueError, match="needs a decode instance among its 2 engine core"):
+        instance_roles([ready(0, "producer"), ready(1, "producer")])
 
 
 def test_a_pair_takes_no_engine_cores_in_this_process() -> None:

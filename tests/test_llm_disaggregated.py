@@ -1,5 +1,6 @@
-"""LLM(disaggregate=True): a prefill and a decode engine core on this host behind the
-same client as the server's (frontend/disaggregated_client.py), offline."""
+"""LLM(disaggregate=True): prefill and decode engine cores on this host (one of each, or
+two of each) behind the same client as the server's (frontend/disaggregated_client.py),
+offline."""
 
 from __future__ import annotations
 
@@ -22,3 +23,26 @@ def test_a_disaggregated_llm_gives_transformers_tokens_and_a_logprob_for_each() 
         assert out.logprobs is not None and len(out.logprobs) == 6
         assert [lp.sampled.token_id for lp in out.logprobs] == out.token_ids
     assert wait_gone(pids, 10.0)
+
+
+def test_two_prefill_and_two_decode_instances_each_take_their_share() -> None:
+    """Four engine cores, roles from their Readies: every request is prefilled on one of
+    the prefill instances and decoded on one of the decode instances (the least loaded),
+    each instance taking some; greedy tokens equal transformers'."""
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    prompts = PROMPTS * 2
+    with make_llm(
+        disaggregate=True, prefill_instances=2, decode_instances=2, kv_transfer_timeout_s=60.0
+    ) as llm:
+        client = llm.client
+        assert [e.ready.kv_role for e in client.engines] == ["producer"] * 2 + ["consumer"] * 2
+        sent: list[int] = []
+        send = client._send_request
+        client._send_request = lambda engine, request: (
+            sent.append(engine.index) or send(engine, request)
+        )
+        outs = llm.generate(prompts, params)
+    for prompt, out in zip(prompts, outs, strict=True):
+        assert out.token_ids == hf_greedy(tuple(prompt), 6), prompt
+    assert sorted(set(sent)) == [0, 1, 2, 3], sent  # each instance took requests
+    assert len(sent) == 2 * len(prompts)  # each request: one prefill, one decode

@@ -117,14 +117,15 @@ def test_clients_come_and_go_and_the_engine_core_serves_on(keys) -> None:
 
 
 def test_a_disaggregated_pair_on_two_engine_cores(keys) -> None:
-    """A prefill engine core and a decode one, each started on its own with the KV pair:
-    every prompt prefilled on one, its KV pulled to the other over CURVE tcp, gives
-    transformers' greedy tokens."""
+    """A prefill engine core and a decode one, each started on its own with the KV pair
+    and given to the client in either order (each Ready says its role): every prompt
+    prefilled on one, its KV pulled to the other over CURVE tcp, gives transformers'
+    greedy tokens."""
     kv = ("--kv-host", "127.0.0.1", "--kv-port", str(free_ports(1)))
     with (
         tiny_core("--disaggregate-role", "prefill", *kv) as (_, prefill),
         tiny_core("--disaggregate-role", "decode") as (_, decode),
-        connect(prefill, decode, disaggregate=True) as llm,
+        connect(decode, prefill, disaggregate=True) as llm,
     ):
         outs = llm.generate(PROMPTS, GREEDY)
     assert [o.token_ids for o in outs] == [hf_greedy(tuple(p), 6) for p in PROMPTS]
@@ -144,7 +145,7 @@ def test_what_engine_core_addresses_cannot_take(keys, monkeypatch) -> None:
         ({"engine_core_addresses": ["ipc:///tmp/x.sock"]}, "must be tcp://HOST:PORT"),
         ({"engine_core_addresses": ["tcp://127.0.0.1:0"]}, "must be tcp://HOST:PORT"),
         ({"engine_core_addresses": [address, address]}, "names one engine core twice"),
-        ({"engine_core_addresses": [address], "disaggregate": True}, "takes two"),
+        ({"engine_core_addresses": [address], "disaggregate": True}, "at least two"),
         ({"engine_core_addresses": [address], "data_parallel_size": 2}, "data_parallel_size"),
         ({"engine_core_addresses": [address], "kv_port": 9000}, "kv_port"),
         ({"engine_core_addresses": [address], "max_num_seqs": 4}, "the engine cores' to take"),

@@ -37,6 +37,8 @@ NOT_HERE = (
     "decode_tensor_parallel_size",
     "kv_port",
     "kv_transfer_timeout_s",
+    "prefill_instances",
+    "decode_instances",
     "engine_core_addresses",
 )
 LLM_OPTIONS = llm_options(skip=NOT_HERE)

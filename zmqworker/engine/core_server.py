@@ -119,6 +119,7 @@ class EngineCoreServer:
             num_workers=self.config.worker.parallel.world_size,
             pid=os.getpid(),
             worker_pids=list(getattr(core.executor, "pids", [])),
+            kv_role=transfer.role if (transfer := self.config.worker.kv_transfer) else "",
         )
         log.debug("ready for clients")
         try:

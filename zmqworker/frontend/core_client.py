@@ -251,10 +251,11 @@ class EngineCoreClient:
 
     # internals --------------------------------------------------------------------------
 
-    def _least_loaded(self) -> EngineConnection:
-        live = [e for e in self.engines if e.dead is None]
+    def _least_loaded(self, among: Sequence[EngineConnection] | None = None) -> EngineConnection:
+        engines = self.engines if among is None else among
+        live = [e for e in engines if e.dead is None]
         if not live:
-            raise self.engines[0].dead.with_traceback(None)  # type: ignore[union-attr]
+            raise engines[0].dead.with_traceback(None)  # type: ignore[union-attr]
         return min(live, key=lambda e: (e.load, e.index))
 
     def _send(self, engine: EngineConnection, msg: Any) -> None:

@@ -1,21 +1,22 @@
-"""The router of disaggregated serving, in the client: a client of two engine cores, a
-prefill instance (engine core 0) and a decode instance (engine core 1), whose workers
-move KV between them (docs/kv_transfer.md).
+"""The router of disaggregated serving, in the client: a client of prefill instances and
+decode instances (engine cores whose workers move KV between them: docs/kv_transfer.md),
+each told from the others by its Ready (EngineCoreReady.kv_role).
 
-Each request goes to the prefill instance with do_remote_decode. The output that ends it
-there carries its first token and where its prompt's KV waits (FinishedOutput.kv_transfer):
-that end is taken out of the output here, so that the caller sees the first token as any
-other, and the same request goes to the decode instance with the KV's whereabouts and the
-token, from where it streams on. A request whose first token ends it never leaves the
-prefill instance. The caller's code (Frontend, the API servers) is the same as over
-replicas: aborts go to the instance that runs the request, failures come back by id.
+Each request goes to the least loaded prefill instance with do_remote_decode. The output
+that ends it there carries its first token and where its prompt's KV waits
+(FinishedOutput.kv_transfer): that end is taken out of the output here, so that the
+caller sees the first token as any other, and the same request goes to the least loaded
+decode instance with the KV's whereabouts and the token, from where it streams on. A
+request whose first token ends it never leaves its prefill instance. The caller's code
+(Frontend, the API servers) is the same as over replicas: aborts go to the instance that
+runs the request, failures come back by id.
 
-Failures: a request fails with an error naming the instance that failed it. The prefill
-instance gone: its own requests fail at once, and so do those the decode instance has
-not yet answered (their pull would wait for a prefill that is gone: they are aborted
-there, which frees their blocks once any pull under way is over). A pull that fails on
-the decode instance (timed out, refused) fails its request there, naming the prefill's
-address. Nothing is recomputed: the caller may send the request again.
+Failures: a request fails with an error naming the instance that failed it. A prefill
+instance gone: its own requests fail at once, and so do those a decode instance has not
+yet answered that pull from it (their pull would wait for a prefill that is gone: they
+are aborted there, which frees their blocks once any pull under way is over). A pull
+that fails on a decode instance (timed out, refused) fails its request there, naming the
+prefill's address. Nothing is recomputed: the caller may send the request again.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import msgspec
 from messages import (
     AbortRequests,
     EngineCoreOutputs,
+    EngineCoreReady,
     EngineCoreRequest,
     KVTransferParams,
     RemoteKV,
@@ -35,12 +37,11 @@ from zmqworker.frontend.core_client import EngineCoreClient
 from zmqworker.frontend.core_process import EngineCoreHandle
 from zmqworker.frontend.engine_connection import EngineConnection, Event, Failed
 
-PREFILL, DECODE = 0, 1
-ROLES = ("prefill", "decode")
+ROLES = {"producer": "prefill", "consumer": "decode"}  # by the workers' KV transfer role
 
 
 class InstanceLostError(RuntimeError):
-    """A side of a disaggregated pair is gone: which, and how (error)."""
+    """An instance of a disaggregated deployment is gone: which, and how (error)."""
 
     def __init__(self, role: str, error: Exception) -> None:
         self.role = role
@@ -48,8 +49,31 @@ class InstanceLostError(RuntimeError):
         super().__init__(f"the {role} instance: {error}")
 
 
+def instance_roles(readies: Sequence[EngineCoreReady]) -> list[str]:
+    """Each engine core's role, "prefill" or "decode", from its Ready; ValueError naming
+    an engine core that is neither, or a deployment without both."""
+    roles = []
+    for ready in readies:
+        role = ROLES.get(ready.kv_role)
+        if role is None:
+            what = f"KV transfer role {ready.kv_role!r}" if ready.kv_role else "no KV transfer"
+            raise ValueError(
+                f"engine core {ready.engine_index} (pid {ready.pid}) has {what}: disaggregated "
+                "serving takes prefill instances (producer) and decode instances (consumer)"
+            )
+        roles.append(role)
+    for role in ROLES.values():
+        if role not in roles:
+            raise ValueError(
+                f"disaggregated serving needs a {role} instance among its {len(roles)} engine "
+                f"core(s), whose roles are {roles}"
+            )
+    return roles
+
+
 class DisaggregatedClient(EngineCoreClient):
-    """An EngineCoreClient whose two engine cores are a prefill and a decode instance."""
+    """An EngineCoreClient whose engine cores are prefill and decode instances, each known
+    by its Ready."""
 
     def __init__(
         self,
@@ -59,25 +83,41 @@ class DisaggregatedClient(EngineCoreClient):
         client_index: int = 0,
         max_output_bytes: int = -1,
     ) -> None:
-        if len(addresses) != 2:
+        if len(addresses) < 2:
             raise ValueError(
-                f"disaggregated serving runs two engine cores (prefill, decode), got "
-                f"{len(addresses)}"
+                f"disaggregated serving runs prefill and decode instances, got "
+                f"{len(addresses)} engine core(s)"
             )
         super().__init__(addresses, handles, token, client_index, max_output_bytes)
-        # Requests on the prefill instance, as the caller sent them: what goes on to decode.
+        # Requests on a prefill instance, as the caller sent them: what goes on to decode.
         self._prefilling: dict[str, EngineCoreRequest] = {}
-        # Requests handed to the decode instance that it has not answered yet.
-        self._awaiting_kv: set[str] = set()
+        # Requests handed to a decode instance that it has not answered yet, and the
+        # prefill instance whose KV they pull.
+        self._awaiting_kv: dict[str, EngineConnection] = {}
+
+    def wait_ready(self, timeout: float) -> list[EngineCoreReady]:
+        """As EngineCoreClient's; ValueError where the engine cores are not prefill and
+        decode instances."""
+        readies = super().wait_ready(timeout)
+        instance_roles(readies)
+        return readies
+
+    def _role(self, engine: EngineConnection) -> str | None:
+        """Its role as its Ready says ("prefill" or "decode"); None before it."""
+        return None if engine.ready is None else ROLES.get(engine.ready.kv_role)
+
+    def _instances(self, role: str) -> list[EngineConnection]:
+        return [engine for engine in self.engines if self._role(engine) == role]
 
     def add_request(self, request: EngineCoreRequest) -> int:
         if request.kv_transfer_params is not None:
             raise ValueError(
                 f"request {request.request_id!r}: the router sets kv_transfer_params itself"
             )
-        prefill = self.engines[PREFILL]
-        if prefill.dead is not None:
-            raise prefill.dead.with_traceback(None)
+        prefills = self._instances("prefill")
+        if not prefills:
+            raise RuntimeError("no prefill instance is ready (wait_ready first)")
+        prefill = self._least_loaded(prefills)
         sent = msgspec.structs.replace(
             request, kv_transfer_params=KVTransferParams(do_remote_decode=True)
         )
@@ -88,29 +128,33 @@ class DisaggregatedClient(EngineCoreClient):
     def _on_outputs(
         self, engine: EngineConnection, msg: EngineCoreOutputs, events: list[Event]
     ) -> None:
-        if engine.index == DECODE:
-            self._awaiting_kv.difference_update(msg.request_ids)
+        if self._role(engine) == "decode":
+            for request_id in msg.request_ids:
+                self._awaiting_kv.pop(request_id, None)
             super()._on_outputs(engine, msg, events)
             return
         handed = [(f.index, f.kv_transfer) for f in msg.finished if f.kv_transfer is not None]
         if handed:  # they go on: not finished for the caller
             msg.finished = [f for f in msg.finished if f.kv_transfer is None]
-        lost = [self._hand_on(msg, index, kv) for index, kv in handed]
+        lost = [self._hand_on(engine, msg, index, kv) for index, kv in handed]
         super()._on_outputs(engine, msg, events)
-        decode = self.engines[DECODE]
         lost_ids = [request_id for request_id in lost if request_id is not None]
-        if lost_ids and decode.dead is not None:
-            events.append(Failed(DECODE, lost_ids, decode.dead, fatal=True))
+        if lost_ids:  # every decode instance is gone
+            decode = self._instances("decode")[0]
+            events.append(Failed(decode.index, lost_ids, decode.dead, fatal=True))  # type: ignore[arg-type]
 
-    def _hand_on(self, msg: EngineCoreOutputs, index: int, kv: RemoteKV) -> str | None:
-        """The prefill of msg's request index is done: on to the decode instance. Its id
-        if the decode instance is gone (it fails), else None."""
+    def _hand_on(
+        self, prefill: EngineConnection, msg: EngineCoreOutputs, index: int, kv: RemoteKV
+    ) -> str | None:
+        """The prefill of msg's request index is done: on to a decode instance. Its id
+        if every decode instance is gone (it fails), else None."""
         request_id = msg.request_ids[index]
         request = self._prefilling.pop(request_id, None)
         self._forget(request_id)
         if request is None:
             return None  # aborted by its caller meanwhile: its staged KV expires there
-        if self.engines[DECODE].dead is not None:
+        live = [e for e in self._instances("decode") if e.dead is None]
+        if not live:
             return request_id
         at = index if msg.token_offsets is None else int(msg.token_offsets[index])
         params = KVTransferParams(remote=kv, first_token=int(msg.new_token_ids[at]))
@@ -120,23 +164,29 @@ class DisaggregatedClient(EngineCoreClient):
         decode = msgspec.structs.replace(
             request, sampling_params=sampling, kv_transfer_params=params, shares_prompt_with=None
         )
-        self._send_request(self.engines[DECODE], decode)
-        self._awaiting_kv.add(request_id)
+        self._send_request(self._least_loaded(live), decode)
+        self._awaiting_kv[request_id] = prefill
         return None
 
     def _forget(self, request_id: str) -> EngineConnection | None:
         self._prefilling.pop(request_id, None)
-        self._awaiting_kv.discard(request_id)
+        self._awaiting_kv.pop(request_id, None)
         return super()._forget(request_id)
 
     def _lose(self, engine: EngineConnection, error: Exception, events: list[Event]) -> None:
-        lost = InstanceLostError(ROLES[engine.index], error)
-        waiting = sorted(self._awaiting_kv) if engine.index == PREFILL else []
+        role = self._role(engine)
+        if role is None:  # before its Ready: nothing was routed there
+            super()._lose(engine, error, events)
+            return
+        lost = InstanceLostError(role, error)
+        waiting = sorted(r for r, prefill in self._awaiting_kv.items() if prefill is engine)
+        by_decode: dict[EngineConnection, list[str]] = {}
+        for request_id in waiting:
+            decode = self._forget(request_id)
+            if decode is not None and decode.dead is None:
+                by_decode.setdefault(decode, []).append(request_id)
         super()._lose(engine, lost, events)
+        for decode, ids in by_decode.items():
+            self._send(decode, AbortRequests(ids))  # type: ignore[arg-type]
         if waiting:
-            for request_id in waiting:
-                self._forget(request_id)
-            decode = self.engines[DECODE]
-            if decode.dead is None:
-                self._send(decode, AbortRequests(waiting))  # type: ignore[arg-type]
             events.append(Failed(engine.index, waiting, lost, fatal=True))

@@ -1,14 +1,15 @@
-"""The two engine cores of disaggregated serving on one host, planned from an engine's
-plan: a prefill instance (engine core 0, its workers KV producers) with the plan's
-layout and a decode instance (engine core 1, KV consumers) with the plan's or another
-tensor parallel size (its ranks pull their KV heads from the prefill ranks that hold
-them: kv_transfer/head_map.py), and the key pair their KV sockets share.
+"""The engine cores of disaggregated serving on one host, planned from an engine's plan:
+prefill instances (engine cores 0 .. P - 1, their workers KV producers) with the plan's
+layout, then decode instances (KV consumers) with the plan's or another tensor parallel
+size (their ranks pull their KV heads from the prefill ranks that hold them:
+kv_transfer/head_map.py), and the key pair their KV sockets share. Prefill instance i's
+rank r serves its KV on KV_HOST:kv_port + i * tp + r.
 
-On CUDA the decode instance takes the GPUs after the prefill's when the host has enough
-for both; otherwise the two share the GPUs from the first, each worker with
-kv_cache_bytes of KV cache (the decode's x prefill TP / decode TP: the same blocks as
-the prefill's), since sizing by memory would race between them. On the CPU both
-instances' workers divide the host's cores between them (ParallelConfig.host_ranks)."""
+On CUDA each instance takes GPUs of its own, one after the other, when the host has
+enough for all; otherwise they share the GPUs from the first, each worker with
+kv_cache_bytes of KV cache (a decode's x prefill TP / decode TP: the same blocks as a
+prefill's), since sizing by memory would race between them. On the CPU all instances'
+workers divide the host's cores between them (ParallelConfig.host_ranks)."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from messages import EngineCoreConfig, KVTransferConfig, ParallelConfig
 from zmqworker.frontend.core_client import EngineCoreClient
 from zmqworker.frontend.core_process import EngineCoreLauncher
 from zmqworker.frontend.devices import check_gpu_layout, gpu_range, visible_gpu_count
-from zmqworker.frontend.disaggregated_client import DECODE, PREFILL, DisaggregatedClient
+from zmqworker.frontend.disaggregated_client import DisaggregatedClient
 from zmqworker.frontend.engine_plan import EnginePlan
 from zmqworker.transport.curve import KV_CURVE_ENV, KVKeys
 
@@ -32,7 +33,13 @@ KV_HOST = "127.0.0.1"  # one host: the prefill's KV servers take local peers onl
 PORT_TRIES = 20
 KV_TIMEOUT_S = 30.0  # every transfer wait's bound, unless the options give another
 # LLM options that only a disaggregated pair takes.
-COMPANIONS = ("decode_tensor_parallel_size", "kv_port", "kv_transfer_timeout_s")
+COMPANIONS = (
+    "decode_tensor_parallel_size",
+    "kv_port",
+    "kv_transfer_timeout_s",
+    "prefill_instances",
+    "decode_instances",
+)
 
 
 def check_pair_options(options: dict[str, Any]) -> None:
@@ -52,17 +59,24 @@ def start_engine_cores(
     if pair is None:
         launcher = EngineCoreLauncher(plan.num_engines, plan.engine_config, plan.make_executor)
         return launcher, EngineCoreClient
-    return EngineCoreLauncher(2, pair.engine_config, env=pair.env), DisaggregatedClient
+    launcher = EngineCoreLauncher(pair.num_engines, pair.engine_config, env=pair.env)
+    return launcher, DisaggregatedClient
 
 
 @dataclass(frozen=True)
 class DisaggregatedPlan:
     plan: EnginePlan
-    kv_port: int  # the prefill's tp rank r serves its KV on KV_HOST:kv_port + r
+    kv_port: int  # prefill instance i's tp rank r serves its KV on KV_HOST:kv_port + i*tp + r
     timeout_s: float  # KVTransferConfig.timeout_s: every transfer wait's bound
     keys: KVKeys
-    decode_tp: int  # the decode instance's tensor parallel size
-    decode_first_local_rank: int  # where its ranks start: after the prefill's, or 0 (shared)
+    decode_tp: int  # the decode instances' tensor parallel size
+    prefills: int = 1
+    decodes: int = 1
+    apart: bool = False  # CUDA: each instance on GPUs of its own (else all share them)
+
+    @property
+    def num_engines(self) -> int:
+        return self.prefills + self.decodes
 
     @classmethod
     def from_options(cls, plan: EnginePlan, options: dict[str, Any]) -> DisaggregatedPlan | None:
@@ -79,6 +93,8 @@ class DisaggregatedPlan:
             options["kv_port"],
             options["kv_transfer_timeout_s"] or KV_TIMEOUT_S,
             options["decode_tensor_parallel_size"],
+            options["prefill_instances"] or 1,
+            options["decode_instances"] or 1,
         )
 
     @classmethod
@@ -88,47 +104,54 @@ class DisaggregatedPlan:
         kv_port: int | None = None,
         timeout_s: float = KV_TIMEOUT_S,
         decode_tp: int | None = None,
+        prefills: int = 1,
+        decodes: int = 1,
     ) -> DisaggregatedPlan:
-        """decode_tp: the decode instance's tensor parallel size (None: the plan's).
-        Raises ValueError naming what the layout cannot do disaggregated."""
+        """decode_tp: the decode instances' tensor parallel size (None: the plan's);
+        prefills, decodes: how many instances of each. Raises ValueError naming what the
+        layout cannot do disaggregated."""
         worker = plan.worker_config
         parallel = worker.parallel
         if plan.num_engines != 1:
             raise ValueError(
-                f"--disaggregate runs one prefill and one decode instance; "
-                f"data_parallel_size={plan.num_engines} is not taken with it"
+                f"--disaggregate runs prefill and decode instances (--prefill-instances, "
+                f"--decode-instances); data_parallel_size={plan.num_engines} is not taken with it"
             )
-        check_kv_transfer(parallel, timeout_s, kv_port)
+        for name, count in (("prefill", prefills), ("decode", decodes)):
+            if count < 1:
+                raise ValueError(f"--{name}-instances must be >= 1, got {count}")
+        check_kv_transfer(parallel, timeout_s, kv_port, prefills)
         tp = parallel.tensor_parallel_size
         if decode_tp is not None and decode_tp < 1:
             raise ValueError(f"the decode tensor parallel size must be >= 1, got {decode_tp}")
         decode_tp = decode_tp or tp
         if decode_tp != tp:
             _check_decode_tp(plan, decode_tp)
-        decode_first = 0
+        apart = False
         if worker.device.device == "cuda":
             gpus = visible_gpu_count()
-            if tp + decode_tp <= gpus and plan.executor == "mp":
-                decode_first = tp
+            ranks = prefills * tp, decodes * decode_tp
+            if sum(ranks) <= gpus and plan.executor == "mp":
+                apart = True
                 logger.info(
-                    "disaggregated: prefill on GPU(s) %s, decode on GPU(s) %s",
-                    gpu_range(0, tp), gpu_range(tp, decode_tp),
+                    "disaggregated: %d prefill instance(s) on GPU(s) %s, %d decode on %s",
+                    prefills, gpu_range(0, ranks[0]), decodes, gpu_range(ranks[0], ranks[1]),
                 )  # fmt: skip
             elif worker.cache.kv_cache_bytes is None:
                 raise ValueError(
-                    f"--disaggregate on CUDA with {gpus} GPU(s) visible for {tp} prefill and "
-                    f"{decode_tp} decode rank(s): the two instances share the GPUs, so give "
+                    f"--disaggregate on CUDA with {gpus} GPU(s) visible for {ranks[0]} prefill "
+                    f"and {ranks[1]} decode rank(s): the instances share the GPUs, so give "
                     "--kv-cache-bytes (each instance's KV cache per worker); sizing by "
                     "gpu_memory_utilization would race between them"
                 )
             else:
                 logger.info(
                     "disaggregated: %d GPU(s) visible for %d prefill and %d decode rank(s): "
-                    "the two instances share them", gpus, tp, decode_tp,
+                    "the instances share them", gpus, *ranks,
                 )  # fmt: skip
         if kv_port is None:
-            kv_port = free_ports(tp)
-        return cls(plan, kv_port, timeout_s, KVKeys.new(), decode_tp, decode_first)
+            kv_port = free_ports(prefills * tp)
+        return cls(plan, kv_port, timeout_s, KVKeys.new(), decode_tp, prefills, decodes, apart)
 
     @property
     def env(self) -> dict[str, str]:
@@ -136,42 +159,50 @@ class DisaggregatedPlan:
         return {KV_CURVE_ENV: self.keys.to_env()}
 
     def engine_config(self, index: int, address: str, token: str) -> EngineCoreConfig:
-        """Engine core index's configuration: PREFILL or DECODE, each as the plan's one
-        replica, placed on the host beside the other."""
-        if index not in (PREFILL, DECODE):
-            raise ValueError(f"engine core {index}: disaggregated serving runs two")
+        """Engine core index's configuration: a prefill instance below self.prefills, a
+        decode instance from there, each as the plan's one replica, placed on the host
+        beside the others."""
+        if not 0 <= index < self.num_engines:
+            raise ValueError(f"engine core {index}: this deployment runs {self.num_engines}")
         config = self.plan.engine_config(0, address, token)
-        role = "producer" if index == PREFILL else "consumer"
-        transfer = KVTransferConfig(role, KV_HOST, self.kv_port, self.timeout_s)
+        prefill_tp = config.worker.parallel.tensor_parallel_size
+        prefill = index < self.prefills
+        first = index * prefill_tp  # the GPU this instance's ranks start at, apart
+        if not prefill:
+            first = self.prefills * prefill_tp + (index - self.prefills) * self.decode_tp
+        port = self.kv_port + (index * prefill_tp if prefill else 0)
+        transfer = KVTransferConfig("producer" if prefill else "consumer", KV_HOST, port,
+                                    self.timeout_s)  # fmt: skip
         worker = msgspec.structs.replace(config.worker, kv_transfer=transfer)
-        prefill_tp = worker.parallel.tensor_parallel_size
         parallel, cache = worker.parallel, worker.cache
-        if index == DECODE:
-            parallel = msgspec.structs.replace(
-                parallel,
-                tensor_parallel_size=self.decode_tp,
-                first_local_rank=self.decode_first_local_rank,
-            )
-            if cache.kv_cache_bytes is not None:  # the same blocks as the prefill's
+        if self.apart:
+            parallel = msgspec.structs.replace(parallel, first_local_rank=first)
+        if not prefill:
+            parallel = msgspec.structs.replace(parallel, tensor_parallel_size=self.decode_tp)
+            if cache.kv_cache_bytes is not None:  # the same blocks as a prefill's
                 per_worker = cache.kv_cache_bytes * prefill_tp // self.decode_tp
                 cache = msgspec.structs.replace(cache, kv_cache_bytes=per_worker)
-        if self.plan.executor == "mp":  # both instances' workers on this host
-            parallel = msgspec.structs.replace(parallel, host_ranks=prefill_tp + self.decode_tp)
+        if self.plan.executor == "mp":  # every instance's workers on this host
+            ranks = self.prefills * prefill_tp + self.decodes * self.decode_tp
+            parallel = msgspec.structs.replace(parallel, host_ranks=ranks)
         worker = msgspec.structs.replace(worker, parallel=parallel, cache=cache)
         return msgspec.structs.replace(config, worker=worker, engine_index=index)
 
 
-def check_kv_transfer(parallel: ParallelConfig, timeout_s: float, kv_port: int | None) -> None:
+def check_kv_transfer(
+    parallel: ParallelConfig, timeout_s: float, kv_port: int | None, prefills: int = 1
+) -> None:
     """Raise ValueError naming what KV transfer cannot take in this layout: pipeline
-    parallelism, a timeout that is not positive, or a first port (the prefill's; None:
-    not given) that leaves no room for its tensor-parallel ranks."""
+    parallelism, a timeout that is not positive, or a first port (the first prefill's;
+    None: not given) that leaves no room for the tensor-parallel ranks of prefills
+    instances."""
     if parallel.pipeline_parallel_size != 1:
         raise ValueError("disaggregated serving: KV transfer does not take pipeline parallelism")
     if not timeout_s > 0:
         raise ValueError(f"the KV transfer timeout must be positive, got {timeout_s}")
-    tp = parallel.tensor_parallel_size
-    if kv_port is not None and not 0 < kv_port <= 65536 - tp:
-        raise ValueError(f"--kv-port must leave {tp} port(s) in [1, 65535], got {kv_port}")
+    ports = parallel.tensor_parallel_size * prefills
+    if kv_port is not None and not 0 < kv_port <= 65536 - ports:
+        raise ValueError(f"--kv-port must leave {ports} port(s) in [1, 65535], got {kv_port}")
 
 
 def _check_decode_tp(plan: EnginePlan, decode_tp: int) -> None:

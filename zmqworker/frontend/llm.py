@@ -151,13 +151,13 @@ class LLM(Frontend):
         disaggregate: Annotated[
             bool,
             opt(
-                "two engine cores on this host: a prefill instance computes each prompt "
-                "and its first token, a decode instance pulls the prompt's KV (shared "
+                "engine cores on this host in two roles: a prefill instance computes each "
+                "prompt and its first token, a decode instance pulls the prompt's KV (shared "
                 "memory, CURVE-authenticated sockets) and decodes the rest, so that long "
                 "prompts arriving do not stall the decodes in flight; the layout options "
-                "are the prefill's (no data or pipeline parallelism; on CUDA the decode "
-                "instance on the GPUs after the prefill's where there are enough, else both "
-                "on the same GPUs, with kv_cache_bytes)"
+                "are a prefill's (no data or pipeline parallelism; on CUDA each instance on "
+                "GPUs of its own where there are enough, else all on the same GPUs, with "
+                "kv_cache_bytes)"
             ),
         ] = False,
         decode_tensor_parallel_size: Annotated[
@@ -170,11 +170,27 @@ class LLM(Frontend):
                 metavar="N",
             ),
         ] = None,
+        prefill_instances: Annotated[
+            Positive | None,
+            opt(
+                "disaggregate: how many prefill instances (default 1); each request goes "
+                "to the least loaded",
+                metavar="N",
+            ),
+        ] = None,
+        decode_instances: Annotated[
+            Positive | None,
+            opt(
+                "disaggregate: how many decode instances (default 1); each prefilled "
+                "request goes on to the least loaded",
+                metavar="N",
+            ),
+        ] = None,
         kv_port: Annotated[
             Port | None,
             opt(
-                "disaggregate: the prefill's tensor-parallel rank r serves its KV on "
-                "127.0.0.1:PORT+r (default: free ports)",
+                "disaggregate: prefill instance i's tensor-parallel rank r serves its KV on "
+                "127.0.0.1:PORT+i*tp+r (default: free ports)",
                 metavar="PORT",
             ),
         ] = None,
@@ -192,7 +208,8 @@ class LLM(Frontend):
             opt(
                 "connect to engine cores served on their own (zmqworker engine-core, on "
                 "other hosts) instead of starting them: tcp://HOST:PORT each, data-parallel "
-                "replicas, or with disaggregate the prefill instance's then the decode's; "
+                "replicas, or with disaggregate prefill and decode instances (each says "
+                "which it is); "
                 "needs $ZMQWORKER_CORE_CURVE, and shutdown() leaves them running",
                 flag="--engine-core-address",
                 metavar="tcp://HOST:PORT",

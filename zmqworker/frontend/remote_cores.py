@@ -1,10 +1,10 @@
 """A client of engine cores it did not start: each served on its own over CURVE tcp
-(`zmqworker engine-core`, on other hosts or this one), as data-parallel replicas or as a
-disaggregated pair (prefill, then decode). The client holds the deployment's pair
-($ZMQWORKER_CORE_CURVE) and the model folder it tokenises with; everything else about
-the engine cores (layout, memory, limits) was given where they run, and the client
-learns what it needs from their Ready: it checks that they serve its model's vocabulary
-and agree on max_model_len."""
+(`zmqworker engine-core`, on other hosts or this one), as data-parallel replicas or as
+the prefill and decode instances of disaggregated serving (each Ready says which). The
+client holds the deployment's pair ($ZMQWORKER_CORE_CURVE) and the model folder it
+tokenises with; everything else about the engine cores (layout, memory, limits) was
+given where they run, and the client learns what it needs from their Ready: it checks
+that they serve its model's vocabulary and agree on max_model_len."""
 
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ def check_address(address: str, what: str = "an engine core address", bind: bool
 class RemotePlan:
     folder: ModelFolder  # the client's tokenizer and generation defaults
     addresses: list[str]
-    disaggregate: bool  # the addresses are a prefill instance's, then a decode's
+    disaggregate: bool  # the addresses are prefill and decode instances (their Readies say)
     max_logprobs: int
     token: str  # the Hello token of the deployment's pair
 
@@ -55,10 +55,10 @@ class RemotePlan:
             check_address(address)
         if len(set(addresses)) != len(addresses):
             raise ValueError(f"engine_core_addresses names one engine core twice: {addresses}")
-        if options["disaggregate"] and len(addresses) != 2:
+        if options["disaggregate"] and len(addresses) < 2:
             raise ValueError(
-                "disaggregate with engine_core_addresses takes two: the prefill instance's, "
-                f"then the decode instance's; got {len(addresses)}"
+                "disaggregate with engine_core_addresses takes prefill and decode instances, "
+                f"at least two; got {len(addresses)}"
             )
         for name, value in options.items():
             if name not in CLIENT_OPTIONS and value != defaults[name]:

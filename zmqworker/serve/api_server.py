@@ -57,7 +57,7 @@ class ApiServerConfig(msgspec.Struct, frozen=True):
     enable_admin_endpoints: bool
     cors: CorsOptions | None
     tool_call_parser: str | None  # "auto" tool choice's parser (None: refused)
-    disaggregated: bool  # the engine cores are a prefill and a decode instance
+    disaggregated: bool  # the engine cores are prefill and decode instances
     log_level: str  # uvicorn's
     engine_log_level: str  # the zmqworker logger's
 

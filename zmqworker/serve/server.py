@@ -2,8 +2,8 @@
 anything starts), binds the port, starts the engine cores (one per data-parallel
 replica) and N API server processes that accept on the same listening socket, each a
 client of every engine core, and then supervises them. Disaggregated (--disaggregate),
-the engine cores are a prefill and a decode instance, and each API server's client
-routes every request through both (frontend/disaggregated_client.py). With
+the engine cores are prefill and decode instances, and each API server's client routes
+every request through one of each (frontend/disaggregated_client.py). With
 --engine-core-address it starts none: it connects to engine cores served on their own
 (frontend/remote_cores.py), which it checks and watches but never stops.
 
@@ -70,7 +70,7 @@ def serve(
     cors: CorsOptions | None = None,
     tool_call_parser: str | None = None,
 ) -> None:
-    """engine_options: the LLM's; with disaggregate, a prefill and a decode instance
+    """engine_options: the LLM's; with disaggregate, prefill and decode instances
     (disaggregated_plan.py) and the router in every API server (disaggregated_client.py)."""
     count = api_server_count or default_api_server_count()
     if count < 1:
