@@ -157,17 +157,22 @@ def test_a_router_tells_the_roles_from_the_readies() -> None:
     def ready(index: int, role: str) -> EngineCoreReady:
         return EngineCoreReady(index, 96, 8, 4, 8, 256, 1, 100 + index, kv_role=role)
 
+    def roles(*readies: EngineCoreReady) -> list[str]:
+        return instance_roles(
+            readies, [f"engine core {i} at tcp://h{i}:1" for i in range(3)][: len(readies)]
+        )
+
     readies = [ready(0, "consumer"), ready(1, "producer"), ready(2, "producer")]
-    assert instance_roles(readies) == ["decode", "prefill", "prefill"]
-    with pytest.raises(ValueError, match=r"engine core 1 \(pid 101\) has no KV transfer"):
-        instance_roles([ready(0, "producer"), ready(1, "")])
+    assert roles(*readies) == ["decode", "prefill", "prefill"]
+    with pytest.raises(ValueError, match="engine core 1 at tcp://h1:1 has no KV transfer"):
+        roles(ready(0, "producer"), ready(0, ""))  # engine cores served alone all say 0
     with pytest.raises(ValueError, match="KV transfer role 'both'"):
-        instance_roles([ready(0, "both"), ready(1, "consumer")])
+        roles(ready(0, "both"), ready(1, "consumer"))
     with pytest.raises(ValueError, match="needs a decode instance among its 2 engine core"):
-        instance_roles([ready(0, "producer"), ready(1, "producer")])
+        roles(ready(0, "producer"), ready(1, "producer"))
 
 
 def test_a_pair_takes_no_engine_cores_in_this_process() -> None:
-    with pytest.raises(ValueError, match="disaggregate runs its two engine cores as processes"):
+    with pytest.raises(ValueError, match="disaggregate runs its engine cores as processes"):
         in_process = plan(1, executor=lambda config: None)
         DisaggregatedPlan.from_options(in_process, {"disaggregate": True})

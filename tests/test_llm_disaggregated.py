@@ -28,7 +28,8 @@ def test_a_disaggregated_llm_gives_transformers_tokens_and_a_logprob_for_each() 
 def test_two_prefill_and_two_decode_instances_each_take_their_share() -> None:
     """Four engine cores, roles from their Readies: every request is prefilled on one of
     the prefill instances and decoded on one of the decode instances (the least loaded),
-    each instance taking some; greedy tokens equal transformers'."""
+    each instance taking some; the samples of one prompt (n=2) are prefilled where its
+    first is, to share its blocks; greedy tokens equal transformers'."""
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     prompts = PROMPTS * 2
     with make_llm(
@@ -36,13 +37,22 @@ def test_two_prefill_and_two_decode_instances_each_take_their_share() -> None:
     ) as llm:
         client = llm.client
         assert [e.ready.kv_role for e in client.engines] == ["producer"] * 2 + ["consumer"] * 2
-        sent: list[int] = []
+        sent: list[tuple[str, str | None, int]] = []  # (request, its sibling, engine core)
         send = client._send_request
-        client._send_request = lambda engine, request: (
-            sent.append(engine.index) or send(engine, request)
-        )
+
+        def recorded(engine, request):
+            sent.append((request.request_id, request.shares_prompt_with, engine.index))
+            return send(engine, request)
+
+        client._send_request = recorded
         outs = llm.generate(prompts, params)
+        twins = llm.generate(PROMPTS[:1], SamplingParams(temperature=0.0, max_tokens=6, n=2))
     for prompt, out in zip(prompts, outs, strict=True):
         assert out.token_ids == hf_greedy(tuple(prompt), 6), prompt
-    assert sorted(set(sent)) == [0, 1, 2, 3], sent  # each instance took requests
-    assert len(sent) == 2 * len(prompts)  # each request: one prefill, one decode
+    assert [t.token_ids for t in twins] == [hf_greedy(tuple(PROMPTS[0]), 6)] * 2
+    engines = [engine for _, _, engine in sent]
+    assert sorted(set(engines)) == [0, 1, 2, 3], sent  # each instance took requests
+    assert len(sent) == 2 * (len(prompts) + 2)  # each request: one prefill, one decode
+    prefilled_on = {rid: engine for rid, _, engine in sent if engine < 2}
+    siblings = [(rid, first) for rid, first, engine in sent if first is not None and engine < 2]
+    assert siblings and all(prefilled_on[rid] == prefilled_on[first] for rid, first in siblings)

@@ -5,10 +5,10 @@ and `zmqworker keys`, which makes the key pairs such a deployment shares.
 The engine core runs in this process (its workers are its children, as always) and
 serves until SIGTERM or Ctrl-C, or a client's shutdown call: clients come and go, and a
 client that ends does not stop it. Its ROUTER is a CURVE server with the pair in
-$ZMQWORKER_CORE_CURVE and admits its holders alone. With --disaggregate-role it is one
-side of a disaggregated pair: a prefill instance's ranks serve their KV on
-tcp://KV_HOST:KV_PORT+rank (an address the decode host reaches), the decode instance's
-pull from there; both hold the pair in $ZMQWORKER_KV_CURVE. --first-gpu places engine
+$ZMQWORKER_CORE_CURVE and admits its holders alone. With --disaggregate-role it is a prefill or
+a decode instance of disaggregated serving: a prefill instance's ranks serve their KV on
+tcp://KV_HOST:KV_PORT+rank (an address the decode hosts reach), decode instances pull
+from there; all hold the pair in $ZMQWORKER_KV_CURVE. --first-gpu places engine
 cores side by side on one host's GPUs, each seeing all of them: a decode instance then
 reads a prefill instance's cache on a peer GPU in place.
 
@@ -62,8 +62,8 @@ def add_parsers(sub: Any) -> dict[str, argparse.ArgumentParser]:
     parser.add_argument(
         "--disaggregate-role",
         choices=sorted(ROLES),
-        help="one side of a disaggregated pair: prefill computes prompts and serves their "
-        "KV, decode pulls it and decodes",
+        help="a disaggregated instance: prefill computes prompts and serves their KV, "
+        "decode pulls it and decodes",
     )
     parser.add_argument(
         "--kv-host",

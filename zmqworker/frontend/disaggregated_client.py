@@ -49,17 +49,18 @@ class InstanceLostError(RuntimeError):
         super().__init__(f"the {role} instance: {error}")
 
 
-def instance_roles(readies: Sequence[EngineCoreReady]) -> list[str]:
-    """Each engine core's role, "prefill" or "decode", from its Ready; ValueError naming
-    an engine core that is neither, or a deployment without both."""
+def instance_roles(readies: Sequence[EngineCoreReady], names: Sequence[str]) -> list[str]:
+    """Each engine core's role, "prefill" or "decode", from its Ready (names: how errors
+    name each); ValueError naming an engine core that is neither, or a deployment
+    without both."""
     roles = []
-    for ready in readies:
+    for ready, name in zip(readies, names, strict=True):
         role = ROLES.get(ready.kv_role)
         if role is None:
             what = f"KV transfer role {ready.kv_role!r}" if ready.kv_role else "no KV transfer"
             raise ValueError(
-                f"engine core {ready.engine_index} (pid {ready.pid}) has {what}: disaggregated "
-                "serving takes prefill instances (producer) and decode instances (consumer)"
+                f"{name} has {what}: disaggregated serving takes prefill instances "
+                "(producer) and decode instances (consumer)"
             )
         roles.append(role)
     for role in ROLES.values():
@@ -99,7 +100,8 @@ class DisaggregatedClient(EngineCoreClient):
         """As EngineCoreClient's; ValueError where the engine cores are not prefill and
         decode instances."""
         readies = super().wait_ready(timeout)
-        instance_roles(readies)
+        names = [f"engine core {e.index} {e.handle.label}" for e in self.engines]
+        instance_roles(readies, names)
         return readies
 
     def _role(self, engine: EngineConnection) -> str | None:
@@ -114,10 +116,15 @@ class DisaggregatedClient(EngineCoreClient):
             raise ValueError(
                 f"request {request.request_id!r}: the router sets kv_transfer_params itself"
             )
-        prefills = self._instances("prefill")
-        if not prefills:
-            raise RuntimeError("no prefill instance is ready (wait_ready first)")
-        prefill = self._least_loaded(prefills)
+        prefills, decodes = self._instances("prefill"), self._instances("decode")
+        if not prefills or not decodes:
+            raise RuntimeError("no prefill or no decode instance is ready (wait_ready first)")
+        # A sibling (n > 1) goes where its prompt is computed: it shares its blocks there.
+        sibling = self._owner.get(request.shares_prompt_with or "")
+        if sibling in prefills and sibling.dead is None:
+            prefill = sibling
+        else:
+            prefill = self._least_loaded(prefills)
         sent = msgspec.structs.replace(
             request, kv_transfer_params=KVTransferParams(do_remote_decode=True)
         )

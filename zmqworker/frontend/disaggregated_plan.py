@@ -32,7 +32,7 @@ logger = logging.getLogger("zmqworker.frontend")
 KV_HOST = "127.0.0.1"  # one host: the prefill's KV servers take local peers only
 PORT_TRIES = 20
 KV_TIMEOUT_S = 30.0  # every transfer wait's bound, unless the options give another
-# LLM options that only a disaggregated pair takes.
+# LLM options that only disaggregated serving takes.
 COMPANIONS = (
     "decode_tensor_parallel_size",
     "kv_port",
@@ -43,8 +43,8 @@ COMPANIONS = (
 
 
 def check_pair_options(options: dict[str, Any]) -> None:
-    """Raise ValueError naming an option that only a pair takes, given without
-    disaggregate: before anything is opened."""
+    """Raise ValueError naming an option that only disaggregated serving takes, given
+    without disaggregate: before anything is opened."""
     if not options["disaggregate"]:
         for name in COMPANIONS:
             if options.get(name) is not None:
@@ -54,8 +54,8 @@ def check_pair_options(options: dict[str, Any]) -> None:
 def start_engine_cores(
     plan: EnginePlan, pair: DisaggregatedPlan | None
 ) -> tuple[EngineCoreLauncher, type[EngineCoreClient]]:
-    """The plan's engine cores (its replicas, or its pair), starting, and the client
-    class that drives them."""
+    """The plan's engine cores (its replicas, or its prefill and decode instances),
+    starting, and the client class that drives them."""
     if pair is None:
         launcher = EngineCoreLauncher(plan.num_engines, plan.engine_config, plan.make_executor)
         return launcher, EngineCoreClient
@@ -80,12 +80,12 @@ class DisaggregatedPlan:
 
     @classmethod
     def from_options(cls, plan: EnginePlan, options: dict[str, Any]) -> DisaggregatedPlan | None:
-        """The pair the LLM's options ask for, or None without disaggregate."""
+        """The instances the LLM's options ask for, or None without disaggregate."""
         if not options["disaggregate"]:
             return None
         if plan.make_executor is not None:
             raise ValueError(
-                "disaggregate runs its two engine cores as processes: an executor factory "
+                "disaggregate runs its engine cores as processes: an executor factory "
                 "(engine cores in this process) is not taken with it"
             )
         return cls.of(
@@ -170,7 +170,7 @@ class DisaggregatedPlan:
         first = index * prefill_tp  # the GPU this instance's ranks start at, apart
         if not prefill:
             first = self.prefills * prefill_tp + (index - self.prefills) * self.decode_tp
-        port = self.kv_port + (index * prefill_tp if prefill else 0)
+        port = self.kv_port + index * prefill_tp if prefill else 0  # a decode binds none
         transfer = KVTransferConfig("producer" if prefill else "consumer", KV_HOST, port,
                                     self.timeout_s)  # fmt: skip
         worker = msgspec.structs.replace(config.worker, kv_transfer=transfer)
@@ -194,8 +194,8 @@ def check_kv_transfer(
 ) -> None:
     """Raise ValueError naming what KV transfer cannot take in this layout: pipeline
     parallelism, a timeout that is not positive, or a first port (the first prefill's;
-    None: not given) that leaves no room for the tensor-parallel ranks of prefills
-    instances."""
+    None: not given) that leaves no room for the tensor-parallel ranks of that many
+    prefill instances."""
     if parallel.pipeline_parallel_size != 1:
         raise ValueError("disaggregated serving: KV transfer does not take pipeline parallelism")
     if not timeout_s > 0:

@@ -163,7 +163,7 @@ class LLM(Frontend):
         decode_tensor_parallel_size: Annotated[
             Positive | None,
             opt(
-                "disaggregate: the decode instance's tensor parallel size (default: the "
+                "disaggregate: the decode instances' tensor parallel size (default: the "
                 "prefill's); each decode rank pulls its KV heads from the prefill ranks that "
                 "hold them, and its workers each take kv_cache_bytes x prefill size / this",
                 aliases=["--decode-tp"],

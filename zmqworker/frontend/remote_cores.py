@@ -17,6 +17,7 @@ from zmqworker.engine.model_folder import ModelFolder
 from zmqworker.frontend.core_client import EngineCoreClient
 from zmqworker.frontend.core_process import RemoteEngineCore
 from zmqworker.frontend.disaggregated_client import DisaggregatedClient
+from zmqworker.frontend.disaggregated_plan import COMPANIONS
 from zmqworker.transport.curve import CoreKeys
 
 _TCP = re.compile(r"tcp://([^:/\s\[\]]+):(\d{1,5})")  # a host name or IPv4 address
@@ -61,6 +62,13 @@ class RemotePlan:
                 f"at least two; got {len(addresses)}"
             )
         for name, value in options.items():
+            if name in COMPANIONS and value != defaults[name]:
+                raise ValueError(
+                    f"{name}={value!r} plans instances this client does not start: with "
+                    "engine_core_addresses, the instances are the addresses given, each with "
+                    "the role and layout it was started with (zmqworker engine-core "
+                    "--disaggregate-role)"
+                )
             if name not in CLIENT_OPTIONS and value != defaults[name]:
                 raise ValueError(
                     f"{name}={value!r} is the engine cores' to take: give it where they run "
