@@ -43,6 +43,20 @@ def _split_length(
 
 
 @triton.jit
+def _working_splits(
+    seq_len,
+    NUM_SPLITS: tl.constexpr,
+    TILE_N: tl.constexpr,
+    FEW: tl.constexpr,
+    MIN_LONG: tl.constexpr,
+):
+    """(positions per split, splits the history fills); a padding row (seq_len 0) has
+    one working split, which writes zeros."""
+    per_split = _split_length(seq_len, NUM_SPLITS, TILE_N, FEW, MIN_LONG)
+    return per_split, tl.maximum(tl.cdiv(seq_len, per_split), 1)
+
+
+@triton.jit
 def decode_kernel(
     out_ptr,
     part_out_ptr,
@@ -79,9 +93,7 @@ def decode_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + req)
-    per_split = _split_length(seq_len, NUM_SPLITS, TILE_N, FEW, MIN_LONG)
-    # A padding row (seq_len 0) has one working split, which writes zeros.
-    active = tl.maximum(tl.cdiv(seq_len, per_split), 1)
+    per_split, active = _working_splits(seq_len, NUM_SPLITS, TILE_N, FEW, MIN_LONG)
     if split < active:
         start = split * per_split
         end = tl.minimum(seq_len, start + per_split)
@@ -182,9 +194,7 @@ def merge_kernel(
     req = tl.program_id(0)
     head = tl.program_id(1)
     chunk = tl.program_id(2)
-    seq_len = tl.load(seq_lens_ptr + req)
-    per_split = _split_length(seq_len, NUM_SPLITS, TILE_N, FEW, MIN_LONG)
-    active = tl.maximum(tl.cdiv(seq_len, per_split), 1)  # as decode_kernel's
+    _, active = _working_splits(tl.load(seq_lens_ptr + req), NUM_SPLITS, TILE_N, FEW, MIN_LONG)
     idx = tl.arange(0, NUM_SPLITS)
     ok = idx < active
     offs_d = chunk * CHUNK_D + tl.arange(0, CHUNK_D)
