@@ -1,0 +1,81 @@
+"""The router of disaggregated serving over several instances, by its bookkeeping alone:
+engine cores that are sockets without a peer, their Readies and outputs handed to the
+client as its receive loop would. The instances' real processes are in
+tests/test_llm_disaggregated.py and tests/test_serve_disaggregated.py."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from messages import (
+    EngineCoreOutputs,
+    EngineCoreReady,
+    EngineCoreRequest,
+    EngineCoreStats,
+    FinishedOutput,
+    RemoteKV,
+    SamplingParams,
+)
+from zmqworker.frontend.core_process import RemoteEngineCore
+from zmqworker.frontend.disaggregated_client import DisaggregatedClient
+from zmqworker.frontend.engine_connection import Failed
+
+ROLES = ["producer", "producer", "consumer", "consumer"]
+IDS = ["a", "b", "c", "d"]
+PROMPT = np.arange(1, 4, dtype=np.int32)
+
+
+def _client(tmp_path) -> DisaggregatedClient:
+    addresses = [f"ipc://{tmp_path}/core{i}" for i in range(len(ROLES))]
+    handles = [RemoteEngineCore(i, address) for i, address in enumerate(addresses)]
+    client = DisaggregatedClient(addresses, handles, "token")
+    for engine, role in zip(client.engines, ROLES, strict=True):
+        engine.ready = EngineCoreReady(engine.index, 96, 8, 4, 8, 256, 1, 0, kv_role=role)
+    return client
+
+
+def _prefilled(client: DisaggregatedClient, engine_index: int, ids: list[str]) -> None:
+    """Prefill instance engine_index says ids are done there, their KV staged."""
+    kv = [RemoteKV(r, 3, [f"tcp://127.0.0.1:{9000 + engine_index}"]) for r in ids]
+    msg = EngineCoreOutputs(
+        engine_index,
+        ids,
+        np.full(len(ids), 7, np.int32),
+        EngineCoreStats(0, 0, 8, 8, 0, 0),
+        finished=[FinishedOutput(i, "length", kv_transfer=k) for i, k in enumerate(kv)],
+    )
+    client._on_outputs(client.engines[engine_index], msg, [])
+
+
+def test_requests_spread_over_each_role_and_a_lost_prefill_fails_only_its_own(tmp_path) -> None:
+    """Four requests over two prefill instances, then two decode instances (the least
+    loaded each time); prefill instance 0 lost once they were handed on: the requests
+    that pull from it fail naming it, and are forgotten; the others run on."""
+    client = _client(tmp_path)
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=4)
+        for request_id in IDS:
+            client.add_request(EngineCoreRequest(request_id, PROMPT, params))
+        prefill = {r: client.engine_of(r) for r in IDS}
+        assert sorted(prefill.values()) == [0, 0, 1, 1]
+        for index in (0, 1):
+            _prefilled(client, index, [r for r in IDS if prefill[r] == index])
+        decode = {r: client.engine_of(r) for r in IDS}
+        assert sorted(decode.values()) == [2, 2, 3, 3]
+        events: list = []
+        client._lose(client.engines[0], RuntimeError("engine core 0 (pid 1) exited"), events)
+        failed = [e for e in events if isinstance(e, Failed) and e.request_ids]
+        pulled_from_0 = sorted(r for r in IDS if prefill[r] == 0)
+        assert [sorted(f.request_ids) for f in failed] == [pulled_from_0]
+        assert "the prefill instance: engine core 0 (pid 1) exited" in str(failed[0].error)
+        assert all(client.engine_of(r) is None for r in pulled_from_0)
+        assert all(client.engine_of(r) == decode[r] for r in IDS if prefill[r] == 1)
+        # Prefill instance 1 still takes requests; a decode instance gone, the other one
+        # takes what is handed on.
+        client.add_request(EngineCoreRequest("e", PROMPT, params))
+        assert client.engine_of("e") == 1
+        client._lose(client.engines[2], RuntimeError("engine core 2 (pid 3) exited"), [])
+        _prefilled(client, 1, ["e"])
+        assert client.engine_of("e") == 3
+    finally:
+        client.close()
