@@ -167,10 +167,12 @@ class DisaggregatedPlan:
         config = self.plan.engine_config(0, address, token)
         prefill_tp = config.worker.parallel.tensor_parallel_size
         prefill = index < self.prefills
-        first = index * prefill_tp  # the GPU this instance's ranks start at, apart
+        # The ranks of the instances before this one: where its GPUs start (apart), and
+        # a prefill instance's KV ports after kv_port (a decode instance binds none).
+        first = index * prefill_tp
         if not prefill:
             first = self.prefills * prefill_tp + (index - self.prefills) * self.decode_tp
-        port = self.kv_port + index * prefill_tp if prefill else 0  # a decode binds none
+        port = self.kv_port + first if prefill else 0
         transfer = KVTransferConfig("producer" if prefill else "consumer", KV_HOST, port,
                                     self.timeout_s)  # fmt: skip
         worker = msgspec.structs.replace(config.worker, kv_transfer=transfer)
