@@ -66,6 +66,9 @@ class EngineCoreReady(msgspec.Struct, tag=True):
     # Its workers' KV transfer role (KVTransferConfig.role): "producer" for a prefill
     # instance, "consumer" for a decode instance; "" without KV transfer.
     kv_role: Literal["", "producer", "consumer", "both"] = ""
+    # Whether it keeps a prefix cache: only then does a client send prompts that share a
+    # prefix to the engine core that was sent it before.
+    prefix_caching: bool = False
 
 
 class KVTransferParams(msgspec.Struct, tag=True, frozen=True, omit_defaults=True):

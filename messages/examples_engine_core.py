@@ -210,6 +210,7 @@ ENGINE_CORE_EXAMPLES: dict[str, Callable[[], EngineCoreMessage]] = {
         pid=48301,
         worker_pids=[48302],
         kv_role="consumer",
+        prefix_caching=True,
     ),  # fmt: skip
     "engine_core_request": engine_core_request,
     "engine_core_request_long": lambda: engine_core_request(prompt_len=8192, seed=13),

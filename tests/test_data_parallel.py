@@ -85,6 +85,22 @@ def test_an_abort_frees_the_blocks_of_the_replica_that_ran_it(dp2):
     assert aborted == [1 if i == replica else 0 for i in range(2)]
 
 
+def test_prompts_that_share_a_prefix_go_to_the_replica_that_computed_it():
+    """With prefix caching, prompts that share a prefix go where it was computed (their
+    loads within prefix_affinity.SLACK), all at once as well: that replica computes
+    their tails only, the other none of them."""
+    prefix = list(range(260, 300))  # ten blocks of 4
+    prompts = [prefix + [k, k + 1] for k in range(2, 10, 2)]
+    with make_llm(data_parallel_size=2, enable_prefix_caching=True) as llm:
+        assert all(e.ready.prefix_caching for e in llm.client.engines)
+        first = llm.generate([[*prefix, 1]], GREEDY)
+        outs = llm.generate(prompts, GREEDY)
+        after = [e.num_prefill_tokens for e in llm.stats().per_engine]
+    assert first[0].token_ids == hf_greedy((*prefix, 1), 10)
+    assert [o.token_ids for o in outs] == [hf_greedy(tuple(p), 10) for p in prompts]
+    assert sorted(after) == [0, len(prefix) + 1 + 2 * len(prompts)]
+
+
 def test_a_killed_replica_fails_its_own_requests_and_the_other_serves_on():
     llm = make_llm(data_parallel_size=2)
     cores, workers = llm.engine_core_pids, llm.worker_pids

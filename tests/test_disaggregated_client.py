@@ -25,12 +25,15 @@ IDS = ["a", "b", "c", "d"]
 PROMPT = np.arange(1, 4, dtype=np.int32)
 
 
-def _client(tmp_path) -> DisaggregatedClient:
+def _client(tmp_path, prefix_caching: bool = False) -> DisaggregatedClient:
     addresses = [f"ipc://{tmp_path}/core{i}" for i in range(len(ROLES))]
     handles = [RemoteEngineCore(i, address) for i, address in enumerate(addresses)]
     client = DisaggregatedClient(addresses, handles, "token")
     for engine, role in zip(client.engines, ROLES, strict=True):
-        engine.ready = EngineCoreReady(engine.index, 96, 8, 4, 8, 256, 1, 0, kv_role=role)
+        engine.ready = EngineCoreReady(
+            engine.index, 96, 8, 4, 8, 256, 1, 0, kv_role=role, prefix_caching=prefix_caching
+        )
+    client.wait_ready(0.0)  # every Ready is in
     return client
 
 
@@ -77,5 +80,26 @@ def test_requests_spread_over_each_role_and_a_lost_prefill_fails_only_its_own(tm
         client._lose(client.engines[2], RuntimeError("engine core 2 (pid 3) exited"), [])
         _prefilled(client, 1, ["e"])
         assert client.engine_of("e") == 3
+    finally:
+        client.close()
+
+
+def test_with_prefix_caching_a_shared_prefix_keeps_to_one_instance_of_each_role(
+    tmp_path,
+) -> None:
+    """Prompts that share their first blocks go to the prefill instance, then the decode
+    instance, that took the first of them; another prompt to the least loaded."""
+    client = _client(tmp_path, prefix_caching=True)
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=4)
+        prefix = list(range(20, 28))  # two blocks of 4
+        for k, request_id in enumerate(IDS):
+            prompt = np.asarray([*prefix, 30 + k], np.int32)
+            client.add_request(EngineCoreRequest(request_id, prompt, params))
+        assert {client.engine_of(r) for r in IDS} == {0}
+        client.add_request(EngineCoreRequest("other", PROMPT, params))
+        assert client.engine_of("other") == 1
+        _prefilled(client, 0, IDS)
+        assert {client.engine_of(r) for r in IDS} == {2}
     finally:
         client.close()

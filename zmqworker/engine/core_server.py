@@ -120,6 +120,7 @@ class EngineCoreServer:
             pid=os.getpid(),
             worker_pids=list(getattr(core.executor, "pids", [])),
             kv_role=transfer.role if (transfer := self.config.worker.kv_transfer) else "",
+            prefix_caching=core.block_manager.enable_prefix_caching,
         )
         log.debug("ready for clients")
         try:

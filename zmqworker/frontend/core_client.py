@@ -1,7 +1,8 @@
 """The client's side of its engine cores' sockets: one DEALER per engine core (a
-data-parallel replica each), the handshake, requests balanced over the replicas (a
-subclass routes them otherwise: disaggregated_client.py), aborts to the replica that runs
-the request, utility calls matched by call id, and the engine cores' ends.
+data-parallel replica each), the handshake, requests placed by their prompt's prefix and
+the replicas' load (prefix_affinity.py; a subclass routes them otherwise:
+disaggregated_client.py), aborts to the replica that runs the request, utility calls
+matched by call id, and the engine cores' ends.
 
 What comes in is read without blocking (drain) and handed on as events: a step's
 outputs, or requests that failed. A caller either blocks for them (receive: the LLM's
@@ -48,6 +49,7 @@ from zmqworker.frontend.engine_connection import (
     open_connections,
 )
 from zmqworker.frontend.errors import EngineCoreDiedError, EngineCoreError
+from zmqworker.frontend.prefix_affinity import PrefixAffinity, place
 from zmqworker.frontend.utility_calls import PendingCall, UtilityCalls
 from zmqworker.transport.drops import DropCounter
 from zmqworker.transport.frames import NOBLOCK, recv_frames, send_frames
@@ -79,6 +81,7 @@ class EngineCoreClient:
                 self._poller.register(what, zmq.POLLIN)
             self._deaths.register(engine.handle.death_fd, select.POLLIN)
         self._owner: dict[str, EngineConnection] = {}  # request id -> the engine core running it
+        self._affinity: PrefixAffinity | None = None  # once every engine core is ready
         self._calls = UtilityCalls()
         self._backlog: list[Event] = []  # received during a blocking utility call
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -101,16 +104,18 @@ class EngineCoreClient:
             if time.monotonic() >= end:
                 missing = [e.index for e in self.engines if e.ready is None]
                 raise TimeoutError(f"engine core(s) {missing} not ready within {timeout:.0f} s")
+        self._affinity = PrefixAffinity.of({e.index: e.ready for e in self.engines})
         return [e.ready for e in self.engines if e.ready is not None]
 
     # requests ---------------------------------------------------------------------------
 
     def add_request(self, request: EngineCoreRequest) -> int:
-        """Send request to the least loaded live engine core (or its prompt's sibling's)."""
+        """Send request to its prompt's sibling's engine core, or to the live one that
+        its prompt's prefix or the load choose (prefix_affinity.py)."""
         sibling = request.shares_prompt_with
         engine = self._owner.get(sibling) if sibling is not None else None
         if engine is None or engine.dead is not None:
-            engine = self._least_loaded()
+            engine = place(request.prompt_token_ids, self.engines, self._affinity)
         return self._send_request(engine, request)
 
     def _send_request(self, engine: EngineConnection, request: EngineCoreRequest) -> int:
@@ -131,8 +136,7 @@ class EngineCoreClient:
             self._send(engine, AbortRequests(ids, reason))  # type: ignore[arg-type]
 
     def engine_of(self, request_id: str) -> int | None:
-        engine = self._owner.get(request_id)
-        return None if engine is None else engine.index
+        return None if (engine := self._owner.get(request_id)) is None else engine.index
 
     # events -----------------------------------------------------------------------------
 
@@ -250,13 +254,6 @@ class EngineCoreClient:
         self._ctx.term()
 
     # internals --------------------------------------------------------------------------
-
-    def _least_loaded(self, among: Sequence[EngineConnection] | None = None) -> EngineConnection:
-        engines = self.engines if among is None else among
-        live = [e for e in engines if e.dead is None]
-        if not live:
-            raise engines[0].dead.with_traceback(None)  # type: ignore[union-attr]
-        return min(live, key=lambda e: (e.load, e.index))
 
     def _send(self, engine: EngineConnection, msg: Any) -> None:
         send_frames(engine.sock, self._enc.encode(msg), NOBLOCK)  # no HWM: never Again

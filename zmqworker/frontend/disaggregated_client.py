@@ -2,11 +2,12 @@
 decode instances (engine cores whose workers move KV between them: docs/kv_transfer.md),
 each told from the others by its Ready (EngineCoreReady.kv_role).
 
-Each request goes to the least loaded prefill instance with do_remote_decode. The output
-that ends it there carries its first token and where its prompt's KV waits
+Each request goes to a prefill instance with do_remote_decode: the one its prompt's
+prefix went to before, or the least loaded (prefix_affinity.py). The output that ends it
+there carries its first token and where its prompt's KV waits
 (FinishedOutput.kv_transfer): that end is taken out of the output here, so that the
-caller sees the first token as any other, and the same request goes to the least loaded
-decode instance with the KV's whereabouts and the token, from where it streams on. A
+caller sees the first token as any other, and the same request goes to a decode instance,
+chosen alike, with the KV's whereabouts and the token, from where it streams on. A
 request whose first token ends it never leaves its prefill instance. The caller's code
 (Frontend, the API servers) is the same as over replicas: aborts go to the instance that
 runs the request, failures come back by id.
@@ -36,6 +37,7 @@ from messages import (
 from zmqworker.frontend.core_client import EngineCoreClient
 from zmqworker.frontend.core_process import EngineCoreHandle
 from zmqworker.frontend.engine_connection import EngineConnection, Event, Failed
+from zmqworker.frontend.prefix_affinity import place
 
 ROLES = {"producer": "prefill", "consumer": "decode"}  # by the workers' KV transfer role
 
@@ -124,7 +126,7 @@ class DisaggregatedClient(EngineCoreClient):
         if sibling in prefills and sibling.dead is None:
             prefill = sibling
         else:
-            prefill = self._least_loaded(prefills)
+            prefill = place(request.prompt_token_ids, prefills, self._affinity)
         sent = msgspec.structs.replace(
             request, kv_transfer_params=KVTransferParams(do_remote_decode=True)
         )
@@ -171,7 +173,7 @@ class DisaggregatedClient(EngineCoreClient):
         decode = msgspec.structs.replace(
             request, sampling_params=sampling, kv_transfer_params=params, shares_prompt_with=None
         )
-        self._send_request(self._least_loaded(live), decode)
+        self._send_request(place(decode.prompt_token_ids, live, self._affinity), decode)
         self._awaiting_kv[request_id] = prefill
         return None
 

@@ -1,0 +1,112 @@
+"""Placing a request by its prompt's prefix: the engine core that was sent the longest
+prefix of it takes it, within SLACK requests of the least loaded; the least loaded takes
+the rest. Each engine core's record is bounded by its cache's blocks."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+
+from messages import EngineCoreReady
+from zmqworker.frontend.prefix_affinity import (
+    MAX_BLOCKS,
+    SLACK,
+    PrefixAffinity,
+    place,
+    prompt_hashes,
+)
+
+
+@dataclass(eq=False)
+class FakeEngine:
+    index: int
+    load: int = 0
+    dead: Exception | None = None
+
+
+def tokens(*values: int) -> np.ndarray:
+    return np.asarray(values, np.int32)
+
+
+PREFIX = tuple(range(100, 112))  # three blocks of 4
+
+
+def test_a_hash_names_its_block_and_every_block_before_it() -> None:
+    a = prompt_hashes(tokens(*PREFIX, 1, 2, 3, 4, 5), 4)
+    b = prompt_hashes(tokens(*PREFIX, 9, 9, 9, 9), 4)
+    other_start = prompt_hashes(tokens(7, *PREFIX[1:], 1, 2, 3, 4), 4)
+    assert len(a) == len(b) == 4  # full blocks only: the 17th token is not hashed
+    assert a[:3] == b[:3] and a[3] != b[3]
+    assert not set(other_start) & set(a)  # a different first block: nothing matches
+    assert prompt_hashes(tokens(1, 2, 3), 4) == []
+    assert len(prompt_hashes(np.arange((MAX_BLOCKS + 3) * 2, dtype=np.int32), 2)) == MAX_BLOCKS
+
+
+def test_the_engine_core_sent_the_longest_prefix_takes_the_request() -> None:
+    affinity = PrefixAffinity(4, {0: 100, 1: 100, 2: 100})
+    engines = [FakeEngine(0), FakeEngine(1, load=1), FakeEngine(2, load=2)]
+    first = place(tokens(*PREFIX, 1), engines, affinity)
+    assert first is engines[0]  # nothing sent yet: the least loaded
+    engines[0].load = 5
+    assert place(tokens(*PREFIX, 2, 3, 4, 5), engines, affinity) is engines[0]
+    assert place(tokens(*PREFIX[:8], 0, 0, 0, 0), engines, affinity) is engines[0]
+    assert place(tokens(1, 2, 3, 4, 5), engines, affinity) is engines[1]  # no prefix: least
+    # Two engine cores hold the same prefix: the less loaded of them.
+    engines[2].load = 0
+    affinity.sent(2, prompt_hashes(tokens(*PREFIX), 4))
+    assert place(tokens(*PREFIX, 6), engines, affinity) is engines[2]
+    # A longer prefix wins over a shorter one on a less loaded engine core.
+    affinity.sent(1, prompt_hashes(tokens(*PREFIX, 7, 7, 7, 7), 4))
+    assert place(tokens(*PREFIX, 7, 7, 7, 7, 8), engines, affinity) is engines[1]
+
+
+def test_a_busy_engine_core_s_prefix_gives_way_to_the_least_loaded() -> None:
+    affinity = PrefixAffinity(4, {0: 100, 1: 100})
+    engines = [FakeEngine(0), FakeEngine(1)]
+    assert place(tokens(*PREFIX), engines, affinity) is engines[0]
+    engines[0].load = SLACK
+    assert place(tokens(*PREFIX, 1), engines, affinity) is engines[0]
+    engines[0].load = SLACK + 1
+    assert place(tokens(*PREFIX, 2), engines, affinity) is engines[1]
+    # The least loaded now holds the prefix too, and keeps it while the other is busy.
+    assert place(tokens(*PREFIX, 3), engines, affinity) is engines[1]
+
+
+def test_dead_engine_cores_are_skipped_and_none_live_raises_their_error() -> None:
+    affinity = PrefixAffinity(4, {0: 100, 1: 100})
+    engines = [FakeEngine(0), FakeEngine(1, load=3)]
+    assert place(tokens(*PREFIX), engines, affinity) is engines[0]
+    engines[0].dead = RuntimeError("engine core 0 died")
+    assert place(tokens(*PREFIX), engines, affinity) is engines[1]
+    engines[1].dead = RuntimeError("engine core 1 died")
+    with pytest.raises(RuntimeError, match="engine core 0 died"):
+        place(tokens(*PREFIX), engines, None)
+    with pytest.raises(RuntimeError, match="no engine core"):
+        place(tokens(*PREFIX), [], affinity)
+
+
+def test_a_record_keeps_the_last_blocks_its_cache_holds() -> None:
+    affinity = PrefixAffinity(4, {0: 3, 1: 100})
+    engines = [FakeEngine(0), FakeEngine(1, load=1)]
+    assert place(tokens(*PREFIX), engines, affinity) is engines[0]
+    assert place(tokens(9, 9, 9, 9), engines, affinity) is engines[0]  # evicts PREFIX's first
+    engines[0].load = 2
+    assert place(tokens(*PREFIX), engines, affinity) is engines[1]  # its first block forgotten
+
+
+def test_one_engine_core_no_prefix_cache_or_mixed_block_sizes_place_by_load_alone() -> None:
+    def ready(index: int, block_size: int, prefix_caching: bool = True) -> EngineCoreReady:
+        return EngineCoreReady(
+            index, 96, 50, block_size, 8, 128, 1, 1, prefix_caching=prefix_caching
+        )
+
+    assert PrefixAffinity.of({0: ready(0, 4)}) is None
+    assert PrefixAffinity.of({0: ready(0, 4), 1: ready(1, 8)}) is None
+    assert PrefixAffinity.of({0: ready(0, 4), 1: None}) is None
+    assert PrefixAffinity.of({0: ready(0, 4), 1: ready(1, 4, prefix_caching=False)}) is None
+    both = PrefixAffinity.of({0: ready(0, 4), 1: ready(1, 4)})
+    assert both is not None and both.block_size == 4
+    with pytest.raises(ValueError, match="block size 0"):
+        PrefixAffinity(0, {0: 10})

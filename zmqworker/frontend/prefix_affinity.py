@@ -1,0 +1,107 @@
+"""Which engine core most likely holds a prompt's prefix in its cache, as far as the
+client can tell: where it sent the prompts before. A request goes to the engine core that
+was sent the longest prefix of its prompt (its full blocks, by chained hashes), unless
+that one holds more than SLACK requests above the least loaded; otherwise, and where no
+engine core was sent any of it, to the least loaded.
+
+Only among engine cores that keep a prefix cache (EngineCoreReady.prefix_caching). Each
+engine core's record keeps the hashes of the last blocks it was sent, as many as
+its cache holds (EngineCoreReady.num_blocks), the oldest forgotten first: a guess, not
+the cache's state (the engine core may have evicted a block since). A wrong guess costs
+a prefill, never a token: the engine core's own prefix cache decides what it reuses.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Protocol, TypeVar
+
+import numpy as np
+
+from messages import EngineCoreReady
+
+# Requests above the least loaded engine core that a cached prefix is worth.
+SLACK = 16
+# Prompt blocks hashed: a prefix this long already tells the engine cores apart.
+MAX_BLOCKS = 256
+
+
+class Engine(Protocol):
+    index: int
+    dead: Exception | None
+
+    @property
+    def load(self) -> int: ...
+
+
+E = TypeVar("E", bound=Engine)
+
+
+def place(tokens: np.ndarray, engines: Sequence[E], affinity: PrefixAffinity | None) -> E:
+    """The engine core of engines for a prompt of tokens: by affinity (None: the least
+    loaded), among the live ones; the error of a dead one where none is live."""
+    if not engines:
+        raise RuntimeError("no engine core to send a request to")
+    live = [e for e in engines if e.dead is None]
+    if not live:
+        raise engines[0].dead.with_traceback(None)  # type: ignore[union-attr]
+    if affinity is None:
+        return min(live, key=lambda e: (e.load, e.index))
+    hashes = prompt_hashes(tokens, affinity.block_size)
+    engine = affinity.choose(hashes, live)
+    affinity.sent(engine.index, hashes)
+    return engine
+
+
+def prompt_hashes(tokens: np.ndarray, block_size: int) -> list[int]:
+    """The chained hashes of the prompt's full blocks (up to MAX_BLOCKS): the i-th
+    names the prompt's first i + 1 blocks."""
+    full = min(len(tokens) // block_size, MAX_BLOCKS)
+    data = np.ascontiguousarray(tokens[: full * block_size], dtype=np.int32).tobytes()
+    width = block_size * 4
+    hashes, last = [], 0
+    for start in range(0, len(data), width):
+        last = hash((last, data[start : start + width]))
+        hashes.append(last)
+    return hashes
+
+
+class PrefixAffinity:
+    def __init__(self, block_size: int, capacity: dict[int, int]) -> None:
+        """capacity: each engine core's (by index) cache size in blocks."""
+        if block_size <= 0 or any(c <= 0 for c in capacity.values()):
+            raise ValueError(f"block size {block_size} and cache blocks {capacity} must be > 0")
+        self.block_size = block_size
+        self._capacity = capacity
+        self._sent: dict[int, OrderedDict[int, None]] = {i: OrderedDict() for i in capacity}
+
+    @classmethod
+    def of(cls, readies: dict[int, EngineCoreReady | None]) -> PrefixAffinity | None:
+        """The affinity of the engine cores (by index) that said these Readies: None for
+        one, where one keeps no prefix cache, or where they differ in block size (their
+        blocks do not match)."""
+        sizes = {r.block_size if r and r.prefix_caching else 0 for r in readies.values()}
+        if len(readies) < 2 or len(sizes) != 1 or 0 in sizes:
+            return None
+        return cls(sizes.pop(), {i: r.num_blocks for i, r in readies.items() if r})
+
+    def choose(self, hashes: list[int], live: Sequence[E]) -> E:
+        """The engine core among live (not empty) for a prompt of these hashes."""
+        least = min(live, key=lambda e: (e.load, e.index))
+        best, matched = least, 0
+        for engine in live:
+            sent = self._sent[engine.index]
+            n = next((i for i, h in enumerate(hashes) if h not in sent), len(hashes))
+            if n > matched or (n == matched and n and engine.load < best.load):
+                best, matched = engine, n
+        return best if matched and best.load <= least.load + SLACK else least
+
+    def sent(self, index: int, hashes: list[int]) -> None:
+        """Engine core index was sent a prompt of these hashes."""
+        record = self._sent[index]
+        for h in hashes:
+            record[h] = None
+            record.move_to_end(h)
+        while len(record) > self._capacity[index]:
+            record.popitem(last=False)
