@@ -7,7 +7,9 @@ computed once somewhere); then the rest of every group, all at once. Reported: t
 prompt tokens the replicas computed (EngineStats.num_prefill_tokens) against the floor
 of the same workload, each prefix computed once, and the wall time of the second wave.
 By load alone the second wave spreads over the replicas, and each replica that was not
-sent a group's prefix computes it again.
+sent a group's prefix computes it again. The by-load run switches placement by prefix
+off in this process (where the LLM's client is) and runs second: a warmer machine, if
+anything, favours it.
 
     python -m bench.prefix_routing [--model DIR] [--replicas 2] [--groups 8]
 """

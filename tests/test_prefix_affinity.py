@@ -47,19 +47,35 @@ def test_a_hash_names_its_block_and_every_block_before_it() -> None:
 def test_the_engine_core_sent_the_longest_prefix_takes_the_request() -> None:
     affinity = PrefixAffinity(4, {0: 100, 1: 100, 2: 100})
     engines = [FakeEngine(0), FakeEngine(1, load=1), FakeEngine(2, load=2)]
-    first = place(tokens(*PREFIX, 1), engines, affinity)
-    assert first is engines[0]  # nothing sent yet: the least loaded
+    assert place(tokens(*PREFIX, 1), engines, affinity) is engines[0]  # none sent: least
     engines[0].load = 5
     assert place(tokens(*PREFIX, 2, 3, 4, 5), engines, affinity) is engines[0]
     assert place(tokens(*PREFIX[:8], 0, 0, 0, 0), engines, affinity) is engines[0]
     assert place(tokens(1, 2, 3, 4, 5), engines, affinity) is engines[1]  # no prefix: least
-    # Two engine cores hold the same prefix: the less loaded of them.
-    engines[2].load = 0
+    # Two engine cores were sent the same prefix: the less loaded of them, though a third
+    # is less loaded than both.
+    engines[2].load = 3
     affinity.sent(2, prompt_hashes(tokens(*PREFIX), 4))
     assert place(tokens(*PREFIX, 6), engines, affinity) is engines[2]
     # A longer prefix wins over a shorter one on a less loaded engine core.
     affinity.sent(1, prompt_hashes(tokens(*PREFIX, 7, 7, 7, 7), 4))
     assert place(tokens(*PREFIX, 7, 7, 7, 7, 8), engines, affinity) is engines[1]
+    # Equals in prefix and load: the first.
+    engines[1].load = engines[2].load
+    assert place(tokens(*PREFIX, 9), engines, affinity) is engines[1]
+
+
+def test_an_engine_core_past_the_slack_gives_way_to_the_next_best_prefix() -> None:
+    affinity = PrefixAffinity(4, {0: 100, 1: 100, 2: 100})
+    engines = [FakeEngine(0), FakeEngine(1, load=1), FakeEngine(2, load=2)]
+    affinity.sent(0, prompt_hashes(tokens(*PREFIX), 4))
+    affinity.sent(1, prompt_hashes(tokens(*PREFIX[:8]), 4))
+    engines[0].load = SLACK + 1
+    assert place(tokens(*PREFIX, 1), engines, affinity) is engines[0]  # within SLACK of 1
+    engines[2].load = 0
+    assert place(tokens(*PREFIX, 2), engines, affinity) is engines[1]  # 0 is past it now
+    engines[1].load = SLACK + 1
+    assert place(tokens(*PREFIX, 3), engines, affinity) is engines[2]  # both are past it
 
 
 def test_a_busy_engine_core_s_prefix_gives_way_to_the_least_loaded() -> None:
@@ -81,19 +97,21 @@ def test_dead_engine_cores_are_skipped_and_none_live_raises_their_error() -> Non
     engines[0].dead = RuntimeError("engine core 0 died")
     assert place(tokens(*PREFIX), engines, affinity) is engines[1]
     engines[1].dead = RuntimeError("engine core 1 died")
-    with pytest.raises(RuntimeError, match="engine core 0 died"):
-        place(tokens(*PREFIX), engines, None)
-    with pytest.raises(RuntimeError, match="no engine core"):
-        place(tokens(*PREFIX), [], affinity)
+    for placement in (affinity, None):
+        with pytest.raises(RuntimeError, match="engine core 0 died"):
+            place(tokens(*PREFIX), engines, placement)
 
 
-def test_a_record_keeps_the_last_blocks_its_cache_holds() -> None:
+def test_a_record_forgets_a_prompt_s_last_blocks_first() -> None:
     affinity = PrefixAffinity(4, {0: 3, 1: 100})
     engines = [FakeEngine(0), FakeEngine(1, load=1)]
-    assert place(tokens(*PREFIX), engines, affinity) is engines[0]
-    assert place(tokens(9, 9, 9, 9), engines, affinity) is engines[0]  # evicts PREFIX's first
+    assert place(tokens(*PREFIX), engines, affinity) is engines[0]  # its 3 blocks
+    assert place(tokens(9, 9, 9, 9), engines, affinity) is engines[0]  # evicts PREFIX's last
     engines[0].load = 2
-    assert place(tokens(*PREFIX), engines, affinity) is engines[1]  # its first block forgotten
+    assert place(tokens(*PREFIX[:8], 5), engines, affinity) is engines[0]  # its first two
+    assert place(tokens(5, 5, 5, 5), engines, affinity) is engines[1]
+    affinity.sent(0, prompt_hashes(tokens(6, 6, 6, 6, 7, 7, 7, 7, 8, 8, 8, 8), 4))
+    assert place(tokens(*PREFIX), engines, affinity) is engines[1]  # all of it forgotten
 
 
 def test_one_engine_core_no_prefix_cache_or_mixed_block_sizes_place_by_load_alone() -> None:

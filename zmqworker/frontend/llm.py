@@ -174,7 +174,7 @@ class LLM(Frontend):
             Positive | None,
             opt(
                 "disaggregate: how many prefill instances (default 1); each request goes "
-                "to the least loaded",
+                "to the least loaded (with prefix caching: where its prefix went)",
                 metavar="N",
             ),
         ] = None,
@@ -182,7 +182,8 @@ class LLM(Frontend):
             Positive | None,
             opt(
                 "disaggregate: how many decode instances (default 1); each prefilled "
-                "request goes on to the least loaded",
+                "request goes on to the least loaded (with prefix caching: where its "
+                "prefix went)",
                 metavar="N",
             ),
         ] = None,

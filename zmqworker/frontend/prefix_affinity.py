@@ -1,14 +1,17 @@
-"""Which engine core most likely holds a prompt's prefix in its cache, as far as the
-client can tell: where it sent the prompts before. A request goes to the engine core that
-was sent the longest prefix of its prompt (its full blocks, by chained hashes), unless
-that one holds more than SLACK requests above the least loaded; otherwise, and where no
-engine core was sent any of it, to the least loaded.
+"""Which engine core most likely holds a prompt's prefix in its cache, as far as this
+client can tell: where it sent the prompts before. Among the engine cores within SLACK
+requests of the least loaded, a request goes to the one that was sent the longest prefix
+of its prompt (its full blocks, by chained hashes), the less loaded of equals; where none
+of them was sent any of it, to the least loaded.
 
-Only among engine cores that keep a prefix cache (EngineCoreReady.prefix_caching). Each
-engine core's record keeps the hashes of the last blocks it was sent, as many as
-its cache holds (EngineCoreReady.num_blocks), the oldest forgotten first: a guess, not
-the cache's state (the engine core may have evicted a block since). A wrong guess costs
-a prefill, never a token: the engine core's own prefix cache decides what it reuses.
+Only among engine cores that all keep a prefix cache (EngineCoreReady.prefix_caching),
+of one block size. Each engine core's record keeps the hashes of the blocks it was sent
+last, as many as its cache holds (EngineCoreReady.num_blocks), a prompt's last blocks
+forgotten before its first (as the engine core's cache evicts them). A guess, not the
+cache's state: the engine core may have evicted a block since, or dropped its cache (a
+reset, sleep, a weight update), and each client (each API server) keeps its own. A wrong
+guess costs a prefill, never a token: the engine core's prefix cache decides what it
+reuses.
 """
 
 from __future__ import annotations
@@ -41,12 +44,10 @@ E = TypeVar("E", bound=Engine)
 def place(tokens: np.ndarray, engines: Sequence[E], affinity: PrefixAffinity | None) -> E:
     """The engine core of engines for a prompt of tokens: by affinity (None: the least
     loaded), among the live ones; the error of a dead one where none is live."""
-    if not engines:
-        raise RuntimeError("no engine core to send a request to")
     live = [e for e in engines if e.dead is None]
     if not live:
         raise engines[0].dead.with_traceback(None)  # type: ignore[union-attr]
-    if affinity is None:
+    if affinity is None or len(live) == 1:
         return min(live, key=lambda e: (e.load, e.index))
     hashes = prompt_hashes(tokens, affinity.block_size)
     engine = affinity.choose(hashes, live)
@@ -88,19 +89,19 @@ class PrefixAffinity:
 
     def choose(self, hashes: list[int], live: Sequence[E]) -> E:
         """The engine core among live (not empty) for a prompt of these hashes."""
-        least = min(live, key=lambda e: (e.load, e.index))
-        best, matched = least, 0
-        for engine in live:
+        least = min(e.load for e in live)
+
+        def matched(engine: E) -> int:
             sent = self._sent[engine.index]
-            n = next((i for i, h in enumerate(hashes) if h not in sent), len(hashes))
-            if n > matched or (n == matched and n and engine.load < best.load):
-                best, matched = engine, n
-        return best if matched and best.load <= least.load + SLACK else least
+            return next((i for i, h in enumerate(hashes) if h not in sent), len(hashes))
+
+        within = [e for e in live if e.load <= least + SLACK]
+        return max(within, key=lambda e: (matched(e), -e.load, -e.index))
 
     def sent(self, index: int, hashes: list[int]) -> None:
         """Engine core index was sent a prompt of these hashes."""
         record = self._sent[index]
-        for h in hashes:
+        for h in reversed(hashes):  # the first block the newest: evicted last
             record[h] = None
             record.move_to_end(h)
         while len(record) > self._capacity[index]:
