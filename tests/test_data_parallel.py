@@ -97,6 +97,7 @@ def test_prompts_that_share_a_prefix_go_to_the_replica_that_computed_it():
         outs = llm.generate(prompts, GREEDY)
         after = [e.num_prefill_tokens for e in llm.stats().per_engine]
     assert first[0].token_ids == hf_greedy((*prefix, 1), 10)
+    assert [o.num_cached_tokens for o in first + outs] == [0] + [len(prefix)] * len(prompts)
     assert [o.token_ids for o in outs] == [hf_greedy(tuple(p), 10) for p in prompts]
     assert sorted(after) == [0, len(prefix) + 1 + 2 * len(prompts)]
 

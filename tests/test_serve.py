@@ -131,6 +131,7 @@ def test_completion_whole_and_streamed(server):
     assert choice.text.startswith(" Paris") and choice.finish_reason == "length"
     assert whole.usage.completion_tokens == 6 and whole.usage.prompt_tokens == 5
     assert whole.usage.total_tokens == 11
+    assert whole.usage.prompt_tokens_details.cached_tokens == 0  # no prefix cache here
     chunks = list(
         client.completions.create(
             model=MODEL, prompt="The capital of France is", max_tokens=6, temperature=0,

@@ -55,7 +55,8 @@ class RequestOutput:
     SamplingParams.prompt_logprobs asked for them, from the first output on): one entry
     per prompt token, None for the first, then the prompt's token as `sampled` with its
     rank, and the top ones. index: which of its prompt's n samples (SamplingParams.n) it
-    is."""
+    is. num_cached_tokens: the prompt tokens its engine core's prefix cache held when it
+    first scheduled the request (from the first output on)."""
 
     request_id: str
     prompt: str | None
@@ -71,6 +72,7 @@ class RequestOutput:
     logprobs: list[PositionLogprobs] | None = None
     index: int = 0
     prompt_logprobs: list[PositionLogprobs | None] | None = None
+    num_cached_tokens: int = 0
 
 
 class EngineStats(msgspec.Struct, frozen=True):

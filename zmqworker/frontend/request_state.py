@@ -65,6 +65,7 @@ class RequestState:
         self.last_token_time: float | None = None
         self.since_last = 0.0  # the last output's interval from the one before
         self.queue_time = 0.0  # as the engine core measured it
+        self.num_cached_tokens = 0  # prompt tokens its prefix cache held, as it said
         self.finish_time: float | None = None
         self._detokenizer = detokenizer
         self._holdback = max((len(s) for s in params.stop), default=1) - 1
@@ -101,6 +102,8 @@ class RequestState:
         string (the request is finished here, and the engine core must be told)."""
         if first is not None:
             self.queue_time = first.queue_time_s
+            if self.first_token_time is None:  # the prompt's engine core (disaggregated)
+                self.num_cached_tokens = first.num_cached_tokens
         if new_token_ids:
             if self.first_token_time is None:
                 self.first_token_time = now
@@ -200,6 +203,7 @@ class RequestState:
             logprobs=None if self.logprobs is None else list(self.logprobs),
             index=self.index,
             prompt_logprobs=prompt_logprobs,
+            num_cached_tokens=self.num_cached_tokens,
         )
 
     def timings(self) -> RequestTimings:

@@ -136,14 +136,17 @@ async def _disconnect(request: HTTPRequest) -> None:
         pass
 
 
-def usage(outputs: Sequence[RequestOutput]) -> dict[str, int]:
-    """Every choice's tokens, and each prompt's once (its first sample's), as vLLM sums."""
+def usage(outputs: Sequence[RequestOutput]) -> dict[str, Any]:
+    """Every choice's tokens, and each prompt's once (its first sample's), as vLLM sums;
+    of the prompts' tokens, those the prefix cache held (OpenAI's cached_tokens)."""
     prompt = sum(len(o.prompt_token_ids) for o in outputs if o.index == 0)
+    cached = sum(o.num_cached_tokens for o in outputs if o.index == 0)
     completion = sum(len(o.token_ids) for o in outputs)
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
     }
 
 
