@@ -222,6 +222,8 @@ def test_metrics_under_vllm_s_names_add_up_over_the_api_servers(server):
         return after[name] - before.get(name, 0.0)
 
     assert grew(f"vllm:prompt_tokens_total{label}") == done * 40
+    assert grew(f"vllm:prefix_cache_queries_total{label}") == done * 40
+    assert grew(f"vllm:prefix_cache_hits_total{label}") == 0  # no prefix cache here
     assert grew(f"vllm:generation_tokens_total{label}") == done * 3
     assert grew(f"vllm:time_to_first_token_seconds_count{label}") == done
     assert grew(f"vllm:request_queue_time_seconds_count{label}") == done

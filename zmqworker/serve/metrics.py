@@ -71,6 +71,18 @@ class ServerMetrics:
         self.generation_tokens = Counter(
             "vllm:generation_tokens", "Tokens generated", LABELS, registry=own
         )
+        self.prefix_queries = Counter(
+            "vllm:prefix_cache_queries",
+            "Prompt tokens of requests that started, looked up in the prefix cache",
+            LABELS,
+            registry=own,
+        )
+        self.prefix_hits = Counter(
+            "vllm:prefix_cache_hits",
+            "Prompt tokens the prefix cache held when their requests started",
+            LABELS,
+            registry=own,
+        )
         self.success = Counter(
             "vllm:request_success",
             "Requests that finished, by reason",
@@ -88,6 +100,8 @@ class ServerMetrics:
                 self.queue.labels(name).observe(out.timings.queue)
                 if out.index == 0:  # a prompt's n samples count it once
                     self.prompt_tokens.labels(name).inc(len(out.prompt_token_ids))
+                    self.prefix_queries.labels(name).inc(len(out.prompt_token_ids))
+                    self.prefix_hits.labels(name).inc(out.num_cached_tokens)
             else:
                 self.itl.labels(name).observe(out.timings.since_last)
         if out.finished and out.finish_reason != "abort":
