@@ -84,6 +84,8 @@ def test_best_of_returns_the_n_samples_of_highest_cumulative_logprob(server):
     assert server.wait_idle()["prefill_tokens_total"] - before == 40 + 3 * 8  # shared
     assert [c.index for c in best.choices] == [0, 1] and best.choices[0].logprobs is None
     assert best.usage.completion_tokens == sum(len(c.text) > 0 for c in best.choices) * 4
+    # No prefix cache: the blocks the samples share with the first are not hits.
+    assert best.usage.prompt_tokens_details.cached_tokens == 0
     # The four samples best_of ranked: the n=4 choices of the same seed.
     four = client.completions.create(**args, n=4, logprobs=0)
     sums = [sum(c.logprobs.token_logprobs) for c in four.choices]

@@ -119,7 +119,7 @@ class Request:
         self.finish_reason: FinishReason | None = None
         self.stop_reason: int | None = None  # the stop token id hit
         self.handle: int | None = None  # set while the workers hold it
-        self.num_cached_tokens = 0  # prefix-cache hits when it was last scheduled as new
+        self.num_cached_tokens = 0  # prefix-cache hits when it was first scheduled
         self.num_preemptions = 0
         # The logprobs rows of the tokens not sent yet (take_logprobs), when asked for:
         # (top ids, their logprobs, the sampled token's rank) each.

@@ -274,7 +274,8 @@ class Scheduler:
             if request.handle is None:
                 request.handle = self._handles.acquire()
                 self.in_flight.reserve(request.handle)
-            request.num_cached_tokens = num_hit
+            if not request.num_preemptions:  # its own blocks are not hits on a resume
+                request.num_cached_tokens = num_hit
             position = self.table.add(request, num_hit, self.max_model_len)
             self.table.full_blocks_told[position] = (num_hit + num_new) // (self.kv.block_size)
             samples = num_new == request.num_tokens - num_hit

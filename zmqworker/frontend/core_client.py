@@ -136,7 +136,8 @@ class EngineCoreClient:
             self._send(engine, AbortRequests(ids, reason))  # type: ignore[arg-type]
 
     def engine_of(self, request_id: str) -> int | None:
-        return None if (engine := self._owner.get(request_id)) is None else engine.index
+        engine = self._owner.get(request_id)
+        return None if engine is None else engine.index
 
     # events -----------------------------------------------------------------------------
 

@@ -174,7 +174,8 @@ class LLM(Frontend):
             Positive | None,
             opt(
                 "disaggregate: how many prefill instances (default 1); each request goes "
-                "to the least loaded (with prefix caching: where its prefix went)",
+                "to the least loaded (with prefix caching: where its prefix went, within 16 "
+                "requests)",
                 metavar="N",
             ),
         ] = None,
@@ -183,7 +184,7 @@ class LLM(Frontend):
             opt(
                 "disaggregate: how many decode instances (default 1); each prefilled "
                 "request goes on to the least loaded (with prefix caching: where its "
-                "prefix went)",
+                "prefix went, within 16 requests)",
                 metavar="N",
             ),
         ] = None,

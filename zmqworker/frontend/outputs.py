@@ -55,8 +55,9 @@ class RequestOutput:
     SamplingParams.prompt_logprobs asked for them, from the first output on): one entry
     per prompt token, None for the first, then the prompt's token as `sampled` with its
     rank, and the top ones. index: which of its prompt's n samples (SamplingParams.n) it
-    is. num_cached_tokens: the prompt tokens its engine core's prefix cache held when it
-    first scheduled the request (from the first output on)."""
+    is. num_cached_tokens (from the first output on): the prompt tokens its engine core
+    did not compute for it when it first scheduled it: prefix-cache hits, and for a sample
+    after its prompt's first the prompt blocks it shares with that one."""
 
     request_id: str
     prompt: str | None

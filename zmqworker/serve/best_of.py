@@ -35,5 +35,9 @@ def keep_best(
         ranked = sorted(group, key=cumulative_logprob, reverse=True)[: params.n]
         for index, out in enumerate(ranked):
             logprobs = out.logprobs if params.logprobs is not None else None
-            kept.append(dataclasses.replace(out, index=index, logprobs=logprobs))
+            # The prompt's cache hits are its first sample's: the others share its blocks.
+            cached = group[0].num_cached_tokens
+            kept.append(
+                dataclasses.replace(out, index=index, logprobs=logprobs, num_cached_tokens=cached)
+            )
     return kept

@@ -73,13 +73,13 @@ class ServerMetrics:
         )
         self.prefix_queries = Counter(
             "vllm:prefix_cache_queries",
-            "Prompt tokens of requests that started, looked up in the prefix cache",
+            "Prompt tokens of requests that started (with or without a prefix cache)",
             LABELS,
             registry=own,
         )
         self.prefix_hits = Counter(
             "vllm:prefix_cache_hits",
-            "Prompt tokens the prefix cache held when their requests started",
+            "Of those, the tokens their engine core did not compute (prefix-cache hits)",
             LABELS,
             registry=own,
         )
