@@ -125,6 +125,7 @@ def test_one_engine_core_no_prefix_cache_or_mixed_block_sizes_place_by_load_alon
     assert PrefixAffinity.of({0: ready(0, 4), 1: ready(1, 8)}) is None
     assert PrefixAffinity.of({0: ready(0, 4), 1: None}) is None
     assert PrefixAffinity.of({0: ready(0, 4), 1: ready(1, 4, prefix_caching=False)}) is None
+    assert PrefixAffinity.of({0: ready(0, 4), 1: ready(1, 0)}) is None
     both = PrefixAffinity.of({0: ready(0, 4), 1: ready(1, 4)})
     assert both is not None and both.block_size == 4
     with pytest.raises(ValueError, match="block size 0"):

@@ -80,10 +80,11 @@ class PrefixAffinity:
     @classmethod
     def of(cls, readies: dict[int, EngineCoreReady | None]) -> PrefixAffinity | None:
         """The affinity of the engine cores (by index) that said these Readies: None for
-        one, where one keeps no prefix cache, or where they differ in block size (their
-        blocks do not match)."""
-        sizes = {r.block_size if r and r.prefix_caching else 0 for r in readies.values()}
-        if len(readies) < 2 or len(sizes) != 1 or 0 in sizes:
+        one, where one keeps no prefix cache (or no block), or where they differ in block
+        size (their blocks do not match)."""
+        kept = [r for r in readies.values() if r and r.prefix_caching and r.num_blocks > 0]
+        sizes = {r.block_size for r in kept}
+        if len(readies) < 2 or len(kept) < len(readies) or len(sizes) != 1 or 0 in sizes:
             return None
         return cls(sizes.pop(), {i: r.num_blocks for i, r in readies.items() if r})
 
