@@ -209,11 +209,14 @@ class Request:
         """The number of tokens (prompt and outputs) at which it ends by length."""
         return min(self.num_prompt_tokens + self.sampling_params.max_tokens, max_model_len)
 
-    def start_running(self) -> None:
-        """The scheduler takes it from the waiting queue; the first time ends its queue time."""
+    def start_running(self, num_hit: int) -> None:
+        """The scheduler takes it from the waiting queue, num_hit of its tokens' KV held
+        already; the first time ends its queue time and says its cache hits (on a resume
+        after a preemption, its own blocks would count)."""
         self.status = RequestStatus.RUNNING
         if self.queue_time_s is None:
             self.queue_time_s = time.monotonic() - self.queued_at
+            self.num_cached_tokens = num_hit
 
     def finish(self, reason: FinishReason) -> None:
         self.status = RequestStatus.FINISHED

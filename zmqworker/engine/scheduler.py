@@ -269,13 +269,11 @@ class Scheduler:
             if new_blocks is None:
                 break
             self.waiting.popleft()
-            request.start_running()
+            request.start_running(num_hit)
             request.num_loaded_tokens = 0  # the table counts them from now on
             if request.handle is None:
                 request.handle = self._handles.acquire()
                 self.in_flight.reserve(request.handle)
-            if not request.num_preemptions:  # its own blocks are not hits on a resume
-                request.num_cached_tokens = num_hit
             position = self.table.add(request, num_hit, self.max_model_len)
             self.table.full_blocks_told[position] = (num_hit + num_new) // (self.kv.block_size)
             samples = num_new == request.num_tokens - num_hit
