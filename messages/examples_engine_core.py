@@ -95,7 +95,9 @@ def structured_request(seed: int = 14) -> EngineCoreRequest:
 
 
 # Where a prefill instance's tp rank 0 serves its staged KV (disaggregated serving).
-PREFILL_KV = RemoteKV(req_id(1040), 40, ["tcp://127.0.0.1:47000"])
+PREFILL_KV = RemoteKV(
+    req_id(1040), 40, ["tcp://127.0.0.1:47000"], np.array([812, 813, 97], np.int32)
+)
 
 
 def disaggregated_request(decode_side: bool) -> EngineCoreRequest:

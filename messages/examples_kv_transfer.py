@@ -49,7 +49,8 @@ def pull_step(seed: int = 12) -> SchedulerOutput:
     """Decode side, nothing to compute: the step carries a pull alone (its end is heard in
     a later step's output)."""
     rng = Stream(seed)
-    remote = RemoteKV(req_id(9), 700, PREFILL_ADDRESSES)
+    # Its 44 blocks in the prefill's cache, as the prefill's engine staged them.
+    remote = RemoteKV(req_id(9), 700, PREFILL_ADDRESSES, _blocks(Stream(11), 700))
     # Its first 12 blocks (a shared system prompt) are in this instance's prefix cache.
     load = KVLoad(req_id(9), _blocks(rng, 700), remote, num_cached_blocks=12)
     # A load the engine gave up on after a failed step, cancelled before this one starts.

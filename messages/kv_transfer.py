@@ -49,18 +49,35 @@ class KVTransferConfig(msgspec.Struct, tag=True, frozen=True, omit_defaults=True
 
 
 class RemoteKV(msgspec.Struct, tag=True, frozen=True):
-    """Where a request's computed KV waits: its id on the prefill instance, the first
-    num_tokens tokens' blocks, served by the prefill's tensor-parallel rank i at
-    addresses[i]."""
+    """Where a request's computed KV waits: the name it is staged under on the prefill
+    instance (KVSave.req_id, unique to that staging), the first num_tokens tokens'
+    blocks, served by the prefill's tensor-parallel rank i at addresses[i]. block_ids:
+    those blocks in the prefill's cache (every rank's), held until the KV is taken; a
+    decode rank that can read that cache in place copies them as it asks for them, and
+    the answer confirms the copy (None: it waits for the answer)."""
 
     req_id: str
     num_tokens: Positive
     addresses: list[str]
+    block_ids: np.ndarray | None = None  # int32
+
+    def __post_init__(self) -> None:
+        ids = self.block_ids
+        if ids is None:
+            return
+        rows = ids.ndim == 1 and np.issubdtype(ids.dtype, np.integer)
+        if not rows or (len(ids) and ids.min() < 0):
+            raise ValueError(
+                f"RemoteKV.block_ids must be one row of block ids (>= 0), got {ids.dtype}"
+                f"{list(ids.shape)}"
+            )
 
 
 class KVSave(msgspec.Struct, tag=True, frozen=True):
-    """Stage the first num_tokens tokens of req_id (in block_ids) for a remote puller,
-    once this step has computed them."""
+    """Stage the first num_tokens tokens of a request (in block_ids) for a remote puller,
+    once this step has computed them, under the name req_id: the name pullers ask for,
+    which no other staging of the instance ever has (RemoteKV.block_ids lets a puller
+    copy before its answer confirms the staging)."""
 
     req_id: str
     block_ids: np.ndarray  # int32 [ceil(num_tokens / block_size)]

@@ -64,6 +64,13 @@ def pull_step(num_cached_blocks: int) -> bytes:
     return body(request, version)
 
 
+def pull_from(block_ids: msgspec.msgpack.Ext) -> bytes:
+    """The golden pull step's body, its remote KV in these prefill blocks."""
+    version, request = msgspec.msgpack.decode(GOLDEN["request_kv_pull_step"][0])
+    request["args"][0]["kv_connector_metadata"]["loads"][0]["remote"]["block_ids"] = block_ids
+    return body(request, version)
+
+
 HANDLES = inline((2,), struct.pack("<2i", 4, 9))
 BITMASK = inline((2, 1), struct.pack("<2i", -1, 7))
 DECODE_BODY = GOLDEN["request_decode_256"][0]
@@ -146,6 +153,14 @@ CASES = {
     "more cached blocks than blocks": (
         [pull_step(45)],
         "num_cached_blocks 45 over its 44 block_ids",
+    ),
+    "a negative prefill block": (
+        [pull_from(inline((2,), struct.pack("<2i", 4, -1)))],
+        "RemoteKV.block_ids must be one row of block ids",
+    ),
+    "prefill blocks in two rows": (
+        [pull_from(inline((1, 2), struct.pack("<2i", 4, 5)))],
+        r"RemoteKV.block_ids must be one row of block ids \(>= 0\), got int32\[1, 2\]",
     ),
 }
 

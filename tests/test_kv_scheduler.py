@@ -113,17 +113,44 @@ def test_a_finished_prefill_keeps_its_blocks_until_its_kv_is_sent() -> None:
     step = s.schedule()
     s.update_from_output(step, answer(step))
     assert request.is_finished and request.output_token_ids == [7]
-    assert request.kv_transfer_out == RemoteKV("p", 10, [ADDRESS])
+    out = request.kv_transfer_out
+    assert (out.num_tokens, out.addresses) == (10, [ADDRESS])
     assert s.kv.num_free_blocks == 5  # its 3 blocks held
     step = s.schedule()  # computes nothing: stages the KV
     [save] = step.kv_connector_metadata.saves
-    assert save.req_id == "p" and save.num_tokens == 10 and len(save.block_ids) == 3
+    # Staged under a name of its own, which the decode side pulls it by.
+    assert save.req_id == out.req_id and out.req_id.startswith("p@")
+    assert save.num_tokens == 10 and len(save.block_ids) == 3
+    # The decode side is told where they lie, to copy them as its pull goes out.
+    assert out.block_ids.tolist() == save.block_ids.tolist() == s.kv.block_ids("p")
     assert step.total_num_scheduled_tokens == 0 and step.finished_req_handles
     s.update_from_output(step, answer(step))
     assert s.kv.num_free_blocks == 5 and s.has_unfinished_requests()  # still staged
     step = s.schedule()
-    s.update_from_output(step, answer(step, KVConnectorOutput(finished_sending=["p"])))
+    s.update_from_output(step, answer(step, KVConnectorOutput(finished_sending=[out.req_id])))
     assert s.kv.num_free_blocks == 8 and s.schedule() is None
+
+
+def test_no_two_stagings_share_a_name() -> None:
+    """The same request id sent again, or to another instance, stages under another name:
+    a decode rank that copies a staging's blocks ahead of its answer never takes one
+    staging for another."""
+    names = set()
+    for _ in range(2):
+        s = scheduler(8, [ADDRESS])
+        for _ in range(2):
+            request = Request("p", list(range(10)), PARAMS, remote_decode=True)
+            s.add_request(request)
+            step = s.schedule()
+            s.update_from_output(step, answer(step))
+            names.add(request.kv_transfer_out.req_id)
+            step = s.schedule()  # stages it
+            s.update_from_output(step, answer(step))
+            report = KVConnectorOutput(finished_sending=[request.kv_transfer_out.req_id])
+            step = s.schedule()
+            s.update_from_output(step, answer(step, report))
+            assert s.kv.num_free_blocks == 8
+    assert len(names) == 4 and all(name.startswith("p@") for name in names)
 
 
 def test_after_a_failed_step_the_loads_under_way_are_cancelled_before_their_blocks_serve() -> None:
@@ -147,24 +174,28 @@ def test_after_a_failed_step_staged_kv_is_withdrawn_and_its_blocks_held_until_se
     blocks stay held, the next step withdraws it, and they go once it is reported
     sent. A save no step carried yet was never staged: its blocks go at once."""
     s = scheduler(8, [ADDRESS])
+    names = {}
     for req_id in ("staged", "unsent"):
-        s.add_request(Request(req_id, list(range(8)), PARAMS, remote_decode=True))
+        request = Request(req_id, list(range(8)), PARAMS, remote_decode=True)
+        s.add_request(request)
         step = s.schedule()
         s.update_from_output(step, answer(step))  # finished: blocks held, save queued
+        names[req_id] = request.kv_transfer_out.req_id
         if req_id == "staged":
             step = s.schedule()  # carries the save
-            assert [save.req_id for save in step.kv_connector_metadata.saves] == ["staged"]
+            saves = step.kv_connector_metadata.saves
+            assert [save.req_id for save in saves] == [names["staged"]]
             s.update_from_output(step, answer(step))
     assert s.kv.num_free_blocks == 4
     s.reset_after_failure()
     assert s.kv.num_free_blocks == 6  # the unsent save's blocks
     step = s.schedule()
-    assert step.kv_connector_metadata.cancel_saves == ["staged"]
+    assert step.kv_connector_metadata.cancel_saves == [names["staged"]]
     assert step.kv_connector_metadata.saves == []
     s.update_from_output(step, answer(step))
     assert s.kv.num_free_blocks == 6 and s.has_unfinished_requests()
     step = s.schedule()
-    report = KVConnectorOutput(finished_sending=["staged"])
+    report = KVConnectorOutput(finished_sending=[names["staged"]])
     s.update_from_output(step, answer(step, report))
     assert s.kv.num_free_blocks == 8 and s.schedule() is None
 

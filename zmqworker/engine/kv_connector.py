@@ -4,7 +4,11 @@ the blocks that stay held meanwhile, and the orders each step carries to the wor
 
 Prefill side: a request marked remote_decode finishes after its first token, its blocks
 held; the next step orders them staged (KVSave); they are freed once the workers report
-them sent (pulled, or expired unpulled after the timeout).
+them sent (pulled, or expired unpulled after the timeout). A staging's name, which the
+decode side pulls it by, is the request's id made unique to this staging (staging_name):
+a decode rank may copy a staging's blocks before the answer that confirms it is the one
+it was told of (kv_transfer/read_ahead.py), so no two stagings ever share a name, even of
+one request id sent again.
 
 Decode side: a request with remote KV waits in a state of its own, outside the waiting
 queue, so it never holds other requests back: once blocks for its remote tokens are
@@ -19,6 +23,7 @@ A step's orders (step_orders) also carry the host tier's copies (host_tier.py).
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import Callable
 
 import numpy as np
@@ -50,7 +55,9 @@ class KVConnectorScheduler:
         self._to_load: dict[str, Request] = {}  # waiting for blocks, in arrival order
         # Pull ordered, not reported yet: the request and its load.
         self._loading: dict[str, tuple[Request, KVLoad]] = {}
-        self._sending: dict[str, Request] = {}  # staged (or to stage), blocks held
+        self._sending: dict[str, Request] = {}  # by staging name: blocks held until sent
+        self._incarnation = secrets.token_hex(4)  # of this scheduler, in staging names
+        self._num_staged = 0
         self._aborted: set[str] = set()  # loading when aborted: freed once reported
         self._saves: list[KVSave] = []
         self._loads: list[KVLoad] = []
@@ -97,9 +104,17 @@ class KVConnectorScheduler:
             )
         num_tokens = len(request.prompt_token_ids)
         blocks = self.kv.block_ids(request.req_id)[: cdiv(num_tokens, self.kv.block_size)]
-        self._saves.append(KVSave(request.req_id, np.array(blocks, np.int32), num_tokens))
-        self._sending[request.req_id] = request
-        request.kv_transfer_out = RemoteKV(request.req_id, num_tokens, list(self.addresses))
+        block_ids = np.array(blocks, np.int32)
+        name = self.staging_name(request.req_id)
+        self._saves.append(KVSave(name, block_ids, num_tokens))
+        self._sending[name] = request
+        request.kv_transfer_out = RemoteKV(name, num_tokens, list(self.addresses), block_ids)
+
+    def staging_name(self, req_id: str) -> str:
+        """A name for req_id's next staging that no other staging of this instance has
+        (its id, this scheduler's random incarnation, a count)."""
+        self._num_staged += 1
+        return f"{req_id}@{self._incarnation}.{self._num_staged}"
 
     def abort(self, request: Request) -> None:
         """An aborted request waiting for remote KV: its blocks go now, or, with its pull
@@ -142,10 +157,10 @@ class KVConnectorScheduler:
         requeue (to wait for a step of their own), failed ones finished with their
         error. Returns the requests that finished."""
         finished: list[Request] = []
-        for req_id in output.finished_sending:
-            request = self._sending.pop(req_id, None)
+        for name in output.finished_sending:
+            request = self._sending.pop(name, None)
             if request is not None:
-                self.kv.free(req_id)
+                self.kv.free(request.req_id)
         for req_id in output.finished_recving:
             entry = self._loading.pop(req_id, None)
             if entry is None:
@@ -186,9 +201,8 @@ class KVConnectorScheduler:
         which a puller may be reading in place (the saves no step carried yet were never
         staged, and with the workers lost nothing will report: their blocks go now)."""
         unstaged = self._sending if workers_lost else [s.req_id for s in self._saves]
-        for req_id in list(unstaged):
-            del self._sending[req_id]
-            self.kv.free(req_id)
+        for name in list(unstaged):
+            self.kv.free(self._sending.pop(name).req_id)
         waiting = [*self._to_load.values(), *(r for r, _ in self._loading.values())]
         self._cancels = [*self._cancels, *self._loading]
         self._withdrawn = list(dict.fromkeys([*self._withdrawn, *self._sending]))
