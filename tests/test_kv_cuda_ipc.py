@@ -1,7 +1,8 @@
 """KV pulled straight out of a producer's GPU cache (CUDA IPC, same host): on a GPU, and
 from a peer GPU where there are two, the blocks land byte for byte (bfloat16), the
-producer hears KVDone, a decode rank's own cached blocks stay as they are, a producer's
-new cache (a wake-up's) is opened anew, and the openings are closed once idle. On the
+producer hears KVDone, a decode rank's own cached blocks stay as they are, a pull copied
+ahead of its answer stands, a producer's new cache (a wake-up's) is opened anew (a copy
+ahead out of the old one is made again), and the openings are closed once idle. On the
 CPU: an answer naming blocks or layers the load cannot use is refused before anything is
 opened, and an answer too old to copy from fails its load by name."""
 
@@ -111,7 +112,8 @@ def free_port() -> int:
 
 def _pull_in_place(consumer, conn, port: int, req: str, src, dest, num_cached: int = 0) -> None:
     conn.send((req, src))
-    remote = RemoteKV(req, 12, [f"tcp://127.0.0.1:{port}"])
+    # The prefill's block ids: copied ahead of the answer where the cache is open here.
+    remote = RemoteKV(req, 12, [f"tcp://127.0.0.1:{port}"], np.array(src, np.int32))
     load = KVLoad(req, np.array(dest, np.int32), remote, num_cached_blocks=num_cached)
     consumer.before_step(KVConnectorMetadata(loads=[load]))
     recved, deadline = [], time.monotonic() + 30
@@ -129,7 +131,9 @@ def _pull_in_place(consumer, conn, port: int, req: str, src, dest, num_cached: i
 def test_blocks_come_straight_out_of_the_producer_s_gpu_cache(producer):
     """Then out of the producer's new cache once it has made one (a wake-up): the old
     opening is closed, the new one opened. The consumer is on cuda:0: a producer on
-    cuda:1 is read across the peer link."""
+    cuda:1 is read across the peer link. The second pull is copied ahead of its answer
+    (the cache is open by then), and so is the third, from the old cache: its answer
+    names the new one, from which it is copied again."""
     if producer != "cuda:0" and not torch.cuda.can_device_access_peer(0, 1):
         pytest.skip("cuda:0 has no peer access to cuda:1")
     keys, port = KVKeys.new(), free_port()
@@ -152,7 +156,7 @@ def test_blocks_come_straight_out_of_the_producer_s_gpu_cache(producer):
                 assert torch.equal(target[layer][:, pulled], source[layer][:, src[num_cached:]])
                 assert torch.equal(target[layer][:, kept], before[layer][:, kept])
                 target[layer][:, dest] = before[layer][:, dest]  # as new for the next
-        peer_caches = consumer.puller._peer_caches
+        peer_caches = consumer.puller.peer_caches
         first = [cache.key for cache in peer_caches._open.values()]
         conn.send("remake")
         assert conn.poll(30) and conn.recv() == "remade"
@@ -162,6 +166,7 @@ def test_blocks_come_straight_out_of_the_producer_s_gpu_cache(producer):
             assert torch.equal(target[layer][:, [0, 9]], remade[layer][:, [3, 4]])
         assert [cache.key for cache in peer_caches._open.values()] != first  # opened anew
         assert consumer.puller.num_pulled == {"cuda_ipc": 3, "host_cache": 0, "memfd": 0, "tcp": 0}
+        assert consumer.read_ahead.num_stood == 1
         until_closed(peer_caches, "the producer's caches stayed open")
     finally:
         consumer.shutdown()

@@ -90,7 +90,7 @@ def test_blocks_land_from_the_producer_s_host_cache_in_place(source, dest, cache
         for mine, theirs in zip(target, producer.shared.layers, strict=True):
             assert torch.equal(mine[:, dest[cached:]], theirs[:, source[cached:]])
             assert not mine[:, dest[:cached]].any()  # held here already: untouched
-        until_closed(side.puller._peer_caches, "the producer's cache was never unmapped")
+        until_closed(side.puller.peer_caches, "the producer's cache was never unmapped")
     finally:
         side.shutdown()
         producer.close()
@@ -127,7 +127,7 @@ def test_a_producer_s_new_cache_is_mapped_anew_and_the_old_one_let_go() -> None:
         until(side, lambda outs: names(outs, "finished_recving") == ["after"])
         for mine, before, after in zip(target, old.layers, producer.shared.layers, strict=True):
             assert torch.equal(mine[:, 2], before[:, 1]) and torch.equal(mine[:, 3], after[:, 1])
-        peer_caches = side.puller._peer_caches
+        peer_caches = side.puller.peer_caches
         assert [c.key[2] for c in peer_caches._open.values()] == [producer.shared.inode]
         deadline = time.monotonic() + 5
         while peer_caches._retired:  # the old one: closed once unread

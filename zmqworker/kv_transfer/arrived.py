@@ -38,12 +38,13 @@ class Arrived:
     received: float = field(default_factory=time.monotonic)
     hold_s: float = 0.0  # how long the producer holds sources' blocks from its answer
 
-    def stale(self, timeout_s: float) -> str | None:
-        """Why a copy out of the producer's cache must not start now, or None: past
-        half of the time the producer holds the blocks from its answer (hold_s, and
-        this side's timeout_s where it said none or more)."""
+    def stale(self, timeout_s: float, at: float | None = None) -> str | None:
+        """Why a copy out of the producer's cache must not start now (or have ended at
+        at, a copy made ahead of the answer), or None: past half of the time the
+        producer holds the blocks from its answer (hold_s, and this side's timeout_s
+        where it said none or more)."""
         limit_s = min(timeout_s, self.hold_s or timeout_s) / 2
-        age = time.monotonic() - self.received
+        age = (time.monotonic() if at is None else at) - self.received
         if self.sources is None or age <= limit_s:
             return None
         return f"the prefill's answer is {age:.1f} s old, past {limit_s:.1f} s: its blocks may go"

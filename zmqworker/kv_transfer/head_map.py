@@ -33,6 +33,11 @@ class HeadSource:
     staged_heads: int
     readers: int
 
+    def heads(self, held: int, mine: int) -> tuple[int, int, int] | None:
+        """copy_blocks' heads (first, dest, count) for this piece out of a producer's
+        cache of held heads into this rank's of mine: None where it is all of both."""
+        return None if self.count == held == mine else (self.first, self.dest, self.count)
+
 
 @dataclass(frozen=True)
 class HeadMap:

@@ -6,7 +6,8 @@ A producer's cache is opened once and kept for its next pulls: opening costs mor
 pull's copy. An opening keeps the producer's memory from being freed (its sleep would
 give back nothing), so one that no copy reads is closed after IDLE_CLOSE_S without use,
 and at once where an answer from the same producer names another cache (it made its
-cache anew). Acquired on the puller's thread; released on any (the copies' end).
+cache anew). Acquired for an answer on the puller's thread, or for a copy ahead of one on
+the worker's (read_ahead.py); released on any thread, once the copies have run.
 """
 
 from __future__ import annotations
@@ -81,11 +82,23 @@ class PeerCaches:
             self._open[address] = cache
         return cache
 
-    def release(self, cache: PeerCache) -> None:
-        """A copy out of cache has run."""
+    def acquire_open(self, address: str) -> PeerCache | None:
+        """The cache of the producer at address open here now, if any, held until
+        release(): for a copy ahead of that producer's answer, which says whether it is
+        still the cache holding the blocks."""
+        with self._lock:
+            cache = self._open.get(address)
+            if cache is not None:
+                cache.users += 1
+            return cache
+
+    def release(self, cache: PeerCache, used: bool = True) -> None:
+        """A copy out of cache has run; used: one that counts as a use of it (a copy
+        ahead of an answer that did not stand does not keep it from being idle)."""
         with self._lock:
             cache.users -= 1
-            cache.last_used = time.monotonic()
+            if used:
+                cache.last_used = time.monotonic()
 
     def close_idle(self) -> None:
         """Close what no copy has read for IDLE_CLOSE_S, and what was replaced and is

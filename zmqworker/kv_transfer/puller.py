@@ -1,12 +1,13 @@
 """The decode side's puller: for each load, ask the prefill ranks its head map names
 (head_map.py: the rank of the same tp rank where the sizes match) for their heads of the
-request's staged KV and hand each piece that comes back to the worker's thread, which
-copies it into the request's blocks; then say KVDone, so the prefill side lets it go.
-On one host a piece comes as the producer's memfd (mapped here), or as the producer's
-cache itself and the request's block ids in it: where this rank's cache is on a GPU and
-it can open the producer's (CUDA IPC, cuda_peers.py), or where both caches are in host
-memory and the producer's lies in a memfd (host_peers.py). A
-refused pull, or an answer this rank cannot use, fails the load and says KVDone at once.
+request's staged KV and hand each answer to the worker's thread, which copies the piece
+into the request's blocks (or judges the copy it made ahead of the answer:
+read_ahead.py); then say KVDone, so the prefill side lets it go. On one host a piece
+comes as the producer's memfd (mapped here), or as the producer's cache itself and the
+request's block ids in it: where this rank's cache is on a GPU and it can open the
+producer's (CUDA IPC, cuda_peers.py), or where both caches are in host memory and the
+producer's lies in a memfd (host_peers.py). A refused pull, or an answer this rank
+cannot use, fails the load and says KVDone at once.
 
 One thread owns every socket (a CURVE DEALER per prefill address, the deployment's KV
 keys). A load not answered within the timeout fails, naming the request and the address,
@@ -22,6 +23,7 @@ import time
 from collections.abc import Callable
 
 import msgspec
+import numpy as np
 import torch
 import zmq
 
@@ -75,7 +77,7 @@ class KVPuller:
         self._socks: dict[str, zmq.Socket] = {}
         self._device = device
         self._mappings = PeerMappings(device)
-        self._peer_caches = PeerCaches()
+        self.peer_caches = PeerCaches()
         cuda = shm and cuda_ipc and device is not None
         self._gpus = readable_gpus(device) if cuda else []
         self._not_in_place: set[str] = set()  # producers whose caches cannot be opened
@@ -85,6 +87,8 @@ class KVPuller:
         self._running: list[tuple[torch.cuda.Event, Arrived]] = []  # the thread's
         self.arrived: queue.SimpleQueue[Arrived] = queue.SimpleQueue()
         self._wake = WakePipe()
+        self._sent = threading.Event()  # every pull ordered has been sent
+        self._ordering = threading.Lock()  # the orders put and _sent cleared, as one
         self._stop = False
         self._dead = False  # the thread ended on an error: pulls fail at once
         self._thread = threading.Thread(target=self._run, name="kv-puller", daemon=True)
@@ -96,11 +100,20 @@ class KVPuller:
             for source in heads.reads:
                 self._fail(load, source, "the KV puller stopped")
             return
-        for source in heads.reads:
-            self._orders.put(("pull", load, source))
-        for source in heads.releases:
-            self._orders.put(("release", load, source))
+        with self._ordering:
+            self._sent.clear()
+            for kind, sources in (("pull", heads.reads), ("release", heads.releases)):
+                for source in sources:
+                    self._orders.put((kind, load, source))
         self._wake.wake()
+
+    def wait_sent(self, timeout_s: float) -> None:
+        """Wait, at most timeout_s, until the pulls ordered so far are sent."""
+        self._sent.wait(timeout_s)
+
+    def reads_in_place(self, address: str) -> bool:
+        """Whether pulls from address may be answered with the producer's cache."""
+        return bool(self._host_id) and address not in self._not_in_place
 
     def done(self, load: KVLoad, source: HeadSource) -> None:
         """The worker copied load's KV from source: tell its server."""
@@ -108,9 +121,8 @@ class KVPuller:
         self._wake.wake()
 
     def done_once_run(self, copied: torch.cuda.Event, arrived: Arrived) -> None:
-        """The worker queued arrived's copies out of a producer's GPU cache, then
-        copied: let arrived go and tell its server once that event has passed (this
-        thread watches it: the worker may have no further step to do it in)."""
+        """arrived's copies out of a producer's GPU cache end at copied: let arrived go and
+        tell its server once it has passed (watched here: no further step may come)."""
         self._copies.put((copied, arrived))
         self._wake.wake()
 
@@ -129,7 +141,7 @@ class KVPuller:
             sock.close(linger=0)
         self._ctx.term()
         self._mappings.close()
-        self._peer_caches.close()
+        self.peer_caches.close()
 
     # the puller's thread ---------------------------------------------------------
 
@@ -146,15 +158,18 @@ class KVPuller:
                     timeout = max(0, int((soonest - time.monotonic()) * 1000) + 1)
                 if self._running:
                     timeout = COPY_POLL_MS if timeout < 0 else min(timeout, COPY_POLL_MS)
-                elif self._peer_caches.any_open:
+                elif self.peer_caches.any_open:
                     timeout = IDLE_POLL_MS if timeout < 0 else min(timeout, IDLE_POLL_MS)
                 events = dict(poller.poll(timeout))
                 if self._wake.fd in events:
                     self._wake.drain()
                     self._take_orders(poller, waiting)
+                    with self._ordering:
+                        if self._orders.empty():  # else woken again, to take the rest
+                            self._sent.set()
                     self._take_copies()
                 self._copies_run(poller)
-                self._peer_caches.close_idle()
+                self.peer_caches.close_idle()
                 for address, sock in self._socks.items():
                     if events.get(sock):
                         self._receive(address, sock, waiting)
@@ -215,7 +230,7 @@ class KVPuller:
         heads = (source.first, source.count)
         whole = heads == (0, source.staged_heads)
         address = load.remote.addresses[source.rank]
-        openable = bool(self._host_id) and address not in self._not_in_place
+        openable = self.reads_in_place(address)
         return KVPull(load.remote.req_id, source.rank, self._host_id,
                       None if whole else heads, source.readers,
                       first_block=load.num_cached_blocks,
@@ -313,36 +328,14 @@ class KVPuller:
             )
         wanted = msgspec.structs.replace(self.layout, num_kv_heads=source.count)
         read = reply.num_blocks - load.num_cached_blocks
-        if reply.cuda is not None:
-            cuda, device = reply.cuda, self._device
-            if not self._gpus or device is None:
-                raise ValueError("an answer in CUDA memory to a pull that did not offer to open it")
-            if cuda.device_uuid not in self._gpus:
-                raise ValueError(f"an answer in {cuda.device_uuid}'s memory, not readable here")
-            if address in self._not_in_place:
-                raise PeerCacheError("an answer in CUDA memory from a producer asked for bytes")
-            ids = checked_ids(cuda.block_ids, reply.num_blocks, cuda.num_cache_blocks)
-            arrived = Arrived(load, source, layout=staged, first=source.first, source_ids=ids,
-                              received=received, hold_s=cuda.hold_s)  # fmt: skip
-            opener = lambda: open_gpu_cache(cuda, staged, device)  # noqa: E731
-            arrived = self._in_place(address, cuda_key(cuda), opener, arrived)
-            self.num_pulled["cuda_ipc"] += 1
-            self.num_bytes["cuda_ipc"] += staged_nbytes(wanted, read)
-            return arrived
-        if reply.host_cache is not None:
-            host = reply.host_cache
-            if not self._host_id or self._device is not None:
-                raise ValueError("an answer in a host cache to a pull that did not offer to map it")
-            if address in self._not_in_place:
-                raise PeerCacheError("an answer in a host cache from a producer asked for bytes")
-            ids = checked_ids(host.block_ids, reply.num_blocks, host.num_cache_blocks)
-            arrived = Arrived(load, source, layout=staged, first=source.first, source_ids=ids,
-                              received=received, hold_s=host.hold_s)  # fmt: skip
-            opener = lambda: open_host_cache(host, staged)  # noqa: E731
-            arrived = self._in_place(address, host_key(host), opener, arrived)
-            self.num_pulled["host_cache"] += 1
-            self.num_bytes["host_cache"] += staged_nbytes(wanted, read)
-            return arrived
+        if reply.cuda is not None or reply.host_cache is not None:
+            cache, ids, hold_s = self._lent(address, reply, staged)
+            path = "cuda_ipc" if reply.cuda is not None else "host_cache"
+            self.num_pulled[path] += 1
+            self.num_bytes[path] += staged_nbytes(wanted, read)
+            return Arrived(load, source, layout=staged, first=source.first, source_ids=ids,
+                           received=received, hold_s=hold_s, sources=cache,
+                           unhold=lambda: self.peer_caches.release(cache))  # fmt: skip
         if reply.shared is not None:
             shared = reply.shared
             nbytes = staged_nbytes(staged, reply.num_blocks)
@@ -370,15 +363,30 @@ class KVPuller:
         return Arrived(load, source, frames[0].buffer, [frames[0]], layout=wanted,
                        first_block=reply.first_block)  # fmt: skip
 
-    def _in_place(
-        self, address: str, key: tuple, opener: Callable[[], PeerCache], arrived: Arrived
-    ) -> Arrived:
-        """arrived, reading the producer's cache at address (key names it; opener opens
-        it where it is not open here yet)."""
-        peer_caches = self._peer_caches
-        cache = peer_caches.acquire(address, key, opener)
-        arrived.sources, arrived.unhold = cache, lambda: peer_caches.release(cache)
-        return arrived
+    def _lent(
+        self, address: str, reply: KVBlocks, staged: KVLayout
+    ) -> tuple[PeerCache, np.ndarray, float]:
+        """The producer's cache at address that reply lends (its GPU cache or its host
+        cache: opened here unless it is already, and held), the piece's block ids in
+        it, and how long the producer holds them."""
+        opener: Callable[[], PeerCache]
+        if reply.cuda is not None:
+            lent, where, device = reply.cuda, "CUDA memory", self._device
+            if not self._gpus or device is None:
+                raise ValueError("an answer in CUDA memory to a pull that did not offer to open it")
+            if lent.device_uuid not in self._gpus:
+                raise ValueError(f"an answer in {lent.device_uuid}'s memory, not readable here")
+            key, opener = cuda_key(lent), lambda: open_gpu_cache(lent, staged, device)
+        else:
+            lent, where = reply.host_cache, "a host cache"
+            assert lent is not None
+            if not self._host_id or self._device is not None:
+                raise ValueError("an answer in a host cache to a pull that did not offer to map it")
+            key, opener = host_key(lent), lambda: open_host_cache(lent, staged)
+        if address in self._not_in_place:
+            raise PeerCacheError(f"an answer in {where} from a producer asked for bytes")
+        ids = checked_ids(lent.block_ids, reply.num_blocks, lent.num_cache_blocks)
+        return self.peer_caches.acquire(address, key, opener), ids, lent.hold_s
 
     @staticmethod
     def _failed(load: KVLoad, source: HeadSource, error: str) -> Arrived:

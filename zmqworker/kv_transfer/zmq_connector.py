@@ -16,6 +16,8 @@ its mapping. A
 load's first num_cached_blocks blocks hold their KV already (prefix-cache hits on the
 decode side): only the rest is copied in; the pull names them (KVPull.first_block), so
 over tcp only the blocks after them travel, and through a memfd only they are read.
+Where a producer's cache is open here already and the load names its block ids, the
+blocks are copied as the pull goes out, and its answer judges the copy (read_ahead.py).
 """
 
 from __future__ import annotations
@@ -47,8 +49,9 @@ from zmqworker.kv_transfer.blocks import (
     view_staged,
 )
 from zmqworker.kv_transfer.connector import KVConnector
-from zmqworker.kv_transfer.head_map import HeadMapError, head_map
+from zmqworker.kv_transfer.head_map import HeadMapError, HeadSource, head_map
 from zmqworker.kv_transfer.puller import KVPuller
+from zmqworker.kv_transfer.read_ahead import ReadAhead
 from zmqworker.kv_transfer.server import KVServer
 from zmqworker.transport.curve import KVKeys
 
@@ -92,6 +95,7 @@ class ZmqKVConnector(KVConnector):
         locked_for = device if device.type == "cuda" else None  # page-lock host memory
         self.server: KVServer | None = None
         self.puller: KVPuller | None = None
+        self.read_ahead: ReadAhead | None = None
         try:
             if config.produces:
                 self.server = KVServer(
@@ -113,6 +117,7 @@ class ZmqKVConnector(KVConnector):
                     on_arrival=self._news.set, device=locked_for,
                     cuda_ipc=config.cuda_ipc,
                 )  # fmt: skip
+                self.read_ahead = ReadAhead(self.puller, kv_caches, self.layout.num_kv_heads)
         except BaseException:
             self.shutdown()
             raise
@@ -123,8 +128,9 @@ class ZmqKVConnector(KVConnector):
                 self._cancel(req_id)
             for req_id in metadata.cancel_saves:
                 self._withdraw(req_id)
-            for load in metadata.loads:
-                self._start_load(load)
+            pulled = [(load, self._start_load(load)) for load in metadata.loads]
+            if self.read_ahead is not None:
+                self.read_ahead.start([(load, reads) for load, reads in pulled if reads])
         self._copy_arrived()
 
     def after_step(self, metadata: KVConnectorMetadata | None) -> None:
@@ -156,6 +162,9 @@ class ZmqKVConnector(KVConnector):
         if self.server is not None:
             self.server.close()
             self.server = None
+        if self.read_ahead is not None:
+            self.read_ahead.close()
+            self.read_ahead = None
         if self.puller is not None:
             self.puller.close()
             self.puller = None
@@ -171,7 +180,8 @@ class ZmqKVConnector(KVConnector):
         with self._lock:
             return bool(self._sent or self._recved or self._failed)
 
-    def _start_load(self, load: KVLoad) -> None:
+    def _start_load(self, load: KVLoad) -> tuple[HeadSource, ...]:
+        """Pull load (or fail it at once); the sources its pieces are pulled from."""
         if self.puller is None:
             raise RuntimeError(f"KV loads sent to a {self.config.role} (not a consumer)")
         remote_tp = len(load.remote.addresses)
@@ -180,14 +190,17 @@ class ZmqKVConnector(KVConnector):
         except HeadMapError as e:
             error = f"the prefill instance has tensor parallel size {remote_tp}, this decode "
             self._failed.append(KVFailure(load.req_id, f"{error}instance {self.tp_size}: {e}"))
-            return
+            return ()
         self._loading[load.req_id] = load
         self._pieces_left[id(load)] = len(heads.reads)
         self.puller.pull(load, heads)
+        return heads.reads
 
     def _cancel(self, req_id: str) -> None:
         """Drop the load of req_id under way, and any report of it not yet taken."""
-        self._loading.pop(req_id, None)
+        load = self._loading.pop(req_id, None)
+        if load is not None and self.read_ahead is not None:
+            self.read_ahead.cancel(load)
         self._recved = [r for r in self._recved if r != req_id]
         self._failed = [f for f in self._failed if f.req_id != req_id]
 
@@ -200,7 +213,7 @@ class ZmqKVConnector(KVConnector):
             self._on_sent(req_id)
 
     def _copy_arrived(self) -> None:
-        if self.puller is None:
+        if self.puller is None or self.read_ahead is None:
             return
         while not self.puller.arrived.empty():
             arrived = self.puller.arrived.get()
@@ -208,10 +221,15 @@ class ZmqKVConnector(KVConnector):
             left = self._pieces_left.pop(id(load)) - 1
             if left:
                 self._pieces_left[id(load)] = left
-            if arrived.error is None and (stale := arrived.stale(self.config.timeout_s)):
+            ahead = self.read_ahead.stood(arrived, self.config.timeout_s)
+            stale = None if ahead is not None else arrived.stale(self.config.timeout_s)
+            if arrived.error is None and stale:
                 self._let_go(arrived)
                 arrived.error = f"KV of request {load.req_id!r}: {stale}"
             if self._loading.get(load.req_id) is not load:  # cancelled, or failed
+                if ahead is not None:
+                    self.read_ahead.done(arrived, ahead)
+                    continue
                 arrived.release()
                 if arrived.error is None:
                     self.puller.done(load, arrived.source)
@@ -220,7 +238,10 @@ class ZmqKVConnector(KVConnector):
                 self._failed.append(KVFailure(load.req_id, arrived.error))
             else:
                 try:
-                    self._copy_in(arrived)
+                    if ahead is None:
+                        self._copy_in(arrived)
+                    else:
+                        self.read_ahead.done(arrived, ahead)
                 except Exception as e:  # this load fails; the step and its requests go on
                     log.exception("rank %d: copying in the KV of %r", self.tp_rank, load.req_id)
                     del self._loading[load.req_id]
@@ -264,9 +285,7 @@ class ZmqKVConnector(KVConnector):
         (arrived.sources, mapped here; its blocks arrived.source_ids)."""
         load, source, sources = arrived.load, arrived.source, arrived.sources
         assert sources is not None and arrived.source_ids is not None
-        heads = None
-        if not source.count == self.layout.num_kv_heads == sources.num_kv_heads:
-            heads = (arrived.first, source.dest, source.count)
+        heads = source.heads(sources.num_kv_heads, self.layout.num_kv_heads)
         ids = np.asarray(load.block_ids[start:], np.int64)
         copy_blocks(self.kv_caches(), ids, sources.layers, arrived.source_ids[start:], heads)
 
@@ -276,9 +295,7 @@ class ZmqKVConnector(KVConnector):
         arrival go once it has run."""
         load, source = arrived.load, arrived.source
         assert arrived.sources is not None and arrived.source_ids is not None
-        heads = None
-        if not source.count == self.layout.num_kv_heads == arrived.sources.num_kv_heads:
-            heads = (arrived.first, source.dest, source.count)
+        heads = source.heads(arrived.sources.num_kv_heads, self.layout.num_kv_heads)
         try:
             if start < len(load.block_ids):
                 device_copies.copy_blocks(
