@@ -1,13 +1,16 @@
 """KV transfer between two workers' caches: the ZeroMQ connector's pull of 16 MiB of
 blocks, same host (straight out of the producer's cache: on the CPU from the memfd it
 lies in, on CUDA by CUDA IPC; and through a memfd the producer gathers the blocks into)
-and over tcp, against the floors of the same run: a memcpy of 16 MiB
-(same host; on CUDA also a device-to-device copy of as much), and bare pyzmq moving 16
-MiB over the same CURVE tcp (and without CURVE, for scale). A transfer is timed from the
-consumer's load order to its blocks holding the KV (the copy into the cache included;
-so is the producer's gather out of its cache where the pull finds it under way or not
-begun); the producer's part after the prefill's step (offering the blocks) is reported
-apart. Targets: same host >= 70% of memcpy (in place), tcp >= 80% of bare pyzmq.
+and over tcp, against the floors of the same run: a memcpy of 16 MiB (same host; on CUDA
+also a device-to-device copy of as much), and bare pyzmq moving 16 MiB over the same
+CURVE tcp (and without CURVE, for scale). A transfer is timed from the consumer's load
+order to its blocks holding the KV (the copy into the cache included; so is the
+producer's gather out of its cache where the pull finds it under way or not begun); the
+producer's part after the prefill's step (offering the blocks) is reported apart. Each
+load names the producer's blocks, as an engine does, so that an in-place pull is copied
+as it goes out (read_ahead.py); each is followed by one that does not (host_cache_asked,
+cuda_ipc_asked: the copy waits for the answer). Targets: same host >= 70% of memcpy (in
+place), tcp >= 80% of bare pyzmq.
 
 The host tier's copies of as many blocks (store: cache blocks into scattered host
 slots; load: back into other blocks) are timed against the copy of as many bytes in one
@@ -129,7 +132,7 @@ def producer(
         order = conn.recv()
         if order == "quit":
             break
-        side = sides.get(order.split("-")[0], sides["other"])
+        side = sides["host_cache" if order.startswith("host_cache") else "other"]
         started = time.perf_counter()
         side.after_step(KVConnectorMetadata(saves=[KVSave(order, ids, blocks * SPEC.block_size)]))
         sync(device)
@@ -151,29 +154,38 @@ def producer(
 
 
 def pull_seconds(
-    conn: Any, side: ZmqKVConnector, address: str, blocks: int, tag: str, repeats: int
-) -> tuple[list[float], list[float]]:
-    """(transfer seconds, offer seconds) of repeats pulls (after one untimed)."""
+    conn: Any, side: ZmqKVConnector, address: str, blocks: int, tag: str, repeats: int,
+    asked: bool,
+) -> tuple[dict[str, list[float]], list[float]]:  # fmt: skip
+    """({tag: transfer seconds}, offer seconds) of repeats pulls (after one untimed),
+    each load naming the producer's blocks; with asked, each pull followed by one that
+    does not name them (tag_asked: its copy waits for the answer)."""
     dest = np.arange(1, 2 * blocks, 2, dtype=np.int32)
-    transfers, offers = [], []
+    source = np.arange(0, 2 * blocks, 2, dtype=np.int32)  # the producer's, as it stages
+    transfers: dict[str, list[float]] = {tag: []}
+    if asked:
+        transfers[f"{tag}_asked"] = []
+    offers = []
     for i in range(repeats + 1):
-        req = f"{tag}-{i}"
-        conn.send(req)
-        offer = conn.recv()
-        load = KVLoad(req, dest, RemoteKV(req, blocks * SPEC.block_size, [address]))
-        started = time.perf_counter()
-        side.before_step(KVConnectorMetadata(loads=[load]))
-        while True:
-            out = side.take_output(wait_s=1.0)
-            if out is not None and (out.finished_recving or out.failed_recving):
-                break
-        sync(side.kv_caches()[0].device.type)
-        elapsed = time.perf_counter() - started
-        if out.failed_recving:
-            raise RuntimeError(out.failed_recving[0].error)
-        if i:
-            transfers.append(elapsed)
-            offers.append(offer)
+        for name in transfers:
+            req = f"{name}-{i}"
+            conn.send(req)
+            offer = conn.recv()
+            ids = None if name.endswith("_asked") else source
+            load = KVLoad(req, dest, RemoteKV(req, blocks * SPEC.block_size, [address], ids))
+            started = time.perf_counter()
+            side.before_step(KVConnectorMetadata(loads=[load]))
+            while True:
+                out = side.take_output(wait_s=1.0)
+                if out is not None and (out.finished_recving or out.failed_recving):
+                    break
+            sync(side.kv_caches()[0].device.type)
+            elapsed = time.perf_counter() - started
+            if out.failed_recving:
+                raise RuntimeError(out.failed_recving[0].error)
+            if i:
+                transfers[name].append(elapsed)
+                offers.append(offer)
     return transfers, offers
 
 
@@ -294,12 +306,16 @@ def main() -> None:
                 role="consumer", timeout_s=60.0, shared_memory=shared, cuda_ipc=ipc
             )
             side = ZmqKVConnector(config, lambda: kv, SPEC, 0, 1, keys)
+            in_place = ipc or path == "host_cache"
             try:
-                seconds[path], stage = pull_seconds(
-                    conn, side, f"tcp://127.0.0.1:{ports[port]}", blocks, path, args.repeats
-                )
+                pulls, stage = pull_seconds(conn, side, f"tcp://127.0.0.1:{ports[port]}",
+                                            blocks, path, args.repeats, asked=in_place)  # fmt: skip
+                seconds.update(pulls)
                 offer += stage
-                assert side.puller.num_pulled[path] == args.repeats + 1, side.puller.num_pulled
+                pulled = side.puller.num_pulled[path]
+                assert pulled == len(pulls) * (args.repeats + 1), side.puller.num_pulled
+                if in_place:  # each timed pull naming the blocks copied ahead, and stood
+                    assert side.read_ahead.num_stood == args.repeats, side.read_ahead.num_stood
             finally:
                 side.shutdown()
         seconds["memcpy"] = memcpy_seconds(nbytes, args.repeats)
@@ -327,6 +343,7 @@ def main() -> None:
     in_place = "cuda_ipc" if args.device == "cuda" else "host_cache"
     ratios = {
         f"{in_place}_vs_memcpy": median["memcpy"] / median[in_place],
+        f"{in_place}_asked_vs_memcpy": median["memcpy"] / median[f"{in_place}_asked"],
         "memfd_vs_memcpy": median["memcpy"] / median["memfd"],
         "tcp_vs_pyzmq_curve": median["pyzmq_curve"] / median["tcp"],
         "tcp_vs_pyzmq_plain": median["pyzmq_plain"] / median["tcp"],
