@@ -153,6 +153,34 @@ def test_no_two_stagings_share_a_name() -> None:
     assert len(names) == 4 and all(name.startswith("p@") for name in names)
 
 
+def test_an_id_whose_blocks_are_held_for_a_transfer_is_refused_until_it_ends() -> None:
+    """Blocks go by request id: a new request of the id of a finished prefill whose KV is
+    still staged (or of an aborted pull still under way) would have its own freed with
+    them."""
+    s = scheduler(8, [ADDRESS])
+    first = Request("p", list(range(10)), PARAMS, remote_decode=True)
+    s.add_request(first)
+    step = s.schedule()
+    s.update_from_output(step, answer(step))
+    again = Request("p", list(range(10)), PARAMS, remote_decode=True)
+    with pytest.raises(ValueError, match="'p' still holds blocks here"):
+        s.add_request(again)
+    step = s.schedule()
+    report = KVConnectorOutput(finished_sending=[first.kv_transfer_out.req_id])
+    s.update_from_output(step, answer(step, report))
+    s.add_request(again)  # its transfer over: the id is free
+    decode = scheduler(8, [])
+    decode.add_request(remote("d", list(range(8))))
+    step = decode.schedule()  # orders the pull
+    decode.abort_request("d")
+    with pytest.raises(ValueError, match="'d' still holds blocks here"):
+        decode.add_request(remote("d", list(range(8))))
+    decode.update_from_output(step, answer(step))
+    step = decode.schedule()
+    decode.update_from_output(step, answer(step, KVConnectorOutput(finished_recving=["d"])))
+    decode.add_request(remote("d", list(range(8))))
+
+
 def test_after_a_failed_step_the_loads_under_way_are_cancelled_before_their_blocks_serve() -> None:
     s = scheduler(4, [])
     s.add_request(remote("r", list(range(8))))

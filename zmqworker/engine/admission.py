@@ -54,14 +54,19 @@ def check_limits(scheduler: Limits) -> None:
 def check_new_request(
     request: Request, max_model_len: int, kv: KVConnectorScheduler | None
 ) -> None:
-    """A request about to be added (not a duplicate: the scheduler checks that). kv: this
-    engine's KV transfer, whose role says what it takes (a decode instance pulls, a
-    prefill instance serves), so that a request sent to the wrong side of a pair is
-    refused before it runs."""
+    """A request about to be added (not a duplicate of a live one: the scheduler checks
+    that). kv: this engine's KV transfer, whose role says what it takes (a decode
+    instance pulls, a prefill instance serves), so that a request sent to the wrong side
+    of a pair is refused before it runs, and which refuses an id whose blocks it holds."""
     pulls_kv, serves_kv = kv is not None and kv.consumes, kv is not None and bool(kv.addresses)
     num_given = 0 if request.remote is None else 1  # the remote prefill's token
     if request.status is not RequestStatus.WAITING or len(request.output_token_ids) > num_given:
         raise ValueError(f"request {request.req_id!r} is not a fresh request")
+    if kv is not None and kv.holds(request.req_id):
+        raise ValueError(
+            f"request id {request.req_id!r} still holds blocks here, its KV transfer not "
+            "over: send it again once its transfer has ended or timed out, or use a new id"
+        )
     if request.remote is not None and not pulls_kv:
         raise ValueError(
             f"request {request.req_id!r} brings a remote prefill's KV, but this engine pulls "

@@ -88,6 +88,12 @@ class KVConnectorScheduler:
     def num_waiting_for_kv(self) -> int:
         return len(self._to_load) + len(self._loading)
 
+    def holds(self, req_id: str) -> bool:
+        """Whether blocks are still held under req_id here: a finished prefill's until its
+        KV is sent, a pull's (aborted, too) until its end is reported. Another request of
+        that id must wait: the blocks go by id."""
+        return req_id in self._loading or any(r.req_id == req_id for r in self._sending.values())
+
     def add_remote(self, request: Request) -> None:
         """A request whose prompt was prefilled elsewhere (request.remote)."""
         assert request.remote is not None
