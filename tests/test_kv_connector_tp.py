@@ -1,10 +1,10 @@
 """The ZeroMQ KV connector between sides of different tensor parallel sizes, in one
 process over real sockets: each decode rank's cache ends up with the heads the model's
 head rule gives it, taken from the prefill ranks that hold them, out of their host
-caches in place, through the memfd and over tcp; a prefill rank's staged KV goes once
-every decode rank that reads it (or only releases it, a replica nobody reads) is done,
-not at the timeout. The caches live on ZMQWORKER_TEST_DEVICE (bench/run_on_gpu.sh runs
-these on CUDA: the head-slice copies)."""
+caches in place (copied ahead of the answers too), through the memfd and over tcp; a
+prefill rank's staged KV goes once every decode rank that reads it (or only releases it,
+a replica nobody reads) is done, not at the timeout. The caches live on
+ZMQWORKER_TEST_DEVICE (bench/run_on_gpu.sh runs these on CUDA: the head-slice copies)."""
 
 from __future__ import annotations
 
@@ -147,3 +147,42 @@ def test_a_prefill_rank_that_never_answers_fails_the_load_by_name(stack: ExitSta
     assert failure.req_id == "r" and f":{gone}" in failure.error
     assert names(until(producer, bool, timeout=5.0), "finished_sending") == ["r"]
     assert consumer._loading == {} and consumer._pieces_left == {}
+
+
+@pytest.mark.parametrize(
+    ("heads", "prefill_tp", "decode_tp"), [(4, 2, 1), (4, 1, 2), (4, 2, 4), (1, 1, 2), (2, 4, 1)]
+)
+def test_a_decode_rank_copies_its_heads_ahead_of_the_answers(
+    stack: ExitStack, heads: int, prefill_tp: int, decode_tp: int
+) -> None:
+    """Once the prefill ranks' host caches are open (a first pull), a load naming the
+    prefill's blocks is copied, each decode rank's own heads from each prefill rank it
+    reads, before the answers, which confirm every piece."""
+    if DEVICE != "cpu":
+        pytest.skip("host caches: the caches on the CPU")
+    whole = model_cache(heads, 8)
+    addresses = []
+    for p in range(prefill_tp):
+        port = free_port()
+        shared = in_shared_memory(rank_slice(whole, heads, p, prefill_tp))
+        stack.callback(shared.close)
+        producer = side("producer", shared.layers, heads, p, prefill_tp, shared, port=port - p)
+        stack.callback(producer.shutdown)
+        saves = [KVSave("first", np.array([7]), 4), KVSave("r", np.array([2, 5]), 7)]
+        producer.after_step(KVConnectorMetadata(saves=saves))
+        addresses.append(f"tcp://127.0.0.1:{port}")
+    for d in range(decode_tp):
+        per_rank = kv_heads_of_rank(heads, decode_tp, d)[0]
+        target = [torch.zeros(2, 6, per_rank, SLOTS) for _ in range(2)]
+        consumer = side("consumer", target, heads, d, decode_tp)
+        stack.callback(consumer.shutdown)
+        loads = (("first", 4, None, [5]), ("r", 7, np.array([2, 5], np.int32), [1, 4]))
+        for req, num_tokens, source, dest in loads:
+            remote = RemoteKV(req, num_tokens, addresses, source)
+            consumer.before_step(KVConnectorMetadata(loads=[KVLoad(req, np.array(dest), remote)]))
+            until(consumer, lambda outs, req=req: names(outs, "finished_recving") == [req])
+        pieces = consumer.puller.num_pulled["host_cache"] // 2  # a load's
+        assert consumer.read_ahead.num_stood == pieces > 0  # every piece of "r"
+        want = rank_slice(whole, heads, d, decode_tp)
+        for layer in range(2):
+            assert torch.equal(target[layer][:, [1, 4]], want[layer][:, [2, 5]])

@@ -32,7 +32,7 @@ def pull(side, req: str, dest: list[int], port: int, source: list[int] | None, c
 def no_holds(side) -> None:
     """Nothing holds a producer's cache open here once the loads are over."""
     caches = side.puller.peer_caches
-    assert [c.users for c in [*caches._open.values(), *caches._retired]] in ([], [0])
+    assert all(c.users == 0 for c in [*caches._open.values(), *caches._retired])
 
 
 def opened(side, producer: Producer, port: int) -> None:
