@@ -9,6 +9,8 @@ its answer. No hold on a producer's cache outlives the loads."""
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from typing import NamedTuple
 
 import numpy as np
 import pytest
@@ -17,147 +19,120 @@ import torch
 from messages.kv_transfer import KVConnectorMetadata, KVLoad, RemoteKV
 from tests.test_kv_connector import names, until
 from tests.test_kv_host_cache import SHAPE, SPEC, Producer, consumer, free_port, shared_cache
+from zmqworker.kv_transfer.zmq_connector import ZmqKVConnector
 
 
-def load(req: str, dest: list[int], port: int, source: list[int] | None, cached: int = 0):
-    ids = None if source is None else np.array(source, np.int32)
-    remote = RemoteKV(req, len(dest) * SPEC.block_size, [f"tcp://127.0.0.1:{port}"], ids)
-    return KVLoad(req, np.array(dest, np.int32), remote, num_cached_blocks=cached)
+class Pair(NamedTuple):
+    producer: Producer
+    side: ZmqKVConnector  # the consumer
+    target: list[torch.Tensor]  # its cache
+    port: int
+
+    def load(self, req: str, dest: list[int], source: list[int] | None, cached: int = 0):
+        """A load of dest, the prefill's blocks named (source) or not (None)."""
+        ids = None if source is None else np.array(source, np.int32)
+        address = f"tcp://127.0.0.1:{self.port}"
+        remote = RemoteKV(req, len(dest) * SPEC.block_size, [address], ids)
+        return KVLoad(req, np.array(dest, np.int32), remote, num_cached_blocks=cached)
+
+    def pull(self, req: str, dest: list[int], source: list[int] | None, cached: int = 0):
+        self.side.before_step(KVConnectorMetadata(loads=[self.load(req, dest, source, cached)]))
+
+    def landed(self, req: str) -> None:
+        until(self.side, lambda outs: names(outs, "finished_recving") == [req])
+
+    def holds_none(self) -> bool:
+        """Whether nothing holds a producer's cache open here (the loads are over)."""
+        caches = self.side.puller.peer_caches
+        return all(c.users == 0 for c in [*caches._open.values(), *caches._retired])
 
 
-def pull(side, req: str, dest: list[int], port: int, source: list[int] | None, cached=0):
-    side.before_step(KVConnectorMetadata(loads=[load(req, dest, port, source, cached)]))
-
-
-def no_holds(side) -> None:
-    """Nothing holds a producer's cache open here once the loads are over."""
-    caches = side.puller.peer_caches
-    assert all(c.users == 0 for c in [*caches._open.values(), *caches._retired])
-
-
-def opened(side, producer: Producer, port: int) -> None:
-    """A first pull from producer: its cache is open here from then on."""
-    producer.stage("first", [0])
-    pull(side, "first", [15], port, [0])
-    until(side, lambda outs: names(outs, "finished_recving") == ["first"])
-    assert side.read_ahead.num_stood == 0  # nothing was open to copy from ahead
+@pytest.fixture
+def pair() -> Iterator[Pair]:
+    """A producer and a consumer that has its cache open (a first pull, not ahead)."""
+    port = free_port()
+    producer = Producer(port)
+    target = [torch.zeros(SHAPE) for _ in SPEC.layer_names]
+    pair = Pair(producer, consumer(target), target, port)
+    try:
+        producer.stage("first", [0])
+        pair.pull("first", [15], [0])
+        pair.landed("first")
+        assert pair.side.read_ahead.num_stood == 0  # nothing was open to copy from ahead
+        yield pair
+    finally:
+        pair.side.shutdown()
+        producer.close()
 
 
 @pytest.mark.parametrize("cached", [0, 2], ids=["all", "after-hits"])
-def test_a_load_naming_the_prefill_s_blocks_is_copied_ahead_and_confirmed(cached) -> None:
-    port = free_port()
-    producer = Producer(port)
-    target = [torch.zeros(SHAPE) for _ in SPEC.layer_names]
-    side = consumer(target)
-    try:
-        opened(side, producer, port)
-        source, dest = [7, 2, 3, 8], [1, 5, 6, 14]
-        producer.stage("r", source)
-        pull(side, "r", dest, port, source, cached)
-        until(side, lambda outs: names(outs, "finished_recving") == ["r"])
-        assert side.read_ahead.num_stood == 1
-        assert side.puller.num_pulled["host_cache"] == 2
-        assert "r" in names(until(producer.side, lambda o: "r" in names(o, "finished_sending")),
-                            "finished_sending")  # fmt: skip
-        for mine, theirs in zip(target, producer.shared.layers, strict=True):
-            assert torch.equal(mine[:, dest[cached:]], theirs[:, source[cached:]])
-            assert not mine[:, dest[:cached]].any()  # held here already: untouched
-        no_holds(side)
-    finally:
-        side.shutdown()
-        producer.close()
+def test_a_load_naming_the_prefill_s_blocks_is_copied_ahead_and_confirmed(pair, cached) -> None:
+    source, dest = [7, 2, 3, 8], [1, 5, 6, 14]
+    pair.producer.stage("r", source)
+    pair.pull("r", dest, source, cached)
+    pair.landed("r")
+    assert pair.side.read_ahead.num_stood == 1
+    assert pair.side.puller.num_pulled["host_cache"] == 2
+    producer = pair.producer.side
+    until(producer, lambda outs: "r" in names(outs, "finished_sending"))
+    for mine, theirs in zip(pair.target, pair.producer.shared.layers, strict=True):
+        assert torch.equal(mine[:, dest[cached:]], theirs[:, source[cached:]])
+        assert not mine[:, dest[:cached]].any()  # held here already: untouched
+    assert pair.holds_none()
 
 
 @pytest.mark.parametrize("change", ["other-blocks", "new-cache"])
-def test_a_copy_ahead_the_answer_contradicts_is_made_again(change) -> None:
+def test_a_copy_ahead_the_answer_contradicts_is_made_again(pair, change) -> None:
     """other-blocks: the load names blocks the producer did not stage; new-cache: the
     producer made its cache anew (a wake-up), so the copy ahead read the old one."""
-    port = free_port()
-    producer = Producer(port)
-    target = [torch.zeros(SHAPE) for _ in SPEC.layer_names]
-    side = consumer(target)
-    try:
-        opened(side, producer, port)
-        named = [9, 10]
-        if change == "new-cache":
-            old, producer.shared = producer.shared, shared_cache(seed=2)
-            old.close()
-        producer.stage("r", [4, 5] if change == "other-blocks" else named)
-        pull(side, "r", [11, 12], port, named)
-        until(side, lambda outs: names(outs, "finished_recving") == ["r"])
-        assert side.read_ahead.num_stood == 0
-        staged = [4, 5] if change == "other-blocks" else named
-        for mine, theirs in zip(target, producer.shared.layers, strict=True):
-            assert torch.equal(mine[:, [11, 12]], theirs[:, staged])
-        no_holds(side)
-    finally:
-        side.shutdown()
-        producer.close()
+    named, staged = [9, 10], [4, 5] if change == "other-blocks" else [9, 10]
+    if change == "new-cache":
+        old, pair.producer.shared = pair.producer.shared, shared_cache(seed=2)
+        old.close()
+    pair.producer.stage("r", staged)
+    pair.pull("r", [11, 12], named)
+    pair.landed("r")
+    assert pair.side.read_ahead.num_stood == 0
+    for mine, theirs in zip(pair.target, pair.producer.shared.layers, strict=True):
+        assert torch.equal(mine[:, [11, 12]], theirs[:, staged])
+    assert pair.holds_none()
 
 
-def test_a_copy_ahead_of_a_refusal_fails_its_load() -> None:
+def test_a_copy_ahead_of_a_refusal_fails_its_load(pair) -> None:
     """The prefill's staged KV was withdrawn (a failed step there): the blocks were
     copied ahead, the answer refuses, and the load fails naming why."""
-    port = free_port()
-    producer = Producer(port)
-    side = consumer([torch.zeros(SHAPE) for _ in SPEC.layer_names])
-    try:
-        opened(side, producer, port)
-        producer.stage("r", [3])
-        producer.side.before_step(KVConnectorMetadata(cancel_saves=["r"]))
-        pull(side, "r", [4], port, [3])
-        [failure] = names(until(side, bool), "failed_recving")
-        assert failure.req_id == "r" and "was withdrawn" in failure.error
-        assert side.read_ahead.num_stood == 0
-        no_holds(side)
-    finally:
-        side.shutdown()
-        producer.close()
+    pair.producer.stage("r", [3])
+    pair.producer.side.before_step(KVConnectorMetadata(cancel_saves=["r"]))
+    pair.pull("r", [4], [3])
+    [failure] = names(until(pair.side, bool), "failed_recving")
+    assert failure.req_id == "r" and "was withdrawn" in failure.error
+    assert pair.side.read_ahead.num_stood == 0 and pair.holds_none()
 
 
-def test_a_load_without_the_prefill_s_blocks_waits_for_its_answer() -> None:
-    port = free_port()
-    producer = Producer(port)
-    target = [torch.zeros(SHAPE) for _ in SPEC.layer_names]
-    side = consumer(target)
-    try:
-        opened(side, producer, port)
-        producer.stage("r", [6])
-        pull(side, "r", [7], port, None)
-        until(side, lambda outs: names(outs, "finished_recving") == ["r"])
-        assert side.read_ahead.num_stood == 0
-        for mine, theirs in zip(target, producer.shared.layers, strict=True):
-            assert torch.equal(mine[:, 7], theirs[:, 6])
-    finally:
-        side.shutdown()
-        producer.close()
+def test_a_load_without_the_prefill_s_blocks_waits_for_its_answer(pair) -> None:
+    pair.producer.stage("r", [6])
+    pair.pull("r", [7], None)
+    pair.landed("r")
+    assert pair.side.read_ahead.num_stood == 0
+    for mine, theirs in zip(pair.target, pair.producer.shared.layers, strict=True):
+        assert torch.equal(mine[:, 7], theirs[:, 6])
 
 
-def test_a_load_cancelled_after_its_copy_ahead_lets_its_hold_go() -> None:
+def test_a_load_cancelled_after_its_copy_ahead_lets_its_hold_go(pair) -> None:
     """The engine gives up on the load (a failed step) before its answer is taken: its
     copy's hold goes at once, the answer that comes is dropped (KVDone said, so the
     producer lets its blocks go), and nothing is reported of it."""
-    port = free_port()
-    producer = Producer(port)
-    side = consumer([torch.zeros(SHAPE) for _ in SPEC.layer_names])
-    try:
-        opened(side, producer, port)
-        # Pulled before it is staged: its answer waits for the staging, below.
-        side.before_step(KVConnectorMetadata(loads=[load("r", [4], port, [3])]))
-        [held] = side.puller.peer_caches._open.values()
-        assert held.users == 1 and side.read_ahead._ahead  # copied ahead, not judged
-        side.before_step(KVConnectorMetadata(cancel_loads=["r"]))
-        assert not side.read_ahead._ahead and held.users == 0
-        producer.stage("r", [3])
-        sent: list[str] = []
-        deadline = time.monotonic() + 10
-        while "r" not in sent:  # the consumer drops the answer, saying KVDone
-            assert time.monotonic() < deadline, "the producer never heard KVDone"
-            assert side.take_output(wait_s=0.02) is None  # nothing reported of "r"
-            out = producer.side.take_output(wait_s=0.02)
-            sent += [] if out is None else out.finished_sending
-        assert side.read_ahead.num_stood == 0
-        no_holds(side)
-    finally:
-        side.shutdown()
-        producer.close()
+    pair.pull("r", [4], [3])  # before it is staged: its answer waits for the staging
+    [held] = pair.side.puller.peer_caches._open.values()
+    assert held.users == 1 and pair.side.read_ahead._ahead  # copied ahead, not judged
+    pair.side.before_step(KVConnectorMetadata(cancel_loads=["r"]))
+    assert not pair.side.read_ahead._ahead and held.users == 0
+    pair.producer.stage("r", [3])
+    sent: list[str] = []
+    deadline = time.monotonic() + 10
+    while "r" not in sent:  # the consumer drops the answer, saying KVDone
+        assert time.monotonic() < deadline, "the producer never heard KVDone"
+        assert pair.side.take_output(wait_s=0.02) is None  # nothing reported of "r"
+        out = pair.producer.side.take_output(wait_s=0.02)
+        sent += [] if out is None else out.finished_sending
+    assert pair.side.read_ahead.num_stood == 0 and pair.holds_none()
