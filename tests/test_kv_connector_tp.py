@@ -182,7 +182,8 @@ def test_a_decode_rank_copies_its_heads_ahead_of_the_answers(
             consumer.before_step(KVConnectorMetadata(loads=[KVLoad(req, np.array(dest), remote)]))
             until(consumer, lambda outs, req=req: names(outs, "finished_recving") == [req])
         pieces = consumer.puller.num_pulled["host_cache"] // 2  # a load's
-        assert consumer.read_ahead.num_stood == pieces > 0  # every piece of "r"
+        read_ahead = consumer.read_ahead
+        assert read_ahead.num_copied == read_ahead.num_stood == pieces > 0  # all of "r"
         want = rank_slice(whole, heads, d, decode_tp)
         for layer in range(2):
             assert torch.equal(target[layer][:, [1, 4]], want[layer][:, [2, 5]])

@@ -166,7 +166,7 @@ def test_blocks_come_straight_out_of_the_producer_s_gpu_cache(producer):
             assert torch.equal(target[layer][:, [0, 9]], remade[layer][:, [3, 4]])
         assert [cache.key for cache in peer_caches._open.values()] != first  # opened anew
         assert consumer.puller.num_pulled == {"cuda_ipc": 3, "host_cache": 0, "memfd": 0, "tcp": 0}
-        assert consumer.read_ahead.num_stood == 1
+        assert (consumer.read_ahead.num_copied, consumer.read_ahead.num_stood) == (2, 1)
         until_closed(peer_caches, "the producer's caches stayed open")
     finally:
         consumer.shutdown()

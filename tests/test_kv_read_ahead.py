@@ -19,6 +19,7 @@ import torch
 from messages.kv_transfer import KVConnectorMetadata, KVLoad, RemoteKV
 from tests.test_kv_connector import names, until
 from tests.test_kv_host_cache import SHAPE, SPEC, Producer, consumer, free_port, shared_cache
+from zmqworker.kv_transfer import peer_caches
 from zmqworker.kv_transfer.zmq_connector import ZmqKVConnector
 
 
@@ -48,8 +49,10 @@ class Pair(NamedTuple):
 
 
 @pytest.fixture
-def pair() -> Iterator[Pair]:
-    """A producer and a consumer that has its cache open (a first pull, not ahead)."""
+def pair(monkeypatch) -> Iterator[Pair]:
+    """A producer and a consumer that has its cache open (a first pull, not ahead), kept
+    open however slowly the test runs."""
+    monkeypatch.setattr(peer_caches, "IDLE_CLOSE_S", 600.0)
     port = free_port()
     producer = Producer(port)
     target = [torch.zeros(SHAPE) for _ in SPEC.layer_names]
@@ -58,7 +61,7 @@ def pair() -> Iterator[Pair]:
         producer.stage("first", [0])
         pair.pull("first", [15], [0])
         pair.landed("first")
-        assert pair.side.read_ahead.num_stood == 0  # nothing was open to copy from ahead
+        assert pair.side.read_ahead.num_copied == 0  # nothing was open to copy from ahead
         yield pair
     finally:
         pair.side.shutdown()
@@ -71,7 +74,7 @@ def test_a_load_naming_the_prefill_s_blocks_is_copied_ahead_and_confirmed(pair, 
     pair.producer.stage("r", source)
     pair.pull("r", dest, source, cached)
     pair.landed("r")
-    assert pair.side.read_ahead.num_stood == 1
+    assert (pair.side.read_ahead.num_copied, pair.side.read_ahead.num_stood) == (1, 1)
     assert pair.side.puller.num_pulled["host_cache"] == 2
     producer = pair.producer.side
     until(producer, lambda outs: "r" in names(outs, "finished_sending"))
@@ -92,7 +95,7 @@ def test_a_copy_ahead_the_answer_contradicts_is_made_again(pair, change) -> None
     pair.producer.stage("r", staged)
     pair.pull("r", [11, 12], named)
     pair.landed("r")
-    assert pair.side.read_ahead.num_stood == 0
+    assert (pair.side.read_ahead.num_copied, pair.side.read_ahead.num_stood) == (1, 0)
     for mine, theirs in zip(pair.target, pair.producer.shared.layers, strict=True):
         assert torch.equal(mine[:, [11, 12]], theirs[:, staged])
     assert pair.holds_none()
@@ -106,14 +109,15 @@ def test_a_copy_ahead_of_a_refusal_fails_its_load(pair) -> None:
     pair.pull("r", [4], [3])
     [failure] = names(until(pair.side, bool), "failed_recving")
     assert failure.req_id == "r" and "was withdrawn" in failure.error
-    assert pair.side.read_ahead.num_stood == 0 and pair.holds_none()
+    assert (pair.side.read_ahead.num_copied, pair.side.read_ahead.num_stood) == (1, 0)
+    assert pair.holds_none()
 
 
 def test_a_load_without_the_prefill_s_blocks_waits_for_its_answer(pair) -> None:
     pair.producer.stage("r", [6])
     pair.pull("r", [7], None)
     pair.landed("r")
-    assert pair.side.read_ahead.num_stood == 0
+    assert pair.side.read_ahead.num_copied == 0
     for mine, theirs in zip(pair.target, pair.producer.shared.layers, strict=True):
         assert torch.equal(mine[:, 7], theirs[:, 6])
 
@@ -124,7 +128,7 @@ def test_a_load_cancelled_after_its_copy_ahead_lets_its_hold_go(pair) -> None:
     producer lets its blocks go), and nothing is reported of it."""
     pair.pull("r", [4], [3])  # before it is staged: its answer waits for the staging
     [held] = pair.side.puller.peer_caches._open.values()
-    assert held.users == 1 and pair.side.read_ahead._ahead  # copied ahead, not judged
+    assert held.users == 1 and pair.side.read_ahead.num_copied == 1  # not judged yet
     pair.side.before_step(KVConnectorMetadata(cancel_loads=["r"]))
     assert not pair.side.read_ahead._ahead and held.users == 0
     pair.producer.stage("r", [3])

@@ -181,6 +181,19 @@ def test_an_id_whose_blocks_are_held_for_a_transfer_is_refused_until_it_ends() -
     decode.add_request(remote("d", list(range(8))))
 
 
+def test_after_a_failed_step_an_aborted_pull_s_blocks_go_and_its_id_is_free() -> None:
+    s = scheduler(4, [])
+    s.add_request(remote("r", list(range(8))))
+    step = s.schedule()  # orders the pull
+    s.abort_request("r")  # its blocks wait for the pull's end
+    s.update_from_output(step, answer(step))
+    s.reset_after_failure()  # the pull is cancelled: its end will never be heard
+    assert s.kv.num_free_blocks == 4
+    step = s.schedule()
+    assert step.kv_connector_metadata.cancel_loads == ["r"]
+    s.add_request(remote("r", list(range(8))))
+
+
 def test_after_a_failed_step_the_loads_under_way_are_cancelled_before_their_blocks_serve() -> None:
     s = scheduler(4, [])
     s.add_request(remote("r", list(range(8))))

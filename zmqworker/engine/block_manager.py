@@ -80,6 +80,10 @@ class KVBlockManager:
         """Fraction of blocks referenced by some request."""
         return 1.0 - len(self._free) / self.num_blocks
 
+    def holds(self, req_id: str) -> bool:
+        """Whether req_id holds blocks (a table, maybe empty)."""
+        return req_id in self._tables
+
     def block_ids(self, req_id: str) -> list[int]:
         """The request's block table (a copy); empty if it holds no blocks."""
         return list(self._tables.get(req_id, ()))

@@ -89,10 +89,10 @@ class KVConnectorScheduler:
         return len(self._to_load) + len(self._loading)
 
     def holds(self, req_id: str) -> bool:
-        """Whether blocks are still held under req_id here: a finished prefill's until its
-        KV is sent, a pull's (aborted, too) until its end is reported. Another request of
-        that id must wait: the blocks go by id."""
-        return req_id in self._loading or any(r.req_id == req_id for r in self._sending.values())
+        """Whether blocks are still held under req_id, where no live request has that id:
+        a finished prefill's until its KV is sent, an aborted pull's until its end is
+        reported. Another request of that id must wait: the blocks go by id."""
+        return self.kv.holds(req_id)
 
     def add_remote(self, request: Request) -> None:
         """A request whose prompt was prefilled elsewhere (request.remote)."""
@@ -198,17 +198,20 @@ class KVConnectorScheduler:
         return finished
 
     def reset(self, workers_lost: bool = False) -> list[Request]:
-        """After a failed step: every load is forgotten (the blocks of requests waiting
-        for KV are the scheduler's to free, with every unfinished request's), and so is
-        every save. Returns the requests that waited for KV. The loads under way are
-        cancelled by the next step's orders, before anything of that step runs: their
-        blocks may go to other requests at once. The finished prefills' blocks stay held
-        until the workers report them sent: the next step withdraws their staged KV,
-        which a puller may be reading in place (the saves no step carried yet were never
-        staged, and with the workers lost nothing will report: their blocks go now)."""
+        """After a failed step: every load is forgotten (the blocks of requests waiting for
+        KV are the scheduler's to free, with every unfinished request's; those of
+        aborted ones whose pull was under way go here), and so is every save. Returns
+        the requests that waited for KV. The loads under way are cancelled by the next
+        step's orders, before anything of that step runs: their blocks may go to other
+        requests at once. The finished prefills' blocks stay held until the workers
+        report them sent: the next step withdraws their staged KV, which a puller may be
+        reading in place (the saves no step carried yet were never staged, and with the
+        workers lost nothing will report: their blocks go now)."""
         unstaged = self._sending if workers_lost else [s.req_id for s in self._saves]
         for name in list(unstaged):
             self.kv.free(self._sending.pop(name).req_id)
+        for req_id in self._aborted:  # no request of the scheduler's holds these blocks
+            self.kv.free(req_id)
         waiting = [*self._to_load.values(), *(r for r, _ in self._loading.values())]
         self._cancels = [*self._cancels, *self._loading]
         self._withdrawn = list(dict.fromkeys([*self._withdrawn, *self._sending]))

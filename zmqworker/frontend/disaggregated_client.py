@@ -17,7 +17,8 @@ instance gone: its own requests fail at once, and so do those a decode instance 
 yet answered that pull from it (their pull would wait for a prefill that is gone: they
 are aborted there, which frees their blocks once any pull under way is over). A pull
 that fails on a decode instance (timed out, refused) fails its request there, naming the
-prefill's address. Nothing is recomputed: the caller may send the request again.
+prefill's address. Nothing is recomputed: the caller may send the request again, under
+a new id (an id is refused while a transfer of its holds blocks).
 """
 
 from __future__ import annotations

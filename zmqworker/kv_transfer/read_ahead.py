@@ -59,7 +59,8 @@ class ReadAhead:
         self._kv_caches = kv_caches
         self._num_kv_heads = num_kv_heads
         self._ahead: dict[tuple[int, HeadSource], Ahead] = {}  # by (id(load), source)
-        self.num_stood = 0  # pieces whose copy ahead stood, since start
+        self.num_copied = 0  # pieces copied ahead, since start
+        self.num_stood = 0  # of those, the pieces whose copy stood
 
     def start(self, pulled: list[tuple[KVLoad, tuple[HeadSource, ...]]]) -> None:
         """Copy the pieces of the loads just pulled (each with its sources) whose
@@ -160,3 +161,4 @@ class ReadAhead:
             log.log(level, "rank %d: no copy ahead for %r: %s", self._puller.rank, load.req_id, e)
             return
         self._ahead[(id(load), source)] = Ahead(load, cache, time.monotonic(), copied)
+        self.num_copied += 1
