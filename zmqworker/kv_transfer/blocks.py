@@ -21,6 +21,7 @@ from messages import KVCacheSpec
 from messages.kv_cache import DTYPE_BYTES
 from messages.kv_peer import KVLayout
 from zmqworker.kv_transfer import device_copies
+from zmqworker.kv_transfer.peer_caches import PeerCache
 from zmqworker.models.registry import torch_dtype
 
 # A peer's memfd is mapped read-only: the tensors over it are only read (as the codec's).
@@ -103,6 +104,26 @@ def scatter_heads(
         _for_each_layer(copy, len(kv_caches))
         return
     device_copies.scatter(kv_caches, block_ids, staged, (first, dest, count))
+
+
+def copy_from_peer(
+    kv_caches: list[torch.Tensor],
+    block_ids: np.ndarray,
+    source: PeerCache,
+    source_ids: np.ndarray,
+    heads: tuple[int, int, int] | None,
+) -> torch.cuda.Event | None:
+    """Blocks source_ids (int64) of a producer's cache opened here into block_ids (int64)
+    of kv_caches; heads as scatter's. On the host, copied on return (None); on a GPU,
+    queued on the current stream: the event of its end."""
+    if kv_caches[0].device.type != "cuda":
+        copy_blocks(kv_caches, block_ids, source.layers, source_ids, heads)
+        return None
+    device_copies.copy_blocks(kv_caches, torch.from_numpy(block_ids), source,
+                              torch.from_numpy(source_ids), heads)  # fmt: skip
+    copied = torch.cuda.Event()
+    copied.record()
+    return copied
 
 
 def copy_blocks(

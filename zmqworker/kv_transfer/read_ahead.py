@@ -26,9 +26,8 @@ import numpy as np
 import torch
 
 from messages.kv_transfer import KVLoad
-from zmqworker.kv_transfer import device_copies
 from zmqworker.kv_transfer.arrived import Arrived
-from zmqworker.kv_transfer.blocks import copy_blocks
+from zmqworker.kv_transfer.blocks import copy_from_peer
 from zmqworker.kv_transfer.head_map import HeadSource
 from zmqworker.kv_transfer.peer_caches import PeerCache, checked_ids
 from zmqworker.kv_transfer.puller import KVPuller
@@ -137,20 +136,13 @@ class ReadAhead:
         assert load.remote.block_ids is not None
         kv_caches = self._kv_caches()
         device, start, ids = kv_caches[0].device, load.num_cached_blocks, load.remote.block_ids
-        copied = None
         try:
             if cache.num_kv_heads != source.staged_heads:
                 raise ValueError(f"{cache.num_kv_heads} heads open, {source.staged_heads} staged")
             source_ids = checked_ids(ids.tolist(), len(ids), cache.num_blocks)[start:]
             dest = np.asarray(load.block_ids[start:], np.int64)
             heads = source.heads(cache.num_kv_heads, self._num_kv_heads)
-            if device.type == "cuda":
-                device_copies.copy_blocks(kv_caches, torch.from_numpy(dest), cache,
-                                          torch.from_numpy(source_ids), heads)  # fmt: skip
-                copied = torch.cuda.Event()
-                copied.record()
-            else:
-                copy_blocks(kv_caches, dest, cache.layers, source_ids, heads)
+            copied = copy_from_peer(kv_caches, dest, cache, source_ids, heads)
         except BaseException as e:  # the answer will say where the blocks are
             if device.type == "cuda":
                 torch.cuda.current_stream(device).synchronize()

@@ -42,7 +42,7 @@ from zmqworker.distributed.shared_cache import SharedKVCache
 from zmqworker.kv_transfer import device_copies
 from zmqworker.kv_transfer.arrived import Arrived
 from zmqworker.kv_transfer.blocks import (
-    copy_blocks,
+    copy_from_peer,
     layout_of,
     scatter,
     scatter_heads,
@@ -255,13 +255,11 @@ class ZmqKVConnector(KVConnector):
     def _copy_in(self, arrived: Arrived) -> None:
         load = arrived.load
         start = load.num_cached_blocks  # the blocks before it hold their KV here
-        if arrived.sources is not None and self.kv_caches()[0].device.type == "cuda":
-            self._copy_from_device(arrived, start)
+        if arrived.sources is not None:
+            self._copy_in_place(arrived, start)
             return
         try:
-            if start < len(load.block_ids) and arrived.sources is not None:
-                self._copy_from_host(arrived, start)
-            elif start < len(load.block_ids):
+            if start < len(load.block_ids):
                 self._scatter(arrived, start)
         finally:  # copied or not, nothing reads the staging any more
             self._let_go(arrived)
@@ -280,39 +278,29 @@ class ZmqKVConnector(KVConnector):
             scatter_heads(self.kv_caches(), ids, staged, arrived.first, source.dest,
                           source.count)  # fmt: skip
 
-    def _copy_from_host(self, arrived: Arrived, start: int) -> None:
-        """Copy the load's blocks from start on out of the producer's host cache
-        (arrived.sources, mapped here; its blocks arrived.source_ids)."""
+    def _copy_in_place(self, arrived: Arrived, start: int) -> None:
+        """Copy the load's blocks from start on out of the producer's cache (arrived.sources,
+        opened here; its blocks arrived.source_ids), and let arrived go; on a GPU the copy
+        is queued, and the puller lets arrived go once it has run."""
         load, source, sources = arrived.load, arrived.source, arrived.sources
         assert sources is not None and arrived.source_ids is not None
-        heads = source.heads(sources.num_kv_heads, self.layout.num_kv_heads)
-        ids = np.asarray(load.block_ids[start:], np.int64)
-        copy_blocks(self.kv_caches(), ids, sources.layers, arrived.source_ids[start:], heads)
-
-    def _copy_from_device(self, arrived: Arrived, start: int) -> None:
-        """Queue the copy of the load's blocks from start on out of the producer's GPU
-        cache (arrived.sources, its blocks arrived.source_ids); the puller lets the
-        arrival go once it has run."""
-        load, source = arrived.load, arrived.source
-        assert arrived.sources is not None and arrived.source_ids is not None
-        heads = source.heads(arrived.sources.num_kv_heads, self.layout.num_kv_heads)
+        copied = None
         try:
             if start < len(load.block_ids):
-                device_copies.copy_blocks(
-                    self.kv_caches(),
-                    torch.from_numpy(np.asarray(load.block_ids[start:], np.int64)),
-                    arrived.sources,
-                    torch.from_numpy(arrived.source_ids[start:]),
-                    heads,
-                )
+                heads = source.heads(sources.num_kv_heads, self.layout.num_kv_heads)
+                ids = np.asarray(load.block_ids[start:], np.int64)
+                copied = copy_from_peer(self.kv_caches(), ids, sources,
+                                        arrived.source_ids[start:], heads)  # fmt: skip
         except BaseException:
-            torch.cuda.current_stream(self.kv_caches()[0].device).synchronize()
+            if self.kv_caches()[0].device.type == "cuda":
+                torch.cuda.current_stream(self.kv_caches()[0].device).synchronize()
             self._let_go(arrived)
             raise
-        copied = torch.cuda.Event()
-        copied.record()
-        assert self.puller is not None
-        self.puller.done_once_run(copied, arrived)
+        if copied is None:
+            self._let_go(arrived)
+        else:
+            assert self.puller is not None
+            self.puller.done_once_run(copied, arrived)
 
     def _let_go(self, arrived: Arrived) -> None:
         arrived.release()

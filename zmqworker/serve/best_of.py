@@ -33,10 +33,10 @@ def keep_best(
     for start in range(0, len(finals), best_of):
         group = finals[start : start + best_of]
         ranked = sorted(group, key=cumulative_logprob, reverse=True)[: params.n]
+        # The prompt's cache hits are its first sample's: the others share its blocks.
+        cached = group[0].num_cached_tokens
         for index, out in enumerate(ranked):
             logprobs = out.logprobs if params.logprobs is not None else None
-            # The prompt's cache hits are its first sample's: the others share its blocks.
-            cached = group[0].num_cached_tokens
             kept.append(
                 dataclasses.replace(out, index=index, logprobs=logprobs, num_cached_tokens=cached)
             )
