@@ -2,9 +2,10 @@
 one process, out of a producer's host cache in a memfd: a load that names the prefill's
 block ids is copied as its pull goes out once that cache is open here, and the answer
 confirms it; an answer that names other blocks, or a cache made anew, has its blocks
-copied again from where it says; a refusal fails the load all the same; a load cancelled
-meanwhile lets its copy's hold go; a load whose producer's cache is not open waits for
-its answer. No hold on a producer's cache outlives the loads."""
+copied again from where it says; a refusal fails the load all the same; a copy lets the
+producer's cache go once it has run (on a GPU, as the puller's thread sees it run), and a
+load cancelled meanwhile is forgotten; a load whose producer's cache is not open waits
+for its answer. No hold on a producer's cache outlives the loads."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from messages.kv_transfer import KVConnectorMetadata, KVLoad, RemoteKV
 from tests.test_kv_connector import names, until
 from tests.test_kv_host_cache import SHAPE, SPEC, Producer, consumer, free_port, shared_cache
 from zmqworker.kv_transfer import peer_caches
+from zmqworker.kv_transfer.copies_run import CopiesRun
 from zmqworker.kv_transfer.zmq_connector import ZmqKVConnector
 
 
@@ -122,15 +124,17 @@ def test_a_load_without_the_prefill_s_blocks_waits_for_its_answer(pair) -> None:
         assert torch.equal(mine[:, 7], theirs[:, 6])
 
 
-def test_a_load_cancelled_after_its_copy_ahead_lets_its_hold_go(pair) -> None:
-    """The engine gives up on the load (a failed step) before its answer is taken: its
-    copy's hold goes at once, the answer that comes is dropped (KVDone said, so the
-    producer lets its blocks go), and nothing is reported of it."""
+def test_a_load_cancelled_after_its_copy_ahead_is_forgotten(pair) -> None:
+    """The copy ahead lets the producer's cache go once it has run, before its answer is
+    judged. The engine gives up on the load (a failed step) before its answer is taken:
+    the copy is forgotten, the answer that comes is dropped (KVDone said, so the producer
+    lets its blocks go), and nothing is reported of it."""
     pair.pull("r", [4], [3])  # before it is staged: its answer waits for the staging
     [held] = pair.side.puller.peer_caches._open.values()
-    assert held.users == 1 and pair.side.read_ahead.num_copied == 1  # not judged yet
+    assert held.users == 0 and pair.side.read_ahead.num_copied == 1
+    assert pair.side.read_ahead._ahead  # not judged yet
     pair.side.before_step(KVConnectorMetadata(cancel_loads=["r"]))
-    assert not pair.side.read_ahead._ahead and held.users == 0
+    assert not pair.side.read_ahead._ahead
     pair.producer.stage("r", [3])
     sent: list[str] = []
     deadline = time.monotonic() + 10
@@ -140,3 +144,32 @@ def test_a_load_cancelled_after_its_copy_ahead_lets_its_hold_go(pair) -> None:
         out = pair.producer.side.take_output(wait_s=0.02)
         sent += [] if out is None else out.finished_sending
     assert pair.side.read_ahead.num_stood == 0 and pair.holds_none()
+
+
+class StandInEvent:
+    """A CUDA event's stand-in: passed once the test says so."""
+
+    def __init__(self) -> None:
+        self.passed = False
+
+    def query(self) -> bool:
+        return self.passed
+
+    def synchronize(self) -> None:
+        self.passed = True
+
+
+def test_what_waits_for_a_device_copy_follows_once_it_has_run() -> None:
+    """The puller's watch over device copies (copies_run.py): each copy's then() is
+    called once its event has passed, in any order, and closing waits for the rest."""
+    copies, called = CopiesRun(), []
+    events = [StandInEvent() for _ in range(3)]
+    for i, event in enumerate(events):
+        copies.add(event, lambda i=i: called.append(i))
+    copies.poll()
+    assert called == [] and copies.watched
+    events[1].passed = True
+    copies.poll()
+    assert called == [1] and copies.watched
+    copies.close()
+    assert sorted(called) == [0, 1, 2] and not copies.watched

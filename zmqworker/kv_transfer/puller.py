@@ -32,6 +32,7 @@ from messages.kv_transfer import KVLoad
 from zmqworker.kv_transfer import wire
 from zmqworker.kv_transfer.arrived import Arrived
 from zmqworker.kv_transfer.blocks import staged_nbytes
+from zmqworker.kv_transfer.copies_run import CopiesRun
 from zmqworker.kv_transfer.cuda_peers import cuda_key, open_gpu_cache, readable_gpus
 from zmqworker.kv_transfer.head_map import HeadMap, HeadSource
 from zmqworker.kv_transfer.host_peers import host_key, open_host_cache
@@ -83,8 +84,7 @@ class KVPuller:
         self._not_in_place: set[str] = set()  # producers whose caches cannot be opened
         self._asked_again: set[tuple[str, str]] = set()  # (address, req_id) asked for bytes
         self._orders: queue.SimpleQueue[tuple[str, KVLoad, HeadSource]] = queue.SimpleQueue()
-        self._copies: queue.SimpleQueue[tuple[torch.cuda.Event, Arrived]] = queue.SimpleQueue()
-        self._running: list[tuple[torch.cuda.Event, Arrived]] = []  # the thread's
+        self._copies = CopiesRun()  # device copies out of producers' caches, watched here
         self.arrived: queue.SimpleQueue[Arrived] = queue.SimpleQueue()
         self._wake = WakePipe()
         self._sent = threading.Event()  # every pull ordered has been sent
@@ -123,7 +123,16 @@ class KVPuller:
     def done_once_run(self, copied: torch.cuda.Event, arrived: Arrived) -> None:
         """arrived's copies out of a producer's GPU cache end at copied: let arrived go and
         tell its server once it has passed (watched here: no further step may come)."""
-        self._copies.put((copied, arrived))
+
+        def taken() -> None:
+            arrived.release()
+            self.done(arrived.load, arrived.source)
+
+        self.once_run(copied, taken)
+
+    def once_run(self, copied: torch.cuda.Event, then: Callable[[], None]) -> None:
+        """then(), on the puller's thread, once copied has passed."""
+        self._copies.add(copied, then)
         self._wake.wake()
 
     def close(self) -> None:
@@ -133,10 +142,7 @@ class KVPuller:
         if self._thread.is_alive():
             log.error("rank %d: the KV puller did not stop; its openings stay", self.rank)
             return
-        self._take_copies()
-        for copied, arrived in self._running:  # nothing reads a producer's cache after
-            copied.synchronize()
-            arrived.release()
+        self._copies.close()  # nothing reads a producer's cache after
         for sock in self._socks.values():
             sock.close(linger=0)
         self._ctx.term()
@@ -156,7 +162,7 @@ class KVPuller:
                 if waiting:
                     soonest = min(deadline for _, _, deadline in waiting.values())
                     timeout = max(0, int((soonest - time.monotonic()) * 1000) + 1)
-                if self._running:
+                if self._copies.watched:
                     timeout = COPY_POLL_MS if timeout < 0 else min(timeout, COPY_POLL_MS)
                 elif self.peer_caches.any_open:
                     timeout = IDLE_POLL_MS if timeout < 0 else min(timeout, IDLE_POLL_MS)
@@ -167,8 +173,7 @@ class KVPuller:
                     with self._ordering:
                         if self._orders.empty():  # else woken again, to take the rest
                             self._sent.set()
-                    self._take_copies()
-                self._copies_run(poller)
+                self._copies.poll()
                 self.peer_caches.close_idle()
                 for address, sock in self._socks.items():
                     if events.get(sock):
@@ -189,26 +194,6 @@ class KVPuller:
                 kind, load, source = self._orders.get()
                 if kind == "pull":
                     self._fail(load, source, "the KV puller stopped")
-
-    def _take_copies(self) -> None:
-        while True:
-            try:
-                self._running.append(self._copies.get_nowait())
-            except queue.Empty:
-                return
-
-    def _copies_run(self, poller: zmq.Poller) -> None:
-        """Let go of the arrivals whose copies have run, and tell their servers."""
-        running = []
-        for copied, arrived in self._running:
-            if copied.query():
-                arrived.release()
-                address = arrived.load.remote.addresses[arrived.source.rank]
-                done = KVDone(arrived.load.remote.req_id)
-                send_frames(self._socket(address, poller), [wire.encode(done)])
-            else:
-                running.append((copied, arrived))
-        self._running = running
 
     def _take_orders(self, poller: zmq.Poller, waiting: dict) -> None:
         while True:

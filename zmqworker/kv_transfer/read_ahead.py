@@ -12,7 +12,8 @@ KV is reported taken, and names each staging uniquely (engine/kv_connector.py): 
 answer lending the staging by that name says it has not been taken, so its blocks held
 that KV all through the copy. Otherwise the answer is taken as if nothing had been
 copied (its blocks copied in, or its error failing the load); the load's blocks are
-read by nothing before then.
+read by nothing before then. A copy ahead holds the opening it reads only until it has
+run; on a GPU the puller's thread lets it go (copies_run.py).
 """
 
 from __future__ import annotations
@@ -40,8 +41,10 @@ SEND_WAIT_S = 0.005
 
 @dataclass
 class Ahead:
-    """A piece of a load copied ahead: the cache it read (held until judged), when the
-    copy ended (on a GPU: was queued), and on a GPU the event of its end."""
+    """A piece of a load copied ahead: the opening of the cache it read (held only until
+    the copy has run: the answer names the opening it lends, and this one stands only if
+    it is the same), when the copy ended (on a GPU: was queued), and on a GPU the event
+    of its end."""
 
     load: KVLoad
     cache: PeerCache
@@ -101,10 +104,7 @@ class ReadAhead:
         )
         if stands:
             self.num_stood += 1
-            # arrived holds the same cache until its copy has run (done).
-            self._puller.peer_caches.release(ahead.cache)
             return ahead
-        self._let_go(ahead)
         return None
 
     def done(self, arrived: Arrived, ahead: Ahead) -> None:
@@ -118,19 +118,10 @@ class ReadAhead:
     def cancel(self, load: KVLoad) -> None:
         """Forget load's copies ahead (it was cancelled: its answers may never come)."""
         for key in [key for key in self._ahead if key[0] == id(load)]:
-            self._let_go(self._ahead.pop(key))
+            del self._ahead[key]
 
     def close(self) -> None:
-        for ahead in self._ahead.values():
-            self._let_go(ahead)
         self._ahead.clear()
-
-    def _let_go(self, ahead: Ahead) -> None:
-        """Let the cache go that a copy ahead which did not stand read, once it has run
-        (rare: on a GPU the worker's thread waits for the steps queued before it)."""
-        if ahead.copied is not None:
-            ahead.copied.synchronize()
-        self._puller.peer_caches.release(ahead.cache, used=False)
 
     def _copy(self, load: KVLoad, source: HeadSource, cache: PeerCache) -> None:
         assert load.remote.block_ids is not None
@@ -154,3 +145,10 @@ class ReadAhead:
             return
         self._ahead[(id(load), source)] = Ahead(load, cache, time.monotonic(), copied)
         self.num_copied += 1
+        # Not a use of the cache: an answer lending it, when this copy stands, is one (an
+        # opening that answers no longer lend goes idle, whatever is copied ahead from it).
+        caches = self._puller.peer_caches
+        if copied is None:
+            caches.release(cache, used=False)
+        else:
+            self._puller.once_run(copied, lambda: caches.release(cache, used=False))
