@@ -1,16 +1,20 @@
 """Disaggregated prefill and decode against colocated serving, under a mixed workload:
-long prompts arriving while other requests decode. The same `zmqworker serve` options
-run twice in one run, colocated (one engine core) and with --disaggregate (a prefill and
-a decode instance on the same hardware); the baseline is the colocated run.
+long and short prompts arriving while other requests decode. The same `zmqworker serve`
+options run in each mode of one run: colocated (one engine core), disaggregated
+(--disaggregate: a prefill and a decode instance on the same hardware), and local (the
+same, with --max-local-prefill-tokens: prompts that short computed on the decode
+instance); the baseline is the colocated run.
 
 The load (bench/serve_client.py processes, streamed greedy completions, ignore_eos):
 --decoders requests of --decode-prompt-len tokens decoding --decode-len tokens each, all
 sent at once, and, from --long-delay seconds on, --long-prompts requests of
---long-prompt-len tokens (--long-len output tokens) at --long-rate a second (Poisson).
-Reported for each mode: the decoders' inter-token latency p50 and p99 (the gaps between
-a stream's tokens), their time per output token, the long prompts' time to first token,
-and output tokens/s over all requests; then disaggregated over colocated (the issue's
-target: inter-token p99 <= 0.6x, throughput within 10%). With --kv-cache-bytes, the
+--long-prompt-len tokens (--long-len output tokens) at --long-rate a second and
+--short-prompts of --short-prompt-len tokens (--short-len output tokens) at --short-rate
+a second (Poisson). Reported for each mode: the decoders' inter-token latency p50 and
+p99 (the gaps between a stream's tokens), their time per output token, the long and the
+short prompts' time to first token, and output tokens/s over all requests; then each
+disaggregated mode over colocated (the issue's target: inter-token p99 <= 0.6x,
+throughput within 10%). With --kv-cache-bytes, the
 colocated engine core gets it and each disaggregated instance half: one memory budget,
 split. Writes bench/results/disaggregated.json (or --out).
 
@@ -42,7 +46,7 @@ from bench.serve_load import (
 )
 from zmqworker.cli.options import parse_size
 
-MODES = ("colocated", "disaggregated")
+MODES = ("colocated", "disaggregated", "local")
 
 
 def prompts(count: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -63,33 +67,53 @@ def records_of(proc: subprocess.Popen) -> list[dict[str, Any]]:
     return records
 
 
-def mixed(url: str, model: str, decoders: list, longs: list, args: argparse.Namespace) -> dict:
+def mixed(
+    url: str, model: str, decoders: list, longs: list, shorts: list, args: argparse.Namespace
+) -> dict:
     """The mixed workload once against url: its figures."""
-    start_at = time.time() + 2.0  # after both clients have imported
+    start_at = time.time() + 2.0  # after the clients have imported
     common = {"seed": args.seed, "start_at": start_at}
     decode_job = {**common, "prompts": decoders, "max_tokens": args.decode_len,
                   "concurrency": len(decoders), "rate": None}  # fmt: skip
-    long_job = {**common, "prompts": longs, "max_tokens": args.long_len,
-                "concurrency": len(longs), "rate": args.long_rate,
-                "start_at": start_at + args.long_delay}  # fmt: skip
+    arriving = {"long": (longs, args.long_len, args.long_rate),
+                "short": (shorts, args.short_len, args.short_rate)}  # fmt: skip
     decode = client_process(url, model, decode_job)
-    long = client_process(url, model, long_job)
-    decoded, prefilled = records_of(decode), records_of(long)
-    every = decoded + prefilled
+    clients = {
+        kind: client_process(
+            url,
+            model,
+            {
+                **common,
+                "prompts": batch,
+                "max_tokens": tokens,
+                "concurrency": len(batch),
+                "rate": rate,
+                "start_at": start_at + args.long_delay,
+            },
+        )  # fmt: skip
+        for kind, (batch, tokens, rate) in arriving.items()
+        if batch
+    }
+    decoded = records_of(decode)
+    arrived = {kind: records_of(proc) for kind, proc in clients.items()}
+    every = decoded + [r for records in arrived.values() for r in records]
     duration = max(r["end"] for r in every) - min(r["start"] for r in every)
     itl = np.concatenate([np.diff(r["chunk_times"]) for r in decoded])
     tpot = [(r["chunk_times"][-1] - r["chunk_times"][0]) / (r["output_tokens"] - 1)
             for r in decoded]  # fmt: skip
-    ttft = [r["chunk_times"][0] - r["start"] for r in prefilled]
-    return {
+    row = {
         "itl_p50_ms": 1e3 * float(np.percentile(itl, 50)),
         "itl_p99_ms": 1e3 * float(np.percentile(itl, 99)),
         "itl_max_ms": 1e3 * float(itl.max()),
         "tpot_mean_ms": 1e3 * float(np.mean(tpot)),
-        "long_ttft_p50_ms": 1e3 * float(np.percentile(ttft, 50)),
-        "output_tok_s": sum(r["output_tokens"] for r in every) / duration,
-        "duration_s": duration,
     }
+    for kind, records in arrived.items():
+        ttft = [r["chunk_times"][0] - r["start"] for r in records]
+        row[f"{kind}_ttft_p50_ms"] = 1e3 * float(np.percentile(ttft, 50))
+        row[f"{kind}_ttft_p99_ms"] = 1e3 * float(np.percentile(ttft, 99))
+    row["output_tok_s"] = sum(r["output_tokens"] for r in every) / duration
+    row["duration_s"] = duration
+    return row
 
 
 def serve_options(args: argparse.Namespace, mode: str) -> dict[str, Any]:
@@ -99,9 +123,9 @@ def serve_options(args: argparse.Namespace, mode: str) -> dict[str, Any]:
     sized = argparse.Namespace(
         **vars(args), max_model_len=longest + 16, gpu_memory_utilization=None
     )
-    options = engine_options(sized, args.decoders + args.long_prompts)
+    options = engine_options(sized, args.decoders + args.long_prompts + args.short_prompts)
     if args.kv_cache_bytes is not None:
-        options["kv_cache_bytes"] = args.kv_cache_bytes // (2 if mode == "disaggregated" else 1)
+        options["kv_cache_bytes"] = args.kv_cache_bytes // (1 if mode == "colocated" else 2)
     return options
 
 
@@ -118,7 +142,19 @@ def main() -> None:
     parser.add_argument("--long-prompt-len", type=int, default=1024)
     parser.add_argument("--long-len", type=int, default=8)
     parser.add_argument("--long-rate", type=float, default=1.0, help="long prompts a second")
-    parser.add_argument("--long-delay", type=float, default=1.0, help="s before the first")
+    parser.add_argument("--short-prompts", type=int, default=8)
+    parser.add_argument("--short-prompt-len", type=int, default=16)
+    parser.add_argument("--short-len", type=int, default=8)
+    parser.add_argument("--short-rate", type=float, default=4.0, help="short prompts a second")
+    parser.add_argument(
+        "--long-delay", type=float, default=1.0, help="s before the first long or short one"
+    )
+    parser.add_argument(
+        "--max-local-prefill-tokens",
+        type=int,
+        default=64,
+        help="the local mode's: prompts of at most this many tokens computed on the decode side",
+    )
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--port", type=int, default=8766)
     parser.add_argument("--seed", type=int, default=0)
@@ -129,27 +165,34 @@ def main() -> None:
     vocab = ModelFolder.open(args.model).vocab_size or 32000
     decoders = prompts(args.decoders, args.decode_prompt_len, vocab, args.seed)
     longs = prompts(args.long_prompts, args.long_prompt_len, vocab, args.seed + 1)
+    shorts = prompts(args.short_prompts, args.short_prompt_len, vocab, args.seed + 2)
+    local = ["--max-local-prefill-tokens", str(args.max_local_prefill_tokens)]
+    flags = {"colocated": [], "disaggregated": ["--disaggregate"],
+             "local": ["--disaggregate", *local]}  # fmt: skip
+    modes = args.modes.split(",")
+    if not set(modes) <= set(flags):
+        parser.error(f"--modes {args.modes}: each is one of {', '.join(MODES)}")
     rows = []
-    for mode in args.modes.split(","):
-        extra = ["--disaggregate"] if mode == "disaggregated" else []
+    for mode in modes:
         options = serve_options(args, mode)
-        server = Server(options, cli_flags({"api_server_count": 1}) + extra, args.port)
+        server = Server(options, cli_flags({"api_server_count": 1}) + flags[mode], args.port)
         try:
             model = served_model(server.url)
-            mixed(server.url, model, decoders[:2], longs[:1], args)  # warm
-            rows.append({"mode": mode, **mixed(server.url, model, decoders, longs, args)})
+            mixed(server.url, model, decoders[:2], longs[:1], shorts[:1], args)  # warm
+            figures = mixed(server.url, model, decoders, longs, shorts, args)
+            rows.append({"mode": mode, **figures})
         finally:
             server.stop()
     print_table(rows, precision=2)
-    # The host's load: on a shared machine, what the two modes' figures were made under.
+    # The host's load: on a shared machine, what the modes' figures were made under.
     result: dict[str, Any] = {"args": vars(args), "rows": rows, "loadavg_after": os.getloadavg()}
     by_mode = {r["mode"]: r for r in rows}
-    if set(MODES) <= set(by_mode):
-        base, disagg = by_mode["colocated"], by_mode["disaggregated"]
-        result["disaggregated_over_colocated"] = {
-            k: disagg[k] / base[k] for k in ("itl_p50_ms", "itl_p99_ms", "output_tok_s")
-        }
-        print(result["disaggregated_over_colocated"])
+    base = by_mode.get("colocated")
+    for mode in ("disaggregated", "local"):
+        if base is not None and mode in by_mode:
+            ratios = {k: by_mode[mode][k] / base[k] for k in base if k.endswith(("_ms", "_s"))}
+            result[f"{mode}_over_colocated"] = ratios
+            print(mode, "over colocated:", {k: round(v, 3) for k, v in ratios.items()})
     print(f"wrote {write_results('disaggregated', result, args.out)}")
 
 

@@ -6,6 +6,7 @@ tests/test_llm_disaggregated.py and tests/test_serve_disaggregated.py."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from messages import (
     EngineCoreOutputs,
@@ -25,10 +26,14 @@ IDS = ["a", "b", "c", "d"]
 PROMPT = np.arange(1, 4, dtype=np.int32)
 
 
-def _client(tmp_path, prefix_caching: bool = False) -> DisaggregatedClient:
+def _client(
+    tmp_path, prefix_caching: bool = False, max_local_prefill_tokens: int | None = None
+) -> DisaggregatedClient:
     addresses = [f"ipc://{tmp_path}/core{i}" for i in range(len(ROLES))]
     handles = [RemoteEngineCore(i, address) for i, address in enumerate(addresses)]
-    client = DisaggregatedClient(addresses, handles, "token")
+    client = DisaggregatedClient(
+        addresses, handles, "token", max_local_prefill_tokens=max_local_prefill_tokens
+    )
     for engine, role in zip(client.engines, ROLES, strict=True):
         engine.ready = EngineCoreReady(
             engine.index, 96, 8, 4, 8, 256, 1, 0, kv_role=role, prefix_caching=prefix_caching
@@ -103,3 +108,42 @@ def test_with_prefix_caching_a_shared_prefix_keeps_to_one_instance_of_each_role(
         assert {client.engine_of(r) for r in IDS} == {2}
     finally:
         client.close()
+
+
+def test_a_short_prompt_goes_straight_to_a_decode_instance(tmp_path) -> None:
+    """With max_local_prefill_tokens, a prompt of at most that many tokens is sent as it
+    came to a decode instance (the least loaded), its samples (n > 1) after it; a longer
+    one goes to a prefill instance marked to go on. A decode instance lost fails the
+    short prompts it held."""
+    client = _client(tmp_path, max_local_prefill_tokens=len(PROMPT))
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=4)
+        sent: list[EngineCoreRequest] = []
+        send = client._send_request
+
+        def recorded(engine, request):
+            sent.append(request)
+            return send(engine, request)
+
+        client._send_request = recorded
+        for request_id in ("a", "b"):
+            client.add_request(EngineCoreRequest(request_id, PROMPT, params))
+        client.add_request(EngineCoreRequest("a2", PROMPT, params, shares_prompt_with="a"))
+        longer = np.arange(1, len(PROMPT) + 2, dtype=np.int32)
+        client.add_request(EngineCoreRequest("long", longer, params))
+        engines = {r: client.engine_of(r) for r in ("a", "b", "a2", "long")}
+        assert engines == {"a": 2, "b": 3, "a2": 2, "long": 0}
+        assert [r.kv_transfer_params for r in sent[:3]] == [None] * 3
+        assert sent[3].kv_transfer_params.do_remote_decode
+        events: list = []
+        client._lose(client.engines[2], RuntimeError("engine core 2 (pid 3) exited"), events)
+        failed = [e for e in events if isinstance(e, Failed) and e.request_ids]
+        assert [sorted(f.request_ids) for f in failed] == [["a", "a2"]]
+        assert client.engine_of("b") == 3 and client.engine_of("long") == 0
+    finally:
+        client.close()
+
+
+def test_max_local_prefill_tokens_below_one_is_refused(tmp_path) -> None:
+    with pytest.raises(ValueError, match="max_local_prefill_tokens must be at least 1, got 0"):
+        _client(tmp_path, max_local_prefill_tokens=0)

@@ -110,6 +110,7 @@ def test_a_decode_size_the_model_cannot_take_is_refused_by_name() -> None:
         ("--kv-transfer-timeout", "kv_transfer_timeout_s"),
         ("--prefill-instances", "prefill_instances"),
         ("--decode-instances", "decode_instances"),
+        ("--max-local-prefill-tokens", "max_local_prefill_tokens"),
     ],
 )
 def test_an_option_of_the_pair_needs_disaggregate(flag: str, name: str) -> None:

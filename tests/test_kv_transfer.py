@@ -2,8 +2,9 @@
 its own worker process: greedy tokens equal a colocated engine's (prefix caching and
 chunked prefill on, and a decode side small enough to preempt), a prompt whose leading
 blocks the decode side has cached pulls only the rest, a pull from a dead or silent
-prefill fails its request by name with no block left held, and a peer without the
-deployment's keys gets nothing."""
+prefill fails its request by name with no block left held, a prompt short enough is
+computed on the decode side alone, and a peer without the deployment's keys gets
+nothing."""
 
 from __future__ import annotations
 
@@ -123,6 +124,34 @@ def test_disaggregated_greedy_equals_colocated(pair: DisaggregatedEngine) -> Non
     # blocks do not hold eight requests at once (it waits, or preempts).
     again = pair.generate(PROMPTS * 2, GREEDY, timeout_s=300)
     assert [r.token_ids for r in again] == colocated * 2
+
+
+@pytest.mark.parametrize("threaded", [False, True], ids=["stepped", "threaded"])
+def test_short_prompts_are_computed_on_the_decode_side(
+    pair: DisaggregatedEngine, monkeypatch, threaded: bool
+) -> None:
+    """With max_local_prefill_tokens, prompts of at most that many tokens go to the decode
+    instance alone, which computes them; the longer ones are pulled as before; greedy
+    tokens equal colocated ones either way, through either router."""
+    colocated = run_colocated(pair.decode)
+    pair.decode.reset_prefix_cache()
+    local = 9
+    monkeypatch.setattr(pair, "max_local_prefill_tokens", local)
+    loaded = pair.decode.kv_connector.num_loaded
+    router = ThreadedRouter(pair) if threaded else pair
+    try:
+        results = router.generate(PROMPTS, GREEDY, timeout_s=300)
+    finally:
+        if threaded:
+            router.stop()
+    assert [(r.token_ids, r.error) for r in results] == [(c, None) for c in colocated]
+    pulled = sum(len(p) > local for p in PROMPTS)
+    assert 0 < pulled < len(PROMPTS)
+    assert pair.decode.kv_connector.num_loaded == loaded + pulled
+    while pair.has_work():
+        pair.step()
+    for core in (pair.prefill, pair.decode):
+        assert free_blocks(core) == core.block_manager.num_blocks
 
 
 def test_the_threaded_router_gives_the_same_tokens(pair: DisaggregatedEngine) -> None:

@@ -10,18 +10,40 @@ from tests.test_executor import wait_gone
 
 
 def test_a_disaggregated_llm_gives_transformers_tokens_and_a_logprob_for_each() -> None:
-    """Each prompt is prefilled on one engine core and decoded on the other (its KV
-    pulled across): greedy tokens equal transformers', every token has its logprob (the
-    first the prefill's), and both instances' processes leave with the LLM."""
+    """Each prompt of more than max_local_prefill_tokens is prefilled on one engine core
+    and decoded on the other (its KV pulled across), each shorter one computed and
+    decoded on the decode instance alone: greedy tokens equal transformers', every token
+    has its logprob (a pulled prompt's first the prefill's), and both instances'
+    processes leave with the LLM."""
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=1)
-    with make_llm(disaggregate=True, kv_transfer_timeout_s=60.0) as llm:
+    local = 4
+    with make_llm(
+        disaggregate=True, kv_transfer_timeout_s=60.0, max_local_prefill_tokens=local
+    ) as llm:
         pids = [*llm.engine_core_pids, *llm.worker_pids]
         assert len(llm.engine_core_pids) == 2 and len(llm.worker_pids) == 2
+        sent: list[tuple[int, bool, int]] = []  # (prompt length, remote KV, engine core)
+        send = llm.client._send_request
+
+        def recorded(engine, request):
+            transfer = request.kv_transfer_params
+            remote = transfer is not None and transfer.remote is not None
+            sent.append((len(request.prompt_token_ids), remote, engine.index))
+            return send(engine, request)
+
+        llm.client._send_request = recorded
         outs = llm.generate(PROMPTS, params)
     for prompt, out in zip(PROMPTS, outs, strict=True):
         assert out.token_ids == hf_greedy(tuple(prompt), 6), prompt
         assert out.logprobs is not None and len(out.logprobs) == 6
         assert [lp.sampled.token_id for lp in out.logprobs] == out.token_ids
+    lengths = sorted(len(p) for p in PROMPTS)
+    assert sorted((n, remote, e) for n, remote, e in sent if n <= local) == [
+        (n, False, 1) for n in lengths if n <= local
+    ]
+    assert sorted((n, remote, e) for n, remote, e in sent if n > local) == sorted(
+        [(n, False, 0) for n in lengths if n > local] + [(n, True, 1) for n in lengths if n > local]
+    )
     assert wait_gone(pids, 10.0)
 
 

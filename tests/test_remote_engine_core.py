@@ -119,14 +119,16 @@ def test_clients_come_and_go_and_the_engine_core_serves_on(keys) -> None:
 def test_a_disaggregated_pair_on_two_engine_cores(keys) -> None:
     """A prefill engine core and a decode one, each started on its own with the KV pair
     and given to the client in either order (each Ready says its role): every prompt
-    prefilled on one, its KV pulled to the other over CURVE tcp, gives transformers'
-    greedy tokens."""
+    prefilled on one, its KV pulled to the other over CURVE tcp (a prompt of at most
+    --max-local-prefill-tokens computed on the decode one), gives transformers' greedy
+    tokens."""
     kv = ("--kv-host", "127.0.0.1", "--kv-port", str(free_ports(1)))
     with (
         tiny_core("--disaggregate-role", "prefill", *kv) as (_, prefill),
         tiny_core("--disaggregate-role", "decode") as (_, decode),
-        connect(decode, prefill, disaggregate=True) as llm,
+        connect(decode, prefill, disaggregate=True, max_local_prefill_tokens=4) as llm,
     ):
+        assert llm.client.max_local_prefill_tokens == 4
         outs = llm.generate(PROMPTS, GREEDY)
     assert [o.token_ids for o in outs] == [hf_greedy(tuple(p), 6) for p in PROMPTS]
 
@@ -272,7 +274,8 @@ def test_serve_a_disaggregated_pair_of_engine_cores_served_on_their_own(keys, co
         engine_core("--disaggregate-role", "decode", *sizes) as (_, decode),
     ):
         addresses = ("--engine-core-address", prefill, "--engine-core-address", decode)
-        srv = Server("--disaggregate", *addresses, "--api-server-count", "1", engine=False)
+        local = ("--max-local-prefill-tokens", "4")  # the router's: taken by this client
+        srv = Server("--disaggregate", *addresses, *local, "--api-server-count", "1", engine=False)
         try:
             assert complete_all(srv, stream=False) == complete_all(colocated, stream=False)
         finally:

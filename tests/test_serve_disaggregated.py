@@ -2,7 +2,8 @@
 official openai client): greedy completions through a prefill and a decode instance
 equal those of the colocated server test_serve.py shares (or one of this file's own),
 whole and streamed, with the logprobs of every token (the first one's from the prefill
-side), and prompt logprobs (the prefill's); no KV block stays held on
+side), and prompt logprobs (the prefill's); a prompt of few tokens computed on the decode
+side alone; no KV block stays held on
 either side; and a killed prefill instance fails the requests it held, naming it, and
 stops the whole server. One disaggregated server for the file: the last test kills it."""
 
@@ -31,6 +32,7 @@ PROMPTS = [
     "the ships pass in the dark. One winter night a storm came, and",
 ]
 MAX_TOKENS = 12
+LOCAL = 2  # --max-local-prefill-tokens: shorter than every prompt above
 
 
 @pytest.fixture(scope="module")
@@ -39,6 +41,7 @@ def disaggregated():
     srv = Server(
         "--disaggregate", "--api-server-count", "1", "--max-num-batched-tokens", "32",
         "--kv-port", str(kv_port), "--kv-transfer-timeout", "20",
+        "--max-local-prefill-tokens", str(LOCAL),
     )  # fmt: skip
     srv.kv_port = kv_port
     yield srv
@@ -86,6 +89,19 @@ def test_greedy_completions_equal_colocated_ones(disaggregated, colocated):
     # Without prefix caching the decode side has nothing to reuse: every block is pulled.
     assert metrics["kv_remote_pulled_blocks_total"] >= 2 * len(PROMPTS)
     assert metrics["kv_remote_hit_blocks_total"] == 0
+
+
+def test_a_prompt_of_few_tokens_is_computed_on_the_decode_side(disaggregated, colocated):
+    """--max-local-prefill-tokens: a prompt of at most that many tokens goes to the decode
+    instance alone (nothing is pulled), and its completion is a colocated server's."""
+    args = dict(model=MODEL, prompt=[504, 3575], max_tokens=MAX_TOKENS, temperature=0)
+    [expected] = colocated.client(max_retries=0).completions.create(**args).choices
+    pulled = disaggregated.wait_idle()["kv_remote_pulled_blocks_total"]
+    [got] = disaggregated.client(max_retries=0).completions.create(**args).choices
+    assert (got.text, got.finish_reason) == (expected.text, expected.finish_reason)
+    metrics = disaggregated.wait_idle()
+    assert metrics["kv_remote_pulled_blocks_total"] == pulled
+    assert metrics["kv_cache_blocks_used"] == 0
 
 
 def test_a_first_token_that_ends_the_request_stays_on_the_prefill_side(disaggregated):

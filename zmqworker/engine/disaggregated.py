@@ -5,7 +5,9 @@ A request goes to the prefill instance first, marked remote_decode: it computes 
 prompt and samples the first token, which the router hands out at once; its KV stays
 staged there. The router then gives the decode instance the request with that token and
 where the KV waits (RemoteKV); the decode workers pull it and decode from there. A
-request whose first token already ends it never goes to the decode side. A pull that
+request whose first token already ends it never goes to the decode side. With
+max_local_prefill_tokens, a prompt of at most that many tokens goes to the decode
+instance alone, which computes it as a colocated engine core would. A pull that
 fails (the prefill instance died, or did not answer within the timeout) finishes the
 request with an error naming it; its blocks are freed on both sides (the prefill side's
 when its staged KV expires).
@@ -62,7 +64,15 @@ class RoutedRequest:
 class DisaggregatedEngine:
     """Not thread-safe: one thread calls add_request, step and the rest."""
 
-    def __init__(self, prefill: EngineCore, decode: EngineCore) -> None:
+    def __init__(
+        self, prefill: EngineCore, decode: EngineCore, max_local_prefill_tokens: int | None = None
+    ) -> None:
+        """max_local_prefill_tokens: a prompt of at most this many tokens is computed on
+        the decode instance (None: every prompt on the prefill instance)."""
+        if max_local_prefill_tokens is not None and max_local_prefill_tokens < 1:
+            raise ValueError(
+                f"max_local_prefill_tokens must be at least 1, got {max_local_prefill_tokens}"
+            )
         for name, core, role in (("prefill", prefill, "addresses"), ("decode", decode, None)):
             if core.kv_connector is None:
                 raise ValueError(f"the {name} engine core has no KV connector (kv_transfer)")
@@ -70,6 +80,7 @@ class DisaggregatedEngine:
                 raise ValueError("the prefill engine core's workers do not serve KV (producer)")
         self.prefill = prefill
         self.decode = decode
+        self.max_local_prefill_tokens = max_local_prefill_tokens
         self.requests: dict[str, RoutedRequest] = {}
         self._params: dict[str, tuple[list[int], SamplingParams, list[int]]] = {}
 
@@ -82,10 +93,18 @@ class DisaggregatedEngine:
     ) -> None:
         check_routed(req_id, params, self.requests)
         eos = list(eos_token_ids)
-        request = Request(req_id, prompt_token_ids, params, eos_token_ids=eos, remote_decode=True)
-        self.prefill.add_request(request)
+        if self.prefills_locally(prompt_token_ids):
+            self.decode.add_request(Request(req_id, prompt_token_ids, params, eos_token_ids=eos))
+        else:
+            self.prefill.add_request(
+                Request(req_id, prompt_token_ids, params, eos_token_ids=eos, remote_decode=True)
+            )
+            self._params[req_id] = (list(prompt_token_ids), params, eos)
         self.requests[req_id] = RoutedRequest(req_id)
-        self._params[req_id] = (list(prompt_token_ids), params, eos)
+
+    def prefills_locally(self, prompt_token_ids: Sequence[int]) -> bool:
+        """Whether a prompt of these tokens is computed on the decode instance."""
+        return len(prompt_token_ids) <= (self.max_local_prefill_tokens or 0)
 
     def abort_request(self, req_id: str) -> None:
         self.prefill.abort_request(req_id)
@@ -200,6 +219,7 @@ def start_disaggregated(
     timeout_s: float = 30.0,
     keys: KVKeys | None = None,
     decode_parallel: ParallelConfig | None = None,
+    max_local_prefill_tokens: int | None = None,
 ) -> DisaggregatedEngine:
     """A prefill instance and a decode instance of config's model on this host, each its
     own workers (MultiprocExecutor), and the router over them. The KV servers of the
@@ -208,7 +228,8 @@ def start_disaggregated(
     config's), of another tensor parallel size where the model's KV heads map
     (kv_transfer/head_map.py); its first_local_rank places it on the GPUs after the
     prefill's, and host_ranks (in both layouts) shares the CPU's cores between them, as
-    frontend/disaggregated_plan.py does."""
+    frontend/disaggregated_plan.py does. max_local_prefill_tokens: the router's
+    (DisaggregatedEngine)."""
     env = {KV_CURVE_ENV: (keys or KVKeys.new()).to_env()}
 
     def start(role: str, scheduler: SchedulerConfig | None) -> EngineCore:
@@ -245,4 +266,4 @@ def start_disaggregated(
             if error is None:
                 future.result().shutdown()
         raise next(e for e in errors if e is not None)
-    return DisaggregatedEngine(starts[0].result(), starts[1].result())
+    return DisaggregatedEngine(starts[0].result(), starts[1].result(), max_local_prefill_tokens)

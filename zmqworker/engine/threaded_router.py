@@ -53,11 +53,12 @@ class ThreadedRouter:
     ) -> None:
         check_routed(req_id, params, self.requests)
         prompt, eos = list(prompt_token_ids), list(eos_token_ids)
-        request = Request(req_id, prompt, params, eos_token_ids=eos, remote_decode=True)
+        side = DECODE if self.pair.prefills_locally(prompt) else PREFILL
+        request = Request(req_id, prompt, params, eos_token_ids=eos, remote_decode=side == PREFILL)
         self.requests[req_id] = RoutedRequest(req_id)
         self._inputs[req_id] = (prompt, params, eos)
-        self._side[req_id] = PREFILL
-        self._loops[PREFILL].call(lambda core: self._add(PREFILL, core, request))
+        self._side[req_id] = side
+        self._loops[side].call(lambda core: self._add(side, core, request))
 
     def poll(self, timeout: float) -> list[RoutedRequest]:
         """The requests that changed, waiting up to timeout for the first change."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,7 +25,7 @@ from messages import EngineCoreConfig, KVTransferConfig, ParallelConfig
 from zmqworker.frontend.core_client import EngineCoreClient
 from zmqworker.frontend.core_process import EngineCoreLauncher
 from zmqworker.frontend.devices import check_gpu_layout, gpu_range, visible_gpu_count
-from zmqworker.frontend.disaggregated_client import DisaggregatedClient
+from zmqworker.frontend.disaggregated_client import client_maker
 from zmqworker.frontend.engine_plan import EnginePlan
 from zmqworker.transport.curve import KV_CURVE_ENV, KVKeys
 
@@ -32,6 +33,9 @@ logger = logging.getLogger("zmqworker.frontend")
 KV_HOST = "127.0.0.1"  # one host: the prefill's KV servers take local peers only
 PORT_TRIES = 20
 KV_TIMEOUT_S = 30.0  # every transfer wait's bound, unless the options give another
+# LLM options of the router alone (its client's: a client of engine cores served on their
+# own takes them too).
+ROUTER_OPTIONS = ("max_local_prefill_tokens",)
 # LLM options that only disaggregated serving takes.
 COMPANIONS = (
     "decode_tensor_parallel_size",
@@ -39,6 +43,7 @@ COMPANIONS = (
     "kv_transfer_timeout_s",
     "prefill_instances",
     "decode_instances",
+    *ROUTER_OPTIONS,
 )
 
 
@@ -53,14 +58,14 @@ def check_pair_options(options: dict[str, Any]) -> None:
 
 def start_engine_cores(
     plan: EnginePlan, pair: DisaggregatedPlan | None
-) -> tuple[EngineCoreLauncher, type[EngineCoreClient]]:
+) -> tuple[EngineCoreLauncher, Callable[..., EngineCoreClient]]:
     """The plan's engine cores (its replicas, or its prefill and decode instances),
     starting, and the client class that drives them."""
     if pair is None:
         launcher = EngineCoreLauncher(plan.num_engines, plan.engine_config, plan.make_executor)
         return launcher, EngineCoreClient
     launcher = EngineCoreLauncher(pair.num_engines, pair.engine_config, env=pair.env)
-    return launcher, DisaggregatedClient
+    return launcher, client_maker(True, pair.max_local_prefill_tokens)
 
 
 @dataclass(frozen=True)
@@ -73,6 +78,7 @@ class DisaggregatedPlan:
     prefills: int = 1
     decodes: int = 1
     apart: bool = False  # CUDA: each instance on GPUs of its own (else all share them)
+    max_local_prefill_tokens: int | None = None  # the router's (DisaggregatedClient)
 
     @property
     def num_engines(self) -> int:
@@ -95,6 +101,7 @@ class DisaggregatedPlan:
             options["decode_tensor_parallel_size"],
             options["prefill_instances"] or 1,
             options["decode_instances"] or 1,
+            options["max_local_prefill_tokens"],
         )
 
     @classmethod
@@ -106,9 +113,11 @@ class DisaggregatedPlan:
         decode_tp: int | None = None,
         prefills: int = 1,
         decodes: int = 1,
+        max_local_prefill_tokens: int | None = None,
     ) -> DisaggregatedPlan:
         """decode_tp: the decode instances' tensor parallel size (None: the plan's);
-        prefills, decodes: how many instances of each. Raises ValueError naming what the
+        prefills, decodes: how many instances of each; max_local_prefill_tokens: the
+        router's (DisaggregatedClient). Raises ValueError naming what the
         layout cannot do disaggregated."""
         worker = plan.worker_config
         parallel = worker.parallel
@@ -151,7 +160,8 @@ class DisaggregatedPlan:
                 )  # fmt: skip
         if kv_port is None:
             kv_port = free_ports(prefills * tp)
-        return cls(plan, kv_port, timeout_s, KVKeys.new(), decode_tp, prefills, decodes, apart)
+        return cls(plan, kv_port, timeout_s, KVKeys.new(), decode_tp, prefills, decodes, apart,
+                   max_local_prefill_tokens)  # fmt: skip
 
     @property
     def env(self) -> dict[str, str]:

@@ -188,6 +188,15 @@ class LLM(Frontend):
                 metavar="N",
             ),
         ] = None,
+        max_local_prefill_tokens: Annotated[
+            Positive | None,
+            opt(
+                "disaggregate: a prompt of at most N tokens goes straight to a decode "
+                "instance, which computes it there (no transfer, no wait for a prefill "
+                "instance); longer ones go through a prefill instance (default: all do)",
+                metavar="N",
+            ),
+        ] = None,
         kv_port: Annotated[
             Port | None,
             opt(

@@ -16,14 +16,15 @@ from messages import EngineCoreReady
 from zmqworker.engine.model_folder import ModelFolder
 from zmqworker.frontend.core_client import EngineCoreClient
 from zmqworker.frontend.core_process import RemoteEngineCore
-from zmqworker.frontend.disaggregated_client import DisaggregatedClient
-from zmqworker.frontend.disaggregated_plan import COMPANIONS
+from zmqworker.frontend.disaggregated_client import client_maker
+from zmqworker.frontend.disaggregated_plan import COMPANIONS, ROUTER_OPTIONS
 from zmqworker.transport.curve import CoreKeys
 
 _TCP = re.compile(r"tcp://([^:/\s\[\]]+):(\d{1,5})")  # a host name or IPv4 address
 WILDCARDS = ("0.0.0.0", "*")  # every interface: to bind, not to connect to
 # The options a client of such engine cores takes; any other is the engine cores'.
-CLIENT_OPTIONS = ("model", "max_logprobs", "disaggregate", "engine_core_addresses")
+CLIENT_OPTIONS = ("model", "max_logprobs", "disaggregate", "engine_core_addresses",
+                  *ROUTER_OPTIONS)  # fmt: skip
 
 
 def check_address(address: str, what: str = "an engine core address", bind: bool = False) -> None:
@@ -46,6 +47,7 @@ class RemotePlan:
     disaggregate: bool  # the addresses are prefill and decode instances (their Readies say)
     max_logprobs: int
     token: str  # the Hello token of the deployment's pair
+    max_local_prefill_tokens: int | None = None  # the router's (DisaggregatedClient)
 
     @classmethod
     def from_options(cls, options: dict[str, Any], defaults: dict[str, Any]) -> RemotePlan:
@@ -62,7 +64,7 @@ class RemotePlan:
                 f"at least two; got {len(addresses)}"
             )
         for name, value in options.items():
-            if name in COMPANIONS and value != defaults[name]:
+            if name in COMPANIONS and name not in ROUTER_OPTIONS and value != defaults[name]:
                 raise ValueError(
                     f"{name}={value!r} plans instances this client does not start: with "
                     "engine_core_addresses, the instances are the addresses given, each with "
@@ -79,11 +81,13 @@ class RemotePlan:
         if keys is None:
             raise ValueError(f"engine_core_addresses needs ${CoreKeys.ENV} (zmqworker keys)")
         folder = ModelFolder.open(options["model"])
-        return cls(folder, addresses, options["disaggregate"], options["max_logprobs"], keys.token)
+        return cls(folder, addresses, options["disaggregate"], options["max_logprobs"],
+                   keys.token, options["max_local_prefill_tokens"])  # fmt: skip
 
     def connect(self, client_index: int = 0) -> EngineCoreClient:
         """A client of the engine cores, its Hello sent (wait_ready next)."""
-        return remote_client(self.addresses, self.token, self.disaggregate, client_index)
+        return remote_client(self.addresses, self.token, self.disaggregate, client_index,
+                             self.max_local_prefill_tokens)  # fmt: skip
 
     def check_readies(self, readies: list[EngineCoreReady]) -> None:
         """Raise ValueError unless every engine core serves this client's vocabulary, and
@@ -101,15 +105,19 @@ class RemotePlan:
 
 
 def remote_client(
-    addresses: list[str], token: str, disaggregate: bool, client_index: int
+    addresses: list[str],
+    token: str,
+    disaggregate: bool,
+    client_index: int,
+    max_local_prefill_tokens: int | None = None,
 ) -> EngineCoreClient:
     """A client of engine cores served on their own (it closes their handles with its
     connections). Their outputs are not bounded here: each is a peer the deployment's
     pair authenticated, sized by limits given where it runs."""
     handles = [RemoteEngineCore(i, a) for i, a in enumerate(addresses)]
-    client_class = DisaggregatedClient if disaggregate else EngineCoreClient
+    make = client_maker(disaggregate, max_local_prefill_tokens)
     try:
-        return client_class(addresses, handles, token, client_index, -1)
+        return make(addresses, handles, token, client_index, -1)
     except BaseException:
         for handle in handles:
             handle.close()

@@ -23,9 +23,8 @@ import msgspec
 import uvicorn
 
 from zmqworker.engine.model_folder import ModelFolder
-from zmqworker.frontend.core_client import EngineCoreClient
 from zmqworker.frontend.core_process import WatchedEngineCore
-from zmqworker.frontend.disaggregated_client import DisaggregatedClient
+from zmqworker.frontend.disaggregated_client import client_maker
 from zmqworker.frontend.frontend import Frontend
 from zmqworker.frontend.remote_cores import remote_client
 from zmqworker.runtime.parent_death import PARENT_DEATH_SIGNAL, exit_with_parent
@@ -58,6 +57,7 @@ class ApiServerConfig(msgspec.Struct, frozen=True):
     cors: CorsOptions | None
     tool_call_parser: str | None  # "auto" tool choice's parser (None: refused)
     disaggregated: bool  # the engine cores are prefill and decode instances
+    max_local_prefill_tokens: int | None  # disaggregated: the router's (DisaggregatedClient)
     log_level: str  # uvicorn's
     engine_log_level: str  # the zmqworker logger's
 
@@ -67,13 +67,12 @@ def connect(config: ApiServerConfig) -> Frontend:
     folder = ModelFolder.open(config.model)
     texts = folder.load_text_side()
     if config.engine_pids is None:
-        client = remote_client(
-            config.engine_addresses, config.token, config.disaggregated, config.index
-        )
+        client = remote_client(config.engine_addresses, config.token, config.disaggregated,
+                               config.index, config.max_local_prefill_tokens)  # fmt: skip
     else:
         handles = [WatchedEngineCore(i, pid) for i, pid in enumerate(config.engine_pids)]
-        client_class = DisaggregatedClient if config.disaggregated else EngineCoreClient
-        client = client_class(
+        make = client_maker(config.disaggregated, config.max_local_prefill_tokens)
+        client = make(
             config.engine_addresses, handles, config.token, config.index, config.output_bytes
         )
     try:

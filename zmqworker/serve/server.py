@@ -124,6 +124,7 @@ def serve(
             cors=cors,
             tool_call_parser=tool_call_parser,
             disaggregated=options["disaggregate"],
+            max_local_prefill_tokens=options["max_local_prefill_tokens"],
             log_level=log_level,
             engine_log_level=logging.getLevelName(logger.getEffectiveLevel()),
         )
