@@ -69,6 +69,10 @@ class EngineCoreReady(msgspec.Struct, tag=True):
     # Whether it keeps a prefix cache: only then does a client send prompts that share a
     # prefix to the engine core that was sent it before.
     prefix_caching: bool = False
+    # The boot id of the host it runs on (its multiproc workers' too; "" unknown): a router
+    # hands a prefill's KV to a decode instance of the same host where it can, since the
+    # KV moves through shared memory there rather than over tcp.
+    host_id: str = ""
 
 
 class KVTransferParams(msgspec.Struct, tag=True, frozen=True, omit_defaults=True):

@@ -213,6 +213,7 @@ ENGINE_CORE_EXAMPLES: dict[str, Callable[[], EngineCoreMessage]] = {
         worker_pids=[48302],
         kv_role="consumer",
         prefix_caching=True,
+        host_id="3f2c9a4e-8d1b-4c6a-9e7f-51b2d0a4c8e6",
     ),  # fmt: skip
     "engine_core_request": engine_core_request,
     "engine_core_request_long": lambda: engine_core_request(prompt_len=8192, seed=13),

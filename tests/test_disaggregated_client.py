@@ -20,6 +20,7 @@ from messages import (
 from zmqworker.frontend.core_process import RemoteEngineCore
 from zmqworker.frontend.disaggregated_client import DisaggregatedClient
 from zmqworker.frontend.engine_connection import Failed
+from zmqworker.frontend.prefix_affinity import SLACK
 
 ROLES = ["producer", "producer", "consumer", "consumer"]
 IDS = ["a", "b", "c", "d"]
@@ -27,17 +28,21 @@ PROMPT = np.arange(1, 4, dtype=np.int32)
 
 
 def _client(
-    tmp_path, prefix_caching: bool = False, max_local_prefill_tokens: int | None = None
+    tmp_path,
+    prefix_caching: bool = False,
+    max_local_prefill_tokens: int | None = None,
+    hosts: tuple[str, ...] = ("",) * len(ROLES),
 ) -> DisaggregatedClient:
     addresses = [f"ipc://{tmp_path}/core{i}" for i in range(len(ROLES))]
     handles = [RemoteEngineCore(i, address) for i, address in enumerate(addresses)]
     client = DisaggregatedClient(
         addresses, handles, "token", max_local_prefill_tokens=max_local_prefill_tokens
     )
-    for engine, role in zip(client.engines, ROLES, strict=True):
+    for engine, role, host in zip(client.engines, ROLES, hosts, strict=True):
         engine.ready = EngineCoreReady(
-            engine.index, 96, 8, 4, 8, 256, 1, 0, kv_role=role, prefix_caching=prefix_caching
-        )
+            engine.index, 96, 8, 4, 8, 256, 1, 0, kv_role=role, prefix_caching=prefix_caching,
+            host_id=host,
+        )  # fmt: skip
     client.wait_ready(0.0)  # every Ready is in
     return client
 
@@ -147,3 +152,25 @@ def test_a_short_prompt_goes_straight_to_a_decode_instance(tmp_path) -> None:
 def test_max_local_prefill_tokens_below_one_is_refused(tmp_path) -> None:
     with pytest.raises(ValueError, match="max_local_prefill_tokens must be at least 1, got 0"):
         _client(tmp_path, max_local_prefill_tokens=0)
+
+
+def test_a_prefill_s_kv_goes_to_a_decode_instance_of_its_host(tmp_path) -> None:
+    """Prefill instances on hosts A and B, decode instances on B and A: each request
+    goes on to the decode instance of its prefill's host, unless that one is more than
+    SLACK requests above the least loaded."""
+    client = _client(tmp_path, hosts=("host-a", "host-b", "host-b", "host-a"))
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=4)
+        for request_id in ("a", "b"):
+            client.add_request(EngineCoreRequest(request_id, PROMPT, params))
+        assert (client.engine_of("a"), client.engine_of("b")) == (0, 1)
+        _prefilled(client, 0, ["a"])
+        _prefilled(client, 1, ["b"])
+        assert (client.engine_of("a"), client.engine_of("b")) == (3, 2)
+        client.engines[3].reported_load = SLACK + 2  # host A's decode instance is busy
+        client.add_request(EngineCoreRequest("c", PROMPT, params))
+        assert client.engine_of("c") == 0
+        _prefilled(client, 0, ["c"])
+        assert client.engine_of("c") == 2
+    finally:
+        client.close()

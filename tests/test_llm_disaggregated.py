@@ -7,14 +7,15 @@ from __future__ import annotations
 from messages import SamplingParams
 from tests.test_engine_e2e import PROMPTS, hf_greedy, make_llm
 from tests.test_executor import wait_gone
+from zmqworker.transport.host import boot_id
 
 
 def test_a_disaggregated_llm_gives_transformers_tokens_and_a_logprob_for_each() -> None:
     """Each prompt of more than max_local_prefill_tokens is prefilled on one engine core
     and decoded on the other (its KV pulled across), each shorter one computed and
     decoded on the decode instance alone: greedy tokens equal transformers', every token
-    has its logprob (a pulled prompt's first the prefill's), and both instances'
-    processes leave with the LLM."""
+    has its logprob (a pulled prompt's first the prefill's), each instance's Ready names
+    this host, and both instances' processes leave with the LLM."""
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=1)
     local = 4
     with make_llm(
@@ -22,6 +23,7 @@ def test_a_disaggregated_llm_gives_transformers_tokens_and_a_logprob_for_each() 
     ) as llm:
         pids = [*llm.engine_core_pids, *llm.worker_pids]
         assert len(llm.engine_core_pids) == 2 and len(llm.worker_pids) == 2
+        assert {e.ready.host_id for e in llm.client.engines} == {boot_id()}  # this host's
         sent: list[tuple[int, bool, int]] = []  # (prompt length, remote KV, engine core)
         send = llm.client._send_request
 

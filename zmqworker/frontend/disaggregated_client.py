@@ -7,7 +7,10 @@ prefix went to before, or the least loaded (prefix_affinity.py). The output that
 there carries its first token and where its prompt's KV waits
 (FinishedOutput.kv_transfer): that end is taken out of the output here, so that the
 caller sees the first token as any other, and the same request goes to a decode instance,
-chosen alike, with the KV's whereabouts and the token, from where it streams on. A
+chosen alike, with the KV's whereabouts and the token, from where it streams on. A decode
+instance of the prefill's host (EngineCoreReady.host_id) goes first, where one is within
+SLACK requests of the least loaded: there the KV moves through shared memory, elsewhere
+over tcp. A
 request whose first token ends it never leaves its prefill instance. With
 max_local_prefill_tokens, a prompt of at most that many tokens goes straight to a decode
 instance, which computes it as a colocated engine core would: such a prompt costs a
@@ -43,7 +46,7 @@ from messages import (
 from zmqworker.frontend.core_client import EngineCoreClient
 from zmqworker.frontend.core_process import EngineCoreHandle
 from zmqworker.frontend.engine_connection import EngineConnection, Event, Failed
-from zmqworker.frontend.prefix_affinity import place
+from zmqworker.frontend.prefix_affinity import SLACK, place
 
 ROLES = {"producer": "prefill", "consumer": "decode"}  # by the workers' KV transfer role
 
@@ -192,7 +195,8 @@ class DisaggregatedClient(EngineCoreClient):
         decode = msgspec.structs.replace(
             request, sampling_params=sampling, kv_transfer_params=params, shares_prompt_with=None
         )
-        self._send_request(place(decode.prompt_token_ids, live, self._affinity), decode)
+        near = _near(prefill, live)
+        self._send_request(place(decode.prompt_token_ids, near, self._affinity), decode)
         self._awaiting_kv[request_id] = prefill
         return None
 
@@ -218,6 +222,21 @@ class DisaggregatedClient(EngineCoreClient):
             self._send(decode, AbortRequests(ids))  # type: ignore[arg-type]
         if waiting:
             events.append(Failed(engine.index, waiting, lost, fatal=True))
+
+
+def _near(prefill: EngineConnection, decodes: list[EngineConnection]) -> list[EngineConnection]:
+    """The decode instances of decodes (live) on prefill's host that are within SLACK
+    requests of the least loaded of decodes, where there are any; else decodes."""
+    host = prefill.ready.host_id if prefill.ready is not None else ""
+    if not host:
+        return decodes
+    least = min(e.load for e in decodes)
+    near = [
+        e
+        for e in decodes
+        if e.ready is not None and e.ready.host_id == host and e.load <= least + SLACK
+    ]
+    return near or decodes
 
 
 def client_maker(

@@ -40,6 +40,7 @@ from zmqworker.kv_transfer.peer_caches import PeerCache, PeerCacheError, PeerCac
 from zmqworker.kv_transfer.staging import PeerMappings, SharedMemoryError
 from zmqworker.transport.curve import KVKeys
 from zmqworker.transport.frames import recv_frames, send_frames
+from zmqworker.transport.host import boot_id
 from zmqworker.transport.wake_pipe import WakePipe
 
 log = logging.getLogger("zmqworker.kv_transfer")
@@ -73,7 +74,7 @@ class KVPuller:
         self.layout = layout
         self.timeout_s = timeout_s
         self._keys = keys
-        self._host_id = wire.boot_id() if shm else ""
+        self._host_id = boot_id() if shm else ""
         self._ctx = zmq.Context()
         self._socks: dict[str, zmq.Socket] = {}
         self._device = device

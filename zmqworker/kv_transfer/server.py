@@ -40,6 +40,7 @@ from zmqworker.kv_transfer.cache_exports import (
 from zmqworker.kv_transfer.staged import Staged, StagedBytes
 from zmqworker.transport.curve import KVKeys, make_server, start_zap
 from zmqworker.transport.frames import recv_frames, send_frames
+from zmqworker.transport.host import boot_id
 from zmqworker.transport.wake_pipe import WakePipe
 
 log = logging.getLogger("zmqworker.kv_transfer")
@@ -99,7 +100,7 @@ class KVServer:
             self._release()
             raise RuntimeError(f"rank {rank}: the KV server cannot bind {address}: {e}") from e
         self.address = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
-        self._host_id = wire.boot_id()
+        self._host_id = boot_id()
         self._staged: dict[str, Staged] = {}
         self.bytes = StagedBytes(layout, kv_caches)
         # Pulls that came before their staging (the prefill's next step stages it): held

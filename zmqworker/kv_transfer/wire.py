@@ -37,10 +37,3 @@ def decode(body: bytes | memoryview) -> KVPeerMessage:
             f"KV peer speaks protocol {envelope.version}, this side {PROTOCOL_VERSION}"
         )
     return envelope.msg
-
-
-def boot_id() -> str:
-    """This host's boot id: two processes that share it can map each other's memfds
-    (when /proc lets them, which the puller finds out)."""
-    with open("/proc/sys/kernel/random/boot_id") as f:
-        return f.read().strip()
