@@ -152,14 +152,23 @@ def main() -> None:
     parser.add_argument(
         "--max-local-prefill-tokens",
         type=int,
-        default=64,
-        help="the local mode's: prompts of at most this many tokens computed on the decode side",
+        default=24,
+        help="the local mode's: prompts of at most this many tokens computed on the decode "
+        "side (the short ones only: below --decode-prompt-len)",
     )
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--port", type=int, default=8766)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    if "local" in args.modes and not (
+        args.short_prompt_len <= args.max_local_prefill_tokens < args.decode_prompt_len
+    ):
+        parser.error(
+            "the local mode moves the short prompts alone: --max-local-prefill-tokens "
+            f"{args.max_local_prefill_tokens} must be at least --short-prompt-len "
+            f"{args.short_prompt_len} and below --decode-prompt-len {args.decode_prompt_len}"
+        )
     from zmqworker.engine.model_folder import ModelFolder
 
     vocab = ModelFolder.open(args.model).vocab_size or 32000

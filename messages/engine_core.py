@@ -71,7 +71,7 @@ class EngineCoreReady(msgspec.Struct, tag=True):
     prefix_caching: bool = False
     # The boot id of the host it runs on (its multiproc workers' too; "" unknown): a router
     # hands a prefill's KV to a decode instance of the same host where it can, since the
-    # KV moves through shared memory there rather than over tcp.
+    # KV can move through shared memory there rather than over tcp.
     host_id: str = ""
 
 

@@ -133,6 +133,7 @@ def test_a_short_prompt_goes_straight_to_a_decode_instance(tmp_path) -> None:
         client._send_request = recorded
         for request_id in ("a", "b"):
             client.add_request(EngineCoreRequest(request_id, PROMPT, params))
+        client.engines[2].reported_load = 1  # the least loaded is 3: only "a" leads to 2
         client.add_request(EngineCoreRequest("a2", PROMPT, params, shares_prompt_with="a"))
         longer = np.arange(1, len(PROMPT) + 2, dtype=np.int32)
         client.add_request(EngineCoreRequest("long", longer, params))

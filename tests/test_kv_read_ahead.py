@@ -173,3 +173,20 @@ def test_what_waits_for_a_device_copy_follows_once_it_has_run() -> None:
     assert called == [1] and copies.watched
     copies.close()
     assert sorted(called) == [0, 1, 2] and not copies.watched
+
+
+def test_a_then_that_raises_leaves_the_others_called_once() -> None:
+    copies, called = CopiesRun(), []
+
+    def fails() -> None:
+        called.append("fails")
+        raise RuntimeError("a release failed")
+
+    events = [StandInEvent(), StandInEvent()]
+    copies.add(events[0], fails)
+    copies.add(events[1], lambda: called.append("other"))
+    events[0].passed = True
+    with pytest.raises(RuntimeError, match="a release failed"):
+        copies.poll()
+    copies.close()
+    assert called == ["fails", "other"]

@@ -136,7 +136,7 @@ def test_short_prompts_are_computed_on_the_decode_side(
     colocated = run_colocated(pair.decode)
     pair.decode.reset_prefix_cache()
     local = 9
-    monkeypatch.setattr(pair, "max_local_prefill_tokens", local)
+    monkeypatch.setattr(pair, "_local_limit", local)  # as max_local_prefill_tokens=9 makes it
     loaded = pair.decode.kv_connector.num_loaded
     router = ThreadedRouter(pair) if threaded else pair
     try:

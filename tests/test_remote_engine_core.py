@@ -128,9 +128,20 @@ def test_a_disaggregated_pair_on_two_engine_cores(keys) -> None:
         tiny_core("--disaggregate-role", "decode") as (_, decode),
         connect(decode, prefill, disaggregate=True, max_local_prefill_tokens=4) as llm,
     ):
-        assert llm.client.max_local_prefill_tokens == 4
+        sent: list[tuple[int, str]] = []  # (prompt length, the role it went to)
+        send = llm.client._send_request
+
+        def recorded(engine, request):
+            sent.append((len(request.prompt_token_ids), engine.ready.kv_role))
+            return send(engine, request)
+
+        llm.client._send_request = recorded
         outs = llm.generate(PROMPTS, GREEDY)
     assert [o.token_ids for o in outs] == [hf_greedy(tuple(p), 6) for p in PROMPTS]
+    assert sorted(sent) == sorted(
+        [(len(p), "consumer") for p in PROMPTS]
+        + [(len(p), "producer") for p in PROMPTS if len(p) > 4]
+    )
 
 
 def test_nothing_at_the_address_fails_within_the_reach_timeout(keys, monkeypatch) -> None:
@@ -150,6 +161,10 @@ def test_what_engine_core_addresses_cannot_take(keys, monkeypatch) -> None:
         ({"engine_core_addresses": [address], "disaggregate": True}, "at least two"),
         ({"engine_core_addresses": [address], "data_parallel_size": 2}, "data_parallel_size"),
         ({"engine_core_addresses": [address], "kv_port": 9000}, "kv_port"),
+        (
+            {"engine_core_addresses": [address], "max_local_prefill_tokens": 4},
+            "max_local_prefill_tokens=4 needs disaggregate=True",
+        ),
         ({"engine_core_addresses": [address], "max_num_seqs": 4}, "the engine cores' to take"),
         ({"engine_core_addresses": ["tcp://*:7100"]}, "not a wildcard"),
     ]:

@@ -27,7 +27,7 @@ from typing import Any
 import msgspec
 
 from zmqworker.cli.options import add_options, given, llm_options
-from zmqworker.frontend.disaggregated_plan import KV_TIMEOUT_S, check_kv_transfer
+from zmqworker.frontend.disaggregated_plan import KV_TIMEOUT_S, ROUTER_OPTIONS, check_kv_transfer
 
 # LLM options a lone engine core has no use for: a pair's are its own flags here, and
 # the replicas of data parallelism are engine cores of their own.
@@ -39,6 +39,7 @@ NOT_HERE = (
     "kv_transfer_timeout_s",
     "prefill_instances",
     "decode_instances",
+    *ROUTER_OPTIONS,
     "engine_core_addresses",
 )
 LLM_OPTIONS = llm_options(skip=NOT_HERE)

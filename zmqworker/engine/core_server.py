@@ -47,7 +47,7 @@ from zmqworker.executor.errors import WorkerDiedError, WorkerStuckError
 from zmqworker.transport.curve import serve_core_securely
 from zmqworker.transport.drops import DropCounter
 from zmqworker.transport.frames import recv_frames, send_frames
-from zmqworker.transport.host import boot_id
+from zmqworker.transport.host import host_id
 
 log = logging.getLogger("zmqworker.engine")
 
@@ -122,7 +122,7 @@ class EngineCoreServer:
             worker_pids=list(getattr(core.executor, "pids", [])),
             kv_role=transfer.role if (transfer := self.config.worker.kv_transfer) else "",
             prefix_caching=core.block_manager.enable_prefix_caching,
-            host_id=boot_id(),
+            host_id=host_id(),
         )
         log.debug("ready for clients")
         try:

@@ -26,6 +26,7 @@ import msgspec
 
 from messages import KVTransferConfig, ParallelConfig, SamplingParams, SchedulerConfig, WorkerConfig
 from zmqworker.engine.core import EngineCore
+from zmqworker.engine.local_prefill import local_prefill_limit
 from zmqworker.engine.request import RemotePrefill, Request
 from zmqworker.executor.multiproc import MultiprocExecutor
 from zmqworker.transport.curve import KV_CURVE_ENV, KVKeys
@@ -69,10 +70,7 @@ class DisaggregatedEngine:
     ) -> None:
         """max_local_prefill_tokens: a prompt of at most this many tokens is computed on
         the decode instance (None: every prompt on the prefill instance)."""
-        if max_local_prefill_tokens is not None and max_local_prefill_tokens < 1:
-            raise ValueError(
-                f"max_local_prefill_tokens must be at least 1, got {max_local_prefill_tokens}"
-            )
+        self._local_limit = local_prefill_limit(max_local_prefill_tokens)
         for name, core, role in (("prefill", prefill, "addresses"), ("decode", decode, None)):
             if core.kv_connector is None:
                 raise ValueError(f"the {name} engine core has no KV connector (kv_transfer)")
@@ -80,7 +78,6 @@ class DisaggregatedEngine:
                 raise ValueError("the prefill engine core's workers do not serve KV (producer)")
         self.prefill = prefill
         self.decode = decode
-        self.max_local_prefill_tokens = max_local_prefill_tokens
         self.requests: dict[str, RoutedRequest] = {}
         self._params: dict[str, tuple[list[int], SamplingParams, list[int]]] = {}
 
@@ -104,7 +101,7 @@ class DisaggregatedEngine:
 
     def prefills_locally(self, prompt_token_ids: Sequence[int]) -> bool:
         """Whether a prompt of these tokens is computed on the decode instance."""
-        return len(prompt_token_ids) <= (self.max_local_prefill_tokens or 0)
+        return len(prompt_token_ids) <= self._local_limit
 
     def abort_request(self, req_id: str) -> None:
         self.prefill.abort_request(req_id)
@@ -230,6 +227,7 @@ def start_disaggregated(
     prefill's, and host_ranks (in both layouts) shares the CPU's cores between them, as
     frontend/disaggregated_plan.py does. max_local_prefill_tokens: the router's
     (DisaggregatedEngine)."""
+    local_prefill_limit(max_local_prefill_tokens)  # a bad value fails before any start
     env = {KV_CURVE_ENV: (keys or KVKeys.new()).to_env()}
 
     def start(role: str, scheduler: SchedulerConfig | None) -> EngineCore:

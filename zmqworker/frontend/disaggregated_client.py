@@ -6,18 +6,16 @@ Each request goes to a prefill instance with do_remote_decode: the one its promp
 prefix went to before, or the least loaded (prefix_affinity.py). The output that ends it
 there carries its first token and where its prompt's KV waits
 (FinishedOutput.kv_transfer): that end is taken out of the output here, so that the
-caller sees the first token as any other, and the same request goes to a decode instance,
-chosen alike, with the KV's whereabouts and the token, from where it streams on. A decode
-instance of the prefill's host (EngineCoreReady.host_id) goes first, where one is within
-SLACK requests of the least loaded: there the KV moves through shared memory, elsewhere
-over tcp. A
-request whose first token ends it never leaves its prefill instance. With
-max_local_prefill_tokens, a prompt of at most that many tokens goes straight to a decode
-instance, which computes it as a colocated engine core would: such a prompt costs a
-decode instance's step less than its transfer would (a round trip, the prefill
-instance's queue), and its first token comes sooner. The caller's code
-(Frontend, the API servers) is the same as over replicas: aborts go to the instance that
-runs the request, failures come back by id.
+caller sees the first token as any other, and the same request goes to a decode
+instance, chosen alike, with the KV's whereabouts and the token, from where it streams
+on. A decode instance of the prefill's host (EngineCoreReady.host_id) goes first, where
+one is within SLACK requests of the least loaded: there the KV can move through shared
+memory, elsewhere it goes over tcp. A request whose first token ends it never leaves its
+prefill instance. With max_local_prefill_tokens, a prompt of at most that many tokens
+goes straight to a decode instance, which computes it as a colocated engine core would
+(engine/local_prefill.py). The caller's code (Frontend, the API servers) is the same as
+over replicas: aborts go to the instance that runs the request, failures come back by
+id.
 
 Failures: a request fails with an error naming the instance that failed it. A prefill
 instance gone: its own requests fail at once, and so do those a decode instance has not
@@ -43,6 +41,7 @@ from messages import (
     KVTransferParams,
     RemoteKV,
 )
+from zmqworker.engine.local_prefill import local_prefill_limit
 from zmqworker.frontend.core_client import EngineCoreClient
 from zmqworker.frontend.core_process import EngineCoreHandle
 from zmqworker.frontend.engine_connection import EngineConnection, Event, Failed
@@ -103,12 +102,8 @@ class DisaggregatedClient(EngineCoreClient):
                 f"disaggregated serving runs prefill and decode instances, got "
                 f"{len(addresses)} engine core(s)"
             )
-        if max_local_prefill_tokens is not None and max_local_prefill_tokens < 1:
-            raise ValueError(
-                f"max_local_prefill_tokens must be at least 1, got {max_local_prefill_tokens}"
-            )
+        self._local_limit = local_prefill_limit(max_local_prefill_tokens)
         super().__init__(addresses, handles, token, client_index, max_output_bytes)
-        self.max_local_prefill_tokens = max_local_prefill_tokens
         # Requests on a prefill instance, as the caller sent them: what goes on to decode.
         self._prefilling: dict[str, EngineCoreRequest] = {}
         # Requests handed to a decode instance that it has not answered yet, and the
@@ -141,7 +136,7 @@ class DisaggregatedClient(EngineCoreClient):
         # A sibling (n > 1) goes where its prompt is computed: it shares its blocks there.
         sibling = self._owner.get(request.shares_prompt_with or "")
         prompt = request.prompt_token_ids
-        if len(prompt) <= (self.max_local_prefill_tokens or 0):  # computed where it decodes
+        if len(prompt) <= self._local_limit:  # computed where it decodes (local_prefill.py)
             shared = sibling in decodes and sibling.dead is None
             decode = sibling if shared else place(prompt, decodes, self._affinity)
             return self._send_request(decode, request)
@@ -243,7 +238,12 @@ def client_maker(
     disaggregate: bool, max_local_prefill_tokens: int | None = None
 ) -> Callable[..., EngineCoreClient]:
     """What makes a deployment's client (EngineCoreClient's arguments): of replicas, or
-    with disaggregate the router over prefill and decode instances."""
+    with disaggregate the router over prefill and decode instances. ValueError for a
+    router's option without disaggregate."""
     if not disaggregate:
+        if max_local_prefill_tokens is not None:
+            raise ValueError(
+                f"max_local_prefill_tokens={max_local_prefill_tokens!r} needs disaggregate=True"
+            )
         return EngineCoreClient
     return functools.partial(DisaggregatedClient, max_local_prefill_tokens=max_local_prefill_tokens)

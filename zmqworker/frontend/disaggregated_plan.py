@@ -60,7 +60,7 @@ def start_engine_cores(
     plan: EnginePlan, pair: DisaggregatedPlan | None
 ) -> tuple[EngineCoreLauncher, Callable[..., EngineCoreClient]]:
     """The plan's engine cores (its replicas, or its prefill and decode instances),
-    starting, and the client class that drives them."""
+    starting, and what makes the client that drives them (client_maker)."""
     if pair is None:
         launcher = EngineCoreLauncher(plan.num_engines, plan.engine_config, plan.make_executor)
         return launcher, EngineCoreClient

@@ -244,9 +244,9 @@ class LLM(Frontend):
         with ThreadPoolExecutor(1, thread_name_prefix="zmqworker-tokenizer") as pool:
             # The tokenizer loads while the engine cores start their workers.
             text_side = pool.submit(plan.folder.load_text_side)
-            launcher, client_class = start_engine_cores(plan, pair)
+            launcher, make_client = start_engine_cores(plan, pair)
             with starting("the engine did not start", launcher.stop):
-                client = client_class(
+                client = make_client(
                     launcher.addresses, launcher.handles, launcher.token, 0, plan.output_bytes
                 )
                 try:

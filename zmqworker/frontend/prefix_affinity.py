@@ -47,8 +47,9 @@ def place(tokens: np.ndarray, engines: Sequence[E], affinity: PrefixAffinity | N
     live = [e for e in engines if e.dead is None]
     if not live:
         raise engines[0].dead.with_traceback(None)  # type: ignore[union-attr]
-    if affinity is None or len(live) == 1:
+    if affinity is None:
         return min(live, key=lambda e: (e.load, e.index))
+    # Recorded even where one engine core is left to choose: the record is its cache's.
     hashes = prompt_hashes(tokens, affinity.block_size)
     engine = affinity.choose(hashes, live)
     affinity.sent(engine.index, hashes)

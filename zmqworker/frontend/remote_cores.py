@@ -64,6 +64,8 @@ class RemotePlan:
                 f"at least two; got {len(addresses)}"
             )
         for name, value in options.items():
+            if name in ROUTER_OPTIONS and value != defaults[name] and not options["disaggregate"]:
+                raise ValueError(f"{name}={value!r} needs disaggregate=True")
             if name in COMPANIONS and name not in ROUTER_OPTIONS and value != defaults[name]:
                 raise ValueError(
                     f"{name}={value!r} plans instances this client does not start: with "

@@ -28,23 +28,24 @@ class CopiesRun:
         return bool(self._running)
 
     def poll(self) -> None:
-        """Call then() for each copy that has run (the watcher's thread)."""
+        """Call then() for each copy that has run (the watcher's thread); each once, even
+        where one raises."""
         self._take()
-        running = []
-        for copied, then in self._running:
-            if copied.query():
-                then()
-            else:
-                running.append((copied, then))
+        ran: list[tuple[torch.cuda.Event, Callable[[], None]]] = []
+        running: list[tuple[torch.cuda.Event, Callable[[], None]]] = []
+        for entry in self._running:
+            (ran if entry[0].query() else running).append(entry)
         self._running = running
+        for _, then in ran:
+            then()
 
     def close(self) -> None:
         """Wait for every copy and call its then() (the watcher has stopped)."""
         self._take()
-        for copied, then in self._running:
+        running, self._running = self._running, []
+        for copied, then in running:
             copied.synchronize()
             then()
-        self._running = []
 
     def _take(self) -> None:
         while True:

@@ -121,15 +121,19 @@ class KVPuller:
         self._orders.put(("done", load, source))
         self._wake.wake()
 
-    def done_once_run(self, copied: torch.cuda.Event, arrived: Arrived) -> None:
+    def done_once_run(self, copied: torch.cuda.Event | None, arrived: Arrived) -> None:
         """arrived's copies out of a producer's GPU cache end at copied: let arrived go and
-        tell its server once it has passed (watched here: no further step may come)."""
+        tell its server once it has passed (watched here: no further step may come), or
+        at once where copied is None (host copies, done)."""
 
         def taken() -> None:
             arrived.release()
             self.done(arrived.load, arrived.source)
 
-        self.once_run(copied, taken)
+        if copied is None:
+            taken()
+        else:
+            self.once_run(copied, taken)
 
     def once_run(self, copied: torch.cuda.Event, then: Callable[[], None]) -> None:
         """then(), on the puller's thread, once copied has passed."""

@@ -109,11 +109,7 @@ class ReadAhead:
 
     def done(self, arrived: Arrived, ahead: Ahead) -> None:
         """Let arrived go and say KVDone, once ahead's copy (which stood) has run."""
-        if ahead.copied is not None:  # the puller's thread watches it
-            self._puller.done_once_run(ahead.copied, arrived)
-            return
-        arrived.release()
-        self._puller.done(arrived.load, arrived.source)
+        self._puller.done_once_run(ahead.copied, arrived)
 
     def cancel(self, load: KVLoad) -> None:
         """Forget load's copies ahead (it was cancelled: its answers may never come)."""

@@ -296,11 +296,8 @@ class ZmqKVConnector(KVConnector):
                 torch.cuda.current_stream(self.kv_caches()[0].device).synchronize()
             self._let_go(arrived)
             raise
-        if copied is None:
-            self._let_go(arrived)
-        else:
-            assert self.puller is not None
-            self.puller.done_once_run(copied, arrived)
+        assert self.puller is not None
+        self.puller.done_once_run(copied, arrived)
 
     def _let_go(self, arrived: Arrived) -> None:
         arrived.release()

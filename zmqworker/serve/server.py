@@ -100,7 +100,7 @@ def serve(
         folder, max_logprobs, output_bytes = remote.folder, remote.max_logprobs, -1
     name = served_model_name or folder.path.name
     listener = _listen(host, port)  # a port in use fails here, before anything starts
-    launcher, client_class = (None, None) if remote else start_engine_cores(plan, pair)
+    launcher, make_client = (None, None) if remote else start_engine_cores(plan, pair)
     servers: list[ChildProcess] = []
     spawner = threading.Event()  # set: the spawning thread may end
     client = None
@@ -146,7 +146,7 @@ def serve(
             client = remote.connect(count)
             remote.check_readies(client.wait_ready(READY_TIMEOUT_S))
         else:
-            client = client_class(
+            client = make_client(
                 launcher.addresses, launcher.handles, launcher.token, count, output_bytes
             )
         _Supervisor(client, servers, name, f"http://{host}:{port}/v1").run(shutdown_timeout_s)
