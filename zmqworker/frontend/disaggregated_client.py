@@ -238,12 +238,8 @@ def client_maker(
     disaggregate: bool, max_local_prefill_tokens: int | None = None
 ) -> Callable[..., EngineCoreClient]:
     """What makes a deployment's client (EngineCoreClient's arguments): of replicas, or
-    with disaggregate the router over prefill and decode instances. ValueError for a
-    router's option without disaggregate."""
+    with disaggregate the router over prefill and decode instances (the options checked
+    where they were given: check_pair_options, RemotePlan.from_options)."""
     if not disaggregate:
-        if max_local_prefill_tokens is not None:
-            raise ValueError(
-                f"max_local_prefill_tokens={max_local_prefill_tokens!r} needs disaggregate=True"
-            )
         return EngineCoreClient
     return functools.partial(DisaggregatedClient, max_local_prefill_tokens=max_local_prefill_tokens)

@@ -130,13 +130,14 @@ class KVPuller:
             arrived.release()
             self.done(arrived.load, arrived.source)
 
-        if copied is None:
-            taken()
-        else:
-            self.once_run(copied, taken)
+        self.once_run(copied, taken)
 
-    def once_run(self, copied: torch.cuda.Event, then: Callable[[], None]) -> None:
-        """then(), on the puller's thread, once copied has passed."""
+    def once_run(self, copied: torch.cuda.Event | None, then: Callable[[], None]) -> None:
+        """then(), on the puller's thread, once copied has passed; at once where copied is
+        None (host copies, done)."""
+        if copied is None:
+            then()
+            return
         self._copies.add(copied, then)
         self._wake.wake()
 

@@ -144,7 +144,4 @@ class ReadAhead:
         # Not a use of the cache: an answer lending it, when this copy stands, is one (an
         # opening that answers no longer lend goes idle, whatever is copied ahead from it).
         caches = self._puller.peer_caches
-        if copied is None:
-            caches.release(cache, used=False)
-        else:
-            self._puller.once_run(copied, lambda: caches.release(cache, used=False))
+        self._puller.once_run(copied, lambda: caches.release(cache, used=False))
