@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from zmqworker.engine.block_manager import KVBlockManager
+from zmqworker.engine.host_tier import HostKVTier
 
 
 def test_allocate_append_free():
@@ -136,3 +137,23 @@ def test_reset_prefix_cache_forgets_every_cached_block():
     kv.allocate_slots("e", prompt, 0, 10)
     kv.new_step()
     assert kv.get_computed_blocks("f", prompt) == (kv.block_ids("e")[:2], 8)
+
+
+def test_num_cached_tokens_counts_the_cache_and_the_host_tier():
+    """What a router asks of a decode instance's cache: full blocks of the longest
+    cached prefix, in the device cache or the host tier, a token short of all at most."""
+    kv = KVBlockManager(num_blocks=4, block_size=4, enable_prefix_caching=True,
+                        host_tier=HostKVTier(4))  # fmt: skip
+    prompt = list(range(12))
+    kv.allocate_slots("a", prompt, 0, 12)
+    kv.new_step()
+    assert kv.num_cached_tokens(prompt + [50]) == 12
+    assert kv.num_cached_tokens(prompt) == 8  # the last token is computed
+    assert kv.num_cached_tokens([99, *prompt[1:], 50]) == 0  # the chain breaks at once
+    kv.free("a")
+    kv.allocate_slots("b", list(range(100, 116)), 0, 16)  # evicts all three to the host
+    kv.new_step()
+    assert kv.num_cached_tokens(prompt + [50]) == 12
+    assert kv.get_computed_blocks("c", prompt + [50]) == ([], 0)
+    assert len(kv.get_host_hits("c", prompt + [50], 0)) == 3
+    assert KVBlockManager(4, 4).num_cached_tokens(prompt) == 0  # no prefix caching

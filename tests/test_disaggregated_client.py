@@ -32,6 +32,7 @@ def _client(
     prefix_caching: bool = False,
     max_local_prefill_tokens: int | None = None,
     hosts: tuple[str, ...] = ("",) * len(ROLES),
+    num_blocks: int = 8,
 ) -> DisaggregatedClient:
     addresses = [f"ipc://{tmp_path}/core{i}" for i in range(len(ROLES))]
     handles = [RemoteEngineCore(i, address) for i, address in enumerate(addresses)]
@@ -40,8 +41,8 @@ def _client(
     )
     for engine, role, host in zip(client.engines, ROLES, hosts, strict=True):
         engine.ready = EngineCoreReady(
-            engine.index, 96, 8, 4, 8, 256, 1, 0, kv_role=role, prefix_caching=prefix_caching,
-            host_id=host,
+            engine.index, 96, num_blocks, 4, 8, 256, 1, 0, kv_role=role,
+            prefix_caching=prefix_caching, host_id=host,
         )  # fmt: skip
     client.wait_ready(0.0)  # every Ready is in
     return client
@@ -173,5 +174,33 @@ def test_a_prefill_s_kv_goes_to_a_decode_instance_of_its_host(tmp_path) -> None:
         assert client.engine_of("c") == 0
         _prefilled(client, 0, ["c"])
         assert client.engine_of("c") == 2
+    finally:
+        client.close()
+
+
+def test_a_conversation_s_next_turn_is_computed_where_its_last_one_decoded(tmp_path) -> None:
+    """With prefix caching and max_local_prefill_tokens, the limit counts what the decode
+    instance lacks, as its record of prompts tells: a first turn too long goes through a
+    prefill instance; the next, whose new tokens are within the limit, straight to the
+    decode instance its first turn went on to, even where that one is busier; a prompt
+    that shares nothing, or whose new part is too long, to a prefill instance."""
+    client = _client(tmp_path, prefix_caching=True, max_local_prefill_tokens=6, num_blocks=400)
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=4)
+        first = np.arange(100, 100 + 4 * 300, dtype=np.int32)  # 300 blocks: past MAX_BLOCKS
+        client.add_request(EngineCoreRequest("turn1", first, params))
+        assert client.engine_of("turn1") in (0, 1)
+        _prefilled(client, client.engine_of("turn1"), ["turn1"])
+        decode = client.engine_of("turn1")
+        assert decode in (2, 3)
+        client.engines[decode].reported_load = SLACK - 1  # busier, still within SLACK
+        answer, question = [7, 7, 7], [8, 8]
+        second = np.asarray([*first, *answer, *question], np.int32)  # 5 tokens new
+        client.add_request(EngineCoreRequest("turn2", second, params))
+        assert client.engine_of("turn2") == decode
+        third = np.asarray([*second, *range(9)], np.int32)  # 9 new past turn 2's 301 blocks
+        client.add_request(EngineCoreRequest("too-long", third, params))
+        client.add_request(EngineCoreRequest("other", first[::-1].copy(), params))
+        assert client.engine_of("too-long") in (0, 1) and client.engine_of("other") in (0, 1)
     finally:
         client.close()

@@ -2,9 +2,9 @@
 its own worker process: greedy tokens equal a colocated engine's (prefix caching and
 chunked prefill on, and a decode side small enough to preempt), a prompt whose leading
 blocks the decode side has cached pulls only the rest, a pull from a dead or silent
-prefill fails its request by name with no block left held, a prompt short enough is
-computed on the decode side alone, and a peer without the deployment's keys gets
-nothing."""
+prefill fails its request by name with no block left held, a prompt of which little
+enough is not cached on the decode side is computed there alone, and a peer without the
+deployment's keys gets nothing."""
 
 from __future__ import annotations
 
@@ -148,6 +148,40 @@ def test_short_prompts_are_computed_on_the_decode_side(
     pulled = sum(len(p) > local for p in PROMPTS)
     assert 0 < pulled < len(PROMPTS)
     assert pair.decode.kv_connector.num_loaded == loaded + pulled
+    while pair.has_work():
+        pair.step()
+    for core in (pair.prefill, pair.decode):
+        assert free_blocks(core) == core.block_manager.num_blocks
+
+
+@pytest.mark.parametrize("threaded", [False, True], ids=["stepped", "threaded"])
+def test_a_conversation_s_next_turn_is_computed_on_the_decode_side(
+    pair: DisaggregatedEngine, monkeypatch, threaded: bool
+) -> None:
+    """The limit counts what the decode instance's cache lacks: a conversation's first
+    turn, too long, is pulled; the next one (the first's prompt and answer and three
+    tokens more) is computed on the decode side, which holds all but its last 6 tokens; a
+    prompt as long that shares nothing is pulled. Tokens equal colocated ones."""
+    first = [*SHARED, 1, 2, 3]
+    [answer] = run_colocated(pair.decode, prompts=[first])
+    second = [*first, *answer, 9, 9, 9]
+    other = list(range(150, 150 + len(second)))
+    expected = [answer, *run_colocated(pair.decode, prompts=[second, other])]
+    pair.decode.reset_prefix_cache()
+    monkeypatch.setattr(pair, "_local_limit", 8)  # as max_local_prefill_tokens=8 makes it
+    connector = pair.decode.kv_connector
+    loaded = connector.num_loaded
+    router = ThreadedRouter(pair) if threaded else pair
+    try:
+        turns = [router.generate([prompt], GREEDY, timeout_s=300)[0] for prompt in (first, second)]
+        assert connector.num_loaded == loaded + 1  # the first turn only
+        assert not pair.prefills_locally(other)
+        turns += router.generate([other], GREEDY, timeout_s=300)
+    finally:
+        if threaded:
+            router.stop()
+    assert [(r.token_ids, r.error) for r in turns] == [(e, None) for e in expected]
+    assert connector.num_loaded == loaded + 2
     while pair.has_work():
         pair.step()
     for core in (pair.prefill, pair.decode):

@@ -41,7 +41,10 @@ def test_a_hash_names_its_block_and_every_block_before_it() -> None:
     assert a[:3] == b[:3] and a[3] != b[3]
     assert not set(other_start) & set(a)  # a different first block: nothing matches
     assert prompt_hashes(tokens(1, 2, 3), 4) == []
-    assert len(prompt_hashes(np.arange((MAX_BLOCKS + 3) * 2, dtype=np.int32), 2)) == MAX_BLOCKS
+    long = np.arange((MAX_BLOCKS + 3) * 2, dtype=np.int32)
+    assert len(prompt_hashes(long, 2)) == MAX_BLOCKS
+    assert prompt_hashes(long, 2, None)[:MAX_BLOCKS] == prompt_hashes(long, 2)
+    assert len(prompt_hashes(long, 2, None)) == MAX_BLOCKS + 3  # all of them
 
 
 def test_the_engine_core_sent_the_longest_prefix_takes_the_request() -> None:

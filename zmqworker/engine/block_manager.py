@@ -115,6 +115,24 @@ class KVBlockManager:
             blocks.append(block)
         return blocks, len(blocks) * self.block_size
 
+    def num_cached_tokens(self, token_ids: Sequence[int]) -> int:
+        """Tokens of token_ids' longest prefix, in full blocks and a token short of all at
+        most, that the prefix cache or the host tier holds: what a request of these tokens
+        would not compute. Changes nothing, and only looks blocks up, so that a router on
+        another thread may ask it (disaggregated.py): its answer is a guess as soon as a
+        step runs."""
+        if not self.enable_prefix_caching:
+            return 0
+        size, parent, num_blocks = self.block_size, _ROOT_HASH, 0
+        for i in range((len(token_ids) - 1) // size):
+            parent = hash_block(parent, token_ids[i * size : (i + 1) * size])
+            if parent not in self._cached and (
+                self.host_tier is None or parent not in self.host_tier
+            ):
+                break
+            num_blocks += 1
+        return num_blocks * size
+
     def get_host_hits(self, req_id: str, token_ids: Sequence[int], num_hits: int) -> list[int]:
         """The host tier's slots of the full blocks that follow the num_hits blocks
         get_computed_blocks found, as far as the tier holds them (at least one token

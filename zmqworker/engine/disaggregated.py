@@ -6,8 +6,9 @@ prompt and samples the first token, which the router hands out at once; its KV s
 staged there. The router then gives the decode instance the request with that token and
 where the KV waits (RemoteKV); the decode workers pull it and decode from there. A
 request whose first token already ends it never goes to the decode side. With
-max_local_prefill_tokens, a prompt of at most that many tokens goes to the decode
-instance alone, which computes it as a colocated engine core would. A pull that
+max_local_prefill_tokens, a prompt of which at most that many tokens are not cached on
+the decode instance goes there alone, which computes it as a colocated engine core
+would (local_prefill.py). A pull that
 fails (the prefill instance died, or did not answer within the timeout) finishes the
 request with an error naming it; its blocks are freed on both sides (the prefill side's
 when its staged KV expires).
@@ -26,7 +27,7 @@ import msgspec
 
 from messages import KVTransferConfig, ParallelConfig, SamplingParams, SchedulerConfig, WorkerConfig
 from zmqworker.engine.core import EngineCore
-from zmqworker.engine.local_prefill import local_prefill_limit
+from zmqworker.engine.local_prefill import computes_locally, local_prefill_limit
 from zmqworker.engine.request import RemotePrefill, Request
 from zmqworker.executor.multiproc import MultiprocExecutor
 from zmqworker.transport.curve import KV_CURVE_ENV, KVKeys
@@ -68,8 +69,9 @@ class DisaggregatedEngine:
     def __init__(
         self, prefill: EngineCore, decode: EngineCore, max_local_prefill_tokens: int | None = None
     ) -> None:
-        """max_local_prefill_tokens: a prompt of at most this many tokens is computed on
-        the decode instance (None: every prompt on the prefill instance)."""
+        """max_local_prefill_tokens: a prompt of which at most this many tokens are not
+        cached on the decode instance is computed there (None: every prompt on the
+        prefill instance)."""
         self._local_limit = local_prefill_limit(max_local_prefill_tokens)
         for name, core, role in (("prefill", prefill, "addresses"), ("decode", decode, None)):
             if core.kv_connector is None:
@@ -100,8 +102,13 @@ class DisaggregatedEngine:
         self.requests[req_id] = RoutedRequest(req_id)
 
     def prefills_locally(self, prompt_token_ids: Sequence[int]) -> bool:
-        """Whether a prompt of these tokens is computed on the decode instance."""
-        return len(prompt_token_ids) <= self._local_limit
+        """Whether a prompt of these tokens is computed on the decode instance. The
+        threaded router asks it from its own thread (KVBlockManager.num_cached_tokens)."""
+        num_tokens, limit = len(prompt_token_ids), self._local_limit
+        if limit == 0 or num_tokens <= limit:  # decided whatever is cached
+            return computes_locally(num_tokens, 0, limit)
+        cached = self.decode.block_manager.num_cached_tokens(prompt_token_ids)
+        return computes_locally(num_tokens, cached, limit)
 
     def abort_request(self, req_id: str) -> None:
         self.prefill.abort_request(req_id)

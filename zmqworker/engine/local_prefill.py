@@ -1,15 +1,23 @@
 """Which prompts a disaggregated router has computed on a decode instance rather than a
-prefill instance: those of at most max_local_prefill_tokens tokens. Such a prompt costs a
-decode step little, less than a transfer's round trip and a wait in a prefill instance's
-queue. The client's router (frontend/disaggregated_client.py) and the in-process ones
-(disaggregated.py, threaded_router.py) share the rule."""
+prefill instance: those of which at most max_local_prefill_tokens tokens are not cached
+there already. Such a prompt costs a decode step little, less than a transfer's round
+trip and a wait in a prefill instance's queue. Counting only what is not cached keeps a
+conversation's next turn where its earlier turns are: the decode instance computes the
+new tokens, where a prefill instance would wait its turn behind long prompts, compute
+the last answer too (decoded on the decode instance, never seen there) and send the KV
+of both across.
+
+What is cached is the router's estimate: the decode instance's block manager for the
+in-process routers (disaggregated.py, threaded_router.py), the prompts sent there for
+the client's (frontend/disaggregated_client.py: prefix_affinity.py). A wrong one costs
+time, never a token: the engine core computes whatever its cache lacks."""
 
 from __future__ import annotations
 
 
 def local_prefill_limit(max_local_prefill_tokens: int | None) -> int:
-    """The longest prompt computed on a decode instance (0: none) for the option's value
-    (None: none); ValueError naming a value below 1."""
+    """The most uncached prompt tokens computed on a decode instance (0: none) for the
+    option's value (None: none); ValueError naming a value below 1."""
     if max_local_prefill_tokens is None:
         return 0
     if max_local_prefill_tokens < 1:
@@ -17,3 +25,9 @@ def local_prefill_limit(max_local_prefill_tokens: int | None) -> int:
             f"max_local_prefill_tokens must be at least 1, got {max_local_prefill_tokens}"
         )
     return max_local_prefill_tokens
+
+
+def computes_locally(num_tokens: int, num_cached: int, limit: int) -> bool:
+    """Whether a prompt of num_tokens, num_cached of them cached on a decode instance, is
+    computed there under limit (local_prefill_limit's)."""
+    return limit > 0 and num_tokens - num_cached <= limit

@@ -11,9 +11,12 @@ instance, chosen alike, with the KV's whereabouts and the token, from where it s
 on. A decode instance of the prefill's host (EngineCoreReady.host_id) goes first, where
 one is within SLACK requests of the least loaded: there the KV can move through shared
 memory, elsewhere it goes over tcp. A request whose first token ends it never leaves its
-prefill instance. With max_local_prefill_tokens, a prompt of at most that many tokens
-goes straight to a decode instance, which computes it as a colocated engine core would
-(engine/local_prefill.py). The caller's code (Frontend, the API servers) is the same as
+prefill instance. With max_local_prefill_tokens, a prompt of which at most that many
+tokens are not cached on a decode instance goes straight there, which computes it as a
+colocated engine core would (engine/local_prefill.py): cached as far as the decode
+instances' prefix records tell, kept whole for it (prefix_affinity.py). Those records
+hold the prompts sent, not the tokens decoded: a conversation's next turn counts its
+last answer as not cached. The caller's code (Frontend, the API servers) is the same as
 over replicas: aborts go to the instance that runs the request, failures come back by
 id.
 
@@ -32,6 +35,7 @@ import functools
 from collections.abc import Callable, Sequence
 
 import msgspec
+import numpy as np
 
 from messages import (
     AbortRequests,
@@ -41,11 +45,11 @@ from messages import (
     KVTransferParams,
     RemoteKV,
 )
-from zmqworker.engine.local_prefill import local_prefill_limit
+from zmqworker.engine.local_prefill import computes_locally, local_prefill_limit
 from zmqworker.frontend.core_client import EngineCoreClient
 from zmqworker.frontend.core_process import EngineCoreHandle
 from zmqworker.frontend.engine_connection import EngineConnection, Event, Failed
-from zmqworker.frontend.prefix_affinity import SLACK, place
+from zmqworker.frontend.prefix_affinity import MAX_BLOCKS, SLACK, place, prompt_hashes
 
 ROLES = {"producer": "prefill", "consumer": "decode"}  # by the workers' KV transfer role
 
@@ -95,8 +99,9 @@ class DisaggregatedClient(EngineCoreClient):
         max_output_bytes: int = -1,
         max_local_prefill_tokens: int | None = None,
     ) -> None:
-        """max_local_prefill_tokens: a prompt of at most this many tokens is computed on
-        a decode instance (None: every prompt on a prefill instance)."""
+        """max_local_prefill_tokens: a prompt of which at most this many tokens are not
+        cached on a decode instance is computed there (None: every prompt on a prefill
+        instance)."""
         if len(addresses) < 2:
             raise ValueError(
                 f"disaggregated serving runs prefill and decode instances, got "
@@ -136,9 +141,8 @@ class DisaggregatedClient(EngineCoreClient):
         # A sibling (n > 1) goes where its prompt is computed: it shares its blocks there.
         sibling = self._owner.get(request.shares_prompt_with or "")
         prompt = request.prompt_token_ids
-        if len(prompt) <= self._local_limit:  # computed where it decodes (local_prefill.py)
-            shared = sibling in decodes and sibling.dead is None
-            decode = sibling if shared else place(prompt, decodes, self._affinity)
+        decode = self._local_decode(prompt, decodes, sibling)
+        if decode is not None:  # computed where it decodes (local_prefill.py)
             return self._send_request(decode, request)
         if sibling in prefills and sibling.dead is None:
             prefill = sibling
@@ -191,9 +195,42 @@ class DisaggregatedClient(EngineCoreClient):
             request, sampling_params=sampling, kv_transfer_params=params, shares_prompt_with=None
         )
         near = _near(prefill, live)
-        self._send_request(place(decode.prompt_token_ids, near, self._affinity), decode)
+        chosen = place(decode.prompt_token_ids, near, self._affinity, self._decode_blocks)
+        self._send_request(chosen, decode)
         self._awaiting_kv[request_id] = prefill
         return None
+
+    @property
+    def _decode_blocks(self) -> int | None:
+        """How many of a prompt's blocks the decode instances' prefix records keep: all
+        where the local rule counts on them."""
+        return None if self._local_limit else MAX_BLOCKS
+
+    def _local_decode(
+        self,
+        prompt: np.ndarray,
+        decodes: list[EngineConnection],
+        sibling: EngineConnection | None,
+    ) -> EngineConnection | None:
+        """The decode instance that computes this prompt itself (local_prefill.py), or
+        None: its sibling's where that one is on a decode instance, else the one that was
+        sent the most of it (prefix_affinity.py)."""
+        limit, affinity = self._local_limit, self._affinity
+        if limit == 0:
+            return None
+        shared = sibling if sibling in decodes and sibling.dead is None else None
+        if len(prompt) <= limit:  # whatever is cached
+            return shared or place(prompt, decodes, affinity, self._decode_blocks)
+        live = [e for e in decodes if e.dead is None]
+        if affinity is None or not live:  # nothing known cached; or none to decode it
+            return None
+        hashes = prompt_hashes(prompt, affinity.block_size, None)
+        decode = shared or affinity.choose(hashes, live)
+        cached = affinity.matched(hashes, decode.index) * affinity.block_size
+        if not computes_locally(len(prompt), cached, limit):
+            return None
+        affinity.sent(decode.index, hashes)
+        return decode
 
     def _forget(self, request_id: str) -> EngineConnection | None:
         self._prefilling.pop(request_id, None)

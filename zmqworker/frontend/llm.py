@@ -191,9 +191,10 @@ class LLM(Frontend):
         max_local_prefill_tokens: Annotated[
             Positive | None,
             opt(
-                "disaggregate: a prompt of at most N tokens goes straight to a decode "
-                "instance, which computes it there (no transfer, no wait for a prefill "
-                "instance); longer ones go through a prefill instance (default: all do)",
+                "disaggregate: a prompt of which at most N tokens are not cached on a "
+                "decode instance (with prefix caching; else its length) goes straight "
+                "there, which computes them (no transfer, no wait for a prefill "
+                "instance); others go through a prefill instance (default: all do)",
                 metavar="N",
             ),
         ] = None,

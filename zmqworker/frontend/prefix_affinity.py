@@ -41,27 +41,37 @@ class Engine(Protocol):
 E = TypeVar("E", bound=Engine)
 
 
-def place(tokens: np.ndarray, engines: Sequence[E], affinity: PrefixAffinity | None) -> E:
+def place(
+    tokens: np.ndarray,
+    engines: Sequence[E],
+    affinity: PrefixAffinity | None,
+    max_blocks: int | None = MAX_BLOCKS,
+) -> E:
     """The engine core of engines for a prompt of tokens: by affinity (None: the least
-    loaded), among the live ones; the error of a dead one where none is live."""
+    loaded), among the live ones; the error of a dead one where none is live. max_blocks:
+    as prompt_hashes'."""
     live = [e for e in engines if e.dead is None]
     if not live:
         raise engines[0].dead.with_traceback(None)  # type: ignore[union-attr]
     if affinity is None:
         return min(live, key=lambda e: (e.load, e.index))
     # Recorded even where one engine core is left to choose: the record is its cache's.
-    hashes = prompt_hashes(tokens, affinity.block_size)
+    hashes = prompt_hashes(tokens, affinity.block_size, max_blocks)
     engine = affinity.choose(hashes, live)
     affinity.sent(engine.index, hashes)
     return engine
 
 
-def prompt_hashes(tokens: np.ndarray, block_size: int) -> list[int]:
-    """The chained hashes of the prompt's full blocks (up to MAX_BLOCKS): the i-th
-    names the prompt's first i + 1 blocks. Python's hash, not the block manager's
+def prompt_hashes(
+    tokens: np.ndarray, block_size: int, max_blocks: int | None = MAX_BLOCKS
+) -> list[int]:
+    """The chained hashes of the prompt's full blocks (up to max_blocks; None: all of
+    them): the i-th names the prompt's first i + 1 blocks. Python's hash, not the block manager's
     sha256 (hash_block): no other process reads these, and it costs several times less
     on the client's path for every request."""
-    full = min(len(tokens) // block_size, MAX_BLOCKS)
+    full = len(tokens) // block_size
+    if max_blocks is not None:
+        full = min(full, max_blocks)
     data = np.ascontiguousarray(tokens[: full * block_size], dtype=np.int32).tobytes()
     width = block_size * 4
     hashes, last = [], 0
@@ -94,13 +104,13 @@ class PrefixAffinity:
     def choose(self, hashes: list[int], live: Sequence[E]) -> E:
         """The engine core among live (not empty) for a prompt of these hashes."""
         least = min(e.load for e in live)
-
-        def matched(engine: E) -> int:
-            sent = self._sent[engine.index]
-            return next((i for i, h in enumerate(hashes) if h not in sent), len(hashes))
-
         within = [e for e in live if e.load <= least + SLACK]
-        return max(within, key=lambda e: (matched(e), -e.load, -e.index))
+        return max(within, key=lambda e: (self.matched(hashes, e.index), -e.load, -e.index))
+
+    def matched(self, hashes: list[int], index: int) -> int:
+        """How many leading blocks of a prompt of these hashes engine core index was sent."""
+        sent = self._sent[index]
+        return next((i for i, h in enumerate(hashes) if h not in sent), len(hashes))
 
     def sent(self, index: int, hashes: list[int]) -> None:
         """Engine core index was sent a prompt of these hashes."""
