@@ -2,8 +2,8 @@
 long and short prompts arriving while other requests decode. The same `zmqworker serve`
 options run in each mode of one run: colocated (one engine core), disaggregated
 (--disaggregate: a prefill and a decode instance on the same hardware), and local (the
-same, with --max-local-prefill-tokens: prompts that short computed on the decode
-instance); the baseline is the colocated run.
+same, with --max-local-prefill-tokens: the short prompts, which share nothing cached,
+computed on the decode instance); the baseline is the colocated run.
 
 The load (bench/serve_client.py processes, streamed greedy completions, ignore_eos):
 --decoders requests of --decode-prompt-len tokens decoding --decode-len tokens each, all
@@ -153,8 +153,8 @@ def main() -> None:
         "--max-local-prefill-tokens",
         type=int,
         default=24,
-        help="the local mode's: prompts of at most this many tokens computed on the decode "
-        "side (the short ones only: below --decode-prompt-len)",
+        help="the local mode's: prompts of which at most this many tokens are not cached on "
+        "the decode side computed there (the short ones only: below --decode-prompt-len)",
     )
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--port", type=int, default=8766)

@@ -182,8 +182,9 @@ def test_a_conversation_s_next_turn_is_computed_where_its_last_one_decoded(tmp_p
     """With prefix caching and max_local_prefill_tokens, the limit counts what the decode
     instance lacks, as its record of prompts tells: a first turn too long goes through a
     prefill instance; the next, whose new tokens are within the limit, straight to the
-    decode instance its first turn went on to, even where that one is busier; a prompt
-    that shares nothing, or whose new part is too long, to a prefill instance."""
+    decode instance its first turn went on to, even where that one is busier (and its
+    sample after it), and so does the turn after, counted from turn 2's prompt; a
+    prompt that shares nothing, or whose new part is too long, to a prefill instance."""
     client = _client(tmp_path, prefix_caching=True, max_local_prefill_tokens=6, num_blocks=400)
     try:
         params = SamplingParams(temperature=0.0, max_tokens=4)
@@ -193,13 +194,21 @@ def test_a_conversation_s_next_turn_is_computed_where_its_last_one_decoded(tmp_p
         _prefilled(client, client.engine_of("turn1"), ["turn1"])
         decode = client.engine_of("turn1")
         assert decode in (2, 3)
-        client.engines[decode].reported_load = SLACK - 1  # busier, still within SLACK
+        client.engines[decode].reported_load = SLACK - 4  # busier, still within SLACK
         answer, question = [7, 7, 7], [8, 8]
         second = np.asarray([*first, *answer, *question], np.int32)  # 5 tokens new
         client.add_request(EngineCoreRequest("turn2", second, params))
         assert client.engine_of("turn2") == decode
-        third = np.asarray([*second, *range(9)], np.int32)  # 9 new past turn 2's 301 blocks
-        client.add_request(EngineCoreRequest("too-long", third, params))
+        sibling = EngineCoreRequest("turn2b", second, params, shares_prompt_with="turn2")
+        client.add_request(sibling)
+        assert client.engine_of("turn2b") == decode
+        # Turn 2's prompt was recorded there: 4 tokens new past its 301 blocks (8 past
+        # turn 1's 300 alone); 10 new are too many.
+        third = np.asarray([*second, 9, 9, 9], np.int32)
+        client.add_request(EngineCoreRequest("turn3", third, params))
+        assert client.engine_of("turn3") == decode
+        too_long = np.asarray([*second, *range(9)], np.int32)
+        client.add_request(EngineCoreRequest("too-long", too_long, params))
         client.add_request(EngineCoreRequest("other", first[::-1].copy(), params))
         assert client.engine_of("too-long") in (0, 1) and client.engine_of("other") in (0, 1)
     finally:

@@ -28,7 +28,8 @@ def hash_block(parent: bytes, token_ids: Sequence[int]) -> bytes:
 
 
 class KVBlockManager:
-    """Allocates block ids to requests. Not thread-safe: the scheduler owns it."""
+    """Allocates block ids to requests. Not thread-safe: the scheduler owns it (but for
+    num_cached_tokens, which only looks up)."""
 
     def __init__(
         self,
@@ -117,18 +118,18 @@ class KVBlockManager:
 
     def num_cached_tokens(self, token_ids: Sequence[int]) -> int:
         """Tokens of token_ids' longest prefix, in full blocks and a token short of all at
-        most, that the prefix cache or the host tier holds: what a request of these tokens
-        would not compute. Changes nothing, and only looks blocks up, so that a router on
-        another thread may ask it (disaggregated.py): its answer is a guess as soon as a
-        step runs."""
+        most, that the prefix cache holds and the host tier after it (as a request finds
+        them: get_computed_blocks, then get_host_hits): what a request of these tokens
+        would not compute. Changes nothing and only looks blocks up, so that a router on
+        another thread may ask it (threaded_router.py): its answer is a guess as soon as
+        a step runs."""
         if not self.enable_prefix_caching:
             return 0
-        size, parent, num_blocks = self.block_size, _ROOT_HASH, 0
+        size, parent, num_blocks, in_host = self.block_size, _ROOT_HASH, 0, False
         for i in range((len(token_ids) - 1) // size):
             parent = hash_block(parent, token_ids[i * size : (i + 1) * size])
-            if parent not in self._cached and (
-                self.host_tier is None or parent not in self.host_tier
-            ):
+            in_host = in_host or parent not in self._cached
+            if in_host and (self.host_tier is None or parent not in self.host_tier):
                 break
             num_blocks += 1
         return num_blocks * size

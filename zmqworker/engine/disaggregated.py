@@ -64,7 +64,8 @@ class RoutedRequest:
 
 
 class DisaggregatedEngine:
-    """Not thread-safe: one thread calls add_request, step and the rest."""
+    """Not thread-safe: one thread calls add_request, step and the rest (ThreadedRouter's
+    own thread asks prefills_locally while the cores step in theirs)."""
 
     def __init__(
         self, prefill: EngineCore, decode: EngineCore, max_local_prefill_tokens: int | None = None
@@ -105,9 +106,8 @@ class DisaggregatedEngine:
         """Whether a prompt of these tokens is computed on the decode instance. The
         threaded router asks it from its own thread (KVBlockManager.num_cached_tokens)."""
         num_tokens, limit = len(prompt_token_ids), self._local_limit
-        if limit == 0 or num_tokens <= limit:  # decided whatever is cached
-            return computes_locally(num_tokens, 0, limit)
-        cached = self.decode.block_manager.num_cached_tokens(prompt_token_ids)
+        decided = limit == 0 or num_tokens <= limit  # whatever is cached
+        cached = 0 if decided else self.decode.block_manager.num_cached_tokens(prompt_token_ids)
         return computes_locally(num_tokens, cached, limit)
 
     def abort_request(self, req_id: str) -> None:

@@ -224,11 +224,17 @@ class DisaggregatedClient(EngineCoreClient):
         live = [e for e in decodes if e.dead is None]
         if affinity is None or not live:  # nothing known cached; or none to decode it
             return None
-        hashes = prompt_hashes(prompt, affinity.block_size, None)
+        size = affinity.block_size
+        hashes = prompt_hashes(prompt, size)  # the first MAX_BLOCKS: where most miss
         decode = shared or affinity.choose(hashes, live)
-        cached = affinity.matched(hashes, decode.index) * affinity.block_size
-        if not computes_locally(len(prompt), cached, limit):
+        if affinity.matched(hashes, decode.index) == MAX_BLOCKS:  # then the rest
+            hashes = prompt_hashes(prompt, size, None)
+        # Full blocks, a token short of the prompt at most (the engine core computes it).
+        matched = min(affinity.matched(hashes, decode.index), (len(prompt) - 1) // size)
+        if not computes_locally(len(prompt), matched * size, limit):
             return None
+        if len(hashes) < len(prompt) // size:  # recorded whole (_decode_blocks)
+            hashes = prompt_hashes(prompt, size, None)
         affinity.sent(decode.index, hashes)
         return decode
 

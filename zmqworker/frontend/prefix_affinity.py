@@ -26,7 +26,8 @@ from messages import EngineCoreReady
 
 # Requests above the least loaded engine core that a cached prefix is worth.
 SLACK = 16
-# Prompt blocks hashed: a prefix this long already tells the engine cores apart.
+# Prompt blocks hashed: a prefix this long already tells the engine cores apart (the
+# disaggregated router keeps its decode instances' records whole: it counts on them).
 MAX_BLOCKS = 256
 
 
