@@ -1,9 +1,12 @@
 """KV transfer between two workers' caches: the ZeroMQ connector's pull of 16 MiB of
 blocks, same host (straight out of the producer's cache: on the CPU from the memfd it
 lies in, on CUDA by CUDA IPC; and through a memfd the producer gathers the blocks into)
-and over tcp, against the floors of the same run: a memcpy of 16 MiB (same host; on CUDA
-also a device-to-device copy of as much), and bare pyzmq moving 16 MiB over the same
-CURVE tcp (and without CURVE, for scale). A transfer is timed from the consumer's load
+and over tcp, split over TCP_STREAMS connections as a pull from another host is
+(tcp_parts.py) and over one (tcp_one), against the floors of the same run: a memcpy of
+16 MiB (same host; on CUDA also a device-to-device copy of as much), and bare pyzmq
+moving 16 MiB over the same CURVE tcp, over one connection and over TCP_STREAMS
+(pyzmq_curve_streams: each a share, the I/O threads of both sides as many), and without
+CURVE, for scale. A transfer is timed from the consumer's load
 order to its blocks holding the KV (the copy into the cache included; so is the
 producer's gather out of its cache where the pull finds it under way or not begun); the
 producer's part after the prefill's step (offering the blocks) is reported apart. Each
@@ -49,7 +52,9 @@ from messages.kv_transfer import (
     RemoteKV,
 )
 from zmqworker.distributed.shared_cache import SharedKVCache
+from zmqworker.kv_transfer import tcp_parts
 from zmqworker.kv_transfer.host_tier import HostKVConnector
+from zmqworker.kv_transfer.tcp_parts import TCP_STREAMS
 from zmqworker.kv_transfer.zmq_connector import ZmqKVConnector
 from zmqworker.transport.curve import KVKeys, make_server, start_zap
 
@@ -86,8 +91,8 @@ def producer(
     device: str,
     threads: int,
 ) -> None:
-    """Serves staged KV (the connector) and, for the floor, 16 MiB replies from bare
-    pyzmq ROUTERs, with CURVE and without; stages on each "stage" order."""
+    """Serves staged KV (the connector) and, for the floor, replies of the bytes asked
+    from bare pyzmq ROUTERs, with CURVE and without; stages on each "stage" order."""
     torch.set_num_threads(threads)
     kv_keys = KVKeys(*keys)
     kv, shared = make_caches(blocks * 2, device), None
@@ -104,7 +109,7 @@ def producer(
     config = KVTransferConfig(role="producer", port=ports["kv"], timeout_s=60.0)
     sides["other"] = ZmqKVConnector(config, lambda: kv, SPEC, 0, 1, kv_keys)
     payload = bytes(blocks * BLOCK_BYTES)
-    ctx = zmq.Context()
+    ctx = zmq.Context(io_threads=TCP_STREAMS)  # as the connector's server
     zap = start_zap(ctx, kv_keys.public)
     servers = []
     for name in ("curve", "plain"):
@@ -121,8 +126,8 @@ def producer(
             poller.register(sock, zmq.POLLIN)
         while not stop.is_set():
             for sock, _ in poller.poll(100):
-                peer, _ = sock.recv_multipart(copy=False)
-                sock.send_multipart([peer, payload], copy=False)
+                peer, asked = sock.recv_multipart()
+                sock.send_multipart([peer, memoryview(payload)[: int(asked)]], copy=False)
 
     thread = threading.Thread(target=serve, daemon=True)
     thread.start()
@@ -245,22 +250,29 @@ def host_tier_seconds(kv: list[torch.Tensor], blocks: int, repeats: int) -> dict
     return seconds
 
 
-def bare_zmq_seconds(address: str, keys: KVKeys | None, repeats: int) -> list[float]:
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
-    if keys is not None:
-        keys.make_client(sock)
-    sock.connect(address)
+def bare_zmq_seconds(
+    address: str, keys: KVKeys | None, nbytes: int, repeats: int, connections: int = 1
+) -> list[float]:
+    """nbytes asked of address in equal shares over connections, at once."""
+    ctx = zmq.Context(io_threads=connections)
+    socks = [ctx.socket(zmq.DEALER) for _ in range(connections)]
+    for sock in socks:
+        if keys is not None:
+            keys.make_client(sock)
+        sock.connect(address)
+    share = str(nbytes // connections).encode()
     times = []
     for i in range(repeats + 1):
         started = time.perf_counter()
-        sock.send(b"pull")
-        frame = sock.recv(copy=False)
+        for sock in socks:
+            sock.send(share)
+        frames = [sock.recv(copy=False) for sock in socks]
         elapsed = time.perf_counter() - started
-        assert len(frame.buffer) > 0
+        assert sum(len(f.buffer) for f in frames) == nbytes // connections * connections
         if i:
             times.append(elapsed)
-    sock.close(linger=0)
+    for sock in socks:
+        sock.close(linger=0)
     ctx.term()
     return times
 
@@ -296,7 +308,8 @@ def main() -> None:
         seconds: dict[str, list[float]] = {}
         offer: list[float] = []
         # (path, its producer's port, shared memory, CUDA IPC)
-        paths = [("memfd", "kv", True, False), ("tcp", "kv", False, False)]
+        paths = [("memfd", "kv", True, False), ("tcp", "kv", False, False),
+                 ("tcp_one", "kv", False, False)]  # fmt: skip
         if args.device == "cuda":
             paths.insert(0, ("cuda_ipc", "kv", True, True))
         else:
@@ -307,28 +320,32 @@ def main() -> None:
             )
             side = ZmqKVConnector(config, lambda: kv, SPEC, 0, 1, keys)
             in_place = ipc or path == "host_cache"
+            split = tcp_parts.MIN_PART_BYTES
+            if path == "tcp_one":  # a part larger than the pull: one connection
+                tcp_parts.MIN_PART_BYTES = nbytes + 1
             try:
                 pulls, stage = pull_seconds(conn, side, f"tcp://127.0.0.1:{ports[port]}",
                                             blocks, path, args.repeats, asked=in_place)  # fmt: skip
                 seconds.update(pulls)
                 offer += stage
-                pulled = side.puller.num_pulled[path]
+                pulled = side.puller.num_pulled[path.removesuffix("_one")]
                 assert pulled == len(pulls) * (args.repeats + 1), side.puller.num_pulled
                 if in_place:  # each timed pull naming the blocks copied ahead, and stood
                     assert side.read_ahead.num_stood == args.repeats, side.read_ahead.num_stood
             finally:
+                tcp_parts.MIN_PART_BYTES = split
                 side.shutdown()
         seconds["memcpy"] = memcpy_seconds(nbytes, args.repeats)
         if args.device == "cuda":
             seconds["device_copy"] = device_copy_seconds(nbytes, args.repeats)
         seconds.update(host_tier_seconds(kv, blocks, args.repeats))
         address = "tcp://127.0.0.1:{}"
-        seconds["pyzmq_curve"] = bare_zmq_seconds(
-            address.format(ports["curve"]), keys, args.repeats
+        curve, plain = address.format(ports["curve"]), address.format(ports["plain"])
+        seconds["pyzmq_curve"] = bare_zmq_seconds(curve, keys, nbytes, args.repeats)
+        seconds["pyzmq_curve_streams"] = bare_zmq_seconds(
+            curve, keys, nbytes, args.repeats, TCP_STREAMS
         )
-        seconds["pyzmq_plain"] = bare_zmq_seconds(
-            address.format(ports["plain"]), None, args.repeats
-        )
+        seconds["pyzmq_plain"] = bare_zmq_seconds(plain, None, nbytes, args.repeats)
         conn.send("quit")
     finally:
         child.join(timeout=30)
@@ -346,6 +363,9 @@ def main() -> None:
         f"{in_place}_asked_vs_memcpy": median["memcpy"] / median[f"{in_place}_asked"],
         "memfd_vs_memcpy": median["memcpy"] / median["memfd"],
         "tcp_vs_pyzmq_curve": median["pyzmq_curve"] / median["tcp"],
+        "tcp_vs_pyzmq_curve_streams": median["pyzmq_curve_streams"] / median["tcp"],
+        "tcp_one_vs_pyzmq_curve": median["pyzmq_curve"] / median["tcp_one"],
+        "tcp_vs_tcp_one": median["tcp_one"] / median["tcp"],
         "tcp_vs_pyzmq_plain": median["pyzmq_plain"] / median["tcp"],
     }
     cuda = args.device == "cuda"

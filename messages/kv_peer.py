@@ -41,7 +41,10 @@ class KVPull(msgspec.Struct, tag=True, frozen=True):
     only; its own, then its peers): a server whose cache lies on one of them answers
     with CudaKV. host_cache: the puller's cache
     is in host memory and it can map the server's (same host only): a server whose
-    cache lies in a memfd answers with HostCacheKV."""
+    cache lies in a memfd answers with HostCacheKV. layers: [first, count] of the staged
+    layers to send, one part of a pull split over several connections (tcp only: CURVE
+    runs on one thread a connection, so parts on their own connections go in parallel);
+    None: all of them; answered over tcp whatever host_id says."""
 
     req_id: str
     rank: NonNegative
@@ -51,6 +54,7 @@ class KVPull(msgspec.Struct, tag=True, frozen=True):
     first_block: NonNegative = 0
     gpus: list[str] = []
     host_cache: bool = False
+    layers: tuple[NonNegative, Positive] | None = None
 
 
 class SharedKV(msgspec.Struct, tag=True, frozen=True):
@@ -108,8 +112,10 @@ class KVBlocks(msgspec.Struct, tag=True, frozen=True, omit_defaults=True):
     the frame that follows (none of the three; only the heads asked, only the blocks
     from first_block on). first_block: the leading staged blocks the answer leaves out
     (0 in shared memory or a cache: they hold them all; a producer that ignores
-    KVPull.first_block sends 0 and all of them). error: why there is none (unknown or
-    expired request, wrong rank, heads or first_block out of range)."""
+    KVPull.first_block sends 0 and all of them). layers: [first, count] of the staged
+    layers the frame holds, as KVPull.layers asked (None: all). error: why there is none
+    (unknown or expired request, wrong rank, heads, first_block or layers out of
+    range)."""
 
     req_id: str
     layout: KVLayout | None = None
@@ -119,6 +125,7 @@ class KVBlocks(msgspec.Struct, tag=True, frozen=True, omit_defaults=True):
     first_block: NonNegative = 0
     cuda: CudaKV | None = None
     host_cache: HostCacheKV | None = None
+    layers: tuple[NonNegative, Positive] | None = None
 
 
 class KVDone(msgspec.Struct, tag=True, frozen=True):

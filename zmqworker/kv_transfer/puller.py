@@ -9,9 +9,10 @@ producer's (CUDA IPC, cuda_peers.py), or where both caches are in host memory an
 producer's lies in a memfd (host_peers.py). A refused pull, or an answer this rank
 cannot use, fails the load and says KVDone at once.
 
-One thread owns every socket (a CURVE DEALER per prefill address, the deployment's KV
-keys). A load not answered within the timeout fails, naming the request and the address,
-and its late answer is dropped: nothing waits unbounded.
+Over tcp (a producer on another host), a large pull goes as parts of whole layers over
+several connections (tcp_parts.py). One thread owns every socket (peer_sockets.py). A
+load not answered within the timeout fails, naming the request and the address, and its
+late answer is dropped: nothing waits unbounded.
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ import time
 from collections.abc import Callable
 
 import msgspec
-import numpy as np
 import torch
 import zmq
 
@@ -33,13 +33,15 @@ from zmqworker.kv_transfer import wire
 from zmqworker.kv_transfer.arrived import Arrived
 from zmqworker.kv_transfer.blocks import staged_nbytes
 from zmqworker.kv_transfer.copies_run import CopiesRun
-from zmqworker.kv_transfer.cuda_peers import cuda_key, open_gpu_cache, readable_gpus
+from zmqworker.kv_transfer.cuda_peers import readable_gpus
 from zmqworker.kv_transfer.head_map import HeadMap, HeadSource
-from zmqworker.kv_transfer.host_peers import host_key, open_host_cache
-from zmqworker.kv_transfer.peer_caches import PeerCache, PeerCacheError, PeerCaches, checked_ids
+from zmqworker.kv_transfer.lent_caches import open_lent
+from zmqworker.kv_transfer.peer_caches import PeerCacheError, PeerCaches
+from zmqworker.kv_transfer.peer_sockets import PeerSockets
 from zmqworker.kv_transfer.staging import PeerMappings, SharedMemoryError
+from zmqworker.kv_transfer.tcp_parts import Parts, split
 from zmqworker.transport.curve import KVKeys
-from zmqworker.transport.frames import recv_frames, send_frames
+from zmqworker.transport.frames import recv_frames
 from zmqworker.transport.host import boot_id
 from zmqworker.transport.wake_pipe import WakePipe
 
@@ -75,8 +77,8 @@ class KVPuller:
         self.timeout_s = timeout_s
         self._keys = keys
         self._host_id = boot_id() if shm else ""
-        self._ctx = zmq.Context()
-        self._socks: dict[str, zmq.Socket] = {}
+        self._sockets = PeerSockets(keys)
+        self._over_tcp: set[str] = set()  # producers that answered with bytes over tcp
         self._device = device
         self._mappings = PeerMappings(device)
         self.peer_caches = PeerCaches()
@@ -149,24 +151,22 @@ class KVPuller:
             log.error("rank %d: the KV puller did not stop; its openings stay", self.rank)
             return
         self._copies.close()  # nothing reads a producer's cache after
-        for sock in self._socks.values():
-            sock.close(linger=0)
-        self._ctx.term()
+        self._sockets.close()
         self._mappings.close()
         self.peer_caches.close()
 
     # the puller's thread ---------------------------------------------------------
 
     def _run(self) -> None:
-        poller = zmq.Poller()
+        poller = self._sockets.poller
         poller.register(self._wake.fd, zmq.POLLIN)
-        # (address, remote req_id) -> (load, source, deadline)
-        waiting: dict[tuple[str, str], tuple[KVLoad, HeadSource, float]] = {}
+        # (address, remote req_id) -> (load, source, deadline, its parts or None)
+        waiting: dict[tuple[str, str], tuple[KVLoad, HeadSource, float, Parts | None]] = {}
         try:
             while not self._stop:
                 timeout = -1
                 if waiting:
-                    soonest = min(deadline for _, _, deadline in waiting.values())
+                    soonest = min(entry[2] for entry in waiting.values())
                     timeout = max(0, int((soonest - time.monotonic()) * 1000) + 1)
                 if self._copies.watched:
                     timeout = COPY_POLL_MS if timeout < 0 else min(timeout, COPY_POLL_MS)
@@ -175,17 +175,16 @@ class KVPuller:
                 events = dict(poller.poll(timeout))
                 if self._wake.fd in events:
                     self._wake.drain()
-                    self._take_orders(poller, waiting)
+                    self._take_orders(waiting)
                     with self._ordering:
                         if self._orders.empty():  # else woken again, to take the rest
                             self._sent.set()
                 self._copies.poll()
                 self.peer_caches.close_idle()
-                for address, sock in self._socks.items():
-                    if events.get(sock):
-                        self._receive(address, sock, waiting)
+                for address, sock in self._sockets.readable(events):
+                    self._receive(address, sock, waiting)
                 now = time.monotonic()
-                for key, (load, source, deadline) in list(waiting.items()):
+                for key, (load, source, deadline, _) in list(waiting.items()):
                     if deadline <= now:
                         del waiting[key]
                         self._asked_again.discard(key)
@@ -194,28 +193,37 @@ class KVPuller:
         except Exception:
             log.exception("rank %d: the KV puller stopped", self.rank)
             self._dead = True
-            for load, source, _ in waiting.values():
+            for load, source, _, _ in waiting.values():
                 self._fail(load, source, "the KV puller stopped")
             while not self._orders.empty():
                 kind, load, source = self._orders.get()
                 if kind == "pull":
                     self._fail(load, source, "the KV puller stopped")
 
-    def _take_orders(self, poller: zmq.Poller, waiting: dict) -> None:
+    def _take_orders(self, waiting: dict) -> None:
         while True:
             try:
                 kind, load, source = self._orders.get_nowait()
             except queue.Empty:
                 return
             address = load.remote.addresses[source.rank]
-            sock = self._socket(address, poller)
-            if kind == "pull":
-                deadline = time.monotonic() + self.timeout_s
-                waiting[(address, load.remote.req_id)] = (load, source, deadline)
             if kind == "done":
-                send_frames(sock, [wire.encode(KVDone(load.remote.req_id))])
-            else:
-                send_frames(sock, [wire.encode(self._pull_of(load, source))])
+                self._sockets.send(address, KVDone(load.remote.req_id))
+                continue
+            pull, parts = self._pull_of(load, source), None
+            if kind == "pull":
+                # Split where the answer comes over tcp (it may share this host: it says).
+                if not self._host_id or address in self._over_tcp:
+                    parts = split(self.layout, load, source)
+                deadline = time.monotonic() + self.timeout_s
+                waiting[(address, load.remote.req_id)] = (load, source, deadline, parts)
+            if parts is None:
+                self._sockets.send(address, pull)
+                continue
+            for i, layers in enumerate(parts.asked):  # each over a connection of its own
+                part = msgspec.structs.replace(pull, host_id="", gpus=[], host_cache=False,
+                                               layers=layers)  # fmt: skip
+                self._sockets.send(address, part, i)
 
     def _pull_of(self, load: KVLoad, source: HeadSource) -> KVPull:
         heads = (source.first, source.count)
@@ -227,18 +235,6 @@ class KVPuller:
                       first_block=load.num_cached_blocks,
                       gpus=self._gpus if openable else [],
                       host_cache=openable and self._device is None)  # fmt: skip
-
-    def _socket(self, address: str, poller: zmq.Poller) -> zmq.Socket:
-        sock = self._socks.get(address)
-        if sock is None:
-            sock = self._ctx.socket(zmq.DEALER)
-            sock.linger = 0
-            if self._keys is not None:
-                self._keys.make_client(sock)
-            sock.connect(address)
-            poller.register(sock, zmq.POLLIN)
-            self._socks[address] = sock
-        return sock
 
     def _receive(self, address: str, sock: zmq.Socket, waiting: dict) -> None:
         while True:
@@ -256,10 +252,13 @@ class KVPuller:
                 continue
             entry = waiting.pop((address, reply.req_id), None)
             if entry is None:  # the answer to a pull that timed out: nothing will read it
-                if reply.error is None:
-                    send_frames(sock, [wire.encode(KVDone(reply.req_id))])
+                if reply.error is None and reply.layers is None:  # (a part's: it expires)
+                    self._sockets.send(address, KVDone(reply.req_id))
                 continue
-            load, source, _ = entry
+            load, source, _, parts = entry
+            if parts is not None:
+                self._take_part(address, entry, reply, frames[1:], received, waiting)
+                continue
             try:
                 arrived = self._unpack(address, load, source, reply, frames[1:], received)
             except PeerCacheError as e:
@@ -275,7 +274,7 @@ class KVPuller:
                     self._not_in_place.add(address)
                     self._asked_again.add(key)
                     waiting[key] = entry
-                    send_frames(sock, [wire.encode(self._pull_of(load, source))])
+                    self._sockets.send(address, self._pull_of(load, source))
                     continue
             except (OSError, SharedMemoryError) as e:
                 # This host's /proc does not show the server (another pid namespace):
@@ -283,7 +282,7 @@ class KVPuller:
                 log.info("rank %d: no shared memory with %s (%s): tcp", self.rank, address, e)
                 self._host_id = ""
                 waiting[(address, reply.req_id)] = entry
-                send_frames(sock, [wire.encode(self._pull_of(load, source))])
+                self._sockets.send(address, self._pull_of(load, source))
                 continue
             except Exception as e:
                 arrived = self._failed(load, source, f"from {address}: {e}")
@@ -291,7 +290,7 @@ class KVPuller:
             if arrived.error is not None:
                 # Refused, or an answer this rank cannot use: it will not read, so the
                 # server may let the staging go now rather than when it expires.
-                send_frames(sock, [wire.encode(KVDone(load.remote.req_id))])
+                self._sockets.send(address, KVDone(load.remote.req_id))
             self._arrive(arrived)
 
     def _unpack(
@@ -320,7 +319,10 @@ class KVPuller:
         wanted = msgspec.structs.replace(self.layout, num_kv_heads=source.count)
         read = reply.num_blocks - load.num_cached_blocks
         if reply.cuda is not None or reply.host_cache is not None:
-            cache, ids, hold_s = self._lent(address, reply, staged)
+            maps_host = bool(self._host_id) and self._device is None
+            cache, ids, hold_s = open_lent(self.peer_caches, address, reply, staged, self._gpus,
+                                           self._device, maps_host,
+                                           address in self._not_in_place)  # fmt: skip
             path = "cuda_ipc" if reply.cuda is not None else "host_cache"
             self.num_pulled[path] += 1
             self.num_bytes[path] += staged_nbytes(wanted, read)
@@ -349,35 +351,37 @@ class KVPuller:
                 f"[{source.first}, {source.first + source.count}) of staged blocks "
                 f"{reply.first_block} to {reply.num_blocks}), got frames of {got}"
             )
+        self._over_tcp.add(address)
         self.num_pulled["tcp"] += 1
         self.num_bytes["tcp"] += nbytes
         return Arrived(load, source, frames[0].buffer, [frames[0]], layout=wanted,
                        first_block=reply.first_block)  # fmt: skip
 
-    def _lent(
-        self, address: str, reply: KVBlocks, staged: KVLayout
-    ) -> tuple[PeerCache, np.ndarray, float]:
-        """The producer's cache at address that reply lends (its GPU cache or its host
-        cache: opened here unless it is already, and held), the piece's block ids in
-        it, and how long the producer holds them."""
-        opener: Callable[[], PeerCache]
-        if reply.cuda is not None:
-            lent, where, device = reply.cuda, "CUDA memory", self._device
-            if not self._gpus or device is None:
-                raise ValueError("an answer in CUDA memory to a pull that did not offer to open it")
-            if lent.device_uuid not in self._gpus:
-                raise ValueError(f"an answer in {lent.device_uuid}'s memory, not readable here")
-            key, opener = cuda_key(lent), lambda: open_gpu_cache(lent, staged, device)
+    def _take_part(
+        self,
+        address: str,
+        entry: tuple[KVLoad, HeadSource, float, Parts | None],
+        reply: KVBlocks,
+        frames: list[zmq.Frame],
+        received: float,
+        waiting: dict,
+    ) -> None:
+        """An answer to a part of a split pull: put in its place. The whole arrives once
+        every part was answered; where one failed, it fails, and the server hears KVDone
+        once."""
+        load, source, _, parts = entry
+        assert parts is not None
+        parts.take(reply, frames)
+        if not parts.complete:
+            waiting[(address, reply.req_id)] = entry
+        elif parts.error is not None:
+            self._sockets.send(address, KVDone(load.remote.req_id))
+            self._fail(load, source, f"from {address}: {parts.error}")
         else:
-            lent, where = reply.host_cache, "a host cache"
-            assert lent is not None
-            if not self._host_id or self._device is not None:
-                raise ValueError("an answer in a host cache to a pull that did not offer to map it")
-            key, opener = host_key(lent), lambda: open_host_cache(lent, staged)
-        if address in self._not_in_place:
-            raise PeerCacheError(f"an answer in {where} from a producer asked for bytes")
-        ids = checked_ids(lent.block_ids, reply.num_blocks, lent.num_cache_blocks)
-        return self.peer_caches.acquire(address, key, opener), ids, lent.hold_s
+            self.num_pulled["tcp"] += 1
+            self.num_bytes["tcp"] += len(parts.buffer)
+            self._arrive(Arrived(load, source, parts.buffer, [parts.buffer], layout=parts.layout,
+                                 first_block=parts.first_block, received=received))  # fmt: skip
 
     @staticmethod
     def _failed(load: KVLoad, source: HeadSource, error: str) -> Arrived:

@@ -6,7 +6,9 @@ A thread of its own serves a CURVE ROUTER (the deployment's KV keys; its ZAP han
 admits their public key alone). A finished prefill's KV stays in the blocks that hold
 it (the engine keeps them until it hears the request was sent), and is offered by its
 block ids once the step that computed it is queued: nothing is copied on the worker's
-thread. This thread gathers the blocks into a sealed memfd, which every pull over tcp or
+thread. A puller on another host may split a pull by layers over several connections
+(KVPull.layers, tcp_parts.py): the context's I/O threads run their CURVE side by side.
+This thread gathers the blocks into a sealed memfd, which every pull over tcp or
 through the memfd reads: as soon as they are offered, unless the last pull came from a
 puller that reads the cache itself (on this host, able to open the cache's GPU or map
 its host cache), else on the first pull that needs bytes. The server reads only blocks
@@ -38,6 +40,7 @@ from zmqworker.kv_transfer.cache_exports import (
     NotShareable,
 )
 from zmqworker.kv_transfer.staged import Staged, StagedBytes
+from zmqworker.kv_transfer.tcp_parts import TCP_STREAMS
 from zmqworker.transport.curve import KVKeys, make_server, start_zap
 from zmqworker.transport.frames import recv_frames, send_frames
 from zmqworker.transport.host import boot_id
@@ -87,7 +90,7 @@ class KVServer:
         self._withdrawn: dict[str, float] = {}  # dropped on withdrawal, until a timeout
         self.layout = layout
         self._on_sent = on_sent
-        self._ctx = zmq.Context()
+        self._ctx = zmq.Context(io_threads=TCP_STREAMS)
         self._zap = start_zap(self._ctx, keys.public) if keys is not None else None
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.linger = 0
@@ -206,24 +209,25 @@ class KVServer:
         self._take_incoming()  # a pull may overtake the wake-up of its own staging
         staged = self._staged.get(pull.req_id)
         if pull.rank != self.rank:
-            self._send(peer, KVBlocks(pull.req_id, error=self._wrong_rank(pull.rank)))
+            wrong = f"a pull meant for rank {pull.rank} reached the KV server of rank {self.rank}"
+            self._refuse(peer, pull, wrong)
         elif staged is None and pull.req_id in self._withdrawn:
-            self._send(peer, KVBlocks(pull.req_id, error=self._withdrawal(pull.req_id)))
+            self._refuse(peer, pull, self._withdrawal(pull.req_id))
         elif staged is None:
             deadline = time.monotonic() + self._timeout_s
             self._early.setdefault(pull.req_id, []).append((peer, pull, deadline))
         elif staged.withdrawn:
             staged.readers = pull.readers  # so that its KVDone counts among all of them
-            self._send(peer, KVBlocks(pull.req_id, error=self._withdrawal(pull.req_id)))
+            self._refuse(peer, pull, self._withdrawal(pull.req_id))
         elif pull.heads is not None and pull.heads[1] == 0:
             staged.readers = pull.readers
             self._reader_done(pull.req_id)  # a release: this reader takes nothing
         elif (error := self._refusal(staged, pull)) is not None:
             staged.readers = pull.readers  # so that its KVDone counts among all of them
-            self._send(peer, KVBlocks(pull.req_id, error=error))
+            self._refuse(peer, pull, error)
         else:
             staged.readers = pull.readers
-            same_host = pull.host_id == self._host_id
+            same_host = pull.host_id == self._host_id and pull.layers is None
             exports = self._exports
             self._reads_in_place = same_host and exports is not None and exports.readable_by(pull)
             if self._reads_in_place:
@@ -242,7 +246,7 @@ class KVServer:
                 memfd = self.bytes.memfd(staged)
             except Exception as e:
                 log.exception("rank %d: could not gather %r", self.rank, pull.req_id)
-                self._send(peer, KVBlocks(pull.req_id, error=f"rank {self.rank}: {e}"))
+                self._refuse(peer, pull, f"rank {self.rank}: {e}")
                 return
             if same_host:
                 inode = os.fstat(memfd.fd).st_ino
@@ -250,7 +254,7 @@ class KVServer:
                 self._send(peer, KVBlocks(pull.req_id, self.layout, staged.num_blocks, shared))
             else:
                 reply = KVBlocks(pull.req_id, self.layout, staged.num_blocks,
-                                 first_block=pull.first_block)  # fmt: skip
+                                 first_block=pull.first_block, layers=pull.layers)  # fmt: skip
                 self._send(peer, reply, self.bytes.for_tcp(staged, pull))
 
     def _lend(self, peer: bytes, staged: Staged) -> None:
@@ -279,7 +283,7 @@ class KVServer:
             elif running:
                 error = (f"the step computing {pull.req_id!r} on rank {self.rank} did not "
                          f"end within {self._timeout_s} s")  # fmt: skip
-                self._send(peer, KVBlocks(pull.req_id, error=error))
+                self._refuse(peer, pull, error)
             else:
                 self._answer(peer, pull)
 
@@ -296,11 +300,12 @@ class KVServer:
             return False
         return True
 
+    def _refuse(self, peer: bytes, pull: KVPull, error: str) -> None:
+        """Answer pull with why it gets nothing (naming its part, where it is one)."""
+        self._send(peer, KVBlocks(pull.req_id, error=error, layers=pull.layers))
+
     def _withdrawal(self, req_id: str) -> str:
         return f"the KV of request {req_id!r} was withdrawn on rank {self.rank}"
-
-    def _wrong_rank(self, rank: int) -> str:
-        return f"a pull meant for rank {rank} reached the KV server of rank {self.rank}"
 
     def _refusal(self, staged: Staged, pull: KVPull) -> str | None:
         """Why pull cannot be answered from staged, or None."""
@@ -311,6 +316,8 @@ class KVServer:
                 f"first_block {pull.first_block} is past the {staged.num_blocks} blocks "
                 f"staged for request {pull.req_id!r} on rank {self.rank}"
             )
+        if pull.layers is not None and sum(pull.layers) > self.layout.num_layers:
+            return f"layers {pull.layers} asked of rank {self.rank}'s {self.layout.num_layers}"
         return None
 
     def _reader_done(self, req_id: str) -> None:
@@ -371,9 +378,9 @@ class KVServer:
                 log.warning("rank %d: staged KV of %r expired unpulled", self.rank, req_id)
             self._drop(req_id, pulled=False)
         for req_id in [r for r, early in self._early.items() if early[0][2] <= now]:
-            for peer, _, _ in self._early.pop(req_id):
+            for peer, pull, _ in self._early.pop(req_id):
                 error = f"no KV staged for request {req_id!r} on rank {self.rank} in time"
-                self._send(peer, KVBlocks(req_id, error=error))
+                self._refuse(peer, pull, error)
 
     def _next_deadline_ms(self) -> int:
         if self._unready:

@@ -1,7 +1,8 @@
 """A prefill rank's staged KV (server.py's, one per request): the blocks that hold it in
 the live cache, and the bytes a pull takes when it cannot read them in place: gathered
 into a sealed memfd of the pool (on the server's thread, after the step that computed
-them), whole for a pull through the memfd, the part asked for a pull over tcp.
+them), whole for a pull through the memfd, the part asked for a pull over tcp (its heads,
+blocks and layers).
 """
 
 from __future__ import annotations
@@ -77,18 +78,21 @@ class StagedBytes:
         return memfd
 
     def for_tcp(self, staged: Staged, pull: KVPull) -> memoryview:
-        """The staged bytes pull takes: its heads (None: all) of the blocks from
-        first_block on. The whole staging goes as it lies, without a copy; a part of it
-        as one contiguous copy of that part (skipped blocks cut every layer's run)."""
+        """The staged bytes pull takes: its heads (None: all) of its layers (None: all)
+        of the blocks from first_block on. All blocks and heads of a run of layers go as
+        they lie, without a copy; a part of them as one contiguous copy of that part
+        (skipped blocks cut every layer's run)."""
         assert staged.memfd is not None
-        whole = memoryview(staged.memfd.memory)[: self.nbytes(staged)]
+        layers = pull.layers or (0, self.layout.num_layers)
+        layer_bytes = self.nbytes(staged) // self.layout.num_layers
+        run = slice(layers[0] * layer_bytes, sum(layers) * layer_bytes)
+        chosen = memoryview(staged.memfd.memory)[run]
         heads = pull.heads or (0, self.layout.num_kv_heads)
         if pull.first_block == 0 and heads == (0, self.layout.num_kv_heads):
-            return whole
-        rows = np.frombuffer(whole, np.uint8).reshape(
-            self.layout.num_layers * 2, staged.num_blocks, self.layout.num_kv_heads,
-            self._head_bytes,
-        )  # fmt: skip
+            return chosen
+        rows = np.frombuffer(chosen, np.uint8).reshape(
+            layers[1] * 2, staged.num_blocks, self.layout.num_kv_heads, self._head_bytes
+        )
         part = rows[:, pull.first_block :, heads[0] : sum(heads)]
         return memoryview(np.ascontiguousarray(part).reshape(-1))
 

@@ -1,0 +1,156 @@
+"""A pull over tcp split by layers over several connections (kv_transfer/tcp_parts.py):
+the parts a pull takes, the server's answer to a part (its layers alone, without heads
+or blocks it was not asked), the parts of a real producer landing byte for byte, and a
+part that fails failing its load once, with one KVDone to the server."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import zmq
+
+from messages.kv_peer import KVBlocks, KVDone, KVPull
+from messages.kv_transfer import KVConnectorMetadata, KVLoad, KVSave, RemoteKV
+from tests.test_kv_connector import (
+    SPEC,
+    caches,
+    connector,
+    free_port,
+    names,
+    peer,
+    until,
+)
+from zmqworker.kv_transfer import tcp_parts, wire
+from zmqworker.kv_transfer.blocks import layout_of
+from zmqworker.kv_transfer.tcp_parts import TCP_STREAMS, layer_parts
+
+MIB = 1 << 20
+pytestmark = pytest.mark.filterwarnings("ignore:The given buffer is not writable")
+
+
+def test_a_pull_is_split_into_runs_of_whole_layers() -> None:
+    assert TCP_STREAMS == 4
+    assert layer_parts(32, 16 * MIB) == [(0, 8), (8, 8), (16, 8), (24, 8)]
+    assert layer_parts(30, 16 * MIB) == [(0, 7), (7, 8), (15, 7), (22, 8)]
+    assert layer_parts(32, 2 * MIB + 1) == [(0, 16), (16, 16)]  # parts of 1 MiB at least
+    assert layer_parts(3, 16 * MIB) == [(0, 1), (1, 1), (2, 1)]  # a layer a part at most
+    assert layer_parts(32, MIB - 1) == [(0, 32)]  # one pull
+
+
+def test_the_server_answers_a_part_with_its_layers_alone() -> None:
+    """A part names its layers (and may name heads and a first block, as any pull): the
+    frame holds those layers' bytes alone; layers past the staging are refused by name."""
+    port = free_port()
+    kv = caches(8, seed=7)
+    side = connector("producer", kv, port)
+    ctx = zmq.Context()
+    try:
+        side.after_step(KVConnectorMetadata(saves=[KVSave("p", np.array([6, 2, 4], np.int32), 12)]))
+        sock = peer(ctx, zmq.DEALER, f"tcp://127.0.0.1:{port}")
+        asked = [KVPull("p", 0, layers=(1, 1)),
+                 KVPull("p", 0, heads=(1, 1), first_block=1, layers=(0, 1)),
+                 KVPull("p", 0, host_id="anything", layers=(1, 2))]  # fmt: skip
+        answers = []
+        for pull in asked:
+            sock.send(wire.encode(pull))
+            assert sock.poll(5000), "no answer"
+            answers.append(sock.recv_multipart())
+        sock.send(wire.encode(KVDone("p")))
+        assert "p" in names(until(side, bool), "finished_sending")
+    finally:
+        ctx.destroy(linger=0)
+        side.shutdown()
+    whole, part, refused = (wire.decode(a[0]) for a in answers)
+    assert (whole.layers, whole.error, whole.shared) == ((1, 1), None, None)
+    data = np.frombuffer(answers[0][1], np.float32).reshape(2, 3, 2, -1)
+    assert np.array_equal(data, kv[1][:, [6, 2, 4]].cpu().numpy())
+    assert (part.layers, part.first_block) == ((0, 1), 1)
+    data = np.frombuffer(answers[1][1], np.float32).reshape(2, 2, 1, -1)
+    assert np.array_equal(data, kv[0][:, [2, 4], 1:].cpu().numpy())
+    assert len(answers[2]) == 1 and refused.layers == (1, 2)  # the part it refuses
+    assert refused.error == "layers (1, 2) asked of rank 0's 2"
+
+
+@pytest.mark.parametrize("num_cached", [0, 1], ids=["all", "after-hits"])
+def test_a_split_pull_lands_byte_for_byte(monkeypatch, num_cached: int) -> None:
+    """Over tcp, with parts as small as one layer: a part a layer over a connection of
+    its own, put together and copied in as one answer; the producer hears KVDone once
+    and lets the staging go."""
+    monkeypatch.setattr(tcp_parts, "MIN_PART_BYTES", 1)
+    port = free_port()
+    kv = caches(8, seed=8)
+    side = connector("producer", kv, port)
+    target = caches(8, seed=9)
+    before = [t.clone() for t in target]
+    consumer = connector("consumer", target, 0, shared_memory=False)
+    source, dest = [5, 1, 7], [0, 6, 3]
+    try:
+        side.after_step(KVConnectorMetadata(saves=[KVSave("s", np.array(source, np.int32), 12)]))
+        remote = RemoteKV("s", 12, [f"tcp://127.0.0.1:{port}"])
+        load = KVLoad("s", np.array(dest, np.int32), remote, num_cached_blocks=num_cached)
+        consumer.before_step(KVConnectorMetadata(loads=[load]))
+        until(consumer, lambda outs: names(outs, "finished_recving") == ["s"])
+        assert consumer.puller.num_pulled["tcp"] == 1
+        block_bytes = 2 * 2 * SPEC.num_kv_heads * SPEC.block_size * SPEC.head_size * 4
+        assert consumer.puller.num_bytes["tcp"] == (3 - num_cached) * block_bytes
+        assert len(consumer.puller._sockets._socks) == len(SPEC.layer_names)  # connections
+        assert "s" in names(until(side, bool), "finished_sending")
+    finally:
+        consumer.shutdown()
+        side.shutdown()
+    for layer in range(len(SPEC.layer_names)):
+        assert torch.equal(target[layer][:, dest[num_cached:]], kv[layer][:, source[num_cached:]])
+        assert torch.equal(target[layer][:, dest[:num_cached]], before[layer][:, dest[:num_cached]])
+
+
+@pytest.mark.parametrize("second", ["refused", "twice"])
+def test_a_failed_part_fails_its_load_once(monkeypatch, second: str) -> None:
+    """Of a pull's two parts, one lands and the other is refused (or the first part is
+    answered again before the second lands): the load fails once, naming why, nothing is
+    copied in, and the server hears one KVDone."""
+    monkeypatch.setattr(tcp_parts, "MIN_PART_BYTES", 1)
+    address = f"tcp://127.0.0.1:{free_port()}"
+    target = caches(6, seed=10)
+    before = [t.clone() for t in target]
+    ctx = zmq.Context()
+    consumer = connector("consumer", target, 0, shared_memory=False)
+    try:
+        server = peer(ctx, zmq.ROUTER, address)
+        remote = RemoteKV("f", 8, [address])
+        consumer.before_step(
+            KVConnectorMetadata(loads=[KVLoad("f", np.array([4, 1], np.int32), remote)])
+        )
+        pulls = []
+        for _ in range(2):
+            assert server.poll(5000), "no pull"
+            who, body = server.recv_multipart()
+            pulls.append((who, wire.decode(body)))
+        assert pulls[0][0] != pulls[1][0]  # two connections
+        assert sorted(p.layers for _, p in pulls) == [(0, 1), (1, 1)]
+        assert all(p.host_id == "" and p.gpus == [] for _, p in pulls)
+        staged = torch.randn(2, 2, SPEC.num_kv_heads, 32).numpy()  # a layer of 2 blocks
+        first = next((who, p) for who, p in pulls if p.layers == (0, 1))
+        layout = layout_of(SPEC)
+        server.send_multipart([first[0], wire.encode(KVBlocks("f", layout, 2, layers=(0, 1))),
+                               staged])  # fmt: skip
+        other = next(who for who, p in pulls if p.layers == (1, 1))
+        if second == "refused":
+            refusal = KVBlocks("f", error="layer 1: gone", layers=(1, 1))
+            server.send_multipart([other, wire.encode(refusal)])
+        else:
+            for who, layers in ((first[0], (0, 1)), (other, (1, 1))):
+                reply = KVBlocks("f", layout, 2, layers=layers)
+                server.send_multipart([who, wire.encode(reply), staged])
+        [failure] = names(until(consumer, bool), "failed_recving")
+        assert server.poll(5000), "no KVDone"
+        assert wire.decode(server.recv_multipart()[1]) == KVDone("f")
+        assert not server.poll(300), "a second KVDone"
+    finally:
+        consumer.shutdown()
+        ctx.destroy(linger=0)
+    assert failure.req_id == "f" and f"from {address}" in failure.error
+    expected = "layer 1: gone" if second == "refused" else "not a part asked, or one answered"
+    assert expected in failure.error
+    for layer in range(len(SPEC.layer_names)):
+        assert torch.equal(target[layer], before[layer])
