@@ -154,3 +154,79 @@ def test_a_failed_part_fails_its_load_once(monkeypatch, second: str) -> None:
     assert expected in failure.error
     for layer in range(len(SPEC.layer_names)):
         assert torch.equal(target[layer], before[layer])
+
+
+def test_a_producer_is_split_pulled_once_it_answered_over_tcp(monkeypatch) -> None:
+    """With shared memory on, a producer's host is known from its first answer: the first
+    pull goes whole (here over tcp: the producer says another host), the next ones from
+    it in parts, a connection each."""
+    monkeypatch.setattr(tcp_parts, "MIN_PART_BYTES", 1)
+    port = free_port()
+    kv = caches(8, seed=11)
+    side = connector("producer", kv, port)
+    side.server._host_id = "another-host"
+    target = caches(8, seed=12)
+    consumer = connector("consumer", target, 0, shared_memory=True)
+    try:
+        for i, dest in enumerate(([0, 1], [2, 3])):
+            req = f"h{i}"
+            side.after_step(KVConnectorMetadata(saves=[KVSave(req, np.array([4, 5], np.int32), 8)]))
+            remote = RemoteKV(req, 8, [f"tcp://127.0.0.1:{port}"])
+            load = KVLoad(req, np.array(dest, np.int32), remote)
+            consumer.before_step(KVConnectorMetadata(loads=[load]))
+            until(consumer, lambda outs, req=req: names(outs, "finished_recving") == [req])
+            connections = len(consumer.puller._sockets._socks)
+            assert connections == (1 if i == 0 else len(SPEC.layer_names))
+        assert consumer.puller.num_pulled["tcp"] == 2
+    finally:
+        consumer.shutdown()
+        side.shutdown()
+    for layer in range(len(SPEC.layer_names)):
+        assert torch.equal(target[layer][:, [0, 1]], kv[layer][:, [4, 5]])
+        assert torch.equal(target[layer][:, [2, 3]], kv[layer][:, [4, 5]])
+
+
+def test_a_split_pull_timed_out_drops_its_late_parts_and_the_puller_goes_on(monkeypatch) -> None:
+    """One part answered, the other not within the timeout: the load fails naming the
+    address; the late part is dropped with no KVDone (the staging expires where it is),
+    and the next pull from the same server lands."""
+    monkeypatch.setattr(tcp_parts, "MIN_PART_BYTES", 1)
+    address = f"tcp://127.0.0.1:{free_port()}"
+    target = caches(6, seed=13)
+    ctx = zmq.Context()
+    consumer = connector("consumer", target, 0, shared_memory=False, timeout_s=0.5)
+    layout = layout_of(SPEC)
+    staged = torch.randn(2, 2, SPEC.num_kv_heads, 32).numpy()  # a layer of 2 blocks
+    try:
+        server = peer(ctx, zmq.ROUTER, address)
+        for req in ("late", "next"):
+            load = KVLoad(req, np.array([4, 1], np.int32), RemoteKV(req, 8, [address]))
+            consumer.before_step(KVConnectorMetadata(loads=[load]))
+            pulls = []
+            for _ in range(2):
+                assert server.poll(5000), "no pull"
+                who, body = server.recv_multipart()
+                pulls.append((who, wire.decode(body).layers))
+            answered = pulls if req == "next" else pulls[:1]
+            for who, layers in answered:
+                reply = KVBlocks(req, layout, 2, layers=layers)
+                server.send_multipart([who, wire.encode(reply), staged])
+            outputs = until(consumer, bool)
+            if req == "late":
+                [failure] = names(outputs, "failed_recving")
+                assert f"no answer from {address} within 0.5 s" in failure.error
+                who, layers = pulls[1]
+                server.send_multipart([who, wire.encode(KVBlocks(req, layout, 2, layers=layers)),
+                                       staged])  # fmt: skip
+                assert not server.poll(300), "a KVDone for a part that came late"
+            else:
+                assert names(outputs, "finished_recving") == ["next"]
+                assert server.poll(5000), "no KVDone"
+                assert wire.decode(server.recv_multipart()[1]) == KVDone("next")
+    finally:
+        consumer.shutdown()
+        ctx.destroy(linger=0)
+    for layer in range(len(SPEC.layer_names)):
+        assert torch.equal(
+            target[layer][:, [4, 1]], torch.from_numpy(staged[:, :2]).to(target[layer])
+        )

@@ -46,6 +46,8 @@ from zmqworker.transport.host import boot_id
 from zmqworker.transport.wake_pipe import WakePipe
 
 log = logging.getLogger("zmqworker.kv_transfer")
+# (address, remote req_id) -> (load, source, deadline, its parts where it is split)
+Waiting = dict[tuple[str, str], tuple[KVLoad, HeadSource, float, Parts | None]]
 COPY_POLL_MS = 1  # how often the thread looks at the device copies under way
 IDLE_POLL_MS = 500  # and at the openings of producers' caches, to close the idle ones
 
@@ -75,9 +77,9 @@ class KVPuller:
         self.num_bytes = dict.fromkeys(self.num_pulled, 0)
         self.layout = layout
         self.timeout_s = timeout_s
-        self._keys = keys
         self._host_id = boot_id() if shm else ""
-        self._sockets = PeerSockets(keys)
+        self._poller = zmq.Poller()  # over the wake pipe and every socket
+        self._sockets = PeerSockets(keys, self._poller)
         self._over_tcp: set[str] = set()  # producers that answered with bytes over tcp
         self._device = device
         self._mappings = PeerMappings(device)
@@ -158,10 +160,9 @@ class KVPuller:
     # the puller's thread ---------------------------------------------------------
 
     def _run(self) -> None:
-        poller = self._sockets.poller
+        poller = self._poller
         poller.register(self._wake.fd, zmq.POLLIN)
-        # (address, remote req_id) -> (load, source, deadline, its parts or None)
-        waiting: dict[tuple[str, str], tuple[KVLoad, HeadSource, float, Parts | None]] = {}
+        waiting: Waiting = {}
         try:
             while not self._stop:
                 timeout = -1
@@ -200,7 +201,7 @@ class KVPuller:
                 if kind == "pull":
                     self._fail(load, source, "the KV puller stopped")
 
-    def _take_orders(self, waiting: dict) -> None:
+    def _take_orders(self, waiting: Waiting) -> None:
         while True:
             try:
                 kind, load, source = self._orders.get_nowait()
@@ -212,7 +213,8 @@ class KVPuller:
                 continue
             pull, parts = self._pull_of(load, source), None
             if kind == "pull":
-                # Split where the answer comes over tcp (it may share this host: it says).
+                # Split only where the bytes come over tcp: whether a producer shares this
+                # host is known from its first answer.
                 if not self._host_id or address in self._over_tcp:
                     parts = split(self.layout, load, source)
                 deadline = time.monotonic() + self.timeout_s
@@ -236,7 +238,7 @@ class KVPuller:
                       gpus=self._gpus if openable else [],
                       host_cache=openable and self._device is None)  # fmt: skip
 
-    def _receive(self, address: str, sock: zmq.Socket, waiting: dict) -> None:
+    def _receive(self, address: str, sock: zmq.Socket, waiting: Waiting) -> None:
         while True:
             try:
                 frames = recv_frames(sock)
@@ -252,12 +254,17 @@ class KVPuller:
                 continue
             entry = waiting.pop((address, reply.req_id), None)
             if entry is None:  # the answer to a pull that timed out: nothing will read it
-                if reply.error is None and reply.layers is None:  # (a part's: it expires)
+                # (Not for a part: its siblings may still come; the staging expires.)
+                if reply.error is None and reply.layers is None:
                     self._sockets.send(address, KVDone(reply.req_id))
                 continue
             load, source, _, parts = entry
             if parts is not None:
-                self._take_part(address, entry, reply, frames[1:], received, waiting)
+                parts.take(reply, frames[1:])
+                if parts.complete:
+                    self._parts_arrived(address, load, source, parts, received)
+                else:
+                    waiting[(address, reply.req_id)] = entry
                 continue
             try:
                 arrived = self._unpack(address, load, source, reply, frames[1:], received)
@@ -304,6 +311,8 @@ class KVPuller:
     ) -> Arrived:
         if reply.error is not None:
             return Arrived(load, source, error=reply.error)
+        if reply.layers is not None:
+            raise ValueError(f"an answer holding layers {reply.layers} to a pull of all of them")
         staged = msgspec.structs.replace(self.layout, num_kv_heads=source.staged_heads)
         if reply.layout != staged:
             raise ValueError(f"the prefill's KV layout {reply.layout} differs from {staged}")
@@ -357,31 +366,19 @@ class KVPuller:
         return Arrived(load, source, frames[0].buffer, [frames[0]], layout=wanted,
                        first_block=reply.first_block)  # fmt: skip
 
-    def _take_part(
-        self,
-        address: str,
-        entry: tuple[KVLoad, HeadSource, float, Parts | None],
-        reply: KVBlocks,
-        frames: list[zmq.Frame],
-        received: float,
-        waiting: dict,
+    def _parts_arrived(
+        self, address: str, load: KVLoad, source: HeadSource, parts: Parts, received: float
     ) -> None:
-        """An answer to a part of a split pull: put in its place. The whole arrives once
-        every part was answered; where one failed, it fails, and the server hears KVDone
-        once."""
-        load, source, _, parts = entry
-        assert parts is not None
-        parts.take(reply, frames)
-        if not parts.complete:
-            waiting[(address, reply.req_id)] = entry
-        elif parts.error is not None:
+        """Every part of a split pull was answered: the whole arrives, or fails (one KVDone
+        for all of its parts)."""
+        if parts.error is not None:
             self._sockets.send(address, KVDone(load.remote.req_id))
             self._fail(load, source, f"from {address}: {parts.error}")
-        else:
-            self.num_pulled["tcp"] += 1
-            self.num_bytes["tcp"] += len(parts.buffer)
-            self._arrive(Arrived(load, source, parts.buffer, [parts.buffer], layout=parts.layout,
-                                 first_block=parts.first_block, received=received))  # fmt: skip
+            return
+        self.num_pulled["tcp"] += 1
+        self.num_bytes["tcp"] += len(parts.buffer)
+        self._arrive(Arrived(load, source, parts.buffer, [parts.buffer], layout=parts.layout,
+                             first_block=parts.first_block, received=received))  # fmt: skip
 
     @staticmethod
     def _failed(load: KVLoad, source: HeadSource, error: str) -> Arrived:
