@@ -10,9 +10,13 @@ The load (bench/serve_client.py processes, streamed greedy completions, ignore_e
 sent at once, and, from --long-delay seconds on, --long-prompts requests of
 --long-prompt-len tokens (--long-len output tokens) at --long-rate a second and
 --short-prompts of --short-prompt-len tokens (--short-len output tokens) at --short-rate
-a second (Poisson). Reported for each mode: the decoders' inter-token latency p50 and
-p99 (the gaps between a stream's tokens), their time per output token, the long and the
-short prompts' time to first token, and output tokens/s over all requests; then each
+a second (Poisson); each long prompt, once answered, is followed by its next turn, the
+prompt and --next-turn-len tokens more (the answer left out: token ids go, text comes
+back; prefix caching on in every mode), which the decode instance holds all but those
+tokens of (local: computed there). Reported for each mode: the decoders' inter-token
+latency p50 and p99 (the gaps between a stream's tokens), their time per output token,
+the long and the short prompts' and the next turns' time to first token, and output
+tokens/s over all requests; then each
 disaggregated mode over colocated (the issue's target: inter-token p99 <= 0.6x,
 throughput within 10%). With --kv-cache-bytes, the
 colocated engine core gets it and each disaggregated instance half: one memory budget,
@@ -68,15 +72,21 @@ def records_of(proc: subprocess.Popen) -> list[dict[str, Any]]:
 
 
 def mixed(
-    url: str, model: str, decoders: list, longs: list, shorts: list, args: argparse.Namespace
+    url: str,
+    model: str,
+    decoders: list,
+    longs: list,
+    shorts: list,
+    next_turns: list | None,
+    args: argparse.Namespace,
 ) -> dict:
     """The mixed workload once against url: its figures."""
     start_at = time.time() + 2.0  # after the clients have imported
     common = {"seed": args.seed, "start_at": start_at}
     decode_job = {**common, "prompts": decoders, "max_tokens": args.decode_len,
                   "concurrency": len(decoders), "rate": None}  # fmt: skip
-    arriving = {"long": (longs, args.long_len, args.long_rate),
-                "short": (shorts, args.short_len, args.short_rate)}  # fmt: skip
+    arriving = {"long": (longs, args.long_len, args.long_rate, next_turns),
+                "short": (shorts, args.short_len, args.short_rate, None)}  # fmt: skip
     decode = client_process(url, model, decode_job)
     clients = {
         kind: client_process(
@@ -89,13 +99,18 @@ def mixed(
                 "concurrency": len(batch),
                 "rate": rate,
                 "start_at": start_at + args.long_delay,
+                "next_turns": turns,
             },
         )  # fmt: skip
-        for kind, (batch, tokens, rate) in arriving.items()
+        for kind, (batch, tokens, rate, turns) in arriving.items()
         if batch
     }
     decoded = records_of(decode)
     arrived = {kind: records_of(proc) for kind, proc in clients.items()}
+    if "long" in arrived:  # the next turns apart
+        records = arrived.pop("long")
+        arrived["long"] = [r for r in records if "turn" not in r]
+        arrived["next"] = [r for r in records if "turn" in r]
     every = decoded + [r for records in arrived.values() for r in records]
     duration = max(r["end"] for r in every) - min(r["start"] for r in every)
     itl = np.concatenate([np.diff(r["chunk_times"]) for r in decoded])
@@ -108,6 +123,8 @@ def mixed(
         "tpot_mean_ms": 1e3 * float(np.mean(tpot)),
     }
     for kind, records in arrived.items():
+        if not records:
+            continue
         ttft = [r["chunk_times"][0] - r["start"] for r in records]
         row[f"{kind}_ttft_p50_ms"] = 1e3 * float(np.percentile(ttft, 50))
         row[f"{kind}_ttft_p99_ms"] = 1e3 * float(np.percentile(ttft, 99))
@@ -150,6 +167,12 @@ def main() -> None:
         "--long-delay", type=float, default=1.0, help="s before the first long or short one"
     )
     parser.add_argument(
+        "--next-turn-len",
+        type=int,
+        default=16,
+        help="new tokens of each long prompt's next turn (0: none, prefix caching off)",
+    )
+    parser.add_argument(
         "--max-local-prefill-tokens",
         type=int,
         default=24,
@@ -172,9 +195,13 @@ def main() -> None:
     from zmqworker.engine.model_folder import ModelFolder
 
     vocab = ModelFolder.open(args.model).vocab_size or 32000
-    decoders = prompts(args.decoders, args.decode_prompt_len, vocab, args.seed)
-    longs = prompts(args.long_prompts, args.long_prompt_len, vocab, args.seed + 1)
-    shorts = prompts(args.short_prompts, args.short_prompt_len, vocab, args.seed + 2)
+    # One more of each kind warms each server up: the timed ones find nothing cached.
+    decoders = prompts(args.decoders + 2, args.decode_prompt_len, vocab, args.seed)
+    longs = prompts(args.long_prompts + 1, args.long_prompt_len, vocab, args.seed + 1)
+    shorts = prompts(args.short_prompts + 1, args.short_prompt_len, vocab, args.seed + 2)
+    next_turns = None
+    if args.next_turn_len:
+        next_turns = prompts(args.long_prompts + 1, args.next_turn_len, vocab, args.seed + 3)
     local = ["--max-local-prefill-tokens", str(args.max_local_prefill_tokens)]
     flags = {"colocated": [], "disaggregated": ["--disaggregate"],
              "local": ["--disaggregate", *local]}  # fmt: skip
@@ -184,11 +211,15 @@ def main() -> None:
     rows = []
     for mode in modes:
         options = serve_options(args, mode)
-        server = Server(options, cli_flags({"api_server_count": 1}) + flags[mode], args.port)
+        caching = ["--enable-prefix-caching"] if next_turns else []
+        served = cli_flags({"api_server_count": 1}) + flags[mode] + caching
+        server = Server(options, served, args.port)
         try:
             model = served_model(server.url)
-            mixed(server.url, model, decoders[:2], longs[:1], shorts[:1], args)  # warm
-            figures = mixed(server.url, model, decoders, longs, shorts, args)
+            warm = next_turns[:1] if next_turns else None
+            mixed(server.url, model, decoders[:2], longs[:1], shorts[:1], warm, args)
+            turns = next_turns[1:] if next_turns else None
+            figures = mixed(server.url, model, decoders[2:], longs[1:], shorts[1:], turns, args)
             rows.append({"mode": mode, **figures})
         finally:
             server.stop()

@@ -140,8 +140,11 @@ async def one_request(conn: Connection, job: dict[str, Any], prompt: Any) -> dic
 
 async def run_job(job: dict[str, Any]) -> list[dict[str, Any]]:
     """Send job's prompts with at most job["concurrency"] in flight, at job["rate"]
-    requests a second (Poisson arrivals; null: all at once)."""
+    requests a second (Poisson arrivals; null: all at once). With job["next_turns"]
+    (token ids, one list a prompt), each answered prompt of token ids is followed on its
+    connection by its next turn, the prompt and those tokens (its record's "turn": 2)."""
     prompts = job["prompts"]
+    next_turns = job.get("next_turns") or [None] * len(prompts)
     slots = asyncio.Semaphore(job["concurrency"])
     idle = [Connection(job["host"], job["port"]) for _ in range(job["concurrency"])]
     rng = random.Random(job["seed"])
@@ -149,17 +152,20 @@ async def run_job(job: dict[str, Any]) -> list[dict[str, Any]]:
     # All client processes start at the same wall-clock moment.
     await asyncio.sleep(max(0.0, job["start_at"] - time.time()))
 
-    async def send(prompt: Any) -> None:
+    async def send(prompt: Any, next_turn: list[int] | None) -> None:
         async with slots:
             conn = idle.pop()
             try:
                 records.append(await one_request(conn, job, prompt))
+                if next_turn is not None:
+                    record = await one_request(conn, job, [*prompt, *next_turn])
+                    records.append({**record, "turn": 2})
             finally:
                 idle.append(conn)
 
     tasks = []
-    for prompt in prompts:
-        tasks.append(asyncio.create_task(send(prompt)))
+    for prompt, next_turn in zip(prompts, next_turns, strict=True):
+        tasks.append(asyncio.create_task(send(prompt, next_turn)))
         if job["rate"]:
             await asyncio.sleep(rng.expovariate(job["rate"]))
     await asyncio.gather(*tasks)
