@@ -213,3 +213,34 @@ def test_a_conversation_s_next_turn_is_computed_where_its_last_one_decoded(tmp_p
         assert client.engine_of("too-long") in (0, 1) and client.engine_of("other") in (0, 1)
     finally:
         client.close()
+
+
+def test_a_next_turn_counts_the_answer_its_decode_instance_holds(tmp_path) -> None:
+    """The decode instance's record takes a request's answer as it ends there (all but
+    its last token, never computed): a next turn of the first prompt, that answer and 2
+    tokens more is computed there; one whose answer differs is not."""
+    client = _client(tmp_path, prefix_caching=True, max_local_prefill_tokens=6, num_blocks=400)
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=16)
+        first = np.arange(100, 100 + 4 * 300, dtype=np.int32)
+        answer = [7, *range(11, 19)]  # the prefill's first token, then 8 decoded
+        client.add_request(EngineCoreRequest("t1", first, params))
+        _prefilled(client, client.engine_of("t1"), ["t1"])
+        decode = client.engine_of("t1")
+        # A decode step's one token, then several (speculative steps), the last ending it.
+        for tokens, ended in ((answer[1:2], []), (answer[2:], [FinishedOutput(0, "length")])):
+            offsets = np.asarray([0, len(tokens)], np.int32) if len(tokens) > 1 else None
+            msg = EngineCoreOutputs(
+                decode, ["t1"], np.asarray(tokens, np.int32), EngineCoreStats(0, 0, 8, 8, 0, 0),
+                token_offsets=offsets, finished=ended,
+            )  # fmt: skip
+            client._on_outputs(client.engines[decode], msg, [])
+        assert client.engine_of("t1") is None  # ended
+        second = np.asarray([*first, *answer, 8, 8], np.int32)  # 3 new past 302 blocks
+        client.add_request(EngineCoreRequest("t2", second, params))
+        assert client.engine_of("t2") == decode
+        other = np.asarray([*first, 7, *range(31, 39), 8, 8], np.int32)  # 11 new past 300
+        client.add_request(EngineCoreRequest("u2", other, params))
+        assert client.engine_of("u2") in (0, 1)
+    finally:
+        client.close()

@@ -14,19 +14,19 @@ memory, elsewhere it goes over tcp. A request whose first token ends it never le
 prefill instance. With max_local_prefill_tokens, a prompt of which at most that many
 tokens are not cached on a decode instance goes straight there, which computes it as a
 colocated engine core would (engine/local_prefill.py): cached as far as the decode
-instances' prefix records tell, kept whole for it (prefix_affinity.py). Those records
-hold the prompts sent, not the tokens decoded: a conversation's next turn counts its
-last answer as not cached. The caller's code (Frontend, the API servers) is the same as
-over replicas: aborts go to the instance that runs the request, failures come back by
-id.
+instances' prefix records tell, kept whole for it (prefix_affinity.py), each request's
+prompt when it is sent and its prompt and answer when it ends there (decoded_tokens.py):
+a conversation's next turn counts its new message as not cached. The caller's code
+(Frontend, the API servers) is the same as over replicas: aborts go to the instance that
+runs the request, failures come back by id.
 
 Failures: a request fails with an error naming the instance that failed it. A prefill
 instance gone: its own requests fail at once, and so do those a decode instance has not
 yet answered that pull from it (their pull would wait for a prefill that is gone: they
 are aborted there, which frees their blocks once any pull under way is over). A pull
 that fails on a decode instance (timed out, refused) fails its request there, naming the
-prefill's address. Nothing is recomputed: the caller may send the request again, under
-a new id (an id is refused while a transfer of its holds blocks).
+prefill's address. Nothing is recomputed: the caller may send the request again, under a
+new id (an id is refused while a transfer of its holds blocks).
 """
 
 from __future__ import annotations
@@ -48,6 +48,7 @@ from messages import (
 from zmqworker.engine.local_prefill import computes_locally, local_prefill_limit
 from zmqworker.frontend.core_client import EngineCoreClient
 from zmqworker.frontend.core_process import EngineCoreHandle
+from zmqworker.frontend.decoded_tokens import DecodedTokens
 from zmqworker.frontend.engine_connection import EngineConnection, Event, Failed
 from zmqworker.frontend.prefix_affinity import MAX_BLOCKS, SLACK, place, prompt_hashes
 
@@ -114,6 +115,8 @@ class DisaggregatedClient(EngineCoreClient):
         # Requests handed to a decode instance that it has not answered yet, and the
         # prefill instance whose KV they pull.
         self._awaiting_kv: dict[str, EngineConnection] = {}
+        # With the local rule: the tokens of the requests on decode instances.
+        self._decoded = DecodedTokens() if self._local_limit else None
 
     def wait_ready(self, timeout: float) -> list[EngineCoreReady]:
         """As EngineCoreClient's; ValueError where the engine cores are not prefill and
@@ -143,7 +146,9 @@ class DisaggregatedClient(EngineCoreClient):
         prompt = request.prompt_token_ids
         decode = self._local_decode(prompt, decodes, sibling)
         if decode is not None:  # computed where it decodes (local_prefill.py)
-            return self._send_request(decode, request)
+            index = self._send_request(decode, request)
+            self._track(request.request_id, prompt, [])
+            return index
         if sibling in prefills and sibling.dead is None:
             prefill = sibling
         else:
@@ -161,6 +166,8 @@ class DisaggregatedClient(EngineCoreClient):
         if self._role(engine) == "decode":
             for request_id in msg.request_ids:
                 self._awaiting_kv.pop(request_id, None)
+            if self._decoded is not None:
+                self._record_ended(engine, msg, self._decoded)
             super()._on_outputs(engine, msg, events)
             return
         handed = [(f.index, f.kv_transfer) for f in msg.finished if f.kv_transfer is not None]
@@ -198,7 +205,27 @@ class DisaggregatedClient(EngineCoreClient):
         chosen = place(decode.prompt_token_ids, near, self._affinity, self._decode_blocks)
         self._send_request(chosen, decode)
         self._awaiting_kv[request_id] = prefill
+        self._track(request_id, decode.prompt_token_ids, [params.first_token])
         return None
+
+    def _track(self, request_id: str, prompt: np.ndarray, first: list[int]) -> None:
+        """Follow the tokens of a request sent to a decode instance, where the local rule
+        counts on its record."""
+        if self._decoded is not None and self._affinity is not None:
+            self._decoded.start(request_id, prompt, first)
+
+    def _record_ended(
+        self, engine: EngineConnection, msg: EngineCoreOutputs, decoded: DecodedTokens
+    ) -> None:
+        """A decode instance's step: its tokens followed, and what its requests that ended
+        leave in its cache recorded there."""
+        decoded.add(msg)
+        for finished in msg.finished:
+            held = decoded.end(msg.request_ids[finished.index])
+            if held is not None and self._affinity is not None:
+                self._affinity.sent(
+                    engine.index, prompt_hashes(held, self._affinity.block_size, None)
+                )
 
     @property
     def _decode_blocks(self) -> int | None:
@@ -239,6 +266,8 @@ class DisaggregatedClient(EngineCoreClient):
         return decode
 
     def _forget(self, request_id: str) -> EngineConnection | None:
+        if self._decoded is not None:
+            self._decoded.drop(request_id)
         self._prefilling.pop(request_id, None)
         self._awaiting_kv.pop(request_id, None)
         return super()._forget(request_id)
