@@ -20,7 +20,7 @@ from messages import (
 from zmqworker.frontend.core_process import RemoteEngineCore
 from zmqworker.frontend.disaggregated_client import DisaggregatedClient
 from zmqworker.frontend.engine_connection import Failed
-from zmqworker.frontend.prefix_affinity import SLACK
+from zmqworker.frontend.prefix_affinity import SLACK, prompt_hashes
 
 ROLES = ["producer", "producer", "consumer", "consumer"]
 IDS = ["a", "b", "c", "d"]
@@ -215,32 +215,54 @@ def test_a_conversation_s_next_turn_is_computed_where_its_last_one_decoded(tmp_p
         client.close()
 
 
-def test_a_next_turn_counts_the_answer_its_decode_instance_holds(tmp_path) -> None:
-    """The decode instance's record takes a request's answer as it ends there (all but
-    its last token, never computed): a next turn of the first prompt, that answer and 2
-    tokens more is computed there; one whose answer differs is not."""
+def _decode_step(client, decode: int, tokens: dict[str, list[int]], ended: list[str]) -> None:
+    """Decode instance decode's step: tokens by request, those in ended ending."""
+    ids = list(tokens)
+    offsets = np.cumsum([0, *(len(t) for t in tokens.values())]).astype(np.int32)
+    msg = EngineCoreOutputs(
+        decode, ids, np.asarray([t for ts in tokens.values() for t in ts], np.int32),
+        EngineCoreStats(0, 0, 8, 8, 0, 0),
+        token_offsets=None if offsets[-1] == len(ids) else offsets,
+        finished=[FinishedOutput(ids.index(r), "length") for r in ended],
+    )  # fmt: skip
+    client._on_outputs(client.engines[decode], msg, [])
+
+
+@pytest.mark.parametrize("ending", ["length", "stop string"])
+def test_a_next_turn_counts_the_answer_its_decode_instance_holds(tmp_path, ending: str) -> None:
+    """The decode instance's record takes a request's answer as it ends there (finished,
+    or aborted by the caller on a stop string): all but its last token (never computed),
+    on that instance alone. A next turn of the first prompt, that answer and 2 tokens
+    more (6 past its 301 blocks) is computed there; one 5 tokens more (9 past them), or
+    whose answer differs, is not; a request aborted otherwise leaves nothing followed."""
     client = _client(tmp_path, prefix_caching=True, max_local_prefill_tokens=6, num_blocks=400)
     try:
         params = SamplingParams(temperature=0.0, max_tokens=16)
         first = np.arange(100, 100 + 4 * 300, dtype=np.int32)
-        answer = [7, *range(11, 19)]  # the prefill's first token, then 8 decoded
+        answer = [7, *range(11, 18)]  # the prefill's first token, then 7 decoded
         client.add_request(EngineCoreRequest("t1", first, params))
         _prefilled(client, client.engine_of("t1"), ["t1"])
         decode = client.engine_of("t1")
-        # A decode step's one token, then several (speculative steps), the last ending it.
-        for tokens, ended in ((answer[1:2], []), (answer[2:], [FinishedOutput(0, "length")])):
-            offsets = np.asarray([0, len(tokens)], np.int32) if len(tokens) > 1 else None
-            msg = EngineCoreOutputs(
-                decode, ["t1"], np.asarray(tokens, np.int32), EngineCoreStats(0, 0, 8, 8, 0, 0),
-                token_offsets=offsets, finished=ended,
-            )  # fmt: skip
-            client._on_outputs(client.engines[decode], msg, [])
+        # One token a step, then several for t1 after another request's (offsets).
+        _decode_step(client, decode, {"t1": answer[1:2], "other": [5]}, [])
+        last = [] if ending == "stop string" else ["t1"]
+        _decode_step(client, decode, {"other": [6, 6], "t1": answer[2:]}, last)
+        if ending == "stop string":
+            client.abort(["t1"], reason="stop")
         assert client.engine_of("t1") is None  # ended
-        second = np.asarray([*first, *answer, 8, 8], np.int32)  # 3 new past 302 blocks
-        client.add_request(EngineCoreRequest("t2", second, params))
+        held = prompt_hashes(np.asarray([*first, *answer[:-1]], np.int32), 4, None)
+        other = 5 - decode  # the other decode instance (2 or 3)
+        assert client._affinity.matched(held, other) == 0
+        for request_id, new in (("t3", [8] * 5), ("u", [7, *range(31, 38), 8, 8])):
+            prompt = np.asarray([*first, *(answer if request_id == "t3" else []), *new], np.int32)
+            client.add_request(EngineCoreRequest(request_id, prompt, params))
+            assert client.engine_of(request_id) in (0, 1)
+        near = np.asarray([*first, *answer, 8, 8], np.int32)
+        client.add_request(EngineCoreRequest("t2", near, params))
         assert client.engine_of("t2") == decode
-        other = np.asarray([*first, 7, *range(31, 39), 8, 8], np.int32)  # 11 new past 300
-        client.add_request(EngineCoreRequest("u2", other, params))
-        assert client.engine_of("u2") in (0, 1)
+        client.add_request(EngineCoreRequest("gone", first, params))
+        _prefilled(client, client.engine_of("gone"), ["gone"])
+        client.abort(["gone"])
+        assert set(client._decoded._held) == {"t2"}  # computed there, running
     finally:
         client.close()

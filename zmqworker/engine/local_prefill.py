@@ -3,14 +3,15 @@ prefill instance: those of which at most max_local_prefill_tokens tokens are not
 there already. Such a prompt costs a decode step little, less than a transfer's round
 trip and a wait in a prefill instance's queue. Counting only what is not cached keeps a
 conversation's next turn where its earlier turns are: the decode instance computes the
-new tokens, where a prefill instance would wait its turn behind long prompts, compute
-the last answer too (decoded on the decode instance, never seen there) and send the KV
-of both across.
+new tokens, where a prefill instance would wait its turn behind long prompts and compute
+the last answer again (decoded on the decode instance, never seen there) before the new
+tokens, whose KV then comes across.
 
 What is cached is the router's estimate: the decode instance's block manager for the
-in-process routers (disaggregated.py, threaded_router.py), the prompts sent there for
-the client's (frontend/disaggregated_client.py: prefix_affinity.py). A wrong one costs
-time, never a token: the engine core computes whatever its cache lacks."""
+in-process routers (disaggregated.py, threaded_router.py), the prompts sent there and
+the answers that ended there for the client's (frontend/disaggregated_client.py:
+prefix_affinity.py, decoded_tokens.py). A wrong one costs time, never a token: the
+engine core computes whatever its cache lacks."""
 
 from __future__ import annotations
 

@@ -23,7 +23,8 @@ class DecodedTokens:
         """The new tokens of msg's requests (a decode instance's step)."""
         if not self._held:
             return
-        tokens, offsets = msg.new_token_ids.tolist(), msg.token_offsets
+        tokens = msg.new_token_ids.tolist()
+        offsets = None if msg.token_offsets is None else msg.token_offsets.tolist()
         for i, request_id in enumerate(msg.request_ids):
             held = self._held.get(request_id)
             if held is None:

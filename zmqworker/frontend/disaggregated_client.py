@@ -32,7 +32,7 @@ new id (an id is refused while a transfer of its holds blocks).
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import msgspec
 import numpy as np
@@ -221,11 +221,23 @@ class DisaggregatedClient(EngineCoreClient):
         leave in its cache recorded there."""
         decoded.add(msg)
         for finished in msg.finished:
-            held = decoded.end(msg.request_ids[finished.index])
-            if held is not None and self._affinity is not None:
-                self._affinity.sent(
-                    engine.index, prompt_hashes(held, self._affinity.block_size, None)
-                )
+            self._record(engine, msg.request_ids[finished.index], decoded)
+
+    def _record(self, engine: EngineConnection, request_id: str, decoded: DecodedTokens) -> None:
+        """What request_id, ending on decode instance engine, leaves in its cache: recorded
+        as sent there."""
+        held, affinity = decoded.end(request_id), self._affinity
+        if held is not None and affinity is not None:
+            affinity.sent(engine.index, prompt_hashes(held, affinity.block_size, None))
+
+    def abort(self, request_ids: Iterable[str], reason: str = "abort") -> None:
+        ids = list(request_ids)
+        if reason == "stop" and self._decoded is not None:  # ended by a stop string:
+            for request_id in ids:  # what it decoded stays cached where it ran
+                engine = self._owner.get(request_id)
+                if engine is not None and self._role(engine) == "decode":
+                    self._record(engine, request_id, self._decoded)
+        super().abort(ids, reason)
 
     @property
     def _decode_blocks(self) -> int | None:
