@@ -49,7 +49,8 @@ MIN_ROWS = 16
 PREFILL_ROWS = 64
 # Small programs, many of them: a decode program streams its history with little math,
 # and more of them in flight hide the memory latency (triton_metadata.py has the sweep).
-DECODE_LAUNCH = {"num_warps": 2, "num_stages": 2}
+# One software-pipeline stage: two were as fast or slower at every shape (docs/cuda.md).
+DECODE_LAUNCH = {"num_warps": 2, "num_stages": 1}
 # The merge's programs: a warp for every MERGE_WARP_VALUES of their tile, at most 4 (the
 # widest tile at batch 1), one for the few partials of a large batch (docs/cuda.md).
 MERGE_WARP_VALUES = 1024
