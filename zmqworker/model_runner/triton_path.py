@@ -66,6 +66,10 @@ class TritonPath:
             max_model_len,
             device,
         )
+        from zmqworker.model_runner.greedy_ids import GreedyIds
+
+        # A graph's argmax into the samples' buffer, as many rows as it holds.
+        self._greedy_ids = GreedyIds(len(self.inputs.sampled), device)
         self._capture = capture
         # The graphs' static outputs, shared by both sets.
         self._outputs: dict[str, torch.Tensor] = {}
@@ -243,8 +247,6 @@ class TritonPath:
         self.inputs.idle_tokens(size, token_graph_reqs(size, self.max_num_reqs))
 
     def _graph_forward(self, step: DeviceStep, hidden_in: HiddenStates | None) -> HiddenStates:
-        from zmqworker.model_runner.greedy_ids import greedy_ids
-
         model = self.model
         with torch.inference_mode():
             self._feed(step)
@@ -259,5 +261,5 @@ class TritonPath:
             # as the step samples. Rows past them (padding, or all of them in a step that
             # samples nothing) keep the previous samples, which a later feed may read.
             inputs = self.inputs
-            greedy_ids(logits, inputs.sampled[: logits.shape[0]], inputs.sample_count)
+            self._greedy_ids(logits, inputs.sampled[: logits.shape[0]], inputs.sample_count)
             return {"logits": logits}
