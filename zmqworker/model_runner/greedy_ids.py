@@ -82,7 +82,6 @@ class GreedyIds:
     """The argmax kernel of up to max_rows rows, with its counters."""
 
     def __init__(self, max_rows: int, device: torch.device) -> None:
-        self.max_rows = max_rows
         self._counters = torch.zeros(max_rows, dtype=torch.int32, device=device)
 
     def __call__(
@@ -97,10 +96,10 @@ class GreedyIds:
                 f"{tuple(logits.shape)} strides {logits.stride()}"
             )
         rows, vocab = logits.shape
-        if rows > self.max_rows or logits.device != self._counters.device:
+        if rows > len(self._counters) or logits.device != self._counters.device:
             raise ValueError(
                 f"greedy ids of {rows} rows on {logits.device}: this kernel takes up to "
-                f"{self.max_rows} rows on {self._counters.device}"
+                f"{len(self._counters)} rows on {self._counters.device}"
             )
         if out.dtype != torch.int32 or out.shape != (rows,) or out.device != logits.device:
             raise ValueError(
