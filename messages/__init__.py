@@ -14,6 +14,7 @@ from messages.config import (
     WorkerConfig,
 )
 from messages.engine_core import (
+    PROMPT_NOT_CACHED,
     AbortRequests,
     EngineCoreConfig,
     EngineCoreFailure,
@@ -91,6 +92,7 @@ __all__ = [
     "ALL_RANKS",
     "AbortRequests",
     "INLINE_MAX_BYTES",
+    "PROMPT_NOT_CACHED",
     "PROTOCOL_VERSION",
     "CacheConfig",
     "CachedRequestData",

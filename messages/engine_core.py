@@ -80,17 +80,23 @@ class KVTransferParams(msgspec.Struct, tag=True, frozen=True, omit_defaults=True
     instance): finish after the first token and keep the prompt's KV staged for a decode
     instance; its FinishedOutput then says where (kv_transfer). remote and first_token (to
     a decode instance): the prompt's KV waits there, the prefill sampled first_token;
-    this instance pulls the KV and decodes from the second token on."""
+    this instance pulls the KV and decodes from the second token on.
+    max_uncached_tokens (to a decode instance, the prompt computed there): run it only if
+    at most this many of its prompt tokens are not cached there when it is first
+    scheduled; else it fails unrun (EngineCoreFailure, PROMPT_NOT_CACHED), for the
+    client to send to a prefill instance."""
 
     do_remote_decode: bool = False
     remote: RemoteKV | None = None
     first_token: Annotated[int, msgspec.Meta(ge=0)] | None = None
+    max_uncached_tokens: Annotated[int, msgspec.Meta(ge=1)] | None = None
 
     def __post_init__(self) -> None:
-        if self.do_remote_decode == (self.remote is not None):
+        local = self.max_uncached_tokens is not None
+        if [self.do_remote_decode, self.remote is not None, local].count(True) != 1:
             raise ValueError(
-                "kv_transfer_params: give do_remote_decode (to a prefill instance) or remote "
-                "(to a decode instance), one of the two"
+                "kv_transfer_params: give do_remote_decode (to a prefill instance), remote "
+                "or max_uncached_tokens (to a decode instance), one of the three"
             )
         if (self.remote is None) != (self.first_token is None):
             raise ValueError("kv_transfer_params: remote and first_token go together")
@@ -270,6 +276,11 @@ def _check_rows(name: str, rows: LogprobsLists, count: int, at_least: int = 1) -
         )
     if len(ids) != count or len(ids) < at_least or ids.shape[1] < 1:
         raise ValueError(f"{name}: {len(ids)} rows of {ids.shape[1]} for {count} new token(s)")
+
+
+# The exc_type of a request sent with kv_transfer_params.max_uncached_tokens that was
+# not run: more of its prompt than that was not cached on that engine core.
+PROMPT_NOT_CACHED = "PromptNotCached"
 
 
 class EngineCoreFailure(msgspec.Struct, tag=True):

@@ -100,12 +100,10 @@ PREFILL_KV = RemoteKV(
 )
 
 
-def disaggregated_request(decode_side: bool) -> EngineCoreRequest:
-    """A request of disaggregated serving: to the prefill instance (do_remote_decode), or
-    to the decode instance with the prefill's first token and where its KV waits."""
-    params = KVTransferParams(do_remote_decode=True)
-    if decode_side:
-        params = KVTransferParams(remote=PREFILL_KV, first_token=9_001)
+def disaggregated_request(params: KVTransferParams) -> EngineCoreRequest:
+    """A request of disaggregated serving: to the prefill instance (do_remote_decode), to
+    the decode instance with the prefill's first token and where its KV waits, or to the
+    decode instance to compute itself (max_uncached_tokens)."""
     return EngineCoreRequest(
         request_id=req_id(1040),
         prompt_token_ids=Stream(15).ints(40, 0, VOCAB_SIZE),
@@ -218,8 +216,15 @@ ENGINE_CORE_EXAMPLES: dict[str, Callable[[], EngineCoreMessage]] = {
     "engine_core_request": engine_core_request,
     "engine_core_request_long": lambda: engine_core_request(prompt_len=8192, seed=13),
     "engine_core_request_structured": structured_request,
-    "engine_core_request_prefill": lambda: disaggregated_request(decode_side=False),
-    "engine_core_request_decode": lambda: disaggregated_request(decode_side=True),
+    "engine_core_request_prefill": lambda: disaggregated_request(
+        KVTransferParams(do_remote_decode=True)
+    ),
+    "engine_core_request_decode": lambda: disaggregated_request(
+        KVTransferParams(remote=PREFILL_KV, first_token=9_001)
+    ),
+    "engine_core_request_local": lambda: disaggregated_request(
+        KVTransferParams(max_uncached_tokens=256)
+    ),
     "abort_requests": lambda: AbortRequests([req_id(3), req_id(5)]),
     "abort_requests_stop": lambda: AbortRequests([req_id(4)], reason="stop"),
     "engine_core_outputs_decode_256": decode_outputs,

@@ -9,11 +9,14 @@ import numpy as np
 import pytest
 
 from messages import (
+    PROMPT_NOT_CACHED,
+    EngineCoreFailure,
     EngineCoreOutputs,
     EngineCoreReady,
     EngineCoreRequest,
     EngineCoreStats,
     FinishedOutput,
+    KVTransferParams,
     RemoteKV,
     SamplingParams,
 )
@@ -117,8 +120,9 @@ def test_with_prefix_caching_a_shared_prefix_keeps_to_one_instance_of_each_role(
 
 
 def test_a_short_prompt_goes_straight_to_a_decode_instance(tmp_path) -> None:
-    """With max_local_prefill_tokens, a prompt of at most that many tokens is sent as it
-    came to a decode instance (the least loaded), its samples (n > 1) after it; a longer
+    """With max_local_prefill_tokens, a prompt of at most that many tokens is sent to a
+    decode instance (the least loaded) to compute, with that limit for the decode
+    instance to check (max_uncached_tokens), its samples (n > 1) after it; a longer
     one goes to a prefill instance marked to go on. A decode instance lost fails the
     short prompts it held."""
     client = _client(tmp_path, max_local_prefill_tokens=len(PROMPT))
@@ -140,7 +144,8 @@ def test_a_short_prompt_goes_straight_to_a_decode_instance(tmp_path) -> None:
         client.add_request(EngineCoreRequest("long", longer, params))
         engines = {r: client.engine_of(r) for r in ("a", "b", "a2", "long")}
         assert engines == {"a": 2, "b": 3, "a2": 2, "long": 0}
-        assert [r.kv_transfer_params for r in sent[:3]] == [None] * 3
+        local = KVTransferParams(max_uncached_tokens=len(PROMPT))
+        assert [r.kv_transfer_params for r in sent[:3]] == [local] * 3
         assert sent[3].kv_transfer_params.do_remote_decode
         events: list = []
         client._lose(client.engines[2], RuntimeError("engine core 2 (pid 3) exited"), events)
@@ -264,5 +269,52 @@ def test_a_next_turn_counts_the_answer_its_decode_instance_holds(tmp_path, endin
         _prefilled(client, client.engine_of("gone"), ["gone"])
         client.abort(["gone"])
         assert set(client._decoded._held) == {"t2"}  # computed there, running
+    finally:
+        client.close()
+
+
+def _declined(client: DisaggregatedClient, decode: int, ids: list[str]) -> list:
+    """Decode instance decode says it did not run ids, too little of them cached; the
+    events the client makes of it."""
+    events: list = []
+    failure = EngineCoreFailure(decode, ids, PROMPT_NOT_CACHED, "not cached here")
+    client._on_failure(client.engines[decode], failure, events)
+    return events
+
+
+def test_a_prompt_its_decode_instance_declines_goes_through_a_prefill_instance(tmp_path) -> None:
+    """A next turn sent to its decode instance to compute, which says too little of it is
+    cached there (its blocks evicted since), goes to a prefill instance as the caller sent
+    it, the caller none the wiser, and the decode instance's record forgets that prompt:
+    the same prompt again goes to a prefill instance. One its caller aborted meanwhile is
+    dropped; with every prefill instance gone, it fails with their error; another
+    failure of a decode instance's fails its requests as before."""
+    client = _client(tmp_path, prefix_caching=True, max_local_prefill_tokens=6, num_blocks=400)
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=4)
+        first = np.arange(100, 100 + 4 * 20, dtype=np.int32)
+        client.add_request(EngineCoreRequest("turn1", first, params))
+        _prefilled(client, client.engine_of("turn1"), ["turn1"])
+        decode = client.engine_of("turn1")
+        second = np.asarray([*first, 7, 7, 8], np.int32)
+        for request_id in ("turn2", "aborted", "lost", "failed"):
+            client.add_request(EngineCoreRequest(request_id, second, params))
+            assert client.engine_of(request_id) == decode
+        client.abort(["aborted"])
+        assert _declined(client, decode, ["turn2", "aborted"]) == []
+        assert client.engine_of("turn2") in (0, 1) and client.engine_of("aborted") is None
+        assert client._affinity.matched(prompt_hashes(second, 4, None), decode) == 0
+        client.add_request(EngineCoreRequest("again", second, params))
+        assert client.engine_of("again") in (0, 1)
+        events: list = []
+        error = EngineCoreFailure(decode, ["failed"], "ValueError", "refused")
+        client._on_failure(client.engines[decode], error, events)
+        [failed] = events
+        assert failed.request_ids == ["failed"] and "refused" in str(failed.error)
+        for prefill in client.engines[:2]:
+            prefill.dead = RuntimeError(f"prefill {prefill.index} gone")
+        [lost] = _declined(client, decode, ["lost"])
+        assert lost.request_ids == ["lost"] and str(lost.error) == "prefill 0 gone"
+        assert client.engine_of("lost") is None
     finally:
         client.close()

@@ -80,3 +80,51 @@ def test_two_prefill_and_two_decode_instances_each_take_their_share() -> None:
     prefilled_on = {rid: engine for rid, _, engine in sent if engine < 2}
     siblings = [(rid, first) for rid, first, engine in sent if first is not None and engine < 2]
     assert siblings and all(prefilled_on[rid] == prefilled_on[first] for rid, first in siblings)
+
+
+def test_a_next_turn_whose_prefix_the_decode_instance_dropped_goes_through_a_prefill() -> None:
+    """The router's record says a conversation's first turn is cached on the decode
+    instance, so its next turn goes there to be computed (max_local_prefill_tokens); that
+    instance has dropped its cache since, so it refuses the request unrun, more than the
+    limit uncached there, and the router sends it through the prefill instance: tokens
+    equal transformers', the caller sees no failure, and the decode instance computed no
+    more of it than of a first turn's pulled KV. A third turn, whose prefix the second's
+    KV and answer left there, is computed there."""
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    first = list(range(10, 60))
+    with make_llm(
+        disaggregate=True,
+        kv_transfer_timeout_s=60.0,
+        max_local_prefill_tokens=8,
+        enable_prefix_caching=True,
+    ) as llm:
+        client = llm.client
+        [turn1] = llm.generate([first], params)
+        second = [*first, *turn1.token_ids, 7, 7]
+        sent: list[tuple[int, str]] = []  # (engine core, how it was sent)
+        send = client._send_request
+
+        def recorded(engine, request):
+            transfer = request.kv_transfer_params
+            how = (
+                "remote"
+                if transfer.remote
+                else "local"
+                if transfer.max_uncached_tokens
+                else "prefill"
+            )
+            sent.append((engine.index, how))
+            return send(engine, request)
+
+        client._send_request = recorded
+        client.call("reset_prefix_cache", engines=[1])  # the decode instance's alone
+        [before] = client.call("stats", engines=[1])
+        [turn2] = llm.generate([second], params)
+        [after] = client.call("stats", engines=[1])
+        [turn3] = llm.generate([[*second, *turn2.token_ids, 8]], params)
+    assert turn2.token_ids == hf_greedy(tuple(second), 6)
+    assert turn3.token_ids == hf_greedy(tuple([*second, *turn2.token_ids, 8]), 6)
+    assert sent[:3] == [(1, "local"), (0, "prefill"), (1, "remote")]
+    assert sent[3:] == [(1, "local")]
+    # As much as for turn 1, pulled too (its first token's position), none of 58.
+    assert after.num_prefill_tokens - before.num_prefill_tokens == before.num_prefill_tokens

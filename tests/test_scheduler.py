@@ -343,3 +343,39 @@ def test_handle_pool_reuses_smallest_released_handle():
     assert pool.acquire() == 0 and pool.acquire() == 1 and pool.acquire() == 3
     with pytest.raises(RuntimeError, match="not live"):
         pool.release([7])
+
+
+def test_a_request_with_max_uncached_tokens_runs_only_where_its_prompt_is_cached():
+    """A request sent with max_uncached_tokens (a disaggregated router's prompt for a
+    decode instance to compute) is declined unrun where more of its prompt than that is
+    uncached when it is first scheduled: finished, the reason naming the numbers, no
+    step, block or handle taken. Where the prefix cache holds the rest, it runs as any
+    other; a restart (preempted) always runs; the limit comes with no other mode."""
+    core, executor = make_core(prefix_caching=True)
+    prompt = list(range(1, 14))  # 3 full blocks of 4, and a token
+    cold = Request("cold", prompt, greedy(max_tokens=3), max_uncached_tokens=4)
+    core.add_request(cold)
+    run(core)
+    assert core.scheduler.declined == [cold] and cold.finish_reason is FinishReason.DECLINED
+    assert cold.error == (
+        "request 'cold': 13 of its 13 prompt tokens are not cached here, more than "
+        "max_uncached_tokens=4; it was not run"
+    )
+    assert not steps(executor) and cold.handle is None and not core.num_unfinished
+    assert core.block_manager.num_free_blocks == core.block_manager.num_blocks
+    core.scheduler.declined.clear()
+    core.add_request(Request("warm", prompt, greedy(max_tokens=3)))
+    run(core)
+    again = Request("again", [*prompt, 20], greedy(max_tokens=3), max_uncached_tokens=4)
+    core.add_request(again)
+    run(core)  # 12 of its 14 tokens cached: 2 to compute
+    assert not core.scheduler.declined and again.num_cached_tokens == 12
+    assert again.output_token_ids == expected_output(again, executor)
+    restart = Request("restart", prompt, greedy(), max_uncached_tokens=1)
+    assert restart.declines(0) is not None
+    restart.num_preemptions = 1
+    assert restart.declines(0) is None
+    with pytest.raises(ValueError, match="give one of remote_decode, a remote prefill and"):
+        Request("both", prompt, greedy(), remote_decode=True, max_uncached_tokens=4)
+    with pytest.raises(ValueError, match="max_uncached_tokens must be >= 1, got 0"):
+        Request("zero", prompt, greedy(), max_uncached_tokens=0)

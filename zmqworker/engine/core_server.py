@@ -20,11 +20,11 @@ import os
 import time
 from collections.abc import Callable
 
-import numpy as np
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from messages import (
+    PROMPT_NOT_CACHED,
     AbortRequests,
     Decoder,
     Encoder,
@@ -41,7 +41,8 @@ from zmqworker.engine.client_outputs import client_outputs
 from zmqworker.engine.core import EngineCore
 from zmqworker.engine.core_clients import Client, Clients
 from zmqworker.engine.core_limits import engine_core_limits
-from zmqworker.engine.request import FinishReason, RemotePrefill, Request
+from zmqworker.engine.request import FinishReason, Request
+from zmqworker.engine.request_message import request_of
 from zmqworker.engine.utility import EngineCoreUtilities, call_utility, waits_for_steps
 from zmqworker.executor.errors import WorkerDiedError, WorkerStuckError
 from zmqworker.transport.curve import serve_core_securely
@@ -166,10 +167,16 @@ class EngineCoreServer:
             return
         assert self.core is not None
         for request, reason in self.core.take_failed():  # their grammar did not compile
-            client = self.clients.owners.get(request.req_id)
+            client = self.clients.forget_request(request.req_id)
             if client is not None:
-                self.clients.forget_request(request.req_id)
                 failure = EngineCoreFailure(self.index, [request.req_id], "ValueError", reason)
+                self._send(client, failure)
+        declined, self.core.scheduler.declined = self.core.scheduler.declined, []
+        for request in declined:  # for a prefill instance (Request.declines)
+            client = self.clients.forget_request(request.req_id)
+            if client is not None:
+                reason = request.error or PROMPT_NOT_CACHED
+                failure = EngineCoreFailure(self.index, [request.req_id], PROMPT_NOT_CACHED, reason)
                 self._send(client, failure)
         # Each client's requests, each once (a step may change one twice), in order.
         by_client: dict[bytes, dict[str, Request]] = {}
@@ -264,46 +271,12 @@ class EngineCoreServer:
         try:
             if msg.request_id in self.clients.owners:
                 raise ValueError(f"request id {msg.request_id!r} is already running")
-            transfer = msg.kv_transfer_params
-            remote = None
-            if transfer is not None and transfer.remote is not None:
-                assert transfer.first_token is not None  # KVTransferParams checks it
-                remote = RemotePrefill(transfer.remote, transfer.first_token)
-            request = Request(
-                msg.request_id,
-                self._prompt(msg),
-                msg.sampling_params,
-                eos_token_ids=msg.eos_token_ids,
-                arrival_time=msg.arrival_time,
-                shares_prompt_with=msg.shares_prompt_with,
-                remote_decode=transfer is not None and transfer.do_remote_decode,
-                remote=remote,
-            )
-            self.core.add_request(request)
+            self.core.add_request(request_of(msg, self.config))
         except ValueError as exc:
             failure = EngineCoreFailure(self.index, [msg.request_id], "ValueError", str(exc))
             self._send(client, failure)
             return
         self.clients.add_request(client, msg.request_id)
-
-    def _prompt(self, msg: EngineCoreRequest) -> list[int]:
-        """The prompt's ids, checked as the workers would (a bad one would fail the whole
-        step, and every request in it)."""
-        ids = msg.prompt_token_ids
-        if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer):
-            raise ValueError(f"prompt_token_ids must be one row of integers, got {ids.dtype}")
-        vocab = self.config.vocab_size
-        if len(ids) and (ids.min() < 0 or (vocab is not None and ids.max() >= vocab)):
-            raise ValueError(f"prompt token ids outside the vocabulary [0, {vocab})")
-        transfer = msg.kv_transfer_params
-        first = None if transfer is None else transfer.first_token
-        if first is not None and vocab is not None and first >= vocab:
-            raise ValueError(f"kv_transfer_params.first_token {first} is outside [0, {vocab})")
-        max_logprobs = self.config.worker.model.max_logprobs
-        over = msg.sampling_params.logprobs_over(max_logprobs)
-        if over is not None:
-            raise ValueError(f"{over[0]}={over[1]} is more than max_logprobs={max_logprobs}")
-        return ids.tolist()
 
     def _utility(self, client: Client, call: UtilityCall) -> None:
         assert self.core is not None

@@ -10,8 +10,11 @@ tokens, whose KV then comes across.
 What is cached is the router's estimate: the decode instance's block manager for the
 in-process routers (disaggregated.py, threaded_router.py), the prompts sent there and
 the answers that ended there for the client's (frontend/disaggregated_client.py:
-prefix_affinity.py, decoded_tokens.py). A wrong one costs time, never a token: the
-engine core computes whatever its cache lacks."""
+prefix_affinity.py, decoded_tokens.py). The client's router sends the limit with the
+request (KVTransferParams.max_uncached_tokens), and the decode instance refuses it unrun
+where more is uncached in its own cache when it first schedules it (Request.declines):
+a wrong estimate costs a round trip, never a long prefill among the decodes, nor a
+token."""
 
 from __future__ import annotations
 

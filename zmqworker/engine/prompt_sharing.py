@@ -26,11 +26,14 @@ def computed_prompt_blocks(
     request: Request, requests: dict[str, Request], table: RunningTable, kv: KVBlockManager
 ) -> tuple[list[int], list[int], int] | None:
     """(blocks, host slots, tokens) a waiting request starts from (none for one that
-    asks for prompt logprobs): its sibling's full prompt blocks, else the prefix cache's
-    hits (get_computed_blocks) and the host tier's after them (get_host_hits, loaded
-    into its first new blocks); None while the sibling's prompt is not computed yet
-    (the request waits). Read while a step is drafted: a sibling's computed tokens (its
-    table's count) are those of the steps before it only."""
+    asks for prompt logprobs): a remote prefill's loaded tokens, in blocks it holds
+    already; its sibling's full prompt blocks, else the prefix cache's hits
+    (get_computed_blocks) and the host tier's after them (get_host_hits, loaded into its
+    first new blocks); None while the sibling's prompt is not computed yet (the request
+    waits). Read while a step is drafted: a sibling's computed tokens (its table's
+    count) are those of the steps before it only."""
+    if request.num_loaded_tokens:
+        return [], [], request.num_loaded_tokens
     if request.sampling_params.prompt_logprobs is not None:
         return [], [], 0  # every prompt position computed, for its logprobs (as vLLM)
     num_blocks = (len(request.prompt_token_ids) - 1) // kv.block_size

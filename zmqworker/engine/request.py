@@ -42,6 +42,8 @@ class FinishReason(str, enum.Enum):
     STOP = "stop"  # EOS or a stop token id
     LENGTH = "length"  # max_tokens, or the model's max_model_len
     ABORT = "abort"
+    # Not run: too little of its prompt was cached for its max_uncached_tokens.
+    DECLINED = "declined"
 
 
 class Request:
@@ -54,16 +56,19 @@ class Request:
 
     Disaggregated serving: remote_decode (a prefill instance's request) finishes after
     its first token with its KV kept for a decode instance (kv_transfer_out says where);
-    remote (a decode instance's) starts from that KV and that first token. error: why
-    the request could not go on (its remote KV never came), with finish_reason abort.
+    remote (a decode instance's) starts from that KV and that first token.
+    max_uncached_tokens (a decode instance's, its prompt computed there): it runs only if
+    at most that many of its prompt's tokens are uncached when first scheduled (declines).
+    error: why the request could not go on: its remote KV never came (finish_reason
+    abort), or too little of its prompt was cached (declined).
     """
 
     # Slots: the engine core reads a few of these of every running request each step.
     __slots__ = (
         "all_token_ids", "arrival_time", "eos_token_ids", "eos_token_list", "error",
         "finish_reason", "first_output_sent", "grammar", "handle", "kv_transfer_out",
-        "logprob_rows", "num_cached_tokens", "num_loaded_tokens", "num_preemptions",
-        "num_prompt_tokens", "num_sent", "prompt_logprobs", "prompt_token_ids",
+        "logprob_rows", "max_uncached_tokens", "num_cached_tokens", "num_loaded_tokens",
+        "num_preemptions", "num_prompt_tokens", "num_sent", "prompt_logprobs", "prompt_token_ids",
         "queue_time_s", "queued_at", "remote", "remote_decode", "req_id", "sampling_params",
         "shares_prompt_with", "status", "stop_reason", "stop_token_ids",
     )  # fmt: skip
@@ -79,6 +84,7 @@ class Request:
         shares_prompt_with: str | None = None,
         remote_decode: bool = False,
         remote: RemotePrefill | None = None,
+        max_uncached_tokens: int | None = None,
     ) -> None:
         if len(prompt_token_ids) == 0:
             raise ValueError(f"request {req_id!r}: the prompt is empty")
@@ -92,8 +98,15 @@ class Request:
                 f"request {req_id!r}: prompt_logprobs with a remote prefill, which computes "
                 "its prompt elsewhere"
             )
-        if remote_decode and remote is not None:
-            raise ValueError(f"request {req_id!r}: remote_decode and remote prefill both set")
+        if (remote_decode, remote is not None, max_uncached_tokens is not None).count(True) > 1:
+            raise ValueError(
+                f"request {req_id!r}: give one of remote_decode, a remote prefill and "
+                "max_uncached_tokens"
+            )
+        if max_uncached_tokens is not None and max_uncached_tokens < 1:
+            raise ValueError(
+                f"request {req_id!r}: max_uncached_tokens must be >= 1, got {max_uncached_tokens}"
+            )
         if remote is not None and remote.kv.num_tokens != len(prompt_token_ids):
             raise ValueError(
                 f"request {req_id!r}: the remote KV holds {remote.kv.num_tokens} tokens, "
@@ -135,6 +148,7 @@ class Request:
         self.first_output_sent = False  # its first output reports its queue time
         self.remote_decode = remote_decode
         self.remote = remote
+        self.max_uncached_tokens = max_uncached_tokens
         self.kv_transfer_out: RemoteKV | None = None
         self.error: str | None = None
         # Tokens a remote prefill's KV, loaded into its blocks, holds: the scheduler starts
@@ -152,6 +166,19 @@ class Request:
         return (
             f"Request({self.req_id!r}, {self.status.value}, prompt={len(self.prompt_token_ids)}, "
             f"outputs={len(self.all_token_ids) - self.num_prompt_tokens})"
+        )
+
+    def declines(self, num_cached: int) -> str | None:
+        """Why, first to be scheduled with num_cached of its tokens cached, it is not to run
+        here: more than its max_uncached_tokens are not (None: it runs; a restart, whose
+        outputs the client has, always runs)."""
+        limit = self.max_uncached_tokens
+        uncached = self.num_tokens - num_cached
+        if limit is None or self.num_preemptions or uncached <= limit:
+            return None
+        return (
+            f"request {self.req_id!r}: {uncached} of its {self.num_tokens} prompt tokens are "
+            f"not cached here, more than max_uncached_tokens={limit}; it was not run"
         )
 
     @property

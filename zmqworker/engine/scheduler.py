@@ -89,6 +89,7 @@ class Scheduler:
         self._preempted_handles: list[int] = []
         self.num_preemptions = 0  # since start: a sign the KV cache is too small
         self.num_prefill_tokens = 0  # since start: tokens prefills computed (EngineCoreStats)
+        self.declined: list[Request] = []  # not run (Request.declines), for the engine core
 
     # -- requests in and out ------------------------------------------------------------
 
@@ -135,10 +136,6 @@ class Scheduler:
     @property
     def num_unfinished(self) -> int:
         return len(self._requests)
-
-    @property
-    def num_steps_in_flight(self) -> int:
-        return len(self.in_flight)
 
     def has_unfinished_requests(self) -> bool:
         """Requests to run, or KV transfers whose end steps must hear of."""
@@ -255,13 +252,17 @@ class Scheduler:
             and len(self.table) < self.max_num_seqs
         ):
             request = self.waiting[0]
-            if request.num_loaded_tokens:  # its KV came from a prefill: blocks held
-                hits, host_slots, num_hit = [], [], request.num_loaded_tokens
-            else:
-                computed = computed_prompt_blocks(request, self._requests, self.table, self.kv)
-                if computed is None:
-                    break  # its sibling computes the prompt they share: after that step
-                hits, host_slots, num_hit = computed
+            computed = computed_prompt_blocks(request, self._requests, self.table, self.kv)
+            if computed is None:
+                break  # its sibling computes the prompt they share: after that step
+            hits, host_slots, num_hit = computed
+            if (why := request.declines(num_hit)) is not None:  # for a prefill instance
+                self.waiting.popleft()
+                request.finish(FinishReason.DECLINED)
+                request.error = why
+                self._release(request)
+                self.declined.append(request)
+                continue
             num_new = min(request.num_tokens - num_hit, budget)
             new_blocks = self.kv.allocate_slots(
                 request.req_id, request.all_token_ids, num_hit, num_new, hits, 0, host_slots

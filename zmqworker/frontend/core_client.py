@@ -342,7 +342,8 @@ class EngineCoreClient:
             self._lose(engine, error, events)
             return
         ids = [i for i in msg.request_ids if self._forget(i) is not None]
-        events.append(Failed(engine.index, ids, error, fatal=False))
+        if ids:  # none: aborted meanwhile
+            events.append(Failed(engine.index, ids, error, fatal=False))
 
     def _on_malformed(
         self, engine: EngineConnection, exc: ProtocolError, events: list[Event]

@@ -16,7 +16,12 @@ tokens are not cached on a decode instance goes straight there, which computes i
 colocated engine core would (engine/local_prefill.py): cached as far as the decode
 instances' prefix records tell, kept whole for it (prefix_affinity.py), each request's
 prompt when it is sent and its prompt and answer when it ends there (decoded_tokens.py):
-a conversation's next turn counts its new message as not cached. The caller's code
+a conversation's next turn counts its new message as not cached. The records are a
+guess (the decode instance may have evicted blocks since); the decode instance checks
+its own cache as it first schedules such a request (KVTransferParams.max_uncached_tokens)
+and fails it unrun where more is missing (PROMPT_NOT_CACHED): the router then forgets
+that prompt in the instance's record and sends the request to a prefill instance, so
+that a decode instance never computes more than the limit for one. The caller's code
 (Frontend, the API servers) is the same as over replicas: aborts go to the instance that
 runs the request, failures come back by id.
 
@@ -38,7 +43,9 @@ import msgspec
 import numpy as np
 
 from messages import (
+    PROMPT_NOT_CACHED,
     AbortRequests,
+    EngineCoreFailure,
     EngineCoreOutputs,
     EngineCoreReady,
     EngineCoreRequest,
@@ -115,6 +122,9 @@ class DisaggregatedClient(EngineCoreClient):
         # Requests handed to a decode instance that it has not answered yet, and the
         # prefill instance whose KV they pull.
         self._awaiting_kv: dict[str, EngineConnection] = {}
+        # Requests sent to a decode instance to compute there, as the caller sent them, until
+        # they run there (or fail there unrun, and go to a prefill instance).
+        self._local: dict[str, EngineCoreRequest] = {}
         # With the local rule: the tokens of the requests on decode instances.
         self._decoded = DecodedTokens() if self._local_limit else None
 
@@ -145,14 +155,29 @@ class DisaggregatedClient(EngineCoreClient):
         sibling = self._owner.get(request.shares_prompt_with or "")
         prompt = request.prompt_token_ids
         decode = self._local_decode(prompt, decodes, sibling)
-        if decode is not None:  # computed where it decodes (local_prefill.py)
-            index = self._send_request(decode, request)
-            self._track(request.request_id, prompt, [])
-            return index
+        if decode is None:
+            return self._to_prefill(request, prefills, sibling)
+        # Computed where it decodes (local_prefill.py), if the decode instance finds that
+        # little uncached; else it fails there unrun, and goes to a prefill instance.
+        local = KVTransferParams(max_uncached_tokens=self._local_limit)
+        sent = msgspec.structs.replace(request, kv_transfer_params=local)
+        index = self._send_request(decode, sent)
+        self._local[request.request_id] = request
+        self._track(request.request_id, prompt, [])
+        return index
+
+    def _to_prefill(
+        self,
+        request: EngineCoreRequest,
+        prefills: list[EngineConnection],
+        sibling: EngineConnection | None,
+    ) -> int:
+        """Send request (as the caller sent it) to a prefill instance: its sibling's, or
+        as its prompt's prefix and the load choose."""
         if sibling in prefills and sibling.dead is None:
             prefill = sibling
         else:
-            prefill = place(prompt, prefills, self._affinity)
+            prefill = place(request.prompt_token_ids, prefills, self._affinity)
         sent = msgspec.structs.replace(
             request, kv_transfer_params=KVTransferParams(do_remote_decode=True)
         )
@@ -166,6 +191,7 @@ class DisaggregatedClient(EngineCoreClient):
         if self._role(engine) == "decode":
             for request_id in msg.request_ids:
                 self._awaiting_kv.pop(request_id, None)
+                self._local.pop(request_id, None)  # it ran there
             if self._decoded is not None:
                 self._record_ended(engine, msg, self._decoded)
             super()._on_outputs(engine, msg, events)
@@ -179,6 +205,30 @@ class DisaggregatedClient(EngineCoreClient):
         if lost_ids:  # every decode instance is gone
             decode = self._instances("decode")[0]
             events.append(Failed(decode.index, lost_ids, decode.dead, fatal=True))  # type: ignore[arg-type]
+
+    def _on_failure(
+        self, engine: EngineConnection, msg: EngineCoreFailure, events: list[Event]
+    ) -> None:
+        """As EngineCoreClient's, but for requests a decode instance did not run, too
+        little of their prompt cached there: they go to a prefill instance."""
+        declined = msg.exc_type == PROMPT_NOT_CACHED and not msg.fatal
+        local = [i for i in msg.request_ids if declined and i in self._local]
+        others = [i for i in msg.request_ids if i not in local]
+        if others or not local:
+            super()._on_failure(engine, msgspec.structs.replace(msg, request_ids=others), events)
+        for request_id in local:
+            request = self._local[request_id]
+            if self._affinity is not None:  # its record was wrong: the prompt is not there
+                hashes = prompt_hashes(request.prompt_token_ids, self._affinity.block_size, None)
+                self._affinity.forget(engine.index, hashes)
+            self._forget(request_id)
+            prefills = [e for e in self._instances("prefill") if e.dead is None]
+            if not prefills:  # every one is gone
+                lost = self._instances("prefill")[0].dead
+                events.append(Failed(engine.index, [request_id], lost, fatal=False))  # type: ignore[arg-type]
+                continue
+            sibling = self._owner.get(request.shares_prompt_with or "")
+            self._to_prefill(request, prefills, sibling)
 
     def _hand_on(
         self, prefill: EngineConnection, msg: EngineCoreOutputs, index: int, kv: RemoteKV
@@ -282,6 +332,7 @@ class DisaggregatedClient(EngineCoreClient):
             self._decoded.drop(request_id)
         self._prefilling.pop(request_id, None)
         self._awaiting_kv.pop(request_id, None)
+        self._local.pop(request_id, None)
         return super()._forget(request_id)
 
     def _lose(self, engine: EngineConnection, error: Exception, events: list[Event]) -> None:

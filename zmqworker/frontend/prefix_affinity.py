@@ -113,6 +113,12 @@ class PrefixAffinity:
         sent = self._sent[index]
         return next((i for i, h in enumerate(hashes) if h not in sent), len(hashes))
 
+    def forget(self, index: int, hashes: list[int]) -> None:
+        """Engine core index does not hold these blocks (it said so)."""
+        record = self._sent[index]
+        for h in hashes:
+            record.pop(h, None)
+
     def sent(self, index: int, hashes: list[int]) -> None:
         """Engine core index was sent a prompt of these hashes."""
         record = self._sent[index]

@@ -1,0 +1,49 @@
+"""An EngineCoreRequest as the engine core takes it in: checked as the workers would check
+it (a bad prompt would fail the whole step, and every request in it), and made a Request."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from messages import EngineCoreConfig, EngineCoreRequest
+from zmqworker.engine.request import RemotePrefill, Request
+
+
+def request_of(msg: EngineCoreRequest, config: EngineCoreConfig) -> Request:
+    """The Request of msg; a ValueError naming what is wrong with it."""
+    transfer = msg.kv_transfer_params
+    remote = None
+    if transfer is not None and transfer.remote is not None:
+        assert transfer.first_token is not None  # KVTransferParams checks it
+        remote = RemotePrefill(transfer.remote, transfer.first_token)
+    return Request(
+        msg.request_id,
+        _prompt(msg, config),
+        msg.sampling_params,
+        eos_token_ids=msg.eos_token_ids,
+        arrival_time=msg.arrival_time,
+        shares_prompt_with=msg.shares_prompt_with,
+        remote_decode=transfer is not None and transfer.do_remote_decode,
+        remote=remote,
+        max_uncached_tokens=None if transfer is None else transfer.max_uncached_tokens,
+    )
+
+
+def _prompt(msg: EngineCoreRequest, config: EngineCoreConfig) -> list[int]:
+    """The prompt's ids, within the vocabulary, as are the remote prefill's first token
+    and the logprobs asked for within the model's bound."""
+    ids = msg.prompt_token_ids
+    if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer):
+        raise ValueError(f"prompt_token_ids must be one row of integers, got {ids.dtype}")
+    vocab = config.vocab_size
+    if len(ids) and (ids.min() < 0 or (vocab is not None and ids.max() >= vocab)):
+        raise ValueError(f"prompt token ids outside the vocabulary [0, {vocab})")
+    transfer = msg.kv_transfer_params
+    first = None if transfer is None else transfer.first_token
+    if first is not None and vocab is not None and first >= vocab:
+        raise ValueError(f"kv_transfer_params.first_token {first} is outside [0, {vocab})")
+    max_logprobs = config.worker.model.max_logprobs
+    over = msg.sampling_params.logprobs_over(max_logprobs)
+    if over is not None:
+        raise ValueError(f"{over[0]}={over[1]} is more than max_logprobs={max_logprobs}")
+    return ids.tolist()
