@@ -19,10 +19,6 @@ class HandlePool:
         self._next = 0
         self._live: set[int] = set()
 
-    @property
-    def num_live(self) -> int:
-        return len(self._live)
-
     def acquire(self) -> int:
         if self._free:
             handle = heapq.heappop(self._free)

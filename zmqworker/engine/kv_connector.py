@@ -84,10 +84,6 @@ class KVConnectorScheduler:
         """Whether transfers are under way: steps must go on to hear of their end."""
         return bool(self._to_load or self._loading or self._sending or self._saves)
 
-    @property
-    def num_waiting_for_kv(self) -> int:
-        return len(self._to_load) + len(self._loading)
-
     def holds(self, req_id: str) -> bool:
         """Whether blocks are still held under req_id, where no live request has that id:
         a finished prefill's until its KV is sent, an aborted pull's until its end is
