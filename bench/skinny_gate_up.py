@@ -28,7 +28,7 @@ from zmqworker.models.layers.row_tiles import MAX_ROWS, ROW_TILES
 from zmqworker.models.layers.skinny_gate_up import gate_up_silu
 from zmqworker.models.layers.triton_ops import silu_and_mul
 
-LAYERS = {"smollm2-135m": 30, "llama-3.2-1b": 16, "llama-3-8b": 32}
+LAYERS = {"smollm2-135m": 30, "llama-3.2-1b": 16, "llama-3-8b": 32, "qwen2.5-1.5b": 28}
 BATCHES = (1, 4, 8, *ROW_TILES)
 SWEEP = [(n, k, w, s) for n in (16, 32, 64) for k in (64, 128, 256) for w, s in ((4, 3), (8, 4))]
 
