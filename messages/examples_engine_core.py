@@ -223,7 +223,7 @@ ENGINE_CORE_EXAMPLES: dict[str, Callable[[], EngineCoreMessage]] = {
         KVTransferParams(remote=PREFILL_KV, first_token=9_001)
     ),
     "engine_core_request_local": lambda: disaggregated_request(
-        KVTransferParams(max_uncached_tokens=256)
+        KVTransferParams(max_uncached_tokens=8)
     ),
     "abort_requests": lambda: AbortRequests([req_id(3), req_id(5)]),
     "abort_requests_stop": lambda: AbortRequests([req_id(4)], reason="stop"),

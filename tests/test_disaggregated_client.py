@@ -285,10 +285,13 @@ def _declined(client: DisaggregatedClient, decode: int, ids: list[str]) -> list:
 def test_a_prompt_its_decode_instance_declines_goes_through_a_prefill_instance(tmp_path) -> None:
     """A next turn sent to its decode instance to compute, which says too little of it is
     cached there (its blocks evicted since), goes to a prefill instance as the caller sent
-    it, the caller none the wiser, and the decode instance's record forgets that prompt:
-    the same prompt again goes to a prefill instance. One its caller aborted meanwhile is
-    dropped; with every prefill instance gone, it fails with their error; another
-    failure of a decode instance's fails its requests as before."""
+    it (to go on to a decode instance), the caller none the wiser, and the decode
+    instance's record forgets the prompt's blocks past what can be cached there (more
+    than the limit is not), keeping the prefix it shares with others: the same prompt
+    again goes to a prefill instance. One asking for prompt logprobs counts whole, and
+    goes to a prefill instance at once. One its caller aborted meanwhile is dropped; with
+    every prefill instance gone, it fails with their error; another failure of a decode
+    instance's fails its requests as before."""
     client = _client(tmp_path, prefix_caching=True, max_local_prefill_tokens=6, num_blocks=400)
     try:
         params = SamplingParams(temperature=0.0, max_tokens=4)
@@ -297,15 +300,25 @@ def test_a_prompt_its_decode_instance_declines_goes_through_a_prefill_instance(t
         _prefilled(client, client.engine_of("turn1"), ["turn1"])
         decode = client.engine_of("turn1")
         second = np.asarray([*first, 7, 7, 8], np.int32)
+        sent: list[EngineCoreRequest] = []
+        send = client._send_request
+        client._send_request = lambda engine, r: sent.append(r) or send(engine, r)
         for request_id in ("turn2", "aborted", "lost", "failed"):
             client.add_request(EngineCoreRequest(request_id, second, params))
             assert client.engine_of(request_id) == decode
         client.abort(["aborted"])
         assert _declined(client, decode, ["turn2", "aborted"]) == []
         assert client.engine_of("turn2") in (0, 1) and client.engine_of("aborted") is None
-        assert client._affinity.matched(prompt_hashes(second, 4, None), decode) == 0
+        assert sent[-1].request_id == "turn2" and sent[-1].kv_transfer_params.do_remote_decode
+        # 83 tokens, more than 6 uncached: at most 19 of their 20 full blocks are cached.
+        assert client._affinity.matched(prompt_hashes(second, 4, None), decode) == 19
         client.add_request(EngineCoreRequest("again", second, params))
         assert client.engine_of("again") in (0, 1)
+        logprobs = SamplingParams(temperature=0.0, max_tokens=4, prompt_logprobs=1)
+        short = np.asarray([*first[:76], 9], np.int32)  # 19 blocks recorded, and a token
+        client.add_request(EngineCoreRequest("short", short, params))
+        client.add_request(EngineCoreRequest("whole", short, logprobs))
+        assert client.engine_of("short") == decode and client.engine_of("whole") in (0, 1)
         events: list = []
         error = EngineCoreFailure(decode, ["failed"], "ValueError", "refused")
         client._on_failure(client.engines[decode], error, events)

@@ -126,5 +126,6 @@ def test_a_next_turn_whose_prefix_the_decode_instance_dropped_goes_through_a_pre
     assert turn3.token_ids == hf_greedy(tuple([*second, *turn2.token_ids, 8]), 6)
     assert sent[:3] == [(1, "local"), (0, "prefill"), (1, "remote")]
     assert sent[3:] == [(1, "local")]
-    # As much as for turn 1, pulled too (its first token's position), none of 58.
-    assert after.num_prefill_tokens - before.num_prefill_tokens == before.num_prefill_tokens
+    # Turn 1's KV was pulled there too: what a pulled prompt costs the decode instance.
+    pulled = before.num_prefill_tokens
+    assert after.num_prefill_tokens - before.num_prefill_tokens == pulled  # none of the 58

@@ -356,7 +356,7 @@ def test_a_request_with_max_uncached_tokens_runs_only_where_its_prompt_is_cached
     cold = Request("cold", prompt, greedy(max_tokens=3), max_uncached_tokens=4)
     core.add_request(cold)
     run(core)
-    assert core.scheduler.declined == [cold] and cold.finish_reason is FinishReason.DECLINED
+    assert list(core.scheduler.declined) == [cold] and cold.finish_reason is FinishReason.DECLINED
     assert cold.error == (
         "request 'cold': 13 of its 13 prompt tokens are not cached here, more than "
         "max_uncached_tokens=4; it was not run"
@@ -375,7 +375,10 @@ def test_a_request_with_max_uncached_tokens_runs_only_where_its_prompt_is_cached
     assert restart.declines(0) is not None
     restart.num_preemptions = 1
     assert restart.declines(0) is None
-    with pytest.raises(ValueError, match="give one of remote_decode, a remote prefill and"):
+    whole = SamplingParams(temperature=0.0, prompt_logprobs=1)
+    reason = Request("whole", prompt, whole, max_uncached_tokens=4).declines(0)
+    assert "13 of its 13 prompt tokens are to compute here (it asks for prompt logprobs" in reason
+    with pytest.raises(ValueError, match="give at most one of remote_decode, a remote prefill"):
         Request("both", prompt, greedy(), remote_decode=True, max_uncached_tokens=4)
     with pytest.raises(ValueError, match="max_uncached_tokens must be >= 1, got 0"):
         Request("zero", prompt, greedy(), max_uncached_tokens=0)

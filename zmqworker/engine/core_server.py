@@ -171,8 +171,9 @@ class EngineCoreServer:
             if client is not None:
                 failure = EngineCoreFailure(self.index, [request.req_id], "ValueError", reason)
                 self._send(client, failure)
-        declined, self.core.scheduler.declined = self.core.scheduler.declined, []
-        for request in declined:  # for a prefill instance (Request.declines)
+        declined = self.core.scheduler.declined  # the scheduler's outbox
+        while declined:  # not run, for a prefill instance (Request.declines)
+            request = declined.popleft()
             client = self.clients.forget_request(request.req_id)
             if client is not None:
                 reason = request.error or PROMPT_NOT_CACHED

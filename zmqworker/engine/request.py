@@ -100,8 +100,8 @@ class Request:
             )
         if (remote_decode, remote is not None, max_uncached_tokens is not None).count(True) > 1:
             raise ValueError(
-                f"request {req_id!r}: give one of remote_decode, a remote prefill and "
-                "max_uncached_tokens"
+                f"request {req_id!r}: give at most one of remote_decode, a remote prefill "
+                "and max_uncached_tokens"
             )
         if max_uncached_tokens is not None and max_uncached_tokens < 1:
             raise ValueError(
@@ -176,9 +176,12 @@ class Request:
         uncached = self.num_tokens - num_cached
         if limit is None or self.num_preemptions or uncached <= limit:
             return None
+        where = "not cached here"
+        if self.sampling_params.prompt_logprobs is not None:
+            where = "to compute here (it asks for prompt logprobs: every position)"
         return (
             f"request {self.req_id!r}: {uncached} of its {self.num_tokens} prompt tokens are "
-            f"not cached here, more than max_uncached_tokens={limit}; it was not run"
+            f"{where}, more than max_uncached_tokens={limit}; it was not run"
         )
 
     @property

@@ -89,7 +89,7 @@ class Scheduler:
         self._preempted_handles: list[int] = []
         self.num_preemptions = 0  # since start: a sign the KV cache is too small
         self.num_prefill_tokens = 0  # since start: tokens prefills computed (EngineCoreStats)
-        self.declined: list[Request] = []  # not run (Request.declines), for the engine core
+        self.declined: deque[Request] = deque()  # outbox: not run (Request.declines)
 
     # -- requests in and out ------------------------------------------------------------
 

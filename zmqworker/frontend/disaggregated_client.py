@@ -20,8 +20,10 @@ a conversation's next turn counts its new message as not cached. The records are
 guess (the decode instance may have evicted blocks since); the decode instance checks
 its own cache as it first schedules such a request (KVTransferParams.max_uncached_tokens)
 and fails it unrun where more is missing (PROMPT_NOT_CACHED): the router then forgets
-that prompt in the instance's record and sends the request to a prefill instance, so
-that a decode instance never computes more than the limit for one. The caller's code
+that prompt's blocks past what could be cached in the instance's record and sends the
+request to a prefill instance, so that a decode instance never starts a prompt of which
+more than the limit is uncached. A prompt that asks for prompt logprobs counts whole
+(every position is computed for them). The caller's code
 (Frontend, the API servers) is the same as over replicas: aborts go to the instance that
 runs the request, failures come back by id.
 
@@ -154,7 +156,8 @@ class DisaggregatedClient(EngineCoreClient):
         # A sibling (n > 1) goes where its prompt is computed: it shares its blocks there.
         sibling = self._owner.get(request.shares_prompt_with or "")
         prompt = request.prompt_token_ids
-        decode = self._local_decode(prompt, decodes, sibling)
+        whole = request.sampling_params.prompt_logprobs is not None  # computed whole
+        decode = self._local_decode(prompt, decodes, sibling, whole)
         if decode is None:
             return self._to_prefill(request, prefills, sibling)
         # Computed where it decodes (local_prefill.py), if the decode instance finds that
@@ -218,9 +221,11 @@ class DisaggregatedClient(EngineCoreClient):
             super()._on_failure(engine, msgspec.structs.replace(msg, request_ids=others), events)
         for request_id in local:
             request = self._local[request_id]
-            if self._affinity is not None:  # its record was wrong: the prompt is not there
-                hashes = prompt_hashes(request.prompt_token_ids, self._affinity.block_size, None)
-                self._affinity.forget(engine.index, hashes)
+            if self._affinity is not None:  # its record was wrong: forget what is not there
+                prompt, size = request.prompt_token_ids, self._affinity.block_size
+                # More than the limit uncached: no more than this many full blocks cached.
+                cached = (len(prompt) - self._local_limit - 1) // size
+                self._affinity.forget(engine.index, prompt_hashes(prompt, size, None)[cached:])
             self._forget(request_id)
             prefills = [e for e in self._instances("prefill") if e.dead is None]
             if not prefills:  # every one is gone
@@ -300,10 +305,12 @@ class DisaggregatedClient(EngineCoreClient):
         prompt: np.ndarray,
         decodes: list[EngineConnection],
         sibling: EngineConnection | None,
+        whole: bool,
     ) -> EngineConnection | None:
         """The decode instance that computes this prompt itself (local_prefill.py), or
         None: its sibling's where that one is on a decode instance, else the one that was
-        sent the most of it (prefix_affinity.py)."""
+        sent the most of it (prefix_affinity.py). whole: every position is computed
+        (prompt logprobs), so the prompt counts as uncached."""
         limit, affinity = self._local_limit, self._affinity
         if limit == 0:
             return None
@@ -311,7 +318,7 @@ class DisaggregatedClient(EngineCoreClient):
         if len(prompt) <= limit:  # whatever is cached
             return shared or place(prompt, decodes, affinity, self._decode_blocks)
         live = [e for e in decodes if e.dead is None]
-        if affinity is None or not live:  # nothing known cached; or none to decode it
+        if affinity is None or not live or whole:  # none cached, known or counted; none live
             return None
         size = affinity.block_size
         hashes = prompt_hashes(prompt, size)  # the first MAX_BLOCKS: where most miss
