@@ -497,6 +497,21 @@ def test_skinny_linear_under_each_tile_setting_over_a_strided_input(tiles, rows)
     assert not counters.any()
 
 
+def test_layers_of_up_to_1536_outputs_take_narrow_two_warp_tiles():
+    """Qwen2.5-1.5B's o and down (1,536 outputs) run 16 wide over two warps up to one row
+    tile, the split cap counted in warps (bench/results/skinny_tiles_h100.json); past 16
+    rows, and from 1,537 outputs, the wide tiles as before. Such a layer through the
+    kernel equals the projection."""
+    assert skinny._tiles(1536, 8960, 1) == skinny._tiles(1536, 8960, 16) == (16, 128, 8, 2, 3)
+    assert skinny._tiles(1536, 1536, 32) == (64, 128, 8, 4, 3)
+    assert skinny._tiles(2048, 1536, 1) == (64, 128, 8, 4, 3)
+    assert skinny._tiles(4096, 4096, 1) == (64, 128, 4, 4, 3)
+    x, weight, b, counters = _linear_case(torch.float32, 5, 1100, 300, True, 15)
+    got = skinny.skinny_linear(x, weight, b, counters)
+    torch.testing.assert_close(got, torch.nn.functional.linear(x, weight, b), atol=1e-5, rtol=1e-5)
+    assert not counters.any()
+
+
 def test_skinny_linear_is_deterministic_across_calls():
     x, weight, _, counters = _linear_case(torch.float32, 4, 64, 512, False, 13)
     first = skinny.skinny_linear(x, weight, None, counters, tiles=(32, 64, 8, 4, 3))

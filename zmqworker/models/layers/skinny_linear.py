@@ -29,8 +29,8 @@ from zmqworker.pdl import launch_options, release_dependents, wait_for_inputs
 MAX_ROWS = row_tiles.MAX_ROWS
 LARGE_WEIGHT_ROWS = 16
 MIN_BLOCK_N = 16
-# About three programs per multiprocessor of an H200.
-MAX_PROGRAMS = 384
+# About three four-warp programs per multiprocessor of an H200, in warps.
+MAX_WARPS = 384 * 4
 # Weights of fewer elements are launch-bound, and the kernel's one launch pays.
 SMALL_WEIGHT = 1 << 22
 # Small weights take the kernel as far as it beat cuBLAS (docs/cuda.md).
@@ -138,17 +138,20 @@ def k_splits(k: int, block_k: int, split_k: int) -> tuple[int, int]:
 def _tiles(n: int, k: int, rows: int) -> tuple[int, int, int, int, int]:
     """(BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages) for a weight [n, k] at a step of
     this many rows: narrow tiles for narrow layers, and the most splits (up to 8) that
-    keep the launch within MAX_PROGRAMS: at one row the best setting of a sweep, or near
-    it, for every layer measured. From 32 rows (small weights only, row_limit) a K of at
-    most 1024 goes unsplit over twice the programs, which was faster there (docs/cuda.md,
-    bench/results/skinny_linear_sweep.json and skinny_linear_rows.json)."""
+    keep the launch within MAX_WARPS: at one row (and so up to 16, one row tile) the best
+    setting of a sweep, or near it, for every layer measured. From 32 rows (small weights
+    only, row_limit) a K of at most 1024 goes unsplit over twice the programs, which was
+    faster there (docs/cuda.md; bench/results/skinny_linear_sweep.json,
+    skinny_linear_rows.json and skinny_tiles_h100.json)."""
     if rows > LARGE_WEIGHT_ROWS and k <= 1024:
         return 16, 128, 1, 4, 3
-    block_n = 32 if n <= 1024 else 64
+    block_n, warps = 32 if n <= 1024 else 64, 4
+    if 1024 < n <= 1536 and rows <= LARGE_WEIGHT_ROWS:
+        block_n, warps = 16, 2  # best there: Qwen2.5-1.5B's o and down (H100)
     split_k = 8
-    while split_k > 1 and triton.cdiv(n, block_n) * split_k > MAX_PROGRAMS:
+    while split_k > 1 and triton.cdiv(n, block_n) * split_k * warps > MAX_WARPS:
         split_k //= 2
-    return block_n, 128, split_k, 4, 3
+    return block_n, 128, split_k, warps, 3
 
 
 def skinny_linear(
