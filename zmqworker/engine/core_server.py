@@ -176,8 +176,10 @@ class EngineCoreServer:
             request = declined.popleft()
             client = self.clients.forget_request(request.req_id)
             if client is not None:
-                reason = request.error or PROMPT_NOT_CACHED
-                failure = EngineCoreFailure(self.index, [request.req_id], PROMPT_NOT_CACHED, reason)
+                assert request.error is not None  # why, from the scheduler
+                failure = EngineCoreFailure(
+                    self.index, [request.req_id], PROMPT_NOT_CACHED, request.error
+                )
                 self._send(client, failure)
         # Each client's requests, each once (a step may change one twice), in order.
         by_client: dict[bytes, dict[str, Request]] = {}
