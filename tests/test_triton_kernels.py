@@ -15,6 +15,7 @@ import torch
 pytest.importorskip("triton")
 
 from zmqworker.attention import triton_metadata  # noqa: E402
+from zmqworker.attention.head_norms import HeadNorms  # noqa: E402
 from zmqworker.attention.kv_cache import allocate_kv_cache, write_kv  # noqa: E402
 from zmqworker.attention.triton_attention import (  # noqa: E402
     decode_attention,
@@ -68,16 +69,27 @@ def rotary_table(dtype, positions=256):
     )
 
 
-def new_tokens(num_tokens, heads, kv_heads, dtype, positions, rotary, seed=7):
+def head_norms(dtype, seed=9):
+    """Qwen3-style q and k norms of random weights: (the torch layers, HeadNorms)."""
+    gen = torch.Generator().manual_seed(seed)
+    layers = [RMSNorm(HEAD_DIM, 1e-6, name).to(DEVICE, dtype) for name in ("q", "k")]
+    for layer in layers:
+        layer.weight.data = (torch.rand(HEAD_DIM, generator=gen) + 0.5).to(dtype).to(DEVICE)
+    return layers, HeadNorms(layers[0].weight, layers[1].weight, 1e-6)
+
+
+def new_tokens(num_tokens, heads, kv_heads, dtype, positions, rotary, seed=7, norms=None):
     """Raw q/k/v of a step's tokens [num_tokens, heads + 2 * kv_heads, HEAD_DIM], and
-    what torch makes of them: (qkv, rotated queries, rotated keys, values)."""
+    what torch makes of them, each head normalised first by norms (the torch q and k
+    layers) where given: (qkv, rotated queries, rotated keys, values)."""
     gen = torch.Generator().manual_seed(seed)
     qkv = torch.randn(num_tokens, heads + 2 * kv_heads, HEAD_DIM, generator=gen)
     qkv = qkv.to(dtype).to(DEVICE)
     cos, sin = rotary.lookup(torch.as_tensor(positions, dtype=torch.int64, device=DEVICE))
-    q_rot = apply_rotary(qkv[:, :heads], cos, sin)
-    k_rot = apply_rotary(qkv[:, heads : heads + kv_heads], cos, sin)
-    return qkv, q_rot, k_rot, qkv[:, heads + kv_heads :]
+    q, k = qkv[:, :heads], qkv[:, heads : heads + kv_heads]
+    if norms is not None:
+        q, k = norms[0](q), norms[1](k)
+    return qkv, apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), qkv[:, heads + kv_heads :]
 
 
 class Step:
@@ -162,16 +174,18 @@ class Step:
         blocks = self.tables[np.arange(len(self.reqs)), positions // self.block_size]
         return positions, blocks * self.block_size + positions % self.block_size
 
-    def run_decode(self, num_splits, fused=True):
+    def run_decode(self, num_splits, fused=True, with_norms=False):
         """A decode step from raw (unrotated) q/k/v: the kernel rotates the queries and the
-        new keys, writes the new keys and values (garbage in their slots until then) and
-        attends; paged_attention takes the same path. Checked against rotary in torch then
-        dense attention, and the cache against torch's write."""
+        new keys (normalising each head first, with_norms), writes the new keys and values
+        (garbage in their slots until then) and attends; paged_attention takes the same
+        path. Checked against torch's norms and rotary then dense attention, and the cache
+        against torch's write."""
         heads, kv_heads = self.heads, self.kv_heads
         positions, slots = self.last_slots()
         rotary = rotary_table(self.dtype, max(256, max(self.seq_lens)))
+        layers, norms = head_norms(self.dtype) if with_norms else (None, None)
         qkv, q_rot, k_rot, v = new_tokens(
-            len(self.reqs), heads, kv_heads, self.dtype, positions, rotary
+            len(self.reqs), heads, kv_heads, self.dtype, positions, rotary, norms=layers
         )
         for r in range(len(self.reqs)):
             self.queries[r] = q_rot[r : r + 1]
@@ -183,7 +197,7 @@ class Step:
         write_kv(self.cache, torch.randn_like(k_rot), torch.randn_like(v), blocks, offsets)
         meta = self.metadata(num_splits, positions, slots)
         attend = paged_attention if fused else decode_attention
-        out = attend(qkv, heads, rotary.cos_sin, self.cache, meta, HEAD_DIM**-0.5)
+        out = attend(qkv, heads, rotary.cos_sin, self.cache, meta, HEAD_DIM**-0.5, norms)
         assert out.shape == (len(self.reqs), heads, HEAD_DIM) and out.dtype == self.dtype
         self.check(out)
         ulp = ROTARY_ULP[self.dtype]
@@ -221,6 +235,28 @@ def test_decode_kernel_with_and_without_splits(dtype, heads, kv_heads, num_split
     reqs = [(c, 1) for c in (0, 3, 31, 64, 99, 200)]
     step = Step(reqs, heads, kv_heads, block_size=block_size, dtype=dtype, seed=2)
     step.run_decode(num_splits, fused=num_splits != 2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_decode_kernel_normalises_each_query_and_key_head_first(dtype, num_splits):
+    # Qwen3's q and k norms inside the kernel: the queries of every split and the key the
+    # last split writes.
+    reqs = [(c, 1) for c in (0, 17, 70)]
+    step = Step(reqs, 8, 2, block_size=16, dtype=dtype, seed=5)
+    step.run_decode(num_splits, with_norms=True)
+
+
+def test_head_norms_of_another_shape_or_dtype_are_refused():
+    step = Step([(10, 1)], 4, 2, block_size=4, dtype=torch.float32, seed=4)
+    qkv = torch.randn(1, 8, HEAD_DIM, device=DEVICE)
+    table = rotary_table(torch.float32).cos_sin
+    good = torch.ones(HEAD_DIM, device=DEVICE)
+    for bad in (torch.ones(HEAD_DIM + 1, device=DEVICE), good.half()):
+        with pytest.raises(ValueError, match="the k head norm's weight"):
+            decode_attention(
+                qkv, 4, table, step.cache, step.metadata(), 1.0, HeadNorms(good, bad, 1e-6)
+            )
 
 
 def test_decode_padding_rows_give_zeros_and_write_nothing():
@@ -338,7 +374,8 @@ def test_decode_merges_the_widest_split_count_over_slices_of_the_head_dim(monkey
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (6, 2), (9, 3)])
 @pytest.mark.parametrize("block_size", [4, 16])
-def test_rope_and_cache_matches_rotary_then_write(dtype, heads, kv_heads, block_size):
+@pytest.mark.parametrize("with_norms", [False, True])
+def test_rope_and_cache_matches_rotary_then_write(dtype, heads, kv_heads, block_size, with_norms):
     gen = torch.Generator().manual_seed(4)
     n, num_blocks = 11, 8
     rotary = RotaryEmbedding(HEAD_DIM, 64, {"rope_theta": 10000.0}, 64, dtype).to(DEVICE)
@@ -348,8 +385,11 @@ def test_rope_and_cache_matches_rotary_then_write(dtype, heads, kv_heads, block_
     slots[3] = -1  # a padding token: written nowhere
     expected_cache = allocate_kv_cache(num_blocks, block_size, kv_heads, HEAD_DIM, dtype, DEVICE)
     cos, sin = rotary.lookup(positions)
-    q_ref = apply_rotary(qkv[:, :heads], cos, sin)
-    k_ref = apply_rotary(qkv[:, heads : heads + kv_heads], cos, sin)
+    q, k = qkv[:, :heads], qkv[:, heads : heads + kv_heads]
+    layers, norms = head_norms(dtype) if with_norms else (None, None)
+    if layers is not None:  # Qwen3's q and k norms, applied by the kernel first
+        q, k = layers[0](q), layers[1](k)
+    q_ref, k_ref = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
     keep = slots >= 0
     write_kv(
         expected_cache,
@@ -359,7 +399,7 @@ def test_rope_and_cache_matches_rotary_then_write(dtype, heads, kv_heads, block_
         slots[keep] % block_size,
     )
     cache = allocate_kv_cache(num_blocks, block_size, kv_heads, HEAD_DIM, dtype, DEVICE)
-    rope_and_cache(qkv, heads, kv_heads, rotary.cos_sin, positions.int(), slots.int(), cache)
+    rope_and_cache(qkv, heads, kv_heads, rotary.cos_sin, positions.int(), slots.int(), cache, norms)
     ulp = ROTARY_ULP[dtype]
     torch.testing.assert_close(qkv[:, :heads], q_ref, atol=ulp, rtol=ulp)
     torch.testing.assert_close(cache, expected_cache, atol=ulp, rtol=ulp)
@@ -382,13 +422,15 @@ def test_rms_norm_kernel_matches_the_torch_layer(dtype, with_residual):
     torch.testing.assert_close(out, expected, atol=1e-6, rtol=1e-5)
 
 
-def test_rms_norm_kernel_over_heads_of_a_strided_view():
+def test_rms_norm_kernel_over_rows_of_a_strided_view():
     gen = torch.Generator().manual_seed(6)
-    qkv = torch.randn(5, 6 + 4, HEAD_DIM, generator=gen).to(DEVICE)
-    norm = RMSNorm(HEAD_DIM, 1e-6, "q_norm").to(DEVICE)
-    norm.weight.data = torch.rand(HEAD_DIM, generator=gen).to(DEVICE)
-    out, _ = rms_norm(qkv[:, :6], norm.weight, norm.eps)
-    torch.testing.assert_close(out, norm(qkv[:, :6]), atol=1e-6, rtol=1e-5)
+    wide = torch.randn(5, 3 * 40, generator=gen).to(DEVICE)
+    norm = RMSNorm(40, 1e-6, "norm").to(DEVICE)
+    norm.weight.data = torch.rand(40, generator=gen).to(DEVICE)
+    out, _ = rms_norm(wide[:, 40:80], norm.weight, norm.eps)
+    torch.testing.assert_close(out, norm(wide[:, 40:80]), atol=1e-6, rtol=1e-5)
+    with pytest.raises(ValueError, match=r"rms_norm needs x \[rows, size\]"):
+        rms_norm(wide.view(5, 3, 40), norm.weight, norm.eps)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -397,26 +439,6 @@ def test_silu_and_mul_matches_torch(dtype):
     gate, up = x.chunk(2, dim=-1)
     expected = torch.nn.functional.silu(gate) * up
     torch.testing.assert_close(silu_and_mul(x), expected, atol=1e-6, rtol=1e-5)
-
-
-def test_q_and_k_norms_in_place_in_one_launch():
-    """Qwen3's q heads (0-5) and k heads (6-7) of one qkv view, each with its own norm's
-    weight; the value heads after them untouched."""
-    gen = torch.Generator().manual_seed(8)
-    qkv = torch.randn(5, 6 + 4, HEAD_DIM, generator=gen).to(DEVICE)
-    norms = [RMSNorm(HEAD_DIM, 1e-6, name, fused=True).to(DEVICE) for name in ("q", "k")]
-    expected = [RMSNorm(HEAD_DIM, 1e-6, name).to(DEVICE) for name in ("q", "k")]
-    for norm, reference in zip(norms, expected, strict=True):
-        norm.weight.data = torch.rand(HEAD_DIM, generator=gen).to(DEVICE)
-        reference.weight.data = norm.weight.data
-    want_q, want_k = expected[0](qkv[:, :6]), expected[1](qkv[:, 6:8])
-    untouched = qkv[:, 8:].clone()
-    norms[0].normalize_with_(qkv[:, :8], norms[1], 6)
-    torch.testing.assert_close(qkv[:, :6], want_q, atol=1e-6, rtol=1e-5)
-    torch.testing.assert_close(qkv[:, 6:8], want_k, atol=1e-6, rtol=1e-5)
-    assert torch.equal(qkv[:, 8:], untouched)
-    with pytest.raises(ValueError, match="differ in eps"):
-        norms[0].normalize_with_(qkv[:, :8], RMSNorm(HEAD_DIM, 1e-5, "k2", fused=True), 6)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -9,8 +9,9 @@ heads that share a kv head are attended together, as rows of one tile, so each p
 reads its kv head's history once.
 
 - paged_attention: a step's attention from its q/k/v projection, rotary and the cache
-  write included: decode_attention for decode steps, else the rotary-and-cache kernel
-  (triton_cache.py) then varlen_attention.
+  write included (and the heads' q and k norms, where the family has them): decode_attention
+  for decode steps, else the rotary-and-cache kernel (triton_cache.py) then
+  varlen_attention.
 - varlen_attention: any step (prefills, chunks over a cached prefix, decodes, mixed). One
   program per (tile of BLOCK_Q query tokens of one request, kv head); a program finds its
   request by binary search over query_start_loc, so the grid needs only host-known sizes.
@@ -29,6 +30,7 @@ from __future__ import annotations
 import torch
 import triton
 
+from zmqworker.attention.head_norms import HeadNorms
 from zmqworker.attention.triton_cache import rope_and_cache
 from zmqworker.attention.triton_decode import decode_kernel, merge_kernel
 from zmqworker.attention.triton_kernels import varlen_kernel
@@ -67,21 +69,23 @@ def paged_attention(
     kv_cache: torch.Tensor,
     meta: TritonAttentionMetadata,
     scale: float,
+    norms: HeadNorms | None = None,
 ) -> torch.Tensor:
     """A step's attention from its fused projection qkv [num_tokens, num_heads + 2 *
     num_kv_heads, head_dim] (unit strides but the first), queries and keys not yet
-    rotated: rotary at meta.positions (cos_sin [positions, head_dim]: cos then sin), this
-    step's keys and values into the cache at meta.slot_mapping, attention over the cache.
-    A decode step does all of it in one kernel (and a merge kernel where its history
-    splits); any other step rotates and writes first
-    (triton_cache.py), then runs the varlen kernel. Returns a new contiguous
+    rotated (nor normalised, with norms): rotary at meta.positions (cos_sin [positions,
+    head_dim]: cos then sin), this step's keys and values into the cache at
+    meta.slot_mapping, attention over the cache. A decode step does all of it in one
+    kernel (and a merge kernel where its history splits); any other step rotates and
+    writes first (triton_cache.py), then runs the varlen kernel. Returns a new contiguous
     [num_tokens, num_heads, head_dim]."""
     if meta.decode_only:
-        return decode_attention(qkv, num_heads, cos_sin, kv_cache, meta, scale)
+        return decode_attention(qkv, num_heads, cos_sin, kv_cache, meta, scale, norms)
     num_kv_heads = kv_cache.shape[2]
     rope_and_cache(
-        qkv, num_heads, num_kv_heads, cos_sin, meta.positions, meta.slot_mapping, kv_cache
-    )
+        qkv, num_heads, num_kv_heads, cos_sin, meta.positions, meta.slot_mapping, kv_cache,
+        norms,
+    )  # fmt: skip
     return varlen_attention(qkv[:, :num_heads], kv_cache, meta, scale)
 
 
@@ -108,6 +112,7 @@ def decode_attention(
     kv_cache: torch.Tensor,
     meta: TritonAttentionMetadata,
     scale: float,
+    norms: HeadNorms | None = None,
 ) -> torch.Tensor:
     """paged_attention of a decode step (one token per request, the token of request r
     at row r), in one kernel (and the merge's, where the history splits)."""
@@ -119,6 +124,8 @@ def decode_attention(
             f"decode_attention needs one token per request, got {num_tokens} tokens for "
             f"{meta.num_reqs} requests"
         )
+    if norms is not None:
+        norms.check(head_dim, qkv.dtype)
     common = _common(num_heads, kv_cache, head_dim, qkv.dtype)
     num_kv_heads = common["NUM_KV_HEADS"]
     out = torch.empty(num_tokens, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
@@ -140,6 +147,9 @@ def decode_attention(
         meta.positions,
         meta.slot_mapping,
         kv_cache,
+        cos_sin if norms is None else norms.q,
+        cos_sin if norms is None else norms.k,
+        0.0 if norms is None else norms.eps,
         kv_cache[0].numel(),
         tables,
         meta.seq_lens,
@@ -150,6 +160,7 @@ def decode_attention(
         tables.stride(0),
         NUM_HEADS=num_heads,
         BLOCK_M=_rows(common["GROUP"], MIN_ROWS),
+        QK_NORM=norms is not None,
         **splitting,
         **common,
         **DECODE_LAUNCH,

@@ -3,9 +3,11 @@
 One program per token: it rotates the token's query heads in place (in the fused qkv
 projection's output) and writes its rotated keys and its values straight into the paged
 cache through the slot mapping (kv_cache.py's layout), so the rotated keys never exist as
-a tensor of their own. Rounding follows transformers' bf16/fp16 maths (each product is
-rounded to the model dtype before the sum), up to the compiler fusing a product and a sum
-into one FMA (one rounding fewer).
+a tensor of their own. Where the family normalises each query and key head before
+rotary (Qwen3's q and k norms: head_norms.py), the kernel does that too, so the norms take no
+launch of their own (the decode kernel does the same). Rounding follows transformers'
+bf16/fp16 maths (each product is rounded to the model dtype before the sum), up to the
+compiler fusing a product and a sum into one FMA (one rounding fewer).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
+from zmqworker.attention.head_norms import HeadNorms
 from zmqworker.pdl import launch_options, release_dependents, wait_for_inputs
 
 
@@ -29,12 +32,30 @@ def rotate(x, partner, cos, signed_sin, OUT_DTYPE: tl.constexpr):
 
 
 @triton.jit
+def head_rstd(sum_sq, eps, HEAD_DIM: tl.constexpr):
+    """1 / RMS of a head from the sum of its squares (float32)."""
+    return tl.rsqrt(sum_sq / HEAD_DIM + eps)
+
+
+@triton.jit
+def normalize_head(x, rstd, weight, OUT_DTYPE: tl.constexpr):
+    """x * rstd * weight in float32, rounded as the RMSNorm layer rounds (triton_ops.py):
+    x * rstd to OUT_DTYPE before the weight, the product to OUT_DTYPE again."""
+    if OUT_DTYPE == tl.float32:
+        return x * rstd * weight
+    return ((x * rstd).to(OUT_DTYPE).to(tl.float32) * weight).to(OUT_DTYPE).to(tl.float32)
+
+
+@triton.jit
 def _rope_and_cache_kernel(
     qkv_ptr,
     cos_sin_ptr,
     positions_ptr,
     slot_mapping_ptr,
     kv_ptr,
+    q_norm_ptr,
+    k_norm_ptr,
+    eps,
     v_offset,
     stride_tok,
     NUM_HEADS: tl.constexpr,
@@ -44,6 +65,7 @@ def _rope_and_cache_kernel(
     HEAD_DIM: tl.constexpr,
     HALF_P: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
+    QK_NORM: tl.constexpr,
     PDL: tl.constexpr,
 ):
     wait_for_inputs(PDL)
@@ -63,6 +85,8 @@ def _rope_and_cache_kernel(
     q_ptrs = row + heads[:, None] * HEAD_DIM + offs[None, :]
     x1 = tl.load(q_ptrs, mask=q_mask, other=0.0).to(tl.float32)
     x2 = tl.load(q_ptrs + half, mask=q_mask, other=0.0).to(tl.float32)
+    if QK_NORM:
+        x1, x2 = _normalize_halves(x1, x2, q_norm_ptr, eps, offs, d_ok, HEAD_DIM, dtype)
     o1 = rotate(x1, x2, cos[None, :], -sin[None, :], dtype)
     o2 = rotate(x2, x1, cos[None, :], sin[None, :], dtype)
     tl.store(q_ptrs, o1, mask=q_mask)
@@ -75,6 +99,8 @@ def _rope_and_cache_kernel(
         k_ptrs = row + (NUM_HEADS + kv_heads)[:, None] * HEAD_DIM + offs[None, :]
         k1 = tl.load(k_ptrs, mask=k_mask, other=0.0).to(tl.float32)
         k2 = tl.load(k_ptrs + half, mask=k_mask, other=0.0).to(tl.float32)
+        if QK_NORM:
+            k1, k2 = _normalize_halves(k1, k2, k_norm_ptr, eps, offs, d_ok, HEAD_DIM, dtype)
         r1 = rotate(k1, k2, cos[None, :], -sin[None, :], dtype)
         r2 = rotate(k2, k1, cos[None, :], sin[None, :], dtype)
         v_ptrs = k_ptrs + NUM_KV_HEADS * HEAD_DIM
@@ -92,6 +118,18 @@ def _rope_and_cache_kernel(
         tl.store(value_at + half, v2, mask=k_mask)
 
 
+@triton.jit
+def _normalize_halves(
+    x1, x2, weight_ptr, eps, offs, d_ok, HEAD_DIM: tl.constexpr, OUT_DTYPE: tl.constexpr
+):
+    """Heads [heads, half] by halves, normalised with the weight at weight_ptr."""
+    half: tl.constexpr = HEAD_DIM // 2
+    w1 = tl.load(weight_ptr + offs, mask=d_ok, other=0.0).to(tl.float32)[None, :]
+    w2 = tl.load(weight_ptr + half + offs, mask=d_ok, other=0.0).to(tl.float32)[None, :]
+    rstd = head_rstd(tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1), eps, HEAD_DIM)[:, None]
+    return normalize_head(x1, rstd, w1, OUT_DTYPE), normalize_head(x2, rstd, w2, OUT_DTYPE)
+
+
 def rope_and_cache(
     qkv: torch.Tensor,
     num_heads: int,
@@ -100,16 +138,20 @@ def rope_and_cache(
     positions: torch.Tensor,
     slot_mapping: torch.Tensor,
     kv_cache: torch.Tensor,
+    norms: HeadNorms | None = None,
 ) -> None:
     """qkv [num_tokens, num_heads + 2 * num_kv_heads, head_dim] (unit strides but the
     first): rotate its queries in place, store its rotated keys and its values at
     slot_mapping's slots (negative slots are skipped). cos_sin [positions, head_dim] holds
-    cos then sin of each position."""
+    cos then sin of each position. norms: each query and key head is normalised first
+    (the normalised, rotated queries stay in qkv)."""
     num_tokens, _, head_dim = qkv.shape
     if num_tokens == 0:
         return
     if qkv.stride(2) != 1 or qkv.stride(1) != head_dim:
         raise ValueError(f"qkv must have unit head strides, got strides {qkv.stride()}")
+    if norms is not None:
+        norms.check(head_dim, qkv.dtype)
     block_size = kv_cache.shape[3] // head_dim
     _rope_and_cache_kernel[(num_tokens,)](
         qkv,
@@ -117,6 +159,9 @@ def rope_and_cache(
         positions,
         slot_mapping,
         kv_cache,
+        cos_sin if norms is None else norms.q,
+        cos_sin if norms is None else norms.k,
+        0.0 if norms is None else norms.eps,
         kv_cache[0].numel(),
         qkv.stride(0),
         NUM_HEADS=num_heads,
@@ -126,5 +171,6 @@ def rope_and_cache(
         HEAD_DIM=head_dim,
         HALF_P=triton.next_power_of_2(head_dim // 2),
         BLOCK_SIZE=block_size,
+        QK_NORM=norms is not None,
         **launch_options(qkv.device),
     )

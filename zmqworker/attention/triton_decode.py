@@ -7,8 +7,9 @@ request's sequence length and works out how many splits the history fills
 (split_length): the others exit at once. So a long history at batch 1 spreads over as
 many programs as a large batch does, and a short one keeps a few short splits.
 
-Each working split rotates its query heads as it loads them; the one holding the last
-position also rotates the token's key and writes it and the value into the cache first.
+Each working split rotates its query heads as it loads them (normalising each first where
+the family has q and k norms); the one holding the last position also rotates the token's
+key (normalised likewise) and writes it and the value into the cache first.
 With one split it writes the output itself. Otherwise every working split writes its
 partial result (float32, normalised) and softmax statistics, and merge_kernel, launched
 next, merges them: one program per (request, query head, slice of the head dim), each
@@ -22,7 +23,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from zmqworker.attention.triton_cache import rotate
+from zmqworker.attention.triton_cache import head_rstd, normalize_head, rotate
 from zmqworker.attention.triton_kernels import attend_tiles
 from zmqworker.pdl import release_dependents, wait_for_inputs
 
@@ -57,6 +58,25 @@ def _working_splits(
 
 
 @triton.jit
+def _normalize_pairs(
+    own, partner, weight_ptr, eps, offs_d, partner_d, d_ok, AXIS: tl.constexpr,
+    HEAD_DIM: tl.constexpr, OUT_DTYPE: tl.constexpr,
+):  # fmt: skip
+    """Heads (own along AXIS: a whole head each) and their rotary partners, normalised
+    with the weight at weight_ptr."""
+    w = tl.load(weight_ptr + offs_d, mask=d_ok, other=0.0).to(tl.float32)
+    w_partner = tl.load(weight_ptr + partner_d, mask=d_ok, other=0.0).to(tl.float32)
+    rstd = head_rstd(tl.sum(own * own, AXIS), eps, HEAD_DIM)
+    if AXIS == 1:
+        rstd = rstd[:, None]
+        w, w_partner = w[None, :], w_partner[None, :]
+    return (
+        normalize_head(own, rstd, w, OUT_DTYPE),
+        normalize_head(partner, rstd, w_partner, OUT_DTYPE),
+    )
+
+
+@triton.jit
 def decode_kernel(
     out_ptr,
     part_out_ptr,
@@ -66,6 +86,9 @@ def decode_kernel(
     positions_ptr,
     slot_mapping_ptr,
     kv_ptr,
+    q_norm_ptr,
+    k_norm_ptr,
+    eps,
     v_offset,
     block_tables_ptr,
     seq_lens_ptr,
@@ -86,6 +109,7 @@ def decode_kernel(
     FEW: tl.constexpr,
     MIN_LONG: tl.constexpr,
     PRECISION: tl.constexpr,
+    QK_NORM: tl.constexpr,
     PDL: tl.constexpr,
 ):
     wait_for_inputs(PDL)
@@ -117,6 +141,10 @@ def decode_kernel(
         mask = row_ok[:, None] & d_ok[None, :]  # the query heads' cells, loaded and stored
         q_own = tl.load(q_ptrs + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
         q_partner = tl.load(q_ptrs + partner[None, :], mask=mask, other=0.0).to(tl.float32)
+        if QK_NORM:
+            q_own, q_partner = _normalize_pairs(
+                q_own, q_partner, q_norm_ptr, eps, offs_d, partner, d_ok, 1, HEAD_DIM, dtype
+            )
         q = rotate(q_own, q_partner, cos[None, :], signed_sin[None, :], dtype)
         # The split holding the last position writes the token's key and value into the
         # cache, and reads them back with the rest of its tiles once every warp has stored.
@@ -125,6 +153,10 @@ def decode_kernel(
             k_ptrs = token + (NUM_HEADS + kv_head) * HEAD_DIM
             k_own = tl.load(k_ptrs + offs_d, mask=d_ok, other=0.0).to(tl.float32)
             k_partner = tl.load(k_ptrs + partner, mask=d_ok, other=0.0).to(tl.float32)
+            if QK_NORM:
+                k_own, k_partner = _normalize_pairs(
+                    k_own, k_partner, k_norm_ptr, eps, offs_d, partner, d_ok, 0, HEAD_DIM, dtype
+                )
             value = tl.load(k_ptrs + NUM_KV_HEADS * HEAD_DIM + offs_d, mask=d_ok, other=0.0)
             page = ((slot // BLOCK_SIZE) * NUM_KV_HEADS + kv_head) * (HEAD_DIM * BLOCK_SIZE)
             offset = slot % BLOCK_SIZE

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from zmqworker.attention.head_norms import HeadNorms
 from zmqworker.attention.metadata import AttentionMetadata
 from zmqworker.attention.paged_attention import paged_attention
 from zmqworker.attention.triton_metadata import TritonAttentionMetadata
@@ -109,8 +110,9 @@ class LlamaAttention(nn.Module):
         )
         self.q_norm = self.k_norm = None
         if flags.qk_norm:
-            self.q_norm = RMSNorm(d, cfg.rms_norm_eps, f"{prefix}.q_norm", fused)
-            self.k_norm = RMSNorm(d, cfg.rms_norm_eps, f"{prefix}.k_norm", fused)
+            # Fused, the attention kernels apply them (HeadNorms): no launch of their own.
+            self.q_norm = RMSNorm(d, cfg.rms_norm_eps, f"{prefix}.q_norm")
+            self.k_norm = RMSNorm(d, cfg.rms_norm_eps, f"{prefix}.k_norm")
         self._triton = None
         if fused:
             from zmqworker.attention.triton_attention import paged_attention
@@ -145,14 +147,14 @@ class LlamaAttention(nn.Module):
         kv_cache: torch.Tensor,
         meta: TritonAttentionMetadata,
     ) -> torch.Tensor:
-        """Rotary, the cache write and attention over the cache: one kernel for a decode
-        step, two for any other (triton_attention.py)."""
+        """The q and k norms, rotary, the cache write and attention over the cache: one
+        kernel for a decode step, two for any other (triton_attention.py)."""
         if self._triton is None:
             raise RuntimeError("Triton attention metadata given to a model built unfused")
-        heads, kv_heads = self.num_heads, self.num_kv_heads
+        norms = None
         if self.q_norm is not None and self.k_norm is not None:
-            self.q_norm.normalize_with_(qkv[:, : heads + kv_heads], self.k_norm, heads)
-        return self._triton(qkv, heads, rope.table, kv_cache, meta, self.scale)
+            norms = HeadNorms(self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
+        return self._triton(qkv, self.num_heads, rope.table, kv_cache, meta, self.scale, norms)
 
 
 class LlamaMLP(nn.Module):

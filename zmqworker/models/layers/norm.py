@@ -42,15 +42,5 @@ class RMSNorm(nn.Module):
         residual = x + residual
         return self.forward(residual), residual
 
-    def normalize_with_(self, x: torch.Tensor, second: RMSNorm, second_from: int) -> None:
-        """Normalise x [tokens, heads, size] in place, the heads from second_from on with
-        second's weight (Qwen3's q and k norms over one qkv view): one launch, the fused
-        kernel only."""
-        if self._fused is None:
-            raise RuntimeError("normalize_with_ needs an RMSNorm built with fused=True")
-        if second.eps != self.eps:
-            raise ValueError(f"{self.prefix} and {second.prefix} differ in eps")
-        self._fused(x, self.weight, self.eps, out=x, second=(second_from, second.weight))
-
     def tensor_slices(self) -> dict[str, list[TensorSlice]]:
         return {"weight": [whole(f"{self.prefix}.weight", tuple(self.weight.shape))]}

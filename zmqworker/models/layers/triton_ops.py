@@ -21,14 +21,8 @@ def _rms_norm_kernel(
     x_ptr,
     residual_ptr,
     weight_ptr,
-    second_weight_ptr,
     eps,
     stride_x_row,
-    stride_x_sub,
-    stride_out_row,
-    stride_out_sub,
-    NUM_SUB: tl.constexpr,
-    SECOND_FROM: tl.constexpr,
     SIZE: tl.constexpr,
     BLOCK: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
@@ -36,13 +30,11 @@ def _rms_norm_kernel(
 ):
     wait_for_inputs(PDL)
     release_dependents(PDL)
-    # A row is (token, sub-row): sub-rows are heads for q/k norm, one per token otherwise.
-    pid = tl.program_id(0).to(tl.int64)
-    row, sub = pid // NUM_SUB, pid % NUM_SUB
+    row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     ok = offs < SIZE
     dtype = x_ptr.dtype.element_ty
-    x = tl.load(x_ptr + row * stride_x_row + sub * stride_x_sub + offs, mask=ok, other=0.0)
+    x = tl.load(x_ptr + row * stride_x_row + offs, mask=ok, other=0.0)
     if HAS_RESIDUAL:
         # The residual stream is rounded to the model dtype after the add, as in torch.
         res = tl.load(residual_ptr + row * SIZE + offs, mask=ok, other=0.0)
@@ -50,17 +42,12 @@ def _rms_norm_kernel(
         tl.store(residual_out_ptr + row * SIZE + offs, x, mask=ok)
     x32 = x.to(tl.float32)
     rstd = tl.rsqrt(tl.sum(x32 * x32, 0) / SIZE + eps)
-    # Sub-rows from SECOND_FROM take the second weight (k's heads after q's, one launch).
-    first = (sub + 0 * offs) < SECOND_FROM
-    weight = tl.load(weight_ptr + offs, mask=ok & first, other=0.0).to(tl.float32)
-    if SECOND_FROM < NUM_SUB:
-        second = tl.load(second_weight_ptr + offs, mask=ok & ~first, other=0.0)
-        weight += second.to(tl.float32)
+    weight = tl.load(weight_ptr + offs, mask=ok, other=0.0).to(tl.float32)
     if dtype == tl.float32:
         y = x32 * rstd * weight
     else:
         y = (x32 * rstd).to(dtype).to(tl.float32) * weight
-    tl.store(out_ptr + row * stride_out_row + sub * stride_out_sub + offs, y.to(dtype), mask=ok)
+    tl.store(out_ptr + row * SIZE + offs, y.to(dtype), mask=ok)
 
 
 def rms_norm(
@@ -68,53 +55,31 @@ def rms_norm(
     weight: torch.Tensor,
     eps: float,
     residual: torch.Tensor | None = None,
-    out: torch.Tensor | None = None,
-    second: tuple[int, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(norm(x + residual), x + residual), or (norm(x), None) without a residual.
-
-    x is [rows, size] or [rows, sub, size] (q/k heads; unit last stride). Outputs are new
-    contiguous tensors, or the norm goes into out (of x's shape; out=x normalises in place).
-    second=(sub, weight): the sub-rows from sub on take that weight (q's and k's heads of
-    one qkv view, each with its own norm)."""
-    size = x.shape[-1]
-    if x.stride(-1) != 1:
-        raise ValueError(f"rms_norm needs a unit last stride, got strides {x.stride()}")
-    num_sub = x.shape[1] if x.dim() == 3 else 1
-    rows = x.shape[0]
-    if out is None:
-        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    elif out.shape != x.shape or out.stride(-1) != 1:
-        raise ValueError(f"out {tuple(out.shape)} must have x's shape {tuple(x.shape)}")
+    """(norm(x + residual), x + residual), or (norm(x), None) without a residual, for x
+    [rows, size] (unit last stride); both new contiguous tensors."""
+    if x.dim() != 2 or x.stride(-1) != 1:
+        raise ValueError(
+            f"rms_norm needs x [rows, size] with a unit last stride, got {tuple(x.shape)} "
+            f"strides {x.stride()}"
+        )
+    rows, size = x.shape
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     residual_out = None
     if residual is not None:
-        if x.dim() != 2 or residual.shape != x.shape or not residual.is_contiguous():
+        if residual.shape != x.shape or not residual.is_contiguous():
             raise ValueError(f"residual {tuple(residual.shape)} must match x {tuple(x.shape)}")
         residual_out = torch.empty_like(residual)
-    second_from, second_weight = second if second is not None else (num_sub, weight)
-    if not 0 <= second_from <= num_sub or second_weight.shape != weight.shape:
-        raise ValueError(
-            f"second weight {tuple(second_weight.shape)} from sub-row {second_from} of "
-            f"{num_sub} (weight {tuple(weight.shape)})"
-        )
-    if rows * num_sub == 0:
+    if rows == 0:
         return out, residual_out
-    sub_stride = x.stride(1) if x.dim() == 3 else 0
-    out_sub_stride = out.stride(1) if x.dim() == 3 else 0
-    _rms_norm_kernel[(rows * num_sub,)](
+    _rms_norm_kernel[(rows,)](
         out,
         out if residual_out is None else residual_out,
         x,
         x if residual is None else residual,
         weight,
-        second_weight,
         eps,
         x.stride(0),
-        sub_stride,
-        out.stride(0),
-        out_sub_stride,
-        NUM_SUB=num_sub,
-        SECOND_FROM=second_from,
         SIZE=size,
         BLOCK=triton.next_power_of_2(size),
         HAS_RESIDUAL=residual is not None,
