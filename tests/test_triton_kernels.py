@@ -247,6 +247,32 @@ def test_decode_kernel_normalises_each_query_and_key_head_first(dtype, num_split
     step.run_decode(num_splits, with_norms=True)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_head_norms_over_a_head_dim_below_its_power_of_two(dtype):
+    # 24 dims run in tiles of 32 (decode) and halves of 16 (rope_and_cache): the padding
+    # must add nothing to a head's sum of squares.
+    head_dim, heads, kv_heads, n = 24, 4, 2, 5
+    gen = torch.Generator().manual_seed(10)
+    rotary = RotaryEmbedding(head_dim, 64, {"rope_theta": 10000.0}, 64, dtype).to(DEVICE)
+    layers = [RMSNorm(head_dim, 1e-6, name).to(DEVICE, dtype) for name in ("q", "k")]
+    for layer in layers:
+        layer.weight.data = (torch.rand(head_dim, generator=gen) + 0.5).to(dtype).to(DEVICE)
+    norms = HeadNorms(layers[0].weight, layers[1].weight, 1e-6)
+    qkv = torch.randn(n, heads + 2 * kv_heads, head_dim, generator=gen).to(dtype).to(DEVICE)
+    positions = torch.arange(3, 3 + n, device=DEVICE)
+    cos, sin = rotary.lookup(positions)
+    q_ref = apply_rotary(layers[0](qkv[:, :heads]), cos, sin)
+    k_ref = apply_rotary(layers[1](qkv[:, heads : heads + kv_heads]), cos, sin)
+    cache = allocate_kv_cache(4, 4, kv_heads, head_dim, dtype, DEVICE)
+    expected_cache = cache.clone()
+    slots = torch.arange(n, device=DEVICE)
+    write_kv(expected_cache, k_ref, qkv[:, heads + kv_heads :], slots // 4, slots % 4)
+    rope_and_cache(qkv, heads, kv_heads, rotary.cos_sin, positions.int(), slots.int(), cache, norms)
+    ulp = ROTARY_ULP[dtype]
+    torch.testing.assert_close(qkv[:, :heads], q_ref, atol=ulp, rtol=ulp)
+    torch.testing.assert_close(cache, expected_cache, atol=ulp, rtol=ulp)
+
+
 def test_head_norms_of_another_shape_or_dtype_are_refused():
     step = Step([(10, 1)], 4, 2, block_size=4, dtype=torch.float32, seed=4)
     qkv = torch.randn(1, 8, HEAD_DIM, device=DEVICE)
@@ -257,6 +283,11 @@ def test_head_norms_of_another_shape_or_dtype_are_refused():
             decode_attention(
                 qkv, 4, table, step.cache, step.metadata(), 1.0, HeadNorms(good, bad, 1e-6)
             )
+    slots = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    strided = torch.ones(2 * HEAD_DIM, device=DEVICE)[::2]  # [HEAD_DIM], not contiguous
+    for bad in (good.repeat(2), strided):
+        with pytest.raises(ValueError, match="the q head norm's weight"):
+            rope_and_cache(qkv, 4, 2, table, slots, slots, step.cache, HeadNorms(bad, good, 1e-6))
 
 
 def test_decode_padding_rows_give_zeros_and_write_nothing():
