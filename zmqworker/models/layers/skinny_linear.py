@@ -1,7 +1,6 @@
 """A linear layer of a decode-sized step, split along K: one Triton kernel where cuBLAS runs
-a split-K GEMM and then a second kernel that sums its splits. Layers take it where it
-measured faster than cuBLAS, up to the rows it was measured faster at (row_limit;
-linear.SkinnyPath).
+a split-K GEMM and then a second kernel that sums its splits. Layers take it up to the
+rows it was measured faster than cuBLAS at (row_limit; linear.SkinnyPath).
 
 At decode-sized steps a projection is a read of its weight, and a decode step has a few
 of them per layer (q/k/v, o, down) of a few MB to a hundred MB each. To keep every
@@ -103,20 +102,11 @@ def _finish(out_ptr, bias_ptr, acc, cells, offs_n, n_ok, mask, HAS_BIAS: tl.cons
     tl.store(out_ptr + cells, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def pays(out_features: int, in_features: int) -> bool:
-    """Whether the kernel beats cuBLAS for a weight of this shape at one row: where K is
-    at least N (o, down) and for small weights; wide large ones (the q/k/v of Llama-3.2-1B
-    and Llama-3-8B) stay on cuBLAS, which was faster there (docs/cuda.md)."""
-    return in_features >= out_features or out_features * in_features < SMALL_WEIGHT
-
-
 def row_limit(out_features: int, in_features: int) -> int:
-    """The most rows a layer of this shape sends the kernel (0: none). Small weights are
+    """The most rows a layer of this shape sends the kernel. Small weights are
     launch-bound at every decode size: up to SMALL_WEIGHT_ROWS, a small model's chain of
     kernels stays in Triton, where each launches before the one ahead of it ends
     (pdl.py); cuBLAS cannot. Large ones, measured up to 16 rows, stop there."""
-    if not pays(out_features, in_features):
-        return 0
     if out_features * in_features < SMALL_WEIGHT:
         return SMALL_WEIGHT_ROWS
     return LARGE_WEIGHT_ROWS
@@ -142,12 +132,14 @@ def _tiles(n: int, k: int, rows: int) -> tuple[int, int, int, int, int]:
     setting of a sweep, or near it, for every layer measured. From 32 rows (small weights
     only, row_limit) a K of at most 1024 goes unsplit over twice the programs, which was
     faster there (docs/cuda.md; bench/results/skinny_linear_sweep.json,
-    skinny_linear_rows.json and skinny_tiles_h100.json)."""
+    skinny_linear_rows.json, skinny_tiles_h100.json and skinny_wide_h100.json)."""
     if rows > LARGE_WEIGHT_ROWS and k <= 1024:
         return 16, 128, 1, 4, 3
     block_n, warps = 32 if n <= 1024 else 64, 4
     if 1024 < n <= 1536 and rows <= LARGE_WEIGHT_ROWS:
         block_n, warps = 16, 2  # best there: Qwen2.5-1.5B's o and down (H100)
+    elif n > k and n * k >= SMALL_WEIGHT:
+        block_n = 32  # large wide layers (q/k/v): twice the tiles, half the splits
     split_k = 8
     while split_k > 1 and triton.cdiv(n, block_n) * split_k * warps > MAX_WARPS:
         split_k //= 2
