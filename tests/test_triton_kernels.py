@@ -592,11 +592,18 @@ def test_skinny_linear_refuses_what_it_cannot_run():
         skinny.skinny_linear(x, weight.half(), None, counters)
 
 
-def test_skinny_path_takes_the_kernel_for_decode_sized_steps():
-    # Small weights to 32 rows, large ones (wide q/k/v among them) to 16, as measured.
+def test_skinny_path_takes_the_kernel_where_it_pays_and_for_decode_sized_steps():
+    assert skinny.pays(576, 1536) and skinny.pays(4096, 4096)  # down, o
+    assert skinny.pays(960, 576)  # SmolLM2's q/k/v: small
+    # Large wide q/k/v: the 8B's, Qwen3-30B-A3B's, Llama-3.2-1B's (measured faster) ...
+    assert skinny.pays(6144, 4096) and skinny.pays(5120, 2048) and skinny.pays(3072, 2048)
+    # ... not Qwen2.5-7B's (measured slower), nor an o cut to a K of 1,024 (not measured).
+    assert not skinny.pays(4608, 3584) and not skinny.pays(4096, 1024)
+    assert SkinnyPath(4608, 3584, enabled=True).kernel is None
+    # Small weights to 32 rows, large ones to 16, as measured.
     assert skinny.row_limit(960, 576) == skinny.SMALL_WEIGHT_ROWS == 32
     assert skinny.row_limit(4096, 4096) == skinny.row_limit(6144, 4096) == 16
-    assert SkinnyPath(6144, 4096, enabled=True).max_rows == 16
+    assert skinny.row_limit(4608, 3584) == 0
     path = SkinnyPath(72, 300, enabled=True).to(DEVICE)
     assert path.kernel is not None and not path.counters.any()
     for rows in (3, 32, 33):  # the last one: cuBLAS

@@ -30,9 +30,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 class SkinnyPath(nn.Module):
-    """Decode-sized steps of a CUDA (Triton) layer through the split-K skinny kernel, up to
-    the rows it pays for at the layer's shape, over a persistent counter buffer of the
-    layer (empty where the kernel is off). Other steps, and unfused layers, take linear()."""
+    """Decode-sized steps of a CUDA (Triton) layer through the split-K skinny kernel where
+    it pays for the layer's shape, over a persistent counter buffer of the layer (empty
+    where the kernel is off). Other steps and shapes, and unfused layers, take linear()."""
 
     def __init__(self, out_features: int, in_features: int, enabled: bool):
         super().__init__()
@@ -43,8 +43,9 @@ class SkinnyPath(nn.Module):
             from zmqworker.models.layers import skinny_linear
 
             self.max_rows = skinny_linear.row_limit(out_features, in_features)
-            self.kernel = skinny_linear.skinny_linear
-            slots = skinny_linear.counter_slots(out_features)
+            if self.max_rows:
+                self.kernel = skinny_linear.skinny_linear
+                slots = skinny_linear.counter_slots(out_features)
         self.register_buffer("counters", torch.zeros(slots, dtype=torch.int32), persistent=False)
 
     def forward(

@@ -1,6 +1,7 @@
 """A linear layer of a decode-sized step, split along K: one Triton kernel where cuBLAS runs
-a split-K GEMM and then a second kernel that sums its splits. Layers take it up to the
-rows it was measured faster than cuBLAS at (row_limit; linear.SkinnyPath).
+a split-K GEMM and then a second kernel that sums its splits. Layers take it where it
+measured faster than cuBLAS, up to the rows it was measured faster at (row_limit;
+linear.SkinnyPath).
 
 At decode-sized steps a projection is a read of its weight, and a decode step has a few
 of them per layer (q/k/v, o, down) of a few MB to a hundred MB each. To keep every
@@ -102,11 +103,23 @@ def _finish(out_ptr, bias_ptr, acc, cells, offs_n, n_ok, mask, HAS_BIAS: tl.cons
     tl.store(out_ptr + cells, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+def pays(out_features: int, in_features: int) -> bool:
+    """Whether the kernel beat cuBLAS for a weight of this shape (docs/cuda.md): where K is
+    at least N (o, down), for small weights, and for large wide ones at least 1.5x as wide
+    as deep over a K of 2,048 or more (the q/k/v of Llama-3-8B, Llama-3.2-1B and
+    Qwen3-30B-A3B). Other wide ones stay on cuBLAS: Qwen2.5-7B's q/k/v (1.29x) lost, and
+    narrower K (a row-parallel layer cut by a large TP) was not measured."""
+    n, k = out_features, in_features
+    return k >= n or n * k < SMALL_WEIGHT or (2 * n >= 3 * k and k >= 2048)
+
+
 def row_limit(out_features: int, in_features: int) -> int:
-    """The most rows a layer of this shape sends the kernel. Small weights are
+    """The most rows a layer of this shape sends the kernel (0: none). Small weights are
     launch-bound at every decode size: up to SMALL_WEIGHT_ROWS, a small model's chain of
     kernels stays in Triton, where each launches before the one ahead of it ends
     (pdl.py); cuBLAS cannot. Large ones, measured up to 16 rows, stop there."""
+    if not pays(out_features, in_features):
+        return 0
     if out_features * in_features < SMALL_WEIGHT:
         return SMALL_WEIGHT_ROWS
     return LARGE_WEIGHT_ROWS
@@ -139,7 +152,7 @@ def _tiles(n: int, k: int, rows: int) -> tuple[int, int, int, int, int]:
     if 1024 < n <= 1536 and rows <= LARGE_WEIGHT_ROWS:
         block_n, warps = 16, 2  # best there: Qwen2.5-1.5B's o and down (H100)
     elif n > k and n * k >= SMALL_WEIGHT:
-        block_n = 32  # large wide layers (q/k/v): twice the tiles, half the splits
+        block_n = 32  # large wide layers (pays): twice the tiles, half the splits
     split_k = 8
     while split_k > 1 and triton.cdiv(n, block_n) * split_k * warps > MAX_WARPS:
         split_k //= 2
