@@ -600,6 +600,12 @@ def test_skinny_path_takes_the_kernel_where_it_pays_and_for_decode_sized_steps()
     # ... not Qwen2.5-7B's (measured slower), nor an o cut to a K of 1,024 (not measured).
     assert not skinny.pays(4608, 3584) and not skinny.pays(4096, 1024)
     assert SkinnyPath(4608, 3584, enabled=True).kernel is None
+    # The rule's edges: exactly 1.5x as wide over a K of exactly 2,048 (and just under
+    # either), and 4M elements.
+    assert skinny.pays(3072, 2048)
+    assert not skinny.pays(3071, 2048) and not skinny.pays(3072, 2047)
+    small = skinny.SMALL_WEIGHT
+    assert skinny.pays(small // 1024 - 1, 1024) and not skinny.pays(small // 1024, 1024)
     # Small weights to 32 rows, large ones to 16, as measured.
     assert skinny.row_limit(960, 576) == skinny.SMALL_WEIGHT_ROWS == 32
     assert skinny.row_limit(4096, 4096) == skinny.row_limit(6144, 4096) == 16
