@@ -16,6 +16,7 @@ LAYERS = [
     "zmqworker.cdiv",
     "zmqworker.dot_precision",
     "zmqworker.pdl",
+    "zmqworker.triton_rms",
     "zmqworker.transport",
     "zmqworker.attention",
     "zmqworker.distributed",

@@ -18,6 +18,7 @@ import triton.language as tl
 
 from zmqworker.attention.head_norms import HeadNorms
 from zmqworker.pdl import launch_options, release_dependents, wait_for_inputs
+from zmqworker.triton_rms import rms_apply_pair
 
 
 @triton.jit
@@ -29,21 +30,6 @@ def rotate(x, partner, cos, signed_sin, OUT_DTYPE: tl.constexpr):
     a = (x * cos).to(OUT_DTYPE).to(tl.float32)
     b = (partner * signed_sin).to(OUT_DTYPE).to(tl.float32)
     return (a + b).to(OUT_DTYPE)
-
-
-@triton.jit
-def head_rstd(sum_sq, eps, HEAD_DIM: tl.constexpr):
-    """1 / RMS of a head from the sum of its squares (float32)."""
-    return tl.rsqrt(sum_sq / HEAD_DIM + eps)
-
-
-@triton.jit
-def normalize_head(x, rstd, weight, OUT_DTYPE: tl.constexpr):
-    """x * rstd * weight in float32, rounded as the RMSNorm layer rounds (triton_ops.py):
-    x * rstd to OUT_DTYPE before the weight, the product to OUT_DTYPE again."""
-    if OUT_DTYPE == tl.float32:
-        return x * rstd * weight
-    return ((x * rstd).to(OUT_DTYPE).to(tl.float32) * weight).to(OUT_DTYPE).to(tl.float32)
 
 
 @triton.jit
@@ -86,7 +72,11 @@ def _rope_and_cache_kernel(
     x1 = tl.load(q_ptrs, mask=q_mask, other=0.0).to(tl.float32)
     x2 = tl.load(q_ptrs + half, mask=q_mask, other=0.0).to(tl.float32)
     if QK_NORM:
-        x1, x2 = _normalize_halves(x1, x2, q_norm_ptr, eps, offs, d_ok, HEAD_DIM, dtype)
+        sum_sq = (tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1))[:, None]
+        x1, x2 = rms_apply_pair(
+            x1, x2, sum_sq, q_norm_ptr, offs[None, :], half + offs[None, :], d_ok[None, :],
+            eps, HEAD_DIM, dtype,
+        )  # fmt: skip
     o1 = rotate(x1, x2, cos[None, :], -sin[None, :], dtype)
     o2 = rotate(x2, x1, cos[None, :], sin[None, :], dtype)
     tl.store(q_ptrs, o1, mask=q_mask)
@@ -100,7 +90,11 @@ def _rope_and_cache_kernel(
         k1 = tl.load(k_ptrs, mask=k_mask, other=0.0).to(tl.float32)
         k2 = tl.load(k_ptrs + half, mask=k_mask, other=0.0).to(tl.float32)
         if QK_NORM:
-            k1, k2 = _normalize_halves(k1, k2, k_norm_ptr, eps, offs, d_ok, HEAD_DIM, dtype)
+            sum_sq = (tl.sum(k1 * k1, 1) + tl.sum(k2 * k2, 1))[:, None]
+            k1, k2 = rms_apply_pair(
+                k1, k2, sum_sq, k_norm_ptr, offs[None, :], half + offs[None, :],
+                d_ok[None, :], eps, HEAD_DIM, dtype,
+            )  # fmt: skip
         r1 = rotate(k1, k2, cos[None, :], -sin[None, :], dtype)
         r2 = rotate(k2, k1, cos[None, :], sin[None, :], dtype)
         v_ptrs = k_ptrs + NUM_KV_HEADS * HEAD_DIM
@@ -116,18 +110,6 @@ def _rope_and_cache_kernel(
         value_at = kv_ptr + v_offset + page + offset * HEAD_DIM + offs[None, :]
         tl.store(value_at, v1, mask=k_mask)
         tl.store(value_at + half, v2, mask=k_mask)
-
-
-@triton.jit
-def _normalize_halves(
-    x1, x2, weight_ptr, eps, offs, d_ok, HEAD_DIM: tl.constexpr, OUT_DTYPE: tl.constexpr
-):
-    """Heads [heads, half] by halves, normalised with the weight at weight_ptr."""
-    half: tl.constexpr = HEAD_DIM // 2
-    w1 = tl.load(weight_ptr + offs, mask=d_ok, other=0.0).to(tl.float32)[None, :]
-    w2 = tl.load(weight_ptr + half + offs, mask=d_ok, other=0.0).to(tl.float32)[None, :]
-    rstd = head_rstd(tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1), eps, HEAD_DIM)[:, None]
-    return normalize_head(x1, rstd, w1, OUT_DTYPE), normalize_head(x2, rstd, w2, OUT_DTYPE)
 
 
 def rope_and_cache(

@@ -23,9 +23,10 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from zmqworker.attention.triton_cache import head_rstd, normalize_head, rotate
+from zmqworker.attention.triton_cache import rotate
 from zmqworker.attention.triton_kernels import attend_tiles
 from zmqworker.pdl import release_dependents, wait_for_inputs
+from zmqworker.triton_rms import rms_apply_pair
 
 
 @triton.jit
@@ -55,25 +56,6 @@ def _working_splits(
     one working split, which writes zeros."""
     per_split = _split_length(seq_len, NUM_SPLITS, TILE_N, FEW, MIN_LONG)
     return per_split, tl.maximum(tl.cdiv(seq_len, per_split), 1)
-
-
-@triton.jit
-def _normalize_pairs(
-    own, partner, weight_ptr, eps, offs_d, partner_d, d_ok, AXIS: tl.constexpr,
-    HEAD_DIM: tl.constexpr, OUT_DTYPE: tl.constexpr,
-):  # fmt: skip
-    """Heads (own along AXIS: a whole head each) and their rotary partners, normalised
-    with the weight at weight_ptr."""
-    w = tl.load(weight_ptr + offs_d, mask=d_ok, other=0.0).to(tl.float32)
-    w_partner = tl.load(weight_ptr + partner_d, mask=d_ok, other=0.0).to(tl.float32)
-    rstd = head_rstd(tl.sum(own * own, AXIS), eps, HEAD_DIM)
-    if AXIS == 1:
-        rstd = rstd[:, None]
-        w, w_partner = w[None, :], w_partner[None, :]
-    return (
-        normalize_head(own, rstd, w, OUT_DTYPE),
-        normalize_head(partner, rstd, w_partner, OUT_DTYPE),
-    )
 
 
 @triton.jit
@@ -142,9 +124,10 @@ def decode_kernel(
         q_own = tl.load(q_ptrs + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
         q_partner = tl.load(q_ptrs + partner[None, :], mask=mask, other=0.0).to(tl.float32)
         if QK_NORM:
-            q_own, q_partner = _normalize_pairs(
-                q_own, q_partner, q_norm_ptr, eps, offs_d, partner, d_ok, 1, HEAD_DIM, dtype
-            )
+            q_own, q_partner = rms_apply_pair(
+                q_own, q_partner, tl.sum(q_own * q_own, 1)[:, None], q_norm_ptr,
+                offs_d[None, :], partner[None, :], d_ok[None, :], eps, HEAD_DIM, dtype,
+            )  # fmt: skip
         q = rotate(q_own, q_partner, cos[None, :], signed_sin[None, :], dtype)
         # The split holding the last position writes the token's key and value into the
         # cache, and reads them back with the rest of its tiles once every warp has stored.
@@ -154,9 +137,10 @@ def decode_kernel(
             k_own = tl.load(k_ptrs + offs_d, mask=d_ok, other=0.0).to(tl.float32)
             k_partner = tl.load(k_ptrs + partner, mask=d_ok, other=0.0).to(tl.float32)
             if QK_NORM:
-                k_own, k_partner = _normalize_pairs(
-                    k_own, k_partner, k_norm_ptr, eps, offs_d, partner, d_ok, 0, HEAD_DIM, dtype
-                )
+                k_own, k_partner = rms_apply_pair(
+                    k_own, k_partner, tl.sum(k_own * k_own, 0), k_norm_ptr, offs_d, partner,
+                    d_ok, eps, HEAD_DIM, dtype,
+                )  # fmt: skip
             value = tl.load(k_ptrs + NUM_KV_HEADS * HEAD_DIM + offs_d, mask=d_ok, other=0.0)
             page = ((slot // BLOCK_SIZE) * NUM_KV_HEADS + kv_head) * (HEAD_DIM * BLOCK_SIZE)
             offset = slot % BLOCK_SIZE

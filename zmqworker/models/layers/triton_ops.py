@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 
 from zmqworker.pdl import launch_options, release_dependents, wait_for_inputs
+from zmqworker.triton_rms import rms_apply, rms_rstd
 
 
 @triton.jit
@@ -41,12 +42,9 @@ def _rms_norm_kernel(
         x = (x.to(tl.float32) + res.to(tl.float32)).to(dtype)
         tl.store(residual_out_ptr + row * SIZE + offs, x, mask=ok)
     x32 = x.to(tl.float32)
-    rstd = tl.rsqrt(tl.sum(x32 * x32, 0) / SIZE + eps)
+    rstd = rms_rstd(tl.sum(x32 * x32, 0), eps, SIZE)
     weight = tl.load(weight_ptr + offs, mask=ok, other=0.0).to(tl.float32)
-    if dtype == tl.float32:
-        y = x32 * rstd * weight
-    else:
-        y = (x32 * rstd).to(dtype).to(tl.float32) * weight
+    y = rms_apply(x32, rstd, weight, dtype)
     tl.store(out_ptr + row * SIZE + offs, y.to(dtype), mask=ok)
 
 
