@@ -72,9 +72,9 @@ def _rope_and_cache_kernel(
     x1 = tl.load(q_ptrs, mask=q_mask, other=0.0).to(tl.float32)
     x2 = tl.load(q_ptrs + half, mask=q_mask, other=0.0).to(tl.float32)
     if QK_NORM:
-        sum_sq = (tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1))[:, None]
+        q_sum_sq = (tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1))[:, None]
         x1, x2 = rms_apply_pair(
-            x1, x2, sum_sq, q_norm_ptr, offs[None, :], half + offs[None, :], d_ok[None, :],
+            x1, x2, q_sum_sq, q_norm_ptr, offs[None, :], half + offs[None, :], d_ok[None, :],
             eps, HEAD_DIM, dtype,
         )  # fmt: skip
     o1 = rotate(x1, x2, cos[None, :], -sin[None, :], dtype)
@@ -90,9 +90,9 @@ def _rope_and_cache_kernel(
         k1 = tl.load(k_ptrs, mask=k_mask, other=0.0).to(tl.float32)
         k2 = tl.load(k_ptrs + half, mask=k_mask, other=0.0).to(tl.float32)
         if QK_NORM:
-            sum_sq = (tl.sum(k1 * k1, 1) + tl.sum(k2 * k2, 1))[:, None]
+            k_sum_sq = (tl.sum(k1 * k1, 1) + tl.sum(k2 * k2, 1))[:, None]
             k1, k2 = rms_apply_pair(
-                k1, k2, sum_sq, k_norm_ptr, offs[None, :], half + offs[None, :],
+                k1, k2, k_sum_sq, k_norm_ptr, offs[None, :], half + offs[None, :],
                 d_ok[None, :], eps, HEAD_DIM, dtype,
             )  # fmt: skip
         r1 = rotate(k1, k2, cos[None, :], -sin[None, :], dtype)
