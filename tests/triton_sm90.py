@@ -1,0 +1,314 @@
+"""Compile every Triton kernel of zmqworker for sm_90 (Hopper) on a machine without a GPU.
+
+The CPU tests run the kernels in Triton's interpreter, which does not apply the compiler's
+front-end rules (a name redefined in a branch with another shape, say): a kernel can pass
+them all and still fail to compile on CUDA. Here Triton's driver is faked to report a CUDA
+device of capability 9.0, and every launch `kernel[grid](...)` compiles the kernel (to a
+cubin, through Triton's bundled ptxas) instead of running it. The kernels' own launch
+wrappers are called with small CPU tensors in the dtypes and variants the CUDA step takes,
+with PDL on (the CUDA step's default from sm_90) and, once per kernel, off.
+
+Run as `python tests/triton_sm90.py` (tests/test_triton_sm90.py does). Prints one JSON line,
+{"defined": the kernels no other kernel calls, "compiled": [...], "failed": [...]}, and
+exits 1 if a case failed or a defined kernel did not compile.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.pop("TRITON_INTERPRET", None)  # kernels must be defined as JITFunctions
+
+import importlib  # noqa: E402
+import json  # noqa: E402
+import pkgutil  # noqa: E402
+import re  # noqa: E402
+import sys  # noqa: E402
+import traceback  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import torch  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.runtime import driver  # noqa: E402
+from triton.runtime.jit import JITFunction  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32
+SM90_SHARED_BYTES = 227 * 1024  # the most a block may take on sm_90
+
+compiled: set[str] = set()
+state = {"pdl": True, "kernel": None}
+
+
+class Sm90Driver:
+    """The active driver as the launch path asks it: device 0 of a CUDA sm_90 target."""
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+    def get_current_target(self):
+        return GPUTarget("cuda", 90, 32)
+
+    def get_active_torch_device(self):
+        return torch.device("cpu")
+
+    def get_device_interface(self):
+        return torch.cuda
+
+
+def compile_only(self, grid):
+    """kernel[grid](*args) compiles for the target (warmup) and launches nothing. Loading
+    it would check its shared memory against the device's: checked here instead."""
+
+    def launch(*args, **kwargs):
+        state["kernel"] = self.__name__
+        kernel = self.run(*args, grid=grid, warmup=True, **kwargs)
+        if kernel.metadata.shared > SM90_SHARED_BYTES:
+            raise RuntimeError(
+                f"{kernel.metadata.shared} bytes of shared memory, over sm_90's {SM90_SHARED_BYTES}"
+            )
+        compiled.add(self.__name__)
+
+    return launch
+
+
+def launch_options(device):
+    return {"PDL": state["pdl"], "launch_pdl": state["pdl"]}
+
+
+def defined_kernels() -> tuple[list[str], list[dict]]:
+    """The names of zmqworker's kernels that no other kernel calls (helpers are compiled
+    inside those that call them), and the modules of kernels that failed to import."""
+    import zmqworker
+
+    kernels: dict[str, JITFunction] = {}
+    failed = []
+    for info in pkgutil.walk_packages(zmqworker.__path__, "zmqworker.", onerror=lambda _: None):
+        path = Path(info.module_finder.path) / f"{info.name.rpartition('.')[2]}.py"
+        if info.ispkg or not path.is_file() or "triton.jit" not in path.read_text():
+            continue
+        try:
+            module = importlib.import_module(info.name)
+        except Exception as e:
+            failed.append({"case": f"import {info.name}", "error": error_tail(e)})
+            continue
+        for obj in vars(module).values():
+            if isinstance(obj, JITFunction) and obj.fn.__module__ == info.name:
+                kernels[obj.__name__] = obj
+
+    def called(name):
+        call = re.compile(rf"\b{name}\s*\(")
+        return any(call.search(k.src) for other, k in kernels.items() if other != name)
+
+    return sorted(n for n in kernels if not called(n)), failed
+
+
+def patch_launch_options() -> None:
+    """Every zmqworker module's launch_options (PDL off on CPU tensors) gives state's;
+    zmqworker.pdl's own too, for the modules the cases import later (triton_attention)."""
+    from zmqworker.pdl import launch_options as original
+
+    for name, module in list(sys.modules.items()):
+        if name.startswith("zmqworker.") and getattr(module, "launch_options", 0) is original:
+            module.launch_options = launch_options
+
+
+def error_tail(e: BaseException, lines: int = 12) -> str:
+    text = "".join(traceback.format_exception_only(type(e), e)).rstrip()
+    return "\n".join(text.splitlines()[-lines:])
+
+
+def i32(*shape):
+    return torch.zeros(shape, dtype=torch.int32)
+
+
+def zeros(*shape, dtype=BF16):
+    return torch.zeros(shape, dtype=dtype)
+
+
+# The cases: (name, function of no arguments that calls a launch wrapper).
+
+
+def attention(dtype, head_dim, block_size, query_len, splits=1, norms=False):
+    """paged_attention of 3 requests of query_len tokens each over 8 query heads and 2 kv
+    heads: decode_attention (and its merge past one split) when query_len is 1, else
+    rope_and_cache then varlen_attention."""
+    from zmqworker.attention.head_norms import HeadNorms
+    from zmqworker.attention.kv_cache import allocate_kv_cache
+    from zmqworker.attention.triton_attention import paged_attention
+    from zmqworker.attention.triton_metadata import TritonAttentionMetadata
+
+    heads, kv_heads, reqs = 8, 2, 3
+    n = reqs * query_len
+    meta = TritonAttentionMetadata(
+        num_tokens=n, num_reqs=reqs, max_query_len=query_len, decode_only=query_len == 1,
+        num_splits=splits, slot_mapping=i32(n), positions=i32(n),
+        query_start_loc=torch.arange(0, n + 1, query_len, dtype=torch.int32),
+        seq_lens=i32(reqs), block_tables=i32(reqs, 8),
+    )  # fmt: skip
+    qkv = zeros(n, heads + 2 * kv_heads, head_dim, dtype=dtype)
+    cache = allocate_kv_cache(16, block_size, kv_heads, head_dim, dtype, "cpu")
+    weights = zeros(head_dim, dtype=dtype), zeros(head_dim, dtype=dtype)
+    head_norms = HeadNorms(*weights, 1e-6) if norms else None
+    paged_attention(qkv, heads, zeros(64, head_dim, dtype=dtype), cache, meta, 0.1, head_norms)
+
+
+def copy_blocks(dtype):
+    from zmqworker.kv_transfer.block_copy_kernel import copy_blocks
+
+    layers = [zeros(2, 4, 2, 128, dtype=dtype) for _ in range(3)]
+    table = torch.tensor([t.data_ptr() for t in layers], dtype=torch.int64)
+    ids = torch.arange(2, dtype=torch.int64)
+    copy_blocks(layers, table, ids, table, ids, (4, 2))
+    copy_blocks(layers, table, ids, table, ids, (4, 2), heads=(1, 0, 1))
+
+
+def penalties():
+    from zmqworker.model_runner import penalty_kernels as pk
+
+    logits, rows = zeros(4, 1000, dtype=F32), i32(4)
+    pk.apply_dense(logits, i32(4, 1000), i32(4, 32), i32(4), rows, zeros(3, 4, dtype=F32), True)
+    pk.add_entries(logits, i32(4), rows, i32(4), zeros(4, dtype=F32))
+    pk.add_entries(logits, i32(4), rows, i32(4), None)
+    pk.count_outputs(i32(4, 1000), i32(4), i32(4), rows)
+
+
+def greedy_ids():
+    from zmqworker.model_runner.greedy_ids import GreedyIds
+
+    greedy, logits = GreedyIds(8, torch.device("cpu")), zeros(4, 10000, dtype=F32)
+    greedy(logits, i32(4))
+    greedy(logits, i32(4), i32(1))
+
+
+def grammar_bitmask():
+    from zmqworker.model_runner.grammar_kernel import apply_bitmask
+
+    apply_bitmask(zeros(4, 1000, dtype=F32), i32(2), i32(2, 32))
+
+
+def token_feed():
+    from zmqworker.model_runner.token_feed import feed_tokens
+
+    feed_tokens(i32(8), i32(8), i32(8))
+
+
+def elementwise(dtype):
+    from zmqworker.models.layers.triton_ops import rms_norm, silu_and_mul
+
+    x = zeros(5, 2048, dtype=dtype)
+    rms_norm(x, zeros(2048, dtype=dtype), 1e-6)
+    rms_norm(x, zeros(2048, dtype=dtype), 1e-6, zeros(5, 2048, dtype=dtype))
+    silu_and_mul(x)
+
+
+def gate_up_silu(dtype, rows, bias, tiles=None):
+    """tiles: the (BLOCK_N, BLOCK_K, warps, stages) of larger weights than these."""
+    from zmqworker.models.layers.skinny_gate_up import gate_up_silu
+
+    b = zeros(2 * 256, dtype=dtype) if bias else None
+    gate_up_silu(zeros(rows, 512, dtype=dtype), zeros(2 * 256, 512, dtype=dtype), b, tiles)
+
+
+def skinny_linear(dtype, rows, n, k, bias):
+    """n outputs over k inputs: k of one BLOCK_K step runs unsplit, a longer one splits;
+    1025 to 1536 outputs take narrow two-warp tiles."""
+    from zmqworker.models.layers import skinny_linear as skinny
+
+    counters = i32(skinny.counter_slots(n))
+    x, w, b = zeros(rows, k, dtype=dtype), zeros(n, k, dtype=dtype), zeros(n, dtype=dtype)
+    skinny.skinny_linear(x, w, b if bias else None, counters)
+
+
+def fused_moe(dtype, tokens, renormalize):
+    """8 experts, top 2: one routing chunk (route_place_kernel) or several (route_kernel
+    and place_kernel), in the tile set of the token count."""
+    from zmqworker.models.layers.fused_moe import fused_moe
+
+    x, logits = zeros(tokens, 256, dtype=dtype), zeros(tokens, 8, dtype=dtype)
+    w13, w2 = zeros(8, 2 * 128, 256, dtype=dtype), zeros(8, 256, 128, dtype=dtype)
+    fused_moe(x, logits, w13, w2, 2, renormalize, 0)
+
+
+def cases() -> list[tuple[str, object]]:
+    def case(fn, *args, **kwargs):
+        spelled = [repr(a).replace("torch.", "") for a in args]
+        spelled += [f"{k}={v!r}" for k, v in kwargs.items()]
+        name = f"{fn.__name__}({', '.join(spelled)})"
+        return name, lambda: fn(*args, **kwargs)
+
+    out = []
+    # Decode: one split, a few (<= FEW_SPLITS), many; pages of 16 (tiles within a page)
+    # and of 8 (gathered tiles); a head dim of a power of two and one below it.
+    for block, head_dim in ((16, 128), (8, 80)):
+        for splits in (1, 4):
+            for norms in (False, True):
+                out.append(case(attention, BF16, head_dim, block, 1, splits, norms))
+    out.append(case(attention, BF16, 128, 16, 1, 64, True))
+    out.append(case(attention, BF16, 128, 128, 1, 4, False))  # 64-position tiles
+    out.append(case(attention, F16, 128, 16, 1, 4, True))
+    out.append(case(attention, F32, 128, 16, 1, 4, True))
+    # Prefill and mixed steps: rope_and_cache, then varlen_attention.
+    for block, head_dim in ((16, 128), (8, 80), (128, 128)):
+        for norms in (False, True):
+            out.append(case(attention, BF16, head_dim, block, 5, norms=norms))
+    out.append(case(attention, F16, 128, 16, 5, norms=True))
+    out.append(case(attention, F32, 128, 16, 5, norms=True))
+    out.append(case(copy_blocks, BF16))
+    out.append(case(copy_blocks, F32))
+    out += [case(penalties), case(greedy_ids), case(grammar_bitmask), case(token_feed)]
+    for dtype in (BF16, F16, F32):
+        out.append(case(elementwise, dtype))
+    for rows, bias in ((1, False), (20, True), (64, True)):  # each row tile
+        out.append(case(gate_up_silu, BF16, rows, bias))
+    out.append(case(gate_up_silu, BF16, 1, True, (64, 128, 4, 3)))
+    out.append(case(gate_up_silu, BF16, 64, False, (64, 64, 4, 3)))
+    out.append(case(gate_up_silu, F32, 1, True))
+    for rows in (1, 16, 32):
+        out.append(case(skinny_linear, BF16, rows, 256, 2048, rows == 16))  # split K
+        out.append(case(skinny_linear, BF16, rows, 256, 128, rows == 1))  # one split
+    out.append(case(skinny_linear, BF16, 1, 1536, 256, False))
+    out.append(case(skinny_linear, F32, 1, 256, 2048, True))
+    for tokens in (1, 40, 100, 300, 1100):  # each tile set; from 40, routed in chunks
+        out.append(case(fused_moe, BF16, tokens, tokens % 2 == 0))
+    out.append(case(fused_moe, F32, 1, True))
+    out.append(case(fused_moe, F32, 300, False))
+    return out
+
+
+def run_case(name: str, fn, pdl: bool, failed: list[dict]) -> None:
+    state["pdl"], state["kernel"] = pdl, None
+    try:
+        fn()
+    except Exception as e:
+        case = f"{name}, PDL {'on' if pdl else 'off'}"
+        failed.append({"case": case, "kernel": state["kernel"], "error": error_tail(e)})
+
+
+def main() -> int:
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    driver.set_active(Sm90Driver())
+    JITFunction.__getitem__ = compile_only
+    defined, failed = defined_kernels()
+    patch_launch_options()
+    first_of_a_kernel = []
+    for name, fn in cases():
+        before = len(compiled)
+        run_case(name, fn, True, failed)
+        if len(compiled) > before:
+            first_of_a_kernel.append((name, fn))
+    # PDL off (before sm_90, ZMQWORKER_PDL=0): once per kernel, the case that first took it.
+    for name, fn in first_of_a_kernel:
+        run_case(name, fn, False, failed)
+    for name in sorted(set(defined) - compiled):
+        failed.append({"kernel": name, "error": "no case compiled it"})
+    print(json.dumps({"defined": defined, "compiled": sorted(compiled), "failed": failed}))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
