@@ -17,7 +17,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def _no_sm90_compiler() -> str | None:
-    """Why Triton cannot compile for sm_90 here, if it cannot: no nvidia backend or ptxas."""
+    """Why Triton cannot compile for sm_90 here, if it cannot: no nvidia backend, ptxas or
+    cuobjdump (the spill check's)."""
     try:
         import triton.backends.nvidia.compiler  # noqa: F401
         from triton import knobs
@@ -25,7 +26,10 @@ def _no_sm90_compiler() -> str | None:
         ptxas = knobs.nvidia.ptxas.path
     except Exception as e:
         return f"Triton's nvidia backend or its ptxas is missing: {e!r}"
-    return None if os.access(ptxas, os.X_OK) else f"{ptxas} is not executable"
+    for tool in (ptxas, os.path.join(os.path.dirname(ptxas), "cuobjdump")):
+        if not os.access(tool, os.X_OK):
+            return f"{tool} is not executable"
+    return None
 
 
 NO_SM90_COMPILER = _no_sm90_compiler()
