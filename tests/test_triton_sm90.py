@@ -17,17 +17,17 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def _no_sm90_compiler() -> str | None:
-    """Why Triton cannot compile for sm_90 here, if it cannot: no nvidia backend, ptxas or
-    cuobjdump (the spill check's)."""
+    """Why Triton cannot compile for sm_90 here, if it cannot: a Triton before 3.5 (whose
+    gdc_wait, PDL's, does not compile), no nvidia backend, or no ptxas or cuobjdump."""
     try:
-        import triton.backends.nvidia.compiler  # noqa: F401
         from triton import knobs
+        from triton.backends.nvidia.compiler import get_ptxas
 
-        ptxas = knobs.nvidia.ptxas.path
+        tools = (get_ptxas(90).path, knobs.nvidia.cuobjdump.path)
     except Exception as e:
-        return f"Triton's nvidia backend or its ptxas is missing: {e!r}"
-    for tool in (ptxas, os.path.join(os.path.dirname(ptxas), "cuobjdump")):
-        if not os.access(tool, os.X_OK):
+        return f"Triton 3.5 or newer with its nvidia backend is needed: {e!r}"
+    for tool in tools:
+        if not tool or not os.access(tool, os.X_OK):
             return f"{tool} is not executable"
     return None
 

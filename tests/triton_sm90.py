@@ -21,6 +21,7 @@ import os
 
 os.environ.pop("TRITON_INTERPRET", None)  # kernels must be defined as JITFunctions
 
+import ast  # noqa: E402
 import importlib  # noqa: E402
 import json  # noqa: E402
 import pkgutil  # noqa: E402
@@ -80,7 +81,8 @@ def compile_only(self, grid):
             )
         usage = resource_usage(kernel.asm["cubin"])
         if usage["STACK"] or usage["LOCAL"]:
-            spills.append({"case": state["case"], "kernel": self.__name__, "usage": usage})
+            case = f"{state['case']}, PDL {'on' if state['pdl'] else 'off'}"
+            spills.append({"case": case, "kernel": self.__name__, "usage": usage})
         compiled.add(self.__name__)
 
     return launch
@@ -88,13 +90,15 @@ def compile_only(self, grid):
 
 def resource_usage(cubin: bytes) -> dict[str, int]:
     """The registers, stack and local memory a cubin's kernel takes (cuobjdump, bundled with
-    Triton's ptxas): stack or local bytes are registers spilled."""
-    tool = Path(knobs.nvidia.ptxas.path).with_name("cuobjdump")
+    Triton): stack or local bytes are registers spilled."""
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
         text = subprocess.run(
-            [str(tool), "--dump-resource-usage", f.name], capture_output=True, text=True, check=True
+            [knobs.nvidia.cuobjdump.path, "--dump-resource-usage", f.name],
+            capture_output=True,
+            text=True,
+            check=True,
         ).stdout
     found = re.search(r"REG:(\d+) STACK:(\d+) SHARED:\d+ LOCAL:(\d+)", text)
     if found is None:
@@ -126,11 +130,18 @@ def defined_kernels() -> tuple[list[str], list[dict]]:
             if isinstance(obj, JITFunction) and obj.fn.__module__ == info.name:
                 kernels[obj.__name__] = obj
 
-    def called(name):
-        call = re.compile(rf"\b{name}\s*\(")
-        return any(call.search(k.src) for other, k in kernels.items() if other != name)
+    called = {name for k in kernels.values() for name in calls(k.src)}
+    return sorted(n for n in kernels if n not in called), failed
 
-    return sorted(n for n in kernels if not called(n)), failed
+
+def calls(source: str) -> set[str]:
+    """The names a kernel's source calls (f(...) or module.f(...)); not its comments."""
+    called = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Call):
+            f = node.func
+            called.add(f.id if isinstance(f, ast.Name) else getattr(f, "attr", ""))
+    return called
 
 
 def patch_launch_options() -> None:
@@ -144,8 +155,16 @@ def patch_launch_options() -> None:
 
 
 def error_tail(e: BaseException, lines: int = 12) -> str:
+    """The error's last lines, and its innermost cause's (a helper's error is chained
+    below the call site that compiled it)."""
     text = "".join(traceback.format_exception_only(type(e), e)).rstrip()
-    return "\n".join(text.splitlines()[-lines:])
+    tail = "\n".join(text.splitlines()[-lines:])
+    cause = e
+    while cause.__cause__ is not None:
+        cause = cause.__cause__
+    if cause is not e:
+        tail += "\ncaused by: " + "".join(traceback.format_exception_only(cause)).strip()
+    return tail
 
 
 def i32(*shape):
@@ -159,16 +178,16 @@ def zeros(*shape, dtype=BF16):
 # The cases: (name, function of no arguments that calls a launch wrapper).
 
 
-def attention(dtype, head_dim, block_size, query_len, splits=1, norms=False):
-    """paged_attention of 3 requests of query_len tokens each over 8 query heads and 2 kv
-    heads: decode_attention (and its merge past one split) when query_len is 1, else
+def attention(dtype, head_dim, block_size, query_len, splits=1, norms=False, heads=(8, 2)):
+    """paged_attention of 3 requests of query_len tokens each over heads (query heads, kv
+    heads): decode_attention (and its merge past one split) when query_len is 1, else
     rope_and_cache then varlen_attention."""
     from zmqworker.attention.head_norms import HeadNorms
     from zmqworker.attention.kv_cache import allocate_kv_cache
     from zmqworker.attention.triton_attention import paged_attention
     from zmqworker.attention.triton_metadata import TritonAttentionMetadata
 
-    heads, kv_heads, reqs = 8, 2, 3
+    (heads, kv_heads), reqs = heads, 3
     n = reqs * query_len
     meta = TritonAttentionMetadata(
         num_tokens=n, num_reqs=reqs, max_query_len=query_len, decode_only=query_len == 1,
@@ -196,17 +215,17 @@ def copy_blocks(dtype):
 def penalties():
     from zmqworker.model_runner import penalty_kernels as pk
 
-    logits, rows = zeros(4, 1000, dtype=F32), i32(4)
-    pk.apply_dense(logits, i32(4, 1000), i32(4, 32), i32(4), rows, zeros(3, 4, dtype=F32), True)
+    logits, rows = zeros(4, 1024, dtype=F32), i32(4)
+    pk.apply_dense(logits, i32(4, 1024), i32(4, 32), i32(4), rows, zeros(3, 4, dtype=F32), True)
     pk.add_entries(logits, i32(4), rows, i32(4), zeros(4, dtype=F32))
     pk.add_entries(logits, i32(4), rows, i32(4), None)
-    pk.count_outputs(i32(4, 1000), i32(4), i32(4), rows)
+    pk.count_outputs(i32(4, 1024), i32(4), i32(4), rows)
 
 
 def greedy_ids():
     from zmqworker.model_runner.greedy_ids import GreedyIds
 
-    greedy, logits = GreedyIds(8, torch.device("cpu")), zeros(4, 10000, dtype=F32)
+    greedy, logits = GreedyIds(8, torch.device("cpu")), zeros(4, 10240, dtype=F32)
     greedy(logits, i32(4))
     greedy(logits, i32(4), i32(1))
 
@@ -214,7 +233,7 @@ def greedy_ids():
 def grammar_bitmask():
     from zmqworker.model_runner.grammar_kernel import apply_bitmask
 
-    apply_bitmask(zeros(4, 1000, dtype=F32), i32(2), i32(2, 32))
+    apply_bitmask(zeros(4, 1024, dtype=F32), i32(2), i32(2, 32))
 
 
 def token_feed():
@@ -250,14 +269,15 @@ def skinny_linear(dtype, rows, n, k, bias):
     skinny.skinny_linear(x, w, b if bias else None, counters)
 
 
-def fused_moe(dtype, tokens, renormalize):
-    """8 experts, top 2: one routing chunk (route_place_kernel) or several (route_kernel
-    and place_kernel), in the tile set of the token count."""
+def fused_moe(dtype, tokens, renormalize, experts=8, top_k=2):
+    """One routing chunk (route_place_kernel) or several (route_kernel and place_kernel),
+    in the tile set of the token count (and of experts and top_k)."""
     from zmqworker.models.layers.fused_moe import fused_moe
 
-    x, logits = zeros(tokens, 256, dtype=dtype), zeros(tokens, 8, dtype=dtype)
-    w13, w2 = zeros(8, 2 * 128, 256, dtype=dtype), zeros(8, 256, 128, dtype=dtype)
-    fused_moe(x, logits, w13, w2, 2, renormalize, 0)
+    x, logits = zeros(tokens, 256, dtype=dtype), zeros(tokens, experts, dtype=dtype)
+    w13 = zeros(experts, 2 * 128, 256, dtype=dtype)
+    w2 = zeros(experts, 256, 128, dtype=dtype)
+    fused_moe(x, logits, w13, w2, top_k, renormalize, 0)
 
 
 def cases() -> list[tuple[str, object]]:
@@ -269,8 +289,8 @@ def cases() -> list[tuple[str, object]]:
 
     out = []
     # Decode: one split, a few (<= FEW_SPLITS), many; pages of 16 (tiles within a page)
-    # and of 8 (gathered tiles); a head dim of a power of two and one below it.
-    for block, head_dim in ((16, 128), (8, 80)):
+    # and of 8 (gathered tiles); a head dim of a power of two and one below it (masked).
+    for block, head_dim in ((16, 128), (16, 80), (8, 80)):
         for splits in (1, 4):
             for norms in (False, True):
                 out.append(case(attention, BF16, head_dim, block, 1, splits, norms))
@@ -279,9 +299,13 @@ def cases() -> list[tuple[str, object]]:
     out.append(case(attention, F16, 128, 16, 1, 4, True))
     out.append(case(attention, F32, 128, 16, 1, 4, True))
     # Prefill and mixed steps: rope_and_cache, then varlen_attention.
-    for block, head_dim in ((16, 128), (8, 80), (128, 128)):
+    for block, head_dim in ((16, 128), (16, 80), (8, 80), (128, 128)):
         for norms in (False, True):
             out.append(case(attention, BF16, head_dim, block, 5, norms=norms))
+    # Other head layouts: a group of 6 (Qwen2.5-1.5B's 12 over 2), 32 query heads over 4.
+    for heads in ((12, 2), (32, 4)):
+        out.append(case(attention, BF16, 128, 16, 1, 4, True, heads=heads))
+        out.append(case(attention, BF16, 128, 16, 5, norms=True, heads=heads))
     out.append(case(attention, F16, 128, 16, 5, norms=True))
     out.append(case(attention, F32, 128, 16, 5, norms=True))
     out.append(case(copy_blocks, BF16))
@@ -298,9 +322,13 @@ def cases() -> list[tuple[str, object]]:
         out.append(case(skinny_linear, BF16, rows, 256, 2048, rows == 16))  # split K
         out.append(case(skinny_linear, BF16, rows, 256, 128, rows == 1))  # one split
     out.append(case(skinny_linear, BF16, 1, 1536, 256, False))
+    out.append(case(skinny_linear, BF16, 1, 2048, 2048, False))  # 64 wide
+    out.append(case(skinny_linear, BF16, 16, 3072, 2048, True))  # large and wide: 32 wide
     out.append(case(skinny_linear, F32, 1, 256, 2048, True))
     for tokens in (1, 40, 100, 300, 1100):  # each tile set; from 40, routed in chunks
         out.append(case(fused_moe, BF16, tokens, tokens % 2 == 0))
+    out.append(case(fused_moe, BF16, 1, True, experts=128, top_k=8))  # Qwen3-MoE's routing
+    out.append(case(fused_moe, BF16, 64, True, experts=128, top_k=8))
     out.append(case(fused_moe, F32, 1, True))
     out.append(case(fused_moe, F32, 300, False))
     return out
@@ -328,7 +356,8 @@ def main() -> int:
         run_case(name, fn, True, failed)
         if len(compiled) > before:
             first_of_a_kernel.append((name, fn))
-    # PDL off (before sm_90, ZMQWORKER_PDL=0): once per kernel, the case that first took it.
+    # PDL off (ZMQWORKER_PDL=0, or a driver that refuses it in graphs), still for sm_90:
+    # once per kernel, the case that first took it.
     for name, fn in first_of_a_kernel:
         run_case(name, fn, False, failed)
     for name in sorted(set(defined) - compiled):
