@@ -68,8 +68,8 @@ def test_warm_up_runs_each_tile_set_of_the_fused_experts(monkeypatch) -> None:
     seen: set[int] = set()
     tiles_for = fused_moe.tiles_for
 
-    def spy(num_tokens: int, top_k: int, num_local: int, element_size: int = 2):
-        tiles = tiles_for(num_tokens, top_k, num_local, element_size)
+    def spy(num_tokens: int, top_k: int, num_local: int, *args):
+        tiles = tiles_for(num_tokens, top_k, num_local, *args)
         seen.add(tiles.block_m)
         return tiles
 

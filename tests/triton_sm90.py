@@ -2,17 +2,17 @@
 
 The CPU tests run the kernels in Triton's interpreter, which does not apply the compiler's
 front-end rules (a name redefined in a branch with another shape, say): a kernel can pass
-them all and still fail to compile on CUDA. Here Triton's driver is faked to report a CUDA
-device of capability 9.0, and every launch `kernel[grid](...)` compiles the kernel (to a
-cubin, through Triton's bundled ptxas) instead of running it. The kernels' own launch
-wrappers are called with small CPU tensors in the dtypes and variants the CUDA step takes,
-with PDL on (the CUDA step's default from sm_90) and, once per kernel, off. Each compiled
-kernel's registers are read from its cubin (cuobjdump, bundled too): a half-precision
-variant that spills registers to local memory fails, as a slowdown no CPU test would see.
+them all and still fail to compile on CUDA. Here Triton's driver reports a CUDA device, and
+every launch compiles the kernel to a cubin (Triton's bundled ptxas) instead of running it.
+The launch wrappers are called with small CPU tensors in the variants the CUDA step takes:
+for sm_90 with PDL on and, once per kernel, off; with PDL off for an A100 (sm_80) and Ada
+(sm_89, 99 KiB of shared memory a program), the attention kernels and every tile set of
+those whose tiles shared memory sizes. Registers are read from each cubin (cuobjdump): a
+half-precision sm_90 variant that spills fails, a slowdown no CPU test would see.
 
-Run as `python tests/triton_sm90.py` (tests/test_triton_sm90.py does). Prints one JSON line,
-{"defined": the kernels no other kernel calls, "compiled": [...], "failed": [...],
-"float32_spills": [...]}, and exits 1 if a case failed or a defined kernel did not compile.
+`python tests/triton_sm90.py [--shard i/n]` prints one JSON line: "defined" (the kernels no
+other kernel calls), "compiled", "failed", "spills_reported" (float32's, older GPUs'); it
+exits 1 if a case failed. tests/test_triton_sm90.py runs the shards at once.
 """
 
 from __future__ import annotations
@@ -40,26 +40,32 @@ from triton.runtime.jit import JITFunction  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32
-SM90_SHARED_BYTES = 227 * 1024  # the most a block may take on sm_90
+# (capability, the most shared memory a program may take): Hopper, where the step runs with
+# PDL; then, with PDL off, an A100 and Ada (L4, L40S), whose limits the tiles must fit too.
+SM90 = (90, 227 * 1024)
+OLDER = ((80, 163 * 1024), (89, 99 * 1024))
 
 compiled: set[str] = set()
-state = {"pdl": True, "kernel": None, "case": None}
-# Kernels compiled with registers spilled to local memory, a silent slowdown: a failure in
-# the half-precision cases the CUDA step runs, reported for float32 models'.
-spills: list[dict] = []
+state = {"pdl": True, "kernel": None, "case": None, "target": SM90}
+spills: list[dict] = []  # kernels compiled with registers spilled to local memory
 
 
-class Sm90Driver:
-    """The active driver as the launch path asks it: device 0 of a CUDA sm_90 target."""
+class FakeDriver:
+    """The active driver as the launch path asks it: device 0 of state's CUDA target."""
 
-    def get_current_device(self):
+    def __init__(self):
+        self.utils = self  # get_device_properties, as Triton's driver.utils has it
+
+    def get_device_properties(self, device):
+        return {"max_shared_mem": state["target"][1]}
+
+    def get_current_device(self, *args):
         return 0
 
-    def get_current_stream(self, device=None):
-        return 0
+    get_current_stream = get_current_device  # (device) -> stream 0
 
     def get_current_target(self):
-        return GPUTarget("cuda", 90, 32)
+        return GPUTarget("cuda", state["target"][0], 32)
 
     def get_active_torch_device(self):
         return torch.device("cpu")
@@ -75,13 +81,14 @@ def compile_only(self, grid):
     def launch(*args, **kwargs):
         state["kernel"] = self.__name__
         kernel = self.run(*args, grid=grid, warmup=True, **kwargs)
-        if kernel.metadata.shared > SM90_SHARED_BYTES:
+        capability, most = state["target"]
+        if kernel.metadata.shared > most:
             raise RuntimeError(
-                f"{kernel.metadata.shared} bytes of shared memory, over sm_90's {SM90_SHARED_BYTES}"
+                f"{kernel.metadata.shared} bytes of shared memory, over sm_{capability}'s {most}"
             )
         usage = resource_usage(kernel.asm["cubin"])
         if usage["STACK"] or usage["LOCAL"]:
-            case = f"{state['case']}, PDL {'on' if state['pdl'] else 'off'}"
+            case = f"{state['case']}, sm_{capability}, PDL {'on' if state['pdl'] else 'off'}"
             spills.append({"case": case, "kernel": self.__name__, "usage": usage})
         compiled.add(self.__name__)
 
@@ -94,12 +101,8 @@ def resource_usage(cubin: bytes) -> dict[str, int]:
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        text = subprocess.run(
-            [knobs.nvidia.cuobjdump.path, "--dump-resource-usage", f.name],
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout
+        tool = [knobs.nvidia.cuobjdump.path, "--dump-resource-usage", f.name]
+        text = subprocess.run(tool, capture_output=True, text=True, check=True).stdout
     found = re.search(r"REG:(\d+) STACK:(\d+) SHARED:\d+ LOCAL:(\d+)", text)
     if found is None:
         raise RuntimeError(f"no resource usage in cuobjdump's output: {text[-500:]}")
@@ -110,9 +113,9 @@ def launch_options(device):
     return {"PDL": state["pdl"], "launch_pdl": state["pdl"]}
 
 
-def defined_kernels() -> tuple[list[str], list[dict]]:
-    """The names of zmqworker's kernels that no other kernel calls (helpers are compiled
-    inside those that call them), and the modules of kernels that failed to import."""
+def zmqworker_kernels() -> tuple[dict[str, JITFunction], list[dict]]:
+    """zmqworker's kernels (helpers included) by name, and the modules of kernels that
+    failed to import."""
     import zmqworker
 
     kernels: dict[str, JITFunction] = {}
@@ -130,8 +133,13 @@ def defined_kernels() -> tuple[list[str], list[dict]]:
             if isinstance(obj, JITFunction) and obj.fn.__module__ == info.name:
                 kernels[obj.__name__] = obj
 
+    return kernels, failed
+
+
+def not_called(kernels: dict[str, JITFunction]) -> list[str]:
+    """The kernels no other kernel calls: helpers are compiled inside those that call them."""
     called = {name for k in kernels.values() for name in calls(k.src)}
-    return sorted(n for n in kernels if n not in called), failed
+    return sorted(n for n in kernels if n not in called)
 
 
 def calls(source: str) -> set[str]:
@@ -339,37 +347,53 @@ def run_case(name: str, fn, pdl: bool, failed: list[dict]) -> None:
     try:
         fn()
     except Exception as e:
-        case = f"{name}, PDL {'on' if pdl else 'off'}"
+        case = f"{name}, sm_{state['target'][0]}, PDL {'on' if pdl else 'off'}"
         failed.append({"case": case, "kernel": state["kernel"], "error": error_tail(e)})
 
 
-def main() -> int:
+def main(argv: list[str]) -> int:
+    """--shard i/n: the cases of index i modulo n only (the test runs n processes at once)."""
+    shard, count = (0, 1)
+    if "--shard" in argv:
+        shard, count = map(int, argv[argv.index("--shard") + 1].split("/"))
+    mine = [c for i, c in enumerate(cases()) if i % count == shard]
     if str(ROOT) not in sys.path:
         sys.path.insert(0, str(ROOT))
-    driver.set_active(Sm90Driver())
+    driver.set_active(FakeDriver())
     JITFunction.__getitem__ = compile_only
-    defined, failed = defined_kernels()
+    kernels, failed = zmqworker_kernels()
+    defined = not_called(kernels)
     patch_launch_options()
     first_of_a_kernel = []
-    for name, fn in cases():
+    for name, fn in mine:
         before = len(compiled)
         run_case(name, fn, True, failed)
         if len(compiled) > before:
             first_of_a_kernel.append((name, fn))
-    # PDL off (ZMQWORKER_PDL=0, or a driver that refuses it in graphs), still for sm_90:
-    # once per kernel, the case that first took it.
-    for name, fn in first_of_a_kernel:
-        run_case(name, fn, False, failed)
-    for name in sorted(set(defined) - compiled):
+    # PDL off (ZMQWORKER_PDL=0, or a driver that refuses it in graphs): once per kernel,
+    # the case that first took it; on older GPUs the attention kernels' first cases and
+    # every tile set of the kernels whose tiles are sized by shared memory.
+    from zmqworker.models.layers import fused_moe
+
+    older = [c for c in first_of_a_kernel if c[0].startswith("attention")]
+    older += [c for c in mine if c[0].startswith(("fused_moe", "gate_up_silu"))]
+    for target in (SM90, *OLDER):
+        state["target"] = target
+        for k in kernels.values():
+            k.device_caches.clear()  # compiled for the last target
+        fused_moe.shared_memory.cache_clear()
+        for name, fn in first_of_a_kernel if target == SM90 else older:
+            run_case(name, fn, False, failed)
+    for name in sorted(set(defined) - compiled) if count == 1 else ():
         failed.append({"kernel": name, "error": "no case compiled it"})
-    float32_spills = [s for s in spills if "float32" in s["case"]]
+    reported = [s for s in spills if "float32" in s["case"] or "sm_90" not in s["case"]]
     for spill in spills:
-        if spill not in float32_spills:
+        if spill not in reported:
             failed.append({**spill, "error": f"registers spilled: {spill['usage']}"})
     report = {"defined": defined, "compiled": sorted(compiled), "failed": failed}
-    print(json.dumps({**report, "float32_spills": float32_spills}))
+    print(json.dumps({**report, "spills_reported": reported}))
     return 1 if failed else 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))
