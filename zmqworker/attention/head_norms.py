@@ -23,3 +23,14 @@ class HeadNorms(NamedTuple):
                     f"the {name} head norm's weight is {tuple(w.shape)} {w.dtype}; the "
                     f"heads need a contiguous [{head_dim}] {dtype}"
                 )
+
+
+def norm_args(
+    norms: HeadNorms | None, head_dim: int, dtype: torch.dtype, unused: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """The q weight, k weight and eps an attention kernel takes: norms', checked against
+    the heads; without norms (QK_NORM off), unused's pointer twice and 0.0."""
+    if norms is None:
+        return unused, unused, 0.0
+    norms.check(head_dim, dtype)
+    return norms

@@ -30,7 +30,7 @@ from __future__ import annotations
 import torch
 import triton
 
-from zmqworker.attention.head_norms import HeadNorms
+from zmqworker.attention.head_norms import HeadNorms, norm_args
 from zmqworker.attention.triton_cache import rope_and_cache
 from zmqworker.attention.triton_decode import decode_kernel, merge_kernel
 from zmqworker.attention.triton_kernels import varlen_kernel
@@ -124,8 +124,6 @@ def decode_attention(
             f"decode_attention needs one token per request, got {num_tokens} tokens for "
             f"{meta.num_reqs} requests"
         )
-    if norms is not None:
-        norms.check(head_dim, qkv.dtype)
     common = _common(num_heads, kv_cache, head_dim, qkv.dtype)
     num_kv_heads = common["NUM_KV_HEADS"]
     out = torch.empty(num_tokens, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
@@ -147,9 +145,7 @@ def decode_attention(
         meta.positions,
         meta.slot_mapping,
         kv_cache,
-        cos_sin if norms is None else norms.q,
-        cos_sin if norms is None else norms.k,
-        0.0 if norms is None else norms.eps,
+        *norm_args(norms, head_dim, qkv.dtype, cos_sin),
         kv_cache[0].numel(),
         tables,
         meta.seq_lens,

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from zmqworker.attention.head_norms import HeadNorms
+from zmqworker.attention.head_norms import HeadNorms, norm_args
 from zmqworker.pdl import launch_options, release_dependents, wait_for_inputs
 from zmqworker.triton_rms import rms_apply_pair
 
@@ -132,8 +132,6 @@ def rope_and_cache(
         return
     if qkv.stride(2) != 1 or qkv.stride(1) != head_dim:
         raise ValueError(f"qkv must have unit head strides, got strides {qkv.stride()}")
-    if norms is not None:
-        norms.check(head_dim, qkv.dtype)
     block_size = kv_cache.shape[3] // head_dim
     _rope_and_cache_kernel[(num_tokens,)](
         qkv,
@@ -141,9 +139,7 @@ def rope_and_cache(
         positions,
         slot_mapping,
         kv_cache,
-        cos_sin if norms is None else norms.q,
-        cos_sin if norms is None else norms.k,
-        0.0 if norms is None else norms.eps,
+        *norm_args(norms, head_dim, qkv.dtype, cos_sin),
         kv_cache[0].numel(),
         qkv.stride(0),
         NUM_HEADS=num_heads,

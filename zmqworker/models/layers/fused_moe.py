@@ -297,8 +297,9 @@ def fused_moe(
     out = torch.empty(num_tokens, hidden, dtype=x.dtype, device=x.device)
     if num_tokens == 0:
         return out
-    shared = shared_memory(x.device.index or 0)
-    t = tiles or tiles_for(num_tokens, top_k, num_local, x.element_size(), shared)
+    t = tiles or tiles_for(
+        num_tokens, top_k, num_local, x.element_size(), shared_memory(x.device.index or 0)
+    )
     device, pdl = x.device, launch_options(x.device)
     num_pairs = num_tokens * top_k
     num_chunks = triton.cdiv(num_tokens, t.chunk)
