@@ -3,7 +3,8 @@ its own worker process: greedy tokens equal a colocated engine's (prefix caching
 chunked prefill on, and a decode side small enough to preempt), a prompt whose leading
 blocks the decode side has cached pulls only the rest, a pull from a dead or silent
 prefill fails its request by name with no block left held, a prompt of which little
-enough is not cached on the decode side is computed there alone, and a peer without the
+enough is not cached on the decode side is computed there alone, logprobs come through
+the in-process routers as a colocated engine gives them, and a peer without the
 deployment's keys gets nothing."""
 
 from __future__ import annotations
@@ -13,12 +14,14 @@ import socket
 from collections.abc import Iterator
 
 import msgspec
+import numpy as np
 import pytest
 import zmq
 
 from messages import (
     CacheConfig,
     DeviceConfig,
+    LogprobsLists,
     ModelConfig,
     SamplingParams,
     SchedulerConfig,
@@ -175,7 +178,7 @@ def test_a_conversation_s_next_turn_is_computed_on_the_decode_side(
     try:
         turns = [router.generate([prompt], GREEDY, timeout_s=300)[0] for prompt in (first, second)]
         assert connector.num_loaded == loaded + 1  # the first turn only
-        assert not pair.prefills_locally(other)
+        assert not pair.prefills_locally(other, GREEDY)
         turns += router.generate([other], GREEDY, timeout_s=300)
     finally:
         if threaded:
@@ -225,13 +228,59 @@ def test_a_prompt_whose_prefix_the_decode_side_holds_pulls_only_the_rest(
     assert free_blocks(decode) == decode.block_manager.num_blocks
 
 
-@pytest.mark.parametrize("name", ["logprobs", "prompt_logprobs"])
-def test_the_in_process_router_refuses_logprobs(pair: DisaggregatedEngine, name: str) -> None:
-    """It returns none (served, the client gives them: tests/test_serve_disaggregated.py)."""
-    asked = msgspec.structs.replace(GREEDY, **{name: 1})
-    with pytest.raises(ValueError, match=f"'pl': {name} through the in-process"):
-        pair.add_request("pl", PROMPTS[0], asked)
-    assert "pl" not in pair.requests and not pair.has_work()
+@pytest.mark.parametrize("threaded", [False, True], ids=["stepped", "threaded"])
+def test_logprobs_through_the_in_process_routers_equal_colocated(
+    pair: DisaggregatedEngine, monkeypatch, threaded: bool
+) -> None:
+    """Every token's logprobs (a pulled prompt's first token's from the prefill side, the
+    rest from the decode side) and the prompt's (from the side that computed it), through
+    either router, equal a colocated run's, for pulled prompts and short ones computed on
+    the decode side alone; a request that asks for neither gets none."""
+    asked = msgspec.structs.replace(GREEDY, logprobs=2, prompt_logprobs=1)
+    expected = run_with_logprobs(pair.decode, asked)
+    pair.decode.reset_prefix_cache()
+    monkeypatch.setattr(pair, "_local_limit", 9)  # as max_local_prefill_tokens=9 makes it
+    loaded = pair.decode.kv_connector.num_loaded
+    router = ThreadedRouter(pair) if threaded else pair
+    try:
+        results = router.generate(PROMPTS, asked, timeout_s=300)
+        [plain] = router.generate(PROMPTS[:1], GREEDY, timeout_s=300)
+    finally:
+        if threaded:
+            router.stop()
+    assert pair.decode.kv_connector.num_loaded == loaded + 2  # the two longer prompts
+    for got, (tokens, rows, prompt_rows) in zip(results, expected, strict=True):
+        assert (got.token_ids, got.error) == (tokens, None)
+        for mine, theirs in ((got.logprobs, rows), (got.prompt_logprobs, prompt_rows)):
+            assert mine is not None
+            np.testing.assert_array_equal(mine.logprob_token_ids, theirs.logprob_token_ids)
+            np.testing.assert_array_equal(mine.sampled_token_ranks, theirs.sampled_token_ranks)
+            np.testing.assert_allclose(mine.logprobs, theirs.logprobs, atol=1e-4)
+    assert (plain.token_ids, plain.logprobs, plain.prompt_logprobs) == (expected[0][0], None, None)
+    while pair.has_work():
+        pair.step()
+    for core in (pair.prefill, pair.decode):
+        assert free_blocks(core) == core.block_manager.num_blocks
+
+
+def run_with_logprobs(
+    core: EngineCore, params: SamplingParams
+) -> list[tuple[list[int], LogprobsLists, LogprobsLists]]:
+    """PROMPTS computed by core alone: each one's tokens, their logprobs and its prompt's."""
+    requests = [Request(f"lp{i}", p, params) for i, p in enumerate(PROMPTS)]
+    for request in requests:
+        core.add_request(request)
+    while core.has_work():
+        core.step()
+    results = []
+    for request in requests:
+        rows = request.take_logprobs()
+        assert rows is not None and request.prompt_logprobs is not None
+        assert len(rows.logprob_token_ids) == len(request.output_token_ids)
+        prompt_rows = request.prompt_logprobs.take()
+        assert len(prompt_rows.logprob_token_ids) == len(request.prompt_token_ids) - 1
+        results.append((request.output_token_ids, rows, prompt_rows))
+    return results
 
 
 def test_a_pull_nobody_answers_fails_the_request_and_frees_its_blocks(

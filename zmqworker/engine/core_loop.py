@@ -11,7 +11,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from messages import RemoteKV
+from messages import LogprobsLists, RemoteKV
 from zmqworker.engine.core import EngineCore
 from zmqworker.engine.request import Request
 
@@ -28,9 +28,12 @@ class Snapshot:
     finish_reason: str | None
     error: str | None
     kv_transfer_out: RemoteKV | None
+    # The logprobs rows of its new tokens, and its prompt logprobs with its first token.
+    logprobs: tuple[LogprobsLists | None, LogprobsLists | None]
 
     @classmethod
     def of(cls, request: Request) -> Snapshot:
+        """request after a step, its new logprobs taken (the loop's thread)."""
         reason = request.finish_reason.value if request.finish_reason is not None else None
         return cls(
             request.req_id,
@@ -38,6 +41,7 @@ class Snapshot:
             reason,
             request.error,
             request.kv_transfer_out,
+            request.take_routed_logprobs(),
         )
 
 

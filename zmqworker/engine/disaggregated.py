@@ -25,9 +25,18 @@ from typing import Protocol
 
 import msgspec
 
-from messages import KVTransferConfig, ParallelConfig, SamplingParams, SchedulerConfig, WorkerConfig
+from messages import (
+    KVTransferConfig,
+    LogprobsLists,
+    ParallelConfig,
+    RemoteKV,
+    SamplingParams,
+    SchedulerConfig,
+    WorkerConfig,
+)
 from zmqworker.engine.core import EngineCore
 from zmqworker.engine.local_prefill import computes_locally, local_prefill_limit
+from zmqworker.engine.prompt_logprobs import join_rows
 from zmqworker.engine.request import RemotePrefill, Request
 from zmqworker.executor.multiproc import MultiprocExecutor
 from zmqworker.transport.curve import KV_CURVE_ENV, KVKeys
@@ -35,7 +44,9 @@ from zmqworker.transport.curve import KV_CURVE_ENV, KVKeys
 
 @dataclass
 class RoutedRequest:
-    """What the router knows of a request: its tokens so far, from either side."""
+    """What the router knows of a request: its tokens so far, from either side, and
+    their logprobs where it asked for them (the first token's and the prompt's from the
+    side that computed the prompt)."""
 
     req_id: str
     token_ids: list[int] = field(default_factory=list)
@@ -43,16 +54,35 @@ class RoutedRequest:
     error: str | None = None
     first_token_time: float | None = None  # time.monotonic() of the prefill's token
     token_times: list[float] = field(default_factory=list)  # one per token, monotonic
+    # A row per prompt position after the first (SamplingParams.prompt_logprobs).
+    prompt_logprobs: LogprobsLists | None = None
+    _logprob_parts: list[LogprobsLists] = field(default_factory=list)
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    @property
+    def logprobs(self) -> LogprobsLists | None:
+        """A row per output token so far (SamplingParams.logprobs): column 0 the token,
+        then the top ones; None where none were asked for."""
+        return join_rows(self._logprob_parts) if self._logprob_parts else None
+
     def update(
-        self, output_token_ids: Sequence[int], finish_reason: str | None, error: str | None
+        self,
+        output_token_ids: Sequence[int],
+        finish_reason: str | None,
+        error: str | None,
+        logprobs: tuple[LogprobsLists | None, LogprobsLists | None] = (None, None),
     ) -> None:
         """Take a side's view of the request: its outputs so far (the prefill's first
-        token included on the decode side) and how it ended there (None: it goes on)."""
+        token included on the decode side), how it ended there (None: it goes on), and
+        the logprobs its step gave (Request.take_routed_logprobs)."""
+        rows, prompt = logprobs
+        if rows is not None:
+            self._logprob_parts.append(rows)
+        if prompt is not None:
+            self.prompt_logprobs = prompt
         now = time.monotonic()
         new = output_token_ids[len(self.token_ids) :]
         if new and self.first_token_time is None:
@@ -91,9 +121,9 @@ class DisaggregatedEngine:
         params: SamplingParams,
         eos_token_ids: Iterable[int] = (),
     ) -> None:
-        check_routed(req_id, params, self.requests)
+        check_routed(req_id, self.requests)
         eos = list(eos_token_ids)
-        if self.prefills_locally(prompt_token_ids):
+        if self.prefills_locally(prompt_token_ids, params):
             self.decode.add_request(Request(req_id, prompt_token_ids, params, eos_token_ids=eos))
         else:
             self.prefill.add_request(
@@ -102,11 +132,12 @@ class DisaggregatedEngine:
             self._params[req_id] = (list(prompt_token_ids), params, eos)
         self.requests[req_id] = RoutedRequest(req_id)
 
-    def prefills_locally(self, prompt_token_ids: Sequence[int]) -> bool:
-        """Whether a prompt of these tokens is computed on the decode instance. The
+    def prefills_locally(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> bool:
+        """Whether a prompt of these tokens is computed on the decode instance (one that
+        asks for prompt logprobs is computed whole: nothing of it counts as cached). The
         threaded router asks it from its own thread (KVBlockManager.num_cached_tokens)."""
         num_tokens, limit = len(prompt_token_ids), self._local_limit
-        decided = limit == 0 or num_tokens <= limit  # whatever is cached
+        decided = limit == 0 or num_tokens <= limit or params.prompt_logprobs is not None
         cached = 0 if decided else self.decode.block_manager.num_cached_tokens(prompt_token_ids)
         return computes_locally(num_tokens, cached, limit)
 
@@ -129,10 +160,12 @@ class DisaggregatedEngine:
             routed = self._take(request, goes_on)
             changed[routed.req_id] = routed
             if goes_on:
-                prompt, params, eos = self._params[request.req_id]
-                remote = RemotePrefill(request.kv_transfer_out, request.output_token_ids[0])
+                assert request.kv_transfer_out is not None
+                first = request.output_token_ids[0]
                 self.decode.add_request(
-                    Request(request.req_id, prompt, params, eos_token_ids=eos, remote=remote)
+                    decode_request(
+                        request.req_id, self._params[request.req_id], request.kv_transfer_out, first
+                    )
                 )
         for request in self.decode.step():
             routed = self._take(request)
@@ -160,20 +193,29 @@ class DisaggregatedEngine:
         routed = self.requests[request.req_id]
         reason = request.finish_reason
         finish = None if goes_on or reason is None else reason.value
-        routed.update(request.output_token_ids, finish, request.error)
+        routed.update(
+            request.output_token_ids, finish, request.error, request.take_routed_logprobs()
+        )
         return routed
 
 
-def check_routed(req_id: str, params: SamplingParams, requests: dict) -> None:
+def check_routed(req_id: str, requests: dict) -> None:
     """A request an in-process router takes (ValueError naming what it cannot)."""
     if req_id in requests:
         raise ValueError(f"request id {req_id!r} is already in the router")
-    for name in ("logprobs", "prompt_logprobs"):
-        if getattr(params, name) is not None:
-            raise ValueError(
-                f"request {req_id!r}: {name} through the in-process router, which returns "
-                "none (serve --disaggregate gives them)"
-            )
+
+
+def decode_request(
+    req_id: str, inputs: tuple[list[int], SamplingParams, list[int]], kv: RemoteKV, first: int
+) -> Request:
+    """The decode instance's request for a prompt (inputs: its tokens, parameters and
+    EOS ids) prefilled elsewhere: from its KV there and its first token. Its prompt
+    logprobs came with that token; the decode side never computes the prompt, and
+    refuses a request that asks for them."""
+    prompt, params, eos = inputs
+    if params.prompt_logprobs is not None:
+        params = msgspec.structs.replace(params, prompt_logprobs=None)
+    return Request(req_id, prompt, params, eos_token_ids=eos, remote=RemotePrefill(kv, first))
 
 
 class Router(Protocol):

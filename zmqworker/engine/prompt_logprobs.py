@@ -48,15 +48,20 @@ class PromptLogprobRows:
     def take(self) -> LogprobsLists:
         """Every row held, as one LogprobsLists (its parts are let go)."""
         parts, self._parts = self._parts, []
-        if len(parts) == 1:
-            return parts[0]
         if not parts:  # a one-token prompt
             k = self.num_columns
             return LogprobsLists(
                 np.zeros((0, k), np.int32), np.zeros((0, k), np.float32), np.zeros(0, np.int32)
             )
-        return LogprobsLists(
-            np.concatenate([p.logprob_token_ids for p in parts]),
-            np.concatenate([p.logprobs for p in parts]),
-            np.concatenate([p.sampled_token_ranks for p in parts]),
-        )
+        return join_rows(parts)
+
+
+def join_rows(parts: list[LogprobsLists]) -> LogprobsLists:
+    """parts' rows one after the other (at least one part, all of as many columns)."""
+    if len(parts) == 1:
+        return parts[0]
+    return LogprobsLists(
+        np.concatenate([p.logprob_token_ids for p in parts]),
+        np.concatenate([p.logprobs for p in parts]),
+        np.concatenate([p.sampled_token_ranks for p in parts]),
+    )

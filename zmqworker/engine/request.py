@@ -260,6 +260,17 @@ class Request:
         self.logprob_rows = []
         return LogprobsLists(np.stack(ids), np.stack(values), np.array(ranks, np.int32))
 
+    def take_routed_logprobs(self) -> tuple[LogprobsLists | None, LogprobsLists | None]:
+        """What an in-process router hands on after a step, where client_outputs.py would
+        send it: (the logprobs rows of the tokens not sent yet, its prompt logprobs with
+        its first output), each None where there are none or none were asked for."""
+        prompt = None
+        if self.output_token_ids and not self.first_output_sent:
+            self.first_output_sent = True
+            if self.prompt_logprobs is not None:
+                prompt = self.prompt_logprobs.take()
+        return self.take_logprobs(), prompt
+
     def _logprob_row(
         self, token_id: int, logprobs: LogprobsLists | None, row: int
     ) -> tuple[np.ndarray, np.ndarray, int]:

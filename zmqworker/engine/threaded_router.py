@@ -16,9 +16,10 @@ from zmqworker.engine.disaggregated import (
     DisaggregatedEngine,
     RoutedRequest,
     check_routed,
+    decode_request,
     run_to_end,
 )
-from zmqworker.engine.request import RemotePrefill, Request
+from zmqworker.engine.request import Request
 
 PREFILL, DECODE = "prefill", "decode"
 
@@ -51,9 +52,9 @@ class ThreadedRouter:
         params: SamplingParams,
         eos_token_ids: Iterable[int] = (),
     ) -> None:
-        check_routed(req_id, params, self.requests)
+        check_routed(req_id, self.requests)
         prompt, eos = list(prompt_token_ids), list(eos_token_ids)
-        side = DECODE if self.pair.prefills_locally(prompt) else PREFILL
+        side = DECODE if self.pair.prefills_locally(prompt, params) else PREFILL
         request = Request(req_id, prompt, params, eos_token_ids=eos, remote_decode=side == PREFILL)
         self.requests[req_id] = RoutedRequest(req_id)
         self._inputs[req_id] = (prompt, params, eos)
@@ -115,15 +116,15 @@ class ThreadedRouter:
                 continue  # ended on this side already
             routed = self.requests[snap.req_id]
             goes_on = side == PREFILL and snap.kv_transfer_out is not None
-            routed.update(
-                snap.output_token_ids, None if goes_on else snap.finish_reason, snap.error
-            )
+            finish = None if goes_on else snap.finish_reason
+            routed.update(snap.output_token_ids, finish, snap.error, snap.logprobs)
             changed[snap.req_id] = routed
             if goes_on:
                 assert snap.kv_transfer_out is not None
-                prompt, params, eos = self._inputs[snap.req_id]
-                remote = RemotePrefill(snap.kv_transfer_out, snap.output_token_ids[0])
-                request = Request(snap.req_id, prompt, params, eos_token_ids=eos, remote=remote)
+                request = decode_request(
+                    snap.req_id, self._inputs[snap.req_id], snap.kv_transfer_out,
+                    snap.output_token_ids[0],
+                )  # fmt: skip
                 self._side[snap.req_id] = DECODE
                 self._loops[DECODE].call(lambda core, r=request: self._add(DECODE, core, r))
             elif routed.finished:
@@ -135,4 +136,6 @@ class ThreadedRouter:
 
 
 def _refused(request: Request, error: Exception) -> Snapshot:
-    return Snapshot(request.req_id, tuple(request.output_token_ids), "abort", str(error), None)
+    return Snapshot(
+        request.req_id, tuple(request.output_token_ids), "abort", str(error), None, (None, None)
+    )
