@@ -22,7 +22,7 @@ from messages.kv_transfer import KVConnectorMetadata, KVLoad, KVSave, KVTransfer
 from tests.test_kv_connector import KEYS, free_port, names, peer, until, until_closed
 from zmqworker.distributed.shared_cache import SharedKVCache
 from zmqworker.kv_transfer import wire
-from zmqworker.kv_transfer.blocks import copy_blocks, layout_of
+from zmqworker.kv_transfer.blocks import copy_blocks, gather, layout_of
 from zmqworker.kv_transfer.host_peers import open_host_cache
 from zmqworker.kv_transfer.peer_caches import PeerCacheError
 from zmqworker.kv_transfer.zmq_connector import ZmqKVConnector
@@ -109,6 +109,20 @@ def test_copy_blocks_equals_an_indexed_copy(heads) -> None:
     for mine, theirs in zip(want, sources, strict=True):
         mine[:, ids, dest : dest + count] = theirs[:, source_ids, first : first + count]
     assert all(torch.equal(a, b) for a, b in zip(dst, want, strict=True))
+
+
+def test_gather_takes_each_layer_s_blocks_and_refuses_one_past_the_cache() -> None:
+    """The producer's gather into its staging (a take without numpy's own buffer, the
+    ids checked first: such a take would clip one past the cache to the last block)."""
+    g = torch.Generator().manual_seed(5)
+    caches = [torch.randn(SHAPE, generator=g) for _ in range(2)]
+    ids = torch.tensor([7, 0, 3, 3])
+    out = torch.zeros(2, 2, len(ids), *SHAPE[2:])
+    gather(caches, ids, out)
+    assert all(torch.equal(out[i], cache[:, ids]) for i, cache in enumerate(caches))
+    for bad in (SHAPE[1], -1):
+        with pytest.raises(ValueError, match=f"of {SHAPE[1]} blocks"):
+            gather(caches, torch.tensor([1, bad]), out[:, :, :2])
 
 
 def test_a_producer_s_new_cache_is_mapped_anew_and_the_old_one_let_go() -> None:

@@ -61,9 +61,14 @@ def gather(kv_caches: list[torch.Tensor], block_ids: torch.Tensor, out: torch.Te
     """Copy block_ids of every layer into out [layers, 2, n, heads, slots] (on the host)."""
     if kv_caches[0].device.type == "cpu":
         ids = block_ids.numpy()
+        num_blocks = kv_caches[0].shape[1]
+        if len(ids) and (ids.min() < 0 or ids.max() >= num_blocks):
+            raise ValueError(f"block ids {ids.min()} .. {ids.max()} of {num_blocks} blocks")
 
         def copy(layer: int) -> None:
-            np.take(_rows(kv_caches[layer]), ids, axis=1, out=_rows(out[layer]))
+            # Checked above: take's default mode ("raise") gathers into a buffer of its
+            # own first, a second copy of every byte.
+            np.take(_rows(kv_caches[layer]), ids, axis=1, out=_rows(out[layer]), mode="clip")
 
         _for_each_layer(copy, len(kv_caches))
         return
