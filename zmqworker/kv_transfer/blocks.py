@@ -171,7 +171,7 @@ def copy_blocks(
         ]
     dst_values, src_values = kv_caches[0][0].nbytes, sources[0][0].nbytes
     for dst_cache, src_cache in zip(kv_caches, sources, strict=True):
-        dst, src = _bytes(dst_cache), _bytes(src_cache).toreadonly()
+        dst, src = flat_bytes(dst_cache), flat_bytes(src_cache).toreadonly()
         for d, s in ((0, 0), (dst_values, src_values)):  # keys, then values
             for to, at, n in pieces:
                 dst[d + to : d + to + n] = src[s + at : s + at + n]
@@ -218,7 +218,7 @@ def _head_rows(t: torch.Tensor) -> np.ndarray:
     return flat.view(np.dtype((np.void, row_bytes)))[..., 0]
 
 
-def _bytes(t: torch.Tensor) -> memoryview:
+def flat_bytes(t: torch.Tensor) -> memoryview:
     """A contiguous host tensor's bytes, flat."""
     if not t.is_contiguous():
         raise ValueError(f"a cache layer of strides {t.stride()} is not contiguous")

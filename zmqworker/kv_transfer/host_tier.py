@@ -13,13 +13,12 @@ without waiting on the host: the stream runs them in order with the steps before
 after, so a store reads its block before the step's forward (or a load) overwrites it,
 a load lands before the forward reads it, and a slot is never read and written out of
 order. They do not overlap the forward (a side stream with events would let a store
-overlap the previous step); correctness needs nothing more. On the CPU they are row
-copies (numpy).
+overlap the previous step); correctness needs nothing more. On the CPU each block's
+keys and values of each layer are one copy.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterator
 
 import numpy as np
@@ -27,6 +26,7 @@ import torch
 
 from messages import KVCacheSpec
 from messages.kv_transfer import KVConnectorMetadata, KVConnectorOutput
+from zmqworker.kv_transfer.blocks import flat_bytes
 from zmqworker.kv_transfer.connector import KVConnector
 from zmqworker.models.registry import torch_dtype
 
@@ -43,8 +43,8 @@ class HostKVConnector(KVConnector):
             raise ValueError(f"a host KV tier needs at least one slot, got {num_slots}")
         self.kv_caches = kv_caches
         self.num_slots = num_slots
-        # A cache in host memory: numpy row copies; else gathers on the device and one
-        # copy per run of consecutive slots (which also work on host tensors).
+        # A cache in host memory: a copy per block row; else gathers on the device and
+        # one copy per run of consecutive slots (which also work on host tensors).
         self.row_copies = caches[0].device.type == "cpu"
         _, _, heads, row = caches[0].shape
         device = caches[0].device
@@ -93,9 +93,7 @@ class HostKVConnector(KVConnector):
         per run of consecutive slots; on the CPU a row copy each."""
         assert self.buffer is not None
         if self.row_copies:
-            host = _rows(self.buffer, 3)  # [slots, layers, 2]
-            for layer, cache in enumerate(caches):
-                host[slots, layer] = _rows(cache, 2)[:, blocks].T
+            _copy_rows(caches, self.buffer, blocks, slots, store=True)
             return
         ids = torch.from_numpy(blocks).to(caches[0].device)
         # [layers, 2, n, heads, row] -> [n, layers, 2, heads, row], contiguous.
@@ -110,9 +108,7 @@ class HostKVConnector(KVConnector):
         a row copy each)."""
         assert self.buffer is not None
         if self.row_copies:
-            host = _rows(self.buffer, 3)
-            for layer, cache in enumerate(caches):
-                _rows(cache, 2)[:, blocks] = host[slots, layer].T
+            _copy_rows(caches, self.buffer, blocks, slots, store=False)
             return
         device = caches[0].device
         staged = torch.empty((len(slots), *self.buffer.shape[1:]), dtype=self.buffer.dtype,
@@ -146,13 +142,27 @@ def _pairs(
     return blocks.astype(np.int64), slots.astype(np.int64)
 
 
-def _rows(t: torch.Tensor, lead: int) -> np.ndarray:
-    """A contiguous host tensor as numpy of its first lead dimensions, each element an
-    opaque row of the rest: numpy's indexed copies move each row as one memcpy (torch's
-    indexed copies go element by element, several times slower)."""
-    row_bytes = math.prod(t.shape[lead:]) * t.element_size()
-    flat = t.view(torch.uint8).numpy().reshape(*t.shape[:lead], row_bytes)
-    return flat.view(np.dtype((np.void, row_bytes)))[..., 0]
+def _copy_rows(
+    caches: list[torch.Tensor], buffer: torch.Tensor, blocks: np.ndarray, slots: np.ndarray,
+    store: bool,
+) -> None:  # fmt: skip
+    """Host caches' blocks into the tier's slots (store) or back (load), each block's keys
+    and values of each layer one copy of their row: slices of byte memoryviews, whose
+    assignment copies once, where numpy's indexed copy of indexed rows gathers them into
+    a buffer of its own first."""
+    row = caches[0][0, 0].nbytes  # a block's keys (or values) in one layer
+    half, slot = caches[0][0].nbytes, buffer[0].nbytes
+    tier = flat_bytes(buffer)
+    for layer, cache in enumerate(caches):
+        layer_bytes = flat_bytes(cache)
+        for kv in (0, 1):
+            at_cache = (blocks * row + kv * half).tolist()
+            at_tier = (slots * slot + (layer * 2 + kv) * row).tolist()
+            for c, t in zip(at_cache, at_tier, strict=True):
+                if store:
+                    tier[t : t + row] = layer_bytes[c : c + row]
+                else:
+                    layer_bytes[c : c + row] = tier[t : t + row]
 
 
 def _runs(slots: np.ndarray) -> Iterator[tuple[int, int, int]]:
