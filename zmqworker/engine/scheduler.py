@@ -1,12 +1,13 @@
 """The scheduler: continuous batching of requests into steps, as SchedulerOutput deltas.
 
 Each step fills a token budget: first running requests that decode, then running
-requests in the middle of a chunked prefill, then waiting requests in arrival order
-(FCFS), whose prompts are cut into chunks to fit the budget. When the KV cache runs out,
-the newest running request is preempted by recompute: its blocks are freed and it waits
-at the front of the queue, to start over with its prompt and its outputs so far as the
-new prompt (NewRequestData, under the handle it had: the workers set it aside when told
-of the preemption, and drop that when it comes back as new).
+requests in the middle of a chunked prefill, then waiting requests (waiting_queue.py:
+those whose KV was loaded from a prefill instance, preempted ones, then the rest in
+arrival order), whose prompts are cut into chunks to fit the budget. When the KV cache
+runs out, the newest running request is preempted by recompute: its blocks are freed
+and it waits among the first, to start over with its prompt and its outputs so far as
+the new prompt (NewRequestData, under the handle it had: the workers set it aside when
+told of the preemption, and drop that when it comes back as new).
 
 Steps in flight: with pipeline stages, a request in a step still in flight is not
 scheduled again until that step's output has come back, so those steps hold disjoint
@@ -41,6 +42,7 @@ from zmqworker.engine.request import FinishReason, Request, RequestStatus
 from zmqworker.engine.running import RunningTable
 from zmqworker.engine.step_draft import StepDraft
 from zmqworker.engine.step_output import apply_tokens
+from zmqworker.engine.waiting_queue import WaitingQueue
 
 
 class Scheduler:
@@ -76,7 +78,7 @@ class Scheduler:
         self.async_scheduling = async_scheduling
         self.kv_connector = kv_connector
         check_limits(self)
-        self.waiting: deque[Request] = deque()
+        self.waiting = WaitingQueue()
         self.table = RunningTable()  # the running requests, in the order they started
         self.in_flight = StepsInFlight()
         self._requests: dict[str, Request] = {}
@@ -100,7 +102,7 @@ class Scheduler:
             assert self.kv_connector is not None
             self.kv_connector.add_remote(request)
         else:
-            self.waiting.append(request)
+            self.waiting.add_new(request)
 
     def check_request(self, request: Request) -> None:  # add_request's ValueErrors
         if request.req_id in self._requests or request.req_id in self._draining:
@@ -245,19 +247,15 @@ class Scheduler:
 
     def _schedule_waiting(self, draft: StepDraft, budget: int, max_reqs: int) -> int:
         """Waiting requests into draft, in order, while they fit; the budget left."""
-        while (
-            self.waiting
-            and budget > 0
-            and len(draft) < max_reqs
-            and len(self.table) < self.max_num_seqs
-        ):
-            request = self.waiting[0]
+        seqs = self.max_num_seqs
+        while self.waiting and budget > 0 and len(draft) < max_reqs and len(self.table) < seqs:
+            request = self.waiting.head
             computed = computed_prompt_blocks(request, self._requests, self.table, self.kv)
             if computed is None:
                 break  # its sibling computes the prompt they share: after that step
             hits, host_slots, num_hit = computed
             if (why := request.declines(num_hit)) is not None:  # for a prefill instance
-                self.waiting.popleft()
+                self.waiting.pop_head()
                 request.finish(FinishReason.DECLINED)
                 request.error = why
                 self._release(request)
@@ -268,8 +266,13 @@ class Scheduler:
                 request.req_id, request.all_token_ids, num_hit, num_new, hits, 0, host_slots
             )
             if new_blocks is None:
-                break
-            self.waiting.popleft()
+                # Nothing running or in flight frees a block: a loaded request gives its own.
+                busy = len(self.table) or len(self.in_flight)
+                if busy or not self.waiting.unload(request, self.kv):
+                    break
+                self.num_preemptions += 1
+                continue
+            self.waiting.pop_head()
             request.start_running(num_hit)
             request.num_loaded_tokens = 0  # the table counts them from now on
             if request.handle is None:
@@ -316,12 +319,9 @@ class Scheduler:
         is built."""
         request = self.table.requests[position]
         assert request.handle is not None
-        self.kv.free(request.req_id)
         self._preempted_handles.append(request.handle)
         self.num_preemptions += 1
-        request.status = RequestStatus.WAITING
-        request.num_preemptions += 1
-        self.waiting.appendleft(request)
+        self.waiting.preempt(request, self.kv)
 
     # -- consuming a step's output ------------------------------------------------------
 
@@ -347,7 +347,7 @@ class Scheduler:
         kv_output = runner_output.kv_connector_output
         if kv_output is not None:
             assert self.kv_connector is not None
-            failed = self.kv_connector.update(kv_output, self.waiting.appendleft)
+            failed = self.kv_connector.update(kv_output, self.waiting.add_loaded)
             for request in failed:
                 del self._requests[request.req_id]
             changed += failed
