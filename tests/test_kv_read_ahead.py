@@ -9,6 +9,7 @@ for its answer. No hold on a producer's cache outlives the loads."""
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator
 from typing import NamedTuple
@@ -87,15 +88,21 @@ def test_a_load_naming_the_prefill_s_blocks_is_copied_ahead_and_confirmed(pair, 
 
 
 @pytest.mark.parametrize("change", ["other-blocks", "new-cache"])
-def test_a_copy_ahead_the_answer_contradicts_is_made_again(pair, change) -> None:
+def test_a_copy_ahead_the_answer_contradicts_is_made_again(pair, change, monkeypatch) -> None:
     """other-blocks: the load names blocks the producer did not stage; new-cache: the
-    producer made its cache anew (a wake-up), so the copy ahead read the old one."""
+    producer made its cache anew (a wake-up), so the copy ahead read the old one. The
+    answer waits for the copy ahead: on a loaded machine it could otherwise come first,
+    and the copy would read the new cache, which its answer then confirms."""
     named, staged = [9, 10], [4, 5] if change == "other-blocks" else [9, 10]
     if change == "new-cache":
         old, pair.producer.shared = pair.producer.shared, shared_cache(seed=2)
         old.close()
+    server, copied = pair.producer.side.server, threading.Event()
+    answer = server._answer
+    monkeypatch.setattr(server, "_answer", lambda *args: copied.wait(10) and answer(*args))
     pair.producer.stage("r", staged)
     pair.pull("r", [11, 12], named)
+    copied.set()
     pair.landed("r")
     assert (pair.side.read_ahead.num_copied, pair.side.read_ahead.num_stood) == (1, 0)
     for mine, theirs in zip(pair.target, pair.producer.shared.layers, strict=True):
