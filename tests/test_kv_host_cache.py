@@ -116,10 +116,12 @@ def test_gather_takes_each_layer_s_blocks_and_refuses_one_past_the_cache() -> No
     ids checked first: such a take would clip one past the cache to the last block)."""
     g = torch.Generator().manual_seed(5)
     caches = [torch.randn(SHAPE, generator=g) for _ in range(2)]
-    ids = torch.tensor([7, 0, 3, 3])
-    out = torch.zeros(2, 2, len(ids), *SHAPE[2:])
-    gather(caches, ids, out)
-    assert all(torch.equal(out[i], cache[:, ids]) for i, cache in enumerate(caches))
+    for ids in (torch.tensor([7, 0, 3, 3]), torch.tensor([15, 1], dtype=torch.int32)):
+        out = torch.zeros(2, 2, len(ids), *SHAPE[2:])
+        gather(caches, ids, out)
+        assert all(torch.equal(out[i], cache[:, ids]) for i, cache in enumerate(caches))
+    gather(caches, torch.tensor([], dtype=torch.int64), torch.zeros(2, 2, 0, *SHAPE[2:]))
+    out = torch.zeros(2, 2, 2, *SHAPE[2:])
     for bad in (SHAPE[1], -1):
         with pytest.raises(ValueError, match=f"of {SHAPE[1]} blocks"):
             gather(caches, torch.tensor([1, bad]), out[:, :, :2])

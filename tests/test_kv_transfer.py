@@ -263,6 +263,27 @@ def test_logprobs_through_the_in_process_routers_equal_colocated(
         assert free_blocks(core) == core.block_manager.num_blocks
 
 
+def test_a_prompt_asking_for_prompt_logprobs_is_computed_where_it_has_none_cached(
+    pair: DisaggregatedEngine, monkeypatch
+) -> None:
+    """Every position is computed for prompt logprobs: a prompt the decode side holds
+    all but a token of goes to the prefill side when it asks for them, and a request
+    whose first token ends it gets them from there, with that token's logprobs alone."""
+    prompt = [*SHARED, 1]
+    run_colocated(pair.decode, prompts=[prompt])  # its blocks now cached there
+    monkeypatch.setattr(pair, "_local_limit", 8)
+    asked = msgspec.structs.replace(GREEDY, max_tokens=1, logprobs=0, prompt_logprobs=0)
+    assert pair.prefills_locally(prompt, GREEDY) and not pair.prefills_locally(prompt, asked)
+    loaded = pair.decode.kv_connector.num_loaded
+    [result] = pair.generate([prompt], asked, timeout_s=300)
+    assert pair.decode.kv_connector.num_loaded == loaded  # never went to the decode side
+    assert len(result.token_ids) == 1 and result.finish_reason == "length"
+    assert result.logprobs.logprob_token_ids[:, 0].tolist() == result.token_ids
+    assert result.prompt_logprobs.logprob_token_ids[:, 0].tolist() == prompt[1:]
+    while pair.has_work():
+        pair.step()
+
+
 def run_with_logprobs(
     core: EngineCore, params: SamplingParams
 ) -> list[tuple[list[int], LogprobsLists, LogprobsLists]]:
