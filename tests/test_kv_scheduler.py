@@ -375,33 +375,46 @@ def test_loaded_requests_holding_every_block_make_room_for_one_another() -> None
     assert s.kv.num_free_blocks == 4
 
 
-@pytest.mark.parametrize("seed", range(40))
-def test_a_small_cache_under_pulls_and_preemptions_always_makes_progress(seed: int) -> None:
-    """Pulled and local prompts arrive at once in a cache that holds few of them: loaded
-    requests never wait behind a preempted one that does not fit (they hold blocks only
-    their own run gives back), and every request ends."""
+@pytest.mark.parametrize("seed", range(12))
+@pytest.mark.parametrize(
+    ("caching", "depth"), [(False, 1), (False, 2), (True, 2)], ids=["one", "two", "cached-two"]
+)
+def test_a_small_cache_under_pulls_and_preemptions_always_makes_progress(
+    seed: int, caching: bool, depth: int
+) -> None:
+    """Pulled and local prompts (some sharing a prefix) arrive at once in a cache that
+    holds few of them, with one or two steps in flight (two: steps that carry only the
+    loads' orders keep going out): loaded requests never wait behind a preempted one that
+    does not fit, nor for blocks only another loaded one holds, and every request ends."""
     rng = np.random.default_rng(seed)
-    kv = KVBlockManager(12, block_size=4)
-    s = Scheduler(kv, 8, 64, 48, kv_connector=KVConnectorScheduler(kv, []))
+    tier = HostKVTier(6) if caching else None
+    kv = KVBlockManager(12, block_size=4, enable_prefix_caching=caching, host_tier=tier)
+    connector = KVConnectorScheduler(kv, [])
+    s = Scheduler(kv, 8, 64, 48, max_concurrent_batches=depth, kv_connector=connector)
+    shared = rng.integers(0, 100, 8).tolist()
     requests = []
     for i in range(16):
         prompt = rng.integers(0, 100, rng.integers(4, 21)).tolist()
+        prompt = [*shared, *prompt[:8]] if rng.random() < 0.4 else prompt
         params = SamplingParams(temperature=0.0, max_tokens=int(rng.integers(2, 17)))
         pulled = rng.random() < 0.5
         request = remote(f"r{i}", prompt, params) if pulled else Request(f"l{i}", prompt, params)
         requests.append(request)
         s.add_request(request)
-    loading: list[str] = []
-    for _ in range(2000):
-        if not s.has_unfinished_requests():
+    in_flight: list[tuple[SchedulerOutput, list[str]]] = []
+    loading: list[str] = []  # reported with the next step to come back
+    for _ in range(3000):
+        if not s.has_unfinished_requests() and not in_flight:
             break
-        step = s.schedule()
-        if step is None:
-            continue
-        report = KVConnectorOutput(finished_recving=loading) if loading else None
-        orders = step.kv_connector_metadata
-        loading = [load.req_id for load in orders.loads] if orders is not None else []
-        s.update_from_output(step, answer(step, report))
+        step = s.schedule() if len(in_flight) < depth else None
+        if step is not None:
+            orders = step.kv_connector_metadata
+            in_flight.append((step, [load.req_id for load in orders.loads] if orders else []))
+        if in_flight and (step is None or len(in_flight) == depth):
+            done, loads = in_flight.pop(0)
+            report = KVConnectorOutput(finished_recving=loading) if loading else None
+            s.update_from_output(done, answer(done, report))
+            loading = loads
     assert all(r.is_finished and r.finish_reason.value == "length" for r in requests)
     assert s.kv.num_free_blocks == 12
 

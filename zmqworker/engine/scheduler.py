@@ -266,8 +266,8 @@ class Scheduler:
                 request.req_id, request.all_token_ids, num_hit, num_new, hits, 0, host_slots
             )
             if new_blocks is None:
-                # Nothing running or in flight frees a block: a loaded request gives its own.
-                busy = len(self.table) or len(self.in_flight)
+                # No request running or draining will free a block: a loaded one gives its own.
+                busy = len(self.table) or self._draining
                 if busy or not self.waiting.unload(request, self.kv):
                     break
                 self.num_preemptions += 1

@@ -3,9 +3,11 @@ came from a prefill instance (they hold their blocks already, and behind a reque
 does not fit they would wait for blocks that only their own run gives back), then
 preempted requests (they started before the rest), then new ones in arrival order.
 
-With nothing running and no step in flight, no block is ever freed for a request that
-does not fit: the scheduler then takes the blocks of the newest other loaded request
-(unload), which computes its prompt itself, as a preempted request does.
+With nothing running, and no finished request's blocks to come back from a step in
+flight (a step in flight may compute nothing: one that only carries KV orders), no block
+is ever freed for a request that does not fit: the scheduler then takes the blocks of the
+newest other loaded request (unload), which computes its prompt itself, as a preempted
+request does.
 """
 
 from __future__ import annotations
