@@ -3,9 +3,7 @@ holds no other back and takes its blocks only when they are free, comes in with 
 remote tokens computed, and gives its blocks back only once its pull is over; it reuses
 the leading blocks it finds in the prefix cache or the host tier and has only the rest
 pulled, and a failed pull frees only the rest; a finished prefill's blocks are held
-until its KV is reported sent; loaded requests go first among the waiting ones, and
-give up their blocks where nothing else would free one, so that a small cache always
-makes progress."""
+until its KV is reported sent."""
 
 from __future__ import annotations
 
@@ -25,7 +23,6 @@ from zmqworker.engine.host_tier import HostKVTier
 from zmqworker.engine.kv_connector import KVConnectorScheduler
 from zmqworker.engine.request import RemotePrefill, Request, RequestStatus
 from zmqworker.engine.scheduler import Scheduler
-from zmqworker.engine.waiting_queue import WaitingQueue
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
 PARAMS_ONE = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
@@ -350,89 +347,3 @@ def test_a_request_sent_to_the_wrong_side_of_a_pair_is_refused() -> None:
     with pytest.raises(ValueError, match="serves no KV.*prefill instance"):
         decode.add_request(Request("p", [1, 2, 3], PARAMS, remote_decode=True))
     assert not prefill.has_unfinished_requests() and not decode.has_unfinished_requests()
-
-
-def test_loaded_requests_holding_every_block_make_room_for_one_another() -> None:
-    """Two pulled prompts fill the cache, and each needs one block more for its first
-    token: with nothing running, nothing would free one. The newer, tried first, takes
-    the older's blocks; the older computes its prompt itself, as a preempted request."""
-    s = scheduler(4, [])
-    older, newer = remote("older", list(range(8))), remote("newer", list(range(10, 18)))
-    for request in (older, newer):
-        s.add_request(request)
-    step = s.schedule()
-    assert len(step.kv_connector_metadata.loads) == 2 and s.kv.num_free_blocks == 0
-    s.update_from_output(step, answer(step, KVConnectorOutput(finished_recving=["older", "newer"])))
-    step = s.schedule()
-    assert [r.req_id for r in step.scheduled_new_reqs] == ["newer"]
-    assert older.num_loaded_tokens == 0 and older.num_preemptions == 1 == s.num_preemptions
-    s.update_from_output(step, answer(step))
-    while s.has_unfinished_requests():
-        step = s.schedule()
-        if step is not None:
-            s.update_from_output(step, answer(step))
-    assert older.output_token_ids == newer.output_token_ids == [3, 7, 7, 7]
-    assert s.kv.num_free_blocks == 4
-
-
-@pytest.mark.parametrize("seed", range(12))
-@pytest.mark.parametrize(
-    ("caching", "depth"), [(False, 1), (False, 2), (True, 2)], ids=["one", "two", "cached-two"]
-)
-def test_a_small_cache_under_pulls_and_preemptions_always_makes_progress(
-    seed: int, caching: bool, depth: int
-) -> None:
-    """Pulled and local prompts (some sharing a prefix) arrive at once in a cache that
-    holds few of them, with one or two steps in flight (two: steps that carry only the
-    loads' orders keep going out): loaded requests never wait behind a preempted one that
-    does not fit, nor for blocks only another loaded one holds, and every request ends."""
-    rng = np.random.default_rng(seed)
-    tier = HostKVTier(6) if caching else None
-    kv = KVBlockManager(12, block_size=4, enable_prefix_caching=caching, host_tier=tier)
-    connector = KVConnectorScheduler(kv, [])
-    s = Scheduler(kv, 8, 64, 48, max_concurrent_batches=depth, kv_connector=connector)
-    shared = rng.integers(0, 100, 8).tolist()
-    requests = []
-    for i in range(16):
-        prompt = rng.integers(0, 100, rng.integers(4, 21)).tolist()
-        prompt = [*shared, *prompt[:8]] if rng.random() < 0.4 else prompt
-        params = SamplingParams(temperature=0.0, max_tokens=int(rng.integers(2, 17)))
-        pulled = rng.random() < 0.5
-        request = remote(f"r{i}", prompt, params) if pulled else Request(f"l{i}", prompt, params)
-        requests.append(request)
-        s.add_request(request)
-    in_flight: list[tuple[SchedulerOutput, list[str]]] = []
-    loading: list[str] = []  # reported with the next step to come back
-    for _ in range(3000):
-        if not s.has_unfinished_requests() and not in_flight:
-            break
-        step = s.schedule() if len(in_flight) < depth else None
-        if step is not None:
-            orders = step.kv_connector_metadata
-            in_flight.append((step, [load.req_id for load in orders.loads] if orders else []))
-        if in_flight and (step is None or len(in_flight) == depth):
-            done, loads = in_flight.pop(0)
-            report = KVConnectorOutput(finished_recving=loading) if loading else None
-            s.update_from_output(done, answer(done, report))
-            loading = loads
-    assert all(r.is_finished and r.finish_reason.value == "length" for r in requests)
-    assert s.kv.num_free_blocks == 12
-
-
-def test_waiting_requests_go_loaded_first_then_preempted_then_new() -> None:
-    """Loaded ones hold their blocks: behind a preempted request that does not fit they
-    would wait for blocks only their own run frees."""
-    queue, kv = WaitingQueue(), KVBlockManager(8, block_size=4)
-    new, preempted, later = (Request(i, [1, 2], PARAMS) for i in ("new", "preempted", "later"))
-    loaded, newer = remote("loaded", [1, 2]), remote("newer", [3, 4])
-    for request in (loaded, newer):
-        request.num_loaded_tokens = 2
-    queue.add_new(new)
-    queue.preempt(preempted, kv)
-    queue.add_loaded(loaded)
-    queue.preempt(later, kv)
-    queue.add_loaded(newer)
-    assert [r.req_id for r in queue] == ["newer", "loaded", "later", "preempted", "new"]
-    assert queue.unload(newer, kv) and loaded.num_loaded_tokens == 0
-    assert [r.req_id for r in queue] == ["newer", "loaded", "later", "preempted", "new"]
-    assert not queue.unload(newer, kv)  # no other loaded request
