@@ -289,24 +289,24 @@ class Scheduler:
     def _preempt_until_fits(
         self, position: int, num_new: int, unknown: int, draft: StepDraft, preempted: list[int]
     ) -> list[int] | None:
-        """Blocks for num_new more tokens of the running request at position that did
-        not fit (unknown: its positions that steps in flight sample), preempting the
-        newest preemptible running requests (in no step) until they do; None if it
-        itself had to go, or there is nothing left to preempt."""
-        table = self.table
-        request = table.requests[position]
+        """Blocks for num_new more tokens (unknown: positions steps in flight sample) of
+        the request at position, preempting newer ones in no step, newest first, then
+        itself; None if it went, or waits (for newer ones in a step to come back)."""
+        table, request = self.table, self.table.requests[position]
         idle = (self.in_flight.num_steps[table.handle[: len(table)]] == 0) & ~draft.in_step()
+        running = np.array([r.status is RequestStatus.RUNNING for r in table.requests], bool)
         victims = np.flatnonzero(idle).tolist()  # the newest last
         while victims:
             victim = victims.pop()
-            if table.requests[victim].status is not RequestStatus.RUNNING:
+            if not running[victim]:
                 continue  # preempted already
+            if victim == position and (~idle[position + 1 :] & running[position + 1 :]).any():
+                return None  # else two that alternate steps could preempt each other for ever
             self._preempt(victim)
             preempted.append(victim)
             if victim == position:
                 return None
-            computed = int(table.computed[position])
-            known = request.all_token_ids
+            computed, known = int(table.computed[position]), request.all_token_ids
             new_blocks = self.kv.allocate_slots(
                 request.req_id, known, computed, num_new, (), unknown
             )

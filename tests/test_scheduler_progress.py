@@ -1,15 +1,16 @@
-"""The scheduler's waiting queue under pulled prompts (engine/waiting_queue.py): loaded
-requests go first among the waiting ones, and give up their blocks where nothing else
-would free one, so that a small cache always makes progress, with one or two steps in
-flight and with prefix caching."""
+"""The scheduler always makes progress in a small cache: under pulled prompts, loaded
+requests go first among the waiting ones (engine/waiting_queue.py) and give up their
+blocks where nothing else would free one; with two steps in flight and chunked
+prefills, two requests whose steps alternate never preempt each other for ever. With
+one or two steps in flight, and with prefix caching."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from messages import KVConnectorOutput, SamplingParams, SchedulerOutput
-from tests.test_kv_scheduler import PARAMS, answer, remote, scheduler
+from messages import KVConnectorOutput, ModelRunnerOutput, SamplingParams, SchedulerOutput
+from tests.test_kv_scheduler import PARAMS, remote, scheduler
 from zmqworker.engine.block_manager import KVBlockManager
 from zmqworker.engine.host_tier import HostKVTier
 from zmqworker.engine.kv_connector import KVConnectorScheduler
@@ -28,48 +29,80 @@ def test_loaded_requests_holding_every_block_make_room_for_one_another() -> None
         s.add_request(request)
     step = s.schedule()
     assert len(step.kv_connector_metadata.loads) == 2 and s.kv.num_free_blocks == 0
-    s.update_from_output(step, answer(step, KVConnectorOutput(finished_recving=["older", "newer"])))
+    lengths: dict[int, int] = {}
+    loaded = KVConnectorOutput(finished_recving=["older", "newer"])
+    s.update_from_output(step, answer(step, lengths, loaded))
     step = s.schedule()
     assert [r.req_id for r in step.scheduled_new_reqs] == ["newer"]
     assert older.num_loaded_tokens == 0 and older.num_preemptions == 1 == s.num_preemptions
-    s.update_from_output(step, answer(step))
+    s.update_from_output(step, answer(step, lengths))
     while s.has_unfinished_requests():
         step = s.schedule()
         if step is not None:
-            s.update_from_output(step, answer(step))
+            s.update_from_output(step, answer(step, lengths))
     assert older.output_token_ids == newer.output_token_ids == [3, 7, 7, 7]
     assert s.kv.num_free_blocks == 4
 
 
-@pytest.mark.parametrize("seed", range(12))
-@pytest.mark.parametrize(
-    ("caching", "depth"), [(False, 1), (False, 2), (True, 2)], ids=["one", "two", "cached-two"]
-)
+def answer(
+    step: SchedulerOutput, lengths: dict[int, int], report: KVConnectorOutput | None = None
+) -> ModelRunnerOutput:
+    """Token 7 for every request of step that samples: those whose step ends their prompt
+    (lengths: each handle's, from the step that started it) or decode."""
+    handles, tokens = [], []
+    for handle, computed, scheduled in step.scheduled_cached_reqs.columns[:3].T.tolist():
+        handles.append(handle)
+        tokens.append(7 if computed + scheduled >= lengths[handle] else -1)
+    for new in step.scheduled_new_reqs:
+        lengths[new.req_handle] = len(new.prompt_token_ids)
+        handles.append(new.req_handle)
+        ends = new.num_computed_tokens + new.num_scheduled_tokens >= len(new.prompt_token_ids)
+        tokens.append(7 if ends else -1)
+    return ModelRunnerOutput(
+        np.array(handles, np.int32), np.array(tokens, np.int32), kv_connector_output=report
+    )
+
+
+SETTINGS = {  # (prefix caching and a host tier, steps in flight, token budget)
+    "one": (False, 1, 64),
+    "two": (False, 2, 64),
+    "cached-two": (True, 2, 64),
+    "chunked-two": (False, 2, 8),
+}
+
+
+@pytest.mark.parametrize("seed", range(24))
+@pytest.mark.parametrize("setting", SETTINGS)
 def test_a_small_cache_under_pulls_and_preemptions_always_makes_progress(
-    seed: int, caching: bool, depth: int
+    seed: int, setting: str
 ) -> None:
     """Pulled and local prompts (some sharing a prefix) arrive at once in a cache that
     holds few of them, with one or two steps in flight (two: steps that carry only the
     loads' orders keep going out): loaded requests never wait behind a preempted one that
-    does not fit, nor for blocks only another loaded one holds, and every request ends."""
+    does not fit, nor for blocks only another loaded one holds; with chunks of 8 tokens, a
+    request that needs blocks waits for a newer one in a step rather than go itself (else
+    two whose steps alternate preempt each other for ever); and every request ends."""
+    caching, depth, budget = SETTINGS[setting]
     rng = np.random.default_rng(seed)
     tier = HostKVTier(6) if caching else None
     kv = KVBlockManager(12, block_size=4, enable_prefix_caching=caching, host_tier=tier)
     connector = KVConnectorScheduler(kv, [])
-    s = Scheduler(kv, 8, 64, 48, max_concurrent_batches=depth, kv_connector=connector)
+    s = Scheduler(kv, 8, budget, 48, max_concurrent_batches=depth, kv_connector=connector)
     shared = rng.integers(0, 100, 8).tolist()
     requests = []
-    for i in range(16):
-        prompt = rng.integers(0, 100, rng.integers(4, 21)).tolist()
-        prompt = [*shared, *prompt[:8]] if rng.random() < 0.4 else prompt
-        params = SamplingParams(temperature=0.0, max_tokens=int(rng.integers(2, 17)))
+    for i in range(20):
+        prompt = rng.integers(0, 100, rng.integers(4, 30)).tolist()
+        prompt = [*shared, *prompt[:12]] if rng.random() < 0.4 else prompt
+        max_tokens = min(int(rng.integers(1, 18)), 48 - len(prompt))
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
         pulled = rng.random() < 0.5
         request = remote(f"r{i}", prompt, params) if pulled else Request(f"l{i}", prompt, params)
         requests.append(request)
         s.add_request(request)
     in_flight: list[tuple[SchedulerOutput, list[str]]] = []
     loading: list[str] = []  # reported with the next step to come back
-    for _ in range(3000):
+    lengths: dict[int, int] = {}
+    for _ in range(4000):
         if not s.has_unfinished_requests() and not in_flight:
             break
         step = s.schedule() if len(in_flight) < depth else None
@@ -79,7 +112,7 @@ def test_a_small_cache_under_pulls_and_preemptions_always_makes_progress(
         if in_flight and (step is None or len(in_flight) == depth):
             done, loads = in_flight.pop(0)
             report = KVConnectorOutput(finished_recving=loading) if loading else None
-            s.update_from_output(done, answer(done, report))
+            s.update_from_output(done, answer(done, lengths, report))
             loading = loads
     assert all(r.is_finished and r.finish_reason.value == "length" for r in requests)
     assert s.kv.num_free_blocks == 12
