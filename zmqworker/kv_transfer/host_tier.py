@@ -158,11 +158,10 @@ def _copy_rows(
         for kv in (0, 1):
             at_cache = (blocks * row + kv * half).tolist()
             at_tier = (slots * slot + (layer * 2 + kv) * row).tolist()
-            for c, t in zip(at_cache, at_tier, strict=True):
-                if store:
-                    tier[t : t + row] = layer_bytes[c : c + row]
-                else:
-                    layer_bytes[c : c + row] = tier[t : t + row]
+            dst, src = (tier, layer_bytes) if store else (layer_bytes, tier)
+            to, at = (at_tier, at_cache) if store else (at_cache, at_tier)
+            for d, s in zip(to, at, strict=True):
+                dst[d : d + row] = src[s : s + row]
 
 
 def _runs(slots: np.ndarray) -> Iterator[tuple[int, int, int]]:
