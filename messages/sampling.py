@@ -21,6 +21,9 @@ MAX_BAD_WORDS = 1024
 MAX_BAD_WORD_TOKENS = 64
 # The most samples of one prompt (n): each is a request in the engine core.
 MAX_N = 128
+# Token ids, top_k, min_tokens and top-n logprobs land in the workers' int32 columns.
+INT32_MAX = 2**31 - 1
+TokenId = Annotated[int, Meta(ge=0, le=INT32_MAX)]
 
 
 class SamplingParams(msgspec.Struct, tag=True, frozen=True, omit_defaults=True):
@@ -35,7 +38,12 @@ class SamplingParams(msgspec.Struct, tag=True, frozen=True, omit_defaults=True):
         float, Meta(ge=0, description="sampling temperature; 0 is greedy; finite")
     ] = 1.0
     top_k: Annotated[
-        int, Meta(ge=-1, description="keep the k most likely tokens; 0 or -1: all")
+        int,
+        Meta(
+            ge=-1,
+            le=INT32_MAX,
+            description="keep the k most likely tokens; 0, -1 or more than the vocabulary: all",
+        ),
     ] = 0
     top_p: Annotated[
         float,
@@ -75,8 +83,8 @@ class SamplingParams(msgspec.Struct, tag=True, frozen=True, omit_defaults=True):
         ),
     ] = []
     stop_token_ids: Annotated[
-        list[Annotated[int, Meta(ge=0)]],
-        Meta(description="token ids that end the output, besides EOS"),
+        list[TokenId],
+        Meta(description="token ids that end the output, besides EOS (within the vocabulary)"),
     ] = []
     ignore_eos: Annotated[
         bool, Meta(description="keep generating after the end-of-sequence token")
@@ -92,14 +100,14 @@ class SamplingParams(msgspec.Struct, tag=True, frozen=True, omit_defaults=True):
         bool, Meta(description="leave special tokens out of the output's text")
     ] = True
     logprobs: Annotated[
-        Annotated[int, Meta(ge=0)] | None,
+        Annotated[int, Meta(ge=0, le=INT32_MAX)] | None,
         Meta(
             description="return the log probability of each generated token and of the "
             "n most likely ones at its position (n at most the run's max_logprobs)"
         ),
     ] = None
     prompt_logprobs: Annotated[
-        Annotated[int, Meta(ge=-1)] | None,
+        Annotated[int, Meta(ge=-1, le=INT32_MAX)] | None,
         Meta(
             description="return, at every prompt position after the first, the log "
             "probability of the prompt's token and of the n most likely ones there (n at "
@@ -135,7 +143,7 @@ class SamplingParams(msgspec.Struct, tag=True, frozen=True, omit_defaults=True):
         ),
     ] = 1.0
     logit_bias: Annotated[
-        dict[Annotated[int, Meta(ge=0)], Annotated[float, Meta(ge=-100, le=100)]],
+        dict[TokenId, Annotated[float, Meta(ge=-100, le=100)]],
         Meta(
             description="add BIAS, in [-100, 100], to the logit of token ID",
             extra={"metavar": "ID=BIAS"},
@@ -145,6 +153,7 @@ class SamplingParams(msgspec.Struct, tag=True, frozen=True, omit_defaults=True):
         int,
         Meta(
             ge=0,
+            le=INT32_MAX,
             description="generate at least this many tokens before EOS, a stop token id or "
             "a stop string may end the output (at most max_tokens)",
         ),
@@ -157,11 +166,7 @@ class SamplingParams(msgspec.Struct, tag=True, frozen=True, omit_defaults=True):
         ),
     ] = []
     bad_words_token_ids: Annotated[
-        list[
-            Annotated[
-                list[Annotated[int, Meta(ge=0)]], Meta(min_length=1, max_length=MAX_BAD_WORD_TOKENS)
-            ]
-        ],
+        list[Annotated[list[TokenId], Meta(min_length=1, max_length=MAX_BAD_WORD_TOKENS)]],
         Meta(
             max_length=MAX_BAD_WORDS,
             description="token id sequences the output may not hold, each as IDS (1,2,3): "
@@ -208,6 +213,20 @@ class SamplingParams(msgspec.Struct, tag=True, frozen=True, omit_defaults=True):
             value = getattr(self, field)
             if value is not None and 0 <= max_logprobs < value:
                 return field, value
+        return None
+
+    def token_id_outside(self, vocab_size: int) -> tuple[str, int] | None:
+        """(field, id) of the first token id at or above vocab_size in stop_token_ids,
+        logit_bias and bad_words_token_ids; None when every one is within it."""
+        fields = {
+            "stop_token_ids": self.stop_token_ids,
+            "logit_bias": self.logit_bias,
+            "bad_words_token_ids": [t for word in self.bad_words_token_ids for t in word],
+        }
+        for field, ids in fields.items():
+            outside = [t for t in ids if t >= vocab_size]
+            if outside:
+                return field, outside[0]
         return None
 
     @property

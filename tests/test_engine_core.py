@@ -33,7 +33,7 @@ from tests.test_engine_e2e import PROMPTS, make_llm
 from tests.test_executor import wait_gone
 from zmqworker.frontend.core_client import EngineCoreClient
 from zmqworker.frontend.core_process import RemoteEngineCore, WatchedEngineCore
-from zmqworker.frontend.engine_connection import ENGINE_SILENT_S
+from zmqworker.frontend.engine_connection import ENGINE_SILENT_S, Failed
 from zmqworker.frontend.errors import EngineCoreDiedError, EngineCoreError
 from zmqworker.frontend.llm import LLM
 
@@ -113,6 +113,40 @@ def test_a_client_gone_has_its_requests_aborted_and_their_blocks_freed(fake_llm)
         time.sleep(0.05)
     assert stats.num_running == 0 and stats.num_free_blocks == stats.num_blocks
     assert stats.num_aborted == before.num_aborted + 2
+
+
+def test_a_token_id_outside_the_vocabulary_fails_its_request_alone(fake_llm):
+    """The engine core checks a request's token ids as the workers would read them: one
+    outside the vocabulary fails that request by name, not the step of every request."""
+    other = second_client(fake_llm)
+    vocab = len(fake_llm.tokenizer)
+    bad = {
+        "stop": SamplingParams(stop_token_ids=[vocab]),
+        "bias": SamplingParams(logit_bias={vocab + 5: 1.0}),
+        "words": SamplingParams(bad_words_token_ids=[[1, vocab]]),
+    }
+    try:
+        other.wait_ready(30)
+        running = SamplingParams(max_tokens=40, ignore_eos=True)
+        other.add_request(EngineCoreRequest("runs", np.array([5, 6, 7], np.int32), running))
+        for name, params in bad.items():
+            other.add_request(EngineCoreRequest(name, np.array([5, 6], np.int32), params))
+        errors, tokens, finished = {}, 0, False
+        deadline = time.monotonic() + 30
+        while not finished and time.monotonic() < deadline:
+            for event in other.receive(1.0):
+                if isinstance(event, Failed):
+                    errors.update(dict.fromkeys(event.request_ids, str(event.error)))
+                    continue
+                tokens += len(event.new_token_ids)
+                finished |= bool(event.finished)
+    finally:
+        other.close()
+    assert finished and tokens == 40
+    assert errors["stop"].endswith(f"stop_token_ids: token id {vocab} is outside the vocabulary "
+                                   f"[0, {vocab})")  # fmt: skip
+    assert f"logit_bias: token id {vocab + 5} is outside" in errors["bias"]
+    assert f"bad_words_token_ids: token id {vocab} is outside" in errors["words"]
 
 
 def test_junk_and_strangers_at_the_socket_are_dropped(fake_llm):

@@ -188,7 +188,7 @@ def test_penalties_survive_preemption():
 
 
 def test_bad_values_are_refused_before_anything_runs(llm: LLM):
-    with pytest.raises(ValueError, match=r"logit_bias token id 320 is outside the vocabulary"):
+    with pytest.raises(ValueError, match=r"logit_bias: token id 320 is outside the vocabulary"):
         llm.generate(["Hi"], SamplingParams(logit_bias={320: 1.0}))
     with pytest.raises(ValueError, match=r"bad_words\[0\] is only whitespace"):
         llm.generate(["Hi"], SamplingParams(bad_words=["  "]))

@@ -221,8 +221,13 @@ def test_request_params_tokenize_bad_words_with_and_without_a_space(tok):
     assert request_params(resolved, tok, len(tok), 20) == resolved  # checked again: the same
     with pytest.raises(ValueError, match="bad_words need the model's tokenizer"):
         request_params(params, None, 320, 20)
-    with pytest.raises(ValueError, match=r"bad_words_token_ids\[0\] holds token id 7, outside"):
+    with pytest.raises(
+        ValueError, match=r"bad_words_token_ids: token id 7 is outside the vocabulary \[0, 5\)"
+    ):
         request_params(SamplingParams(bad_words_token_ids=[[7]]), None, 5, 20)
+    # With no max_logprobs (-1), the vocabulary bounds the top-n.
+    with pytest.raises(ValueError, match="logprobs=6 is more than the vocabulary's 5 tokens"):
+        request_params(SamplingParams(logprobs=6), None, 5, -1)
 
 
 def test_timings_and_logprobs_texts(tok):

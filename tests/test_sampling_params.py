@@ -26,6 +26,12 @@ from messages import SamplingParams
         ({"temperature": float("inf")}, r"temperature must be finite"),
         ({"temperature": "hot"}, r"Expected `float`, got `str` - at `\$.temperature`"),
         ({"seed": 2**63}, r"Expected `int` <= 9223372036854775807 - at `\$.seed`"),
+        # The workers hold these in int32 columns.
+        ({"top_k": 2**31}, r"Expected `int` <= 2147483647 - at `\$.top_k`"),
+        ({"stop_token_ids": [2**31]}, r"<= 2147483647 - at `\$.stop_token_ids\[0\]`"),
+        ({"logit_bias": {2**31: 1.0}}, r"<= 2147483647 - at `key` in `\$.logit_bias`"),
+        ({"min_tokens": 2**31, "max_tokens": 2**32}, r"<= 2147483647 - at `\$.min_tokens`"),
+        ({"logprobs": 2**31}, r"Expected `int` <= 2147483647 - at `\$.logprobs`"),
     ],
 )
 def test_a_value_out_of_range_is_refused_by_name(fields, message):

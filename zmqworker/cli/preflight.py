@@ -156,17 +156,12 @@ class _Limits:
             )
         if self.vocab is None:
             return
-        fields = {
-            "stop_token_ids": params.stop_token_ids,
-            "logit_bias": list(params.logit_bias),
-            "bad_words_token_ids": [t for word in params.bad_words_token_ids for t in word],
-        }
-        for field, ids in fields.items():
-            bad = [t for t in ids if t >= self.vocab]
-            if bad:
-                raise ValueError(
-                    f"{_name(field, names)} {bad[0]} is outside the vocabulary [0, {self.vocab})"
-                )
+        outside = params.token_id_outside(self.vocab)
+        if outside is not None:
+            field, token = outside
+            raise ValueError(
+                f"{_name(field, names)} {token} is outside the vocabulary [0, {self.vocab})"
+            )
 
     def check_room(self, num_tokens: int | None, params: SamplingParams, names: dict) -> None:
         """The prompt and max_tokens must fit in max_model_len, as the server requires

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from messages import EngineCoreConfig, EngineCoreRequest
+from messages import EngineCoreConfig, EngineCoreRequest, SamplingParams
 from zmqworker.engine.request import RemotePrefill, Request
 
 
@@ -31,7 +31,8 @@ def request_of(msg: EngineCoreRequest, config: EngineCoreConfig) -> Request:
 
 def _prompt(msg: EngineCoreRequest, config: EngineCoreConfig) -> list[int]:
     """The prompt's ids, within the vocabulary, as are the remote prefill's first token
-    and the logprobs asked for within the model's bound."""
+    and the sampling parameters' token ids, and the logprobs asked for within the model's
+    bound."""
     ids = msg.prompt_token_ids
     if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer):
         raise ValueError(f"prompt_token_ids must be one row of integers, got {ids.dtype}")
@@ -42,8 +43,23 @@ def _prompt(msg: EngineCoreRequest, config: EngineCoreConfig) -> list[int]:
     first = None if transfer is None else transfer.first_token
     if first is not None and vocab is not None and first >= vocab:
         raise ValueError(f"kv_transfer_params.first_token {first} is outside [0, {vocab})")
+    params = msg.sampling_params
     max_logprobs = config.worker.model.max_logprobs
-    over = msg.sampling_params.logprobs_over(max_logprobs)
+    over = params.logprobs_over(max_logprobs)
     if over is not None:
         raise ValueError(f"{over[0]}={over[1]} is more than max_logprobs={max_logprobs}")
+    if vocab is not None:
+        check_token_ids(params, vocab)
     return ids.tolist()
+
+
+def check_token_ids(params: SamplingParams, vocab_size: int) -> None:
+    """ValueError naming the first token id of params outside the vocabulary, or the top-n
+    logprobs asked for beyond it (with max_logprobs -1 nothing else bounds them)."""
+    outside = params.token_id_outside(vocab_size)
+    if outside is not None:
+        field, token = outside
+        raise ValueError(f"{field}: token id {token} is outside the vocabulary [0, {vocab_size})")
+    over = params.logprobs_over(vocab_size)
+    if over is not None:
+        raise ValueError(f"{over[0]}={over[1]} is more than the vocabulary's {vocab_size} tokens")

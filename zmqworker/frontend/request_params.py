@@ -21,6 +21,7 @@ from messages import SamplingParams
 from messages.sampling import MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS
 from zmqworker.engine.grammars import check_grammar
 from zmqworker.engine.prompts import check_text
+from zmqworker.engine.request_message import check_token_ids
 
 
 def request_params(
@@ -42,32 +43,22 @@ def request_params(
         check_text(stop, f"stop string {i}")
     for i, word in enumerate(params.bad_words):
         check_text(word, f"bad_words[{i}]")
-    vocab = vocab_size if vocab_size is not None else float("inf")
-    bias = [t for t in params.logit_bias if t >= vocab]
-    if bias:
-        raise ValueError(
-            f"logit_bias token id {bias[0]} is outside the vocabulary [0, {vocab_size})"
-        )
     if not params.bad_words:
         words = params.bad_words_token_ids
     else:
         if tokenizer is None:
             raise ValueError("bad_words need the model's tokenizer: give bad_words_token_ids")
         words = [*params.bad_words_token_ids, *_tokenize(params.bad_words, tokenizer)]
-    for i, word in enumerate(words):
-        if max(word) >= vocab:
-            raise ValueError(
-                f"bad_words_token_ids[{i}] holds token id {max(word)}, outside the vocabulary "
-                f"[0, {vocab_size})"
-            )
     if len(words) > MAX_BAD_WORDS:
         raise ValueError(
             f"bad_words make {len(words)} token sequences, more than {MAX_BAD_WORDS} (each "
             "word counts once, or twice when it tokenizes differently after a space)"
         )
-    if not params.bad_words:
-        return params
-    return msgspec.structs.replace(params, bad_words=[], bad_words_token_ids=words)
+    if params.bad_words:
+        params = msgspec.structs.replace(params, bad_words=[], bad_words_token_ids=words)
+    if vocab_size is not None:
+        check_token_ids(params, vocab_size)
+    return params
 
 
 def _tokenize(bad_words: list[str], tokenizer: Any) -> list[list[int]]:

@@ -16,7 +16,7 @@ from typing import Annotated, Any
 from msgspec import Meta, Struct
 
 from messages import StructuredOutputsParams
-from messages.sampling import MAX_N
+from messages.sampling import INT32_MAX, MAX_N, TokenId
 from zmqworker.serve.errors import APIError
 from zmqworker.serve.structured import StructuredFields
 from zmqworker.serve.tools import NamedToolChoice, Tool, ToolFields
@@ -28,7 +28,6 @@ MAX_LOGPROBS = 20  # the OpenAI API's bound, and the workers' default max_logpro
 MAX_PROMPTS = 2048
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
-TokenId = Annotated[int, Meta(ge=0)]
 StopString = Annotated[str, Meta(min_length=1)]
 Penalty = Annotated[float, Meta(ge=-2, le=2)]
 MAX_BIAS = 100.0  # OpenAI's bound on a logit_bias value, either way
@@ -44,7 +43,7 @@ class SamplingRequest(StructuredFields, forbid_unknown_fields=True, kw_only=True
     model: str
     temperature: Annotated[float, Meta(ge=0, le=2)] | None = None
     top_p: Annotated[float, Meta(gt=0, le=1)] | None = None
-    top_k: Annotated[int, Meta(ge=-1)] | None = None
+    top_k: Annotated[int, Meta(ge=-1, le=INT32_MAX)] | None = None
     min_p: Annotated[float, Meta(ge=0, le=1)] | None = None
     seed: Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)] | None = None
     stop: StopString | list[StopString] | None = None
@@ -56,13 +55,13 @@ class SamplingRequest(StructuredFields, forbid_unknown_fields=True, kw_only=True
     frequency_penalty: Penalty | None = None
     repetition_penalty: Annotated[float, Meta(gt=0)] | None = None
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias
-    min_tokens: Annotated[int, Meta(ge=0)] | None = None
+    min_tokens: Annotated[int, Meta(ge=0, le=INT32_MAX)] | None = None
     bad_words: list[StopString] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
     n: Annotated[int, Meta(ge=1, le=MAX_N)] | None = None  # choices per prompt
-    prompt_logprobs: Annotated[int, Meta(ge=-1)] | None = None  # -1: refused by name
+    prompt_logprobs: Annotated[int, Meta(ge=-1, le=INT32_MAX)] | None = None  # -1: refused by name
 
     def check(self) -> None:
         """Refuse what the types cannot: unsupported features, options that need another."""
@@ -83,7 +82,8 @@ class SamplingRequest(StructuredFields, forbid_unknown_fields=True, kw_only=True
             return None
         bias = {}
         for key, value in self.logit_bias.items():
-            if not (key.isascii() and key.isdigit()):
+            id_like = key.isascii() and key.isdigit() and len(key) <= len(str(INT32_MAX))
+            if not (id_like and int(key) <= INT32_MAX):
                 raise APIError(
                     f"logit_bias: keys must be token ids (integers >= 0, as strings), got {key!r}",
                     param="logit_bias",
