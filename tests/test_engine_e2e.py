@@ -126,6 +126,16 @@ def test_kv_cache_overflow_finishes_through_preemption(small_cache):
     assert [o.token_ids for o in outs] == [hf_greedy(tuple(p), 30) for p in PROMPTS]
 
 
+def test_seeded_sampling_gives_the_same_tokens_through_preemption(small_cache, llm):
+    """A seeded request's tokens depend on its seed and its logits alone: preempted and
+    recomputed, it samples what it samples in a cache with room for every request."""
+    params = SamplingParams(temperature=1.0, seed=11, max_tokens=30, ignore_eos=True)
+    before = small_cache.stats().num_preemptions
+    pressed = small_cache.generate(PROMPTS, params)
+    assert small_cache.stats().num_preemptions > before
+    assert [o.token_ids for o in pressed] == [o.token_ids for o in llm.generate(PROMPTS, params)]
+
+
 def test_stop_strings_and_max_tokens_are_honoured(llm):
     free = llm.generate(
         ["Hello world"], SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)

@@ -92,12 +92,13 @@ def snapshot(batch: InputBatch) -> dict:
                 batch.top_p,
                 batch.min_p,
                 batch.num_logprobs,
+                batch.seeded,
+                batch.seeds,
             )
         ],
         "req_ids": list(batch.req_ids),
         "row_of": dict(batch.row_of),
         "parked": {h: p.token_ids.tolist() for h, p in batch.parked.items()},
-        "generators": dict(batch.generators),
     }
 
 
@@ -335,7 +336,6 @@ def test_preempted_request_resumes_with_a_replaced_block_table() -> None:
     params = SamplingParams(temperature=0.5, seed=3)
     batch.update(step([new_req(1, [1, 2, 3, 4, 5], [10, 11], 5, params=params)]))
     batch.append_sampled(np.array([batch.row_of[1]]), np.array([42], np.int32))
-    generator = batch.generators[batch.row_of[1]]
     batch.update(step(preempted=[1]))
     assert 1 not in batch.row_of and batch.parked[1].token_ids.tolist() == [1, 2, 3, 4, 5, 42]
     cached = CachedRequestData.build([1], [0], [6], [[30, 31]], resumed_req_handles=[1])
@@ -344,7 +344,7 @@ def test_preempted_request_resumes_with_a_replaced_block_table() -> None:
     assert scheduled.rows.tolist() == [row]
     assert batch.block_table[row, : batch.num_blocks[row]].tolist() == [30, 31]
     assert batch.tokens_of(1).tolist() == [1, 2, 3, 4, 5, 42]
-    assert batch.generators[row] is generator and batch.temperature[row] == 0.5
+    assert batch.seeds[row] == 3 and batch.temperature[row] == 0.5
     assert not batch.parked
 
 
@@ -358,6 +358,37 @@ def test_preempted_request_readded_as_new_replaces_the_kept_state() -> None:
     batch.update(step([new_req(1, [1, 2, 3, 9, 8], [13, 14], 5)], preempted=[1]))
     assert not batch.parked and batch.tokens_of(1).tolist() == [1, 2, 3, 9, 8]
     assert batch.block_table[batch.row_of[1], :2].tolist() == [13, 14]
+
+
+def draws(batch: InputBatch, handle: int) -> list[float]:
+    """What the request's generator draws for its next sample."""
+    generators = batch.sampling_generators(np.array([batch.row_of[handle]]))
+    return torch.rand(4, generator=generators[0]).tolist()
+
+
+def test_a_seeded_request_draws_by_its_seed_and_sample_count_alone() -> None:
+    params = SamplingParams(temperature=1.0, seed=7)
+    kept = make_batch()
+    kept.update(step([new_req(1, [1, 2, 3], [10], 3, params=params)]))
+    first = draws(kept, 1)
+    kept.append_sampled(np.array([kept.row_of[1]]), np.array([42], np.int32))
+    second = draws(kept, 1)
+    assert first != second and draws(kept, 1) == second  # drawing does not move it on
+    # preempted, then sent again as new with its sample in its prompt: the draw it would
+    # have made, whatever was drawn before
+    again = make_batch()
+    again.update(step([new_req(5, [9], [0], 1), new_req(1, [1, 2, 3], [10], 3, params=params)]))
+    again.update(step(preempted=[1]))
+    readded = new_req(1, [1, 2, 3, 42], [11], 4, params=params)
+    again.update(step([msgspec.structs.replace(readded, num_output_tokens=1)]))
+    assert draws(again, 1) == second
+    # another seed, or no seed, draws otherwise
+    other = make_batch()
+    other.update(step([new_req(1, [1, 2, 3], [10], 3, params=SamplingParams(seed=8))]))
+    other.update(step([new_req(2, [1], [1], 1, params=SamplingParams())]))
+    assert draws(other, 1) != first and 1 not in other.sampling_generators(
+        np.array([other.row_of[1], other.row_of[2]])
+    )
 
 
 def test_non_last_stage_appends_only_tokens_it_lacks() -> None:

@@ -26,6 +26,8 @@ from zmqworker.model_runner.batch_update import (
 )
 from zmqworker.model_runner.penalty_rows import PenaltyRows
 
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)  # SplitMix64's increment
+
 
 @dataclass
 class ParkedRequest:
@@ -36,7 +38,6 @@ class ParkedRequest:
     num_prompt: int  # of token_ids, the prompt's
     params: SamplingParams
     eos_token_ids: list[int]
-    generator: torch.Generator | None
 
 
 class InputBatch:
@@ -84,7 +85,8 @@ class InputBatch:
         self.min_p = np.zeros(max_num_seqs, np.float32)
         self.num_logprobs = np.full(max_num_seqs, -1, np.int32)
         self.num_prompt_logprobs = np.full(max_num_seqs, -1, np.int32)  # -1: none asked
-        self.generators: dict[int, torch.Generator] = {}  # row -> the seeded request's own
+        self.seeded = np.zeros(max_num_seqs, bool)
+        self.seeds = np.zeros(max_num_seqs, np.int64)
         self.penalties = PenaltyRows(max_num_seqs, vocab_size, device) if samples else None
 
         self.row_of: dict[int, int] = {}
@@ -171,10 +173,19 @@ class InputBatch:
         return self.token_ids[row, : self.num_tokens[row]].copy()
 
     def sampling_generators(self, rows: np.ndarray) -> dict[int, torch.Generator]:
-        """{position in rows: generator} for the seeded requests among rows."""
-        if not self.generators:
+        """{position in rows: generator} for the seeded requests among rows (each about to
+        sample its next token), each seeded from the request's seed and how many tokens
+        it has sampled: its draws depend on nothing else, so a request preempted and
+        recomputed, or sent again as new, samples as if it never was."""
+        seeded = np.flatnonzero(self.seeded[rows])
+        if not len(seeded):
             return {}
-        return {i: self.generators[r] for i, r in enumerate(rows.tolist()) if r in self.generators}
+        at = rows[seeded]
+        draws = draw_seeds(self.seeds[at], self.num_tokens[at] - self.num_prompt[at])
+        return {
+            int(i): torch.Generator(device=self.device).manual_seed(int(seed))
+            for i, seed in zip(seeded, draws, strict=True)
+        }
 
     # row operations (apply calls these after planning validated them) ----------------
 
@@ -189,10 +200,8 @@ class InputBatch:
         blocks = np.asarray(new.block_ids)
         self.block_table[row, : len(blocks)] = blocks
         self.num_blocks[row] = len(blocks)
-        params = new.sampling_params
         self.num_prompt[row] = len(prompt) - new.num_output_tokens
-        generator = _make_generator(params, self.device)
-        self._set_params(row, params, new.eos_token_ids, generator, prompt)
+        self._set_params(row, new.sampling_params, new.eos_token_ids, prompt)
         return row
 
     def remove_request(self, handle: int, park: bool) -> None:
@@ -207,13 +216,12 @@ class InputBatch:
                 int(self.num_prompt[row]),
                 params,
                 self.eos_token_ids[row],
-                self.generators.get(row),
             )
         self.handles[row] = -1
         self.req_ids[row] = None
         self.params[row] = None
         self.eos_token_ids[row] = []
-        self.generators.pop(row, None)
+        self.seeded[row] = False
         if self.penalties is not None:
             self.penalties.remove(row)
         heapq.heappush(self._free_rows, row)
@@ -226,9 +234,7 @@ class InputBatch:
         self.num_tokens[row] = len(parked.token_ids)
         self.num_prompt[row] = parked.num_prompt
         self.num_blocks[row] = 0
-        self._set_params(
-            row, parked.params, parked.eos_token_ids, parked.generator, parked.token_ids
-        )
+        self._set_params(row, parked.params, parked.eos_token_ids, parked.token_ids)
         return row
 
     def _append_tokens(self, cached: CachedPlan) -> None:
@@ -269,7 +275,6 @@ class InputBatch:
         row: int,
         params: SamplingParams,
         eos_token_ids: list[int],
-        generator: torch.Generator | None,
         token_ids: np.ndarray,
     ) -> None:
         """token_ids: the request's tokens (the first num_prompt[row] its prompt)."""
@@ -282,13 +287,17 @@ class InputBatch:
         self.num_logprobs[row] = -1 if params.logprobs is None else params.logprobs
         prompt_logprobs = params.prompt_logprobs
         self.num_prompt_logprobs[row] = -1 if prompt_logprobs is None else prompt_logprobs
-        if generator is not None:
-            self.generators[row] = generator
+        self.seeded[row] = params.seed is not None
+        self.seeds[row] = params.seed or 0
         if self.penalties is not None:
             self.penalties.add(row, params, token_ids, int(self.num_prompt[row]), eos_token_ids)
 
 
-def _make_generator(params: SamplingParams, device: torch.device) -> torch.Generator | None:
-    if params.seed is None:
-        return None
-    return torch.Generator(device=device).manual_seed(params.seed)
+def draw_seeds(seeds: np.ndarray, draws: np.ndarray) -> np.ndarray:
+    """The seed of each request's draw number draws (int64 columns), as uint64: SplitMix64
+    of the two, so that nearby seeds and draws give unrelated streams (a CPU generator
+    keeps the low 32 bits)."""
+    x = seeds.astype(np.uint64) + (draws.astype(np.uint64) + np.uint64(1)) * _GOLDEN
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
