@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import jsonschema
@@ -161,3 +163,42 @@ def test_a_bad_constraint_is_a_400_naming_it(server, extra, param, words):
     error = caught.value.body
     assert words in error["message"] and error["param"] == param, error
     assert server.wait_idle()["num_requests_running"] == 0
+
+
+def test_logprobs_of_tokens_a_constraint_rules_out_are_json_numbers(server):
+    """Under a constraint the tokens it rules out have a logprob of -inf, which JSON
+    cannot hold: the answer, whole or streamed, gives OpenAI's floor of -9999.0 instead."""
+    body = {"model": MODEL, "prompt": "Pick:", "max_tokens": 4, "logprobs": 5,
+            "structured_outputs": {"choice": ["left", "right"]}}  # fmt: skip
+    logprobs = _strict_json(_post(server, "/v1/completions", body))["choices"][0]["logprobs"]
+    tops = [value for top in logprobs["top_logprobs"] for value in top.values()]
+    assert min(tops) == -9999.0 and all(math.isfinite(v) for v in logprobs["token_logprobs"])
+    chat_body = {"model": MODEL, "messages": chat("Pick one."), "max_tokens": 4, "stream": True,
+                 "logprobs": True, "top_logprobs": 5, "guided_choice": ["up", "down"]}  # fmt: skip
+    events = _post(server, "/v1/chat/completions", chat_body).split("\n\n")
+    entries = [
+        entry
+        for event in events
+        if event.startswith("data: {")
+        for choice in _strict_json(event[6:])["choices"]
+        for entry in (choice.get("logprobs") or {}).get("content") or []
+    ]
+    assert entries and min(t["logprob"] for e in entries for t in e["top_logprobs"]) == -9999.0
+
+
+def _post(server: Server, path: str, body: dict) -> str:
+    request = urllib.request.Request(
+        server.base + path, json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(request, timeout=120) as response:
+        assert response.status == 200
+        return response.read().decode()
+
+
+def _strict_json(text: str) -> dict:
+    """text as JSON, refusing what only Python's json takes (Infinity, NaN)."""
+
+    def refuse(constant: str) -> float:
+        raise ValueError(f"{constant} is not JSON")
+
+    return json.loads(text, parse_constant=refuse)

@@ -16,6 +16,7 @@ from zmqworker.frontend.outputs import PositionLogprobs, RequestOutput, TokenLog
 from zmqworker.serve.errors import APIError
 from zmqworker.serve.generation import (
     finish_reason,
+    json_logprob,
     now,
     prompt_logprobs,
     run_prompts,
@@ -177,7 +178,7 @@ def _logprobs(positions: list[PositionLogprobs]) -> dict[str, Any]:
 
     def entry(token: TokenLogprob) -> dict[str, Any]:
         text = token.text or ""
-        return {"token": text, "logprob": token.logprob, "bytes": list(text.encode())}
+        return {"token": text, "logprob": json_logprob(token.logprob), "bytes": list(text.encode())}
 
     return {
         "content": [

@@ -14,6 +14,7 @@ from zmqworker.serve.best_of import best_of_params, keep_best
 from zmqworker.serve.errors import APIError
 from zmqworker.serve.generation import (
     finish_reason,
+    json_logprob,
     now,
     prompt_logprobs,
     run_prompts,
@@ -141,7 +142,7 @@ def _logprobs(positions: list[PositionLogprobs]) -> dict[str, Any]:
         at += len(token)
     return {
         "tokens": tokens,
-        "token_logprobs": [p.sampled.logprob for p in positions],
-        "top_logprobs": [{t.text or "": t.logprob for t in p.top} for p in positions],
+        "token_logprobs": [json_logprob(p.sampled.logprob) for p in positions],
+        "top_logprobs": [{t.text or "": json_logprob(t.logprob) for t in p.top} for p in positions],
         "text_offset": offsets,
     }

@@ -150,6 +150,16 @@ def usage(outputs: Sequence[RequestOutput]) -> dict[str, Any]:
     }
 
 
+# A token that a grammar, a bad word or min_tokens rules out has a logprob of -inf, which
+# JSON cannot hold: OpenAI and vLLM write this floor instead.
+MIN_LOGPROB = -9999.0
+
+
+def json_logprob(logprob: float) -> float:
+    """logprob as a JSON number: at least MIN_LOGPROB (NaN too)."""
+    return logprob if logprob >= MIN_LOGPROB else MIN_LOGPROB
+
+
 def prompt_logprobs(out: RequestOutput) -> list[dict[str, Any] | None] | None:
     """vLLM's prompt_logprobs: per prompt position None for the first, then by token id
     the prompt's token and the top ones, each with its logprob, rank and text."""
@@ -163,7 +173,7 @@ def prompt_logprobs(out: RequestOutput) -> list[dict[str, Any] | None] | None:
         for token, rank in ranked:
             tokens.setdefault(
                 str(token.token_id),
-                {"logprob": token.logprob, "rank": rank, "decoded_token": token.text},
+                {"logprob": json_logprob(token.logprob), "rank": rank, "decoded_token": token.text},
             )
         positions.append(tokens)
     return positions
