@@ -9,6 +9,7 @@ import sys
 import textwrap
 import threading
 import time
+from concurrent.futures import Future
 from pathlib import Path
 
 import msgspec
@@ -34,6 +35,7 @@ from zmqworker.executor.errors import (
     WorkerStartupError,
     WorkerStuckError,
 )
+from zmqworker.executor.handshake import polite_shutdown
 from zmqworker.executor.multiproc import MultiprocExecutor
 
 
@@ -409,6 +411,23 @@ def test_shutdown_escalates_when_a_worker_is_stuck():
     ex.shutdown()
     assert time.monotonic() - start < 30  # not the 120 s step
     assert not any(alive(p) for p in ex.pids)
+
+
+@pytest.mark.parametrize(("status", "polite"), [(0, True), (1, False), (-9, False)])
+def test_a_worker_that_exits_cleanly_as_asked_has_shut_down_politely(status, polite):
+    """A worker leaves at once after answering shutdown (its socket lingers 0): its death
+    with exit status 0 may come before its answer, and is the shutdown asked for."""
+
+    class DiesAnswering:  # what polite_shutdown reads of an RpcClient
+        dead = None
+        identities = {0: b"rank-0"}
+
+        def call(self, method: str, timeout: float) -> Future:
+            died: Future = Future()
+            died.set_exception(WorkerDiedError(0, status))
+            return died
+
+    assert polite_shutdown(DiesAnswering(), 1, 1.0) is polite
 
 
 def test_startup_failure_reports_the_worker_error_and_stops_the_others():

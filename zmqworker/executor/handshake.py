@@ -18,7 +18,7 @@ from typing import Any
 import zmq
 
 from messages import PROTOCOL_VERSION, Hello, Welcome, WorkerConfig
-from zmqworker.executor.errors import WorkerStartupError
+from zmqworker.executor.errors import WorkerDiedError, WorkerStartupError
 from zmqworker.executor.rpc_client import RpcClient
 from zmqworker.transport.curve import RunKeys, make_server
 
@@ -148,6 +148,11 @@ def polite_shutdown(rpc: RpcClient, world_size: int, timeout: float) -> bool:
         return False
     try:
         rpc.call("shutdown", timeout=timeout).result()
+    except WorkerDiedError as e:
+        if e.exit_status == 0:  # it shut down as asked, before its answer left (LINGER 0)
+            return True
+        log.warning("polite shutdown failed: %s", e)
+        return False
     except Exception as e:  # a worker that cannot shut down politely is stopped harder
         log.warning("polite shutdown failed: %s", e)
         return False
