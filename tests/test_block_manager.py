@@ -137,6 +137,15 @@ def test_reset_prefix_cache_forgets_every_cached_block():
     kv.allocate_slots("e", prompt, 0, 10)
     kv.new_step()
     assert kv.get_computed_blocks("f", prompt) == (kv.block_ids("e")[:2], 8)
+    # The running request's blocks filled since attend to KV from before the reset: none
+    # is cached, so a prompt of its tokens finds the new request's blocks and no more.
+    kv.allocate_slots("a", list(range(13)), 12, 1)
+    kv.new_step()
+    assert kv.get_computed_blocks("g", list(range(13))) == (kv.block_ids("e")[:2], 8)
+    kv.free("a")  # a request freed after it (preempted: recomputed) registers anew
+    kv.allocate_slots("a", list(range(13)), 0, 13)
+    kv.new_step()
+    assert kv.get_computed_blocks("g", list(range(13)))[1] == 12
 
 
 def test_num_cached_tokens_counts_the_cache_and_the_host_tier():

@@ -11,6 +11,7 @@ with a host tier (host_tier.py), their KV moves there then, to be loaded back on
 from __future__ import annotations
 
 import hashlib
+import sys
 from collections import OrderedDict
 from collections.abc import Sequence
 
@@ -18,6 +19,8 @@ import numpy as np
 
 from zmqworker.cdiv import cdiv
 from zmqworker.engine.host_tier import HostKVTier
+
+_NEVER = sys.maxsize  # registered blocks of a request that is never to register any
 
 _ROOT_HASH = b""
 
@@ -247,10 +250,13 @@ class KVBlockManager:
     def reset_prefix_cache(self) -> None:
         """Forget every cached block (new weights, or a KV cache that slept): no later
         request finds one. Blocks stay with the requests that hold them, as private
-        blocks; those requests register their next full blocks as before."""
+        blocks, and those requests never register one: what they compute from here on
+        attends to the KV from before (one preempted starts over, and registers anew)."""
         self._cached.clear()
         self._block_hash.clear()
         self._fresh.clear()
+        for req_id in self._tables:
+            self._num_registered[req_id] = _NEVER
         if self.host_tier is not None:
             self.host_tier.reset()
 
