@@ -18,7 +18,7 @@ import numpy as np
 from messages.config import WorkerConfig
 from messages.kv_transfer import RemoteKV
 from messages.rpc import Value
-from messages.sampling import SamplingParams
+from messages.sampling import SamplingParams, TokenId
 from messages.step import LogprobsLists
 
 NonNegative = Annotated[int, msgspec.Meta(ge=0)]
@@ -115,7 +115,7 @@ class EngineCoreRequest(msgspec.Struct, tag=True):
     request_id: str
     prompt_token_ids: np.ndarray  # int32 [n]
     sampling_params: SamplingParams
-    eos_token_ids: list[int] = []
+    eos_token_ids: list[TokenId] = []
     arrival_time: float = 0.0
     shares_prompt_with: str | None = None
     kv_transfer_params: KVTransferParams | None = None

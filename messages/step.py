@@ -18,7 +18,7 @@ import msgspec
 import numpy as np
 
 from messages.kv_transfer import KVConnectorMetadata, KVConnectorOutput
-from messages.sampling import SamplingParams
+from messages.sampling import SamplingParams, TokenId
 
 
 class NewRequestData(msgspec.Struct, tag=True):
@@ -38,7 +38,7 @@ class NewRequestData(msgspec.Struct, tag=True):
     num_scheduled_tokens: int
     num_computed_tokens: int = 0  # tokens whose KV is already cached (prefix-cache hits)
     num_output_tokens: int = 0  # of prompt_token_ids, the last ones: generated before
-    eos_token_ids: list[int] = []  # the engine's end-of-sequence ids
+    eos_token_ids: list[TokenId] = []  # the engine's end-of-sequence ids
 
 
 # Rows of CachedRequestData.columns.

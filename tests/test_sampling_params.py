@@ -7,6 +7,8 @@ import msgspec
 import pytest
 
 from messages import SamplingParams
+from messages import examples as ex
+from messages.codec import Decoder, Encoder, ProtocolError
 
 
 @pytest.mark.parametrize(
@@ -54,3 +56,16 @@ def test_values_in_range_round_trip():
     assert msgspec.structs.replace(params, logprobs=20).logprobs == 20
     with pytest.raises(ValueError, match="logprobs"):
         msgspec.structs.replace(params, logprobs=-1)
+
+
+def test_end_of_sequence_ids_past_int32_do_not_decode():
+    """An engine core's stop table and a worker's rows hold them as int32."""
+    request = ex.EXAMPLES["engine_core_request"]()
+    step = ex.prefill_step(num_reqs=1, prompt_len=4)
+    new = msgspec.structs.replace(step.scheduled_new_reqs[0], eos_token_ids=[2**31])
+    for message in (
+        msgspec.structs.replace(request, eos_token_ids=[2**31]),
+        ex.execute_model_request(msgspec.structs.replace(step, scheduled_new_reqs=[new])),
+    ):
+        with pytest.raises(ProtocolError, match=r"<= 2147483647 - at .*eos_token_ids"):
+            Decoder().decode(Encoder().encode(message))
