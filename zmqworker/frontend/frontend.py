@@ -205,6 +205,14 @@ class Frontend(ControlMethods):
         self.client.attach(asyncio.get_running_loop(), self._handle)
         return EngineStats.total(await self.client.call_async("stats"))
 
+    def fail_all(self, error: Exception) -> None:
+        """End every request in flight with error: its caller gets it, its engine core
+        aborts it (a server that stops answers what still runs at its deadline)."""
+        sinks = list(self._sinks.items())
+        for _, sink in sinks:
+            sink(error)
+        self._abort([request_id for request_id, _ in sinks])
+
     def close(self) -> None:
         """Close the connections to the engine cores, which go on serving their other
         clients (LLM.shutdown() stops them). Idempotent."""

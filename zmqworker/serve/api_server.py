@@ -5,12 +5,14 @@ It loads the model's text side, connects to the engine cores the main process st
 (a client of each, watching each through a pidfd of its own), and runs uvicorn on uvloop
 over the listening socket it inherited: every API server accepts on the same port. It
 exits with its parent (PR_SET_PDEATHSIG); SIGTERM drains it (uvicorn stops taking
-connections and lets the requests in flight finish, at most shutdown_timeout_s); SIGINT
+connections and lets the requests in flight finish, at most shutdown_timeout_s, then
+answers those left with a 503 or ends their streams with an error); SIGINT
 is the main process's to handle.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import os
@@ -30,11 +32,16 @@ from zmqworker.frontend.remote_cores import remote_client
 from zmqworker.runtime.parent_death import PARENT_DEATH_SIGNAL, exit_with_parent
 from zmqworker.serve.app import build_app
 from zmqworker.serve.cors import CorsOptions
+from zmqworker.serve.errors import APIError
 from zmqworker.serve.tools import ToolOptions
 
 logger = logging.getLogger(__name__)
 
 READY_TIMEOUT_S = 3600.0  # the engine cores start beside it: their workers, warm-up
+
+
+# After the drain's deadline, how long the requests it ended have to answer.
+ANSWER_S = 2.0
 
 
 class ApiServerConfig(msgspec.Struct, frozen=True):
@@ -87,6 +94,8 @@ def run(config: ApiServerConfig) -> int:
     frontend = connect(config)
     try:
         server = _Server(
+            frontend,
+            config.shutdown_timeout_s,
             uvicorn.Config(
                 build_app(
                     frontend,
@@ -98,10 +107,10 @@ def run(config: ApiServerConfig) -> int:
                     ToolOptions(config.tool_call_parser),
                 ),
                 loop="uvloop",
-                timeout_graceful_shutdown=config.shutdown_timeout_s,
+                timeout_graceful_shutdown=config.shutdown_timeout_s + ANSWER_S,
                 log_level=config.log_level,
                 access_log=config.log_level in ("debug", "info"),
-            )
+            ),
         )
         server.run(sockets=[socket.socket(fileno=config.listen_fd)])
         return 0 if server.started else 1
@@ -110,8 +119,31 @@ def run(config: ApiServerConfig) -> int:
 
 
 class _Server(uvicorn.Server):
-    """uvicorn's server, except that SIGTERM ends run() instead of the process: uvicorn
-    raises the signal again once it has shut down, which would skip closing the client."""
+    """uvicorn's server, except that SIGTERM ends run() instead of the process (uvicorn
+    raises the signal again once it has shut down, which would skip closing the client),
+    and that the requests still running at the drain's deadline end with an error their
+    handlers answer (a 503, or an error event then [DONE]): uvicorn cancels what runs
+    past its own timeout, and a cancelled handler answers a bare 500 or cuts its stream."""
+
+    def __init__(self, frontend: Frontend, drain_s: float, config: uvicorn.Config) -> None:
+        super().__init__(config)
+        self._frontend = frontend
+        self._drain_s = drain_s
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        stopping = APIError(
+            f"the server is shutting down: the request ran past its {self._drain_s:g} s "
+            "drain (--shutdown-timeout)",
+            503,
+            "server_error",
+        )
+        deadline = asyncio.get_running_loop().call_later(
+            self._drain_s, self._frontend.fail_all, stopping
+        )
+        try:
+            await super().shutdown(sockets)
+        finally:
+            deadline.cancel()
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:

@@ -168,8 +168,8 @@ async def _stream(
                 finals.append(out)
         if include_usage:
             yield sse({**head, "choices": [], "usage": usage(finals)})
-    except Exception as exc:  # the engine failed: tell the client, then end the stream
-        yield sse(APIError(f"{type(exc).__name__}: {exc}", 500, "server_error").body())
+    except Exception as exc:  # tell the client, then end the stream
+        yield sse(APIError.of(exc).body())
     yield sse("[DONE]")
 
 

@@ -106,10 +106,8 @@ async def _stream(
                 yield sse({**head, "choices": [choice]})
         if include_usage:
             yield sse({**head, "choices": [], "usage": usage(list(finals.values()))})
-    except ValueError as exc:
-        yield sse(APIError.from_value_error(exc).body())
-    except Exception as exc:  # the engine failed: tell the client, then end the stream
-        yield sse(APIError(f"{type(exc).__name__}: {exc}", 500, "server_error").body())
+    except Exception as exc:  # tell the client, then end the stream
+        yield sse(APIError.of(exc).body())
     yield sse("[DONE]")
 
 

@@ -36,6 +36,16 @@ class APIError(Exception):
         match = _MSGSPEC_PATH.search(message)
         return cls(message, param=match.group(1) if match else param)
 
+    @classmethod
+    def of(cls, exc: Exception) -> APIError:
+        """What a stream tells its client before it ends: exc as it is (an APIError), a
+        refused value's 400, or the engine's failure (500)."""
+        if isinstance(exc, APIError):
+            return exc
+        if isinstance(exc, ValueError):
+            return cls.from_value_error(exc)
+        return cls(f"{type(exc).__name__}: {exc}", 500, "server_error")
+
     def body(self) -> dict:
         return {
             "error": {
