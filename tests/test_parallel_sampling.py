@@ -74,6 +74,33 @@ def test_a_sibling_with_another_prompt_or_preempted_computes_its_own():
     assert core.block_manager.num_free_blocks == 12
 
 
+# Four prompts of three samples each, with which 21 blocks preempt a sample after its
+# first one while both steps in flight hold requests (found by a seeded search).
+PREEMPTED_PROMPTS = [
+    [4, 8, 11, 9, 40, 43, 29, 1, 4, 16, 21, 31, 23, 13, 7, 34, 36, 1, 5],
+    [19, 44, 25, 21, 21, 33, 29, 8, 36, 37, 47],
+    [14, 15, 32, 32, 34, 43, 14, 46, 0, 3, 48, 47, 14, 6, 15, 2, 44, 33, 29],
+    [23, 9, 38, 23, 1, 12, 35],
+]
+
+
+def test_a_sample_preempted_after_its_first_one_does_not_wait_for_it():
+    """Preempted last, a sample waits ahead of its first one: it computes the prompt
+    itself rather than wait for the first to run, which held the queue for ever with
+    nothing running (two steps in flight: pipeline stages)."""
+    core, executor = make_core(
+        num_blocks=21, max_num_batched_tokens=10, pipeline_parallel_size=2, defer=True
+    )
+    requests = [r for i, p in enumerate(PREEMPTED_PROMPTS) for r in siblings(p, 3, 12, f"p{i}")]
+    for request in requests:
+        core.add_request(request)
+    run(core)
+    for request in requests:
+        assert request.output_token_ids == expected_output(request, executor), request
+    assert sum(r.num_preemptions for r in requests) > 0
+    assert core.block_manager.num_free_blocks == 21
+
+
 def test_aborting_siblings_frees_every_block():
     core, _ = make_core()
     requests = siblings(list(range(1, 11)), 3, max_tokens=30)

@@ -1,7 +1,8 @@
 """The n samples of one prompt share its KV: the client sends them as n requests, each
 but the first naming the first as the one it shares its prompt with. The first computes
-the prompt; each other one waits until that is done (in an earlier step: a step's
-workers may read its context before they write its keys), then takes the first one's
+the prompt; each other one waits while the first is running until that is done (in an
+earlier step: a step's workers may read its context before they write its keys; a first
+one not running, preempted behind it, is not waited for), then takes the first one's
 full prompt blocks, referenced twice in the block manager, and computes only the rest
 of the prompt itself: the last, partial block and at least the last token, which it
 samples from. Recomputing that part (under a block of tokens per sample) costs less
@@ -44,11 +45,14 @@ def computed_prompt_blocks(
         or num_blocks == 0
         or request.output_token_ids  # a restart: its outputs are part of its prompt now
         or sibling.prompt_token_ids != request.prompt_token_ids
+        # Waiting behind this one (both preempted, this one last: it goes first) or gone:
+        # waiting for it would hold the queue's head for ever.
+        or sibling.status is not RequestStatus.RUNNING
     ):
         blocks, num_tokens = kv.get_computed_blocks(request.req_id, request.all_token_ids)
         slots = kv.get_host_hits(request.req_id, request.all_token_ids, len(blocks))
         return blocks, slots, num_tokens + len(slots) * kv.block_size
     num_tokens = num_blocks * kv.block_size
-    if sibling.status is not RequestStatus.RUNNING or table.computed_of(sibling) < num_tokens:
+    if table.computed_of(sibling) < num_tokens:
         return None
     return kv.block_ids(sibling.req_id)[:num_blocks], [], num_tokens
