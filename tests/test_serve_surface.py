@@ -267,3 +267,59 @@ def test_llama3_json_reads_an_auto_tool_call_whole_and_streamed(server):
         reason = chunk.choices[0].finish_reason or reason
     assert (name, reason) == ("get_weather", "tool_calls")
     assert json.loads(streamed) == arguments  # greedy: the same call
+
+
+def test_openai_fields_a_client_sends_are_taken_as_openai_and_vllm_take_them(server):
+    """Nulls OpenAI allows; a response's message sent back as model_dump() gives it;
+    OpenAI's fields that change nothing here; text parts joined by a newline, as vLLM's."""
+    client = server.client()
+    reply = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=3,
+        temperature=0, logprobs=None, stream=None, store=False, metadata={"run": "1"},
+        service_tier="auto", prompt_cache_key="k", safety_identifier="u",
+    )  # fmt: skip
+    message = reply.choices[0].message.model_dump()
+    assert message["refusal"] is None and message["audio"] is None
+    again = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Hi"}, message,
+                               {"role": "user", "content": "More"}], max_tokens=2,
+    )  # fmt: skip
+    assert again.choices[0].finish_reason == "length"
+    status, _, body = call(server, "POST", "/v1/chat/completions", {
+        "model": MODEL, "messages": [{"role": "user", "content": "Hi"}],
+        "reasoning_effort": "high"})  # fmt: skip
+    assert (status, body["error"]["param"]) == (400, "reasoning_effort")
+    status, _, body = call(server, "POST", "/tokenize", {"model": MODEL, "messages": [
+        {"role": "user", "content": [{"type": "text", "text": "One."},
+                                     {"type": "text", "text": "Two."}]}]})  # fmt: skip
+    _, _, joined = call(server, "POST", "/tokenize", {"model": MODEL, "messages": [
+        {"role": "user", "content": "One.\nTwo."}]})  # fmt: skip
+    assert status == 200 and body["tokens"] == joined["tokens"]
+    status, _, body = call(
+        server,
+        "POST",
+        "/v1/completions",
+        {"model": MODEL, "prompt": "Hi", "max_tokens": 2, "echo": None, "stream": None},
+    )
+    assert status == 200 and body["choices"][0]["text"]
+
+
+def test_streamed_text_offsets_and_stop_reasons_are_the_whole_answer_s(server):
+    """A streamed completion's text_offset counts the characters streamed before, as the
+    whole answer's does; stop_reason is the stop token id of the request's that ended it
+    (for EOS None: tests/test_request.py)."""
+    client = server.client()
+    body = dict(model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=0,
+                logprobs=1)  # fmt: skip
+    whole = client.completions.create(**body).choices[0].logprobs.text_offset
+    streamed = [
+        offset
+        for chunk in client.completions.create(**body, stream=True)
+        for offset in (chunk.choices[0].logprobs.text_offset if chunk.choices[0].logprobs else [])
+    ]
+    assert streamed == whole and whole[-1] > 0
+    _, _, tokens = call(server, "POST", "/tokenize", {"model": MODEL, "prompt": "."})
+    [period] = tokens["tokens"]
+    stopped = client.completions.create(**body, extra_body={"stop_token_ids": [period]})
+    assert stopped.choices[0].text == " Paris"  # the embedded model's answer, to its "."
+    assert stopped.choices[0].model_extra["stop_reason"] == period

@@ -49,7 +49,8 @@ class RequestTimings:
 class RequestOutput:
     """A request's output so far. text and token_ids are everything generated; new_text
     and new_token_ids what this output adds to the previous one of the same request
-    (streaming). finish_reason is "stop", "length" or "abort" once finished. logprobs
+    (streaming). finish_reason is "stop", "length" or "abort" once finished; stop_reason,
+    as vLLM's, the stop string or stop token id that ended it (None for EOS). logprobs
     (when SamplingParams.logprobs asked for them) has one entry per token of token_ids:
     the last len(new_token_ids) are the new ones. prompt_logprobs (when
     SamplingParams.prompt_logprobs asked for them, from the first output on): one entry

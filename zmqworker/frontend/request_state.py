@@ -125,7 +125,9 @@ class RequestState:
         elif self._add_text(new_token_ids, finished, logprobs, now):
             return True
         if finished is not None:
-            self.stop_reason = finished.stop_reason
+            # vLLM's: the stop token id that ended the output, not EOS (None).
+            stop = finished.stop_reason
+            self.stop_reason = stop if stop in self.params.stop_token_ids else None
             self.finish(finished.finish_reason, now)
         self.bulk = self._plain and self.first_token_time is not None and not self.finished
         return False

@@ -83,6 +83,7 @@ async def _stream(
     num_choices = len(prompts) * params.n
     unechoed = set(range(num_choices))
     sent = [0] * num_choices  # positions whose logprobs were sent, per choice
+    offset = [0] * num_choices  # the characters of their tokens' texts
     try:
         async for index, out in run_prompts(llm, prompts, params):
             text = out.new_text
@@ -91,8 +92,9 @@ async def _stream(
                 unechoed.discard(index)
             logprobs = None
             if out.logprobs is not None:
-                logprobs = _logprobs(out.logprobs[sent[index] :])
+                logprobs = _logprobs(out.logprobs[sent[index] :], offset[index])
                 sent[index] = len(out.logprobs)
+                offset[index] += sum(map(len, logprobs["tokens"]))
             if out.finished:
                 finals[index] = out
             if text or out.finished or logprobs:
@@ -131,10 +133,11 @@ def _echo(llm: Frontend, prompt: str | list[int], token_ids: list[int]) -> str:
     return llm.tokenizer.decode(token_ids) if llm.tokenizer is not None else ""
 
 
-def _logprobs(positions: list[PositionLogprobs]) -> dict[str, Any]:
-    """The legacy completions format: parallel lists, and text offsets."""
+def _logprobs(positions: list[PositionLogprobs], at: int = 0) -> dict[str, Any]:
+    """The legacy completions format: parallel lists, and text offsets (the first token's
+    at: in a stream, the characters of the tokens sent before)."""
     tokens = [p.sampled.text or "" for p in positions]
-    offsets, at = [], 0
+    offsets = []
     for token in tokens:
         offsets.append(at)
         at += len(token)

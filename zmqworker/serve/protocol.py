@@ -2,7 +2,8 @@
 body is decoded straight into them (fast enough to hold the event loop only briefly for
 the largest body allowed), then check() refuses what no type can say. A field OpenAI
 does not define is a 400 that names it; one it defines and this server does not
-implement is refused as not supported (unsupported.py) unless it has its neutral value.
+implement is refused as not supported (unsupported.py) unless it has its neutral value,
+or taken and not used where it changes nothing of the output (store, metadata, ...).
 top_k, min_p, ignore_eos, stop_token_ids, repetition_penalty, min_tokens, bad_words,
 include_stop_str_in_output, skip_special_tokens, chat's add_generation_prompt,
 continue_final_message and chat_template_kwargs, structured_outputs and guided_* are
@@ -35,6 +36,7 @@ MAX_BIAS = 100.0  # OpenAI's bound on a logit_bias value, either way
 
 class StreamOptions(Struct, forbid_unknown_fields=True):
     include_usage: bool = False
+    include_obfuscation: bool | None = None  # OpenAI's padding of deltas: none here
 
 
 class SamplingRequest(StructuredFields, forbid_unknown_fields=True, kw_only=True):
@@ -57,7 +59,7 @@ class SamplingRequest(StructuredFields, forbid_unknown_fields=True, kw_only=True
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias
     min_tokens: Annotated[int, Meta(ge=0, le=INT32_MAX)] | None = None
     bad_words: list[StopString] | None = None
-    stream: bool = False
+    stream: bool | None = False  # null: false, as OpenAI allows
     stream_options: StreamOptions | None = None
     user: str | None = None
     n: Annotated[int, Meta(ge=1, le=MAX_N)] | None = None  # choices per prompt
@@ -104,7 +106,7 @@ class CompletionRequest(SamplingRequest, kw_only=True):
     prompt: str | list[str | int | list[int]]
     max_tokens: Annotated[int, Meta(ge=1)] | None = 16
     logprobs: Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)] | None = None
-    echo: bool = False
+    echo: bool | None = False
     best_of: Annotated[int, Meta(ge=1, le=MAX_N)] | None = None  # the n best of best_of
     # Not supported unless neutral (unsupported.py).
     suffix: str | None = None
@@ -184,8 +186,19 @@ class ChatMessage(Struct, forbid_unknown_fields=True):
     name: str | None = None
     tool_calls: list[ToolCall] | None = None  # an assistant's calls
     tool_call_id: str | None = None  # a tool's result: the call it answers
+    # What a chat response's message holds besides (its model_dump() sent back as is):
+    # null here, else refused by name.
+    refusal: str | None = None
+    audio: Any = None
+    function_call: Any = None
+    annotations: Any = None
 
     def check(self, where: str) -> None:
+        for field in ("refusal", "audio", "function_call", "annotations"):
+            if getattr(self, field) is not None:
+                raise APIError(
+                    f"{where}.{field} is not supported: only null", param=f"{where}.{field}"
+                )
         if self.role not in ROLES:
             raise APIError(
                 f"{where}.role must be one of {', '.join(ROLES)}, got {self.role!r}",
@@ -225,7 +238,7 @@ class ChatMessage(Struct, forbid_unknown_fields=True):
         the system role; a call's arguments as an object, which templates write out)."""
         content = self.content or ""
         if not isinstance(content, str):
-            content = "".join(part.text or "" for part in content)
+            content = "\n".join(part.text or "" for part in content)  # as vLLM joins them
         role = "system" if self.role == "developer" else self.role
         message: dict[str, Any] = {"role": role, "content": content}
         if self.tool_calls:
@@ -260,7 +273,7 @@ class ChatCompletionRequest(SamplingRequest, ToolFields, kw_only=True):
     messages: Annotated[list[ChatMessage], Meta(min_length=1)]
     max_tokens: Annotated[int, Meta(ge=1)] | None = None
     max_completion_tokens: Annotated[int, Meta(ge=1)] | None = None
-    logprobs: bool = False
+    logprobs: bool | None = False
     top_logprobs: Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
@@ -268,6 +281,20 @@ class ChatCompletionRequest(SamplingRequest, ToolFields, kw_only=True):
     tools: list[Tool] | None = None
     tool_choice: str | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    # OpenAI's, that change nothing of the output here: taken, and not used.
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+    prediction: Any = None
+    # OpenAI's, refused unless neutral (unsupported.py).
+    reasoning_effort: str | None = None
+    verbosity: str | None = None
+    modalities: list[str] | None = None
+    web_search_options: Any = None
+    functions: list[Any] | None = None
+    function_call: Any = None
 
     def check(self) -> None:
         self.check_tools()

@@ -12,6 +12,15 @@ from zmqworker.serve.errors import APIError
 # field: (is its value neutral?, what the refusal says)
 UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "suffix": (lambda v: not v, "suffix is not supported: a completion only continues its prompt"),
+    "reasoning_effort": (lambda v: v is None, "reasoning_effort is not supported"),
+    "verbosity": (lambda v: v is None, "verbosity is not supported"),
+    "modalities": (
+        lambda v: v in (None, ["text"]),
+        'modalities other than ["text"] are not supported',
+    ),
+    "web_search_options": (lambda v: v is None, "web_search_options is not supported"),
+    "functions": (lambda v: not v, "functions is not supported: give tools"),
+    "function_call": (lambda v: v is None, "function_call is not supported: give tool_choice"),
 }
 
 # Content part types OpenAI defines besides text, by what they carry.
