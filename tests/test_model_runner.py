@@ -7,6 +7,7 @@ read-only arrays as a worker does. ZMQWORKER_TEST_DEVICE=cuda runs the runners o
 
 from __future__ import annotations
 
+import functools
 import re
 
 import msgspec
@@ -275,11 +276,27 @@ def test_kv_cache_life_cycle_profile_and_warm_up() -> None:
         CachedRequestData.empty(),
         1,
     )
-    with pytest.raises(RuntimeError, match="initialize_kv_cache"):
+    with pytest.raises(RuntimeError, match="before initialize_from_config: no KV cache"):
         runner.execute_model(so, IntermediateTensors({}))
     runner.shutdown()
     runner.shutdown()
     assert runner.kv_caches == []
+
+
+def test_what_runs_before_a_step_is_applied_runs_only_for_a_step_that_stands() -> None:
+    """The KV connector's copies (before_apply) run once the step is checked whole: a
+    step refused for any of its requests copies nothing into the cache."""
+    runner = make_runner(checkpoint("llama"))
+    copies: list[int] = []
+    copy = functools.partial(copies.append, 1)
+    new = NewRequestData("x", 3, np.array([1, 2, 3], np.int32), GREEDY, np.array([5], np.int32), 3)
+    unknown = CachedRequestData.build([77], [0], [1], None, [[9]])
+    with pytest.raises(ValueError, match="request handle 77: unknown"):
+        runner.execute_model(SchedulerOutput([new], unknown, 4), before_apply=copy)
+    assert copies == [] and len(runner.batch) == 0
+    runner.execute_model(SchedulerOutput([new], CachedRequestData.empty(), 3), before_apply=copy)
+    assert copies == [1] and len(runner.batch) == 1
+    runner.shutdown()
 
 
 def test_empty_step_and_async_output() -> None:

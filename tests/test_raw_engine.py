@@ -261,6 +261,19 @@ def test_empty_steps(engine: RawEngine) -> None:
     )
     exc_type, message = engine.error("execute_model", step([], None, 0))
     assert exc_type == "ProtocolError" and "scheduled_cached_reqs" in message
+    # Host copies for a worker without a host tier: refused, not dropped.
+    host = {"type": "KVHostCopies", "store_blocks": ext([0]), "store_slots": ext([0]),
+            "load_slots": ext([]), "load_blocks": ext([])}  # fmt: skip
+    orders = {"type": "KVConnectorMetadata", "host": host}
+    assert engine.error("execute_model", step([], EMPTY, 0, kv_connector_metadata=orders)) == (
+        "ValueError",
+        "KV orders for a worker without KV transfer or a host tier",
+    )
+    # Another value where the method takes a message: the arguments do not fit it.
+    assert engine.error("execute_model", 5) == (
+        "TypeError",
+        "execute_model: scheduler_output must be a SchedulerOutput, got int",
+    )
 
 
 def cached_of_five_rows() -> dict:

@@ -11,6 +11,7 @@ kernels and CUDA graphs on CUDA, where nothing in a step waits for the device.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -29,7 +30,7 @@ from zmqworker.distributed.parallel_state import ParallelState
 from zmqworker.distributed.pp_channel import PendingTensors
 from zmqworker.distributed.shared_cache import SharedKVCache
 from zmqworker.model_runner.async_output import AsyncModelRunnerOutput
-from zmqworker.model_runner.batch_update import ScheduledRequests
+from zmqworker.model_runner.batch_update import ScheduledRequests, plan_update
 from zmqworker.model_runner.cuda_graphs import Capture, StepGraphs
 from zmqworker.model_runner.dummy_steps import DummySteps
 from zmqworker.model_runner.forward_paths import HiddenStates, TorchPath
@@ -218,14 +219,16 @@ class ModelRunner:
         scheduler_output: SchedulerOutput,
         intermediate_tensors: IntermediateTensors | PendingTensors | None = None,
         sample: bool = True,
+        before_apply: Callable[[], None] | None = None,
     ) -> AsyncModelRunnerOutput | IntermediateTensors | None:
         """Run one step. Non-last pipeline stages return IntermediateTensors; the last
         returns an AsyncModelRunnerOutput, or None with sample=False (then call
-        sample_tokens)."""
+        sample_tokens). before_apply (the KV connector's copies) runs once the step is
+        checked whole, before it changes anything: a refused step changes nothing."""
         if self._step_logits is not None:
             raise RuntimeError("execute_model before sample_tokens consumed the previous step")
         if scheduler_output.total_num_scheduled_tokens > 0 and not self.kv_caches:
-            raise RuntimeError("execute_model before initialize_kv_cache: there is no KV cache")
+            raise RuntimeError("execute_model before initialize_from_config: no KV cache")
         # Tensors still on their way from the previous stage are waited for only once
         # this step's inputs are ready, so their transfer overlaps the preparation.
         pending = intermediate_tensors if isinstance(intermediate_tensors, PendingTensors) else None
@@ -239,7 +242,10 @@ class ModelRunner:
         # Parking a preempted request copies its tokens: they must all be on the host.
         wait = not self.fused or bool(scheduler_output.preempted_req_handles)
         write_samples(self.batch, self._samples, wait=wait)
-        step = self.batch.update(scheduler_output)
+        plan = plan_update(self.batch, scheduler_output)
+        if before_apply is not None:
+            before_apply()
+        step = self.batch.apply(plan)
         if len(step) == 0:
             return self._finish_empty_step(step, sample)
 
@@ -383,8 +389,7 @@ class ModelRunner:
     # helpers --------------------------------------------------------------------------
 
     def _cache_dtype_name(self) -> str:
-        name = self.config.cache.cache_dtype
-        model_dtype = self.config.model.dtype
+        name, model_dtype = self.config.cache.cache_dtype, self.config.model.dtype
         if name == "auto":
             return model_dtype
         if name != model_dtype:

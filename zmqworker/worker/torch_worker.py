@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,7 @@ from messages import (
     IntermediateTensors,
     KVCacheConfig,
     KVCacheSpec,
+    KVConnectorMetadata,
     SchedulerOutput,
     SharedWeights,
     WeightUpdate,
@@ -194,9 +196,10 @@ class Worker(WorkerBase):
         self._step_started = time.monotonic()
         connector, kv_orders = self.kv_connector, scheduler_output.kv_connector_metadata
         try:
-            if connector is not None:
-                connector.before_step(kv_orders)
-            output = runner.execute_model(scheduler_output, inputs, sample)
+            if connector is None and kv_orders is not None and kv_orders != KVConnectorMetadata():
+                raise ValueError("KV orders for a worker without KV transfer or a host tier")
+            start = None if connector is None else partial(connector.before_step, kv_orders)
+            output = runner.execute_model(scheduler_output, inputs, sample, start)
             if connector is not None:
                 connector.after_step(kv_orders)
                 if isinstance(output, AsyncModelRunnerOutput):
@@ -386,9 +389,8 @@ def _weights_bytes(model: torch.nn.Module | None) -> int:
 
 
 def _omp_num_threads() -> int | None:
-    """OMP_NUM_THREADS, when it is a thread count (Ray sets it to an actor's CPUs). Set
-    explicitly: torch reads the variable only as it starts, and the variables an engine
-    gives a worker (the Welcome's env) arrive after that."""
+    """OMP_NUM_THREADS as a thread count (Ray sets it to an actor's CPUs), set explicitly:
+    torch reads it only as it starts, before the Welcome's env has arrived."""
     value = os.environ.get("OMP_NUM_THREADS", "").split(",")[0].strip()
     return int(value) if value.isdigit() and int(value) > 0 else None
 

@@ -13,8 +13,11 @@ from __future__ import annotations
 import importlib
 import inspect
 import os
+import typing
 from collections.abc import Mapping
 from typing import Any
+
+import msgspec
 
 from messages import WorkerConfig
 from zmqworker.worker.worker_base import RPC_METHODS, WorkerBase
@@ -80,6 +83,7 @@ class WorkerWrapper:
         self.worker: WorkerBase | None = None
         self.rpc_methods: frozenset[str] = RPC_METHODS
         self._takes_call_id: dict[str, bool] = {}
+        self._message_params: dict[str, list[tuple[int, str, type]]] = {}  # by method
 
     def update_environment(self, env: Mapping[str, str]) -> None:
         """Apply this rank's environment to os.environ, before the worker is built."""
@@ -107,6 +111,7 @@ class WorkerWrapper:
         if self.worker is None:
             raise RuntimeError(f"rank {self.rpc_rank}: init_worker has not run")
         fn = getattr(self.worker, method)
+        self._check_messages(method, fn, args, kwargs)
         if call_id is not None and self._takes_call_id_arg(method, fn):
             return fn(*args, call_id=call_id, **kwargs)
         return fn(*args, **kwargs)
@@ -117,6 +122,28 @@ class WorkerWrapper:
         if worker is None:
             raise AttributeError(f"{name!r}: the worker does not exist yet (init_worker)")
         return getattr(worker, name)
+
+    def _check_messages(self, method: str, fn: Any, args: tuple, kwargs: dict) -> None:
+        """TypeError naming the argument where one the method types as a message is
+        another value: it would fail inside the method, as some other error."""
+        messages = self._message_params.get(method)
+        if messages is None:
+            try:
+                hints = typing.get_type_hints(fn)
+            except Exception:  # a hint not resolvable here: nothing to check by
+                hints = {}
+            messages = [
+                (position, name, hint)
+                for position, name in enumerate(inspect.signature(fn).parameters)
+                if isinstance(hint := hints.get(name), type) and issubclass(hint, msgspec.Struct)
+            ]
+            self._message_params[method] = messages
+        for position, name, wanted in messages:
+            value = args[position] if position < len(args) else kwargs.get(name, wanted)
+            if not (value is wanted or isinstance(value, wanted)):  # wanted: not given
+                raise TypeError(
+                    f"{method}: {name} must be a {wanted.__name__}, got {type(value).__name__}"
+                )
 
     def _takes_call_id_arg(self, method: str, fn: Any) -> bool:
         takes = self._takes_call_id.get(method)
