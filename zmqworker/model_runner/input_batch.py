@@ -159,6 +159,17 @@ class InputBatch:
     def __len__(self) -> int:
         return len(self.row_of)
 
+    def check_blocks_within(self, num_blocks: int) -> None:
+        """ValueError naming a request whose block table reaches past num_blocks (a new,
+        smaller KV cache): its steps would read and write outside the cache."""
+        for handle, row in self.row_of.items():
+            held = self.block_table[row, : self.num_blocks[row]]
+            if len(held) and held.max() >= num_blocks:
+                raise ValueError(
+                    f"{self.describe(handle)} holds block {held.max()}, past the {num_blocks} "
+                    "blocks of the new KV cache"
+                )
+
     def describe(self, handle: int) -> str:
         """How errors name a request: its req_id (when known) and handle."""
         row = self.row_of.get(handle)

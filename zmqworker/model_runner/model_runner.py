@@ -150,11 +150,11 @@ class ModelRunner:
 
     def initialize_kv_cache(self, kv_cache_config: KVCacheConfig) -> None:
         """Allocate kv_cache_config.num_blocks blocks for each of this rank's layers."""
-        spec = self.get_kv_cache_spec()
-        num_blocks = kv_cache_config.num_blocks
+        spec, num_blocks = self.get_kv_cache_spec(), kv_cache_config.num_blocks
         if num_blocks < 1:
             raise ValueError(f"KV cache config has {num_blocks} blocks; at least 1 is needed")
         check_kv_cache_config(kv_cache_config, spec)
+        self.batch.check_blocks_within(num_blocks)
         self.release_kv_cache()
         transfer = self.config.kv_transfer
         self.kv_caches, self.shared_kv = make_caches(spec, num_blocks, self.device, transfer)
