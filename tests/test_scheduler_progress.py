@@ -77,11 +77,12 @@ def test_a_small_cache_under_pulls_and_preemptions_always_makes_progress(
     seed: int, setting: str
 ) -> None:
     """Pulled and local prompts (some sharing a prefix, some sampled more than once) arrive
-    at once in a cache that holds few of them, with one or two steps in flight (two: steps that carry only the
-    loads' orders keep going out): loaded requests never wait behind a preempted one that
-    does not fit, nor for blocks only another loaded one holds; with chunks of 8 tokens, a
-    request that needs blocks waits for a newer one in a step rather than go itself (else
-    two whose steps alternate preempt each other for ever); and every request ends."""
+    at once in a cache that holds few of them, with one or two steps in flight (two: steps
+    that carry only the loads' orders keep going out): loaded requests never wait behind
+    a preempted one that does not fit, nor for blocks only another loaded one holds; with
+    chunks of 8 tokens, a request that needs blocks waits for a newer one in a step rather
+    than go itself (else two whose steps alternate preempt each other for ever); and
+    every request ends."""
     caching, depth, budget = SETTINGS[setting]
     rng = np.random.default_rng(seed)
     tier = HostKVTier(6) if caching else None
@@ -96,12 +97,12 @@ def test_a_small_cache_under_pulls_and_preemptions_always_makes_progress(
         max_tokens = min(int(rng.integers(1, 18)), 48 - len(prompt))
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
         pulled = rng.random() < 0.5
-        request = remote(f"r{i}", prompt, params) if pulled else Request(f"l{i}", prompt, params)
+        first = remote(f"r{i}", prompt, params) if pulled else Request(f"l{i}", prompt, params)
         # n > 1: the other samples share the first's prompt (engine/prompt_sharing.py)
         samples = 0 if pulled or rng.random() < 0.6 else int(rng.integers(1, 3))
         siblings = [Request(f"l{i}.{j}", prompt, params, shares_prompt_with=f"l{i}")
                     for j in range(1, samples + 1)]  # fmt: skip
-        for request in (request, *siblings):
+        for request in (first, *siblings):
             requests.append(request)
             s.add_request(request)
     in_flight: list[tuple[SchedulerOutput, list[str]]] = []
