@@ -127,3 +127,23 @@ def test_a_file_instead_of_a_folder_says_so(plain, tmp_path):
     gguf.write_bytes(b"GGUF")
     refused(str(gguf), NotADirectoryError, r"is a GGUF file: GGUF is not loaded directly")
     refused(str(tmp_path / "nowhere"), FileNotFoundError, r"model folder .*nowhere' does not exist")
+
+
+def test_end_of_sequence_ids_outside_the_vocabulary_are_ignored(plain, tmp_path, caplog):
+    """A checkpoint naming an end-of-sequence id the model cannot sample (negative, past
+    the vocabulary or past int32) keeps the others; each such id would make every
+    request's message undecodable at the engine core."""
+    folder = tmp_path / "odd_eos"
+    folder.mkdir()
+    for item in Path(plain).iterdir():
+        (folder / item.name).symlink_to(item)
+    config = json.loads((Path(plain) / "config.json").read_text())
+    vocab = config["vocab_size"]
+    (folder / "config.json").unlink()
+    (folder / "config.json").write_text(json.dumps({**config, "eos_token_id": [2, -1, vocab]}))
+    (folder / "generation_config.json").unlink(missing_ok=True)
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [3, 2**31]}))
+    side = ModelFolder.open(str(folder)).load_text_side()
+    assert side.eos_token_ids >= {2, 3}
+    assert all(0 <= t < vocab for t in side.eos_token_ids)
+    assert f"[-1, {vocab}, 2147483648] outside the vocabulary [0, {vocab})" in caplog.text

@@ -74,6 +74,24 @@ def test_a_sibling_with_another_prompt_or_preempted_computes_its_own():
     assert core.block_manager.num_free_blocks == 12
 
 
+def test_samples_started_after_new_weights_compute_their_prompt():
+    """A reset of the prefix cache (new weights) between the first sample's prefill and
+    the others' start: they compute the prompt themselves, not take its old KV."""
+    core, executor = make_core(max_num_batched_tokens=16)
+    prompt = [(5 * i + 2) % 50 for i in range(14)]
+    requests = siblings(prompt, 3)
+    for request in requests:
+        core.add_request(request)
+    core.step()  # the first's prompt, whole; the others wait for it
+    assert [bool(r.output_token_ids) for r in requests] == [True, False, False]
+    core.reset_prefix_cache()
+    run(core)
+    for request in requests:
+        assert request.output_token_ids == expected_output(request, executor), request
+    assert core.stats().num_prefill_tokens == 3 * len(prompt)
+    assert core.block_manager.num_free_blocks == 64
+
+
 # Four prompts of three samples each, with which 21 blocks preempt a sample after its
 # first one while both steps in flight hold requests (found by a seeded search).
 PREEMPTED_PROMPTS = [

@@ -92,6 +92,11 @@ class KVBlockManager:
         """The request's block table (a copy); empty if it holds no blocks."""
         return list(self._tables.get(req_id, ()))
 
+    def holds_stale_kv(self, req_id: str) -> bool:
+        """Whether req_id's blocks hold KV from before the last reset_prefix_cache (old
+        weights, or a cache that slept): no other request is to take them."""
+        return self._num_registered.get(req_id) == _NEVER
+
     def ref_count(self, block_id: int) -> int:
         return self._ref_counts[block_id]
 

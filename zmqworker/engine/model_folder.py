@@ -23,6 +23,7 @@ import msgspec
 import psutil
 
 from messages import CacheConfig, KVCacheSpec, SamplingParams
+from messages.sampling import INT32_MAX
 from zmqworker.cdiv import cdiv
 from zmqworker.engine.prompts import check_text
 from zmqworker.models.architectures import supported_architecture
@@ -247,6 +248,15 @@ class ModelFolder:
                 ids.add(source)
             elif isinstance(source, list):
                 ids.update(t for t in source if isinstance(t, int))
+        # An id the model cannot sample ends nothing, and one outside the wire's token
+        # ids would make every request undecodable at the engine core.
+        vocab = min(self.vocab_size or INT32_MAX + 1, INT32_MAX + 1)
+        if outside := sorted(t for t in ids if not 0 <= t < vocab):
+            logger.warning(
+                "%s: end-of-sequence ids %s outside the vocabulary [0, %d) ignored",
+                self.path, outside, vocab,
+            )  # fmt: skip
+            ids.difference_update(outside)
         return TextSide(tokenizer, self.default_sampling_params(), frozenset(ids))
 
     def _generation_config(self) -> dict[str, Any]:

@@ -9,7 +9,9 @@ samples from. Recomputing that part (under a block of tokens per sample) costs l
 than copying a block on every layer of every worker, which the worker protocol would
 need a new call for; and it works with the prefix cache off.
 
-A shared block is never written again: later tokens go to positions past it.
+A shared block is never written again: later tokens go to positions past it. Blocks
+computed before a reset of the prefix cache (new weights) are not shared: a sample
+that starts after it computes its prompt with the new weights.
 
 A request that asks for prompt logprobs computes its whole prompt (every position's
 logprobs), sharing nothing; the client asks them of the first sample only, so the
@@ -48,6 +50,8 @@ def computed_prompt_blocks(
         # Waiting behind this one (both preempted, this one last: it goes first) or gone:
         # waiting for it would hold the queue's head for ever.
         or sibling.status is not RequestStatus.RUNNING
+        # Its prompt's KV is from before new weights: this one computes its own.
+        or kv.holds_stale_kv(sibling.req_id)
     ):
         blocks, num_tokens = kv.get_computed_blocks(request.req_id, request.all_token_ids)
         slots = kv.get_host_hits(request.req_id, request.all_token_ids, len(blocks))
