@@ -200,7 +200,7 @@ def test_a_cancelled_load_lands_nowhere_and_a_new_one_of_its_id_does(producer) -
         side.after_step(KVConnectorMetadata(saves=[KVSave(req, np.array(source, np.int32), 8)]))
         load = KVLoad(req, np.array(dest, np.int32), RemoteKV(req, 8, [address]))
         consumer.before_step(KVConnectorMetadata(loads=[load]))
-        consumer.before_step(KVConnectorMetadata(cancel_loads=[req]))
+        consumer.cancel(KVConnectorMetadata(cancel_loads=[req]))
         reports: list[KVConnectorOutput] = []
         deadline = time.monotonic() + 10.0
         while sum(consumer.puller.num_pulled.values()) < 1 or reports == []:
@@ -381,7 +381,7 @@ def test_withdrawn_staged_kv_is_reported_sent_and_refused_to_pullers() -> None:
     consumer = connector("consumer", caches(8, seed=8), 0)
     try:
         side.after_step(KVConnectorMetadata(saves=[KVSave("gone", np.array([2], np.int32), 3)]))
-        side.before_step(KVConnectorMetadata(cancel_saves=["gone", "never-staged"]))
+        side.cancel(KVConnectorMetadata(cancel_saves=["gone", "never-staged"]))
         sent = names(until(side, lambda outs: len(names(outs, "finished_sending")) == 2),
                      "finished_sending")  # fmt: skip
         assert sorted(sent) == ["gone", "never-staged"] and side.num_cache_readers == 0

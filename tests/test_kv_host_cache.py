@@ -168,7 +168,7 @@ def test_kv_withdrawn_while_read_in_place_waits_for_its_reader() -> None:
         while side.puller.arrived.empty():  # answered in place, not copied from yet
             assert time.monotonic() < deadline, "no answer"
             time.sleep(0.01)
-        producer.side.before_step(KVConnectorMetadata(cancel_saves=["lent"]))
+        producer.side.cancel(KVConnectorMetadata(cancel_saves=["lent"]))
         assert producer.side.take_output(wait_s=0.3) is None  # still read: held
         until(side, lambda outs: names(outs, "finished_recving") == ["lent"])
         assert names(until(producer.side, bool), "finished_sending") == ["lent"]

@@ -114,7 +114,7 @@ def test_a_copy_ahead_of_a_refusal_fails_its_load(pair) -> None:
     """The prefill's staged KV was withdrawn (a failed step there): the blocks were
     copied ahead, the answer refuses, and the load fails naming why."""
     pair.producer.stage("r", [3])
-    pair.producer.side.before_step(KVConnectorMetadata(cancel_saves=["r"]))
+    pair.producer.side.cancel(KVConnectorMetadata(cancel_saves=["r"]))
     pair.pull("r", [4], [3])
     [failure] = names(until(pair.side, bool), "failed_recving")
     assert failure.req_id == "r" and "was withdrawn" in failure.error
@@ -140,7 +140,7 @@ def test_a_load_cancelled_after_its_copy_ahead_is_forgotten(pair) -> None:
     [held] = pair.side.puller.peer_caches._open.values()
     assert held.users == 0 and pair.side.read_ahead.num_copied == 1
     assert pair.side.read_ahead._ahead  # not judged yet
-    pair.side.before_step(KVConnectorMetadata(cancel_loads=["r"]))
+    pair.side.cancel(KVConnectorMetadata(cancel_loads=["r"]))
     assert not pair.side.read_ahead._ahead
     pair.producer.stage("r", [3])
     sent: list[str] = []

@@ -267,7 +267,7 @@ def test_empty_steps(engine: RawEngine) -> None:
     orders = {"type": "KVConnectorMetadata", "host": host}
     assert engine.error("execute_model", step([], EMPTY, 0, kv_connector_metadata=orders)) == (
         "ValueError",
-        "KV orders for a worker without KV transfer or a host tier",
+        "KV orders for a worker without KV transfer or a host tier: host",
     )
     # Another value where the method takes a message: the arguments do not fit it.
     assert engine.error("execute_model", 5) == (

@@ -365,6 +365,9 @@ class Extension:
     def double(self, x: int) -> int:
         return 2 * x
 
+    def tagged(self, tag: str, *extra: int, step: SchedulerOutput | None) -> str:
+        return f"{tag}{len(extra)}{step is None}"
+
 
 class Clash:
     def load_model(self) -> None:
@@ -387,6 +390,14 @@ def test_wrapper_late_instantiation_extension_and_allowlist(monkeypatch):
     assert wrapper.worker.seen_at_init == "rank1"
     assert wrapper.rank == 1  # forwarded attribute
     assert wrapper.execute_method("double", 21) == 42
+    # Message arguments are checked by name past *args, and unions with None take None.
+    empty = SchedulerOutput([], CachedRequestData.empty(), 0)
+    assert wrapper.execute_method("tagged", "a", 1, 2, step=empty) == "a2False"
+    assert wrapper.execute_method("tagged", "b", step=None) == "b0True"
+    with pytest.raises(TypeError, match="^tagged: step must be a SchedulerOutput or None, got int"):
+        wrapper.execute_method("tagged", "c", step=5)
+    with pytest.raises(TypeError, match="grammar_output must be a GrammarOutput or None, got str"):
+        wrapper.execute_method("sample_tokens", "not a grammar output")
     assert "double" in wrapper.rpc_methods and "load_model" in wrapper.rpc_methods
     with pytest.raises(AttributeError, match="not callable over RPC"):
         wrapper.execute_method("_runner")

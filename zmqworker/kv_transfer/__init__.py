@@ -12,13 +12,19 @@ from torch.distributed import ProcessGroup
 
 from messages import KVCacheSpec, KVTransferConfig
 from zmqworker.distributed.shared_cache import SharedKVCache
-from zmqworker.kv_transfer.connector import KVConnector, KVConnectors
+from zmqworker.kv_transfer.connector import KVConnector, KVConnectors, take_orders
 from zmqworker.kv_transfer.host_tier import HostKVConnector
 from zmqworker.kv_transfer.tp_reports import TPCombined
 from zmqworker.kv_transfer.zmq_connector import ZmqKVConnector
 from zmqworker.transport.curve import KV_CURVE_ENV, KVKeys
 
-__all__ = ["HostKVConnector", "KVConnector", "ZmqKVConnector", "make_kv_connector"]
+__all__ = [
+    "HostKVConnector",
+    "KVConnector",
+    "ZmqKVConnector",
+    "make_kv_connector",
+    "take_orders",
+]
 
 
 def make_kv_connector(

@@ -61,6 +61,13 @@ class HostKVConnector(KVConnector):
                 f"{exc}; give kv_offloading_size less"
             ) from exc
 
+    @property
+    def served(self) -> frozenset[str]:
+        return frozenset({"host"})
+
+    def cancel(self, metadata: KVConnectorMetadata) -> None:
+        """Nothing to cancel: a step's copies end within it."""
+
     def before_step(self, metadata: KVConnectorMetadata | None) -> None:
         copies = metadata.host if metadata is not None else None
         if copies is None:

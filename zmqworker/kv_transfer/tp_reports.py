@@ -36,6 +36,13 @@ class TPCombined(KVConnector):
         self._recved: set[str] = set()
         self._failed: dict[str, str] = {}
 
+    @property
+    def served(self) -> frozenset[str]:
+        return self.inner.served
+
+    def cancel(self, metadata: KVConnectorMetadata) -> None:
+        self.inner.cancel(metadata)
+
     def before_step(self, metadata: KVConnectorMetadata | None) -> None:
         if metadata is not None:
             self._outstanding.update(("send", s.req_id) for s in metadata.saves)

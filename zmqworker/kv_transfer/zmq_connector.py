@@ -122,12 +122,20 @@ class ZmqKVConnector(KVConnector):
             self.shutdown()
             raise
 
+    @property
+    def served(self) -> frozenset[str]:
+        saves = {"saves", "cancel_saves"} if self.server is not None else set()
+        loads = {"loads", "cancel_loads"} if self.puller is not None else set()
+        return frozenset(saves | loads)
+
+    def cancel(self, metadata: KVConnectorMetadata) -> None:
+        for req_id in metadata.cancel_loads:
+            self._cancel(req_id)
+        for req_id in metadata.cancel_saves:
+            self._withdraw(req_id)
+
     def before_step(self, metadata: KVConnectorMetadata | None) -> None:
         if metadata is not None:
-            for req_id in metadata.cancel_loads:
-                self._cancel(req_id)
-            for req_id in metadata.cancel_saves:
-                self._withdraw(req_id)
             pulled = [(load, self._start_load(load)) for load in metadata.loads]
             if self.read_ahead is not None:
                 self.read_ahead.start([(load, reads) for load, reads in pulled if reads])
@@ -136,8 +144,6 @@ class ZmqKVConnector(KVConnector):
     def after_step(self, metadata: KVConnectorMetadata | None) -> None:
         if metadata is None or not metadata.saves:
             return
-        if self.server is None:
-            raise RuntimeError(f"KV saves sent to a {self.config.role} (not a producer)")
         for save in metadata.saves:
             self._stage(save)
 
@@ -182,8 +188,7 @@ class ZmqKVConnector(KVConnector):
 
     def _start_load(self, load: KVLoad) -> tuple[HeadSource, ...]:
         """Pull load (or fail it at once); the sources its pieces are pulled from."""
-        if self.puller is None:
-            raise RuntimeError(f"KV loads sent to a {self.config.role} (not a consumer)")
+        assert self.puller is not None  # take_orders refused loads to a producer
         remote_tp = len(load.remote.addresses)
         try:
             heads = head_map(self.num_kv_heads, remote_tp, self.tp_size, self.tp_rank)

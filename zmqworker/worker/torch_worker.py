@@ -19,7 +19,6 @@ from messages import (
     IntermediateTensors,
     KVCacheConfig,
     KVCacheSpec,
-    KVConnectorMetadata,
     SchedulerOutput,
     SharedWeights,
     WeightUpdate,
@@ -31,7 +30,7 @@ from zmqworker.distributed.parallel_state import (
     init_parallel_state,
 )
 from zmqworker.distributed.pipeline_stage import PipelineStage
-from zmqworker.kv_transfer import KVConnector, make_kv_connector
+from zmqworker.kv_transfer import KVConnector, make_kv_connector, take_orders
 from zmqworker.model_runner.async_output import AsyncModelRunnerOutput
 from zmqworker.model_runner.model_runner import ModelRunner
 from zmqworker.worker.device import DeviceOps, device_ops
@@ -196,8 +195,8 @@ class Worker(WorkerBase):
         self._step_started = time.monotonic()
         connector, kv_orders = self.kv_connector, scheduler_output.kv_connector_metadata
         try:
-            if connector is None and kv_orders is not None and kv_orders != KVConnectorMetadata():
-                raise ValueError("KV orders for a worker without KV transfer or a host tier")
+            if kv_orders is not None:
+                take_orders(kv_orders, connector)
             start = None if connector is None else partial(connector.before_step, kv_orders)
             output = runner.execute_model(scheduler_output, inputs, sample, start)
             if connector is not None:

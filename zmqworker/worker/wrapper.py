@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import os
+import types
 import typing
 from collections.abc import Mapping
 from typing import Any
@@ -77,13 +78,49 @@ def worker_class(config: WorkerConfig) -> tuple[type, frozenset[str]]:
     return cls, frozenset(methods)
 
 
+# (position, or None for a keyword-only parameter; name; the types it takes)
+MessageParam = tuple[int | None, str, tuple[type, ...]]
+
+
+def message_params(fn: Any) -> list[MessageParam]:
+    """fn's parameters typed as a message (a msgspec Struct, or a union of those and
+    None), which a call can check before fn runs; none where the hints do not resolve."""
+    try:
+        hints = typing.get_type_hints(fn)
+        params = list(inspect.signature(fn).parameters.values())
+    except (NameError, TypeError, ValueError):
+        return []
+    found: list[MessageParam] = []
+    position: int | None = 0
+    for param in params:
+        if param.kind is inspect.Parameter.VAR_POSITIONAL:
+            position = None  # those after it are keyword-only
+        members = _union_members(hints.get(param.name))
+        message = any(isinstance(m, type) and issubclass(m, msgspec.Struct) for m in members)
+        if message and all(isinstance(m, type) for m in members):
+            keyword_only = param.kind is inspect.Parameter.KEYWORD_ONLY
+            found.append((None if keyword_only else position, param.name, members))
+        if position is not None and param.kind in _POSITIONAL:
+            position += 1
+    return found
+
+
+_POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+
+
+def _union_members(hint: Any) -> tuple[Any, ...]:
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        return typing.get_args(hint)
+    return () if hint is None else (hint,)
+
+
 class WorkerWrapper:
     def __init__(self, rpc_rank: int = 0) -> None:
         self.rpc_rank = rpc_rank
         self.worker: WorkerBase | None = None
         self.rpc_methods: frozenset[str] = RPC_METHODS
         self._takes_call_id: dict[str, bool] = {}
-        self._message_params: dict[str, list[tuple[int, str, type]]] = {}  # by method
+        self._message_params: dict[str, list[MessageParam]] = {}  # by method
 
     def update_environment(self, env: Mapping[str, str]) -> None:
         """Apply this rank's environment to os.environ, before the worker is built."""
@@ -126,24 +163,19 @@ class WorkerWrapper:
     def _check_messages(self, method: str, fn: Any, args: tuple, kwargs: dict) -> None:
         """TypeError naming the argument where one the method types as a message is
         another value: it would fail inside the method, as some other error."""
-        messages = self._message_params.get(method)
-        if messages is None:
-            try:
-                hints = typing.get_type_hints(fn)
-            except Exception:  # a hint not resolvable here: nothing to check by
-                hints = {}
-            messages = [
-                (position, name, hint)
-                for position, name in enumerate(inspect.signature(fn).parameters)
-                if isinstance(hint := hints.get(name), type) and issubclass(hint, msgspec.Struct)
-            ]
-            self._message_params[method] = messages
-        for position, name, wanted in messages:
-            value = args[position] if position < len(args) else kwargs.get(name, wanted)
-            if not (value is wanted or isinstance(value, wanted)):  # wanted: not given
-                raise TypeError(
-                    f"{method}: {name} must be a {wanted.__name__}, got {type(value).__name__}"
-                )
+        params = self._message_params.get(method)
+        if params is None:
+            params = self._message_params[method] = message_params(fn)
+        for position, name, wanted in params:
+            if position is not None and position < len(args):
+                value = args[position]
+            elif name in kwargs:
+                value = kwargs[name]
+            else:
+                continue  # not given: the call fails on it, or takes the default
+            if not isinstance(value, wanted):
+                names = " or ".join("None" if t is type(None) else t.__name__ for t in wanted)
+                raise TypeError(f"{method}: {name} must be a {names}, got {type(value).__name__}")
 
     def _takes_call_id_arg(self, method: str, fn: Any) -> bool:
         takes = self._takes_call_id.get(method)
