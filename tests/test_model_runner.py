@@ -204,6 +204,9 @@ def test_split_mode_applies_the_grammar_bitmask() -> None:
     assert runner.execute_model(SchedulerOutput([], cached, 1), sample=False) is None
     with pytest.raises(ValueError, match="handle 99: grammar bitmask for a request not in"):
         runner.sample_tokens(GrammarOutput(np.array([99], np.int32), words.view(np.int32)))
+    twice = np.concatenate([words, words]).view(np.int32)
+    with pytest.raises(ValueError, match=r"\(handle 5\): named twice in GrammarOutput.req_handles"):
+        runner.sample_tokens(GrammarOutput(np.array([5, 5], np.int32), twice))
     # the rejected grammar output left the logits pending; without a grammar, greedy
     first = int(out.sampled_token_ids[0])
     out = runner.sample_tokens(None).get_output()

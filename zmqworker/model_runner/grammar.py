@@ -91,7 +91,11 @@ def apply_grammar_output(
     grammar_handles = int32_array(grammar.req_handles, "GrammarOutput.req_handles", 1).tolist()
     bitmask = int32_array(grammar.grammar_bitmask, "GrammarOutput.grammar_bitmask", 2)
     keep, targets = [], []
+    seen: set[int] = set()
     for k, handle in enumerate(grammar_handles):
+        if handle in seen:  # two rows for one request: which one holds is not said
+            raise ValueError(f"{describe(handle)}: named twice in GrammarOutput.req_handles")
+        seen.add(handle)
         if handle in sampling:
             keep.append(k)
             targets.append(sampling[handle])
