@@ -360,20 +360,19 @@ def test_preempted_request_readded_as_new_replaces_the_kept_state() -> None:
     assert batch.block_table[batch.row_of[1], :2].tolist() == [13, 14]
 
 
-def draws(batch: InputBatch, handle: int) -> list[float]:
-    """What the request's generator draws for its next sample."""
-    generators = batch.sampling_generators(np.array([batch.row_of[handle]]))
-    return torch.rand(4, generator=generators[0]).tolist()
+def draw_seed(batch: InputBatch, handle: int) -> int:
+    """The seed of the request's next sample's draw."""
+    return batch.sample_seeds(np.array([batch.row_of[handle]]))[0]
 
 
 def test_a_seeded_request_draws_by_its_seed_and_sample_count_alone() -> None:
     params = SamplingParams(temperature=1.0, seed=7)
     kept = make_batch()
     kept.update(step([new_req(1, [1, 2, 3], [10], 3, params=params)]))
-    first = draws(kept, 1)
+    first = draw_seed(kept, 1)
     kept.append_sampled(np.array([kept.row_of[1]]), np.array([42], np.int32))
-    second = draws(kept, 1)
-    assert first != second and draws(kept, 1) == second  # drawing does not move it on
+    second = draw_seed(kept, 1)
+    assert first != second and draw_seed(kept, 1) == second  # asking does not move it on
     # preempted, then sent again as new with its sample in its prompt: the draw it would
     # have made, whatever was drawn before
     again = make_batch()
@@ -381,12 +380,12 @@ def test_a_seeded_request_draws_by_its_seed_and_sample_count_alone() -> None:
     again.update(step(preempted=[1]))
     readded = new_req(1, [1, 2, 3, 42], [11], 4, params=params)
     again.update(step([msgspec.structs.replace(readded, num_output_tokens=1)]))
-    assert draws(again, 1) == second
+    assert draw_seed(again, 1) == second
     # another seed, or no seed, draws otherwise
     other = make_batch()
     other.update(step([new_req(1, [1, 2, 3], [10], 3, params=SamplingParams(seed=8))]))
     other.update(step([new_req(2, [1], [1], 1, params=SamplingParams())]))
-    assert draws(other, 1) != first and 1 not in other.sampling_generators(
+    assert draw_seed(other, 1) != first and 1 not in other.sample_seeds(
         np.array([other.row_of[1], other.row_of[2]])
     )
 
@@ -410,7 +409,7 @@ def test_sampling_columns_follow_the_row() -> None:
     assert (batch.temperature[row], batch.top_k[row]) == (np.float32(0.8), 5)
     assert (batch.top_p[row], batch.min_p[row]) == (np.float32(0.9), np.float32(0.1))
     assert batch.num_logprobs[row] == 3
-    assert set(batch.sampling_generators(np.array([row]))) == {0}
+    assert set(batch.sample_seeds(np.array([row]))) == {0}
 
 
 # bad steps ------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ import torch
 
 from zmqworker.cdiv import cdiv
 from zmqworker.model_runner.grammar import apply_grammar_bitmask
+from zmqworker.model_runner.input_batch import draw_seeds
 from zmqworker.model_runner.sampler import Sampler, SamplingMetadata
 
 VOCAB = 64
@@ -26,14 +27,13 @@ def metadata(
     def column(value, dtype):
         return np.broadcast_to(np.asarray(value, dtype), (n,)).copy()
 
-    generators = {row: torch.Generator().manual_seed(seed) for row, seed in (seeds or {}).items()}
     return SamplingMetadata.build(
         column(temperature, np.float32),
         column(top_k, np.int32),
         column(top_p, np.float32),
         column(min_p, np.float32),
         column(logprobs, np.int32),
-        generators,
+        seeds or {},
         VOCAB,
         CPU,
     )
@@ -170,12 +170,58 @@ def test_seeded_rows_ignore_their_batch_companions() -> None:
         np.ones(1, np.float32),
         np.zeros(1, np.float32),
         np.full(1, -1, np.int32),
-        {0: torch.Generator().manual_seed(7)},
+        {0: 7},
         VOCAB,
         CPU,
     )
     others = [int(Sampler()(target.clone(), other_seed).sampled_token_ids[0]) for _ in range(8)]
     assert others != alone
+
+
+def test_only_rows_that_sample_at_random_get_a_generator(monkeypatch) -> None:
+    """A generator costs microseconds to make: a greedy row's seed makes none, in an
+    all-greedy batch (the argmax fast path) or a mixed one."""
+    made = []
+    real = torch.Generator
+
+    def counting(*args, **kwargs) -> torch.Generator:
+        made.append(kwargs.get("device"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "Generator", counting)
+    greedy = metadata(3, temperature=0.0, seeds={0: 5, 2: 6})
+    assert greedy.all_greedy and not greedy.generators and not made
+    mixed = metadata(3, temperature=[0.0, 1.0, 1.0], seeds={0: 5, 1: 6})
+    assert set(mixed.generators) == {1} and made == [CPU]
+
+
+def race(row: torch.Tensor, temperature: float, seed: int) -> int:
+    """The exponential race by hand, with a generator seeded seed: what a seeded row of
+    the sampler draws."""
+    probs = (row / temperature).softmax(-1)
+    noise = torch.empty_like(probs).exponential_(generator=torch.Generator().manual_seed(seed))
+    return int((probs / noise).argmax())
+
+
+def test_a_mixed_batch_samples_each_seeded_and_greedy_row_as_alone() -> None:
+    """Rows: greedy with a seed, random with a seed, random without. Every step draws by
+    the seed of (request seed, samples so far), as InputBatch.sample_seeds gives it."""
+    logits = torch.randn(3, VOCAB, generator=torch.Generator().manual_seed(17))
+    temperature = [0.0, 1.3, 1.0]
+    crowded, alone = [], []
+    for sampled in range(8):
+        seed = int(draw_seeds(np.array([42]), np.array([sampled]))[0])
+        seeds = {0: int(draw_seeds(np.array([3]), np.array([sampled]))[0]), 1: seed}
+        out = sample(logits, metadata(3, temperature=temperature, seeds=seeds))
+        crowded.append(out[:2].tolist())
+        assert 0 <= out[2] < VOCAB
+        greedy_alone = sample(logits[0:1], metadata(1, temperature=0.0, seeds={0: seeds[0]}))
+        random_alone = sample(logits[1:2], metadata(1, temperature=1.3, seeds={0: seed}))
+        alone.append([int(greedy_alone[0]), int(random_alone[0])])
+        assert out[1] == race(logits[1], 1.3, seed)  # the seed's draw, bit for bit
+    assert crowded == alone
+    assert {tokens[0] for tokens in crowded} == {int(logits[0].argmax())}
+    assert len({tokens[1] for tokens in crowded}) > 1  # each sample draws anew
 
 
 def test_logprobs_are_log_softmax_of_the_raw_logits() -> None:

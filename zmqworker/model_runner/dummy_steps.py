@@ -161,7 +161,7 @@ class DummySteps:
             top_p=np.full(n, 1.0 if greedy else 0.9, np.float32),
             min_p=np.full(n, 0.0 if greedy else 0.01, np.float32),
             num_logprobs=np.full(n, num_logprobs, np.int32),
-            generators={},
+            seeds={},
             vocab_size=vocab,
             device=runner.device,
             penalties=step,

@@ -183,20 +183,18 @@ class InputBatch:
         row = self.row_of[handle]
         return self.token_ids[row, : self.num_tokens[row]].copy()
 
-    def sampling_generators(self, rows: np.ndarray) -> dict[int, torch.Generator]:
-        """{position in rows: generator} for the seeded requests among rows (each about to
-        sample its next token), each seeded from the request's seed and how many tokens
-        it has sampled: its draws depend on nothing else, so a request preempted and
-        recomputed, or sent again as new, samples as if it never was."""
+    def sample_seeds(self, rows: np.ndarray) -> dict[int, int]:
+        """{position in rows: draw seed} for the seeded requests among rows (each about to
+        sample its next token), each from the request's seed and how many tokens it has
+        sampled: its draws depend on nothing else, so a request preempted and recomputed,
+        or sent again as new, samples as if it never was. The sampler seeds a generator
+        from it only where the request samples at random."""
         seeded = np.flatnonzero(self.seeded[rows])
         if not len(seeded):
             return {}
         at = rows[seeded]
         draws = draw_seeds(self.seeds[at], self.num_tokens[at] - self.num_prompt[at])
-        return {
-            int(i): torch.Generator(device=self.device).manual_seed(int(seed))
-            for i, seed in zip(seeded, draws, strict=True)
-        }
+        return dict(zip(seeded.tolist(), draws.tolist(), strict=True))
 
     # row operations (apply calls these after planning validated them) ----------------
 

@@ -335,7 +335,7 @@ class ModelRunner:
             batch.top_p[rows],
             batch.min_p[rows],
             batch.num_logprobs[rows],
-            batch.sampling_generators(rows),
+            batch.sample_seeds(rows),
             logits.shape[1],
             self.device,
             penalties,

@@ -47,12 +47,13 @@ class SamplingMetadata:
         top_p: np.ndarray,
         min_p: np.ndarray,
         num_logprobs: np.ndarray,
-        generators: dict[int, torch.Generator],
+        seeds: dict[int, int],
         vocab_size: int,
         device: torch.device,
         penalties: PenaltyStep | None = None,
     ) -> SamplingMetadata:
-        """From per-request numpy columns (num_logprobs: -1 for none)."""
+        """From per-request numpy columns (num_logprobs: -1 for none) and the draw seeds of
+        the seeded requests ({row: seed}, InputBatch.sample_seeds)."""
         wants_logprobs = num_logprobs >= 0
         max_num_logprobs = int(num_logprobs.max()) if wants_logprobs.any() else None
         greedy = temperature < _GREEDY_EPS
@@ -72,7 +73,13 @@ class SamplingMetadata:
             max_top_k=int(top_k[top_k_on].max()) if top_k_on.any() else 0,
             top_p=tensor(np.where(top_p_on, top_p, 1.0), torch.float32) if top_p_on.any() else None,
             min_p=tensor(np.where(min_p_on, min_p, 0.0), torch.float32) if min_p_on.any() else None,
-            generators={i: g for i, g in generators.items() if not greedy[i]},
+            # Only rows that sample at random draw noise: a generator costs microseconds
+            # to make, and a greedy row's would go unused.
+            generators={
+                i: torch.Generator(device=device).manual_seed(seed)
+                for i, seed in seeds.items()
+                if not greedy[i]
+            },
             max_num_logprobs=max_num_logprobs,
             penalties=penalties,
         )
