@@ -205,7 +205,33 @@ COMPLETIONS, CHAT_COMPLETIONS = "/v1/completions", "/v1/chat/completions"
         (COMPLETIONS, {"suffix": "!"}, "suffix", "suffix is not supported"),
         (COMPLETIONS, {"presence_penalty": 2.5}, "presence_penalty", "presence_penalty: must"),
         (COMPLETIONS, {"repetition_penalty": 0}, "repetition_penalty", "repetition_penalty: "),
-        (COMPLETIONS, {"logit_bias": {"-1": 5}}, "logit_bias", "logit_bias: keys must be"),
+        *[
+            (
+                COMPLETIONS,
+                {"logit_bias": {key: 5}},
+                "logit_bias",
+                f"logit_bias: key {key!r} is not a token id: keys are token ids (integers in "
+                "[0, vocabulary size)) in plain decimal digits, without sign, spaces or leading",
+            )
+            for key in ("-1", " 5", "5 ", "05", "+5", "0x5", "1e3", "\u0665")
+        ],
+        (
+            COMPLETIONS,
+            {"logit_bias": {"4294967296": 5}},
+            "logit_bias",
+            "logit_bias: key '4294967296' is not a token id: token ids are integers in "
+            "[0, vocabulary size), at most 2147483647",
+        ),
+        (COMPLETIONS, {"use_beam_search": True}, "use_beam_search", "use_beam_search is not"),
+        (COMPLETIONS, {"priority": -1}, "priority", "priority is not supported"),
+        (CHAT_COMPLETIONS, {"cache_salt": "s"}, "cache_salt", "cache_salt is not supported"),
+        (CHAT_COMPLETIONS, {"function_call": "auto"}, "function_call", "function_call is not"),
+        (
+            CHAT_COMPLETIONS,
+            {"messages": [{"role": "assistant", "content": "Hi", "annotations": [{}]}]},
+            "messages[0].annotations",
+            "messages[0].annotations is not supported: only null or []",
+        ),
         (COMPLETIONS, {"bad_words": [""]}, "bad_words[0]", "bad_words[0]: must not be empty"),
         (CHAT_COMPLETIONS, {"tools": [{"type": "function"}]}, "tools[0].function", "tools[0]"),
         (CHAT_COMPLETIONS, {"tool_choice": "auto"}, "tool_choice", 'tool_choice "auto" needs'),
@@ -254,6 +280,27 @@ def test_requests_within_the_bound_still_work(server):
     parts = {"messages": [{"role": "user", "content": [TEXT_PART]}]}
     status, answer = post(server, CHAT_COMPLETIONS, {**CHAT, **parts})
     assert status == 200 and answer["choices"][0]["message"]["content"]
+
+
+# vLLM's own fields at the values its clients send when they ask for nothing.
+VLLM_NEUTRAL = {
+    "use_beam_search": False, "length_penalty": 1.0, "priority": 0, "cache_salt": None,
+    "truncate_prompt_tokens": None, "allowed_token_ids": None, "logits_processors": [],
+    "return_tokens_as_token_ids": False, "kv_transfer_params": None, "vllm_xargs": {},
+}  # fmt: skip
+
+
+def test_what_is_not_supported_is_taken_at_its_neutral_value(server):
+    """An assistant message sent back with empty annotations, OpenAI's old function
+    calling turned off, vLLM's own fields at their defaults: each asks for nothing."""
+    status, answer = post(server, COMPLETIONS, {**HELLO, **VLLM_NEUTRAL})
+    assert status == 200 and answer["choices"][0]["text"], answer
+    reply = {"role": "assistant", "content": "Hey", "annotations": [], "refusal": None}
+    messages = [*CHAT["messages"], reply, {"role": "user", "content": "More"}]
+    chat = {**CHAT, **VLLM_NEUTRAL, "messages": messages, "function_call": "none",
+            "functions": [], "documents": None, "chat_template": None}  # fmt: skip
+    status, answer = post(server, CHAT_COMPLETIONS, chat)
+    assert status == 200 and answer["choices"][0]["message"]["content"], answer
 
 
 def test_no_cors_headers_without_allowed_origins(server):

@@ -10,6 +10,7 @@ import functools
 import http.client
 import json
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -323,3 +324,33 @@ def test_streamed_text_offsets_and_stop_reasons_are_the_whole_answer_s(server):
     stopped = client.completions.create(**body, extra_body={"stop_token_ids": [period]})
     assert stopped.choices[0].text == " Paris"  # the embedded model's answer, to its "."
     assert stopped.choices[0].model_extra["stop_reason"] == period
+
+
+def test_an_extra_end_of_sequence_id_is_a_stop_token_s_stop_reason(tmp_path):
+    """A generation_config.json that ends sequences on ids besides the tokenizer's EOS
+    (Llama 3.1 Instruct's <|eom_id|> and <|end_of_text|> beside <|eot_id|>): vLLM makes
+    those stop token ids, so an output that ends on one has it as stop_reason; the
+    tokenizer's EOS stays None, and with ignore_eos the extra one does not end it either."""
+    model = embedded.default_model_path(progress=False)
+    [period] = transformers.AutoTokenizer.from_pretrained(model).encode(".")
+    folder = tmp_path / MODEL  # the folder's name is the served model's
+    folder.mkdir()
+    for file in Path(model).iterdir():
+        if file.name != "generation_config.json":
+            (folder / file.name).symlink_to(file)
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, period]}))
+    server = Server("--model", str(folder))
+    try:
+        client = server.client()
+        body = dict(model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=0)
+        [choice] = client.completions.create(**body).choices
+        assert (choice.text, choice.finish_reason) == (" Paris", "stop")  # no stop token text
+        assert choice.model_extra["stop_reason"] == period
+        [last] = list(client.completions.create(**body, stream=True))[-1].choices
+        assert (last.finish_reason, last.model_extra["stop_reason"]) == ("stop", period)
+        [eos] = client.completions.create(**body, logit_bias={"2": 100}).choices
+        assert (eos.text, eos.finish_reason, eos.model_extra["stop_reason"]) == ("", "stop", None)
+        [on] = client.completions.create(**body, extra_body={"ignore_eos": True}).choices
+        assert on.finish_reason == "length" and on.text.startswith(" Paris.")
+    finally:
+        server.stop()

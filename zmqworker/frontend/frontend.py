@@ -61,6 +61,9 @@ class Frontend(ControlMethods):
         self.tokenizer = texts.tokenizer
         self.vocab_size = folder.vocab_size
         self.eos_token_ids = texts.eos_token_ids
+        # Those besides the tokenizer's own, which vLLM reports as a stop token's id.
+        main_eos = self.tokenizer.eos_token_id if self.tokenizer is not None else None
+        self._extra_eos = texts.eos_token_ids - {main_eos}
         self.max_model_len = readies[0].max_model_len
         self.engine_core_pids = [r.pid for r in readies]
         self.worker_pids = [pid for r in readies for pid in r.worker_pids]
@@ -73,6 +76,7 @@ class Frontend(ControlMethods):
         # independent clients (two servers, an LLM) may share an engine core.
         self._id_prefix = f"req-{secrets.token_hex(4)}-{client_index}-"
         self._closed = False
+        self._failed: Exception | None = None  # fail_all's error: later requests get it
         self._pusher: WeightPusher | None = None  # made at the first update from here
         self._observers: list[Callable[[RequestOutput], None]] = []
 
@@ -207,7 +211,10 @@ class Frontend(ControlMethods):
 
     def fail_all(self, error: Exception) -> None:
         """End every request in flight with error: its caller gets it, its engine core
-        aborts it (a server that stops answers what still runs at its deadline)."""
+        aborts it; a request added later raises it (a server that stops answers what
+        still runs at its deadline, and what its handlers add after: a request whose
+        prompt was still being read or tokenized then)."""
+        self._failed = error
         sinks = list(self._sinks.items())
         for _, sink in sinks:
             sink(error)
@@ -236,6 +243,8 @@ class Frontend(ControlMethods):
         return loop is not None and bool(self._sinks)
 
     def _submit(self, state: RequestState, sink: Sink) -> None:
+        if self._failed is not None:
+            raise self._failed
         self._processor.add(state)
         self._sinks[state.request_id] = sink
         request = EngineCoreRequest(
@@ -364,4 +373,5 @@ class Frontend(ControlMethods):
             shares_prompt_with=None if first is None else first.request_id,
             streamed=streamed,
             prompt_logprobs_from=first if asked else None,
+            extra_eos_token_ids=self._extra_eos,
         )

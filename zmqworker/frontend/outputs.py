@@ -50,7 +50,8 @@ class RequestOutput:
     """A request's output so far. text and token_ids are everything generated; new_text
     and new_token_ids what this output adds to the previous one of the same request
     (streaming). finish_reason is "stop", "length" or "abort" once finished; stop_reason,
-    as vLLM's, the stop string or stop token id that ended it (None for EOS). logprobs
+    as vLLM's, the stop string or stop token id that ended it (generation_config's extra
+    end-of-sequence ids count as stop tokens; None for the tokenizer's EOS). logprobs
     (when SamplingParams.logprobs asked for them) has one entry per token of token_ids:
     the last len(new_token_ids) are the new ones. prompt_logprobs (when
     SamplingParams.prompt_logprobs asked for them, from the first output on): one entry

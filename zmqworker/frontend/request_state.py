@@ -40,10 +40,14 @@ class RequestState:
         shares_prompt_with: str | None = None,
         streamed: bool = True,
         prompt_logprobs_from: RequestState | None = None,
+        extra_eos_token_ids: frozenset[int] = frozenset(),
     ) -> None:
         """streamed: its caller takes every output (output() after each apply()); else
         only the last. prompt_logprobs_from: the sample whose prompt logprobs are this
-        one's too (n > 1: only the first asks the engine core for them)."""
+        one's too (n > 1: only the first asks the engine core for them).
+        extra_eos_token_ids: the end-of-sequence ids besides the tokenizer's (those the
+        model's generation_config.json or config.json adds), which end the output as stop
+        token ids do."""
         if params.stop and detokenizer is None:
             raise ValueError(f"request {request_id!r}: stop strings need a tokenizer")
         self.request_id = request_id
@@ -54,6 +58,7 @@ class RequestState:
         # The sibling sample whose prompt KV this one takes (n > 1), sent before it.
         self.shares_prompt_with = shares_prompt_with
         self.prompt_logprobs_from = prompt_logprobs_from
+        self._extra_eos = extra_eos_token_ids
         self.output_token_ids: list[int] = []
         self.output_text = ""
         self.logprobs: list[PositionLogprobs] | None = None if params.logprobs is None else []
@@ -125,9 +130,11 @@ class RequestState:
         elif self._add_text(new_token_ids, finished, logprobs, now):
             return True
         if finished is not None:
-            # vLLM's: the stop token id that ended the output, not EOS (None).
+            # vLLM's: the stop token id that ended the output, the extra EOS ids included
+            # (vLLM makes them stop token ids), but None for the tokenizer's EOS.
             stop = finished.stop_reason
-            self.stop_reason = stop if stop in self.params.stop_token_ids else None
+            reported = stop in self.params.stop_token_ids or stop in self._extra_eos
+            self.stop_reason = stop if reported else None
             self.finish(finished.finish_reason, now)
         self.bulk = self._plain and self.first_token_time is not None and not self.finished
         return False

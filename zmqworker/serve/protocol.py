@@ -7,11 +7,13 @@ or taken and not used where it changes nothing of the output (store, metadata, .
 top_k, min_p, ignore_eos, stop_token_ids, repetition_penalty, min_tokens, bad_words,
 include_stop_str_in_output, skip_special_tokens, chat's add_generation_prompt,
 continue_final_message and chat_template_kwargs, structured_outputs and guided_* are
-vLLM's extensions. Tool calling: serve/tools.py."""
+vLLM's extensions; its others (use_beam_search, priority, cache_salt, ...) are refused
+unless neutral, as OpenAI's unsupported ones are. Tool calling: serve/tools.py."""
 
 from __future__ import annotations
 
 import json
+import re
 from typing import Annotated, Any
 
 from msgspec import Meta, Struct
@@ -21,7 +23,7 @@ from messages.sampling import INT32_MAX, MAX_N, TokenId
 from zmqworker.serve.errors import APIError
 from zmqworker.serve.structured import StructuredFields
 from zmqworker.serve.tools import NamedToolChoice, Tool, ToolFields
-from zmqworker.serve.unsupported import refuse_unsupported, unsupported_part
+from zmqworker.serve.unsupported import MESSAGE_UNSUPPORTED, refuse_unsupported, unsupported_part
 
 MAX_LOGPROBS = 20  # the OpenAI API's bound, and the workers' default max_logprobs
 # The most prompts one completion request may hold: each becomes a request in the engine,
@@ -32,6 +34,9 @@ ROLES = ("system", "developer", "user", "assistant", "tool")
 StopString = Annotated[str, Meta(min_length=1)]
 Penalty = Annotated[float, Meta(ge=-2, le=2)]
 MAX_BIAS = 100.0  # OpenAI's bound on a logit_bias value, either way
+# A logit_bias key: a token id as JSON writes an integer. Python's int() would also take
+# " 5", "05", "+5" and "٥", which are no token ids a client means to write.
+_TOKEN_ID_KEY = re.compile(r"0|[1-9][0-9]*")
 
 
 class StreamOptions(Struct, forbid_unknown_fields=True):
@@ -64,6 +69,17 @@ class SamplingRequest(StructuredFields, forbid_unknown_fields=True, kw_only=True
     user: str | None = None
     n: Annotated[int, Meta(ge=1, le=MAX_N)] | None = None  # choices per prompt
     prompt_logprobs: Annotated[int, Meta(ge=-1, le=INT32_MAX)] | None = None  # -1: refused by name
+    # vLLM's, refused unless neutral (unsupported.py).
+    use_beam_search: bool | None = None
+    length_penalty: float | None = None
+    priority: int | None = None
+    cache_salt: str | None = None
+    truncate_prompt_tokens: int | None = None
+    allowed_token_ids: list[int] | None = None
+    logits_processors: list[Any] | None = None
+    return_tokens_as_token_ids: bool | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+    vllm_xargs: dict[str, Any] | None = None
 
     def check(self) -> None:
         """Refuse what the types cannot: unsupported features, options that need another."""
@@ -79,15 +95,24 @@ class SamplingRequest(StructuredFields, forbid_unknown_fields=True, kw_only=True
 
     def token_bias(self) -> dict[int, float] | None:
         """logit_bias by token id; its keys must be token ids written as strings (as
-        OpenAI's are), its values within [-100, 100]."""
+        OpenAI's are), its values within [-100, 100]. The vocabulary's bound is checked
+        with the other token ids (request_params)."""
         if self.logit_bias is None:
             return None
         bias = {}
         for key, value in self.logit_bias.items():
-            id_like = key.isascii() and key.isdigit() and len(key) <= len(str(INT32_MAX))
-            if not (id_like and int(key) <= INT32_MAX):
+            if not _TOKEN_ID_KEY.fullmatch(key):
                 raise APIError(
-                    f"logit_bias: keys must be token ids (integers >= 0, as strings), got {key!r}",
+                    f"logit_bias: key {key!r} is not a token id: keys are token ids (integers "
+                    "in [0, vocabulary size)) in plain decimal digits, without sign, spaces "
+                    "or leading zeros",
+                    param="logit_bias",
+                )
+            # The length first: int() of thousands of digits is slow, or refused.
+            if len(key) > len(str(INT32_MAX)) or int(key) > INT32_MAX:
+                raise APIError(
+                    f"logit_bias: key {key!r} is not a token id: token ids are integers in "
+                    f"[0, vocabulary size), at most {INT32_MAX}",
                     param="logit_bias",
                 )
             if not -MAX_BIAS <= value <= MAX_BIAS:
@@ -187,18 +212,14 @@ class ChatMessage(Struct, forbid_unknown_fields=True):
     tool_calls: list[ToolCall] | None = None  # an assistant's calls
     tool_call_id: str | None = None  # a tool's result: the call it answers
     # What a chat response's message holds besides (its model_dump() sent back as is):
-    # null here, else refused by name.
+    # neutral here, else refused by name (unsupported.py).
     refusal: str | None = None
     audio: Any = None
     function_call: Any = None
     annotations: Any = None
 
     def check(self, where: str) -> None:
-        for field in ("refusal", "audio", "function_call", "annotations"):
-            if getattr(self, field) is not None:
-                raise APIError(
-                    f"{where}.{field} is not supported: only null", param=f"{where}.{field}"
-                )
+        refuse_unsupported(self, MESSAGE_UNSUPPORTED, f"{where}.")
         if self.role not in ROLES:
             raise APIError(
                 f"{where}.role must be one of {', '.join(ROLES)}, got {self.role!r}",
@@ -295,6 +316,9 @@ class ChatCompletionRequest(SamplingRequest, ToolFields, kw_only=True):
     web_search_options: Any = None
     functions: list[Any] | None = None
     function_call: Any = None
+    # vLLM's, for chat, refused unless neutral (unsupported.py).
+    documents: list[Any] | None = None
+    chat_template: str | None = None
 
     def check(self) -> None:
         self.check_tools()

@@ -1,6 +1,7 @@
-"""The OpenAI features this server does not implement, in one place: a request that asks
-for one is refused with a message that says so. A field here is taken at its neutral
-value only; a feature that comes removes its row."""
+"""The OpenAI and vLLM request features this server does not implement, in one place: a
+request that asks for one is refused with a message that says so. A field here is taken
+at its neutral value only (what asks for nothing: null, false, 0, an empty list); a
+feature that comes removes its row."""
 
 from __future__ import annotations
 
@@ -9,29 +10,83 @@ from typing import Any
 
 from zmqworker.serve.errors import APIError
 
+Refusals = dict[str, tuple[Callable[[Any], bool], str]]
+
+
+def _null(value: Any) -> bool:
+    return value is None
+
+
+def _empty(value: Any) -> bool:
+    """null, false, 0, "", [] or {}: none of them asks for anything."""
+    return not value
+
+
 # field: (is its value neutral?, what the refusal says)
-UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "suffix": (lambda v: not v, "suffix is not supported: a completion only continues its prompt"),
-    "reasoning_effort": (lambda v: v is None, "reasoning_effort is not supported"),
-    "verbosity": (lambda v: v is None, "verbosity is not supported"),
+UNSUPPORTED: Refusals = {
+    "suffix": (_empty, "suffix is not supported: a completion only continues its prompt"),
+    "reasoning_effort": (_null, "reasoning_effort is not supported"),
+    "verbosity": (_null, "verbosity is not supported"),
     "modalities": (
         lambda v: v in (None, ["text"]),
         'modalities other than ["text"] are not supported',
     ),
-    "web_search_options": (lambda v: v is None, "web_search_options is not supported"),
-    "functions": (lambda v: not v, "functions is not supported: give tools"),
-    "function_call": (lambda v: v is None, "function_call is not supported: give tool_choice"),
+    "web_search_options": (_null, "web_search_options is not supported"),
+    "functions": (_empty, "functions is not supported: give tools"),
+    # "none" calls no function: what leaving it out asks.
+    "function_call": (
+        lambda v: v in (None, "none"),
+        'function_call is not supported: give tool_choice (only "none" is taken)',
+    ),
+    # vLLM's own.
+    "use_beam_search": (_empty, "use_beam_search is not supported: only sampling"),
+    "length_penalty": (
+        lambda v: v in (None, 1),
+        "length_penalty is not supported: it weighs beam search's beams (only 1 is taken)",
+    ),
+    "priority": (_empty, "priority is not supported: every request has priority 0"),
+    "cache_salt": (
+        _null,
+        "cache_salt is not supported: the prefix cache is shared by every request",
+    ),
+    "truncate_prompt_tokens": (
+        _null,
+        "truncate_prompt_tokens is not supported: a prompt is taken whole",
+    ),
+    "allowed_token_ids": (
+        _null,
+        "allowed_token_ids is not supported: give logit_bias or structured_outputs",
+    ),
+    "logits_processors": (_empty, "logits_processors is not supported"),
+    "return_tokens_as_token_ids": (_empty, "return_tokens_as_token_ids is not supported"),
+    "kv_transfer_params": (_empty, "kv_transfer_params is not supported"),
+    "vllm_xargs": (_empty, "vllm_xargs is not supported"),
+    "documents": (_null, "documents is not supported"),
+    "chat_template": (
+        _null,
+        "chat_template is not supported: the model's own template is used",
+    ),
+}
+
+# What a chat response's message holds besides role, content and tool calls, for when it
+# is sent back in a conversation as is (the openai client's model_dump()).
+MESSAGE_UNSUPPORTED: Refusals = {
+    "refusal": (_null, "refusal is not supported: only null"),
+    "audio": (_null, "audio is not supported: only null"),
+    "function_call": (_null, "function_call is not supported: only null"),
+    "annotations": (_empty, "annotations is not supported: only null or []"),
 }
 
 # Content part types OpenAI defines besides text, by what they carry.
 _PART_KINDS = {"image_url": "image", "input_audio": "audio", "file": "file"}
 
 
-def refuse_unsupported(request: object) -> None:
-    """An APIError naming the first field of request that asks for what is not supported."""
-    for field, (neutral, message) in UNSUPPORTED.items():
+def refuse_unsupported(request: object, refusals: Refusals = UNSUPPORTED, at: str = "") -> None:
+    """An APIError naming the first field of request (at: its path, "messages[0].") that
+    asks for what is not supported."""
+    for field, (neutral, message) in refusals.items():
         if hasattr(request, field) and not neutral(getattr(request, field)):
-            raise APIError(message, param=field)
+            raise APIError(f"{at}{message}", param=f"{at}{field}")
 
 
 def unsupported_part(part_type: str) -> str:
