@@ -6,6 +6,7 @@ import shutil
 
 import pytest
 import torch
+import transformers
 from safetensors.torch import load_file, save_file
 
 from messages import ModelConfig
@@ -18,6 +19,7 @@ from tests.tiny import (
 from zmqworker.distributed.parallel_state import ParallelState, single_rank_state
 from zmqworker.models.loader import CheckpointError, load_checkpoint
 from zmqworker.models.registry import build_model
+from zmqworker.models.weight_names import config_differences
 
 CPU = torch.device("cpu")
 
@@ -113,6 +115,23 @@ def test_tied_last_stage_loads_the_embedding_for_its_lm_head():
     assert "model.embed_tokens.weight" in load_checkpoint(last, path).tensors
 
 
+@pytest.mark.parametrize("stage", [state(), state(pp_rank=1, pp_size=2)])
+def test_tied_checkpoint_holding_another_lm_head_is_refused(tmp_path, stage):
+    # transformers unties the two when both are there and differ: tying would be wrong.
+    src = cached_tiny_checkpoint(family="qwen3", tie_word_embeddings=True, num_layers=2)
+    shutil.copytree(src, tmp_path / "ckpt")
+    file = tmp_path / "ckpt" / "model.safetensors"
+    tensors = load_file(file)
+    tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].bfloat16()
+    save_file(tensors, file, metadata={"format": "pt"})
+    model = build_model(ModelConfig(path=str(tmp_path / "ckpt"), dtype="bfloat16"), stage)
+    assert torch.equal(model.lm_head.weight, tensors["lm_head.weight"])  # the same: tied
+    tensors["lm_head.weight"] = tensors["lm_head.weight"].float() + 1
+    save_file(tensors, file, metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match="holds a lm_head.weight that differs from it"):
+        build_model(ModelConfig(path=str(tmp_path / "ckpt")), stage)
+
+
 def test_tp_ranks_read_their_slices_and_pad_the_vocab():
     path = cached_tiny_checkpoint(family="llama", num_layers=1, vocab_size=250)
     ckpt = load_file(f"{path}/model.safetensors")
@@ -189,3 +208,28 @@ def test_float32_bfloat16_and_float16_tensors_load_in_any_mix(tmp_path):
     down = model.model.layers["1"].mlp.down_proj.weight
     assert torch.equal(down, mixed["model.layers.1.mlp.down_proj.weight"].float())
     assert {t.dtype for t in mixed.values()} == set(dtypes)
+
+
+@pytest.mark.parametrize(
+    "family, change, named",
+    [
+        ("LlamaConfig", {"rope_theta": 500.0}, "rope_parameters"),
+        ("LlamaConfig", {"rope_scaling": {"rope_type": "linear", "factor": 2.0}}, "rope_param"),
+        ("LlamaConfig", {"rms_norm_eps": 1e-2}, "rms_norm_eps: 1e-06 vs 0.01"),
+        ("MistralConfig", {"sliding_window": 16}, "sliding_window: None vs 16"),
+        ("Qwen3MoeConfig", {"norm_topk_prob": True}, "norm_topk_prob: False vs True"),
+        ("Qwen3MoeConfig", {"num_experts_per_tok": 3}, "num_experts_per_tok: 2 vs 3"),
+    ],
+)
+def test_another_checkpoint_s_forward_settings_are_named(family, change, named):
+    # A reload from another folder keeps the model built for this config: any value the
+    # forward reads must agree, or the new weights would run under the old settings.
+    base = dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, rms_norm_eps=1e-6)
+    if family == "MistralConfig":
+        base["sliding_window"] = None
+    if family == "Qwen3MoeConfig":
+        base.update(num_experts=4, num_experts_per_tok=2)
+    config_cls = getattr(transformers, family)
+    ours, theirs = config_cls(**base), config_cls(**{**base, **change})
+    assert config_differences(ours, config_cls(**base)) == []
+    assert any(named in diff for diff in config_differences(ours, theirs))

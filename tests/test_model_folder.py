@@ -117,6 +117,19 @@ def test_gpt2_config_says_unsupported_architecture(tmp_path):
     )
 
 
+def test_an_architecture_of_another_model_type_is_refused(plain, tmp_path):
+    # transformers would build a Llama (no q/k/v biases) from a Qwen2 checkpoint's tensors.
+    config = json.loads((Path(plain) / "config.json").read_text())
+    config["architectures"] = ["Qwen2ForCausalLM"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    refused(
+        str(tmp_path),
+        ValueError,
+        r"architecture Qwen2ForCausalLM is model_type 'qwen2', but the config's model_type "
+        r"is 'llama'",
+    )
+
+
 def test_a_file_instead_of_a_folder_says_so(plain, tmp_path):
     refused(
         f"{plain}/config.json",

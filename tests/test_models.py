@@ -94,6 +94,22 @@ ROPE_SCALINGS = {
         "original_max_position_embeddings": 64,
     },
     "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128},
+    "yarn_mscale": {
+        "rope_type": "yarn",
+        "factor": 4.0,
+        "original_max_position_embeddings": 128,
+        "mscale": 1.0,
+        "mscale_all_dim": 0.5,
+    },
+    "yarn_attention_factor": {
+        "rope_type": "yarn",
+        "factor": 2.0,
+        "original_max_position_embeddings": 128,
+        "attention_factor": 0.8,
+        "beta_fast": 16,
+        "beta_slow": 2,
+        "truncate": False,
+    },
 }
 
 
@@ -104,6 +120,54 @@ def test_rope_scaling_variants_match_transformers(kind):
     driver = PagedDriver(ours(path))
     logits = torch.cat([driver.step({"r": prompt[:25]})["r"], driver.step({"r": prompt[25:]})["r"]])
     assert_close(logits, hf_logits(path, prompt))
+
+
+# Valid config values off the beaten path, each exact (max_model_len within any window).
+UNUSUAL_CONFIGS = {
+    "llama_eps_theta": dict(
+        family="llama", rms_norm_eps=1e-2, rope_scaling={"rope_type": "default"}, rope_theta=500.0
+    ),
+    "llama_gelu_tanh": dict(family="llama", hidden_act="gelu_pytorch_tanh"),
+    "mistral_head_dim": dict(family="mistral", head_dim=24, tie_word_embeddings=True),
+    "mistral_window": dict(family="mistral", sliding_window=48),
+    "qwen2_window_layers": dict(
+        family="qwen2", use_sliding_window=True, sliding_window=48, max_window_layers=1
+    ),
+    "qwen3_bias_head_dim": dict(family="qwen3", attention_bias=True, head_dim=24),
+}
+
+
+@pytest.mark.parametrize("name", sorted(UNUSUAL_CONFIGS))
+def test_unusual_config_values_match_transformers(name):
+    path = cached_tiny_checkpoint(num_layers=2, **UNUSUAL_CONFIGS[name])
+    prompt = prompts(lens=(40,))[0]
+    driver = PagedDriver(ours(path, max_model_len=48))
+    logits = torch.cat([driver.step({"r": prompt[:25]})["r"], driver.step({"r": prompt[25:]})["r"]])
+    assert_close(logits, hf_logits(path, prompt))
+
+
+REFUSED_CONFIGS = {
+    "partial_rotary_factor 0.5": dict(rope_scaling={"partial_rotary_factor": 0.5}),
+    "rope_type 'longrope'": dict(
+        rope_scaling={
+            "rope_type": "longrope",
+            "short_factor": [1.0] * 8,
+            "long_factor": [2.0] * 8,
+            "original_max_position_embeddings": 128,
+        }
+    ),
+    "hidden_act 'relu'": dict(hidden_act="relu"),
+    "window 16": dict(
+        family="qwen2", use_sliding_window=True, sliding_window=16, max_window_layers=0
+    ),
+}
+
+
+@pytest.mark.parametrize("named", sorted(REFUSED_CONFIGS))
+def test_unsupported_config_values_are_refused_by_name(named):
+    path = cached_tiny_checkpoint(**{"family": "llama", "num_layers": 1, **REFUSED_CONFIGS[named]})
+    with pytest.raises(ValueError, match=named):
+        ours(path, max_model_len=32)
 
 
 @pytest.mark.parametrize("family", ["qwen2", "llama"])
@@ -186,6 +250,15 @@ def test_unsupported_architecture_names_it_and_the_supported_list(tmp_path):
     cfg.architectures = ["GPT2LMHeadModel"]
     cfg.save_pretrained(tmp_path)
     with pytest.raises(ValueError, match=r"GPT2LMHeadModel.*LlamaForCausalLM"):
+        ours(str(tmp_path))
+
+
+def test_architecture_and_model_type_that_disagree_are_refused(tmp_path):
+    path = cached_tiny_checkpoint(family="qwen2", num_layers=1)
+    cfg = transformers.AutoConfig.from_pretrained(path)
+    cfg.architectures = ["LlamaForCausalLM"]  # transformers would still build a Qwen2
+    cfg.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=r"LlamaForCausalLM is model_type 'llama', but the co"):
         ours(str(tmp_path))
 
 

@@ -307,7 +307,11 @@ class LlamaForCausalLM(nn.Module):
             tied = bool(getattr(hf_config, "tie_word_embeddings", False))
             source = "model.embed_tokens.weight" if tied else "lm_head.weight"
             self.lm_head = ParallelLMHead(
-                hf_config.vocab_size, hf_config.hidden_size, source, state
+                hf_config.vocab_size,
+                hf_config.hidden_size,
+                source,
+                state,
+                "lm_head.weight" if tied else None,
             )
             if tied and self.model.embed_tokens is not None:
                 self.lm_head.tie_to(self.model.embed_tokens)

@@ -123,6 +123,7 @@ def load_checkpoint(model: nn.Module, path: str) -> LoadReport:
     for param, s in plan:
         _check_slice(headers[s.name], s, path)
         by_file[index[s.name]].append((param, s))
+    _refuse_differing_tied_copies(model, files, path)
     report = LoadReport()
     for file_name, entries in sorted(by_file.items()):
         with safe_open(str(Path(path) / file_name), framework="pt", device="cpu") as f:
@@ -131,3 +132,30 @@ def load_checkpoint(model: nn.Module, path: str) -> LoadReport:
                 report.tensors.add(s.name)
         report.files.add(file_name)
     return report
+
+
+def _refuse_differing_tied_copies(model: nn.Module, files: SafetensorsFiles, path: str) -> None:
+    """A tied parameter takes another tensor (the LM head the embedding's); where the
+    checkpoint holds its own tensor too, the two must be equal: transformers uses them
+    untied when they differ, and tying them would be another model."""
+    index, headers = files.index(), files.tensors()
+    for module in model.modules():
+        copies_of = getattr(module, "tied_copies", None)
+        for param, own, source in copies_of() if copies_of is not None else []:
+            if own.name not in index:
+                continue
+            _check_slice(headers[own.name], own, path)
+            mine, taken = (
+                _read_slice(path, index[s.name], s).to(param.dtype) for s in (own, source)
+            )
+            if not torch.equal(mine, taken):
+                raise CheckpointError(
+                    f"checkpoint {path} ties {own.name} to {source.name} "
+                    f"(tie_word_embeddings), but holds a {own.name} that differs from it: "
+                    "transformers uses the two untied; set tie_word_embeddings to false"
+                )
+
+
+def _read_slice(path: str, file_name: str, s: TensorSlice) -> torch.Tensor:
+    with safe_open(str(Path(path) / file_name), framework="pt", device="cpu") as f:
+        return cut(f.get_slice(s.name), s)

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from zmqworker.distributed.parallel_state import single_rank_state
+from zmqworker.models.layers.rotary import rope_parameters_of
 from zmqworker.models.layers.weights import TensorSlice
 from zmqworker.models.llama import LlamaForCausalLM
 from zmqworker.models.loader import parameter_sources
@@ -22,8 +23,9 @@ from zmqworker.models.loader import parameter_sources
 TIED_HEAD = "lm_head.weight"
 
 # What two checkpoints must share for one's weights to go into a model built for the
-# other: the architecture and every size a parameter's shape or the forward depends on.
-SHAPE_KEYS = (
+# other: the architecture and every value a parameter's shape or the forward depends on
+# (a model is built once: another checkpoint's rope or routing would be silently ignored).
+MODEL_KEYS = (
     "model_type",
     "num_hidden_layers",
     "hidden_size",
@@ -36,6 +38,18 @@ SHAPE_KEYS = (
     "attention_bias",
     "mlp_bias",
     "hidden_act",
+    "rms_norm_eps",
+    "max_position_embeddings",  # yarn's and dynamic rope's scaling
+    "partial_rotary_factor",
+    "sliding_window",
+    "layer_types",
+    "num_experts",
+    "num_local_experts",
+    "moe_intermediate_size",
+    "num_experts_per_tok",
+    "norm_topk_prob",
+    "decoder_sparse_step",
+    "mlp_only_layers",
 )
 
 Targets = dict[str, list[tuple[nn.Parameter, TensorSlice]]]
@@ -84,13 +98,15 @@ def ties_embeddings(model: LlamaForCausalLM) -> bool:
 
 
 def config_differences(ours: Any, theirs: Any) -> list[str]:
-    """'key: ours vs theirs' for each of SHAPE_KEYS on which two configs differ (the
-    architecture list too)."""
+    """'key: ours vs theirs' for each of MODEL_KEYS on which two configs differ (the
+    architecture list and the rope settings too)."""
     diffs = [
         f"{key}: {getattr(ours, key, None)!r} vs {getattr(theirs, key, None)!r}"
-        for key in SHAPE_KEYS
+        for key in MODEL_KEYS
         if getattr(ours, key, None) != getattr(theirs, key, None)
     ]
+    if (rope := rope_parameters_of(ours)) != (other := rope_parameters_of(theirs)):
+        diffs.append(f"rope_parameters: {rope!r} vs {other!r}")
     if getattr(ours, "architectures", None) != getattr(theirs, "architectures", None):
         diffs.append(f"architectures: {ours.architectures!r} vs {theirs.architectures!r}")
     return diffs

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -53,11 +55,20 @@ class VocabParallelEmbedding(VocabShard):
 
 class ParallelLMHead(VocabShard):
     """Logits over the full vocabulary on every TP rank. When tied to an embedding of the
-    same rank it shares that parameter and loads nothing itself."""
+    same rank it shares that parameter and loads nothing itself. tied_name: the head's own
+    checkpoint name when it takes the embedding's tensor (source) instead."""
 
-    def __init__(self, vocab_size: int, hidden_size: int, source: str, state: ParallelState):
+    def __init__(
+        self,
+        vocab_size: int,
+        hidden_size: int,
+        source: str,
+        state: ParallelState,
+        tied_name: str | None = None,
+    ):
         super().__init__(vocab_size, hidden_size, source, state)
         self.shares_embedding = False
+        self.tied_name = tied_name
 
     def tie_to(self, embedding: VocabParallelEmbedding) -> None:
         self.weight = embedding.weight
@@ -67,6 +78,15 @@ class ParallelLMHead(VocabShard):
         if self.shares_embedding:
             return {}
         return super().tensor_slices()
+
+    def tied_copies(self) -> list[tuple[torch.Tensor, TensorSlice, TensorSlice]]:
+        """(weight, this rank's rows of the head's own tensor, the same rows of the
+        embedding's) when tied: a checkpoint may hold the head too, and transformers
+        unties the two when it differs from the embedding."""
+        if self.tied_name is None:
+            return []
+        rows = VocabShard.tensor_slices(self)["weight"]
+        return [(self.weight, dataclasses.replace(s, name=self.tied_name), s) for s in rows]
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         logits = linear(hidden_states, self.weight)
