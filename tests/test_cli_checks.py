@@ -102,6 +102,18 @@ def test_bad_options_and_arguments_are_refused_before_the_start(refuse, args, me
     assert message in refuse(*args)
 
 
+def test_bad_structured_output_files_name_their_option(refuse, tmp_path):
+    truncated, binary = tmp_path / "truncated.json", tmp_path / "binary.json"
+    truncated.write_text('{"type": "object"')
+    binary.write_bytes(b'{"type": "\xff"}')
+    assert refuse("x", "--json-schema", str(truncated)) == (
+        "--json-schema: structured_outputs.json is not JSON: Input data was truncated"
+    )
+    assert refuse("x", "--grammar", str(binary)) == (
+        f"--grammar: {binary} is not UTF-8 text: byte 0xff at byte 11"
+    )
+
+
 def test_prompt_lengths_are_counted_before_the_start(refuse, model):
     long = "a" * 100_000
     assert refuse(long) == (

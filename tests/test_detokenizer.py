@@ -84,3 +84,41 @@ def test_special_tokens_are_skipped():
     tok = byte_level_tokenizer()
     ids = tok.encode("Hi") + [tok.eos_token_id] + tok.encode(" there")
     assert "".join(stream(tok, ids)) == "Hi there"
+
+
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_any_prompt_streams_the_text_made_at_the_end(tok, skip_special_tokens):
+    """Prompts that end mid-character, in byte tokens or special tokens included: the
+    pieces add up to add_all's text (no error, none of the prompt's text)."""
+    rng = random.Random(1)
+    specials = sorted(tok.all_special_ids)
+    for _ in range(300):
+        ids = [
+            rng.choice(specials) if rng.random() < 0.15 else rng.randrange(len(tok))
+            for _ in range(rng.randrange(2, 25))
+        ]
+        cut = rng.randrange(1, len(ids))
+        prompt, output = ids[:cut], ids[cut:]
+        detok = IncrementalDetokenizer(tok, prompt, skip_special_tokens)
+        pieces = [detok.add(t) for t in output] + [detok.flush()]
+        whole = IncrementalDetokenizer(tok, prompt, skip_special_tokens).add_all(output)
+        assert "".join(pieces) == whole, (prompt, output)
+
+
+def test_a_prompt_cut_inside_a_character_leaves_its_text_out():
+    tok = byte_level_tokenizer()
+    ids = tok.encode("ab 😀 cd", add_special_tokens=False)
+    cut = next(i for i in range(len(ids)) if decode(tok, ids[:i]).endswith("\ufffd"))
+    prompt, output = ids[:cut], ids[cut:]
+    text = "".join(stream(tok, output, prompt))
+    assert "ab" not in text and text.endswith(" cd")
+    assert IncrementalDetokenizer(tok, prompt).add_all(output) == text
+
+
+def test_an_invalid_byte_after_a_prompt_of_byte_tokens_is_its_own_text():
+    """A run of byte tokens decodes as a whole: the prompt's "/" (<0x2F>) and an output's
+    stray <0x86> would both become U+FFFD, changing the prompt's text under the stream."""
+    tok = sentencepiece_tokenizer()
+    prompt = tok.convert_tokens_to_ids(["▁Hello", "<0x2F>"])
+    output = tok.convert_tokens_to_ids(["<0x86>", "h"])
+    assert "".join(stream(tok, output, prompt)) == "\ufffdh"

@@ -9,6 +9,7 @@ import json
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 from engine_helpers import FakeExecutor, byte_level_tokenizer, reference_tokens
 
@@ -106,6 +107,10 @@ def test_generate_honours_stop_strings(llm):
         ("", None, "prompt 0: the prompt is empty"),
         (["ok", [[]]], None, "prompt 1: a prompt is a str or a list of token ids"),
         (["ok", []], None, "prompt 1: the prompt is empty"),
+        # Listed, a dict's keys or bytes' values would be taken as prompts.
+        ({"prompt_token_ids": [5, 6]}, None, "prompts are a str, .* got dict"),
+        (b"Hi", None, "prompts are a str, .* got bytes"),
+        ([[True, False]], None, "prompt 0: a prompt is a str or a list of token ids"),
         ([[1] * (MAX_MODEL_LEN + 1)], None, "more than max_model_len=64"),
         ([[1, 10**6]], None, "outside the vocabulary"),
         (["a", "b"], [SamplingParams()], "1 sampling params for 2 prompts"),
@@ -119,6 +124,42 @@ def test_bad_input_raises_and_the_engine_stays_usable(llm, prompts, params, mess
     assert idle(llm)
     [out] = llm.generate("Hello", SamplingParams(max_tokens=2))
     assert len(out.token_ids) == 2
+
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m.role }}: {{ m.content }}</s>{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
+
+
+def test_chat_takes_vllms_template_options(llm, tok, monkeypatch):
+    monkeypatch.setattr(llm.tokenizer, "chat_template", CHAT_TEMPLATE)
+    conversation = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "The"}]
+    params = SamplingParams(max_tokens=2)
+    [new] = llm.chat(conversation, params)
+    [more] = llm.chat([conversation], params, add_generation_prompt=False)
+    [going_on] = llm.chat(
+        conversation, params, add_generation_prompt=False, continue_final_message=True
+    )
+    prompts = [tok.decode(o.prompt_token_ids) for o in (new, more, going_on)]
+    assert prompts == [
+        "user: Hi</s>assistant: The</s>assistant:",
+        "user: Hi</s>assistant: The</s>",
+        "user: Hi</s>assistant: The",
+    ]
+    with pytest.raises(ValueError, match="cannot both be true"):
+        llm.chat(conversation, params, continue_final_message=True)
+
+
+def test_numpy_integers_are_token_ids(llm):
+    [out] = llm.generate([[np.int64(5), np.int32(6)]], SamplingParams(max_tokens=2))
+    assert out.prompt_token_ids == [5, 6] and len(out.token_ids) == 2
+
+
+def test_an_engine_seed_past_int64_is_refused_by_name(model_dir, factory):
+    with pytest.raises(ValueError, match=r"seed=9223372036854775808: Expected `int` <= "):
+        LLM(model_dir, executor=factory, seed=2**63)
+    assert factory.made == []
 
 
 def test_unknown_model_folder_fails_before_any_executor(tmp_path, factory):

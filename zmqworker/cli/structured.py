@@ -42,11 +42,22 @@ def structured_option(args: argparse.Namespace) -> dict[str, Any]:
         return {}
     if len(given) > 1:
         raise ValueError(f"give one of {FLAG}, not several")
-    return {"structured_outputs": StructuredOutputsParams(**given)}
+    try:
+        return {"structured_outputs": StructuredOutputsParams(**given)}
+    except ValueError as exc:  # it names the field (structured_outputs.json), not the flag
+        raise ValueError(f"{_FLAGS[next(iter(given))]}: {exc}") from None
+
+
+_FLAGS = {"json": "--json-schema", "regex": "--regex", "choice": "--choice", "grammar": "--grammar"}
 
 
 def _read(path: str, flag: str) -> str:
     try:
-        return Path(path).read_text()
+        return Path(path).read_text(encoding="utf-8")
     except OSError as exc:
         raise ValueError(f"{flag}: cannot read {path}: {exc.strerror}") from None
+    except UnicodeDecodeError as exc:
+        raise ValueError(
+            f"{flag}: {path} is not UTF-8 text: byte 0x{exc.object[exc.start]:02x} at byte "
+            f"{exc.start + 1}"
+        ) from None

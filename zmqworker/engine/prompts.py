@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from numbers import Integral
 from typing import Any
 
 # A prompt is text, or token ids.
@@ -10,10 +11,17 @@ Prompt = str | Sequence[int]
 
 
 def prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
-    """One prompt or several, as a list; an error when there are none."""
+    """One prompt or several, as a list; an error when there are none. Anything else
+    (a dict such as vLLM's {"prompt_token_ids": ...}, bytes, an array) is refused: listed,
+    its keys or items would be taken as prompts."""
     if isinstance(prompts, str) or is_token_ids(prompts):
         prompts = [prompts]  # type: ignore[list-item]
-    listed = list(prompts)  # type: ignore[arg-type]
+    if not isinstance(prompts, Sequence) or isinstance(prompts, (bytes, bytearray)):
+        raise ValueError(
+            "prompts are a str, a list of token ids, or a list of those; got "
+            f"{type(prompts).__name__}"
+        )
+    listed = list(prompts)
     if not listed:
         raise ValueError("no prompts given")
     return listed
@@ -54,7 +62,7 @@ def prompt_token_ids(
             raise ValueError("the model folder has no tokenizer: give prompts as token ids")
         check_text(prompt, "the prompt")
         token_ids = list(tokenizer.encode(prompt))
-    elif isinstance(prompt, Sequence) and all(isinstance(t, int) for t in prompt):
+    elif is_token_ids(prompt) or (isinstance(prompt, list | tuple) and not prompt):
         token_ids = [int(t) for t in prompt]
     else:
         raise ValueError(f"a prompt is a str or a list of token ids, got {prompt!r:.80}")
@@ -72,9 +80,9 @@ def prompt_token_ids(
 
 
 def is_token_ids(value: object) -> bool:
+    """A non-empty list or tuple of integers (numpy's too), not bools."""
     return (
-        isinstance(value, Sequence)
-        and not isinstance(value, str)
+        isinstance(value, list | tuple)
         and bool(value)
-        and all(isinstance(t, int) for t in value)
+        and all(isinstance(t, Integral) and not isinstance(t, bool) for t in value)
     )

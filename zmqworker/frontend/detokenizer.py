@@ -3,11 +3,14 @@
 tokenizers' DecodeStream does the streaming: it decodes a window of recent tokens with
 and without the new one and emits the difference, holding text back while it ends in an
 incomplete character. What it leaves to us: its context (the prompt's last tokens, so the
-first output token is decoded as it continues the prompt); sentencepiece byte-fallback
-tokens (<0xNN>) and skipped special tokens, which we hold until another token follows and
-then step as one run (the decoder turns a whole run of byte tokens into U+FFFDs when any
-byte of it is invalid, even bytes that were valid on their own); and the end of a request,
-when held tokens must come out, incomplete characters as U+FFFD, as decode gives them.
+first output token is decoded as it continues the prompt; never ending in byte-fallback
+tokens, skipped special tokens or an incomplete character, which the output's first
+tokens could change: the stream would then emit the context's text, or fail on it);
+sentencepiece byte-fallback tokens (<0xNN>) and skipped special tokens, which we hold
+until another token follows and then step as one run (the decoder turns a whole run of
+byte tokens into U+FFFDs when any byte of it is invalid, even bytes that were valid on
+their own); and the end of a request, when held tokens must come out, incomplete
+characters as U+FFFD, as decode gives them.
 """
 
 from __future__ import annotations
@@ -56,7 +59,7 @@ class IncrementalDetokenizer:
             if skip_special_tokens
             else frozenset()
         )
-        context = [int(t) for t in prompt_token_ids[-CONTEXT_TOKENS:]]
+        context = self._context(prompt_token_ids)
         self._stream = DecodeStream(ids=context, skip_special_tokens=skip_special_tokens)
         # The tokens of the last emitted piece (the context of held tokens); tokens the
         # stream holds; and tokens not given to the stream yet (a run of byte tokens).
@@ -100,6 +103,24 @@ class IncrementalDetokenizer:
     def token_texts(self, ids: list[int]) -> list[str]:
         """Each token's text decoded alone, special tokens included (for logprobs)."""
         return self._backend.decode_batch([[i] for i in ids], skip_special_tokens=False)
+
+    def _context(self, prompt: Sequence[int]) -> list[int]:
+        """The prompt's last tokens whose text no output token can change: those before
+        its trailing byte tokens and skipped special tokens (a run of byte tokens decodes
+        as a whole), and before a last character that is incomplete or invalid; none
+        when a few tokens more do not find one."""
+        end = len(prompt)
+        while end and (
+            int(prompt[end - 1]) in self._skipped
+            or _is_byte_token(self._backend.id_to_token(int(prompt[end - 1])))
+        ):
+            end -= 1
+        for _ in range(CONTEXT_TOKENS):
+            context = [int(t) for t in prompt[max(0, end - CONTEXT_TOKENS) : end]]
+            if not self._decode(context).endswith("\ufffd"):
+                return context
+            end -= 1
+        return []
 
     def _decode(self, ids: list[int]) -> str:
         return self._backend.decode(ids, skip_special_tokens=self._skip_special_tokens)

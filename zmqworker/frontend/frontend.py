@@ -122,11 +122,25 @@ class Frontend(ControlMethods):
         self,
         conversations: Conversation | Sequence[Conversation],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[RequestOutput]:
-        """generate() on each conversation through the model's chat template."""
+        """generate() on each conversation through the model's chat template, with
+        vLLM's LLM.chat options (chat_prompt())."""
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]  # type: ignore[list-item]
-        prompts = [self.chat_prompt(c) for c in conversations]  # type: ignore[arg-type]
+        prompts = [
+            self.chat_prompt(
+                c,  # type: ignore[arg-type]
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+                chat_template_kwargs=chat_template_kwargs,
+                tools=tools,
+            )
+            for c in conversations
+        ]
         return self.generate(prompts, sampling_params)
 
     def chat_prompt(

@@ -32,6 +32,7 @@ from zmqworker.frontend.llm_args import (
     AtLeastMinusOne,
     Fraction,
     GiB,
+    Int64,
     Port,
     Positive,
     Seconds,
@@ -136,7 +137,7 @@ class LLM(Frontend):
             bool, opt("schedule the next step while the workers run this one (one stage)")
         ] = True,
         seed: Annotated[
-            int, opt("the workers' seed (for requests without one)", flag="--engine-seed")
+            Int64, opt("the workers' seed (for requests without one)", flag="--engine-seed")
         ] = 0,
         num_threads: Annotated[
             Positive | None, opt("torch threads per worker (default: cores / workers)")

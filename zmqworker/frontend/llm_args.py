@@ -18,6 +18,7 @@ Seconds = Annotated[float, Meta(gt=0)]
 GiB = Annotated[float, Meta(ge=0)]
 AtLeastMinusOne = Annotated[int, Meta(ge=-1)]
 Port = Annotated[int, Meta(ge=1, le=65535)]
+Int64 = Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)]  # as a request's seed; msgpack's
 
 
 def opt(description: str, **extra: Any) -> Meta:
