@@ -275,3 +275,15 @@ def test_the_bad_input_page_is_what_generate_says(refuse, made, row):
     [expected] = bad_input_table.code(message)
     got = refuse(*bad_input_table.arguments(arguments, made))
     assert got == bad_input_table.resolve(expected, made)
+
+
+def test_json_lines_hold_a_ruled_out_token_s_logprob_as_a_number():
+    """A token a grammar, a bad word or min_tokens rules out has a logprob of -inf, which
+    --json wrote as -Infinity: no JSON reader takes it. It gets the API's floor."""
+    from zmqworker.cli.generate import _position
+    from zmqworker.frontend.outputs import MIN_LOGPROB, PositionLogprobs, TokenLogprob
+
+    ruled_out = TokenLogprob(2, float("-inf"), "</s>")
+    position = PositionLogprobs(TokenLogprob(5, -0.5, "a"), 1, [ruled_out])
+    line = json.loads(json.dumps(_position(position), allow_nan=False))
+    assert line["logprob"] == -0.5 and line["top"][0]["logprob"] == MIN_LOGPROB

@@ -11,15 +11,13 @@ import asyncio
 import json
 import sys
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from zmqworker.cli.options import add_options, given, llm_options, sampling_options
 from zmqworker.cli.preflight import Job, check_run, engine_prompts
 from zmqworker.cli.prompts import read_prompts
 from zmqworker.cli.structured import add_structured_options, structured_option
-
-if TYPE_CHECKING:
-    from zmqworker.frontend.outputs import PositionLogprobs
+from zmqworker.frontend.outputs import PositionLogprobs, json_logprob
 
 LLM_OPTIONS = llm_options()
 SAMPLING_OPTIONS = sampling_options()
@@ -167,7 +165,10 @@ def _position(p: PositionLogprobs) -> dict[str, Any]:
     return {
         "token_id": p.sampled.token_id,
         "token": p.sampled.text,
-        "logprob": p.sampled.logprob,
+        "logprob": json_logprob(p.sampled.logprob),  # -inf is no JSON number
         "rank": p.rank,
-        "top": [{"token_id": t.token_id, "token": t.text, "logprob": t.logprob} for t in p.top],
+        "top": [
+            {"token_id": t.token_id, "token": t.text, "logprob": json_logprob(t.logprob)}
+            for t in p.top
+        ],
     }

@@ -9,6 +9,15 @@ import msgspec
 
 from messages import EngineCoreStats
 
+# A token that a grammar, a bad word or min_tokens rules out has a logprob of -inf, which
+# JSON cannot hold: OpenAI and vLLM write this floor instead.
+MIN_LOGPROB = -9999.0
+
+
+def json_logprob(logprob: float) -> float:
+    """logprob as a JSON number: at least MIN_LOGPROB (NaN too)."""
+    return logprob if logprob >= MIN_LOGPROB else MIN_LOGPROB
+
 
 @dataclass(frozen=True)
 class TokenLogprob:

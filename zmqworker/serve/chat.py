@@ -12,11 +12,10 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.requests import Request as HTTPRequest
 
 from zmqworker.frontend.frontend import Frontend
-from zmqworker.frontend.outputs import PositionLogprobs, RequestOutput, TokenLogprob
+from zmqworker.frontend.outputs import PositionLogprobs, RequestOutput, TokenLogprob, json_logprob
 from zmqworker.serve.errors import APIError
 from zmqworker.serve.generation import (
     finish_reason,
-    json_logprob,
     now,
     prompt_logprobs,
     run_prompts,

@@ -9,12 +9,11 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.requests import Request as HTTPRequest
 
 from zmqworker.frontend.frontend import Frontend
-from zmqworker.frontend.outputs import PositionLogprobs, RequestOutput
+from zmqworker.frontend.outputs import PositionLogprobs, RequestOutput, json_logprob
 from zmqworker.serve.best_of import best_of_params, keep_best
 from zmqworker.serve.errors import APIError
 from zmqworker.serve.generation import (
     finish_reason,
-    json_logprob,
     now,
     prompt_logprobs,
     run_prompts,

@@ -15,7 +15,7 @@ from starlette.requests import Request as HTTPRequest
 
 from messages import SamplingParams
 from zmqworker.frontend.frontend import Frontend
-from zmqworker.frontend.outputs import RequestOutput
+from zmqworker.frontend.outputs import RequestOutput, json_logprob
 from zmqworker.frontend.request_params import request_params
 from zmqworker.serve.errors import APIError
 from zmqworker.serve.protocol import SamplingRequest
@@ -148,16 +148,6 @@ def usage(outputs: Sequence[RequestOutput]) -> dict[str, Any]:
         "total_tokens": prompt + completion,
         "prompt_tokens_details": {"cached_tokens": cached},
     }
-
-
-# A token that a grammar, a bad word or min_tokens rules out has a logprob of -inf, which
-# JSON cannot hold: OpenAI and vLLM write this floor instead.
-MIN_LOGPROB = -9999.0
-
-
-def json_logprob(logprob: float) -> float:
-    """logprob as a JSON number: at least MIN_LOGPROB (NaN too)."""
-    return logprob if logprob >= MIN_LOGPROB else MIN_LOGPROB
 
 
 def prompt_logprobs(out: RequestOutput) -> list[dict[str, Any] | None] | None:
