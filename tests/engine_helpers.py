@@ -239,6 +239,8 @@ class FakeExecutor:
     the handle sets of the steps already in flight then.
     """
 
+    failure = None  # fake workers never die
+
     def __init__(
         self,
         num_blocks: int = 64,

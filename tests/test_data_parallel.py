@@ -21,7 +21,7 @@ from messages.config import ModelConfig
 from tests.test_engine_e2e import PROMPTS, checkpoint_with_tokenizer, hf_greedy, make_llm
 from tests.test_executor import wait_gone
 from zmqworker.frontend import devices
-from zmqworker.frontend.errors import EngineCoreDiedError
+from zmqworker.frontend.errors import EngineCoreDiedError, EngineCoreError
 from zmqworker.frontend.llm import LLM
 from zmqworker.transport.spawn_env import SHARE_GPUS_ENV
 
@@ -125,6 +125,23 @@ def test_a_killed_replica_fails_its_own_requests_and_the_other_serves_on():
         assert wait_gone([workers[1]], 10.0), "the killed replica's worker outlived it"
         [out] = llm.generate([PROMPTS[0]], GREEDY)  # on the replica left
         assert out.token_ids == hf_greedy(tuple(PROMPTS[0]), 10)
+    finally:
+        llm.shutdown()
+    assert wait_gone([*cores, *workers], 10.0)
+
+
+def test_a_replica_whose_worker_dies_between_steps_takes_no_more_requests():
+    """Idle, a replica learns of its worker's death from its executor, not from the next
+    step: it tells its clients and stops, and the next requests go to the other."""
+    llm = make_llm(data_parallel_size=2)
+    cores, workers = llm.engine_core_pids, llm.worker_pids
+    try:
+        os.kill(workers[1], signal.SIGKILL)
+        assert wait_gone([cores[1]], 10.0), "an idle replica outlived its worker"
+        outs = llm.generate(PROMPTS, GREEDY)
+        assert [o.token_ids for o in outs] == [hf_greedy(tuple(p), 10) for p in PROMPTS]
+        with pytest.raises(EngineCoreError, match="engine core 1: WorkerDiedError: worker rank 0"):
+            llm.stats()
     finally:
         llm.shutdown()
     assert wait_gone([*cores, *workers], 10.0)

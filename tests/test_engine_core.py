@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import psutil
 import pytest
 import zmq
 
@@ -26,11 +27,13 @@ from messages import (
     EngineCoreFailure,
     EngineCoreHello,
     EngineCoreRequest,
+    RemoteError,
     SamplingParams,
 )
 from tests.engine_helpers import FakeExecutor, byte_level_tokenizer
 from tests.test_engine_e2e import PROMPTS, make_llm
 from tests.test_executor import wait_gone
+from zmqworker.executor.errors import WorkerDiedError, WorkerError
 from zmqworker.frontend.core_client import EngineCoreClient
 from zmqworker.frontend.core_process import RemoteEngineCore, WatchedEngineCore
 from zmqworker.frontend.engine_connection import ENGINE_SILENT_S, Failed
@@ -41,8 +44,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")
-def fake_llm(tmp_path_factory):
-    """An LLM over a fake executor: its engine core serves in a thread of this process."""
+def fake_model(tmp_path_factory) -> Path:
+    """A model folder for fake executors: its config and tokenizer."""
     folder = tmp_path_factory.mktemp("model")
     tok = byte_level_tokenizer()
     config = {"model_type": "llama", "vocab_size": len(tok), "max_position_embeddings": 512,
@@ -50,13 +53,19 @@ def fake_llm(tmp_path_factory):
               "num_key_value_heads": 2, "hidden_size": 64}  # fmt: skip
     (folder / "config.json").write_text(json.dumps(config))
     tok.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def fake_llm(fake_model):
+    """An LLM over a fake executor: its engine core serves in a thread of this process."""
 
     def slow_tokens(seq: list[int]) -> int:
         time.sleep(0.002)  # a step takes a moment, as on a model
         return 5 + len(seq) % 50
 
     with LLM(
-        str(folder),
+        str(fake_model),
         executor=lambda config: FakeExecutor(512, config.cache.block_size, token_fn=slow_tokens),
         block_size=4,
         max_model_len=512,
@@ -288,3 +297,43 @@ def test_an_engine_core_and_its_workers_leave_when_their_client_is_killed(tmp_pa
     while Path(folder).exists() and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not Path(folder).exists(), "the engine core's socket folder was left behind"
+
+
+def test_an_engine_core_that_lost_a_worker_stops_the_others_before_its_client_ends_it():
+    """A fatal failure means the engine core is stopping its workers: its client's
+    shutdown right after gives it time to, rather than a SIGTERM that leaves the live
+    worker's socket folder behind."""
+    llm = make_llm(tp=2)
+    workers = llm.worker_pids
+    argv = psutil.Process(workers[0]).cmdline()
+    folder = Path(argv[argv.index("--engine") + 1].removeprefix("ipc://")).parent
+    os.kill(workers[1], signal.SIGKILL)
+    try:
+        with pytest.raises(EngineCoreError, match="worker rank 1 died"):
+            llm.generate([PROMPTS[0]], SamplingParams(max_tokens=3))
+    finally:
+        llm.shutdown()
+    assert wait_gone([*llm.engine_core_pids, *workers], 10.0)
+    assert not folder.exists(), os.listdir(folder)
+
+
+class PeerDiesInStep(FakeExecutor):
+    """A step that fails on a live rank because its peer died (a collective cut short),
+    before the executor's news of the death."""
+
+    def execute_model(self, *args, **kwargs):
+        self.failure = WorkerDiedError(1, -signal.SIGKILL)
+        raise WorkerError("execute_model", RemoteError(0, "RuntimeError", "Connection reset", ""))
+
+
+def test_a_step_failed_by_a_worker_s_death_is_that_death_and_fatal(fake_model):
+    with LLM(
+        str(fake_model),
+        executor=lambda config: PeerDiesInStep(512, config.cache.block_size),
+        block_size=4,
+        max_model_len=512,
+    ) as llm:
+        with pytest.raises(EngineCoreError, match="WorkerDiedError: worker rank 1 died"):
+            llm.generate([PROMPTS[0]], SamplingParams(max_tokens=3))
+        with pytest.raises(EngineCoreError, match="worker rank 1 died"):  # given up: fatal
+            llm.generate([PROMPTS[0]], SamplingParams(max_tokens=3))

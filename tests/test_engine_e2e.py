@@ -308,3 +308,12 @@ def test_a_worker_death_with_two_steps_in_flight_fails_both_and_leaves_no_hang()
         assert wait_gone([core_pid, *pids], 10.0)
     finally:
         llm.shutdown()
+
+
+def test_a_step_budget_below_a_warm_up_batch_bounds_the_warm_up_too():
+    """max_num_batched_tokens under a warm-up batch size (8) holds fewer requests a step:
+    the workers warm up within it, and the engine starts."""
+    params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    with make_llm(max_num_batched_tokens=4) as engine:
+        outs = engine.generate(PROMPTS, params)
+    assert [o.token_ids for o in outs] == [hf_greedy(tuple(p), 5) for p in PROMPTS]

@@ -144,6 +144,14 @@ def test_a_disaggregated_pair_on_two_engine_cores(keys) -> None:
     )
 
 
+def test_two_names_of_one_engine_core_are_refused(keys) -> None:
+    """Not two replicas: one engine core counted twice (its load, its stats)."""
+    with tiny_core() as (_, address):
+        alias = address.replace("127.0.0.1", "localhost")
+        with pytest.raises(ValueError, match=f"{address} and {alias} name one engine core"):
+            connect(address, alias)
+
+
 def test_nothing_at_the_address_fails_within_the_reach_timeout(keys, monkeypatch) -> None:
     monkeypatch.setattr(engine_connection, "REACH_TIMEOUT_S", 1.0)
     address = f"tcp://127.0.0.1:{free_ports(1)}"

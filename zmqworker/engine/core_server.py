@@ -9,7 +9,8 @@ lives, and a client whose connection is gone has its requests aborted.
 
 A step that fails aborts every request (the clients get an EngineCoreFailure naming
 them); one that fails because a worker died or is stuck is fatal: every client hears so,
-and the engine core stops.
+and the engine core stops. So is a worker's death while the loop is idle (the executor
+says so without a step), lest the next request fail for it.
 """
 
 from __future__ import annotations
@@ -144,7 +145,11 @@ class EngineCoreServer:
 
     def _loop(self, core: EngineCore) -> None:
         while not self._stop:
-            self._take_inputs(wait=not core.has_work())
+            idle = not core.has_work()
+            self._take_inputs(wait=idle)
+            lost = core.executor.failure if idle and not self._stop else None
+            if lost is not None:  # a worker died between steps: no step will say so
+                self._fail_requests(lost, fatal=True)
             if self._stop or not core.has_work():
                 continue
             self._step(core.step)
@@ -160,12 +165,15 @@ class EngineCoreServer:
             self._step(core.step)
 
     def _step(self, run: Callable[[], list[Request]]) -> None:
+        assert self.core is not None
         try:
             changed = run()
         except Exception as exc:
-            self._fail_requests(exc)
+            # A worker's death fails the step on its peers too (a collective cut short),
+            # maybe before the death's own news: then the death is what failed it.
+            lost = exc if isinstance(exc, FATAL) else self.core.executor.failure
+            self._fail_requests(lost or exc, fatal=lost is not None)
             return
-        assert self.core is not None
         for request, reason in self.core.take_failed():  # their grammar did not compile
             client = self.clients.forget_request(request.req_id)
             if client is not None:
@@ -320,13 +328,12 @@ class EngineCoreServer:
         level = logging.WARNING if orphans else logging.INFO
         log.log(level, "%s is gone; %d of its requests aborted", client, len(orphans))
 
-    def _fail_requests(self, exc: Exception) -> None:
+    def _fail_requests(self, exc: Exception, fatal: bool) -> None:
         """After a failed step (every request aborted): tell each client which of its
-        requests failed; after a fatal one, tell every client and stop."""
-        fatal = isinstance(exc, FATAL)
-        log.error(
-            "engine core %d: a step failed%s: %s", self.index, " for good" if fatal else "", exc
-        )
+        requests failed; when the workers are gone (fatal: in a step or between steps),
+        tell every client and stop."""
+        what = "its workers are gone" if fatal else "a step failed"
+        log.error("engine core %d: %s: %s", self.index, what, exc)
         for client in list(self.clients.by_identity.values()):
             request_ids = sorted(client.request_ids)
             for request_id in request_ids:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from messages import (
     GrammarOutput,
@@ -12,6 +12,9 @@ from messages import (
     SchedulerOutput,
     WorkerConfig,
 )
+
+if TYPE_CHECKING:
+    from zmqworker.executor.errors import ExecutorError
 
 STEP_TIMEOUT_S = 300.0  # vLLM's default bound on a step, too
 CALL_TIMEOUT_S = 3600.0  # memory profiling, KV cache set-up, warm-up (compiling) included
@@ -42,6 +45,12 @@ class Executor(ABC):
     @abstractmethod
     def shutdown(self) -> None:
         """Stop every worker and release every resource; safe to call twice."""
+
+    @property
+    def failure(self) -> ExecutorError | None:
+        """Why the workers serve no more (one died), found with no call open: an idle
+        engine learns it without a step. None while they serve, or where it is unknown."""
+        return None
 
     @property
     def world_size(self) -> int:

@@ -189,6 +189,10 @@ class MultiprocExecutor(Executor):
     def pids(self) -> list[int]:
         return [p.pid for p in self.procs]
 
+    @property
+    def failure(self) -> ExecutorError | None:
+        return self.rpc.dead
+
     # start-up -------------------------------------------------------------------------
 
     def _startup_error(self, e: BaseException) -> BaseException:

@@ -184,6 +184,10 @@ class RayExecutor(Executor):
     def pids(self) -> list[int]:
         return [p.pid for p in self.placements]
 
+    @property
+    def failure(self) -> ExecutorError | None:
+        return None if self.rpc is None else self.rpc.dead
+
     # start-up -------------------------------------------------------------------------
 
     def _start(

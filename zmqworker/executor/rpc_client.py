@@ -99,6 +99,10 @@ class RpcClient:
 
     @property
     def dead(self) -> ExecutorError | None:
+        """Why the workers serve no more: a death is looked for here too, no call open."""
+        with self._cond:
+            if self._dead is None and (died := self.liveness.check()) is not None:
+                self._fail_all(died)
         return self._dead
 
     @property

@@ -112,6 +112,9 @@ class EngineCoreClient:
     def add_request(self, request: EngineCoreRequest) -> int:
         """Send request to its prompt's sibling's engine core, or to the live one that
         its prompt's prefix or the load choose (prefix_affinity.py)."""
+        if self._poller.poll(0):  # news first: an engine core gone gets no new request
+            self._collect(self._backlog)
+            self._schedule_dispatch()  # an attached loop's
         sibling = request.shares_prompt_with
         engine = self._owner.get(sibling) if sibling is not None else None
         if engine is None or engine.dead is not None:
@@ -181,9 +184,8 @@ class EngineCoreClient:
     ) -> PendingCall:
         """Send method to every engine core (or those of engines); wait() for it."""
         targets = self.engines if engines is None else [self.engines[i] for i in engines]
-        for engine in targets:
-            if engine.dead is not None:
-                raise engine.dead.with_traceback(None)
+        if dead := next((e.dead for e in targets if e.dead is not None), None):
+            raise dead.with_traceback(None)
         call, msg = self._calls.start(method, args, kwargs, [e.index for e in targets], timeout)
         for engine in targets:
             self._send(engine, msg)
@@ -339,6 +341,7 @@ class EngineCoreClient:
     ) -> None:
         error = EngineCoreError(engine.index, msg.exc_type, msg.message)
         if msg.fatal:
+            engine.leaving = True
             self._lose(engine, error, events)
             return
         ids = [i for i in msg.request_ids if self._forget(i) is not None]
@@ -391,9 +394,6 @@ class EngineCoreClient:
         """Seconds until a call's deadline, or a dropped connection's grace, is due."""
         now = time.monotonic()
         due = [now + POLL_SLICE_S, self._calls.next_deadline() or now + POLL_SLICE_S]
-        due += [
-            e.disconnected_at + LOST_GRACE_S
-            for e in self.engines
-            if e.disconnected_at is not None and e.dead is None
-        ]
+        dropped = [e.disconnected_at for e in self.engines if e.dead is None]
+        due += [at + LOST_GRACE_S for at in dropped if at is not None]
         return max(0.0, min(due) - now)

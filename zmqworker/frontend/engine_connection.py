@@ -92,6 +92,7 @@ class EngineConnection:
         self.opened_at = time.monotonic()
         self.reached = False  # a handshake with the engine core succeeded
         self.stopping = False  # asked to shut down: its end is expected
+        self.leaving = False  # it said it stops (a fatal failure): it ends on its own
 
     @property
     def load(self) -> int:

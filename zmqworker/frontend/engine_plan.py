@@ -67,6 +67,8 @@ class EnginePlan:
                 "blocks the prefix cache evicts, so it needs enable_prefix_caching=True"
             )
         block_size, max_num_seqs = o["block_size"], o["max_num_seqs"]
+        # A step holds at most this many requests (a token each): the runner's bound.
+        max_batch = min(max_num_seqs, o["max_num_batched_tokens"])
         cache = cache_config_for(
             folder,
             CacheConfig(
@@ -104,9 +106,9 @@ class EnginePlan:
             scheduler=SchedulerConfig(
                 max_num_seqs=max_num_seqs,
                 max_num_batched_tokens=o["max_num_batched_tokens"],
-                # Workers warm up with batches of these sizes: none above max_num_seqs.
+                # Workers warm up with batches of these sizes: none above a step's.
                 warmup_batch_sizes=sorted(
-                    {min(size, max_num_seqs) for size in SchedulerConfig().warmup_batch_sizes}
+                    {min(size, max_batch) for size in SchedulerConfig().warmup_batch_sizes}
                 ),
             ),
             worker_extension_cls=o["worker_extension_cls"],

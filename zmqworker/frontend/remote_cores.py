@@ -92,10 +92,18 @@ class RemotePlan:
                              self.max_local_prefill_tokens)  # fmt: skip
 
     def check_readies(self, readies: list[EngineCoreReady]) -> None:
-        """Raise ValueError unless every engine core serves this client's vocabulary, and
-        all of them one context length (the client's limit)."""
+        """Raise ValueError unless the addresses name as many engine cores (two names of
+        one host would make one count twice), every one serves this client's vocabulary,
+        and all of them one context length (the client's limit)."""
         vocab = self.folder.vocab_size
+        named: dict[tuple[str, int], str] = {}
         for ready, address in zip(readies, self.addresses, strict=True):
+            first = named.setdefault((ready.host_id, ready.pid), address)
+            if first != address and ready.host_id:  # "": its host unknown
+                raise ValueError(
+                    f"engine_core_addresses {first} and {address} name one engine core "
+                    f"(pid {ready.pid})"
+                )
             if ready.vocab_size != vocab:
                 raise ValueError(
                     f"the engine core at {address} serves a vocabulary of {ready.vocab_size} "
