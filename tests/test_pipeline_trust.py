@@ -1,11 +1,14 @@
 """The pipeline channel under attack: a stray peer, forged run ids and ranks, far-off and
-stale call ids, a flood of early messages, oversize frames, and on tcp a peer without the
-run's CURVE key. The legitimate step's tensors must come through unchanged, memory must
-stay bounded, and the shared-memory ring must stay free."""
+stale call ids, a flood of early messages, a flood of junk, oversize frames, and on tcp a
+peer without the run's CURVE key. The legitimate step's tensors must come through
+unchanged, memory must stay bounded, the shared-memory ring must stay free, and the
+event loop must keep serving its other work."""
 
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -181,6 +184,39 @@ def test_an_oversize_frame_disconnects_its_sender_only(receiver) -> None:
     finally:
         sender.close()
     assert stored(receiver) == 1
+
+
+FLOOD = """
+import sys, zmq
+sock = zmq.Context().socket(zmq.PUSH)
+sock.connect(sys.argv[1])
+while True:
+    sock.send(b"junk")
+"""
+
+
+def test_a_flood_of_junk_leaves_the_loop_its_other_work(loop, receiver) -> None:
+    flooder = subprocess.Popen([sys.executable, "-c", FLOOD, receiver.address])
+    try:
+        end = time.monotonic() + 10
+        while receiver.dropped_messages < 1000 and time.monotonic() < end:
+            time.sleep(0.01)
+        worst, end = 0.0, time.monotonic() + 3
+        while time.monotonic() < end:  # the loop's other callbacks still run, promptly
+            started = time.monotonic()
+            on_loop(loop, time.sleep, 0)
+            worst = max(worst, time.monotonic() - started)
+        assert flooder.poll() is None and receiver.dropped_messages > 10_000
+        assert worst < 1.0, f"the loop was held for {worst:.1f} s"
+    finally:
+        flooder.kill()
+        flooder.wait()
+    sender = PipelineSender(zmq.Context.instance(), receiver.address, 0, RUN, False, 30)
+    try:
+        sender.send(6, tensors(6))
+        assert_same(receiver.expect(6, 0).wait(), tensors(6))
+    finally:
+        sender.close()
 
 
 def test_on_tcp_only_a_peer_with_the_run_key_gets_through(loop) -> None:

@@ -1,8 +1,9 @@
 """A zmq socket driven by an asyncio loop through its file descriptor.
 
 Each mechanism here is there for a measured reason (docs/cuda.md has the figures):
-- The loop watches the socket's FD (add_reader, then receives until EAGAIN) instead of
-  using zmq.asyncio, which takes about twice as long a round trip.
+- The loop watches the socket's FD (add_reader, then receives until EAGAIN, in turns of
+  MAX_PER_TURN messages) instead of using zmq.asyncio, which takes about twice as long a
+  round trip.
 - Any thread may send (send_threadsafe), under a lock (zmq lets a socket move between
   threads behind a full memory barrier), so that the compute thread replies without a hop
   back through the loop (a thread wake-up costs tens of microseconds).
@@ -41,6 +42,9 @@ _POLLIN, _POLLOUT = int(zmq.POLLIN), int(zmq.POLLOUT)
 # The socket's events are read through a zero-timeout zmq_poll, not getsockopt(EVENTS):
 # pyzmq's getsockopt looks the option up in an enum, two Python frames each time.
 _zmq_poll = zmq.backend.zmq_poll
+# Messages handled per turn of the loop: a peer that floods one socket must not keep the
+# loop from its other sockets, timers and signals.
+MAX_PER_TURN = 64
 
 
 class AsyncSocket:
@@ -143,7 +147,7 @@ class AsyncSocket:
             return bool(self._backlog) or pending
 
     def _drain(self) -> None:
-        while True:
+        for _ in range(MAX_PER_TURN):
             with self._lock:
                 if self._closed or self._leader_wake is not None:
                     return  # a leader receives: the FD is its to look at
@@ -156,6 +160,8 @@ class AsyncSocket:
                     self._on_message(frames)
                 except Exception:  # one bad message must not leave the next ones unread
                     log.exception("handling a message failed")
+        # The FD's edge for the messages still there is gone: look again next turn.
+        self._loop.call_soon(self._drain)
 
     def _after_io(self) -> bool:
         """After anything that may have taken in the socket's news (and so its FD's edge):
