@@ -17,6 +17,8 @@ import logging
 import os
 import sys
 
+import zmq
+
 from zmqworker.runtime.parent_death import exit_with_parent
 from zmqworker.transport.curve import WorkerKeys
 from zmqworker.transport.spawn_env import MAX_MESSAGE_ENV, TOKEN_ENV
@@ -54,6 +56,7 @@ def run_worker(args: argparse.Namespace) -> int:
         print(f"zmqworker worker: error: --rank must be >= 0, got {args.rank}", file=sys.stderr)
         return 2
     try:
+        _check_address(args.engine)
         keys = WorkerKeys.from_env()
         max_request, max_pipeline = _limits(os.environ.get(MAX_MESSAGE_ENV, ""))
     except ValueError as e:
@@ -69,16 +72,20 @@ def run_worker(args: argparse.Namespace) -> int:
     )
 
     async def serve() -> int:
-        server = WorkerServer(
-            asyncio.get_running_loop(),
-            args.engine,
-            args.rank,
-            token,
-            parent_pid,
-            keys=keys,
-            max_request_bytes=max_request,
-            max_pipeline_bytes=max_pipeline,
-        )
+        try:
+            server = WorkerServer(
+                asyncio.get_running_loop(),
+                args.engine,
+                args.rank,
+                token,
+                parent_pid,
+                keys=keys,
+                max_request_bytes=max_request,
+                max_pipeline_bytes=max_pipeline,
+            )
+        except (zmq.ZMQError, OSError) as e:  # its sockets cannot bind or connect there
+            print(f"zmqworker worker: error: --engine {args.engine}: {e}", file=sys.stderr)
+            return 2
         return await server.run()
 
     try:
@@ -86,6 +93,16 @@ def run_worker(args: argparse.Namespace) -> int:
     except ImportError:  # uvloop is not built for every platform; asyncio serves as well
         return asyncio.run(serve())
     return uvloop.run(serve())
+
+
+def _check_address(address: str) -> None:
+    """ipc://PATH or tcp://HOST:PORT, else a ValueError that says so."""
+    if address.startswith("ipc://") and len(address) > len("ipc://"):
+        return
+    host, _, port = address.removeprefix("tcp://").rpartition(":")
+    if address.startswith("tcp://") and host and port.isdecimal() and 0 < int(port) < 65536:
+        return
+    raise ValueError(f"--engine must be ipc://PATH or tcp://HOST:PORT, got {address!r}")
 
 
 def _limits(value: str) -> tuple[int, int]:

@@ -20,6 +20,7 @@ from typing import ClassVar, Self
 
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
+from zmq.utils import z85
 
 CURVE_ENV = "ZMQWORKER_CURVE"  # "engine public,worker public,worker secret" (z85)
 
@@ -49,6 +50,11 @@ class WorkerKeys:
             raise ValueError(
                 f"${CURVE_ENV} must hold three z85 keys of 40 characters, comma-separated"
             )
+        _check_pair(CURVE_ENV, parts[1], parts[2])
+        try:
+            z85.decode(parts[0])
+        except Exception:  # KeyError, struct.error: characters z85 has no value for
+            raise ValueError(f"${CURVE_ENV}: the engine's public key is not z85") from None
         return cls(*parts)
 
 
@@ -69,6 +75,17 @@ class RunKeys:
 
     def for_workers(self) -> WorkerKeys:
         return WorkerKeys(self.engine_public, self.worker_public, self.worker_secret)
+
+
+def _check_pair(env: str, public: bytes, secret: bytes) -> None:
+    """Here, not at a setsockopt (a bare "Invalid argument") or a handshake that fails
+    unexplained: the keys in $env must be a z85 pair, the public key the secret's."""
+    try:
+        derived = zmq.curve_public(secret)
+    except zmq.ZMQError:
+        raise ValueError(f"${env}: the secret key is not z85") from None
+    if not hmac.compare_digest(derived, public):
+        raise ValueError(f"${env}: the public key is not the secret key's")
 
 
 def make_server(sock: zmq.Socket, public: bytes, secret: bytes) -> None:
@@ -132,6 +149,7 @@ class SharedKeys:
         parts = value.encode().split(b",")
         if len(parts) != 2 or any(len(p) != 40 for p in parts):
             raise ValueError(f"${cls.ENV} must hold two z85 keys of 40 characters, comma-separated")
+        _check_pair(cls.ENV, *parts)
         return cls(*parts)
 
     def make_client(self, sock: zmq.Socket) -> None:

@@ -1,0 +1,79 @@
+"""`zmqworker worker` refuses a bad command line or environment with status 2 and one
+line that names the problem, before it connects (docs/protocol.md, "The worker
+process"): never a traceback, never a handshake that fails unexplained."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from zmqworker.transport.curve import CURVE_ENV, KVKeys, RunKeys, WorkerKeys
+
+KEYS = RunKeys.new()
+GOOD = KEYS.for_workers()
+
+
+def worker(engine: str, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "zmqworker.runtime", "--engine", engine, "--rank", "0"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "ZMQWORKER_TOKEN": "t", **env},
+        timeout=60,
+    )
+
+
+@pytest.mark.parametrize(
+    ("engine", "message"),
+    [
+        (
+            "tcp://127.0.0.1",
+            "--engine must be ipc://PATH or tcp://HOST:PORT, got 'tcp://127.0.0.1'",
+        ),
+        ("tcp://127.0.0.1:http", "--engine must be ipc://PATH or tcp://HOST:PORT"),
+        ("tcp://:5555", "--engine must be ipc://PATH or tcp://HOST:PORT"),
+        ("localhost:5555", "--engine must be ipc://PATH or tcp://HOST:PORT"),
+        ("ipc://", "--engine must be ipc://PATH or tcp://HOST:PORT"),
+        ("ipc://{tmp}/no-such-folder/engine.sock", "No such file or directory"),
+        ("tcp://no-such-host.invalid:5555", "--engine tcp://no-such-host.invalid:5555: "),
+    ],
+)
+def test_an_engine_address_it_cannot_use(tmp_path: Path, engine: str, message: str) -> None:
+    out = worker(engine.format(tmp=tmp_path))
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.startswith("zmqworker worker: error: ") and message in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def keys_env(engine_public: bytes, public: bytes, secret: bytes) -> str:
+    return WorkerKeys(engine_public, public, secret).to_env()
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        (keys_env(b"~" * 40, GOOD.public, GOOD.secret), "the engine's public key is not z85"),
+        (keys_env(GOOD.engine_public, GOOD.public, b" " * 40), "the secret key is not z85"),
+        (
+            keys_env(GOOD.engine_public, KEYS.engine_public, GOOD.secret),
+            "the public key is not the secret key's",
+        ),
+    ],
+)
+def test_curve_keys_that_could_never_connect(value: str, message: str) -> None:
+    out = worker("tcp://127.0.0.1:9", **{CURVE_ENV: value})
+    assert out.returncode == 2, out.stderr
+    assert out.stderr == f"zmqworker worker: error: ${CURVE_ENV}: {message}\n"
+
+
+def test_a_shared_pair_is_checked_alike(monkeypatch: pytest.MonkeyPatch) -> None:
+    pair = KVKeys.new()
+    monkeypatch.setenv(KVKeys.ENV, f"{pair.public.decode()},{KVKeys.new().secret.decode()}")
+    with pytest.raises(ValueError, match="the public key is not the secret key's"):
+        KVKeys.from_env()
+    monkeypatch.setenv(KVKeys.ENV, pair.to_env())
+    assert KVKeys.from_env() == pair
