@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -77,3 +78,32 @@ def test_a_shared_pair_is_checked_alike(monkeypatch: pytest.MonkeyPatch) -> None
         KVKeys.from_env()
     monkeypatch.setenv(KVKeys.ENV, pair.to_env())
     assert KVKeys.from_env() == pair
+
+
+def test_a_worker_server_that_fails_to_start_closes_what_it_opened(tmp_path):
+    """In process (a Ray actor's case, whose process lives on): an engine address that
+    cannot be connected to, found after the pipeline's socket is bound, leaves no socket,
+    file, reader or thread behind."""
+    import asyncio
+    import threading
+
+    import zmq
+
+    from zmqworker.runtime.worker_process import WorkerServer
+
+    loop = asyncio.new_event_loop()
+    # The process's context, kept, starts its I/O thread and reaper with a first socket.
+    zmq.Context.instance().socket(zmq.PAIR).close()
+    try:
+        fds, threads = len(os.listdir("/proc/self/fd")), threading.active_count()
+        data = tmp_path / "data.sock"
+        with pytest.raises(zmq.ZMQError):
+            WorkerServer(loop, "tcp://", 0, "token", data_bind=f"ipc://{data}")
+        assert not data.exists()
+        assert threading.active_count() == threads
+        deadline = time.monotonic() + 5  # libzmq's reaper closes a socket's descriptors
+        while len(os.listdir("/proc/self/fd")) > fds:
+            assert time.monotonic() < deadline, "descriptors left open"
+            time.sleep(0.01)
+    finally:
+        loop.close()

@@ -31,6 +31,7 @@ import sys
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
 from functools import partial
 from typing import Any
 
@@ -114,27 +115,38 @@ class WorkerServer:
         self._keys = keys
         self._dumped_for: float | None = None  # the busy_since of the call last dumped
         ctx = zmq.Context.instance()
-        self._zap = start_zap(ctx, keys.public) if keys is not None else None
-        self._pp_in = PipelineReceiver(
-            ctx,
-            data_bind or default_data_bind(engine_address, rank),
-            rank,
-            max_pipeline_bytes,
-            keys,
-        )
-        self._pp_in.start(loop)
-        sock = ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.MAXMSGSIZE, max_request_bytes)
-        if keys is not None:
-            make_client(sock, keys, keys.engine_public)
-        sock.connect(engine_address)
-        # Before the compute thread exists: it uses the socket as soon as it starts.
-        self._watch = EngineWatch(sock, loop, self._on_engine_lost, parent_pid)
-        self._sock = AsyncSocket(sock, loop, self._on_message)
-        self._loop_reply = Replier(rank, self._sock.send)
-        self._compute_reply = Replier(rank, self._sock.send_threadsafe)
-        self._compute = ComputeThread(f"compute-{rank}", self._sock, self._on_idle_message)
+        # A failure part-way (a bad address, a port taken) closes what was opened: a Ray
+        # actor's process lives on after it.
+        with ExitStack() as undo:
+            undo.callback(self._side.shutdown, wait=False)
+            self._zap = start_zap(ctx, keys.public) if keys is not None else None
+            if self._zap is not None:
+                undo.callback(self._zap.stop)
+            self._pp_in = PipelineReceiver(
+                ctx,
+                data_bind or default_data_bind(engine_address, rank),
+                rank,
+                max_pipeline_bytes,
+                keys,
+            )
+            undo.callback(self._pp_in.close)
+            self._pp_in.start(loop)
+            sock = ctx.socket(zmq.DEALER)
+            undo.callback(sock.close, 0)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.MAXMSGSIZE, max_request_bytes)
+            if keys is not None:
+                make_client(sock, keys, keys.engine_public)
+            sock.connect(engine_address)
+            # Before the compute thread exists: it uses the socket as soon as it starts.
+            self._watch = EngineWatch(sock, loop, self._on_engine_lost, parent_pid)
+            undo.callback(self._watch.close)
+            self._sock = AsyncSocket(sock, loop, self._on_message)
+            undo.callback(self._sock.close)
+            self._loop_reply = Replier(rank, self._sock.send)
+            self._compute_reply = Replier(rank, self._sock.send_threadsafe)
+            self._compute = ComputeThread(f"compute-{rank}", self._sock, self._on_idle_message)
+            undo.pop_all()
 
     @property
     def protocol_errors(self) -> int:
