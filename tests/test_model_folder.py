@@ -160,3 +160,25 @@ def test_end_of_sequence_ids_outside_the_vocabulary_are_ignored(plain, tmp_path,
     assert side.eos_token_ids >= {2, 3}
     assert all(0 <= t < vocab for t in side.eos_token_ids)
     assert f"[-1, {vocab}, 2147483648] outside the vocabulary [0, {vocab})" in caplog.text
+
+
+@pytest.mark.parametrize(
+    ("model_type", "arch", "kv_heads", "head_dim"),
+    [
+        ("qwen3", "Qwen3ForCausalLM", 32, 128),
+        ("mistral", "MistralForCausalLM", 8, 32),
+        ("qwen2", "Qwen2ForCausalLM", 32, 32),
+    ],
+)
+def test_head_counts_a_config_leaves_out_are_the_model_type_s(
+    tmp_path, model_type, arch, kv_heads, head_dim
+):
+    """The engine sizes the cache and checks the layout by the head counts the workers
+    build with: transformers' defaults for the model_type (not one kv head per head, nor
+    hidden_size / heads for Qwen3's head_dim)."""
+    config = {"architectures": [arch], "model_type": model_type, "hidden_size": 256,
+              "num_attention_heads": 8, "num_hidden_layers": 2, "intermediate_size": 512,
+              "vocab_size": 1000}  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    folder = ModelFolder.open(str(tmp_path))
+    assert (folder.num_kv_heads, folder.head_dim) == (kv_heads, head_dim)

@@ -28,6 +28,7 @@ from zmqworker.cdiv import cdiv
 from zmqworker.engine.prompts import check_text
 from zmqworker.models.architectures import supported_architecture
 from zmqworker.models.expert_split import check_expert_split, moe_sizes
+from zmqworker.models.hf_config import load_hf_config
 from zmqworker.models.quantization import refuse_quantized
 
 logger = logging.getLogger(__name__)
@@ -169,11 +170,11 @@ class ModelFolder:
 
     @property
     def num_kv_heads(self) -> int:
-        return int(self.config.get("num_key_value_heads") or self.num_heads)
+        return int(self._filled("num_key_value_heads", self.num_heads))
 
     @property
     def head_dim(self) -> int:
-        return int(self.config.get("head_dim") or self.config["hidden_size"] // self.num_heads)
+        return int(self._filled("head_dim", self.config["hidden_size"] // self.num_heads))
 
     @property
     def vocab_size(self) -> int | None:
@@ -258,6 +259,15 @@ class ModelFolder:
             )  # fmt: skip
             ids.difference_update(outside)
         return TextSide(tokenizer, self.default_sampling_params(), frozenset(ids))
+
+    def _filled(self, key: str, default: Any) -> Any:
+        """config.json's value of key; where it has none, the model_type's default as
+        transformers fills it in, which the workers build from (Qwen3's head_dim is 128,
+        not hidden_size / heads; Mistral's 8 kv heads, not one per head); else default."""
+        value = self.config.get(key)
+        if value is None:
+            value = getattr(load_hf_config(str(self.path)), key, None)
+        return default if value is None else value
 
     def _generation_config(self) -> dict[str, Any]:
         path = self.path / "generation_config.json"
