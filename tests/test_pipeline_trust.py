@@ -177,13 +177,17 @@ def test_an_oversize_frame_disconnects_its_sender_only(receiver) -> None:
     sock.connect(receiver.address)
     sock.send_multipart([b"junk", junk])
     sock.close()
+    assert_a_step_gets_through(receiver, 7)
+    assert stored(receiver) == 1
+
+
+def assert_a_step_gets_through(receiver, call_id: int) -> None:
     sender = PipelineSender(zmq.Context.instance(), receiver.address, 0, RUN, False, 30)
     try:
-        sender.send(7, tensors(7))
-        assert_same(receiver.expect(7, 0).wait(), tensors(7))
+        sender.send(call_id, tensors(call_id))
+        assert_same(receiver.expect(call_id, 0).wait(), tensors(call_id))
     finally:
         sender.close()
-    assert stored(receiver) == 1
 
 
 FLOOD = """
@@ -211,12 +215,7 @@ def test_a_flood_of_junk_leaves_the_loop_its_other_work(loop, receiver) -> None:
     finally:
         flooder.kill()
         flooder.wait()
-    sender = PipelineSender(zmq.Context.instance(), receiver.address, 0, RUN, False, 30)
-    try:
-        sender.send(6, tensors(6))
-        assert_same(receiver.expect(6, 0).wait(), tensors(6))
-    finally:
-        sender.close()
+    assert_a_step_gets_through(receiver, 6)
 
 
 def test_on_tcp_only_a_peer_with_the_run_key_gets_through(loop) -> None:
