@@ -96,7 +96,12 @@ def install_admin(app: FastAPI, llm: Frontend, authorized: Callable[..., Awaitab
     @router.post("/update_weights_from_disk")
     async def update_weights_from_disk(body: UpdateFromDisk | None = None) -> dict:
         path = body.model_path if body is not None else None
-        await gate.run("update_weights_from_disk", lambda: llm.call_async("reload_weights", path))
+        try:
+            await gate.run(
+                "update_weights_from_disk", lambda: llm.call_async("reload_weights", path)
+            )
+        except FileNotFoundError as exc:  # no checkpoint there: the caller's path, not a 500
+            raise APIError(str(exc), param="model_path") from None
         return {}
 
     @router.get("/is_sleeping")

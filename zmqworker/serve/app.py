@@ -12,15 +12,16 @@ flight keep answering.
 
 from __future__ import annotations
 
-import logging
 import secrets
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
 from zmqworker import __version__
 from zmqworker.frontend.frontend import Frontend
@@ -30,7 +31,7 @@ from zmqworker.serve.body_limit import DEFAULT_MAX_REQUEST_BYTES, BodyLimit
 from zmqworker.serve.chat import create_chat_completion
 from zmqworker.serve.completions import create_completion
 from zmqworker.serve.cors import CorsOptions
-from zmqworker.serve.errors import APIError
+from zmqworker.serve.errors import APIError, ServerErrors
 from zmqworker.serve.generation import ClientDisconnected, now
 from zmqworker.serve.metrics import ServerMetrics
 from zmqworker.serve.protocol import ChatCompletionRequest, CompletionRequest
@@ -39,7 +40,6 @@ from zmqworker.serve.text_pool import TextPool
 from zmqworker.serve.tokenize import DetokenizeRequest, TokenizeRequest, detokenize, tokenize
 from zmqworker.serve.tools import ToolOptions
 
-logger = logging.getLogger(__name__)
 HEALTH_TIMEOUT_S = 10.0
 
 
@@ -76,6 +76,7 @@ def build_app(
 
     if enable_admin_endpoints:
         install_admin(app, llm, authorized)
+    app.add_middleware(ServerErrors)
     app.add_middleware(RequestId)  # outside the others: their errors carry the id too
     if cors is not None:
         cors.install(app)
@@ -145,18 +146,19 @@ def build_app(
     async def api_error(_: Request, exc: APIError) -> JSONResponse:
         return exc.response()
 
+    # A client gone while generating, or before its whole body came (Starlette's).
     @app.exception_handler(ClientDisconnected)
-    async def client_gone(_: Request, exc: ClientDisconnected) -> Response:
+    @app.exception_handler(ClientDisconnect)
+    async def client_gone(_: Request, exc: Exception) -> Response:
         return Response(status_code=499)  # nobody reads it: nginx's "client closed request"
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return APIError.from_validation(exc.errors()).response()
 
     @app.exception_handler(HTTPException)
     async def http_error(_: Request, exc: HTTPException) -> JSONResponse:
         return APIError(str(exc.detail), exc.status_code).response()
-
-    @app.exception_handler(Exception)
-    async def server_error(_: Request, exc: Exception) -> JSONResponse:
-        logger.exception("request failed")
-        return APIError(f"{type(exc).__name__}: {exc}", 500, "server_error").response()
 
     started = now()
     return app

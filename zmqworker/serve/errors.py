@@ -1,10 +1,17 @@
-"""Errors in the OpenAI shape: {"error": {"message", "type", "param", "code"}}."""
+"""Errors in the OpenAI shape: {"error": {"message", "type", "param", "code"}}, and the
+middleware that answers a request's unexpected failure in it (ServerErrors)."""
 
 from __future__ import annotations
 
+import logging
 import re
+from collections.abc import Sequence
+from typing import Any
 
 from fastapi.responses import JSONResponse
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+logger = logging.getLogger(__name__)
 
 # msgspec names the field of a bad value as "- at `$.temperature`".
 _MSGSPEC_PATH = re.compile(r"at `\$\.(\w+)")
@@ -37,6 +44,17 @@ class APIError(Exception):
         return cls(message, param=match.group(1) if match else param)
 
     @classmethod
+    def from_validation(cls, errors: Sequence[Any]) -> APIError:
+        """FastAPI's check of a route's query or pydantic body (the admin routes'), as the
+        400 vLLM answers in this shape, not FastAPI's 422 {"detail": [...]}."""
+        error = errors[0]
+        if error["type"] == "json_invalid":
+            reason = error.get("ctx", {}).get("error", error["msg"])
+            return cls(f"the request body is not valid JSON: {reason}")
+        param = ".".join(str(part) for part in error["loc"][1:]) or None  # after "query"/"body"
+        return cls(f"{param or 'the request body'}: {error['msg']}", param=param)
+
+    @classmethod
     def of(cls, exc: Exception) -> APIError:
         """What a stream tells its client before it ends: exc as it is (an APIError), a
         refused value's 400, or the engine's failure (500)."""
@@ -64,3 +82,32 @@ def _printable(text: str) -> str:
     """text as UTF-8 can carry it: an error may quote what the request held, lone
     surrogates included, and a response that cannot be encoded would be a 500."""
     return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+class ServerErrors:
+    """ASGI middleware, inside RequestId and CORS: an unexpected exception becomes a 500 in
+    the OpenAI shape that carries their headers. Starlette's handler for Exception runs
+    outside every middleware, so its 500s had no X-Request-Id for the client to quote."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def watched(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, watched)
+        except Exception as exc:
+            if started:  # too late for a 500: the HTTP server logs it and cuts the response
+                raise
+            logger.exception("request failed")
+            error = APIError(f"{type(exc).__name__}: {exc}", 500, "server_error")
+            await error.response()(scope, receive, send)

@@ -24,6 +24,7 @@ from zmqworker.frontend.outputs import EngineStats, RequestOutput
 
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 LABELS = ["model_name"]
+FINISH_REASONS = ("stop", "length")  # request_success's (an aborted request is not one)
 # vLLM's buckets, in seconds.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
                 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)  # fmt: skip
@@ -89,6 +90,13 @@ class ServerMetrics:
             [*LABELS, "finished_reason"],
             registry=own,
         )
+        # Every series from the first scrape, at 0 (as vLLM's): a dashboard's rate() and
+        # absent() read a series that exists, not one that appears with the first request.
+        for metric in (self.ttft, self.itl, self.e2e, self.queue, self.prompt_tokens,
+                       self.generation_tokens, self.prefix_queries, self.prefix_hits):  # fmt: skip
+            metric.labels(model_name)
+        for reason in FINISH_REASONS:
+            self.success.labels(model_name, reason)
 
     def observe(self, out: RequestOutput) -> None:
         """One output of a request: its first token, each later one, its end."""

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import os
 import shutil
 import signal
@@ -72,9 +73,11 @@ def serve(
 ) -> None:
     """engine_options: the LLM's; with disaggregate, prefill and decode instances
     (disaggregated_plan.py) and the router in every API server (disaggregated_client.py)."""
-    count = api_server_count or default_api_server_count()
+    count = default_api_server_count() if api_server_count is None else api_server_count
     if count < 1:
         raise ValueError(f"--api-server-count must be >= 1, got {count}")
+    if not 0 <= shutdown_timeout_s < math.inf:  # nan too: every wait has a bound
+        raise ValueError(f"--shutdown-timeout must be finite and >= 0, got {shutdown_timeout_s}")
     if max_request_bytes < 1:  # before anything starts
         raise ValueError(f"max_request_bytes must be positive, got {max_request_bytes}")
     if cors is not None:
