@@ -68,16 +68,14 @@ def test_the_matcher_advances_masks_and_ends_the_request(structured):
     structured.add(req)
     ready(structured, 1)
     req.handle = 5
-    output = structured.fill([req], slot=0).result()
-    assert output is not None and output.req_handles.tolist() == [5]
+    output, refused = structured.fill([req], slot=0).result()
+    assert output is not None and output.req_handles.tolist() == [5] and not refused
     allowed = np.flatnonzero(
         np.unpackbits(output.grammar_bitmask.view(np.uint8), bitorder="little")[:VOCAB]
     )
     compiled = structured.compiler.compile(req.sampling_params.structured_outputs).result()
     vocab = compiled.tokenizer_info.decoded_vocab
     assert {vocab[t] for t in allowed} >= {b"yes", b"no"} and EOS not in allowed
-    with pytest.raises(RuntimeError, match="breaks its structured_outputs constraint"):
-        req.append_output_token(EOS, 100)  # it may end the grammar: taken at once
     token = next(t for t in allowed if vocab[t] == b"yes")
     done = Request("m2", [1, 2, 3], req.sampling_params, eos_token_ids=[EOS])
     done.grammar = RequestGrammar(compiled, [EOS], num_accepted=3)
@@ -86,7 +84,7 @@ def test_the_matcher_advances_masks_and_ends_the_request(structured):
     assert done.append_output_token(EOS, 100) and done.finish_reason is FinishReason.STOP
     assert done.grammar.num_accepted == 5 and done.grammar.terminated
     done.handle = 6
-    assert structured.fill([done], slot=0).result() is None  # finished: nothing to constrain
+    assert structured.fill([done], slot=0).result().output is None  # finished: nothing left
 
 
 def replayed(structured: StructuredOutputs, request: Request):
@@ -135,7 +133,8 @@ def test_batched_matchers_agree_with_their_own_through_ends_and_preemption(async
 
     def checked_fill(step_requests, slot):
         future = fill(step_requests, slot)
-        output = future.result()
+        output, refused = future.result()
+        assert not refused
         live = [r for r in step_requests if not r.is_finished]
         expected = np.zeros((len(live), VOCAB // 32), np.int32)
         for row, request in enumerate(live):
@@ -166,44 +165,58 @@ def test_batched_matchers_agree_with_their_own_through_ends_and_preemption(async
             assert request.grammar.num_accepted == request.num_tokens
 
 
-def test_a_token_the_grammar_refuses_fails_the_step_and_the_engine_recovers():
-    """Workers that ignore the bitmask: the fill finds the token its matcher refuses, the
-    workers still get the step's sample_tokens (with no bitmask), the step fails naming
-    the request, and the engine aborts its requests and takes new ones."""
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_a_token_the_grammar_refuses_fails_its_request_alone(async_scheduling):
+    """Workers that ignore the bitmask (as a request's bad_words that ban every token its
+    grammar allows make them): the fill finds the token its matcher refuses, and that
+    request alone is aborted, with why; a plain request beside it runs to its end."""
     from bench.engine_step_structured import GrammarExecutor
     from zmqworker.engine.core import EngineCore
 
     class Ignoring(GrammarExecutor):
-        def __init__(self, num_blocks: int) -> None:
-            super().__init__(num_blocks)
-            self.bitmasks: list = []  # each sample_tokens' GrammarOutput
-
         def sample_tokens(self, grammar, non_block=False):
-            self.bitmasks.append(grammar)
             return super().sample_tokens(None, non_block)  # tokens that are not "x"
 
     require_embedded_model()
     structured = StructuredOutputs(GrammarCompiler(str(default_model_path(progress=False)), VOCAB))
-    executor = Ignoring(num_blocks=16)
-    core = EngineCore(executor, 128, async_scheduling=True, structured=structured)
+    core = EngineCore(Ignoring(16), 128, async_scheduling=async_scheduling, structured=structured)
     constraint = StructuredOutputsParams(regex="x{20}")
     structured.compiler.compile(constraint).result()
     params = SamplingParams(max_tokens=20, structured_outputs=constraint)
     doomed = Request("doomed", list(range(10, 30)), params, eos_token_ids=[0])
+    plain = Request("plain", [1, 2, 3], SamplingParams(max_tokens=8), eos_token_ids=[0])
+    core.add_request(plain)
     core.add_request(doomed)
+    changed = []
     try:
-        with pytest.raises(RuntimeError, match="'doomed': token .* breaks its structured"):
-            for _ in range(10):
-                core.step()
-        assert doomed.finish_reason is FinishReason.ABORT and not core.has_work()
-        assert executor.bitmasks[-1] is None  # the failed fill's step still sampled
-        plain = Request("plain", [1, 2, 3], SamplingParams(max_tokens=3), eos_token_ids=[0])
-        core.add_request(plain)
         while core.has_work():
-            core.step()
-        assert plain.finish_reason is FinishReason.LENGTH
+            changed += core.step()
     finally:
         core.shutdown()
+    assert doomed.finish_reason is FinishReason.ABORT and doomed in changed
+    assert doomed.error is not None and "'doomed': token" in doomed.error
+    assert plain.finish_reason is FinishReason.LENGTH and len(plain.output_token_ids) == 8
+
+
+def test_a_refused_stop_token_aborts_its_request(structured):
+    """EOS where the grammar has not ended (taken at once, as it may end the request)."""
+    req = request("eos", choice=["yes", "no"])
+    structured.add(req)
+    ready(structured, 1)
+    assert req.append_output_token(EOS, 100) and req.finish_reason is FinishReason.ABORT
+    assert req.error is not None and "breaks its structured_outputs" in req.error
+
+
+def test_a_choice_beyond_the_basic_plane_is_itself():
+    import xgrammar as xgr
+
+    from zmqworker.engine.grammars import parse_grammar
+
+    choices = ["\U0001f600 ok", 'say "hi"', "back\\slash", "tab\tnew\nline"]
+    grammar = parse_grammar(StructuredOutputsParams(choice=choices))
+    for choice in choices:
+        assert xgr.testing._is_grammar_accept_string(grammar, choice), choice
+    assert not xgr.testing._is_grammar_accept_string(grammar, "\U0001f600")
 
 
 def test_a_fill_in_shares_agrees_with_each_matcher_and_names_a_refused_token(structured):
@@ -221,12 +234,14 @@ def test_a_fill_in_shares_agrees_with_each_matcher_and_names_a_refused_token(str
     for i, r in enumerate(requests):
         r.handle = i
         r.all_token_ids += words[: i % 3]
-    output = structured.fill(requests, slot=0).result()
+    output = structured.fill(requests, slot=0).result().output
     expected = np.zeros((40, VOCAB // 32), np.int32)
     for i, r in enumerate(requests):
         replayed(structured, r).fill_next_token_bitmask(expected, i)
     np.testing.assert_array_equal(output.grammar_bitmask, expected)
     assert [r.grammar.num_accepted for r in requests] == [r.num_tokens for r in requests]
     requests[37].all_token_ids.append(vocab.index(b"1"))
-    with pytest.raises(RuntimeError, match="'s37': token .* breaks"):
-        structured.fill(requests, slot=1).result()
+    output, refused = structured.fill(requests, slot=1).result()
+    assert list(refused) == ["s37"] and "'s37': token" in refused["s37"]
+    assert output is not None and 37 not in output.req_handles.tolist()
+    assert len(output.grammar_bitmask) == 39

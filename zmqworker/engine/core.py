@@ -217,14 +217,13 @@ class EngineCore:
         if self.structured is not None and len(self.structured):
             self._admit_compiled()
         try:
-            self.grammar_steps.send()
-            changed: list[Request] = []
+            changed = self.grammar_steps.send()
             if not self.batch_queue.full:
                 output = self.scheduler.schedule()
                 if output is not None:
                     structured = self.scheduler.structured_requests(output)
                     if structured:
-                        changed = self.grammar_steps.submit(output, structured)
+                        changed += self.grammar_steps.submit(output, structured)
                     else:
                         self.batch_queue.submit(output)
                     if not self.batch_queue.full:
@@ -232,7 +231,7 @@ class EngineCore:
             if len(self.batch_queue) == 0:
                 return changed
             if len(self.batch_queue) == 1:  # the step to wait for may be the unsent one
-                self.grammar_steps.send()
+                changed += self.grammar_steps.send()
             output, runner_output = self.batch_queue.pop()
             return changed + self.scheduler.update_from_output(output, runner_output)
         except Exception as e:
@@ -302,7 +301,7 @@ class EngineCore:
         token or finished. The workers are idle when it returns."""
         changed: list[Request] = []
         try:
-            self.grammar_steps.send()
+            changed += self.grammar_steps.send()
             while len(self.batch_queue):
                 output, runner_output = self.batch_queue.pop()
                 changed += self.scheduler.update_from_output(output, runner_output)

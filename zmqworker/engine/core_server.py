@@ -196,7 +196,7 @@ class EngineCoreServer:
             client = owners.get(request.req_id)
             if client is None:
                 continue  # its client is gone, or aborted it while the step ran
-            if request.finish_reason is FinishReason.ABORT:  # its remote KV never came
+            if request.finish_reason is FinishReason.ABORT:  # no remote KV, or grammar refused
                 self.clients.forget_request(request.req_id)
                 reason = request.error or "aborted by the engine core"
                 self._send(

@@ -10,11 +10,11 @@ from __future__ import annotations
 from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
-from messages import GrammarOutput, SchedulerOutput
+from messages import SchedulerOutput
 from zmqworker.engine.batch_queue import BatchQueue, DeferredSample
 from zmqworker.engine.request import Request
 from zmqworker.engine.scheduler import Scheduler
-from zmqworker.engine.structured_outputs import StructuredOutputs
+from zmqworker.engine.structured_outputs import Filled, StructuredOutputs
 
 if TYPE_CHECKING:
     from zmqworker.executor.abstract import Executor
@@ -35,7 +35,7 @@ class GrammarSteps:
         self.batch_queue = batch_queue
         self.structured = structured
         # The newest step's slot in the batch queue and its bitmask's future, until sent.
-        self._unsent: tuple[DeferredSample, Future[GrammarOutput | None]] | None = None
+        self._unsent: tuple[DeferredSample, Future[Filled]] | None = None
         # Bitmask arrays, taken in turn: one for each step that can be in flight and one
         # filling, so that an array is filled again only once its step is back.
         self._num_slots = batch_queue.max_concurrent_batches + 1
@@ -62,16 +62,24 @@ class GrammarSteps:
         self._slot = (self._slot + 1) % self._num_slots
         return changed
 
-    def send(self) -> None:
+    def send(self) -> list[Request]:
         """Send the newest step's sample_tokens, once its bitmask is filled, if it waits
-        for that. If the fill failed (a token its grammar does not allow), the workers
-        get no bitmask, so that they end the step, and the fill's error is raised."""
+        for that; the requests aborted because their grammar refused a token they
+        sampled (each with its error). If the fill failed, the workers get no bitmask,
+        so that they end the step, and the fill's error is raised."""
         if self._unsent is None:
-            return
+            return []
         deferred, grammar = self._unsent
         self._unsent = None
         error = grammar.exception()
-        bitmask = None if error is not None else grammar.result()
-        deferred.sample = self.executor.sample_tokens(bitmask, non_block=True)
+        filled = grammar.result() if error is None else Filled(None, {})
+        deferred.sample = self.executor.sample_tokens(filled.output, non_block=True)
         if error is not None:
             raise error
+        aborted = []
+        for req_id, why in filled.refused.items():
+            request = self.scheduler.abort_request(req_id)  # its token in flight is dropped
+            if request is not None:
+                request.error = why
+                aborted.append(request)
+        return aborted

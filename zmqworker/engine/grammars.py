@@ -60,7 +60,9 @@ def parse_grammar(params: StructuredOutputsParams) -> Any:
             return xgr.Grammar.from_regex(params.regex)
         if kind == "choice":
             assert params.choice is not None
-            alternatives = " | ".join(json.dumps(c) for c in params.choice)
+            # Unescaped non-ASCII: xgrammar reads a JSON \ud83d\ude00 pair as two lone
+            # surrogates, which no UTF-8 text matches.
+            alternatives = " | ".join(json.dumps(c, ensure_ascii=False) for c in params.choice)
             return xgr.Grammar.from_ebnf(f"root ::= {alternatives}")
         return xgr.Grammar.from_ebnf(params.grammar)
     except RuntimeError as exc:

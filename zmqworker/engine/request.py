@@ -207,8 +207,9 @@ class Request:
         the stop rules; True if the request is finished now. EOS and the stop token ids end
         the output only after its first min_tokens tokens (vLLM's rule: the workers hold
         the stop tokens back until then). A structured request's grammar takes the tokens
-        it lacks when the token may end it (one of the grammar's stop tokens), and its
-        end stops the request too; its other tokens reach it in batches (RequestGrammar).
+        it lacks when the token may end it (one of the grammar's stop tokens): its end
+        stops the request too, a token it refuses aborts it (with error); its other
+        tokens reach it in batches (RequestGrammar).
         The scheduler appends most tokens itself, in bulk, and calls this only where
         stop_token_ids (with the grammar's) or length_limit say it may finish, or the
         request needs a look of its own (logprobs, a remote decode)."""
@@ -220,8 +221,10 @@ class Request:
         params = self.sampling_params
         grammar = self.grammar
         ends_grammar = grammar is not None and token_id in grammar.stop_token_ids
-        if ends_grammar:
-            grammar.catch_up(self.req_id, self.all_token_ids)
+        if ends_grammar and (refused := grammar.catch_up(self.req_id, self.all_token_ids)):
+            self.error = refused  # its client alone gets the failure
+            self.finish(FinishReason.ABORT)
+            return True
         num_outputs = len(self.all_token_ids) - self.num_prompt_tokens
         if num_outputs > params.min_tokens and token_id in self.stop_token_ids:
             self.stop_reason = token_id

@@ -26,12 +26,14 @@ class RequestGrammar:
         # The request's tokens (all_token_ids) the matcher holds; those after it lacks.
         self.num_accepted = num_accepted
 
-    def catch_up(self, req_id: str, token_ids: list[int]) -> None:
-        """Take token_ids[num_accepted:] (the request's tokens) one by one."""
+    def catch_up(self, req_id: str, token_ids: list[int]) -> str | None:
+        """Take token_ids[num_accepted:] (the request's tokens) one by one; why the
+        grammar refused one (rejected()), or None when it took them all."""
         for token_id in token_ids[self.num_accepted :]:
             if not self._matcher.accept_token(token_id):
-                raise rejected(req_id, token_id)
+                return rejected(req_id, token_id)
             self.num_accepted += 1
+        return None
 
     @property
     def terminated(self) -> bool:
@@ -43,9 +45,12 @@ class RequestGrammar:
         return self._matcher
 
 
-def rejected(req_id: str, token_id: int) -> RuntimeError:
-    """The error of a sampled token that the request's grammar does not allow."""
-    return RuntimeError(
+def rejected(req_id: str, token_id: int) -> str:
+    """Why a request fails whose sampled token its grammar does not allow. Its own
+    settings can cause it (bad_words that ban every token the grammar allows leave no
+    logit finite), so it fails that request alone, never the step."""
+    return (
         f"request {req_id!r}: token {token_id} breaks its structured_outputs constraint "
-        "(the step did not apply its grammar bitmask)"
+        "(its bad_words ban every token the grammar allows, or the workers did not apply "
+        "the grammar bitmask)"
     )

@@ -11,14 +11,15 @@ after preemption samples past the tokens its matcher has, never over them again.
 A step's bitmask is filled off the engine's thread (fill): its requests' matchers take
 the tokens they lack, one batch per token, then xgrammar fills every row in one call
 with threads of its own (no GIL between them), while the engine goes on with the
-outputs of the step just applied.
+outputs of the step just applied. A request whose grammar refuses its token fails
+alone (its own bad_words can leave no allowed token a finite logit): the others run on.
 """
 
 from __future__ import annotations
 
 import os
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -32,6 +33,14 @@ from zmqworker.engine.request_grammar import RequestGrammar, rejected
 # past 8 they stop paying on a 16-core host.
 BITMASK_THREADS = min(8, len(os.sched_getaffinity(0)))
 MIN_ROWS_PER_THREAD = 16
+
+
+class Filled(NamedTuple):
+    """A step's bitmask (None: no request left to constrain), and the requests whose
+    grammar refused a token they sampled, with why (rejected()): each is to fail alone."""
+
+    output: GrammarOutput | None
+    refused: dict[str, str]
 
 
 class StructuredOutputs:
@@ -87,14 +96,14 @@ class StructuredOutputs:
             ready.append(request)
         return ready, failed
 
-    def fill(self, requests: list[Request], slot: int) -> Future[GrammarOutput | None]:
+    def fill(self, requests: list[Request], slot: int) -> Future[Filled]:
         """Start filling the bitmask rows of the requests a step samples for, their
-        matchers first taking the tokens they lack (a RuntimeError if the grammar does
-        not allow one); None if none is left to constrain (finished ones are skipped:
-        the step's token for them is dropped). Until the future is done, nothing else
-        may advance these requests' matchers; their tokens are read now. The rows are
-        slot's array, kept for the next fill of that slot: the caller fills a slot again
-        only once the workers are done with its last bitmask."""
+        matchers first taking the tokens they lack; no GrammarOutput if none is left to
+        constrain (finished ones are skipped: the step's token for them is dropped).
+        Until the future is done, nothing else may advance these requests' matchers;
+        their tokens are read now. The rows are slot's array, kept for the next fill of
+        that slot: the caller fills a slot again only once the workers are done with its
+        last bitmask."""
         live = [r for r in requests if not r.is_finished and r.grammar is not None]
         grammars = [r.grammar for r in live if r.grammar is not None]
         lacking = []
@@ -102,8 +111,8 @@ class StructuredOutputs:
             lacking.append(request.all_token_ids[grammar.num_accepted :])
             grammar.num_accepted = request.num_tokens
         if not live:
-            done: Future[GrammarOutput | None] = Future()
-            done.set_result(None)
+            done: Future[Filled] = Future()
+            done.set_result(Filled(None, {}))
             return done
         handles = np.array([r.handle for r in live], np.int32)
         names = [r.req_id for r in live]
@@ -111,21 +120,18 @@ class StructuredOutputs:
         bitmask = self._bitmasks.get(slot)
         if bitmask is None or len(bitmask) < len(live) or bitmask.shape[1] != words:
             bitmask = self._bitmasks[slot] = np.zeros((len(live), words), np.int32)
-        rows = bitmask[: len(live)]  # xgrammar writes every word of a row it fills
-        return self._filler.submit(
-            self._fill, grammars, lacking, GrammarOutput(handles, rows), names
-        )
+        return self._filler.submit(self._fill, grammars, lacking, handles, bitmask, names)
 
     def _fill(
         self,
         grammars: list[RequestGrammar],
         lacking: list[list[int]],
-        output: GrammarOutput,
+        handles: np.ndarray,
+        bitmask: np.ndarray,
         names: list[str],
-    ) -> GrammarOutput:
-        """The matchers take the tokens they lack, one batch per token (a RuntimeError
-        naming the first request whose grammar refuses its token), then every row is
-        filled in one call."""
+    ) -> Filled:
+        """The matchers take the tokens they lack, one batch per token, then every row
+        is filled in one call; a request whose grammar refuses a token has no row."""
         import xgrammar as xgr
 
         threads = max(1, min(BITMASK_THREADS, len(grammars) // MIN_ROWS_PER_THREAD))
@@ -133,16 +139,23 @@ class StructuredOutputs:
         if filler is None:
             filler = self._fillers[threads] = xgr.BatchGrammarMatcher(max_threads=threads)
         matchers = [g.matcher for g in grammars]
+        refused: dict[str, str] = {}
         for k in range(max(map(len, lacking))):
-            rows = [i for i, tokens in enumerate(lacking) if len(tokens) > k]
+            rows = [i for i, t in enumerate(lacking) if len(t) > k and names[i] not in refused]
+            if not rows:
+                break  # the rest lack more only where refused already
             tokens = [lacking[i][k] for i in rows]
             batch = matchers if len(rows) == len(matchers) else [matchers[i] for i in rows]
             accepted = xgr.BatchGrammarMatcher.batch_accept_token(batch, tokens)
-            if not all(accepted):
-                row = accepted.index(False)
-                raise rejected(names[rows[row]], tokens[row])
-        filler.batch_fill_next_token_bitmask(matchers, output.grammar_bitmask)
-        return output
+            for row, token, ok in zip(rows, tokens, accepted, strict=True):
+                if not ok:
+                    refused[names[row]] = rejected(names[row], token)
+        kept = [i for i, name in enumerate(names) if name not in refused]
+        if not kept:
+            return Filled(None, refused)
+        rows_out = bitmask[: len(kept)]  # xgrammar writes every word of a row it fills
+        filler.batch_fill_next_token_bitmask([matchers[i] for i in kept], rows_out)
+        return Filled(GrammarOutput(handles[kept], rows_out), refused)
 
     def shutdown(self) -> None:
         self._filler.shutdown(wait=True, cancel_futures=True)
