@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import threading
 import time
 from pathlib import Path
 
@@ -270,6 +271,49 @@ def test_a_stream_left_by_its_ended_event_loop_is_aborted_by_the_next_generate(l
 
 async def _all(stream):
     return [out async for out in stream]
+
+
+def test_shutdown_ends_the_open_streams_with_an_error(llm):
+    """They used to wait forever: nothing more comes to a closed client."""
+    errors: list[dict] = []
+
+    async def main() -> None:
+        asyncio.get_running_loop().set_exception_handler(lambda _, context: errors.append(context))
+        stream = llm.generate_stream("Hello", SamplingParams(max_tokens=30))
+        await anext(stream)
+        llm.shutdown()
+        with pytest.raises(RuntimeError, match="the LLM is shut down"):
+            await asyncio.wait_for(_all(stream), 5)
+        await asyncio.sleep(0.05)  # a dispatch already scheduled finds the sockets closed
+
+    asyncio.run(main())
+    assert errors == []
+
+
+def test_a_loop_running_in_another_thread_keeps_the_llm(llm):
+    """A second loop used to take the sockets' readers from the first, whose streams then
+    got their outputs from the wrong thread, if at all."""
+    started, done = threading.Event(), threading.Event()
+    results: list[list] = []
+
+    async def first() -> None:
+        stream = llm.generate_stream("Hello", SamplingParams(max_tokens=20))
+        outputs = [await anext(stream)]
+        started.set()
+        await asyncio.to_thread(done.wait, 10)
+        results.append(outputs + await _all(stream))
+
+    thread = threading.Thread(target=asyncio.run, args=(first(),))
+    thread.start()
+    try:
+        assert started.wait(10)
+        with pytest.raises(RuntimeError, match="another thread's event loop: use that loop"):
+            asyncio.run(_all(llm.generate_stream("Hi", SamplingParams(max_tokens=3))))
+    finally:
+        done.set()
+        thread.join(10)
+    assert results[0][-1].finished and len(results[0][-1].token_ids) == 20
+    assert idle(llm)
 
 
 def test_shutdown_is_final_and_idempotent(model_dir, factory):

@@ -274,7 +274,7 @@ class EngineCoreClient:
 
     def _dispatch(self) -> None:
         self._dispatch_due = False
-        events = self.drain()
+        events = self.drain() if self._loop is not None else []  # None: closed since
         if events and self._on_events is not None:
             self._on_events(events)
 

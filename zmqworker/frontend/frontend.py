@@ -3,8 +3,8 @@
 Prompts are tokenized and checked here, the requests go to the engine cores (the least
 loaded replica), and each step's outputs come back to the requests' states here (text,
 stop strings, logprobs), then to their callers: generate() waits for them, a stream gets
-each one as it comes. Not thread-safe; generate() and generate_stream() are not to be
-mixed at one time.
+each one as it comes. Not thread-safe (one event loop at a time); generate() and
+generate_stream() are not to be mixed at one time.
 """
 
 from __future__ import annotations
@@ -95,7 +95,7 @@ class Frontend(ControlMethods):
         in a row for a prompt whose params ask for n samples (RequestOutput.index)."""
         self._require_open()
         if self._streaming():
-            raise RuntimeError("generate() called while generate_stream() streams are running")
+            raise RuntimeError("generate() called while streams run: use generate_stream() instead")
         # Not streamed (only the last outputs are kept), unless an observer sees each.
         states = self._make_states(prompts, sampling_params, bool(self._observers))
         finals: dict[str, RequestOutput] = {}
@@ -173,7 +173,7 @@ class Frontend(ControlMethods):
         on one event loop; a stream closed early aborts its requests."""
         self._require_open()
         states = self._make_states([prompt], sampling_params, streamed=True)
-        self.client.attach(asyncio.get_running_loop(), self._handle)
+        self._attach()
         queue: asyncio.Queue[RequestOutput | Exception] = asyncio.Queue()
         running = {state.request_id for state in states}
         try:
@@ -209,7 +209,7 @@ class Frontend(ControlMethods):
     async def check_health_async(self, timeout: float = HEALTH_TIMEOUT_S) -> None:
         """check_health(), on the running event loop."""
         self._require_open()
-        self.client.attach(asyncio.get_running_loop(), self._handle)
+        self._attach()
         await self.client.call_async("check_health", (timeout,), timeout=timeout + POLL_SLICE_S)
 
     def stats(self) -> EngineStats:
@@ -220,7 +220,7 @@ class Frontend(ControlMethods):
     async def stats_async(self) -> EngineStats:
         """stats(), on the running event loop."""
         self._require_open()
-        self.client.attach(asyncio.get_running_loop(), self._handle)
+        self._attach()
         return EngineStats.total(await self.client.call_async("stats"))
 
     def fail_all(self, error: Exception) -> None:
@@ -236,9 +236,10 @@ class Frontend(ControlMethods):
 
     def close(self) -> None:
         """Close the connections to the engine cores, which go on serving their other
-        clients (LLM.shutdown() stops them). Idempotent."""
+        clients (LLM.shutdown() stops them); open streams raise RuntimeError. Idempotent."""
         if not self._closed:
             self._closed = True
+            self.fail_all(RuntimeError("the LLM is shut down"))  # else streams wait forever
             self.client.close()
             if self._pusher is not None:
                 self._pusher.close()  # its shared memory segments
@@ -248,6 +249,13 @@ class Frontend(ControlMethods):
     def _require_open(self) -> None:
         if self._closed:
             raise RuntimeError("the LLM is shut down")
+
+    def _attach(self) -> None:
+        """The running loop watches the engine cores; one still running elsewhere keeps them."""
+        loop, other = asyncio.get_running_loop(), self.client.loop
+        if other is not None and other is not loop and other.is_running():
+            raise RuntimeError("the LLM is in use by another thread's event loop: use that loop")
+        self.client.attach(loop, self._handle)
 
     def _streaming(self) -> bool:
         loop = self.client.loop

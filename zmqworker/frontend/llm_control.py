@@ -32,6 +32,7 @@ class ControlMethods:
     client: EngineCoreClient
     _streaming: Callable[[], bool]
     _require_open: Callable[[], None]
+    _attach: Callable[[], None]
     _pusher: WeightPusher | None
 
     def sleep(self, level: int = 1) -> None:
@@ -147,10 +148,8 @@ class ControlMethods:
     async def call_async(self, method: str, *args: Any) -> list[Any]:
         """A utility call to every engine core, awaited on the running event loop (an
         API server's admin endpoints): the results by replica."""
-        import asyncio
-
         self._require_open()
-        self.client.attach(asyncio.get_running_loop(), self._handle)  # type: ignore[attr-defined]
+        self._attach()
         return await self.client.call_async(method, args, timeout=CONTROL_TIMEOUT_S)
 
     def _control(self, method: str, *args: Any) -> None:
