@@ -8,6 +8,7 @@ from __future__ import annotations
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from zmqworker.serve.errors import APIError
+from zmqworker.serve.http_middleware import HttpMiddleware, StartWatch
 
 # The default bound. A prompt filling a 128k-token context takes about 1 MB of JSON, as
 # text (about 4 bytes a token; more with \u escapes) or as token ids (at most 7 bytes
@@ -20,23 +21,19 @@ class _BodyTooLarge(Exception):
     """A body grew past the bound while the application read it."""
 
 
-class BodyLimit:
+class BodyLimit(HttpMiddleware):
     """ASGI middleware: 413 for a body over max_bytes, in OpenAI's error shape."""
 
     def __init__(self, app: ASGIApp, max_bytes: int) -> None:
-        self.app = app
+        super().__init__(app)
         self.max_bytes = max_bytes
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
+    async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
         declared = _content_length(scope)
         if declared is not None and declared > self.max_bytes:
             await self._refuse(scope, receive, send, f"of {declared} bytes ")
             return
         received = 0
-        started = False
 
         async def counted() -> Message:
             nonlocal received
@@ -47,15 +44,11 @@ class BodyLimit:
                     raise _BodyTooLarge
             return message
 
-        async def watched(message: Message) -> None:
-            nonlocal started
-            started = started or message["type"] == "http.response.start"
-            await send(message)
-
+        watched = StartWatch(send)
         try:
             await self.app(scope, counted, watched)
         except _BodyTooLarge:
-            if started:
+            if watched.started:
                 raise
             await self._refuse(scope, receive, send, "")
 

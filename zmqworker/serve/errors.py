@@ -9,7 +9,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from fastapi.responses import JSONResponse
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import Receive, Scope, Send
+
+from zmqworker.serve.http_middleware import HttpMiddleware, StartWatch
 
 logger = logging.getLogger(__name__)
 
@@ -84,29 +86,17 @@ def _printable(text: str) -> str:
     return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
-class ServerErrors:
+class ServerErrors(HttpMiddleware):
     """ASGI middleware, inside RequestId and CORS: an unexpected exception becomes a 500 in
     the OpenAI shape that carries their headers. Starlette's handler for Exception runs
     outside every middleware, so its 500s had no X-Request-Id for the client to quote."""
 
-    def __init__(self, app: ASGIApp) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        started = False
-
-        async def watched(message: Message) -> None:
-            nonlocal started
-            started = started or message["type"] == "http.response.start"
-            await send(message)
-
+    async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
+        watched = StartWatch(send)
         try:
             await self.app(scope, receive, watched)
         except Exception as exc:
-            if started:  # too late for a 500: the HTTP server logs it and cuts the response
+            if watched.started:  # too late for a 500: the HTTP server logs it, cuts the response
                 raise
             logger.exception("request failed")
             error = APIError(f"{type(exc).__name__}: {exc}", 500, "server_error")

@@ -13,9 +13,10 @@ import re
 import uuid
 
 from starlette.requests import Request
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import Message, Receive, Scope, Send
 
 from zmqworker.serve.errors import APIError
+from zmqworker.serve.http_middleware import HttpMiddleware
 
 HEADER = "X-Request-Id"
 MAX_LENGTH = 128
@@ -28,16 +29,10 @@ def request_id(request: Request) -> str:
     return request.scope[_SCOPE_KEY]
 
 
-class RequestId:
+class RequestId(HttpMiddleware):
     """ASGI middleware: the request's id into its scope and its response's headers."""
 
-    def __init__(self, app: ASGIApp) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
+    async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
         given = [v for k, v in scope["headers"] if k == HEADER.lower().encode()]
         if given and (len(given) > 1 or not _VALID.fullmatch(given[0])):
             error = APIError(
