@@ -16,7 +16,7 @@ import os
 import types
 import typing
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgspec
 
@@ -82,14 +82,23 @@ def worker_class(config: WorkerConfig) -> tuple[type, frozenset[str]]:
 MessageParam = tuple[int | None, str, tuple[type, ...]]
 
 
-def message_params(fn: Any) -> list[MessageParam]:
-    """fn's parameters typed as a message (a msgspec Struct, or a union of those and
-    None), which a call can check before fn runs; none where the hints do not resolve."""
+class MethodShape(NamedTuple):
+    """What a call checks and passes by a method's signature, read once per method."""
+
+    takes_call_id: bool  # a keyword-only call_id (execute_model's)
+    messages: list[MessageParam]  # parameters typed as a message, checked before a call
+
+
+def method_shape(fn: Any) -> MethodShape:
+    """fn's shape; message parameters are those typed as a msgspec Struct, or a union of
+    those and None (none where the hints do not resolve)."""
+    params = list(inspect.signature(fn).parameters.values())
+    call_id = next((p for p in params if p.name == "call_id"), None)
+    takes_call_id = call_id is not None and call_id.kind is inspect.Parameter.KEYWORD_ONLY
     try:
         hints = typing.get_type_hints(fn)
-        params = list(inspect.signature(fn).parameters.values())
-    except (NameError, TypeError, ValueError):
-        return []
+    except (NameError, TypeError):
+        return MethodShape(takes_call_id, [])
     found: list[MessageParam] = []
     position: int | None = 0
     for param in params:
@@ -102,7 +111,7 @@ def message_params(fn: Any) -> list[MessageParam]:
             found.append((None if keyword_only else position, param.name, members))
         if position is not None and param.kind in _POSITIONAL:
             position += 1
-    return found
+    return MethodShape(takes_call_id, found)
 
 
 _POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
@@ -119,8 +128,7 @@ class WorkerWrapper:
         self.rpc_rank = rpc_rank
         self.worker: WorkerBase | None = None
         self.rpc_methods: frozenset[str] = RPC_METHODS
-        self._takes_call_id: dict[str, bool] = {}
-        self._message_params: dict[str, list[MessageParam]] = {}  # by method
+        self._shapes: dict[str, MethodShape] = {}  # by method
 
     def update_environment(self, env: Mapping[str, str]) -> None:
         """Apply this rank's environment to os.environ, before the worker is built."""
@@ -148,8 +156,11 @@ class WorkerWrapper:
         if self.worker is None:
             raise RuntimeError(f"rank {self.rpc_rank}: init_worker has not run")
         fn = getattr(self.worker, method)
-        self._check_messages(method, fn, args, kwargs)
-        if call_id is not None and self._takes_call_id_arg(method, fn):
+        shape = self._shapes.get(method)
+        if shape is None:
+            shape = self._shapes[method] = method_shape(fn)
+        _check_messages(method, shape.messages, args, kwargs)
+        if call_id is not None and shape.takes_call_id:
             return fn(*args, call_id=call_id, **kwargs)
         return fn(*args, **kwargs)
 
@@ -160,27 +171,19 @@ class WorkerWrapper:
             raise AttributeError(f"{name!r}: the worker does not exist yet (init_worker)")
         return getattr(worker, name)
 
-    def _check_messages(self, method: str, fn: Any, args: tuple, kwargs: dict) -> None:
-        """TypeError naming the argument where one the method types as a message is
-        another value: it would fail inside the method, as some other error."""
-        params = self._message_params.get(method)
-        if params is None:
-            params = self._message_params[method] = message_params(fn)
-        for position, name, wanted in params:
-            if position is not None and position < len(args):
-                value = args[position]
-            elif name in kwargs:
-                value = kwargs[name]
-            else:
-                continue  # not given: the call fails on it, or takes the default
-            if not isinstance(value, wanted):
-                names = " or ".join("None" if t is type(None) else t.__name__ for t in wanted)
-                raise TypeError(f"{method}: {name} must be a {names}, got {type(value).__name__}")
 
-    def _takes_call_id_arg(self, method: str, fn: Any) -> bool:
-        takes = self._takes_call_id.get(method)
-        if takes is None:
-            param = inspect.signature(fn).parameters.get("call_id")
-            takes = param is not None and param.kind is inspect.Parameter.KEYWORD_ONLY
-            self._takes_call_id[method] = takes
-        return takes
+def _check_messages(
+    method: str, params: list[MessageParam], args: tuple, kwargs: dict[str, Any]
+) -> None:
+    """TypeError naming the argument where one the method types as a message is another
+    value: it would fail inside the method, as some other error."""
+    for position, name, wanted in params:
+        if position is not None and position < len(args):
+            value = args[position]
+        elif name in kwargs:
+            value = kwargs[name]
+        else:
+            continue  # not given: the call fails on it, or takes the default
+        if not isinstance(value, wanted):
+            names = " or ".join("None" if t is type(None) else t.__name__ for t in wanted)
+            raise TypeError(f"{method}: {name} must be a {names}, got {type(value).__name__}")
