@@ -33,8 +33,9 @@ class StandIn:
 
     generating = 0
 
-    def __init__(self, failure: Exception | None = None) -> None:
+    def __init__(self, failure: Exception | None = None, not_ready: str | None = None) -> None:
         self.failure = failure
+        self.not_ready = not_ready
 
     def observe_outputs(self, observer: Any) -> None:
         pass
@@ -43,10 +44,13 @@ class StandIn:
         if self.failure is not None:
             raise self.failure
 
+    async def not_ready_async(self) -> str | None:
+        return self.not_ready
 
-def make_app(failure: Exception | None = None) -> FastAPI:
+
+def make_app(failure: Exception | None = None, not_ready: str | None = None) -> FastAPI:
     app = build_app(
-        cast(Frontend, StandIn(failure)), "m", api_key=KEY, enable_admin_endpoints=True,
+        cast(Frontend, StandIn(failure, not_ready)), "m", api_key=KEY, enable_admin_endpoints=True,
         cors=CorsOptions([APP]),
     )  # fmt: skip
 
@@ -58,13 +62,22 @@ def make_app(failure: Exception | None = None) -> FastAPI:
 
 
 def call(
-    app: FastAPI, method: str, url: str, body: bytes = b"", whole: bool = True
+    app: FastAPI,
+    method: str,
+    url: str,
+    body: bytes = b"",
+    whole: bool = True,
+    **header: str | None,
 ) -> tuple[int, dict[str, str], Any]:
-    """(status, headers, decoded JSON or None); whole=False: the client leaves mid-body."""
+    """(status, headers, decoded JSON or None); whole=False: the client leaves mid-body;
+    header: headers to change (content_type=...) or leave out (None)."""
     parts = urlsplit(url)
     declared = len(body) if whole else len(body) + 9
     headers = {"authorization": f"Bearer {KEY}", "x-request-id": "r-1", "origin": APP,
                "content-type": "application/json", "content-length": str(declared)}  # fmt: skip
+    for name, value in header.items():
+        headers[name.replace("_", "-")] = value  # type: ignore[assignment]
+    headers = {k: v for k, v in headers.items() if v is not None}
     scope = {
         "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": method,
         "scheme": "http", "path": parts.path, "raw_path": parts.path.encode(),
@@ -107,6 +120,51 @@ def test_fastapi_s_checks_are_400s_in_the_openai_shape(url, body, param, message
     status, headers, answer = call(make_app(), "POST", url, body)
     assert status == 400 and headers["x-request-id"] == "r-1"
     assert answer["error"]["param"] == param and answer["error"]["message"].startswith(message)
+
+
+@pytest.mark.parametrize(
+    "authorization", [None, f"Bearer {KEY}x", f"bearer {KEY}", KEY, "Bearer \u00e9"]
+)
+def test_a_request_without_the_key_learns_nothing_else(authorization):
+    """401 before the server's state (503 while asleep), the body's size or its type."""
+    asleep = make_app(not_ready="the engine cores are asleep")
+    for url, body, header in [
+        ("/v1/completions", b'{"model": "m", "prompt": "hi"}', {}),
+        ("/v1/models", b"", {}),
+        ("/sleep", b"", {}),
+        ("/v1/completions", b"x", {"content_type": "text/plain"}),
+        ("/nowhere", b"", {}),
+    ]:
+        method = "GET" if url == "/v1/models" else "POST"
+        status, headers, answer = call(
+            asleep, method, url, body, authorization=authorization, **header
+        )
+        assert (status, answer["error"]["code"]) == (401, "invalid_api_key"), url
+        assert headers["x-request-id"] == "r-1" and headers["access-control-allow-origin"] == APP
+    assert call(asleep, "POST", "/v1/completions", b"{}")[0] == 503  # with the key
+    status, _, answer = call(asleep, "GET", "/version", authorization=None)  # open
+    assert status == 200 and "version" in answer
+
+
+@pytest.mark.parametrize(
+    "content_type",
+    ["text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x", ""],
+)
+def test_a_post_declaring_a_body_other_than_json_is_a_415(content_type):
+    """A browser page may send these to any origin without asking (no CORS preflight)."""
+    body = b'{"model": "m", "prompt": "hi"}'
+    status, _, answer = call(make_app(), "POST", "/v1/completions", body, content_type=content_type)
+    assert status == 415 and answer["error"]["param"] == "Content-Type"
+    assert "application/json" in answer["error"]["message"]
+
+
+@pytest.mark.parametrize(
+    "content_type", [None, "application/json; charset=utf-8", "Application/JSON", "x/y+json"]
+)
+def test_a_post_declaring_json_or_nothing_is_read(content_type):
+    body = b'{"model": "other", "prompt": "hi"}'
+    status, _, answer = call(make_app(), "POST", "/v1/completions", body, content_type=content_type)
+    assert status == 404 and answer["error"]["code"] == "model_not_found"  # read, then checked
 
 
 def test_a_checkpoint_path_with_no_checkpoint_is_the_caller_s_400():

@@ -1,6 +1,7 @@
 """The FastAPI application of one API server process, over its client of the engine
 cores (a Frontend): the OpenAI routes, /tokenize and /detokenize, /health, /metrics,
-errors; each request's id (request_id.py) and, when asked for, CORS (cors.py).
+errors; each request's id (request_id.py), the API key (api_key.py), JSON bodies only
+(json_content.py) and, when asked for, CORS (cors.py).
 
 Handlers run on the server's event loop, which also watches the engine cores' sockets:
 concurrent requests, of this API server and the others, share the engine cores' steps.
@@ -12,11 +13,10 @@ flight keep answering.
 
 from __future__ import annotations
 
-import secrets
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -26,6 +26,7 @@ from starlette.requests import ClientDisconnect
 from zmqworker import __version__
 from zmqworker.frontend.frontend import Frontend
 from zmqworker.serve.admin import install_admin
+from zmqworker.serve.api_key import ApiKey
 from zmqworker.serve.body import decode_body
 from zmqworker.serve.body_limit import DEFAULT_MAX_REQUEST_BYTES, BodyLimit
 from zmqworker.serve.chat import create_chat_completion
@@ -33,6 +34,7 @@ from zmqworker.serve.completions import create_completion
 from zmqworker.serve.cors import CorsOptions
 from zmqworker.serve.errors import APIError, ServerErrors
 from zmqworker.serve.generation import ClientDisconnected, now
+from zmqworker.serve.json_content import JsonContent
 from zmqworker.serve.metrics import ServerMetrics
 from zmqworker.serve.protocol import ChatCompletionRequest, CompletionRequest
 from zmqworker.serve.request_id import RequestId
@@ -67,15 +69,11 @@ def build_app(
     server_metrics = ServerMetrics(model_name)
     llm.observe_outputs(server_metrics.observe)
 
-    async def authorized(request: Request) -> None:
-        if api_key is None:
-            return
-        given = request.headers.get("authorization", "")
-        if not secrets.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
-            raise APIError("Incorrect API key provided", 401, code="invalid_api_key")
-
     if enable_admin_endpoints:
-        install_admin(app, llm, authorized)
+        install_admin(app, llm)
+    app.add_middleware(JsonContent)
+    if api_key is not None:
+        app.add_middleware(ApiKey, key=api_key)  # outside the others: 401 before anything
     app.add_middleware(ServerErrors)
     app.add_middleware(RequestId)  # outside the others: their errors carry the id too
     if cors is not None:
@@ -107,7 +105,7 @@ def build_app(
         server_metrics.engines.stats = await llm.stats_async()
         return Response(generate_latest(server_metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/models", dependencies=[Depends(authorized)])
+    @app.get("/v1/models")
     async def models() -> dict:
         card = {
             "id": model_name,
@@ -118,25 +116,25 @@ def build_app(
         }
         return {"object": "list", "data": [card]}
 
-    @app.post("/v1/completions", dependencies=[Depends(authorized)])
+    @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         body = await text.run(decode_body, await request.body(), CompletionRequest)
         check_model(body.model)
         return await create_completion(llm, model_name, body, request, text)
 
-    @app.post("/v1/chat/completions", dependencies=[Depends(authorized)])
+    @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         body = await text.run(decode_body, await request.body(), ChatCompletionRequest)
         check_model(body.model)
         return await create_chat_completion(llm, model_name, body, request, text, tool_options)
 
-    @app.post("/tokenize", dependencies=[Depends(authorized)])
+    @app.post("/tokenize")
     async def tokenize_text(request: Request) -> dict:
         body = await text.run(decode_body, await request.body(), TokenizeRequest)
         check_model(body.model)
         return await text.run(tokenize, llm, body)
 
-    @app.post("/detokenize", dependencies=[Depends(authorized)])
+    @app.post("/detokenize")
     async def detokenize_tokens(request: Request) -> dict:
         body = await text.run(decode_body, await request.body(), DetokenizeRequest)
         check_model(body.model)
