@@ -17,6 +17,7 @@ from engine_helpers import FakeExecutor, byte_level_tokenizer, reference_tokens
 from messages import SamplingParams, WorkerConfig
 from zmqworker.frontend.errors import EngineCoreStartupError
 from zmqworker.frontend.llm import LLM
+from zmqworker.frontend.request_state import RequestState
 
 MAX_MODEL_LEN = 64
 TOKEN_S = 0.002
@@ -267,6 +268,33 @@ def test_a_stream_left_by_its_ended_event_loop_is_aborted_by_the_next_generate(l
         r.req_handle for so in steps for r in so.scheduled_new_reqs if r.req_id == short.request_id
     )
     assert len([so for so in steps if handle in so.scheduled_cached_reqs.req_handles]) < 10
+
+
+def test_a_request_whose_output_cannot_be_applied_fails_alone(llm, monkeypatch):
+    """An error applying one request's output (its text, its logprobs) used to leave the
+    rest of the step's outputs unapplied and their callers waiting forever."""
+    apply = RequestState.apply
+
+    def failing(state, *args, **kwargs):
+        if state.prompt == "boom" and state.output_token_ids:
+            raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "a broken tokenizer")
+        return apply(state, *args, **kwargs)
+
+    monkeypatch.setattr(RequestState, "apply", failing)
+
+    async def main():
+        broken = _all(llm.generate_stream("boom", SamplingParams(max_tokens=30)))
+        fine = _all(llm.generate_stream("Hello", SamplingParams(max_tokens=8)))
+        return await asyncio.wait_for(asyncio.gather(broken, fine, return_exceptions=True), 30)
+
+    error, outputs = asyncio.run(main())
+    assert isinstance(error, RuntimeError)
+    assert "its output could not be applied: UnicodeDecodeError" in str(error)
+    assert outputs[-1].finished and len(outputs[-1].token_ids) == 8
+    assert idle(llm) and llm.stats().num_aborted == 1  # aborted in its engine core too
+    with pytest.raises(RuntimeError, match="could not be applied"):
+        llm.generate(["Hello", "boom"], SamplingParams(max_tokens=4))
+    assert llm.generate("Hello", SamplingParams(max_tokens=2))[0].finished
 
 
 async def _all(stream):

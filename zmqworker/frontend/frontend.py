@@ -10,26 +10,22 @@ generate_stream() are not to be mixed at one time.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
-import secrets
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-import msgspec
 import numpy as np
 
 from messages import EngineCoreReady, EngineCoreRequest, SamplingParams
 from zmqworker.engine.model_folder import ModelFolder, TextSide
-from zmqworker.engine.prompts import Prompt, prompt_list, prompt_token_ids
+from zmqworker.engine.prompts import Prompt
 from zmqworker.frontend.core_client import POLL_SLICE_S, EngineCoreClient
-from zmqworker.frontend.detokenizer import IncrementalDetokenizer
 from zmqworker.frontend.engine_connection import Event, Failed
 from zmqworker.frontend.llm_control import ControlMethods
+from zmqworker.frontend.new_requests import NewRequests
 from zmqworker.frontend.output_processor import OutputProcessor
 from zmqworker.frontend.outputs import EngineStats, RequestOutput
-from zmqworker.frontend.request_params import request_params
 from zmqworker.frontend.request_state import RequestState
 
 if TYPE_CHECKING:
@@ -61,20 +57,16 @@ class Frontend(ControlMethods):
         self.tokenizer = texts.tokenizer
         self.vocab_size = folder.vocab_size
         self.eos_token_ids = texts.eos_token_ids
-        # Those besides the tokenizer's own, which vLLM reports as a stop token's id.
-        main_eos = self.tokenizer.eos_token_id if self.tokenizer is not None else None
-        self._extra_eos = texts.eos_token_ids - {main_eos}
         self.max_model_len = readies[0].max_model_len
         self.engine_core_pids = [r.pid for r in readies]
         self.worker_pids = [pid for r in readies for pid in r.worker_pids]
         self._texts = texts
         self.max_logprobs = max_logprobs
+        self._new = NewRequests(
+            texts, self.vocab_size, self.max_model_len, max_logprobs, client_index
+        )
         self._processor = OutputProcessor()
         self._sinks: dict[str, Sink] = {}  # request id -> where its outputs go
-        self._ids = itertools.count()
-        # Unique among the clients of an engine core, which keys requests by id alone:
-        # independent clients (two servers, an LLM) may share an engine core.
-        self._id_prefix = f"req-{secrets.token_hex(4)}-{client_index}-"
         self._closed = False
         self._failed: Exception | None = None  # fail_all's error: later requests get it
         self._pusher: WeightPusher | None = None  # made at the first update from here
@@ -97,7 +89,7 @@ class Frontend(ControlMethods):
         if self._streaming():
             raise RuntimeError("generate() called while streams run: use generate_stream() instead")
         # Not streamed (only the last outputs are kept), unless an observer sees each.
-        states = self._make_states(prompts, sampling_params, bool(self._observers))
+        states = self._new.make(prompts, sampling_params, bool(self._observers))
         finals: dict[str, RequestOutput] = {}
         errors: list[Exception] = []
 
@@ -172,7 +164,7 @@ class Frontend(ControlMethods):
         RequestOutput.index) until all n have finished. Several streams may run at once
         on one event loop; a stream closed early aborts its requests."""
         self._require_open()
-        states = self._make_states([prompt], sampling_params, streamed=True)
+        states = self._new.make([prompt], sampling_params, streamed=True)
         self._attach()
         queue: asyncio.Queue[RequestOutput | Exception] = asyncio.Queue()
         running = {state.request_id for state in states}
@@ -198,7 +190,7 @@ class Frontend(ControlMethods):
     def encode(self, prompt: Prompt) -> list[int]:
         """The prompt's token ids (text goes through the tokenizer), checked against the
         model: not empty, within max_model_len and the vocabulary."""
-        return prompt_token_ids(prompt, self.tokenizer, self.max_model_len, self.vocab_size)
+        return self._new.encode(prompt)
 
     def check_health(self, timeout: float = HEALTH_TIMEOUT_S) -> None:
         """Raise if an engine core or one of its workers does not answer within timeout
@@ -229,10 +221,9 @@ class Frontend(ControlMethods):
         still runs at its deadline, and what its handlers add after: a request whose
         prompt was still being read or tokenized then)."""
         self._failed = error
-        sinks = list(self._sinks.items())
-        for _, sink in sinks:
-            sink(error)
-        self._abort([request_id for request_id, _ in sinks])
+        request_ids = list(self._sinks)
+        self._fail(dict.fromkeys(request_ids, error))
+        self._abort(request_ids)
 
     def close(self) -> None:
         """Close the connections to the engine cores, which go on serving their other
@@ -297,15 +288,14 @@ class Frontend(ControlMethods):
         sinks = self._sinks
         for event in events:
             if isinstance(event, Failed):
-                for request_id in event.request_ids:
-                    self._processor.remove(request_id)
-                    sink = sinks.pop(request_id, None)
-                    if sink is not None:
-                        sink(event.error)
+                self._fail(dict.fromkeys(event.request_ids, event.error))
                 continue
             processed = self._processor.process(event)
             if processed.stopped:
                 self.client.abort(processed.stopped, reason="stop")
+            if processed.failed:
+                self.client.abort(list(processed.failed))
+                self._fail(processed.failed)
             for out in processed.outputs:
                 for observer in self._observers:
                     observer(out)
@@ -313,87 +303,10 @@ class Frontend(ControlMethods):
                 if sink is not None:
                     sink(out)
 
-    def _make_states(
-        self,
-        prompts: Prompt | Sequence[Prompt],
-        sampling_params: SamplingParams | Sequence[SamplingParams] | None,
-        streamed: bool,
-    ) -> list[RequestState]:
-        """Validated request states for every prompt, or an error before any is sent;
-        streamed: their callers take every output, not only the last."""
-        prompts = prompt_list(prompts)
-        if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            params = [sampling_params or self.default_sampling_params()] * len(prompts)
-        else:
-            params = list(sampling_params)
-            if len(params) != len(prompts):
-                raise ValueError(
-                    f"{len(params)} sampling params for {len(prompts)} prompts: give one, "
-                    "or one per prompt"
-                )
-        states = []
-        for index, (prompt, param) in enumerate(zip(prompts, params, strict=True)):
-            try:
-                states.extend(self._make_samples(prompt, param, streamed))
-            except ValueError as exc:
-                raise ValueError(f"prompt {index}: {exc}") from None
-        return states
-
-    def _make_samples(
-        self, prompt: Prompt, params: SamplingParams, streamed: bool
-    ) -> list[RequestState]:
-        """A request state per sample (params.n) of the prompt, tokenized once. The
-        samples are requests of their own (ids "<id>.<i>") with n=1 and, with a seed,
-        seed + i as vLLM's are; the first computes the prompt, the others share its KV
-        (engine/prompt_sharing.py). Prompt logprobs are the same for every sample: only
-        the first asks the engine core for them (a request that asks computes its whole
-        prompt, sharing nothing), and every sample's outputs carry them."""
-        params = request_params(params, self.tokenizer, self.vocab_size, self.max_logprobs)
-        token_ids = self.encode(prompt)
-        request_id = f"{self._id_prefix}{next(self._ids)}"
-        if params.n == 1:
-            return [self._make_state(request_id, prompt, token_ids, params, streamed)]
-        states = []
-        for i in range(params.n):
-            seed = params.seed
-            if seed is not None:  # seed + i, wrapped to an int64
-                seed = (seed + i + 2**63) % 2**64 - 2**63
-            sample = msgspec.structs.replace(params, n=1, seed=seed)
-            first = states[0] if states else None
-            if first is not None and params.prompt_logprobs is not None:
-                sample = msgspec.structs.replace(sample, prompt_logprobs=None)  # the first's
-            states.append(
-                self._make_state(f"{request_id}.{i}", prompt, token_ids, sample, streamed, i, first)
-            )
-        return states
-
-    def _make_state(
-        self,
-        request_id: str,
-        prompt: Prompt,
-        token_ids: list[int],
-        params: SamplingParams,
-        streamed: bool,
-        index: int = 0,
-        first: RequestState | None = None,
-    ) -> RequestState:
-        """first: the prompt's first sample, which this one shares the prompt's KV and
-        prompt logprobs with (n > 1)."""
-        detokenizer = None
-        if self.tokenizer is not None:
-            detokenizer = IncrementalDetokenizer(
-                self.tokenizer, token_ids, params.skip_special_tokens
-            )
-        asked = first is not None and first.params.prompt_logprobs is not None
-        return RequestState(
-            request_id,
-            prompt if isinstance(prompt, str) else None,
-            token_ids,
-            params,
-            detokenizer,
-            index=index,
-            shares_prompt_with=None if first is None else first.request_id,
-            streamed=streamed,
-            prompt_logprobs_from=first if asked else None,
-            extra_eos_token_ids=self._extra_eos,
-        )
+    def _fail(self, errors: dict[str, Exception]) -> None:
+        """Each request out of here, its caller told its error."""
+        for request_id, error in errors.items():
+            self._processor.remove(request_id)
+            sink = self._sinks.pop(request_id, None)
+            if sink is not None:
+                sink(error)

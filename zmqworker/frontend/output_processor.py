@@ -30,11 +30,13 @@ log = logging.getLogger("zmqworker.frontend")
 
 @dataclass
 class Processed:
-    """What a batch of outputs gave: an output for each request that changed, and the
-    requests a stop string ended here (to abort in their engine core)."""
+    """What a batch of outputs gave: an output for each request that changed, the
+    requests a stop string ended here and those whose outputs could not be applied here,
+    with the error (both to abort in their engine core)."""
 
     outputs: list[RequestOutput] = field(default_factory=list)
     stopped: list[str] = field(default_factory=list)
+    failed: dict[str, Exception] = field(default_factory=dict)
 
 
 class OutputProcessor:
@@ -87,17 +89,25 @@ class OutputProcessor:
                         state.since_last = now - state.last_token_time  # type: ignore[operator]
                         state.last_token_time = now
                     continue
-            if i in prompt_logprobs:
-                state.take_prompt_logprobs(prompt_logprobs[i])
-            if state.apply(new, now, finished.get(i), first.get(i), logprobs.get(i)):
-                processed.stopped.append(request_id)
-            if state.finished:
-                del states[request_id]
-            if state.streamed or state.finished:
-                if state.waits_for_prompt_logprobs:
-                    self._held[request_id] = state
-                elif request_id not in self._held:  # else it comes out with those below
-                    processed.outputs.append(state.output())
+            try:
+                if i in prompt_logprobs:
+                    state.take_prompt_logprobs(prompt_logprobs[i])
+                if state.apply(new, now, finished.get(i), first.get(i), logprobs.get(i)):
+                    processed.stopped.append(request_id)
+                if state.finished:
+                    del states[request_id]
+                if state.streamed or state.finished:
+                    if state.waits_for_prompt_logprobs:
+                        self._held[request_id] = state
+                    elif request_id not in self._held:  # else it comes out with those below
+                        processed.outputs.append(state.output())
+            except Exception as exc:  # its text or logprobs: it fails alone, the others go on
+                log.exception("request %s: its output could not be applied", request_id)
+                self.remove(request_id)
+                processed.failed[request_id] = RuntimeError(
+                    f"request {request_id}: its output could not be applied: "
+                    f"{type(exc).__name__}: {exc}"
+                )
         self.num_late_outputs += late
         if self._held:
             self._release(processed)
