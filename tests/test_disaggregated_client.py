@@ -98,6 +98,22 @@ def test_requests_spread_over_each_role_and_a_lost_prefill_fails_only_its_own(tm
         client.close()
 
 
+def test_a_new_request_avoids_an_instance_whose_end_is_news(tmp_path) -> None:
+    """An instance's end not yet taken in when a request comes: the router looks first,
+    and the request goes to a live instance, where it used to go to the ended one (and
+    fail with it)."""
+    client = _client(tmp_path)
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=4)
+        client.engines[0].handle._never.wake()  # prefill instance 0's process ended
+        client.add_request(EngineCoreRequest("a", PROMPT, params))
+        assert client.engines[0].dead is not None and client.engine_of("a") == 1
+        [lost] = client.drain()  # the end's event, kept for the caller
+        assert isinstance(lost, Failed) and lost.engine_index == 0 and lost.request_ids == []
+    finally:
+        client.close()
+
+
 def test_with_prefix_caching_a_shared_prefix_keeps_to_one_instance_of_each_role(
     tmp_path,
 ) -> None:

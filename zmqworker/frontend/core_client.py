@@ -1,17 +1,15 @@
-"""The client's side of its engine cores' sockets: one DEALER per engine core (a
-data-parallel replica each), the handshake, requests placed by their prompt's prefix and
-the replicas' load (prefix_affinity.py; a subclass routes them otherwise:
-disaggregated_client.py), aborts to the replica that runs the request, utility calls
-matched by call id, and the engine cores' ends.
+"""The client's side of its engine cores' sockets: one DEALER per engine core (a replica
+each), the handshake, requests placed by prefix and load (prefix_affinity.py; otherwise by
+a subclass's _route: disaggregated_client.py), aborts to the replica that runs the
+request, utility calls matched by call id, and the engine cores' ends.
 
-What comes in is read without blocking (drain) and handed on as events: a step's
-outputs, or requests that failed. A caller either blocks for them (receive: the LLM's
-generate) or lets an asyncio loop watch the sockets and call it back (attach: streams,
-API servers). An engine core is gone when its death fd fires (its process exited), or
-when its connection dropped (its heartbeats stopped: it is stopped or wedged) and it has
-not died LOST_GRACE_S later; every request it held then fails at once with an error that
-names it. A message that does not decode fails all that waits on its engine core, which
-goes on. Not thread-safe: one thread uses a client.
+What comes in is read without blocking (drain) as events (a step's outputs, requests
+that failed), for a caller that blocks (receive: the LLM's generate) or an asyncio loop
+that watches the sockets (attach: streams, API servers). An engine core is gone when
+its death fd fires (its process exited), or when its connection dropped (its heartbeats
+stopped: it is stopped or wedged) and it has not died LOST_GRACE_S later; every request
+it held then fails at once with an error that names it. A message that does not decode
+fails all that waits on its engine core (which goes on). Not thread-safe.
 """
 
 from __future__ import annotations
@@ -110,11 +108,15 @@ class EngineCoreClient:
     # requests ---------------------------------------------------------------------------
 
     def add_request(self, request: EngineCoreRequest) -> int:
-        """Send request to its prompt's sibling's engine core, or to the live one that
-        its prompt's prefix or the load choose (prefix_affinity.py)."""
+        """Send request where _route chooses, knowing first which engine cores are gone."""
         if self._poller.poll(0):  # news first: an engine core gone gets no new request
             self._collect(self._backlog)
             self._schedule_dispatch()  # an attached loop's
+        return self._route(request)
+
+    def _route(self, request: EngineCoreRequest) -> int:
+        """To its prompt's sibling's engine core, or the live one that its prompt's
+        prefix or the load choose (prefix_affinity.py); the engine core's index."""
         sibling = request.shares_prompt_with
         engine = self._owner.get(sibling) if sibling is not None else None
         if engine is None or engine.dead is not None:
@@ -139,8 +141,7 @@ class EngineCoreClient:
             self._send(engine, AbortRequests(ids, reason))  # type: ignore[arg-type]
 
     def engine_of(self, request_id: str) -> int | None:
-        engine = self._owner.get(request_id)
-        return None if engine is None else engine.index
+        return None if (engine := self._owner.get(request_id)) is None else engine.index
 
     # events -----------------------------------------------------------------------------
 

@@ -145,7 +145,7 @@ class DisaggregatedClient(EngineCoreClient):
     def _instances(self, role: str) -> list[EngineConnection]:
         return [engine for engine in self.engines if self._role(engine) == role]
 
-    def add_request(self, request: EngineCoreRequest) -> int:
+    def _route(self, request: EngineCoreRequest) -> int:
         if request.kv_transfer_params is not None:
             raise ValueError(
                 f"request {request.request_id!r}: the router sets kv_transfer_params itself"
