@@ -196,11 +196,14 @@ def test_generation_config_defaults_take_part_in_the_checks(model, tmp_path, ref
     prompt = "a b c"
     max_new_tokens = MAX_MODEL_LEN - count(model, prompt) + 1  # one too many for the prompt
     (folder / "generation_config.json").write_text(
-        json.dumps({"temperature": 0.6, "top_k": 50, "max_new_tokens": max_new_tokens})
-    )
+        json.dumps(
+            {"temperature": 0.6, "top_k": 50, "max_new_tokens": max_new_tokens,
+             "repetition_penalty": 1.05, "do_sample": True}
+        )
+    )  # fmt: skip
     assert ModelFolder.open(str(folder)).default_sampling_params() == SamplingParams(
-        temperature=0.6, top_k=50, max_tokens=max_new_tokens
-    )
+        temperature=0.6, top_k=50, max_tokens=max_new_tokens, repetition_penalty=1.05
+    )  # vLLM's: those keys, nothing else
     assert refuse(prompt, "--model", str(folder)).startswith(
         f"prompt 0: the prompt has {count(model, prompt)} tokens; with the default max_tokens "
         f"{max_new_tokens} that is {MAX_MODEL_LEN + 1}, more than max_model_len={MAX_MODEL_LEN}"

@@ -149,6 +149,15 @@ def test_min_p_drops_tokens_below_the_fraction_of_the_top() -> None:
     assert set(tokens.tolist()) == allowed
 
 
+def test_min_p_cuts_before_top_p_as_vllm_s() -> None:
+    """top_p then sees min_p's distribution: of [0.6, 0.3, 0.1] with min_p 0.2 and top_p
+    0.65, only the first token is left (top_p first kept the second too)."""
+    logits = torch.full((2000, VOCAB), -torch.inf)
+    logits[:, :3] = torch.tensor([0.6, 0.3, 0.1]).log()
+    tokens = sample(logits, metadata(2000, temperature=1.0, top_p=0.65, min_p=0.2))
+    assert set(tokens.tolist()) == {0}
+
+
 def test_seeded_rows_ignore_their_batch_companions() -> None:
     logits = torch.randn(5, VOCAB, generator=torch.Generator().manual_seed(12))
     target = logits[2:3]

@@ -40,6 +40,7 @@ _GENERATION_DEFAULTS = {
     "top_k": "top_k",
     "top_p": "top_p",
     "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
     "max_new_tokens": "max_tokens",
 }
 

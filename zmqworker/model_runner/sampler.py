@@ -133,14 +133,16 @@ def _sample_random(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Te
     is_greedy = temperature < _GREEDY_EPS
     greedy_tokens = _argmax(logits)
     logits.div_(torch.where(is_greedy, 1.0, temperature).unsqueeze(1))
+    if metadata.min_p is not None:  # before top-k and top-p, as vLLM's: they see its cut
+        # A token less likely than min_p times the likeliest: its logit below the
+        # likeliest's plus log(min_p) (min_p 0: minus infinity, nothing dropped).
+        floor = logits.amax(dim=-1, keepdim=True) + metadata.min_p.log().unsqueeze(1)
+        logits.masked_fill_(logits < floor, -torch.inf)
     if metadata.top_p is not None:
         logits = _apply_top_k_top_p(logits, metadata.top_k, metadata.top_p)
     elif metadata.top_k is not None:
         _apply_top_k(logits, metadata.top_k, metadata.max_top_k)
     probs = logits.softmax(dim=-1, dtype=torch.float32)
-    if metadata.min_p is not None:
-        max_probs = probs.amax(dim=-1, keepdim=True)
-        probs.masked_fill_(probs < metadata.min_p.unsqueeze(1) * max_probs, 0.0)
     noise = torch.empty_like(probs)
     if len(metadata.generators) < probs.shape[0]:
         noise.exponential_()
