@@ -9,6 +9,7 @@ touches no tensor data.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -61,6 +62,7 @@ def read_header(file: Path) -> dict[str, TensorHeader]:
             if not 2 <= length <= _MAX_HEADER_BYTES:
                 raise CheckpointError(f"{file} is not a safetensors file")
             raw = f.read(length)
+            size = os.fstat(f.fileno()).st_size
     except FileNotFoundError:
         raise FileNotFoundError(f"checkpoint file {file} does not exist") from None
     if len(raw) < length:
@@ -68,9 +70,17 @@ def read_header(file: Path) -> dict[str, TensorHeader]:
     try:
         entries = msgspec.json.decode(raw, type=dict[str, Any])
         entries.pop("__metadata__", None)
-        return msgspec.convert(entries, dict[str, TensorHeader])
+        headers = msgspec.convert(entries, dict[str, TensorHeader])
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise CheckpointError(f"{file} is not a safetensors file: {exc}") from None
+    # Known before any weight is copied: a loader would find it only at this file's turn.
+    data = max((t.data_offsets[-1] for t in headers.values() if t.data_offsets), default=0)
+    if 8 + length + data > size:
+        raise CheckpointError(
+            f"{file} is cut short: its header names {data} bytes of tensor data, the file "
+            f"holds {size - 8 - length}"
+        )
+    return headers
 
 
 def _weight_file_names(folder: Path) -> list[str]:

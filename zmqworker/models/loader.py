@@ -107,6 +107,10 @@ def slice_destination(param: torch.Tensor, s: TensorSlice) -> torch.Tensor:
     return target.narrow(s.dim, s.dst_start, s.length)
 
 
+class PartialLoadError(RuntimeError):
+    """A load failed after some parameters took the checkpoint's values."""
+
+
 @torch.no_grad()
 def load_checkpoint(model: nn.Module, path: str) -> LoadReport:
     """Copy every slice the model's layers ask for from the folder into their parameters,
@@ -125,12 +129,18 @@ def load_checkpoint(model: nn.Module, path: str) -> LoadReport:
         by_file[index[s.name]].append((param, s))
     _refuse_differing_tied_copies(model, files, path)
     report = LoadReport()
-    for file_name, entries in sorted(by_file.items()):
-        with safe_open(str(Path(path) / file_name), framework="pt", device="cpu") as f:
-            for param, s in entries:
-                slice_destination(param, s).copy_(cut(f.get_slice(s.name), s))
-                report.tensors.add(s.name)
-        report.files.add(file_name)
+    try:
+        for file_name, entries in sorted(by_file.items()):
+            with safe_open(str(Path(path) / file_name), framework="pt", device="cpu") as f:
+                for param, s in entries:
+                    slice_destination(param, s).copy_(cut(f.get_slice(s.name), s))
+                    report.tensors.add(s.name)
+            report.files.add(file_name)
+    except Exception as exc:  # a file unreadable past its header (a disk error, a race)
+        raise PartialLoadError(
+            f"loading checkpoint {path} failed after {len(report.tensors)} tensor(s) were "
+            f"copied: {type(exc).__name__}: {exc}"
+        ) from exc
     return report
 
 

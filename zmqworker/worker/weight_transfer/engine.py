@@ -31,7 +31,7 @@ from zmqworker.distributed.weight_group import (
 from zmqworker.models.dummy_weights import fill_dummy_weights
 from zmqworker.models.hf_config import load_hf_config
 from zmqworker.models.llama import LlamaForCausalLM
-from zmqworker.models.loader import CheckpointError
+from zmqworker.models.loader import CheckpointError, PartialLoadError
 from zmqworker.models.weight_names import config_differences
 from zmqworker.worker.weight_transfer.catalog import WeightCatalog
 from zmqworker.worker.weight_transfer.pieces import whole_parameter
@@ -200,7 +200,11 @@ class WeightTransferEngine:
                         f"checkpoint {folder} is not of this model's architecture and sizes: "
                         + "; ".join(diffs)
                     )
-            self.model.load_weights(folder)  # copies from host memory: done on return
+            try:
+                self.model.load_weights(folder)  # copies from host memory: done on return
+            except PartialLoadError as exc:  # some weights are the new ones: no step now
+                self._not_ready = self._not_ready or f"{exc}: reload the weights before a step"
+                raise
         self._not_ready = None
 
     def shutdown(self) -> None:

@@ -4,6 +4,7 @@ segments mapped for it (unmapped when it ends)."""
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from messages import CudaWeights, SharedWeights, WeightSpec
@@ -20,7 +21,7 @@ class UpdateSession:
         self.catalog = catalog
         self.device = device
         self.specs = specs
-        self.rows = dict.fromkeys(specs, 0)  # rows received of each tensor
+        self._received: dict[str, np.ndarray] = {}  # of each tensor, its rows come so far
         self.touched = False  # a weight of this rank has changed
         self._segments: dict[tuple[int, int, int], MappedSegment] = {}
 
@@ -31,14 +32,22 @@ class UpdateSession:
         return spec
 
     def count_rows(self, name: str, row_start: int, num_rows: int) -> None:
-        """Note rows [row_start, + num_rows) of name as received."""
+        """Note rows [row_start, + num_rows) of name as received: each row once, so that
+        an update is whole only when every row of every tensor came."""
         total = self.spec(name).shape[0]
-        if row_start + num_rows > total or self.rows[name] + num_rows > total:
+        end = row_start + num_rows
+        if row_start < 0 or num_rows < 0 or end > total:
+            raise ValueError(f"tensor {name}: rows {row_start}..{end} of its {total}")
+        received = self._received.get(name)
+        if received is None:
+            received = self._received[name] = np.zeros(total, np.bool_)
+        again = np.flatnonzero(received[row_start:end])
+        if len(again):
             raise ValueError(
-                f"tensor {name}: more rows than its {total} (rows {row_start}.."
-                f"{row_start + num_rows}, {self.rows[name]} received before)"
+                f"tensor {name}: row {row_start + int(again[0])} came twice in this update "
+                f"(rows {row_start}..{end}); each row is sent once"
             )
-        self.rows[name] += num_rows
+        received[row_start:end] = True
 
     def take(self, name: str, row_start: int, piece: torch.Tensor) -> None:
         """Rows of a tensor, in a buffer of the sender's (copied out before return)."""
@@ -85,7 +94,11 @@ class UpdateSession:
 
     def missing(self) -> list[str]:
         """The announced tensors not wholly received."""
-        return [name for name, spec in self.specs.items() if self.rows[name] < spec.shape[0]]
+        return [
+            name
+            for name, spec in self.specs.items()
+            if not (spec.shape[0] == 0 or (name in self._received and self._received[name].all()))
+        ]
 
     def close(self) -> None:
         self._segments.clear()  # unmapped once no view of them is left
