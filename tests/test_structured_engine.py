@@ -5,6 +5,9 @@ and the bitmask of a step's requests."""
 
 from __future__ import annotations
 
+import threading
+from concurrent.futures import Future
+
 import numpy as np
 import pytest
 
@@ -245,3 +248,79 @@ def test_a_fill_in_shares_agrees_with_each_matcher_and_names_a_refused_token(str
     assert list(refused) == ["s37"] and "'s37': token" in refused["s37"]
     assert output is not None and 37 not in output.req_handles.tolist()
     assert len(output.grammar_bitmask) == 39
+
+
+class _Strict:
+    """A GrammarExecutor mixin: a forward must be sampled before the next step (the
+    workers' rule), and the first send of sample_tokens fails as to a dead rank."""
+
+    sends_to_fail = 1
+
+    def execute_model(self, so, sample=True, non_block=False):
+        assert self._pending is None, "execute_model before sample_tokens consumed the step"
+        return super().execute_model(so, sample, non_block)
+
+    def sample_tokens(self, grammar, non_block=False):
+        if self.sends_to_fail:
+            self.sends_to_fail -= 1
+            raise RuntimeError("rank 1 died")
+        return super().sample_tokens(grammar, non_block)
+
+
+def _step_within(core, seconds: float = 30.0) -> BaseException | None:
+    """core.step()'s exception (None if it returned); the test fails if it hangs."""
+    outcome: list[BaseException | None] = []
+
+    def run() -> None:
+        try:
+            core.step()
+            outcome.append(None)
+        except BaseException as exc:
+            outcome.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert outcome, f"step() still running after {seconds:g} s"
+    return outcome[0]
+
+
+def test_a_failure_between_a_grammar_step_s_forward_and_its_sample_is_recovered_from():
+    """sample_tokens failing as it went out left the step at the head of the batch queue
+    with no sample: the recovery waited on it for ever. Now the step gets its
+    sample_tokens (no bitmask) once that can go out, so the workers take steps again,
+    and every request of the failed step's time is aborted, those compiling too."""
+    from bench.engine_step_structured import GrammarExecutor
+    from zmqworker.engine.core import EngineCore
+
+    class Strict(_Strict, GrammarExecutor):
+        pass
+
+    require_embedded_model()
+    structured = StructuredOutputs(GrammarCompiler(str(default_model_path(progress=False)), VOCAB))
+    core = EngineCore(Strict(16), 128, structured=structured)
+    constraint = StructuredOutputsParams(regex="x{5}")
+    structured.compiler.compile(constraint).result()
+    params = SamplingParams(max_tokens=5, structured_outputs=constraint)
+    first = Request("first", [1, 2, 3], params, eos_token_ids=[0])
+    core.add_request(first)
+    never = Future()  # a grammar still compiling when the step fails
+    compile_ = structured.compiler.compile
+    structured.compiler.compile = lambda p: never if p.regex == "y" else compile_(p)
+    compiling = SamplingParams(max_tokens=5, structured_outputs=StructuredOutputsParams(regex="y"))
+    waiting = Request("waiting", [1, 2, 3], compiling, eos_token_ids=[0])
+    core.add_request(waiting)
+    with pytest.raises(ValueError, match="'waiting' is already waiting for its grammar"):
+        core.add_request(Request("waiting", [4], SamplingParams(max_tokens=2)))  # no grammar
+    try:
+        error = _step_within(core)
+        assert isinstance(error, RuntimeError) and "rank 1 died" in str(error)
+        assert first.finish_reason is FinishReason.ABORT
+        assert waiting.finish_reason is FinishReason.ABORT and len(structured) == 0
+        again = Request("again", [1, 2, 3], params, eos_token_ids=[0])
+        core.add_request(again)
+        while core.has_work():
+            assert _step_within(core) is None
+        assert again.finish_reason is FinishReason.STOP and again.grammar.terminated
+    finally:
+        core.shutdown()

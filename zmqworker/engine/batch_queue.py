@@ -61,6 +61,10 @@ class BatchQueue:
             raise RuntimeError(f"{len(self._steps)} steps in flight already: the queue is full")
         self._steps.append((output, (send or self._submit)(output)))
 
+    def unsent_samples(self) -> list[DeferredSample]:
+        """The steps in flight whose sample_tokens has not gone out."""
+        return [s for _, s in self._steps if isinstance(s, DeferredSample) and s.sample is None]
+
     def pop(self, timeout: float | None = None) -> tuple[SchedulerOutput, ModelRunnerOutput]:
         """Wait for the oldest step's output. On timeout the step stays in the queue; a
         step that failed leaves it, and its error is raised."""
@@ -68,7 +72,8 @@ class BatchQueue:
             raise RuntimeError("no step in flight")
         output, sent = self._steps[0]
         if isinstance(sent, DeferredSample):
-            if sent.sample is None:
+            if sent.sample is None:  # a caller's error: the step leaves, as a failed one
+                self._steps.popleft()
                 raise RuntimeError("the oldest step's sample_tokens was never sent")
             futures: list[Future] = [sent.forward, sent.sample]
         elif isinstance(sent, Future):

@@ -31,10 +31,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-# Steps in flight with async scheduling. Two hide the engine only while one GPU step
-# outlasts the engine's whole turn (output back, update, schedule, send) plus the
-# worker's preparation, which a small model's step at a large batch does not (docs/cuda.md,
-# serving). With three, the turn has two steps to fit in.
+# Steps in flight with async scheduling. Two hide the engine only while a GPU step outlasts
+# its whole turn (output back, update, schedule, send) and the worker's preparation, which a
+# small model's large batch does not (docs/cuda.md, serving); three give the turn two steps.
 ASYNC_STEPS_IN_FLIGHT = 3
 # The longest step() waits for a grammar when nothing else is left to run.
 GRAMMAR_WAIT_S = 0.005
@@ -156,6 +155,8 @@ class EngineCore:
         self.weights_released = False  # sleep(2) dropped them; no update or reload since
 
     def add_request(self, request: Request) -> None:
+        if self.structured is not None and request.req_id in self.structured:
+            raise ValueError(f"request id {request.req_id!r} is already waiting for its grammar")
         if request.sampling_params.structured_outputs is None:
             self.scheduler.add_request(request)
             return
@@ -283,6 +284,7 @@ class EngineCore:
             self.grammar_steps.send()  # the newest step's sampling, if still unsent
         except Exception:
             logger.debug("the newest step's bitmask failed too", exc_info=True)
+        self.grammar_steps.end_unsent()
         while len(self.batch_queue):
             try:
                 self.batch_queue.pop()
@@ -291,6 +293,7 @@ class EngineCore:
         # A worker that died or is stuck reads nothing of its cache any more.
         workers_lost = isinstance(error, WorkerDiedError | WorkerStuckError)
         aborted = self.scheduler.reset_after_failure(workers_lost)
+        aborted += self.structured.abort_all() if self.structured else []  # failed at clients
         self.block_manager.reset_prefix_cache()  # the step may have left blocks half written
         logger.warning("a step failed: %d requests aborted", len(aborted))
 

@@ -83,3 +83,17 @@ class GrammarSteps:
                 request.error = why
                 aborted.append(request)
         return aborted
+
+    def end_unsent(self) -> None:
+        """After a failed step: every step in flight whose sample_tokens never went out
+        (a failure came between its forward and its bitmask) gets one without a bitmask,
+        so that the workers end it and take steps again; where even that cannot be sent,
+        a failed future stands for it."""
+        self._unsent = None
+        for deferred in self.batch_queue.unsent_samples():
+            try:
+                deferred.sample = self.executor.sample_tokens(None, non_block=True)
+            except Exception as exc:
+                failed: Future = Future()
+                failed.set_exception(exc)
+                deferred.sample = failed

@@ -26,7 +26,7 @@ import numpy as np
 from messages import GrammarOutput
 from zmqworker.cdiv import cdiv
 from zmqworker.engine.grammar_compiler import GrammarCompiler
-from zmqworker.engine.request import Request
+from zmqworker.engine.request import FinishReason, Request
 from zmqworker.engine.request_grammar import RequestGrammar, rejected
 
 # xgrammar's threads for a step's bitmask rows, one for each MIN_ROWS_PER_THREAD rows:
@@ -67,6 +67,17 @@ class StructuredOutputs:
         if request.req_id in self._compiling:
             raise ValueError(f"request id {request.req_id!r} is already waiting for its grammar")
         self._compiling[request.req_id] = (request, self.compiler.compile(params))
+
+    def __contains__(self, req_id: str) -> bool:
+        return req_id in self._compiling
+
+    def abort_all(self) -> list[Request]:
+        """Abort every request waiting for its grammar (finished, and dropped here)."""
+        requests = [request for request, _ in self._compiling.values()]
+        self._compiling.clear()
+        for request in requests:
+            request.finish(FinishReason.ABORT)
+        return requests
 
     def abort(self, req_id: str) -> Request | None:
         """Drop a request still waiting for its grammar; None if it is not waiting."""
