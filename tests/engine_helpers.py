@@ -313,7 +313,7 @@ class FakeExecutor:
             so, oldest = self.pending.pop(0)
             oldest.set_result(self._run(so))
 
-    def check_health(self) -> None:
+    def check_health(self, timeout: float = 30.0) -> None:
         assert not self.is_shut_down
 
     def shutdown(self) -> None:

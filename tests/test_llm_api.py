@@ -297,6 +297,33 @@ def test_a_request_whose_output_cannot_be_applied_fails_alone(llm, monkeypatch):
     assert llm.generate("Hello", SamplingParams(max_tokens=2))[0].finished
 
 
+def test_an_awaited_utility_call_times_out_while_its_engine_core_is_wedged(model_dir, tok):
+    """Its deadline was looked at only when something came from the engine core: during a
+    wedged step nothing does, and /health's check waited for the step's end."""
+    wedged, inside = threading.Event(), threading.Event()
+
+    class Wedging(Factory):
+        def token_fn(self, seq):
+            if wedged.is_set():
+                wedged.clear()
+                inside.set()
+                time.sleep(3.0)  # one step outlasts the call's 0.2 + 1 s
+            return super().token_fn(seq)
+
+    with LLM(model_dir, executor=Wedging(tok), block_size=4) as llm:
+
+        async def main():
+            stream = llm.generate_stream("Hello", SamplingParams(max_tokens=40))
+            await anext(stream)
+            wedged.set()
+            await asyncio.to_thread(inside.wait, 10)
+            with pytest.raises(TimeoutError, match="check_health: no answer from engine core"):
+                await llm.check_health_async(0.2)
+            await stream.aclose()
+
+        asyncio.run(main())
+
+
 async def _all(stream):
     return [out async for out in stream]
 

@@ -24,6 +24,7 @@ class FakeEngine:
     index: int
     load: int = 0
     dead: Exception | None = None
+    disconnected_at: float | None = None
 
 
 def tokens(*values: int) -> np.ndarray:
@@ -104,6 +105,18 @@ def test_dead_engine_cores_are_skipped_and_none_live_raises_their_error() -> Non
         place(tokens(*PREFIX), engines, affinity)
     with pytest.raises(RuntimeError, match="engine core 0 died"):
         place(tokens(*PREFIX), engines, None)
+
+
+def test_an_engine_core_whose_connection_dropped_is_the_last_choice() -> None:
+    """It may be gone (stopped, its host lost): a request sent there would fail when its
+    grace ends, while another replica serves. Alone, it is still tried."""
+    engines = [FakeEngine(0), FakeEngine(1, load=SLACK + 5)]
+    affinity = PrefixAffinity(4, {0: 100, 1: 100})
+    engines[0].disconnected_at = 12.5
+    for chooser in (affinity, None):
+        assert place(tokens(*PREFIX), engines, chooser) is engines[1]
+    engines[1].dead = RuntimeError("engine core 1 died")
+    assert place(tokens(*PREFIX), engines, None) is engines[0]
 
 
 def test_a_record_forgets_a_prompt_s_last_blocks_first() -> None:

@@ -3,13 +3,12 @@ each), the handshake, requests placed by prefix and load (prefix_affinity.py; ot
 a subclass's _route: disaggregated_client.py), aborts to the replica that runs the
 request, utility calls matched by call id, and the engine cores' ends.
 
-What comes in is read without blocking (drain) as events (a step's outputs, requests
-that failed), for a caller that blocks (receive: the LLM's generate) or an asyncio loop
-that watches the sockets (attach: streams, API servers). An engine core is gone when
-its death fd fires (its process exited), or when its connection dropped (its heartbeats
-stopped: it is stopped or wedged) and it has not died LOST_GRACE_S later; every request
-it held then fails at once with an error that names it. A message that does not decode
-fails all that waits on its engine core (which goes on). Not thread-safe.
+What comes in is read without blocking (drain) as events (a step's outputs, requests that
+failed), for a caller that blocks (receive) or an asyncio loop that watches the sockets
+(attach). An engine core is gone when its death fd fires (its process exited), or when its
+connection dropped (its heartbeats stopped) and it has not died LOST_GRACE_S later; every
+request it held then fails at once, naming it. A message that does not decode fails all
+that waits on its engine core (which goes on). Not thread-safe.
 """
 
 from __future__ import annotations
@@ -109,8 +108,8 @@ class EngineCoreClient:
 
     def add_request(self, request: EngineCoreRequest) -> int:
         """Send request where _route chooses, knowing first which engine cores are gone."""
-        if self._poller.poll(0):  # news first: an engine core gone gets no new request
-            self._collect(self._backlog)
+        self._collect(self._backlog)  # news first: an engine core gone gets no new request
+        if self._backlog:
             self._schedule_dispatch()  # an attached loop's
         return self._route(request)
 
@@ -218,6 +217,7 @@ class EngineCoreClient:
             raise RuntimeError("call_async needs a client attached to the running loop")
         call = self.submit(method, args, kwargs, timeout, engines)
         call.future = self._loop.create_future()
+        self._loop.call_later(call.deadline - time.monotonic(), self._schedule_dispatch)  # expiry
         return await call.future
 
     # an asyncio loop's view -------------------------------------------------------------

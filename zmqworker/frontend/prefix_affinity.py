@@ -34,6 +34,7 @@ MAX_BLOCKS = 256
 class Engine(Protocol):
     index: int
     dead: Exception | None
+    disconnected_at: float | None  # its connection dropped: it may be gone
 
     @property
     def load(self) -> int: ...
@@ -49,11 +50,12 @@ def place(
     max_blocks: int | None = MAX_BLOCKS,
 ) -> E:
     """The engine core of engines for a prompt of tokens: by affinity (None: the least
-    loaded), among the live ones; the error of a dead one where none is live. max_blocks:
-    as prompt_hashes'."""
+    loaded), among the live ones, those whose connection holds first; the error of a dead
+    one where none is live. max_blocks: as prompt_hashes'."""
     live = [e for e in engines if e.dead is None]
     if not live:
         raise engines[0].dead.with_traceback(None)  # type: ignore[union-attr]
+    live = [e for e in live if e.disconnected_at is None] or live
     if affinity is None:
         return min(live, key=lambda e: (e.load, e.index))
     # Recorded even where one engine core is left to choose: the record is its cache's.
