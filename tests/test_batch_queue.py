@@ -111,3 +111,22 @@ def test_engine_keeps_two_disjoint_steps_in_flight_at_depth_two():
         assert request.output_token_ids == reference_tokens(
             request.prompt_token_ids, 8, executor.token_fn
         )
+
+
+def test_a_collective_rpc_without_a_timeout_has_the_executor_s_call_bound():
+    """WorkerCall's timeout nil means the executor's bound (protocol.md); it reached the
+    executor as None, no bound at all."""
+
+    class Recording(FakeExecutor):
+        call_timeout_s = 12.5
+
+        def collective_rpc(self, method, args=(), kwargs=None, timeout=None):
+            self.timeouts.append(timeout)
+            return [None]
+
+    executor = Recording(num_blocks=16)
+    executor.timeouts = []
+    core = EngineCore(executor, max_model_len=40)
+    core.collective_rpc("echo")
+    core.collective_rpc("echo", timeout=3.0)
+    assert executor.timeouts == [12.5, 3.0]

@@ -371,9 +371,10 @@ class EngineCore:
         kwargs: dict[str, Any] | None = None,
         timeout: float | None = None,
     ) -> list[Any]:
-        """A worker method on every rank, between steps: the results by rank."""
+        """A worker method on every rank, between steps (timeout None: the call bound)."""
         self.drain()
-        return self.executor.collective_rpc(method, args, kwargs, timeout)
+        bound = self.executor.call_timeout_s if timeout is None else timeout
+        return self.executor.collective_rpc(method, args, kwargs, bound)
 
     def weights_updated(self) -> None:
         """New weights are in (a client pushed them, or a group or the disk gave them):
