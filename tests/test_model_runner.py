@@ -302,18 +302,6 @@ def test_what_runs_before_a_step_is_applied_runs_only_for_a_step_that_stands() -
     runner.shutdown()
 
 
-def test_a_new_kv_cache_smaller_than_a_request_s_blocks_is_refused() -> None:
-    runner = make_runner(checkpoint("llama"))
-    new = NewRequestData("x", 3, np.array([1, 2, 3], np.int32), GREEDY, np.array([5], np.int32), 3)
-    runner.execute_model(SchedulerOutput([new], CachedRequestData.empty(), 3))
-    cache = runner.kv_caches
-    spec = runner.get_kv_cache_spec()
-    with pytest.raises(ValueError, match="'x' \\(handle 3\\) holds block 5, past the 4 blocks"):
-        runner.initialize_kv_cache(make_kv_cache_config([spec], 4))
-    assert runner.kv_caches is cache  # the cache and its requests as they were
-    runner.shutdown()
-
-
 def test_empty_step_and_async_output() -> None:
     path = checkpoint("llama")
     runner = make_runner(path)

@@ -200,6 +200,25 @@ def test_sleep_and_wake_errors():
     w.shutdown()
 
 
+def test_the_kv_cache_stays_while_a_request_is_unfinished():
+    """A new cache or a warm-up would overwrite the KV an unfinished request reads: both
+    are refused naming it (before the memory check, whose free memory leaves out the
+    cache in use); sleep and wake_up, whose loss of the KV is documented, still run."""
+    w = started()
+    params = SamplingParams(temperature=0.0)
+    blocks = np.array([0, 1], np.int32)
+    new = NewRequestData("held", 9, np.array(PROMPT, np.int32), params, blocks, len(PROMPT))
+    w.execute_model(SchedulerOutput([new], CachedRequestData.empty(), len(PROMPT)))
+    too_large = make_kv_cache_config([w.get_kv_cache_spec()], 1 << 20)
+    for call in (lambda: w.initialize_from_config(too_large), w.compile_or_warm_up_model):
+        with pytest.raises(RuntimeError, match="request 'held' \\(handle 9\\) among them"):
+            call()
+    w.sleep(1)
+    w.wake_up()
+    assert storage_bytes(w.model_runner.kv_caches) > 0 and len(w.model_runner.batch) == 1
+    w.shutdown()
+
+
 def test_profiler_writes_a_chrome_trace(tmp_path):
     w = started(config(profiler=ProfilerConfig(profiler="torch", output_dir=str(tmp_path))))
     w.profile(True)

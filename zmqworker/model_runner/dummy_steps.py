@@ -132,19 +132,16 @@ class DummySteps:
             # One throwaway cache that every layer overwrites: a dummy run needs no
             # layer's keys afterwards, and one layer's worth adds little to the peak.
             caches = [runner.new_cache(num_blocks)] * len(model.layer_names)
-
-        def previous_stage() -> dict[str, torch.Tensor] | None:
-            if runner.state.is_first_stage:
-                return None
+        hidden_in = None
+        if not runner.state.is_first_stage:
             hidden = torch.zeros(
                 step.num_tokens, model.hidden_size, dtype=model.dtype, device=runner.device
             )
-            return {"hidden_states": hidden, "residual": hidden.clone()}
-
+            hidden_in = {"hidden_states": hidden, "residual": hidden.clone()}
         last = runner.state.is_last_stage
         sample_index = np.arange(num_reqs) if last else np.zeros(0, np.int64)
         forward = runner.path.run(
-            tokens, table, step, sample_index, previous_stage, caches, use_graphs=False
+            tokens, table, step, sample_index, hidden_in, caches, use_graphs=False
         )
         return forward.out if last else None
 

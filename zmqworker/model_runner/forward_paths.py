@@ -12,7 +12,6 @@ pipeline stage, the hidden states elsewhere.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -29,7 +28,6 @@ from zmqworker.models.registry import CausalLM
 
 HiddenStates = dict[str, torch.Tensor]
 Output = torch.Tensor | HiddenStates
-PreviousStage = Callable[[], HiddenStates | None]
 
 
 @dataclass
@@ -105,19 +103,19 @@ class TorchPath:
         block_table: np.ndarray,
         step: ScheduledRequests,
         sample_index: np.ndarray,
-        previous_stage: PreviousStage,
+        hidden_in: HiddenStates | None,
         caches: list[torch.Tensor],
         feed: TokenFeed | None = None,
         use_graphs: bool = True,
         keep: np.ndarray | None = None,
     ) -> Forward:
-        """previous_stage is called once the inputs are ready; feed and use_graphs are
-        the Triton path's; keep: step tokens whose final hidden states to return too."""
+        """hidden_in: the previous stage's tensors (None on the first); feed and
+        use_graphs are the Triton path's; keep: step tokens whose final hidden states to
+        return too."""
         inputs = self._inputs.build(
             token_ids, block_table, step.rows, step.num_computed, step.num_scheduled,
             step.num_tokens,
         )  # fmt: skip
-        hidden_in = previous_stage()
         rows = token_index(step, sample_index)
         index = None if rows is None else torch.from_numpy(rows).to(self.device)
         with torch.inference_mode():

@@ -170,6 +170,17 @@ class InputBatch:
                     "blocks of the new KV cache"
                 )
 
+    def check_no_requests(self, what: str) -> None:
+        """RuntimeError naming a request the worker holds (in a row, or preempted and
+        kept aside): what would overwrite the KV cache their next steps read."""
+        held = [*self.row_of, *self.parked]
+        if held:
+            raise RuntimeError(
+                f"{what} while {len(held)} request(s) are unfinished, "
+                f"{self.describe(held[0])} among them: it would overwrite the KV cache "
+                "they read; finish them first (finished_req_handles)"
+            )
+
     def describe(self, handle: int) -> str:
         """How errors name a request: its req_id (when known) and handle."""
         row = self.row_of.get(handle)

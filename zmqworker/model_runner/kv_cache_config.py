@@ -1,8 +1,21 @@
-"""The engine's KV cache configuration, checked against what this rank's layers need."""
+"""The KV cache's configuration: its dtype from the worker's settings, and the engine's
+config checked against what this rank's layers need."""
 
 from __future__ import annotations
 
 from messages import KVCacheConfig, KVCacheSpec
+
+
+def cache_dtype_name(cache_dtype: str, model_dtype: str) -> str:
+    """The KV cache's dtype: the model's ("auto", or the same name)."""
+    if cache_dtype == "auto":
+        return model_dtype
+    if cache_dtype != model_dtype:
+        raise ValueError(
+            f"cache_dtype {cache_dtype!r} differs from the model dtype {model_dtype!r}; the "
+            "paged attention needs them equal (use 'auto')"
+        )
+    return cache_dtype
 
 
 def check_kv_cache_config(config: KVCacheConfig, spec: KVCacheSpec) -> None:

@@ -33,11 +33,11 @@ from zmqworker.model_runner.async_output import AsyncModelRunnerOutput
 from zmqworker.model_runner.batch_update import ScheduledRequests, plan_update
 from zmqworker.model_runner.cuda_graphs import Capture, StepGraphs
 from zmqworker.model_runner.dummy_steps import DummySteps
-from zmqworker.model_runner.forward_paths import HiddenStates, TorchPath
+from zmqworker.model_runner.forward_paths import TorchPath
 from zmqworker.model_runner.grammar import apply_grammar_output
 from zmqworker.model_runner.grammar_upload import BitmaskUpload
 from zmqworker.model_runner.input_batch import InputBatch
-from zmqworker.model_runner.kv_cache_config import check_kv_cache_config
+from zmqworker.model_runner.kv_cache_config import cache_dtype_name, check_kv_cache_config
 from zmqworker.model_runner.kv_cache_memory import make_caches, new_cache
 from zmqworker.model_runner.penalties import count_outputs
 from zmqworker.model_runner.pipeline_inputs import intermediate_inputs
@@ -144,7 +144,7 @@ class ModelRunner:
             block_size=self.block_size,
             num_kv_heads=self.model.num_kv_heads,
             head_size=self.model.head_dim,
-            dtype=self._cache_dtype_name(),
+            dtype=cache_dtype_name(self.config.cache.cache_dtype, self.config.model.dtype),
             layer_names=list(self.model.layer_names),
         )
 
@@ -154,11 +154,18 @@ class ModelRunner:
         if num_blocks < 1:
             raise ValueError(f"KV cache config has {num_blocks} blocks; at least 1 is needed")
         check_kv_cache_config(kv_cache_config, spec)
+        self.check_kv_unused()
         self.batch.check_blocks_within(num_blocks)
         self.release_kv_cache()
         transfer = self.config.kv_transfer
         self.kv_caches, self.shared_kv = make_caches(spec, num_blocks, self.device, transfer)
         self.batch.num_kv_blocks = num_blocks
+
+    def check_kv_unused(self) -> None:
+        """RuntimeError naming an unfinished request whose KV lies in the cache: a new
+        cache would lose it. Asleep, there is none (their KV went with it: wake_up)."""
+        if self.kv_caches:
+            self.batch.check_no_requests("initialize_from_config")
 
     def new_cache(self, num_blocks: int) -> torch.Tensor:
         return new_cache(self.get_kv_cache_spec(), num_blocks, self.device)
@@ -177,7 +184,9 @@ class ModelRunner:
         self.dummy.profile()
 
     def warm_up(self, batch_sizes: list[int]) -> None:
-        """Dummy decode steps at each batch size, then the CUDA graphs, if any."""
+        """Dummy decode steps at each batch size (writing blocks 0.. of the real cache:
+        refused while requests are unfinished), then the CUDA graphs, if any."""
+        self.batch.check_no_requests("compile_or_warm_up_model")
         self.dummy.warm_up(batch_sizes)
         self.capture_graphs()
 
@@ -223,37 +232,33 @@ class ModelRunner:
     ) -> AsyncModelRunnerOutput | IntermediateTensors | None:
         """Run one step. Non-last pipeline stages return IntermediateTensors; the last
         returns an AsyncModelRunnerOutput, or None with sample=False (then call
-        sample_tokens). before_apply (the KV connector's copies) runs once the step is
-        checked whole, before it changes anything: a refused step changes nothing."""
+        sample_tokens). intermediate_tensors: the previous stage's, maybe still on their
+        way. before_apply (the KV connector's copies) runs once the step and those tensors
+        are checked whole, before anything changes: a refused step changes nothing."""
         if self._step_logits is not None:
             raise RuntimeError("execute_model before sample_tokens consumed the previous step")
         if scheduler_output.total_num_scheduled_tokens > 0 and not self.kv_caches:
             raise RuntimeError("execute_model before initialize_from_config: no KV cache")
-        # Tensors still on their way from the previous stage are waited for only once
-        # this step's inputs are ready, so their transfer overlaps the preparation.
-        pending = intermediate_tensors if isinstance(intermediate_tensors, PendingTensors) else None
-        hidden_in = (
-            None
-            if pending
-            else intermediate_inputs(
-                intermediate_tensors, scheduler_output, self.state, self.device
-            )
-        )
         # Parking a preempted request copies its tokens: they must all be on the host.
         wait = not self.fused or bool(scheduler_output.preempted_req_handles)
         write_samples(self.batch, self._samples, wait=wait)
         plan = plan_update(self.batch, scheduler_output)
+        # Waited for before the batch changes: a step the previous stage refused (it
+        # sends nothing) or whose tensors do not fit leaves this stage's batch as it was.
+        model = self.model
+        hidden_in = intermediate_inputs(
+            intermediate_tensors,
+            scheduler_output,
+            self.state,
+            model.hidden_size,
+            model.dtype,
+            self.device,
+        )
         if before_apply is not None:
             before_apply()
         step = self.batch.apply(plan)
         if len(step) == 0:
             return self._finish_empty_step(step, sample)
-
-        def previous_stage() -> HiddenStates | None:
-            if pending is None:
-                return hidden_in
-            return intermediate_inputs(pending.wait(), scheduler_output, self.state, self.device)
-
         sample_index = self._sample_index(step)
         batch = self.batch
         feed = token_feed(batch, self._samples) if self.fused else None
@@ -263,7 +268,7 @@ class ModelRunner:
             batch.block_table,
             step,
             sample_index,
-            previous_stage,
+            hidden_in,
             self.kv_caches,
             feed,
             keep=None if plan is None else plan.token_index,
@@ -385,16 +390,3 @@ class ModelRunner:
             self._step_logits = step_logits
             return None
         return self._sample(step_logits, None)
-
-    # helpers --------------------------------------------------------------------------
-
-    def _cache_dtype_name(self) -> str:
-        name, model_dtype = self.config.cache.cache_dtype, self.config.model.dtype
-        if name == "auto":
-            return model_dtype
-        if name != model_dtype:
-            raise ValueError(
-                f"cache_dtype {name!r} differs from the model dtype {model_dtype!r}; the paged "
-                "attention needs them equal (use 'auto')"
-            )
-        return name

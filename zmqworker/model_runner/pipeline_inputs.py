@@ -1,4 +1,10 @@
-"""The previous pipeline stage's tensors for a step, checked and on this rank's device."""
+"""The previous pipeline stage's tensors for a step, checked and on this rank's device.
+
+They are waited for and checked whole before the step changes the batch: a step whose
+tensors never come (the previous stage refused it and sends nothing) or do not fit
+(token count, hidden size, dtype) is refused and leaves the batch as it was, as the
+previous stage's batch is.
+"""
 
 from __future__ import annotations
 
@@ -6,40 +12,56 @@ import torch
 
 from messages import IntermediateTensors, SchedulerOutput
 from zmqworker.distributed.parallel_state import ParallelState
+from zmqworker.distributed.pp_channel import PendingTensors
 
 HiddenStates = dict[str, torch.Tensor]
+NAMES = ("hidden_states", "residual")
 
 
 def intermediate_inputs(
-    intermediate: IntermediateTensors | None,
+    intermediate: IntermediateTensors | PendingTensors | None,
     so: SchedulerOutput,
     state: ParallelState,
+    hidden_size: int,
+    dtype: torch.dtype,
     device: torch.device,
 ) -> HiddenStates | None:
     """The previous stage's tensors on this device (copied: decoded message memory is
-    read-only), checked against the step's token count before the step changes state."""
+    read-only), each [tokens, hidden_size] in dtype; waited for when still pending (a
+    TimeoutError if they never come). A step that computes nothing has none."""
     if state.is_first_stage:
         if intermediate is not None:
             raise ValueError("the first pipeline stage takes no intermediate tensors")
         return None
     if so.total_num_scheduled_tokens == 0:
         return None
+    if isinstance(intermediate, PendingTensors):
+        intermediate = intermediate.wait()
     if intermediate is None:
         raise ValueError(
             f"pipeline stage {state.pp_rank} needs the previous stage's intermediate tensors"
         )
-    missing = {"hidden_states", "residual"} - intermediate.tensors.keys()
-    if missing:
-        raise ValueError(f"intermediate tensors lack {sorted(missing)}")
-    tensors = {}
-    for name, tensor in intermediate.tensors.items():
-        if tensor.dim() < 1 or tensor.shape[0] != so.total_num_scheduled_tokens:
+    names = intermediate.tensors.keys()
+    missing, unknown = set(NAMES) - names, names - set(NAMES)
+    if missing or unknown:
+        raise ValueError(
+            f"intermediate tensors must be {list(NAMES)}: {sorted(missing)} missing, "
+            f"{sorted(unknown)} unknown"
+        )
+    shape = (so.total_num_scheduled_tokens, hidden_size)
+    for name in NAMES:
+        tensor = intermediate.tensors[name]
+        if tuple(tensor.shape) != shape:
             raise ValueError(
                 f"intermediate tensor {name!r} has shape {tuple(tensor.shape)}, expected "
-                f"{so.total_num_scheduled_tokens} tokens"
+                f"{shape[0]} tokens of hidden size {hidden_size}"
             )
-        tensors[name] = _on_device(tensor, device)
-    return tensors
+        if tensor.dtype != dtype:
+            raise ValueError(
+                f"intermediate tensor {name!r} has dtype {tensor.dtype}, expected the "
+                f"model's {dtype}"
+            )
+    return {name: _on_device(intermediate.tensors[name], device) for name in NAMES}
 
 
 def _on_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:

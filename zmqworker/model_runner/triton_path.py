@@ -30,7 +30,6 @@ from zmqworker.model_runner.device_inputs import DeviceInputs, DeviceStep, Token
 from zmqworker.model_runner.forward_paths import (
     Forward,
     HiddenStates,
-    PreviousStage,
     kept_rows,
     logits_of,
     token_index,
@@ -118,13 +117,13 @@ class TritonPath:
         block_table: np.ndarray,
         step: ScheduledRequests,
         sample_index: np.ndarray,
-        previous_stage: PreviousStage,
+        hidden_in: HiddenStates | None,
         caches: list[torch.Tensor],
         feed: TokenFeed | None = None,
         use_graphs: bool = True,
         keep: np.ndarray | None = None,
     ) -> Forward:
-        """previous_stage is called once the inputs are uploaded; feed: the previous
+        """hidden_in: the previous stage's tensors (None on the first); feed: the previous
         step's samples still valid; use_graphs: replay a captured graph when one fits;
         keep: step tokens whose final hidden states to return too (no graph keeps them)."""
         use_graphs = use_graphs and keep is None
@@ -146,7 +145,6 @@ class TritonPath:
             num_tokens, feed, index, pad_to=decode_size, pad_tokens=pad_tokens,
         )  # fmt: skip
         num_samples = None if index is None else len(index)
-        hidden_in = previous_stage()
         if decode_size is not None:
             sample_rows = None if num_samples is None else inputs.sample_index(num_samples)
             return self._replay_decode(decode_size, num_reqs, hidden_in, sample_rows)

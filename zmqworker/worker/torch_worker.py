@@ -142,6 +142,8 @@ class Worker(WorkerBase):
 
     def initialize_from_config(self, kv_cache_config: KVCacheConfig) -> None:
         runner = self._runner()
+        # Refused first: the free memory checked below leaves out the cache in use.
+        runner.check_kv_unused()
         spec = runner.get_kv_cache_spec()
         need = kv_cache_config.num_blocks * spec.page_size_bytes * len(spec.layer_names)
         free = self.ops.free_and_total_bytes()[0]
@@ -190,7 +192,7 @@ class Worker(WorkerBase):
         self._require_awake("execute_model")
         runner = self._runner()
         pipeline = self.pipeline
-        # Posted before the step is prepared, waited for by the runner once it is.
+        # Posted before the step is checked, waited for by the runner before it applies it.
         inputs = pipeline.receive(call_id) if pipeline is not None else None
         self._step_started = time.monotonic()
         connector, kv_orders = self.kv_connector, scheduler_output.kv_connector_metadata
@@ -381,9 +383,7 @@ class Worker(WorkerBase):
             return float(x.item())
 
 
-def _weights_bytes(model: torch.nn.Module | None) -> int:
-    if model is None:
-        return 0
+def _weights_bytes(model: torch.nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 

@@ -116,11 +116,13 @@ class WorkerBase(ABC):
 
     @abstractmethod
     def initialize_from_config(self, kv_cache_config: KVCacheConfig) -> None:
-        """Allocate exactly the blocks the engine chose."""
+        """Allocate exactly the blocks the engine chose; refused (RuntimeError) while
+        unfinished requests' KV lies in the cache it would replace."""
 
     @abstractmethod
     def compile_or_warm_up_model(self) -> float:
-        """Warm up (and capture graphs where supported); returns the seconds it took."""
+        """Warm up (and capture graphs where supported); returns the seconds it took.
+        Refused (RuntimeError) while requests are unfinished: warm-up writes the cache."""
 
     @abstractmethod
     def execute_model(
