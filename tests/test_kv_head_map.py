@@ -65,3 +65,9 @@ def test_sizes_that_cannot_map(heads: int, prefill: int, decode: int, words: str
 def test_rank_out_of_range() -> None:
     with pytest.raises(HeadMapError, match="decode rank 2 out of tensor parallel size 2"):
         head_map(4, 2, 2, 2)
+
+
+def test_a_remote_kv_of_no_prefill_rank() -> None:
+    """A RemoteKV naming no address: refused by name, not a division by zero."""
+    with pytest.raises(HeadMapError, match="prefill instance's tensor parallel size is 0"):
+        head_map(4, 0, 1, 0)

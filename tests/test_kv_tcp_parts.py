@@ -94,7 +94,7 @@ def test_a_split_pull_lands_byte_for_byte(monkeypatch, num_cached: int) -> None:
         assert consumer.puller.num_pulled["tcp"] == 1
         block_bytes = 2 * 2 * SPEC.num_kv_heads * SPEC.block_size * SPEC.head_size * 4
         assert consumer.puller.num_bytes["tcp"] == (3 - num_cached) * block_bytes
-        assert len(consumer.puller._sockets._socks) == len(SPEC.layer_names)  # connections
+        assert consumer.puller._sockets.num_sockets == len(SPEC.layer_names)  # connections
         assert "s" in names(until(side, bool), "finished_sending")
     finally:
         consumer.shutdown()
@@ -175,7 +175,7 @@ def test_a_producer_is_split_pulled_once_it_answered_over_tcp(monkeypatch) -> No
             load = KVLoad(req, np.array(dest, np.int32), remote)
             consumer.before_step(KVConnectorMetadata(loads=[load]))
             until(consumer, lambda outs, req=req: names(outs, "finished_recving") == [req])
-            connections = len(consumer.puller._sockets._socks)
+            connections = consumer.puller._sockets.num_sockets
             assert connections == (1 if i == 0 else len(SPEC.layer_names))
         assert consumer.puller.num_pulled["tcp"] == 2
     finally:

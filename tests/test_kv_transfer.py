@@ -2,10 +2,11 @@
 its own worker process: greedy tokens equal a colocated engine's (prefix caching and
 chunked prefill on, and a decode side small enough to preempt), a prompt whose leading
 blocks the decode side has cached pulls only the rest, a pull from a dead or silent
-prefill fails its request by name with no block left held, a prompt of which little
-enough is not cached on the decode side is computed there alone, logprobs come through
-the in-process routers as a colocated engine gives them, and a peer without the
-deployment's keys gets nothing."""
+prefill fails its request by name with no block left held (and a RemoteKV naming no
+address, or a malformed one, its request alone), a prompt of which little enough is not
+cached on the decode side is computed there alone, logprobs come through the in-process
+routers as a colocated engine gives them, and a peer without the deployment's keys gets
+nothing."""
 
 from __future__ import annotations
 
@@ -326,6 +327,31 @@ def test_a_pull_nobody_answers_fails_the_request_and_frees_its_blocks(
     assert request.error is not None and "'orphan'" in request.error and dead in request.error
     assert free_blocks(decode) == decode.block_manager.num_blocks
     assert kv.get_computed_blocks("probe", [*SHARED, 0])[0] == cached
+
+
+def test_a_remote_kv_naming_no_or_a_malformed_address_fails_only_its_request(
+    pair: DisaggregatedEngine,
+) -> None:
+    """Neither fails the decode step (a request decoding beside them goes on) nor stops
+    the decode rank's puller (a request after them is pulled)."""
+    decode = pair.decode
+    beside = Request("beside", PROMPTS[0], GREEDY)
+    decode.add_request(beside)
+    while len(beside.output_token_ids) < 2:
+        decode.step()
+    bad = [
+        Request(name, [1, 2, 3, 4, 5], GREEDY, remote=RemotePrefill(RemoteKV(name, 5, at), 3))
+        for name, at in (("nowhere", []), ("no-port", ["tcp://127.0.0.1"]))
+    ]
+    for request in bad:
+        decode.add_request(request)
+    while decode.has_work():
+        decode.step()
+    [later] = pair.generate([PROMPTS[1]], GREEDY)
+    assert beside.error is None and len(beside.output_token_ids) == GREEDY.max_tokens
+    assert "its RemoteKV names no address" in (bad[0].error or "")
+    assert "the prefill address 'tcp://127.0.0.1' lacks a host or a port" in (bad[1].error or "")
+    assert later.error is None and len(later.token_ids) == GREEDY.max_tokens
 
 
 def test_a_peer_without_the_keys_gets_no_blocks(pair: DisaggregatedEngine) -> None:

@@ -53,6 +53,8 @@ class HeadMapError(ValueError):
 
 def head_map(num_kv_heads: int, prefill_tp: int, decode_tp: int, rank: int) -> HeadMap:
     """Decode rank `rank`'s sources; HeadMapError names sizes that cannot map."""
+    if prefill_tp < 1:
+        raise HeadMapError(f"the prefill instance's tensor parallel size is {prefill_tp}")
     if not 0 <= rank < decode_tp:
         raise HeadMapError(f"decode rank {rank} out of tensor parallel size {decode_tp}")
     return _all_maps(num_kv_heads, prefill_tp, decode_tp)[rank]

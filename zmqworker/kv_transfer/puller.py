@@ -12,7 +12,9 @@ cannot use, fails the load and says KVDone at once.
 Over tcp (a producer on another host), a large pull goes as parts of whole layers over
 several connections (tcp_parts.py). One thread owns every socket (peer_sockets.py). A
 load not answered within the timeout fails, naming the request and the address, and its
-late answer is dropped: nothing waits unbounded.
+late answer is dropped: nothing waits unbounded. A pull that cannot be sent (an address
+that cannot be connected, a peer that takes nothing) fails at once, with every pull
+waiting on that address, and the thread goes on with the others.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import zmq
 from messages.kv_peer import KVBlocks, KVDone, KVLayout, KVPull
 from messages.kv_transfer import KVLoad
 from zmqworker.kv_transfer import wire
+from zmqworker.kv_transfer.answers import checked_answer, checked_frames, checked_memfd
 from zmqworker.kv_transfer.arrived import Arrived
 from zmqworker.kv_transfer.blocks import staged_nbytes
 from zmqworker.kv_transfer.copies_run import CopiesRun
@@ -37,12 +40,12 @@ from zmqworker.kv_transfer.cuda_peers import readable_gpus
 from zmqworker.kv_transfer.head_map import HeadMap, HeadSource
 from zmqworker.kv_transfer.lent_caches import open_lent
 from zmqworker.kv_transfer.peer_caches import PeerCacheError, PeerCaches
-from zmqworker.kv_transfer.peer_sockets import PeerSockets
+from zmqworker.kv_transfer.peer_sockets import PeerSendError, PeerSockets
+from zmqworker.kv_transfer.same_host import SameHost
 from zmqworker.kv_transfer.staging import PeerMappings, SharedMemoryError
 from zmqworker.kv_transfer.tcp_parts import Parts, split
 from zmqworker.transport.curve import KVKeys
 from zmqworker.transport.frames import recv_frames
-from zmqworker.transport.host import boot_id
 from zmqworker.transport.wake_pipe import WakePipe
 
 log = logging.getLogger("zmqworker.kv_transfer")
@@ -77,9 +80,10 @@ class KVPuller:
         self.num_bytes = dict.fromkeys(self.num_pulled, 0)
         self.layout = layout
         self.timeout_s = timeout_s
-        self._host_id = boot_id() if shm else ""
+        self._same_host = SameHost(shm)
         self._poller = zmq.Poller()  # over the wake pipe and every socket
-        self._sockets = PeerSockets(keys, self._poller)
+        self._waiting: Waiting = {}  # the thread's
+        self._sockets = PeerSockets(keys, self._poller, lambda: {a for a, _ in self._waiting})
         self._over_tcp: set[str] = set()  # producers that answered with bytes over tcp
         self._device = device
         self._mappings = PeerMappings(device)
@@ -116,9 +120,14 @@ class KVPuller:
         """Wait, at most timeout_s, until the pulls ordered so far are sent."""
         self._sent.wait(timeout_s)
 
+    @property
+    def open_addresses(self) -> list[str]:
+        """The prefill addresses this rank has sockets to now."""
+        return self._sockets.addresses
+
     def reads_in_place(self, address: str) -> bool:
         """Whether pulls from address may be answered with the producer's cache."""
-        return bool(self._host_id) and address not in self._not_in_place
+        return bool(self._same_host.host_id(address)) and address not in self._not_in_place
 
     def done(self, load: KVLoad, source: HeadSource) -> None:
         """The worker copied load's KV from source: tell its server."""
@@ -162,7 +171,7 @@ class KVPuller:
     def _run(self) -> None:
         poller = self._poller
         poller.register(self._wake.fd, zmq.POLLIN)
-        waiting: Waiting = {}
+        waiting = self._waiting
         try:
             while not self._stop:
                 timeout = -1
@@ -171,19 +180,20 @@ class KVPuller:
                     timeout = max(0, int((soonest - time.monotonic()) * 1000) + 1)
                 if self._copies.watched:
                     timeout = COPY_POLL_MS if timeout < 0 else min(timeout, COPY_POLL_MS)
-                elif self.peer_caches.any_open:
+                elif self.peer_caches.any_open or self._sockets.addresses:
                     timeout = IDLE_POLL_MS if timeout < 0 else min(timeout, IDLE_POLL_MS)
                 events = dict(poller.poll(timeout))
                 if self._wake.fd in events:
                     self._wake.drain()
-                    self._take_orders(waiting)
+                    self._take_orders()
                     with self._ordering:
                         if self._orders.empty():  # else woken again, to take the rest
                             self._sent.set()
                 self._copies.poll()
                 self.peer_caches.close_idle()
+                self._sockets.close_idle()
                 for address, sock in self._sockets.readable(events):
-                    self._receive(address, sock, waiting)
+                    self._receive(address, sock)
                 now = time.monotonic()
                 for key, (load, source, deadline, _) in list(waiting.items()):
                     if deadline <= now:
@@ -201,7 +211,8 @@ class KVPuller:
                 if kind == "pull":
                     self._fail(load, source, "the KV puller stopped")
 
-    def _take_orders(self, waiting: Waiting) -> None:
+    def _take_orders(self) -> None:
+        waiting = self._waiting
         while True:
             try:
                 kind, load, source = self._orders.get_nowait()
@@ -209,37 +220,53 @@ class KVPuller:
                 return
             address = load.remote.addresses[source.rank]
             if kind == "done":
-                self._sockets.send(address, KVDone(load.remote.req_id))
+                self._send(address, KVDone(load.remote.req_id))
                 continue
             pull, parts = self._pull_of(load, source), None
             if kind == "pull":
                 # Split only where the bytes come over tcp: whether a producer shares this
                 # host is known from its first answer.
-                if not self._host_id or address in self._over_tcp:
+                if not self._same_host.host_id(address) or address in self._over_tcp:
                     parts = split(self.layout, load, source)
                 deadline = time.monotonic() + self.timeout_s
                 waiting[(address, load.remote.req_id)] = (load, source, deadline, parts)
             if parts is None:
-                self._sockets.send(address, pull)
+                self._send(address, pull)
                 continue
             for i, layers in enumerate(parts.asked):  # each over a connection of its own
                 part = msgspec.structs.replace(pull, host_id="", gpus=[], host_cache=False,
                                                layers=layers)  # fmt: skip
-                self._sockets.send(address, part, i)
+                if not self._send(address, part, i):
+                    break
+
+    def _send(self, address: str, msg: KVPull | KVDone, conn: int = 0) -> bool:
+        """msg to address: whether it went. Where it cannot, the pulls waiting on address
+        fail (its sockets are closed: their answers would never come)."""
+        try:
+            self._sockets.send(address, msg, conn)
+            return True
+        except PeerSendError as e:
+            log.warning("rank %d: %s", self.rank, e)
+            for key in [key for key in self._waiting if key[0] == address]:
+                load, source, _, _ = self._waiting.pop(key)
+                self._asked_again.discard(key)
+                self._fail(load, source, str(e))
+            return False
 
     def _pull_of(self, load: KVLoad, source: HeadSource) -> KVPull:
         heads = (source.first, source.count)
         whole = heads == (0, source.staged_heads)
         address = load.remote.addresses[source.rank]
         openable = self.reads_in_place(address)
-        return KVPull(load.remote.req_id, source.rank, self._host_id,
+        return KVPull(load.remote.req_id, source.rank, self._same_host.host_id(address),
                       None if whole else heads, source.readers,
                       first_block=load.num_cached_blocks,
                       gpus=self._gpus if openable else [],
                       host_cache=openable and self._device is None)  # fmt: skip
 
-    def _receive(self, address: str, sock: zmq.Socket, waiting: Waiting) -> None:
-        while True:
+    def _receive(self, address: str, sock: zmq.Socket) -> None:
+        waiting = self._waiting
+        while not sock.closed:  # a send that failed closes its address's sockets
             try:
                 frames = recv_frames(sock)
             except zmq.Again:
@@ -256,7 +283,7 @@ class KVPuller:
             if entry is None:  # the answer to a pull that timed out: nothing will read it
                 # (Not for a part: its siblings may still come; the staging expires.)
                 if reply.error is None and reply.layers is None:
-                    self._sockets.send(address, KVDone(reply.req_id))
+                    self._send(address, KVDone(reply.req_id))
                 continue
             load, source, _, parts = entry
             if parts is not None:
@@ -281,23 +308,24 @@ class KVPuller:
                     self._not_in_place.add(address)
                     self._asked_again.add(key)
                     waiting[key] = entry
-                    self._sockets.send(address, self._pull_of(load, source))
+                    self._send(address, self._pull_of(load, source))
                     continue
             except (OSError, SharedMemoryError) as e:
-                # This host's /proc does not show the server (another pid namespace):
-                # the bytes come over tcp from now on.
-                log.info("rank %d: no shared memory with %s (%s): tcp", self.rank, address, e)
-                self._host_id = ""
-                waiting[(address, reply.req_id)] = entry
-                self._sockets.send(address, self._pull_of(load, source))
-                continue
+                error = self._same_host.cannot_open(address, e)
+                if error is not None:
+                    arrived = self._failed(load, source, f"from {address}: {error}")
+                else:  # /proc may not show the server (another pid namespace): tcp
+                    log.info("rank %d: no shared memory with %s (%s): tcp", self.rank, address, e)
+                    waiting[(address, reply.req_id)] = entry
+                    self._send(address, self._pull_of(load, source))
+                    continue
             except Exception as e:
                 arrived = self._failed(load, source, f"from {address}: {e}")
             self._asked_again.discard((address, reply.req_id))
             if arrived.error is not None:
                 # Refused, or an answer this rank cannot use: it will not read, so the
                 # server may let the staging go now rather than when it expires.
-                self._sockets.send(address, KVDone(load.remote.req_id))
+                self._send(address, KVDone(load.remote.req_id))
             self._arrive(arrived)
 
     def _unpack(
@@ -311,24 +339,10 @@ class KVPuller:
     ) -> Arrived:
         if reply.error is not None:
             return Arrived(load, source, error=reply.error)
-        if reply.layers is not None:
-            raise ValueError(f"an answer holding layers {reply.layers} to a pull of all of them")
-        staged = msgspec.structs.replace(self.layout, num_kv_heads=source.staged_heads)
-        if reply.layout != staged:
-            raise ValueError(f"the prefill's KV layout {reply.layout} differs from {staged}")
-        if reply.num_blocks != len(load.block_ids):
-            raise ValueError(
-                f"{reply.num_blocks} blocks staged for {len(load.block_ids)} blocks here"
-            )
-        if reply.first_block > load.num_cached_blocks:
-            raise ValueError(
-                f"the answer holds the staged blocks from {reply.first_block} on, this "
-                f"load needs them from {load.num_cached_blocks} on"
-            )
-        wanted = msgspec.structs.replace(self.layout, num_kv_heads=source.count)
+        staged, wanted = checked_answer(self.layout, load, source, reply)
         read = reply.num_blocks - load.num_cached_blocks
         if reply.cuda is not None or reply.host_cache is not None:
-            maps_host = bool(self._host_id) and self._device is None
+            maps_host = bool(self._same_host.host_id(address)) and self._device is None
             cache, ids, hold_s = open_lent(self.peer_caches, address, reply, staged, self._gpus,
                                            self._device, maps_host,
                                            address in self._not_in_place)  # fmt: skip
@@ -339,27 +353,15 @@ class KVPuller:
                            received=received, hold_s=hold_s, sources=cache,
                            unhold=lambda: self.peer_caches.release(cache))  # fmt: skip
         if reply.shared is not None:
-            shared = reply.shared
-            nbytes = staged_nbytes(staged, reply.num_blocks)
-            if shared.nbytes != nbytes or reply.first_block != 0:
-                raise ValueError(
-                    f"{shared.nbytes} bytes staged from block {reply.first_block} on, "
-                    f"{nbytes} expected from block 0 on"
-                )
+            shared, nbytes = reply.shared, checked_memfd(reply, staged)
             mapping = self._mappings.acquire(shared.pid, shared.fd, nbytes, shared.inode)
+            self._same_host.opened(address)
             self.num_pulled["memfd"] += 1
             self.num_bytes["memfd"] += staged_nbytes(wanted, read)
             view = memoryview(mapping.memory)[:nbytes]
             return Arrived(load, source, view, layout=staged, first=source.first,
                            unhold=lambda: self._mappings.release(mapping))  # fmt: skip
-        nbytes = staged_nbytes(wanted, reply.num_blocks - reply.first_block)
-        got = [len(f.buffer) for f in frames]
-        if got != [nbytes]:
-            raise ValueError(
-                f"expected one frame of {nbytes} bytes after KVBlocks (heads "
-                f"[{source.first}, {source.first + source.count}) of staged blocks "
-                f"{reply.first_block} to {reply.num_blocks}), got frames of {got}"
-            )
+        nbytes = checked_frames(reply, frames, wanted, source)
         self._over_tcp.add(address)
         self.num_pulled["tcp"] += 1
         self.num_bytes["tcp"] += nbytes
@@ -372,7 +374,7 @@ class KVPuller:
         """Every part of a split pull was answered: the whole arrives, or fails (one KVDone
         for all of its parts)."""
         if parts.error is not None:
-            self._sockets.send(address, KVDone(load.remote.req_id))
+            self._send(address, KVDone(load.remote.req_id))
             self._fail(load, source, f"from {address}: {parts.error}")
             return
         self.num_pulled["tcp"] += 1

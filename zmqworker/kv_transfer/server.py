@@ -251,7 +251,8 @@ class KVServer:
             if same_host:
                 inode = os.fstat(memfd.fd).st_ino
                 shared = SharedKV(os.getpid(), memfd.fd, self.bytes.nbytes(staged), inode)
-                self._send(peer, KVBlocks(pull.req_id, self.layout, staged.num_blocks, shared))
+                if self._send(peer, KVBlocks(pull.req_id, self.layout, staged.num_blocks, shared)):
+                    staged.hold(self._timeout_s)  # an expiry would close it before the open
             else:
                 reply = KVBlocks(pull.req_id, self.layout, staged.num_blocks,
                                  first_block=pull.first_block, layers=pull.layers)  # fmt: skip
@@ -269,7 +270,7 @@ class KVServer:
         reply = KVBlocks(staged.req_id, self.layout, len(ids), cuda=cuda, host_cache=host)
         if self._send(peer, reply):
             staged.lent = True
-            staged.deadline = time.monotonic() + hold_s
+            staged.hold(hold_s)
 
     def _answer_unready(self) -> None:
         """The pulls to read in place that waited for their step: answered once it has

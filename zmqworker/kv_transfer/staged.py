@@ -7,6 +7,7 @@ blocks and layers).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -38,6 +39,10 @@ class Staged:
     @property
     def num_blocks(self) -> int:
         return len(self.block_ids)
+
+    def hold(self, seconds: float) -> None:
+        """Keep it at least seconds from now: a puller was answered and reads it after."""
+        self.deadline = max(self.deadline, time.monotonic() + seconds)
 
 
 class StagedBytes:

@@ -41,7 +41,16 @@ class TPCombined(KVConnector):
         return self.inner.served
 
     def cancel(self, metadata: KVConnectorMetadata) -> None:
+        """Every rank gets the same cancels, so they stay in step: a cancelled load is
+        forgotten (reported by no rank any more; one sent again under its id must be
+        copied by every rank anew), and a withdrawn save is outstanding until every rank
+        reports it sent (the engine frees its blocks then, even where no step staged it)."""
         self.inner.cancel(metadata)
+        for req_id in metadata.cancel_loads:
+            self._outstanding.discard(("recv", req_id))
+            self._recved.discard(req_id)
+            self._failed.pop(req_id, None)
+        self._outstanding.update(("send", name) for name in metadata.cancel_saves)
 
     def before_step(self, metadata: KVConnectorMetadata | None) -> None:
         if metadata is not None:

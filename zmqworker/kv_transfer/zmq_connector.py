@@ -50,6 +50,7 @@ from zmqworker.kv_transfer.blocks import (
 )
 from zmqworker.kv_transfer.connector import KVConnector
 from zmqworker.kv_transfer.head_map import HeadMapError, HeadSource, head_map
+from zmqworker.kv_transfer.peer_sockets import address_error
 from zmqworker.kv_transfer.puller import KVPuller
 from zmqworker.kv_transfer.read_ahead import ReadAhead
 from zmqworker.kv_transfer.server import KVServer
@@ -190,6 +191,11 @@ class ZmqKVConnector(KVConnector):
         """Pull load (or fail it at once); the sources its pieces are pulled from."""
         assert self.puller is not None  # take_orders refused loads to a producer
         remote_tp = len(load.remote.addresses)
+        bad = [e for e in map(address_error, load.remote.addresses) if e is not None]
+        if not remote_tp or bad:  # refused here: the puller's thread would meet it
+            error = f"the prefill address {bad[0]}" if bad else "its RemoteKV names no address"
+            self._failed.append(KVFailure(load.req_id, f"KV of request {load.req_id!r}: {error}"))
+            return ()
         try:
             heads = head_map(self.num_kv_heads, remote_tp, self.tp_size, self.tp_rank)
         except HeadMapError as e:
