@@ -5,6 +5,7 @@ pass, and workers that must not outlive their engine."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import resource
 import signal
@@ -26,10 +27,12 @@ from messages import (
     Decoder,
     Encoder,
     Hello,
+    ModelConfig,
     ProtocolError,
     RpcRequest,
     SamplingParams,
     SchedulerOutput,
+    WorkerConfig,
 )
 from messages.step import HANDLE, NUM_SCHEDULED
 from tests.test_executor import echo_config, wait_gone
@@ -166,10 +169,20 @@ def test_oversize_junk_to_the_engine_leaves_its_memory_alone() -> None:
         ex.shutdown()
 
 
-def test_an_oversize_request_fails_before_it_is_sent() -> None:
-    ex = MultiprocExecutor(echo_config())
+def small_model_config(tmp_path: Path) -> WorkerConfig:
+    """echo_config with a small model's shape: the run's request bound (a step of new
+    requests, each with a logit_bias on every token) is far below 64 MiB."""
+    shape = {"vocab_size": 1000, "hidden_size": 64, "max_position_embeddings": 4096}
+    (tmp_path / "config.json").write_text(json.dumps(shape))
+    config = echo_config()
+    return msgspec.structs.replace(config, model=ModelConfig(path=str(tmp_path)))
+
+
+def test_an_oversize_request_fails_before_it_is_sent(tmp_path: Path) -> None:
+    ex = MultiprocExecutor(small_model_config(tmp_path))
     try:
-        big = np.zeros(64 << 20, np.uint8)  # far past any request of this run
+        big = np.zeros(64 << 20, np.uint8)
+        assert ex.rpc.max_request_bytes < big.nbytes // 2  # far past any request of this run
         with pytest.raises(ValueError, match="more than the .* bytes a worker of this run"):
             ex.collective_rpc("echo", (big,), timeout=5)
         assert ex.collective_rpc("echo", (1,), timeout=30) == [1]
@@ -177,8 +190,8 @@ def test_an_oversize_request_fails_before_it_is_sent() -> None:
         ex.shutdown()
 
 
-def test_a_worker_drops_an_oversize_frame_with_its_sender() -> None:
-    ex = MultiprocExecutor(echo_config())
+def test_a_worker_drops_an_oversize_frame_with_its_sender(tmp_path: Path) -> None:
+    ex = MultiprocExecutor(small_model_config(tmp_path))
     try:
         ex.rpc.max_request_bytes = None  # past the engine's own check, as a bad engine would
         with pytest.raises(ExecutorError):

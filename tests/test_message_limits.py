@@ -31,6 +31,8 @@ from messages import (
     SchedulerOutput,
     WorkerConfig,
 )
+from messages.codec import INLINE_MAX_BYTES
+from messages.sampling import INT32_MAX, MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS
 from zmqworker.executor.message_limits import BODY_ROOM, MessageLimits, message_limits
 
 # large enough that every array below travels in a data frame of its own (over 16 KiB),
@@ -106,6 +108,55 @@ def test_the_largest_requests_fit(tmp_path: Path) -> None:
         RpcRequest(2, "sample_tokens", [GrammarOutput(np.arange(SEQS, dtype=np.int32), bitmask)]),
     ):
         assert fits(request, limits.request_bytes), request.method
+
+
+def largest_params(vocab: int) -> SamplingParams:
+    """The largest per-request lists the engine accepts: a logit_bias on every token of
+    the vocabulary, every bad word it allows at its longest."""
+    return SamplingParams(
+        logit_bias={token: -100.0 for token in range(vocab)},
+        bad_words_token_ids=[[INT32_MAX] * MAX_BAD_WORD_TOKENS] * MAX_BAD_WORDS,
+        stop_token_ids=list(range(1000)),
+        stop=["a stop string"] * 100,
+    )
+
+
+def test_a_step_of_new_requests_at_their_largest_fits(tmp_path: Path) -> None:
+    """Each fits alone; max_num_seqs of them in one step's body must fit as well."""
+    limits = message_limits(run_config(tmp_path, 20))
+    params = largest_params(VOCAB)
+    inline = INLINE_MAX_BYTES // 4  # the most of an array a body holds
+    requests = [
+        NewRequestData(
+            f"r{i}", i, np.zeros(inline, np.int32), params, np.zeros(inline, np.int32), 1
+        )
+        for i in range(SEQS)
+    ]
+    frames = Encoder().encode(
+        step_request(SchedulerOutput(requests, CachedRequestData.empty(), SEQS))
+    )
+    assert len(frames) == 1 and len(frames[0]) > BODY_ROOM  # all in the body
+    assert len(frames[0]) <= limits.request_bytes
+
+
+def test_a_step_of_requests_with_large_logit_biases_runs(tmp_path: Path) -> None:
+    """End to end: requests whose logit_bias covers a large vocabulary, each accepted,
+    run together in one step (the bound once left them out: the step was refused)."""
+    from tests.engine_helpers import byte_level_tokenizer
+    from tests.tiny import cached_tiny_checkpoint
+    from zmqworker.frontend.llm import LLM
+
+    vocab = 1 << 17
+    path = cached_tiny_checkpoint(family="llama", num_layers=1, vocab_size=vocab)
+    if not (Path(path) / "tokenizer.json").exists():
+        byte_level_tokenizer().save_pretrained(path)
+    bias = {token: 0.5 for token in range(vocab)}
+    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True, logit_bias=bias)
+    with LLM(
+        model=path, max_model_len=64, block_size=4, kv_cache_bytes=1 << 22, max_num_seqs=8
+    ) as llm:
+        outputs = llm.generate([[5, 6, 7 + i] for i in range(4)], params)
+    assert [len(output.token_ids) for output in outputs] == [2] * 4
 
 
 def test_the_largest_pipeline_tensors_fit(tmp_path: Path) -> None:

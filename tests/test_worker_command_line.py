@@ -107,3 +107,30 @@ def test_a_worker_server_that_fails_to_start_closes_what_it_opened(tmp_path):
             time.sleep(0.01)
     finally:
         loop.close()
+
+
+@pytest.mark.parametrize(
+    ("pid", "message"),
+    [
+        ("-5", "--exit-with-parent takes a pid, got -5"),
+        ("1", "--exit-with-parent 1: that process is not this worker's parent"),
+    ],
+)
+def test_an_exit_with_parent_pid_that_is_not_the_parent(
+    tmp_path: Path, pid: str, message: str
+) -> None:
+    """A live process that is not its parent is a mistake, not a dead engine: the worker
+    leaves the engine's socket file alone."""
+    engine = tmp_path / "engine.sock"
+    engine.touch()
+    out = subprocess.run(
+        [sys.executable, "-m", "zmqworker.runtime", "--engine", f"ipc://{engine}", "--rank", "0"]
+        + ["--exit-with-parent", pid],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "ZMQWORKER_TOKEN": "t"},
+        timeout=60,
+    )
+    assert out.returncode == 2, out.stderr
+    assert out.stderr == f"zmqworker worker: error: {message}\n"
+    assert engine.exists()

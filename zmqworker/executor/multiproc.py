@@ -21,6 +21,7 @@ import tempfile
 import threading
 import time
 import weakref
+from contextlib import ExitStack
 from typing import Any
 
 import msgspec
@@ -96,19 +97,27 @@ class MultiprocExecutor(Executor):
                 config.parallel, distributed_init_method=f"tcp://127.0.0.1:{_free_port()}"
             )
             config = msgspec.structs.replace(config, parallel=parallel)
+        limits = message_limits(config)  # first: a config it refuses leaves nothing made
         self.config = config
         self.procs: list[WorkerProcess] = []
         self._closed = False
-        self._dir = tempfile.mkdtemp(prefix="zmqworker-")  # mode 0700: only this user
-        self._ctx = zmq.Context()
         keys = RunKeys.new() if (curve if curve is not None else transport == "tcp") else None
         self.curve = keys is not None
-        self._zap = start_zap(self._ctx, keys.worker_public) if keys is not None else None
-        limits = message_limits(config)
-        endpoint = f"ipc://{self._dir}/engine.sock" if transport == "ipc" else "tcp://127.0.0.1"
-        self._sock, self.address = bind_router(
-            self._ctx, endpoint, limits.reply_bytes, stuck_after_s, keys
-        )
+        # A failure part-way (a socket path too long, a thread that cannot start) frees
+        # what was made before it.
+        with ExitStack() as undo:
+            self._dir = tempfile.mkdtemp(prefix="zmqworker-")  # mode 0700: only this user
+            undo.callback(shutil.rmtree, self._dir, ignore_errors=True)
+            self._ctx = zmq.Context()
+            undo.callback(self._ctx.term)
+            self._zap = start_zap(self._ctx, keys.worker_public) if keys is not None else None
+            if self._zap is not None:
+                undo.callback(self._zap.stop)
+            endpoint = f"ipc://{self._dir}/engine.sock" if transport == "ipc" else "tcp://127.0.0.1"
+            self._sock, self.address = bind_router(
+                self._ctx, endpoint, limits.reply_bytes, stuck_after_s, keys
+            )
+            undo.pop_all()
         self._finalizer = weakref.finalize(self, _kill_all, self.procs, self._dir)
         token = new_token()
         child_env = {**os.environ, **(env or {}), TOKEN_ENV: token}
@@ -119,7 +128,10 @@ class MultiprocExecutor(Executor):
         argv = [sys.executable, "-m", "zmqworker.runtime", "--engine", self.address]
         makers = [
             functools.partial(
-                WorkerProcess, rank, [*argv, "--rank", str(rank), "--exit-with-parent"], child_env
+                WorkerProcess,
+                rank,
+                [*argv, "--rank", str(rank), "--exit-with-parent", str(os.getpid())],
+                child_env,
             )
             for rank in range(world)
         ]

@@ -6,7 +6,8 @@ environment (a value on the command line would show in ps): the handshake token
 (ZMQWORKER_TOKEN), on tcp the run's CURVE keys (ZMQWORKER_CURVE), and the largest frames
 its sockets take in (ZMQWORKER_MAX_MESSAGE_BYTES). Everything else (the model, the
 layout, the cache) arrives as a message. With --exit-with-parent the kernel signals the
-worker when its parent exits (PR_SET_PDEATHSIG), SIGKILL included.
+worker when its parent exits (PR_SET_PDEATHSIG), SIGKILL included; given the parent's pid
+(as our executors do), a worker whose parent died before it looked leaves too.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ import sys
 
 import zmq
 
-from zmqworker.runtime.parent_death import exit_with_parent
+from zmqworker.runtime.parent_death import exit_with_parent, has_exited, hold_parent_death
+from zmqworker.runtime.sockets import remove_socket_file
 from zmqworker.transport.curve import WorkerKeys
 from zmqworker.transport.spawn_env import MAX_MESSAGE_ENV, TOKEN_ENV
 
@@ -37,8 +39,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--exit-with-parent",
-        action="store_true",
-        help="exit when the parent process (the engine) exits",
+        nargs="?",
+        const=0,
+        type=int,
+        metavar="PID",
+        help="exit when the parent process (the engine) exits; PID: the parent's pid, so "
+        "that a parent gone before the worker started is noticed too",
     )
     p.add_argument("--log-level", default="WARNING", help="logging level (default WARNING)")
     return p
@@ -52,6 +58,12 @@ def run_worker(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    if args.exit_with_parent is not None and args.exit_with_parent < 0:
+        print(
+            f"zmqworker worker: error: --exit-with-parent takes a pid, got {args.exit_with_parent}",
+            file=sys.stderr,
+        )
+        return 2
     if args.rank < 0:
         print(f"zmqworker worker: error: --rank must be >= 0, got {args.rank}", file=sys.stderr)
         return 2
@@ -62,9 +74,20 @@ def run_worker(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"zmqworker worker: error: {e}", file=sys.stderr)
         return 2
-    parent_pid = os.getppid() if args.exit_with_parent else None
-    if parent_pid is not None and not exit_with_parent(parent_pid):
-        return 0  # the parent is gone already
+    parent_pid = None
+    if args.exit_with_parent is not None:
+        parent_pid = args.exit_with_parent or os.getppid()
+        hold_parent_death()  # until the server's handler exists (WorkerServer.run)
+        if not exit_with_parent(parent_pid):
+            if not has_exited(parent_pid):
+                print(
+                    f"zmqworker worker: error: --exit-with-parent {parent_pid}: that process "
+                    "is not this worker's parent",
+                    file=sys.stderr,
+                )
+                return 2
+            remove_socket_file(args.engine)  # the engine is gone, and cannot remove it
+            return 0
     from zmqworker.runtime.worker_process import WorkerServer  # torch: only when serving
 
     logging.basicConfig(

@@ -3,7 +3,11 @@ exits (PR_SET_PDEATHSIG, Linux), which the worker answers by leaving at once, re
 the engine's socket file as it goes (fast_exit.py). A signal of its own, not SIGTERM: a
 SIGTERM may come from a live engine, whose files are not the worker's to remove. The
 engine watch (a dropped connection, a changed parent) stays as the slower second way, and
-the only one elsewhere."""
+the only one elsewhere.
+
+The signal is held (blocked) from before the request until the worker's handler exists:
+its default action would end the process with the engine's files left behind. One that
+comes meanwhile waits, and is handled once released."""
 
 from __future__ import annotations
 
@@ -28,3 +32,30 @@ def exit_with_parent(parent_pid: int) -> bool:
             prctl(PR_SET_PDEATHSIG, int(PARENT_DEATH_SIGNAL), 0, 0, 0)
     # The parent may have gone before the request: then the signal never comes.
     return os.getppid() == parent_pid
+
+
+def has_exited(pid: int) -> bool:
+    """Whether process pid has exited; a zombie (its parent has not reaped it yet) has."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # another user's process: there
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] == "Z"
+    except OSError:  # no /proc (not Linux): there, as os.kill said
+        return False
+
+
+def hold_parent_death() -> None:
+    """Block PARENT_DEATH_SIGNAL in this thread and the threads it starts from now on: it
+    waits until release_parent_death(), and then goes to this thread alone."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, {PARENT_DEATH_SIGNAL})
+
+
+def release_parent_death() -> None:
+    """Unblock PARENT_DEATH_SIGNAL in this thread, once its handler is installed: one
+    that came while it was held is delivered now."""
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {PARENT_DEATH_SIGNAL})

@@ -53,7 +53,7 @@ from zmqworker.model_runner.async_output import AsyncModelRunnerOutput
 from zmqworker.runtime.compute_thread import ComputeThread, Job
 from zmqworker.runtime.engine_watch import EngineWatch
 from zmqworker.runtime.fast_exit import fast_exit
-from zmqworker.runtime.parent_death import PARENT_DEATH_SIGNAL
+from zmqworker.runtime.parent_death import PARENT_DEATH_SIGNAL, release_parent_death
 from zmqworker.runtime.replies import Replier, peek_call_id
 from zmqworker.runtime.sockets import default_data_bind, remove_socket_file
 from zmqworker.transport.async_socket import AsyncSocket
@@ -111,6 +111,7 @@ class WorkerServer:
         self._init_error: BaseException | None = None
         self._welcome_taken = False  # set by whichever thread receives the Welcome
         self._engine_lost = ""
+        self._parent_pid = parent_pid
         self._pipeline: PipelineStage | None = None
         self._keys = keys
         self._dumped_for: float | None = None  # the busy_since of the call last dumped
@@ -156,9 +157,13 @@ class WorkerServer:
         if self._handle_signals:
             self._loop.add_signal_handler(signal.SIGINT, self._stop, "signal SIGINT")
             self._loop.add_signal_handler(signal.SIGTERM, self._leave_now, "signal SIGTERM")
-            self._loop.add_signal_handler(
-                PARENT_DEATH_SIGNAL, self._on_engine_lost, "the engine process exited"
-            )
+            # Only a worker whose parent is its engine takes the signal for the engine's
+            # death; any other keeps SIGHUP as it inherited it (nohup's SIG_IGN, say).
+            if self._parent_pid is not None:
+                self._loop.add_signal_handler(
+                    PARENT_DEATH_SIGNAL, self._on_engine_lost, "the engine process exited"
+                )
+                release_parent_death()  # held since before the request (main.py)
         self._loop.call_later(WATCH_EVERY_S, self._watch_calls)
         try:
             self._sock.send(self._loop_reply.enc.encode(self._hello()))
@@ -240,10 +245,13 @@ class WorkerServer:
     def _on_computed(self, req: RpcRequest, result: Any, error: BaseException | None) -> None:
         """On the compute thread: reply at once, unless an output awaits its copy."""
         if isinstance(result, AsyncModelRunnerOutput) and error is None:
-            if not result.is_ready():
-                self._loop.call_soon_threadsafe(self._run_beside, req, result.get_output)
-                return
-            result = result.get_output()
+            try:
+                if not result.is_ready():
+                    self._loop.call_soon_threadsafe(self._run_beside, req, result.get_output)
+                    return
+                result = result.get_output()
+            except Exception as e:  # a device fault seen here: the engine must hear of it
+                result, error = None, e
         self._compute_reply.finish(req, result, error)
         if req.method in STOP_AFTER and error is None:
             self._loop.call_soon_threadsafe(self._stop, f"{req.method} requested")
