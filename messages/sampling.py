@@ -215,6 +215,14 @@ class SamplingParams(msgspec.Struct, tag=True, frozen=True, omit_defaults=True):
                 return field, value
         return None
 
+    def for_workers(self) -> SamplingParams:
+        """These params as a step carries them to the workers: without what only the
+        engine and the client read (stop strings, bad words as text, the structured-output
+        constraint, which may be a large JSON schema)."""
+        if not (self.stop or self.bad_words or self.structured_outputs is not None):
+            return self
+        return msgspec.structs.replace(self, stop=[], bad_words=[], structured_outputs=None)
+
     def token_id_outside(self, vocab_size: int) -> tuple[str, int] | None:
         """(field, id) of the first token id at or above vocab_size in stop_token_ids,
         logit_bias and bad_words_token_ids; None when every one is within it."""

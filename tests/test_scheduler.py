@@ -156,6 +156,27 @@ def test_requests_arriving_later_are_batched_in():
     assert second.output_token_ids == expected_output(second, executor)
 
 
+def test_a_step_carries_only_the_sampling_params_the_workers_read():
+    """Stop strings, bad words as text and a structured-output constraint (a JSON schema
+    may be large) are the client's and the engine's: a step that carried them could pass
+    the workers' bound on its body, failing every request in it."""
+    core, executor = make_core()
+    params = SamplingParams(
+        max_tokens=3, temperature=0.0, stop=["x" * 100_000], bad_words=["y" * 1_000],
+        bad_words_token_ids=[[7]], stop_token_ids=[9],
+    )  # fmt: skip
+    request = Request("r", [1, 2, 3], params)
+    core.add_request(request)
+    core.step()
+    [new] = steps(executor)[-1].scheduled_new_reqs
+    sent = new.sampling_params
+    assert sent.stop == [] and sent.bad_words == [] and sent.structured_outputs is None
+    assert (sent.bad_words_token_ids, sent.stop_token_ids) == ([[7]], [9])
+    assert request.sampling_params is params  # the engine's own stays whole
+    plain = SamplingParams(max_tokens=3)
+    assert plain.for_workers() is plain
+
+
 def test_long_prompt_is_prefilled_in_chunks_after_the_decodes():
     core, executor = make_core(max_num_batched_tokens=8)
     decoding = Request("decoding", [1, 2], greedy(max_tokens=20))

@@ -101,7 +101,7 @@ class StepDraft:
                 req_id=request.req_id,
                 req_handle=request.handle,
                 prompt_token_ids=np.array(request.all_token_ids, np.int32),
-                sampling_params=request.sampling_params,
+                sampling_params=request.sampling_params.for_workers(),
                 block_ids=np.array(block_ids, np.int32),
                 num_scheduled_tokens=num_new,
                 num_computed_tokens=int(table.computed[position]),
