@@ -372,6 +372,7 @@ def test_a_killed_engine_core_fails_the_stream_naming_it_and_stops_the_server(do
     everything = psutil.Process(srv.proc.pid).children(recursive=True)
     try:
         [core] = processes(srv, "zmqworker.engine")
+        assert core.cmdline()[-1] == str(srv.proc.pid)  # its spawner's (follow_spawner)
         stream = srv.client(max_retries=0).completions.create(
             model=MODEL, prompt="Once upon a time", max_tokens=400, temperature=0, stream=True,
             extra_body={"ignore_eos": True},
@@ -394,6 +395,7 @@ def test_a_killed_api_server_stops_the_whole_server(doomed):
     everything = psutil.Process(srv.proc.pid).children(recursive=True)
     try:
         victim = processes(srv, "zmqworker.serve.api_server")[1]
+        assert victim.cmdline()[-1] == str(srv.proc.pid)
         victim.kill()
         assert srv.proc.wait(60) == 1
     finally:

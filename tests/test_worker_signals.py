@@ -5,6 +5,7 @@ socket file stays. Real processes and sockets."""
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import subprocess
@@ -130,3 +131,20 @@ def test_a_hand_started_worker_keeps_sighup_as_it_inherited_it(
         worker.wait()
         router.close(linger=0)
         ctx.term()
+
+
+def test_processes_we_spawn_leave_when_their_spawner_is_gone_before_they_look() -> None:
+    """An engine core or API server whose spawner died before it asked for the parent-death
+    signal ran on as an orphan (its parent was init by then). The spawner passes its pid:
+    a process whose parent is another leaves at once."""
+    code = (
+        "import sys; from zmqworker.runtime.parent_death import follow_spawner; "
+        "sys.exit(0 if follow_spawner(sys.argv) else 7)"
+    )
+    run = functools.partial(subprocess.run, timeout=60, capture_output=True, text=True)
+    assert run([sys.executable, "-c", code, str(os.getpid())]).returncode == 0  # the parent
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    assert run([sys.executable, "-c", code, str(gone.pid)]).returncode == 7
+    bad = run([sys.executable, "-c", code, "me"])
+    assert bad.returncode == 1 and "argv[1] must be the spawner's pid" in bad.stderr

@@ -2,9 +2,10 @@
 the main process of `zmqworker serve`).
 
 Its stdin holds one message, its EngineCoreConfig (in the protocol's envelope), never its
-command line (which every local user can read in ps). It asks for SIGHUP when its parent
-exits (PR_SET_PDEATHSIG: the parent spawns it from a thread that lives as long as the
-engine core is wanted) and answers SIGHUP and SIGTERM by leaving at once: its socket file
+command line (which every local user can read in ps; it holds only its spawner's pid).
+It asks for SIGHUP when its parent exits (PR_SET_PDEATHSIG: the parent spawns it from a
+thread that lives as long as the engine core is wanted), or leaves at once when its parent
+is no longer that pid, and answers SIGHUP and SIGTERM by leaving at once: its socket file
 removed, then os._exit. Its workers follow by their own parent-death signal. It runs in a
 session of its own: a Ctrl-C at the terminal reaches its client, which stops it in order.
 
@@ -15,7 +16,6 @@ good (its last stderr lines say why); 2 when its stdin holds no EngineCoreConfig
 from __future__ import annotations
 
 import logging
-import os
 import signal
 import sys
 import time
@@ -31,7 +31,11 @@ from zmqworker.engine.executors import executor_factory
 from zmqworker.engine.grammar_compiler import GrammarCompiler
 from zmqworker.engine.structured_outputs import StructuredOutputs
 from zmqworker.runtime.fast_exit import fast_exit
-from zmqworker.runtime.parent_death import PARENT_DEATH_SIGNAL, exit_with_parent
+from zmqworker.runtime.parent_death import (
+    PARENT_DEATH_SIGNAL,
+    follow_spawner,
+    release_parent_death,
+)
 
 log = logging.getLogger("zmqworker.engine")
 
@@ -84,13 +88,14 @@ def main() -> int:
         level=config.log_level.upper(),
         format="%(message)s",
     )
-    if not exit_with_parent(os.getppid()):
+    if not follow_spawner(sys.argv):
         return 0  # the client is gone already
 
     def leave(signum: int, frame: object) -> None:
         fast_exit([config.address])
 
     signal.signal(PARENT_DEATH_SIGNAL, leave)
+    release_parent_death()
     signal.signal(signal.SIGTERM, leave)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # its client stops it
     ctx = zmq.Context()

@@ -66,7 +66,7 @@ class EngineCoreHandle(ABC):
 class EngineCoreProcess(EngineCoreHandle):
     def __init__(self, index: int, config: bytes, env: dict[str, str] | None = None) -> None:
         self.index = index
-        argv = [sys.executable, "-m", "zmqworker.engine"]
+        argv = [sys.executable, "-m", "zmqworker.engine", str(os.getpid())]  # its spawner
         environ = {**os.environ, **(env or {})}
         self.proc = ChildProcess(f"engine core {index}", argv, environ, stdin=config)
         self.pid = self.proc.pid

@@ -59,3 +59,15 @@ def release_parent_death() -> None:
     """Unblock PARENT_DEATH_SIGNAL in this thread, once its handler is installed: one
     that came while it was held is delivered now."""
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {PARENT_DEATH_SIGNAL})
+
+
+def follow_spawner(argv: list[str]) -> bool:
+    """For a process our code spawns with its own pid as argv[1] (an engine core, an API
+    server): ask for PARENT_DEATH_SIGNAL, held until release_parent_death(); False when
+    the spawner is gone already (this process's parent is another by now)."""
+    try:
+        spawner = int(argv[1]) if len(argv) > 1 else os.getppid()
+    except ValueError:
+        raise SystemExit(f"{argv[0]}: error: argv[1] must be the spawner's pid") from None
+    hold_parent_death()
+    return exit_with_parent(spawner)

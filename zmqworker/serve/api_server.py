@@ -1,10 +1,12 @@
 """One API server process of `zmqworker serve`: `python -m zmqworker.serve.api_server`,
-spawned by the serve command's main process, its ApiServerConfig on its stdin.
+spawned by the serve command's main process (whose pid is its one argument), its
+ApiServerConfig on its stdin.
 
 It loads the model's text side, connects to the engine cores the main process started
 (a client of each, watching each through a pidfd of its own), and runs uvicorn on uvloop
 over the listening socket it inherited: every API server accepts on the same port. It
-exits with its parent (PR_SET_PDEATHSIG); SIGTERM drains it (uvicorn stops taking
+exits with its parent (PR_SET_PDEATHSIG; at once if its parent is no longer that pid);
+SIGTERM drains it (uvicorn stops taking
 connections and lets the requests in flight finish, at most shutdown_timeout_s, then
 answers those left with a 503 or ends their streams with an error); SIGINT
 is the main process's to handle.
@@ -29,7 +31,11 @@ from zmqworker.frontend.core_process import WatchedEngineCore
 from zmqworker.frontend.disaggregated_client import client_maker
 from zmqworker.frontend.frontend import Frontend
 from zmqworker.frontend.remote_cores import remote_client
-from zmqworker.runtime.parent_death import PARENT_DEATH_SIGNAL, exit_with_parent
+from zmqworker.runtime.parent_death import (
+    PARENT_DEATH_SIGNAL,
+    follow_spawner,
+    release_parent_death,
+)
 from zmqworker.serve.app import build_app
 from zmqworker.serve.cors import CorsOptions
 from zmqworker.serve.errors import APIError
@@ -160,9 +166,10 @@ def main() -> int:
     except msgspec.DecodeError as exc:
         print(f"zmqworker api server: error: stdin: {exc}", file=sys.stderr)
         return 2
-    if not exit_with_parent(os.getppid()):
+    if not follow_spawner(sys.argv):
         return 0
     signal.signal(PARENT_DEATH_SIGNAL, lambda *_: os._exit(0))  # the main process is gone
+    release_parent_death()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=config.engine_log_level, format="%(message)s")
     return run(config)

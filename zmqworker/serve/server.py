@@ -131,7 +131,7 @@ def serve(
             log_level=log_level,
             engine_log_level=logging.getLevelName(logger.getEffectiveLevel()),
         )
-        argv = [sys.executable, "-m", "zmqworker.serve.api_server"]
+        argv = [sys.executable, "-m", "zmqworker.serve.api_server", str(os.getpid())]
         makers = [
             functools.partial(
                 ChildProcess,
