@@ -24,6 +24,7 @@ from messages.kv_cache import make_kv_cache_config
 from messages.rpc import (
     Ping,
     PipelineSharedTensors,
+    PipelineStepRefused,
     PipelineTensors,
     RemoteError,
     RpcReply,
@@ -372,6 +373,9 @@ EXAMPLES: dict[str, Callable[[], Message]] = {
     ),
     "pipeline_shared_tensors": lambda: PipelineSharedTensors(
         call_id=100, src_rank=0, shared=shared_slot(), run_id=RUN_ID
+    ),
+    "pipeline_step_refused": lambda: PipelineStepRefused(
+        call_id=100, src_rank=0, reason="ValueError: request 'r7' (handle 7): ...", run_id=RUN_ID
     ),
     **WEIGHT_EXAMPLES,
     **KV_TRANSFER_EXAMPLES,

@@ -150,6 +150,15 @@ class PipelineSharedTensors(msgspec.Struct, tag=True):
     run_id: str = ""
 
 
-WorkerMessage = (
-    RpcRequest | RpcReply | Hello | Welcome | Ping | PipelineTensors | PipelineSharedTensors
-)
+class PipelineStepRefused(msgspec.Struct, tag=True):
+    """The sending stage refused the step with this call id (reason: its error): the next
+    stage fails the step at once instead of waiting out its tensors."""
+
+    call_id: int
+    src_rank: int
+    reason: str
+    run_id: str = ""
+
+
+PipelineMessage = PipelineTensors | PipelineSharedTensors | PipelineStepRefused
+WorkerMessage = RpcRequest | RpcReply | Hello | Welcome | Ping | PipelineMessage

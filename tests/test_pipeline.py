@@ -30,6 +30,7 @@ from messages import (
 from tests.test_executor import wait_gone
 from tests.tiny import cached_tiny_checkpoint
 from zmqworker.distributed.shm_ring import MEMFD_NAME
+from zmqworker.executor.errors import WorkerError
 from zmqworker.executor.multiproc import MultiprocExecutor
 from zmqworker.frontend.errors import EngineCoreError
 from zmqworker.frontend.llm import LLM
@@ -164,7 +165,15 @@ def test_split_sampling_at_pp2_answers_on_every_rank() -> None:
 
     with MultiprocExecutor(config) as ex:
         ex.initialize_from_config(make_kv_cache_config(ex.get_kv_cache_specs(), 16))
-        split = ex.collective_rpc("execute_model", (prefill(0),), {"sample": False})
+        # A step the first stage refuses (request 5's next token, never sent to it) fails
+        # on the last at once, the refusal travelling the pipeline: the last stage waited
+        # 120 s for its tensors, and the steps after it with it.
+        ex.execute_model(prefill(5))
+        lacking = CachedRequestData.build([5], [len(prompt)], [1])
+        # Whichever rank answers first: the refusing one, or the one told.
+        with pytest.raises(WorkerError, match="refused|exceeds its"):
+            ex.collective_rpc("execute_model", (SchedulerOutput([], lacking, 1),), timeout=60)
+        split = ex.collective_rpc("execute_model", (prefill(0),), {"sample": False}, timeout=30)
         assert split == [None, None]
         first, last = ex.collective_rpc("sample_tokens", (None,))
         assert first is None

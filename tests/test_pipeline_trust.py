@@ -18,7 +18,13 @@ import pytest
 import torch
 import zmq
 
-from messages import Encoder, IntermediateTensors, PipelineSharedTensors, PipelineTensors
+from messages import (
+    Encoder,
+    IntermediateTensors,
+    PipelineSharedTensors,
+    PipelineStepRefused,
+    PipelineTensors,
+)
 from messages.compare import assert_same
 from zmqworker.distributed.pp_channel import SHM_SLOTS
 from zmqworker.distributed.pp_receiver import MAX_AHEAD, MAX_EARLY, PipelineReceiver
@@ -97,6 +103,29 @@ def test_messages_without_the_run_or_from_another_rank_change_nothing(receiver) 
     try:
         sender.send(5, tensors(5))
         assert_same(receiver.expect(5, 0).wait(), tensors(5))
+    finally:
+        sender.close()
+
+
+def test_a_step_the_previous_stage_refused_fails_here_at_once(receiver) -> None:
+    """Stage 0 refused the step and sent no tensors: this stage waited out its receive
+    timeout (120 s, the whole pipeline with it). Now the refusal comes instead; a forged
+    one (no run id, another rank) changes nothing."""
+    push(
+        receiver.address,
+        PipelineStepRefused(call_id=6, src_rank=0, reason="ValueError: forged"),
+        PipelineStepRefused(call_id=6, src_rank=3, reason="ValueError: forged", run_id=RUN),
+    )
+    settle(receiver, 2)
+    sender = PipelineSender(zmq.Context.instance(), receiver.address, 0, RUN, False, 30)
+    try:
+        sender.refuse(6, ValueError("request 'r7' (handle 7): past its tokens"))
+        pending = receiver.expect(6, 0)
+        pending.timeout_s = 10.0  # well below the 120 s of a lost step, if it were
+        with pytest.raises(RuntimeError, match="step 6: the previous stage \\(rank 0\\) refused"):
+            pending.wait()
+        sender.send(7, tensors(7))  # the next step goes on
+        assert_same(receiver.expect(7, 0).wait(), tensors(7))
     finally:
         sender.close()
 

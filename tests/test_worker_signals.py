@@ -98,9 +98,10 @@ def hand_started_worker(address: str, ignore_sighup: bool) -> subprocess.Popen:
         [sys.executable, "-m", "zmqworker.runtime", "--engine", address, "--rank", "0"],
         env={**os.environ, "ZMQWORKER_TOKEN": "t"},
         stderr=subprocess.DEVNULL,
-        preexec_fn=(lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN))
-        if ignore_sighup
-        else None,
+        # Either way explicitly: the test run itself may have inherited SIG_IGN (nohup).
+        preexec_fn=lambda: signal.signal(
+            signal.SIGHUP, signal.SIG_IGN if ignore_sighup else signal.SIG_DFL
+        ),
         cwd=ROOT,
     )
 

@@ -4,7 +4,9 @@ input tensors come from and where its output tensors go (pp_channel.py carries t
 A step is named by the id of the execute_model call the engine sent to every rank, so
 stages match their tensors by id, never by arrival order. The receive is posted as the
 step starts and waited for only once the step's inputs are ready (the transfer overlaps
-the preparation); the send does not wait for the next stage.
+the preparation); the send does not wait for the next stage. A rank that refuses a step
+tells the next stage so (refuse), which then fails it at once instead of waiting for its
+tensors.
 """
 
 from __future__ import annotations
@@ -49,6 +51,11 @@ class PipelineStage:
         """The step is over: its input tensors (and their shared memory) go back."""
         if self.previous_rank is not None:
             self.receiver.forget(step_id)
+
+    def refuse(self, step_id: int, error: BaseException) -> None:
+        """This rank refused the step (error): the next stage, if any, fails it too."""
+        if self.sender is not None:
+            self.sender.refuse(step_id, error)
 
     def send(self, step_id: int, tensors: IntermediateTensors) -> None:
         if self.sender is None:

@@ -28,7 +28,9 @@ import zmq
 from messages import (
     Decoder,
     IntermediateTensors,
+    PipelineMessage,
     PipelineSharedTensors,
+    PipelineStepRefused,
     PipelineTensors,
     ProtocolError,
 )
@@ -154,7 +156,7 @@ class PipelineReceiver:
         except ProtocolError as e:
             self.drops.count(f"did not decode: {e}")
             return
-        if not isinstance(msg, PipelineTensors | PipelineSharedTensors):
+        if not isinstance(msg, PipelineTensors | PipelineSharedTensors | PipelineStepRefused):
             self.drops.count(f"a {type(msg).__name__} is no pipeline message")
             return
         with self._lock:
@@ -166,13 +168,19 @@ class PipelineReceiver:
             return
         if isinstance(msg, PipelineTensors):
             self._arrived(msg.call_id, msg.src_rank, msg.tensors, None)
+        elif isinstance(msg, PipelineStepRefused):
+            refused = RuntimeError(
+                f"step {msg.call_id}: the previous stage (rank {msg.src_rank}) refused it: "
+                f"{msg.reason}"
+            )
+            self._arrived(msg.call_id, msg.src_rank, None, refused)
         else:
             self._open_shared(msg)
 
-    def _of_this_run(self, msg: PipelineTensors | PipelineSharedTensors) -> bool:
+    def _of_this_run(self, msg: PipelineMessage) -> bool:
         return bool(self._run_id) and hmac.compare_digest(msg.run_id, self._run_id)
 
-    def _refusal(self, msg: PipelineTensors | PipelineSharedTensors) -> str | None:
+    def _refusal(self, msg: PipelineMessage) -> str | None:
         """Why msg is turned away (under the lock), or None."""
         if not self._run_id:
             return "no run admitted yet"

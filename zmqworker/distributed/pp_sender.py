@@ -8,7 +8,13 @@ from typing import TYPE_CHECKING
 
 import zmq
 
-from messages import Encoder, IntermediateTensors, PipelineSharedTensors, PipelineTensors
+from messages import (
+    Encoder,
+    IntermediateTensors,
+    PipelineSharedTensors,
+    PipelineStepRefused,
+    PipelineTensors,
+)
 from zmqworker.distributed.pp_channel import SEND_TIMEOUT_S, SHM_SLOTS, use_shared_memory
 from zmqworker.distributed.shm_ring import ShmSender
 from zmqworker.transport.curve import WorkerKeys, make_client
@@ -92,6 +98,17 @@ class PipelineSender:
         host = IntermediateTensors({k: self._to_host(k, v) for k, v in tensors.tensors.items()})
         msg = PipelineTensors(call_id=call_id, src_rank=self.rank, tensors=host, run_id=self.run_id)
         self._tracker = self._send(call_id, self._enc.encode(msg), track=True)
+
+    def refuse(self, call_id: int, error: BaseException) -> None:
+        """Tell the next stage this step was refused here, so that it fails the step at
+        once rather than when its wait for the tensors ends. Best effort: a refusal that
+        cannot go out leaves that wait."""
+        reason = f"{type(error).__name__}: {error}"[:4096]
+        msg = PipelineStepRefused(call_id, self.rank, reason, self.run_id)
+        try:
+            self.sock.send_multipart(self._enc.encode(msg), flags=zmq.NOBLOCK)
+        except zmq.ZMQError as e:
+            log.warning("rank %d: step %d's refusal was not sent: %s", self.rank, call_id, e)
 
     def close(self) -> None:
         self.sock.close(linger=0)

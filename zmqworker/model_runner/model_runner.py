@@ -243,8 +243,8 @@ class ModelRunner:
         wait = not self.fused or bool(scheduler_output.preempted_req_handles)
         write_samples(self.batch, self._samples, wait=wait)
         plan = plan_update(self.batch, scheduler_output)
-        # Waited for before the batch changes: a step the previous stage refused (it
-        # sends nothing) or whose tensors do not fit leaves this stage's batch as it was.
+        # Waited for before the batch changes: a step the previous stage refused (its
+        # refusal comes instead) or whose tensors do not fit leaves the batch as it was.
         model = self.model
         hidden_in = intermediate_inputs(
             intermediate_tensors,

@@ -1,7 +1,7 @@
 """The previous pipeline stage's tensors for a step, checked and on this rank's device.
 
 They are waited for and checked whole before the step changes the batch: a step whose
-tensors never come (the previous stage refused it and sends nothing) or do not fit
+tensors never come (the previous stage refused it: its refusal comes instead) or do not fit
 (token count, hidden size, dtype) is refused and leaves the batch as it was, as the
 previous stage's batch is.
 """

@@ -43,8 +43,7 @@ PROFILERS = ("none", "torch", "cuda")
 HEALTH_OP_TIMEOUT_S = 10.0
 # A step running longer than this means the model runner is wedged.
 STEP_WEDGED_AFTER_S = 600.0
-# A step that computes nothing while KV transfers are under way (the engine polls for
-# their end) waits this long for one to end, so that polling does not spin.
+# A step computing nothing while KV transfers run (the engine polls) waits for one this long.
 KV_POLL_WAIT_S = 0.02
 
 
@@ -194,6 +193,7 @@ class Worker(WorkerBase):
         pipeline = self.pipeline
         # Posted before the step is checked, waited for by the runner before it applies it.
         inputs = pipeline.receive(call_id) if pipeline is not None else None
+        computes = scheduler_output.total_num_scheduled_tokens > 0
         self._step_started = time.monotonic()
         connector, kv_orders = self.kv_connector, scheduler_output.kv_connector_metadata
         try:
@@ -204,17 +204,18 @@ class Worker(WorkerBase):
             if connector is not None:
                 connector.after_step(kv_orders)
                 if isinstance(output, AsyncModelRunnerOutput):
-                    idle = scheduler_output.total_num_scheduled_tokens == 0
-                    wait_s = KV_POLL_WAIT_S if idle else 0.0
+                    wait_s = 0.0 if computes else KV_POLL_WAIT_S
                     output.kv_connector_output = connector.take_output(wait_s)
+        except BaseException as exc:
+            if pipeline is not None and computes:
+                pipeline.refuse(call_id, exc)  # the next stage would wait for its tensors
+            raise
         finally:
             self._step_started = None
             if pipeline is not None:
                 pipeline.done(call_id)
         if isinstance(output, IntermediateTensors) and pipeline is not None:
-            # A step that computes nothing (it only finishes or preempts requests) has no
-            # tensors for the next stage, which does not wait for any.
-            if scheduler_output.total_num_scheduled_tokens > 0:
+            if computes:  # else there are no tensors for the next stage, nor a wait there
                 pipeline.send(call_id, output)  # does not wait for the next stage
             return None
         return output
