@@ -202,6 +202,8 @@ def test_every_request_series_is_scraped_at_zero_before_any_request(monkeypatch)
         (["--shutdown-timeout", "-1"], "--shutdown-timeout must be finite and >= 0, got -1.0"),
         (["--shutdown-timeout", "nan"], "--shutdown-timeout must be finite and >= 0, got nan"),
         (["--shutdown-timeout", "inf"], "--shutdown-timeout must be finite and >= 0, got inf"),
+        (["--api-key", ""], "--api-key is empty: give a key"),  # "$KEY" of an unset KEY
+        (["--api-key", "  "], "--api-key is empty"),
     ],
 )
 def test_serve_options_are_checked_before_anything_starts(argv, message):

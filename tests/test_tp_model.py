@@ -14,6 +14,7 @@ from safetensors.torch import load_file, save_file
 from messages import ModelConfig, ParallelConfig
 from tests.tiny import PagedDriver, cached_tiny_checkpoint
 from zmqworker.distributed.parallel_state import (
+    GROUP_TIMEOUT_S,
     destroy_parallel_state,
     init_parallel_state,
     single_rank_state,
@@ -60,6 +61,9 @@ def _tp_rank_main(rank: int, world: int, inits: list[str], paths: dict, out_dir:
         total = torch.tensor([float(rank + 1)])
         dist.all_reduce(total, group=state.pp_group)
         results["pp_layout"], results["pp_sum"] = layout, total
+        # The group's bound on a collective, not torch's 30 minutes (a dead rank's peers).
+        timeout = state.pp_group._get_backend(CPU).options._timeout.total_seconds()
+        results["pp_timeout"] = torch.tensor([timeout])
     finally:
         destroy_parallel_state()
     save_file(results, f"{out_dir}/rank{rank}.safetensors")
@@ -78,6 +82,7 @@ def test_tp2_logits_equal_tp1_and_pp_groups_form(tmp_path):
     for rank in range(2):
         got = load_file(tmp_path / f"rank{rank}.safetensors")
         assert got["pp_layout"].tolist() == [rank, 1, 1, rank == 1]
+        assert got["pp_timeout"].tolist() == [GROUP_TIMEOUT_S]
         assert got["pp_sum"].item() == 3.0
         for name, path in paths.items():
             expected = run_schedules(build_model(ModelConfig(path=path), single_rank_state(CPU)))

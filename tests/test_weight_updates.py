@@ -104,7 +104,9 @@ class Trainer:
     on entering, ahead of its push: its seconds of importing torch overlap the test's
     other steps. push() has it join a new group with the workers and send them."""
 
-    def __init__(self, llm: LLM, tied: bool, seed: int, bad_shape: bool = False) -> None:
+    def __init__(
+        self, llm: LLM, tied: bool, seed: int, bad_shape: bool = False, mode: str = ""
+    ) -> None:
         self.weights = list(hf_model(tied, seed).named_parameters())
         self.bad_shape = bad_shape
         self.port, self.world = free_port(), 1 + llm.worker_config.parallel.world_size
@@ -113,6 +115,7 @@ class Trainer:
         torch.save([(name, param.detach()) for name, param in self.weights], saved)
         argv = [sys.executable, "-m", "tests.weight_trainer", str(saved), str(self.port)]
         argv += [str(self.world), *(["--bad-shape"] if bad_shape else [])]
+        argv += [f"--{mode}"] if mode else []
         self.process = subprocess.Popen(argv, cwd=ROOT, stderr=subprocess.PIPE, text=True)
 
     def __enter__(self) -> Trainer:
@@ -188,6 +191,26 @@ def test_bad_updates_change_nothing(layout, tmp_path):
             status, error = trainer.push(llm)
         assert status == 3 and "model.embed_tokens.weight has shape" in str(error)
         assert tokens(llm) == old
+        # Tensors that differ from what the engine was told: the sender refuses them
+        # through the group (the workers waited out its timeout, and it was broken), and
+        # the right ones go over the same group. Then a send that fails halfway closes
+        # the group: the workers fail at once, and refuse steps until a reload.
+        with Trainer(llm, tied, SEED, mode="differ-then-fail") as trainer:
+            llm.init_weight_transfer_group(
+                "127.0.0.1", trainer.port, trainer.world, rank_offset=1, timeout_s=60.0
+            )
+            update = describe(trainer.weights, piece_bytes=4096)
+            with pytest.raises(RuntimeError, match="another rank .* refused the update"):
+                llm.update_weights_from_group(update)  # not the group's timeout
+            assert tokens(llm) == old
+            llm.update_weights_from_group(update)
+            assert tokens(llm) == hf_tokens(tied, SEED)
+            with pytest.raises(RuntimeError, match="(?i)closed|reset"):
+                llm.update_weights_from_group(update)
+            assert trainer.process.wait(60) == 5
+        with pytest.raises(EngineCoreError, match="before a step"):
+            tokens(llm)
+        llm.reload_weights()
     other = cached_tiny_checkpoint(family="llama", num_layers=2, vocab_size=320)
     with pytest.raises(ValueError, match="num_hidden_layers: 4 vs 2"):
         llm.reload_weights(other)

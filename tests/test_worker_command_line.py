@@ -54,6 +54,16 @@ def keys_env(engine_public: bytes, public: bytes, secret: bytes) -> str:
     return WorkerKeys(engine_public, public, secret).to_env()
 
 
+def test_a_log_level_logging_does_not_know_is_a_command_line_error() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "zmqworker.runtime", "--engine", "ipc:///nowhere/e.sock",
+         "--rank", "0", "--log-level", "bogus"],
+        capture_output=True, text=True, env={**os.environ, "ZMQWORKER_TOKEN": "t"}, timeout=60,
+    )  # fmt: skip
+    assert out.returncode == 2 and "--log-level: invalid choice: 'BOGUS'" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
 @pytest.mark.parametrize(
     ("value", "message"),
     [

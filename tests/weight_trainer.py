@@ -6,7 +6,10 @@ transformers nor the model: starting it is most of a test's time otherwise.
     python -m tests.weight_trainer WEIGHTS PORT WORLD_SIZE [--bad-shape]
 
 --bad-shape sends the first tensor with a row too few, which the workers must refuse
-before any weight changes. Exit status 0 once sent; 3 when the workers refused.
+before any weight changes. --differ-then-fail sends, under the right announcement,
+tensors that differ from it (the sender refuses them, the workers with it), then the
+right ones over the same group, then them again, failing at the fourth broadcast. Exit
+status 0 once sent; 3 when the workers refused; 5 when a send failed midway.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ def main() -> int:
     parser.add_argument("port", type=int)
     parser.add_argument("world_size", type=int)
     parser.add_argument("--bad-shape", action="store_true")
+    parser.add_argument("--differ-then-fail", action="store_true")
     args = parser.parse_args()
     weights = torch.load(args.weights, weights_only=True)
     if args.bad_shape:
@@ -43,10 +47,31 @@ def main() -> int:
         "127.0.0.1", args.port, args.world_size, timeout_s=60.0, piece_bytes=4096
     ) as sender:
         try:
+            if args.differ_then_fail:
+                update = sender.announce(weights)
+                wrong = [(weights[0][0], weights[0][1][1:]), *weights[1:]]
+                try:
+                    sender.send(wrong, update)
+                except ValueError:
+                    pass
+                else:
+                    return 4
+                sender.send(weights)
+                broadcast, sent = sender.group.broadcast, []
+
+                def failing(tensor: torch.Tensor) -> None:
+                    if len(sent) == 3:
+                        raise OSError("the trainer's device fell off the bus")
+                    sent.append(tensor)
+                    broadcast(tensor)
+
+                sender.group.broadcast = failing  # type: ignore[method-assign]
             sender.send(weights)
         except RuntimeError as e:
             print(e, file=sys.stderr)
             return 3
+        except OSError:
+            return 5
     return 0
 
 

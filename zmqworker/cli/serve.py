@@ -126,7 +126,7 @@ def run(args: argparse.Namespace) -> int:
         host=args.host,
         port=args.port,
         served_model_name=args.served_model_name,
-        api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+        api_key=_api_key(args),
         shutdown_timeout_s=args.shutdown_timeout,
         log_level=args.uvicorn_log_level,
         api_server_count=args.api_server_count,
@@ -170,3 +170,13 @@ def _size(text: str) -> int:
     if size < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1 byte, got {text!r}")
     return size
+
+
+def _api_key(args: argparse.Namespace) -> str | None:
+    """--api-key, else $ZMQWORKER_API_KEY, else None (no key); an empty or blank one is
+    refused: `--api-key "$KEY"` with KEY unset would serve without authentication."""
+    given = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV)
+    if given is not None and not given.strip():
+        where = "--api-key" if args.api_key is not None else f"${API_KEY_ENV}"
+        raise ValueError(f"{where} is empty: give a key, or leave the option out for none")
+    return given

@@ -11,6 +11,7 @@ group; replicas that join one world make it span them.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -19,6 +20,11 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from messages import ParallelConfig
+
+# The TP, PP and EP groups' bound on a collective (their creation included), where torch's
+# default is 30 minutes: a rank that died mid-set-up or mid-step holds the others this
+# long at most where nothing else watches them, and a rank's first kernel compiles fit.
+GROUP_TIMEOUT_S = 600.0
 
 # Whether this module called init_process_group, so destroy only tears down what it built.
 _initialised_here = False
@@ -108,20 +114,21 @@ def init_parallel_state(
         _initialised_here = True
     # new_group is collective: every rank creates every group, in the same order.
     tp_group = pp_group = ep_group = None
+    new_group = functools.partial(dist.new_group, timeout=timedelta(seconds=GROUP_TIMEOUT_S))
     for stage in range(pp_size):
         tp_ranks = [stage * tp_size + t for t in range(tp_size)]
-        group = dist.new_group(tp_ranks) if tp_size > 1 else None
+        group = new_group(tp_ranks) if tp_size > 1 else None
         if stage == pp_rank:
             tp_group = group
         if ep_size > 1:
             ep_ranks = expert_group_ranks(tp_size, pp_size, 1, stage)
             # A world of one replica: the TP group's ranks, and its group.
-            ep = group if ep_ranks == tp_ranks else dist.new_group(ep_ranks)
+            ep = group if ep_ranks == tp_ranks else new_group(ep_ranks)
             if stage == pp_rank:
                 ep_group = ep
     for t in range(tp_size):
         ranks = [stage * tp_size + t for stage in range(pp_size)]
-        group = dist.new_group(ranks) if pp_size > 1 else None
+        group = new_group(ranks) if pp_size > 1 else None
         if t == tp_rank:
             pp_group = group
     return ParallelState(

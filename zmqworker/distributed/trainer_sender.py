@@ -8,7 +8,10 @@ and broadcasts named tensors to every worker of the engines that joined.
     sender.send(model.named_parameters(), update)  # at the same time
 
 Both calls return once every worker has taken the update, or raise: on a refusal (a
-name, shape or dtype the model does not have) before any weight has changed.
+name, shape or dtype the model does not have, or tensors that differ from the
+announcement) before any weight has changed, the group still usable; on a failure
+halfway, with the group closed (a new sender is needed) and the workers refusing steps
+until a whole update or a reload.
 """
 
 from __future__ import annotations
@@ -61,20 +64,32 @@ class TrainerWeightSender:
         given (by default, announce(weights)), which they must match."""
         weights = list(weights)
         update = update if update is not None else self.announce(weights)
-        if describe(weights, update.piece_bytes) != update:
-            raise ValueError("the tensors differ from the announcement (names, dtypes or shapes)")
+        matches = describe(weights, update.piece_bytes) == update
         group = self.group
+        # The workers wait in these steps: a refusal of ours goes through them too, so
+        # that they fail at once and the group stays usable.
         group.exchange_header(update)
-        if not group.agree(True):
+        if not group.agree(matches):
+            if not matches:
+                raise ValueError(
+                    "the tensors differ from the announcement (names, dtypes or shapes); "
+                    "no weight has changed"
+                )
             raise RuntimeError(
                 "the workers refused the update (update_weights_from_group on the engine "
                 "says why); no weight has changed"
             )
-        for spec, (_, tensor) in zip(update.tensors, weights, strict=True):
-            tensor = tensor.detach()
-            for start, rows in pieces(spec.shape, tensor.element_size(), update.piece_bytes):
-                piece = tensor.narrow(0, start, rows) if tensor.dim() else tensor
-                group.broadcast(piece.to(group.device).contiguous())
+        try:
+            for spec, (_, tensor) in zip(update.tensors, weights, strict=True):
+                tensor = tensor.detach()
+                for start, rows in pieces(spec.shape, tensor.element_size(), update.piece_bytes):
+                    piece = tensor.narrow(0, start, rows) if tensor.dim() else tensor
+                    group.broadcast(piece.to(group.device).contiguous())
+        except BaseException:
+            # Halfway: closing the group fails the workers' broadcasts at once (they
+            # refuse steps until a whole update or a reload) rather than at its timeout.
+            group.close()
+            raise
 
     def close(self) -> None:
         self.group.close()

@@ -46,7 +46,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="exit when the parent process (the engine) exits; PID: the parent's pid, so "
         "that a parent gone before the worker started is noticed too",
     )
-    p.add_argument("--log-level", default="WARNING", help="logging level (default WARNING)")
+    p.add_argument(
+        "--log-level",
+        default="WARNING",
+        type=str.upper,
+        choices=("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"),
+        help="logging level (default WARNING)",
+    )
     return p
 
 
@@ -91,7 +97,7 @@ def run_worker(args: argparse.Namespace) -> int:
     from zmqworker.runtime.worker_process import WorkerServer  # torch: only when serving
 
     logging.basicConfig(
-        level=args.log_level.upper(), format=f"[rank {args.rank}] %(levelname)s %(message)s"
+        level=args.log_level, format=f"[rank {args.rank}] %(levelname)s %(message)s"
     )
 
     async def serve() -> int:
