@@ -63,6 +63,7 @@ class Pair:
             detok,
             streamed=streamed,
             prompt_logprobs_from=self.processor.states[first] if first else None,
+            eos_token_id=self.tok.eos_token_id,
         )
         self.processor.add(state)
 
@@ -147,6 +148,19 @@ def test_stop_token_text_is_left_out_in_bulk_as_token_by_token(tok):
         assert final.finished and final.stop_reason == period and final.token_ids[-1] == period
         results[streamed] = final.text
     assert results[False] == results[True] == " Paris"
+
+
+@pytest.mark.parametrize("ignore_eos", [False, True])
+def test_the_tokenizer_s_eos_is_no_stop_reason_even_listed_in_stop_token_ids(tok, ignore_eos):
+    """vLLM checks EOS before stop_token_ids (OpenAI clients often list it there): it was
+    reported as the stop reason. With ignore_eos only the listing ends the output."""
+    eos = tok.eos_token_id
+    pair = Pair(tok)
+    pair.add("r", "Hi", stop_token_ids=[eos], ignore_eos=ignore_eos)
+    pair.step({"r": [text_ids(tok, " a")[0]]})
+    [final] = pair.step({"r": [eos]}).outputs
+    assert final.finished and final.finish_reason == "stop"
+    assert final.stop_reason == (eos if ignore_eos else None)
 
 
 def test_text_made_at_the_end_equals_the_streamed_text(tok):

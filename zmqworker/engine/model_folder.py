@@ -52,6 +52,9 @@ class TextSide:
     tokenizer: Any  # a transformers tokenizer, or None when the folder has none
     default_sampling_params: SamplingParams
     eos_token_ids: frozenset[int]
+    # generation_config.json's max_new_tokens, which bounds a server's max_tokens (vLLM's
+    # rule), or None when it sets none.
+    max_new_tokens: int | None = None
 
     def chat_prompt(
         self,
@@ -90,14 +93,19 @@ class TextSide:
                 f"chat_template_kwargs: {reserved[0]!r} is an argument of the chat template's "
                 "rendering, not a template variable"
             )
-        text = self.tokenizer.apply_chat_template(
-            list(messages),
-            add_generation_prompt=add_generation_prompt,
-            continue_final_message=continue_final_message,
-            tools=None if tools is None else list(tools),
-            tokenize=False,
-            **extra,
-        )
+        from jinja2 import TemplateError
+
+        try:
+            text = self.tokenizer.apply_chat_template(
+                list(messages),
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+                tools=None if tools is None else list(tools),
+                tokenize=False,
+                **extra,
+            )
+        except (TemplateError, TypeError) as exc:  # the template refused this conversation
+            raise ValueError(f"the chat template: {type(exc).__name__}: {exc}") from None
         return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
 
@@ -259,7 +267,11 @@ class ModelFolder:
                 self.path, outside, vocab,
             )  # fmt: skip
             ids.difference_update(outside)
-        return TextSide(tokenizer, self.default_sampling_params(), frozenset(ids))
+        defaults = self.default_sampling_params()
+        bounded = self._generation_config().get("max_new_tokens") is not None
+        return TextSide(
+            tokenizer, defaults, frozenset(ids), defaults.max_tokens if bounded else None
+        )
 
     def _filled(self, key: str, default: Any) -> Any:
         """config.json's value of key; where it has none, the model_type's default as

@@ -78,6 +78,11 @@ class Frontend(ControlMethods):
         """SamplingParams() with the defaults the model's generation_config.json sets."""
         return self._texts.default_sampling_params
 
+    @property
+    def max_new_tokens(self) -> int | None:
+        """generation_config.json's max_new_tokens, if it sets one."""
+        return self._texts.max_new_tokens
+
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],

@@ -34,8 +34,8 @@ class NewRequests:
         self.max_model_len = max_model_len
         self.max_logprobs = max_logprobs
         # Those besides the tokenizer's own, which vLLM reports as a stop token's id.
-        main_eos = self.tokenizer.eos_token_id if self.tokenizer is not None else None
-        self._extra_eos = texts.eos_token_ids - {main_eos}
+        self._eos = self.tokenizer.eos_token_id if self.tokenizer is not None else None
+        self._extra_eos = texts.eos_token_ids - {self._eos}
         self._ids = itertools.count()
         # Unique among the clients of an engine core, which keys requests by id alone:
         # independent clients (two servers, an LLM) may share an engine core.
@@ -129,4 +129,5 @@ class NewRequests:
             streamed=streamed,
             prompt_logprobs_from=first if asked else None,
             extra_eos_token_ids=self._extra_eos,
+            eos_token_id=self._eos,
         )

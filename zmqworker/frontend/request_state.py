@@ -41,13 +41,15 @@ class RequestState:
         streamed: bool = True,
         prompt_logprobs_from: RequestState | None = None,
         extra_eos_token_ids: frozenset[int] = frozenset(),
+        eos_token_id: int | None = None,
     ) -> None:
         """streamed: its caller takes every output (output() after each apply()); else
         only the last. prompt_logprobs_from: the sample whose prompt logprobs are this
         one's too (n > 1: only the first asks the engine core for them).
         extra_eos_token_ids: the end-of-sequence ids besides the tokenizer's (those the
         model's generation_config.json or config.json adds), which end the output as stop
-        token ids do."""
+        token ids do. eos_token_id: the tokenizer's, never a stop reason unless ignore_eos
+        (vLLM checks it before stop_token_ids)."""
         if params.stop and detokenizer is None:
             raise ValueError(f"request {request_id!r}: stop strings need a tokenizer")
         self.request_id = request_id
@@ -59,6 +61,7 @@ class RequestState:
         self.shares_prompt_with = shares_prompt_with
         self.prompt_logprobs_from = prompt_logprobs_from
         self._extra_eos = extra_eos_token_ids
+        self._eos = None if params.ignore_eos else eos_token_id
         self.output_token_ids: list[int] = []
         self.output_text = ""
         self.logprobs: list[PositionLogprobs] | None = None if params.logprobs is None else []
@@ -131,9 +134,11 @@ class RequestState:
             return True
         if finished is not None:
             # vLLM's: the stop token id that ended the output, the extra EOS ids included
-            # (vLLM makes them stop token ids), but None for the tokenizer's EOS.
+            # (vLLM makes them stop token ids), but None for the tokenizer's EOS, even
+            # one listed in stop_token_ids.
             stop = finished.stop_reason
-            reported = stop in self.params.stop_token_ids or stop in self._extra_eos
+            listed = stop in self.params.stop_token_ids and stop != self._eos
+            reported = listed or stop in self._extra_eos
             self.stop_reason = stop if reported else None
             self.finish(finished.finish_reason, now)
         self.bulk = self._plain and self.first_token_time is not None and not self.finished

@@ -123,7 +123,7 @@ class _Calls:
 async def _finals(llm: Frontend, prompt: list[int], params: Any) -> list[RequestOutput]:
     """Each choice's last output, in choice order."""
     finals: dict[int, RequestOutput] = {}
-    async for index, out in run_prompts(llm, [prompt], params):
+    async for index, out in run_prompts(llm, [prompt], [params]):
         finals[index] = out
     return [finals[i] for i in range(params.n)]
 
@@ -147,7 +147,7 @@ async def _stream(
     streams = [calls.stream() for _ in range(params.n)]
     finals: list[RequestOutput] = []
     try:
-        async for index, out in run_prompts(llm, [prompt], params):
+        async for index, out in run_prompts(llm, [prompt], [params]):
             logprobs = None
             if out.logprobs is not None:
                 logprobs = _logprobs(out.logprobs[sent[index] :])

@@ -5,15 +5,18 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Any
 
+import msgspec
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.requests import Request as HTTPRequest
 
+from messages import SamplingParams
 from zmqworker.frontend.frontend import Frontend
 from zmqworker.frontend.outputs import PositionLogprobs, RequestOutput, json_logprob
 from zmqworker.serve.best_of import best_of_params, keep_best
 from zmqworker.serve.errors import APIError
 from zmqworker.serve.generation import (
     finish_reason,
+    max_tokens_for,
     now,
     prompt_logprobs,
     run_prompts,
@@ -31,9 +34,8 @@ async def create_completion(
     llm: Frontend, model: str, body: CompletionRequest, http: HTTPRequest, text: TextPool
 ) -> JSONResponse | StreamingResponse:
     prompts, echoes = await text.run(_encode, llm, body)
-    params = sampling_params(
-        llm, body, max(len(p) for p in prompts), body.max_tokens, body.logprobs
-    )
+    each = prompt_params(llm, body, prompts)
+    params = each[0]
     head = {
         "id": f"cmpl-{request_id(http)}",
         "object": "text_completion",
@@ -42,10 +44,10 @@ async def create_completion(
     }
     if body.stream:
         include_usage = body.stream_options is not None and body.stream_options.include_usage
-        events = _stream(llm, prompts, params, head, echoes, include_usage)
+        events = _stream(llm, prompts, each, head, echoes, include_usage)
         return StreamingResponse(events, media_type="text/event-stream")
     best_of = body.best_of or params.n  # above n: the n best (a stream was refused)
-    run = best_of_params(params, best_of) if best_of > params.n else params
+    run = [best_of_params(p, best_of) for p in each] if best_of > params.n else each
     finals = await until_disconnected(http, _collect(llm, prompts, run))
     if best_of > params.n:
         finals = keep_best(finals, best_of, params)
@@ -63,23 +65,41 @@ async def create_completion(
     return JSONResponse({**head, "choices": choices, "usage": usage(finals)})
 
 
-async def _collect(llm: Frontend, prompts: list[list[int]], params: Any) -> list[RequestOutput]:
+def prompt_params(
+    llm: Frontend, body: CompletionRequest, prompts: list[list[int]]
+) -> list[SamplingParams]:
+    """Each prompt's sampling params: the request's, checked against the longest prompt,
+    with max_tokens each prompt's own (max_tokens_for: the room its length leaves, where
+    the request sets none, as vLLM's)."""
+    params = sampling_params(
+        llm, body, max(len(p) for p in prompts), body.max_tokens, body.logprobs
+    )
+    return [
+        msgspec.structs.replace(params, max_tokens=max_tokens_for(llm, len(p), body.max_tokens))
+        for p in prompts
+    ]
+
+
+async def _collect(
+    llm: Frontend, prompts: list[list[int]], params: list[SamplingParams]
+) -> list[RequestOutput]:
     finals: dict[int, RequestOutput] = {}
     async for index, out in run_prompts(llm, prompts, params):
         finals[index] = out
-    return [finals[i] for i in range(len(prompts) * params.n)]
+    return [finals[i] for i in range(len(prompts) * params[0].n)]
 
 
 async def _stream(
     llm: Frontend,
     prompts: list[list[int]],
-    params: Any,
+    params: list[SamplingParams],
     head: dict[str, Any],
     echoes: list[str],
     include_usage: bool,
 ) -> AsyncIterator[str]:
     finals: dict[int, RequestOutput] = {}
-    num_choices = len(prompts) * params.n
+    n = params[0].n
+    num_choices = len(prompts) * n
     unechoed = set(range(num_choices))
     sent = [0] * num_choices  # positions whose logprobs were sent, per choice
     offset = [0] * num_choices  # the characters of their tokens' texts
@@ -87,7 +107,7 @@ async def _stream(
         async for index, out in run_prompts(llm, prompts, params):
             text = out.new_text
             if index in unechoed:
-                text = echoes[index // params.n] + text
+                text = echoes[index // n] + text
                 unechoed.discard(index)
             logprobs = None
             if out.logprobs is not None:
@@ -143,6 +163,15 @@ def _logprobs(positions: list[PositionLogprobs], at: int = 0) -> dict[str, Any]:
     return {
         "tokens": tokens,
         "token_logprobs": [json_logprob(p.sampled.logprob) for p in positions],
-        "top_logprobs": [{t.text or "": json_logprob(t.logprob) for t in p.top} for p in positions],
+        "top_logprobs": [_top(p) for p in positions],
         "text_offset": offsets,
     }
+
+
+def _top(position: PositionLogprobs) -> dict[str, float]:
+    """The legacy format's top_logprobs entry: the sampled token first, then the top n
+    (so n + 1 entries where it is not among them), as OpenAI's and vLLM's."""
+    entry = {position.sampled.text or "": json_logprob(position.sampled.logprob)}
+    for token in position.top:
+        entry.setdefault(token.text or "", json_logprob(token.logprob))
+    return entry

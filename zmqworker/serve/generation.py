@@ -28,18 +28,18 @@ def sampling_params(
     max_tokens: int | None,
     logprobs: int | None,
 ) -> SamplingParams:
-    """The model's defaults with what the request sets. Without max_tokens, the rest of
-    the context. A prompt and max_tokens past max_model_len are refused, as OpenAI does."""
+    """The model's defaults with what the request sets; max_tokens as max_tokens_for
+    says. A prompt and max_tokens past max_model_len are refused, as OpenAI does."""
     room = llm.max_model_len - prompt_len
-    if max_tokens is None:
-        max_tokens = room
-    if room < 1 or max_tokens > room:
+    asked = 1 if max_tokens is None else max_tokens  # a completion is a token at least
+    if asked > room:
         raise APIError(
             f"This model's maximum context length is {llm.max_model_len} tokens. However, "
-            f"you requested {prompt_len + max_tokens} tokens ({prompt_len} in the prompt, "
-            f"{max_tokens} in the completion). Please reduce the prompt or max_tokens.",
+            f"you requested {prompt_len + asked} tokens ({prompt_len} in the prompt, "
+            f"{asked} in the completion). Please reduce the prompt or max_tokens.",
             param="max_tokens" if room >= 1 else "prompt",
         )
+    max_tokens = max_tokens_for(llm, prompt_len, max_tokens)
     given = {
         "temperature": request.temperature,
         "top_p": request.top_p,
@@ -77,24 +77,35 @@ def sampling_params(
         raise APIError.from_value_error(exc, param=field) from None
 
 
+def max_tokens_for(llm: Frontend, prompt_len: int, max_tokens: int | None) -> int:
+    """vLLM's: the request's max_tokens, else the rest of the context, and at most the
+    model's generation_config max_new_tokens where it sets one."""
+    bounds = (max_tokens, llm.max_model_len - prompt_len, llm.max_new_tokens)
+    return min(b for b in bounds if b is not None)
+
+
 async def run_prompts(
-    llm: Frontend, prompts: Sequence[list[int]], params: SamplingParams
+    llm: Frontend, prompts: Sequence[list[int]], params: Sequence[SamplingParams]
 ) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """Every prompt's outputs as they come, tagged with their choice's index: prompt i's
-    sample j (of params.n) is choice i * n + j, as vLLM numbers them. Closing this early
-    (a client gone) aborts the requests still running, which frees their blocks."""
+    """Every prompt's outputs (prompt i with params[i], all of one n) as they come, tagged
+    with their choice's index: prompt i's sample j is choice i * n + j, as vLLM numbers
+    them. Closing this early (a client gone) aborts the requests still running, which
+    frees their blocks."""
     queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
 
-    async def pump(index: int, prompt: list[int]) -> None:
+    async def pump(index: int, prompt: list[int], each: SamplingParams) -> None:
         try:
-            async for out in llm.generate_stream(prompt, params):
-                queue.put_nowait((index * params.n + out.index, out))
+            async for out in llm.generate_stream(prompt, each):
+                queue.put_nowait((index * each.n + out.index, out))
         except Exception as exc:
             queue.put_nowait((index, exc))
         finally:
             queue.put_nowait((index, None))
 
-    tasks = [asyncio.create_task(pump(i, p)) for i, p in enumerate(prompts)]
+    tasks = [
+        asyncio.create_task(pump(i, p, each))
+        for i, (p, each) in enumerate(zip(prompts, params, strict=True))
+    ]
     try:
         running = len(tasks)
         while running:

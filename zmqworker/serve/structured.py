@@ -64,7 +64,9 @@ class StructuredFields(Struct, kw_only=True):
             given.append(("response_format", _response_format(fmt)))
         if self.structured_outputs is not None:
             body = msgspec.structs.asdict(self.structured_outputs)
-            given.append(("structured_outputs", {k: v for k, v in body.items() if v}))
+            # Set is not None, but json {} ("any JSON"); json_object false is unset.
+            kinds = {k: v for k, v in body.items() if v is not None and v is not False}
+            given.append(("structured_outputs", kinds))
         guided = {
             "json": self.guided_json,
             "regex": self.guided_regex,
