@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -326,10 +327,21 @@ class PeerDiesInStep(FakeExecutor):
         raise WorkerError("execute_model", RemoteError(0, "RuntimeError", "Connection reset", ""))
 
 
-def test_a_step_failed_by_a_worker_s_death_is_that_death_and_fatal(fake_model):
+class PeerDiesAfterStep(FakeExecutor):
+    """The same, the death's news a moment behind the step's error (the kernel closed
+    the dead rank's sockets before its end showed)."""
+
+    def execute_model(self, *args, **kwargs):
+        died = WorkerDiedError(1, -signal.SIGKILL)
+        threading.Timer(0.05, setattr, (self, "failure", died)).start()
+        raise WorkerError("execute_model", RemoteError(0, "RuntimeError", "Connection reset", ""))
+
+
+@pytest.mark.parametrize("executor", [PeerDiesInStep, PeerDiesAfterStep])
+def test_a_step_failed_by_a_worker_s_death_is_that_death_and_fatal(fake_model, executor):
     with LLM(
         str(fake_model),
-        executor=lambda config: PeerDiesInStep(512, config.cache.block_size),
+        executor=lambda config: executor(512, config.cache.block_size),
         block_size=4,
         max_model_len=512,
     ) as llm:

@@ -45,7 +45,7 @@ from zmqworker.engine.core_limits import engine_core_limits
 from zmqworker.engine.request import FinishReason, Request
 from zmqworker.engine.request_message import request_of
 from zmqworker.engine.utility import EngineCoreUtilities, call_utility, waits_for_steps
-from zmqworker.executor.errors import WorkerDiedError, WorkerStuckError
+from zmqworker.executor.errors import WorkerDiedError, WorkerError, WorkerStuckError
 from zmqworker.transport.curve import serve_core_securely
 from zmqworker.transport.drops import DropCounter
 from zmqworker.transport.frames import recv_frames, send_frames
@@ -59,6 +59,7 @@ CLIENT_SILENT_S = 5.0  # a client silent this long (stopped, its host lost) is g
 CLOSE_LINGER_MS = 1000  # what the last messages get to leave before the socket closes
 SHUTDOWN = "shutdown"  # the utility call after which the engine core stops
 FATAL = (WorkerDiedError, WorkerStuckError)  # the executor cannot go on after these
+DEATH_NEWS_S = 0.5  # the longest a live rank's error waits for the news of a death
 
 
 class EngineCoreServer:
@@ -169,9 +170,7 @@ class EngineCoreServer:
         try:
             changed = run()
         except Exception as exc:
-            # A worker's death fails the step on its peers too (a collective cut short),
-            # maybe before the death's own news: then the death is what failed it.
-            lost = exc if isinstance(exc, FATAL) else self.core.executor.failure
+            lost = exc if isinstance(exc, FATAL) else self._death_behind(exc)
             self._fail_requests(lost or exc, fatal=lost is not None)
             return
         for request, reason in self.core.take_failed():  # their grammar did not compile
@@ -319,6 +318,19 @@ class EngineCoreServer:
             self._drop_client(client)
 
     # failures and the end ------------------------------------------------------------
+
+    def _death_behind(self, exc: Exception) -> BaseException | None:
+        """The death of a worker that exc, a live rank's error, may come of: a death fails
+        the step on its peers too (a collective cut short), and the kernel can close the
+        dead rank's sockets a moment before its end shows. A refusal (ValueError,
+        TypeError) comes of none."""
+        assert self.core is not None
+        deadline = time.monotonic() + DEATH_NEWS_S
+        while (lost := self.core.executor.failure) is None and time.monotonic() < deadline:
+            if not isinstance(exc, WorkerError) or exc.exc_type in ("ValueError", "TypeError"):
+                break
+            time.sleep(0.01)
+        return lost
 
     def _drop_client(self, client: Client) -> None:
         orphans = self.clients.remove(client)
