@@ -134,6 +134,7 @@ def test_a_token_id_outside_the_vocabulary_fails_its_request_alone(fake_llm):
         "stop": SamplingParams(stop_token_ids=[vocab]),
         "bias": SamplingParams(logit_bias={vocab + 5: 1.0}),
         "words": SamplingParams(bad_words_token_ids=[[1, vocab]]),
+        "many": SamplingParams(stop_token_ids=[1] * 1025),  # past a step's room for it
     }
     try:
         other.wait_ready(30)
@@ -157,6 +158,7 @@ def test_a_token_id_outside_the_vocabulary_fails_its_request_alone(fake_llm):
                                    f"[0, {vocab})")  # fmt: skip
     assert f"logit_bias: token id {vocab + 5} is outside" in errors["bias"]
     assert f"bad_words_token_ids: token id {vocab} is outside" in errors["words"]
+    assert "stop_token_ids holds 1025 ids, more than 1024" in errors["many"]
 
 
 def test_junk_and_strangers_at_the_socket_are_dropped(fake_llm):

@@ -118,6 +118,7 @@ def test_generate_honours_stop_strings(llm):
         (["a", "b"], [SamplingParams()], "1 sampling params for 2 prompts"),
         ("Hello \udcff", None, "prompt 0: the prompt is not valid Unicode text: .* character 7"),
         ("Hi", SamplingParams(stop=["\udcff"]), "prompt 0: stop string 0 is not valid Unicode"),
+        ("Hi", SamplingParams(stop_token_ids=[3] * 1025), "prompt 0: stop_token_ids holds 1025"),
     ],
 )
 def test_bad_input_raises_and_the_engine_stays_usable(llm, prompts, params, message):

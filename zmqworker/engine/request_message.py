@@ -8,9 +8,20 @@ import numpy as np
 from messages import EngineCoreConfig, EngineCoreRequest, SamplingParams
 from zmqworker.engine.request import RemotePrefill, Request
 
+# What a new request adds to a step's body beyond its arrays and the bounded lists
+# (logit_bias, bad words) must fit the room the workers' bound leaves it
+# (executor/message_limits.py REQUEST_ROOM): these bound the rest.
+MAX_STOP_TOKEN_IDS = 1024
+MAX_REQUEST_ID_CHARS = 1024
+
 
 def request_of(msg: EngineCoreRequest, config: EngineCoreConfig) -> Request:
     """The Request of msg; a ValueError naming what is wrong with it."""
+    if len(msg.request_id) > MAX_REQUEST_ID_CHARS:
+        raise ValueError(
+            f"request id of {len(msg.request_id)} characters: at most {MAX_REQUEST_ID_CHARS}"
+        )
+    check_lists(msg.sampling_params)
     transfer = msg.kv_transfer_params
     remote = None
     if transfer is not None and transfer.remote is not None:
@@ -51,6 +62,14 @@ def _prompt(msg: EngineCoreRequest, config: EngineCoreConfig) -> list[int]:
     if vocab is not None:
         check_token_ids(params, vocab)
     return ids.tolist()
+
+
+def check_lists(params: SamplingParams) -> None:
+    """ValueError where a list the schema leaves unbounded is longer than a step takes."""
+    if len(params.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        raise ValueError(
+            f"stop_token_ids holds {len(params.stop_token_ids)} ids, more than {MAX_STOP_TOKEN_IDS}"
+        )
 
 
 def check_token_ids(params: SamplingParams, vocab_size: int) -> None:

@@ -10,7 +10,7 @@ otherwise from bounds large enough for any Llama-family model.
 A step's body holds its new requests inline, each with its SamplingParams, whose lists
 can be large (a logit_bias on the whole vocabulary): the workers' bound counts
 max_num_seqs of them at the largest the engine accepts, so that a step made of accepted
-requests is not refused (REQUEST_ROOM: what the engine does not bound yet).
+requests is not refused.
 """
 
 from __future__ import annotations
@@ -32,7 +32,8 @@ LARGE_HIDDEN = 1 << 14
 # header.
 ID_BYTES, FLOAT_BYTES, LIST_BYTES = 5, 9, 5
 # A new request's share of a body besides its arrays, logit_bias and bad words: its id,
-# counts and scalar parameters, its stop strings, stop ids and end-of-sequence ids.
+# counts and scalar parameters, its stop ids and end-of-sequence ids (the engine bounds
+# the id and the stop ids: engine/request_message.py; stop strings stay with it).
 REQUEST_ROOM = 64 << 10
 
 

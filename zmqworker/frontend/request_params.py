@@ -21,7 +21,7 @@ from messages import SamplingParams
 from messages.sampling import MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS
 from zmqworker.engine.grammars import check_grammar
 from zmqworker.engine.prompts import check_text
-from zmqworker.engine.request_message import check_token_ids
+from zmqworker.engine.request_message import check_lists, check_token_ids
 
 
 def request_params(
@@ -35,6 +35,7 @@ def request_params(
     over = params.logprobs_over(max_logprobs)
     if over is not None:
         raise ValueError(f"{over[0]}={over[1]} is more than max_logprobs={max_logprobs}")
+    check_lists(params)
     if params.structured_outputs is not None:
         if tokenizer is None:
             raise ValueError("structured_outputs need the model's tokenizer, which it lacks")
