@@ -177,6 +177,16 @@ def test_a_step_carries_only_the_sampling_params_the_workers_read():
     assert plain.for_workers() is plain
 
 
+@pytest.mark.parametrize("prompt_len", [5, 6, 9])
+def test_every_prompt_token_counts_as_prefill_however_the_chunks_fall(prompt_len):
+    """A chunk that left one token sent it as a decode, uncounted (the prefill_tokens
+    metric ran short)."""
+    core, _ = make_core(max_num_batched_tokens=4)
+    core.add_request(Request("r", list(range(1, prompt_len + 1)), greedy(max_tokens=2)))
+    run(core)
+    assert core.stats().num_prefill_tokens == prompt_len
+
+
 def test_long_prompt_is_prefilled_in_chunks_after_the_decodes():
     core, executor = make_core(max_num_batched_tokens=8)
     decoding = Request("decoding", [1, 2], greedy(max_tokens=20))

@@ -241,8 +241,8 @@ class Scheduler:
             new_tokens = known[computed:] if lacking else []
             table.tokens_sent[position] = len(known)
         draft.add_one(position, num_new, new_blocks, num_new == num_left, new_tokens)
-        if num_left > 1:
-            self.num_prefill_tokens += num_new
+        if num_left > 1:  # a chunk that leaves one token: it goes as a decode, counted here
+            self.num_prefill_tokens += num_new + (num_left - num_new == 1)
         return num_new
 
     def _schedule_waiting(self, draft: StepDraft, budget: int, max_reqs: int) -> int:
@@ -282,7 +282,7 @@ class Scheduler:
             self.table.full_blocks_told[position] = (num_hit + num_new) // (self.kv.block_size)
             samples = num_new == request.num_tokens - num_hit
             draft.add_new(position, num_new, self.kv.block_ids(request.req_id), samples)
-            self.num_prefill_tokens += num_new
+            self.num_prefill_tokens += num_new + (request.num_tokens - num_hit - num_new == 1)
             budget -= num_new
         return budget
 
