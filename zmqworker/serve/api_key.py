@@ -10,7 +10,7 @@ import secrets
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from zmqworker.serve.errors import APIError
-from zmqworker.serve.http_middleware import HttpMiddleware
+from zmqworker.serve.http_middleware import HttpMiddleware, header
 
 OPEN_PATHS = frozenset(
     {"/health", "/version", "/metrics", "/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json"}
@@ -26,7 +26,7 @@ class ApiKey(HttpMiddleware):
 
     async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["path"] not in OPEN_PATHS and scope["method"] != "OPTIONS":
-            given = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
+            given = header(scope, b"authorization") or b""
             if not secrets.compare_digest(given, self.expected):
                 error = APIError("Incorrect API key provided", 401, code="invalid_api_key")
                 await error.response()(scope, receive, send)

@@ -8,7 +8,7 @@ from __future__ import annotations
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from zmqworker.serve.errors import APIError
-from zmqworker.serve.http_middleware import HttpMiddleware, StartWatch
+from zmqworker.serve.http_middleware import HttpMiddleware, StartWatch, header
 
 # The default bound. A prompt filling a 128k-token context takes about 1 MB of JSON, as
 # text (about 4 bytes a token; more with \u escapes) or as token ids (at most 7 bytes
@@ -62,10 +62,8 @@ class BodyLimit(HttpMiddleware):
 
 
 def _content_length(scope: Scope) -> int | None:
-    for name, value in scope["headers"]:
-        if name == b"content-length":
-            try:
-                return int(value)
-            except ValueError:
-                return None  # the HTTP server refuses a malformed one
-    return None
+    value = header(scope, b"content-length")
+    try:
+        return None if value is None else int(value)
+    except ValueError:
+        return None  # the HTTP server refuses a malformed one

@@ -1,6 +1,7 @@
 """What the server's ASGI middlewares share: HTTP requests go to their handle(), other
-scopes (lifespan) pass by; and a send that notes whether the response has started, after
-which an error can no longer be answered as a response of its own."""
+scopes (lifespan) pass by; a request's header by name; and a send that notes whether the
+response has started, after which an error can no longer be answered as a response of
+its own."""
 
 from __future__ import annotations
 
@@ -22,6 +23,11 @@ class HttpMiddleware(ABC):
     @abstractmethod
     async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
         """One HTTP request, through self.app."""
+
+
+def header(scope: Scope, name: bytes) -> bytes | None:
+    """The first value of the request's header name (lower case, as ASGI gives them)."""
+    return next((value for key, value in scope["headers"] if key == name), None)
 
 
 class StartWatch:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from starlette.types import Receive, Scope, Send
 
 from zmqworker.serve.errors import APIError
-from zmqworker.serve.http_middleware import HttpMiddleware
+from zmqworker.serve.http_middleware import HttpMiddleware, header
 
 
 class JsonContent(HttpMiddleware):
@@ -17,7 +17,7 @@ class JsonContent(HttpMiddleware):
 
     async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["method"] == "POST":
-            declared = next((v for k, v in scope["headers"] if k == b"content-type"), None)
+            declared = header(scope, b"content-type")
             media = _media_type(declared)
             if media is not None and media != "application/json" and not media.endswith("+json"):
                 error = APIError(
