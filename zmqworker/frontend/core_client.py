@@ -108,8 +108,8 @@ class EngineCoreClient:
 
     def add_request(self, request: EngineCoreRequest) -> int:
         """Send request where _route chooses, knowing first which engine cores are gone."""
-        self._collect(self._backlog)  # news first: an engine core gone gets no new request
-        if self._backlog:
+        if self._poller.poll(0):  # news first: an engine core gone gets no new request
+            self._collect(self._backlog)
             self._schedule_dispatch()  # an attached loop's
         return self._route(request)
 
