@@ -325,10 +325,11 @@ class EngineCoreServer:
         dead rank's sockets a moment before its end shows. A refusal (ValueError,
         TypeError) comes of none."""
         assert self.core is not None
+        executor = self.core.executor
+        if not isinstance(exc, WorkerError) or exc.exc_type in ("ValueError", "TypeError"):
+            return executor.failure
         deadline = time.monotonic() + DEATH_NEWS_S
-        while (lost := self.core.executor.failure) is None and time.monotonic() < deadline:
-            if not isinstance(exc, WorkerError) or exc.exc_type in ("ValueError", "TypeError"):
-                break
+        while (lost := executor.failure) is None and time.monotonic() < deadline:
             time.sleep(0.01)
         return lost
 
