@@ -48,7 +48,7 @@ from zmqworker.engine.utility import EngineCoreUtilities, call_utility, waits_fo
 from zmqworker.executor.errors import WorkerDiedError, WorkerError, WorkerStuckError
 from zmqworker.transport.curve import serve_core_securely
 from zmqworker.transport.drops import DropCounter
-from zmqworker.transport.frames import recv_frames, send_frames
+from zmqworker.transport.frames import MAX_FRAMES, TooManyFrames, recv_frames, send_frames
 from zmqworker.transport.host import host_id
 
 log = logging.getLogger("zmqworker.engine")
@@ -60,6 +60,7 @@ CLOSE_LINGER_MS = 1000  # what the last messages get to leave before the socket 
 SHUTDOWN = "shutdown"  # the utility call after which the engine core stops
 FATAL = (WorkerDiedError, WorkerStuckError)  # the executor cannot go on after these
 DEATH_NEWS_S = 0.5  # the longest a live rank's error waits for the news of a death
+ROUTED_FRAMES = MAX_FRAMES + 1  # a client's message and the identity the ROUTER adds
 
 
 class EngineCoreServer:
@@ -224,9 +225,12 @@ class EngineCoreServer:
             self._drop_client(client)
         while not self._stop:
             try:
-                frames = recv_frames(self._sock)
+                frames = recv_frames(self._sock, max_frames=ROUTED_FRAMES)
             except zmq.Again:
                 return
+            except TooManyFrames as exc:  # taken off whole, dropped
+                self.drops.count(f"refused {exc}")
+                continue
             self._handle(frames[0].bytes, frames[1:])
 
     def _read_monitor(self) -> None:
@@ -379,12 +383,11 @@ class EngineCoreServer:
         """Tell the clients that said hello already why the engine core did not start."""
         while True:
             try:
-                frames = recv_frames(self._sock)
+                frames = recv_frames(self._sock, max_frames=ROUTED_FRAMES)
+                msg = self._dec.decode(frames[1:])
             except zmq.Again:
                 break
-            try:
-                msg = self._dec.decode(frames[1:])
-            except ProtocolError:
+            except ProtocolError:  # TooManyFrames too: taken off whole
                 continue
             if isinstance(msg, EngineCoreHello):
                 self.clients.admit(frames[0].bytes, msg)

@@ -24,6 +24,7 @@ from messages import WorkerConfig
 from messages.codec import INLINE_MAX_BYTES
 from messages.sampling import MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS
 from zmqworker.cdiv import cdiv
+from zmqworker.transport.frames import MAX_FRAMES
 
 BODY_ROOM = 4 << 20  # a message body, and any frame that is not an array of the step
 LARGE_VOCAB = 1 << 18  # when config.json cannot be read
@@ -49,7 +50,13 @@ class MessageLimits:
 
 
 def check_request_frames(method: str, frames: Sequence[bytes | memoryview], limit: int) -> None:
-    """Refuse a request a worker would drop, with the connection, for a frame past limit."""
+    """Refuse a request a worker would drop: with the connection, for a frame past limit;
+    alone, for more frames than its socket takes (MAX_FRAMES)."""
+    if len(frames) > MAX_FRAMES:
+        raise ValueError(
+            f"{method}: the request has {len(frames)} frames, more than the {MAX_FRAMES} a "
+            "worker takes in one message"
+        )
     largest = max(f.nbytes if isinstance(f, memoryview) else len(f) for f in frames)
     if largest > limit:
         raise ValueError(

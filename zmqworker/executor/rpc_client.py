@@ -43,7 +43,7 @@ from zmqworker.executor.errors import (
 )
 from zmqworker.executor.message_limits import check_request_frames
 from zmqworker.executor.stuck_ranks import StuckRanks
-from zmqworker.transport.frames import recv_frames, send_frames
+from zmqworker.transport.frames import TooManyFrames, recv_frames, send_frames
 from zmqworker.transport.nudge import NUDGE_IDENTITY, Nudger
 
 log = logging.getLogger("zmqworker.executor")
@@ -186,12 +186,12 @@ class RpcClient:
             try:
                 identity = self.sock.recv()  # blocks until a message, or RCVTIMEO
                 frames = recv_frames(self.sock)  # the rest comes with its first frame
-            except zmq.Again:
-                pass
+            except (zmq.Again, TooManyFrames) as e:  # none, or one refused: dropped below
+                frames = e if isinstance(e, TooManyFrames) else None
             finally:
                 with self._cond:
                     self._busy = self._receiving = False
-                    if frames is not None:
+                    if frames is not None and identity != NUDGE_IDENTITY:
                         self._handle(identity, frames)
                     self._after_receive()
                     self._cond.notify_all()
@@ -317,11 +317,11 @@ class RpcClient:
             self.sock.setsockopt(zmq.RCVTIMEO, wait_ms)
             self._rcvtimeo_ms = wait_ms
 
-    def _handle(self, identity: bytes, frames: list[zmq.Frame]) -> None:
-        """A message that came in, under the lock."""
-        if identity == NUDGE_IDENTITY:
-            return
+    def _handle(self, identity: bytes, frames: list[zmq.Frame] | TooManyFrames) -> None:
+        """A message that came in (or its refusal, its frames taken off), under the lock."""
         try:
+            if isinstance(frames, TooManyFrames):
+                raise frames
             msg = self._dec.decode(frames)
         except ProtocolError as e:
             self.dropped_messages += 1

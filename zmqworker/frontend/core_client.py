@@ -306,16 +306,15 @@ class EngineCoreClient:
     def _read(self, engine: EngineConnection, events: list[Event]) -> None:
         while True:
             try:
-                frames = recv_frames(engine.sock)
+                msg = self._dec.decode(recv_frames(engine.sock))
             except zmq.Again:
                 return
-            self._received += 1
-            try:
-                msg = self._dec.decode(frames)
-            except ProtocolError as exc:
+            except ProtocolError as exc:  # TooManyFrames too: refused, taken off whole
+                self._received += 1
                 self.drops.count(f"engine core {engine.index}: {exc}")
                 self._on_malformed(engine, exc, events)
                 continue
+            self._received += 1
             if isinstance(msg, EngineCoreOutputs):
                 self._on_outputs(engine, msg, events)
             elif isinstance(msg, EngineCoreFailure):

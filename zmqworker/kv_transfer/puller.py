@@ -45,7 +45,7 @@ from zmqworker.kv_transfer.same_host import SameHost
 from zmqworker.kv_transfer.staging import PeerMappings, SharedMemoryError
 from zmqworker.kv_transfer.tcp_parts import Parts, split
 from zmqworker.transport.curve import KVKeys
-from zmqworker.transport.frames import recv_frames
+from zmqworker.transport.frames import TooManyFrames, recv_frames
 from zmqworker.transport.wake_pipe import WakePipe
 
 log = logging.getLogger("zmqworker.kv_transfer")
@@ -267,10 +267,13 @@ class KVPuller:
     def _receive(self, address: str, sock: zmq.Socket) -> None:
         waiting = self._waiting
         while not sock.closed:  # a send that failed closes its address's sockets
-            try:
-                frames = recv_frames(sock)
+            try:  # KVBlocks, then over tcp its bytes in one frame
+                frames = recv_frames(sock, max_frames=2)
             except zmq.Again:
                 return
+            except TooManyFrames as e:  # as an answer that does not decode: its pull times out
+                log.warning("rank %d: from %s: dropped %s", self.rank, address, e)
+                continue
             received = time.monotonic()
             try:
                 reply = wire.decode(frames[0].buffer)

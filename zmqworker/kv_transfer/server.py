@@ -42,7 +42,7 @@ from zmqworker.kv_transfer.cache_exports import (
 from zmqworker.kv_transfer.staged import Staged, StagedBytes
 from zmqworker.kv_transfer.tcp_parts import TCP_STREAMS
 from zmqworker.transport.curve import KVKeys, make_server, start_zap
-from zmqworker.transport.frames import recv_frames, send_frames
+from zmqworker.transport.frames import TooManyFrames, recv_frames, send_frames
 from zmqworker.transport.host import boot_id
 from zmqworker.transport.wake_pipe import WakePipe
 
@@ -187,12 +187,12 @@ class KVServer:
 
     def _receive_all(self) -> None:
         while True:
-            try:
-                frames = recv_frames(self._sock)
+            try:  # a peer's identity (a ROUTER's first frame), its KVPull or KVDone
+                frames = recv_frames(self._sock, max_frames=2)
             except zmq.Again:
                 return
-            if len(frames) != 2:
-                log.warning("rank %d: dropped a message of %d frames", self.rank, len(frames))
+            except TooManyFrames as e:
+                log.warning("rank %d: dropped %s", self.rank, e)
                 continue
             peer, body = frames[0].bytes, frames[1].buffer
             try:

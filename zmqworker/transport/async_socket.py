@@ -32,7 +32,8 @@ from typing import Any
 
 import zmq
 
-from zmqworker.transport.frames import NOBLOCK, recv_frames, send_frames
+from zmqworker.transport.drops import DropCounter
+from zmqworker.transport.frames import NOBLOCK, TooManyFrames, recv_frames, send_frames
 
 log = logging.getLogger("zmqworker.socket")
 
@@ -57,6 +58,7 @@ class AsyncSocket:
         self.sock = sock
         self._loop = loop
         self._on_message = on_message
+        self.refused = DropCounter(log, "messages of too many frames")  # taken off whole
         # Re-entrant: a message is handed on under it (see _drain), and a reply that its
         # handling sends takes it again.
         self._lock = threading.RLock()
@@ -118,6 +120,8 @@ class AsyncSocket:
                     frames = recv_frames(self.sock)
                 except zmq.Again:
                     frames = None
+                except TooManyFrames as e:
+                    self.refused.count(str(e))
             more = self._after_io()
             # Only now: the FD, still readable from the edge just handled, would wake the
             # loop for nothing.
@@ -155,7 +159,11 @@ class AsyncSocket:
                     return
                 # Handed on under the lock: a leader's take() then finds every message
                 # received before its own already queued, and calls keep arrival order.
-                frames = recv_frames(self.sock)
+                try:
+                    frames = recv_frames(self.sock)
+                except TooManyFrames as e:
+                    self.refused.count(str(e))
+                    continue
                 try:
                     self._on_message(frames)
                 except Exception:  # one bad message must not leave the next ones unread
