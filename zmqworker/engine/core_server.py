@@ -161,9 +161,11 @@ class EngineCoreServer:
         """Steps still in flight once every request has finished (or was aborted) hold
         only dropped tokens: take them back before reading on or answering, so that
         their blocks are free again and an idle engine core's stats are settled. KV
-        transfers under way are not waited for here (the loop steps for them between
-        reads): a prefill instance takes new requests while its staged KV waits."""
+        transfers under way are not waited for here (the loop polls them between reads):
+        a prefill instance takes new requests while its staged KV waits."""
         while not self._stop and len(core.batch_queue) and not core.num_unfinished:
+            if core.scheduler.has_unfinished_requests():  # KV transfers under way
+                return
             self._step(core.step)
 
     def _step(self, run: Callable[[], list[Request]]) -> None:
