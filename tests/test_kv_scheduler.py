@@ -73,6 +73,32 @@ def test_a_request_waiting_for_remote_kv_holds_no_other_back() -> None:
     assert waiting.output_token_ids == [3, 7] and waiting in changed
 
 
+def test_a_load_goes_before_the_local_requests_that_came_after_it() -> None:
+    """Blocks go first come, first served: a pull that needs more blocks than a steady
+    stream of small local requests leaves free gets them before the requests that came
+    after it (taken first, they left it waiting for ever)."""
+    kv = KVBlockManager(8, block_size=4)
+    s = Scheduler(kv, 8, 64, 32, kv_connector=KVConnectorScheduler(kv, []))
+    early = [Request(f"a{i}", [1, 2, 3], PARAMS) for i in range(3)]
+    for request in early:
+        s.add_request(request)
+    pull = remote("r", list(range(20)))  # five blocks of the five the early ones leave
+    s.add_request(pull)
+    later: list[str] = []
+    for n in range(10):
+        later.append(f"l{n}")
+        s.add_request(Request(later[-1], [5, 6, 7], PARAMS))
+        step = s.schedule()
+        started = [r.req_id for r in step.scheduled_new_reqs]
+        if step.kv_connector_metadata is not None and step.kv_connector_metadata.loads:
+            break
+        assert not set(started) & set(later), f"{started} started before the pull was ordered"
+        s.update_from_output(step, answer(step))
+    [load] = step.kv_connector_metadata.loads
+    assert load.req_id == "r" and len(load.block_ids) == 5
+    assert not set(started) & set(later)  # every block is taken: l0 waits behind the pull
+
+
 def test_a_load_waits_for_free_blocks_and_a_failed_one_frees_them() -> None:
     s = scheduler(4, [])
     s.add_request(Request("big", list(range(13)), PARAMS))  # 4 blocks with its token

@@ -119,6 +119,22 @@ def test_a_sample_preempted_after_its_first_one_does_not_wait_for_it():
     assert core.block_manager.num_free_blocks == 21
 
 
+def test_a_sample_waiting_for_its_first_holds_no_other_request_back():
+    """A sample waits while its first one computes their prompt; the requests behind it
+    start meanwhile (they waited for the whole prompt, every other step empty)."""
+    core, _ = make_core(max_num_batched_tokens=8, pipeline_parallel_size=2, defer=True)
+    for request in [*siblings(list(range(36)), 2, max_tokens=2), Request("t", [1, 2], greedy(2))]:
+        core.add_request(request)
+    started = []
+    for _ in range(2):  # both stages' first steps: nothing comes back in between
+        step = core.scheduler.schedule()
+        started.append([r.req_id for r in step.scheduled_new_reqs])
+        core.batch_queue.submit(step)
+    assert started == [["p.0"], ["t"]]
+    run(core)
+    assert core.block_manager.num_free_blocks == 64
+
+
 def test_aborting_siblings_frees_every_block():
     core, _ = make_core()
     requests = siblings(list(range(1, 11)), 3, max_tokens=30)

@@ -11,12 +11,13 @@ it was told of (kv_transfer/read_ahead.py), so no two stagings ever share a name
 one request id sent again.
 
 Decode side: a request with remote KV waits in a state of its own, outside the waiting
-queue, so it never holds other requests back: once blocks for its remote tokens are
-free, a step orders the pull (KVLoad); once the workers report the KV in, it joins the
-front of the waiting queue with those tokens computed. The leading blocks its prompt
-finds in the prefix cache (or the host tier) here are reused, not pulled
-(KVLoad.num_cached_blocks). A failed pull finishes it with an error naming it, and its
-blocks go: the reused ones stay cached.
+queue, so that its transfer never holds other requests back. Blocks go first come, first
+served: a waiting request that came after it waits until it has its own (order_loads,
+from the scheduler). Once they are free, a step orders the pull (KVLoad); once the
+workers report the KV in, it joins the front of the waiting queue with those tokens
+computed. The leading blocks its prompt finds in the prefix cache (or the host tier) here
+are reused, not pulled (KVLoad.num_cached_blocks). A failed pull finishes it with an
+error naming it, and its blocks go: the reused ones stay cached.
 
 A step's orders (step_orders) also carry the host tier's copies (host_tier.py).
 """
@@ -127,20 +128,29 @@ class KVConnectorScheduler:
         else:
             self.kv.free(request.req_id)
 
-    def metadata(self) -> KVConnectorMetadata | None:
-        """The orders for the step being built: loads for the requests that fit now,
-        saves of the prefills finished since the last step."""
+    def order_loads(self, before: Request | None = None) -> bool:
+        """Blocks for the pulls waiting for them, in arrival order (those that came before
+        `before` only), each loaded by the step being built; False once one does not fit:
+        every request after it waits behind it."""
         for req_id, request in list(self._to_load.items()):
             remote = request.remote
             assert remote is not None
+            if before is not None and request.queued_at > before.queued_at:
+                return True
             num_cached = self.kv.allocate_pending(req_id, request.prompt_token_ids)
             if num_cached is None:
-                break  # in arrival order: a later one waits behind this one for blocks
+                return False
             del self._to_load[req_id]
             blocks = np.array(self.kv.block_ids(req_id), np.int32)
             load = KVLoad(req_id, blocks, remote.kv, num_cached)
             self._loading[req_id] = (request, load)
             self._loads.append(load)
+        return True
+
+    def metadata(self) -> KVConnectorMetadata | None:
+        """The orders for the step being built: loads for the requests that fit now,
+        saves of the prefills finished since the last step."""
+        self.order_loads()
         if not (self._saves or self._loads or self._cancels or self._withdrawn):
             return None
         metadata = KVConnectorMetadata(

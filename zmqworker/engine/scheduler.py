@@ -246,16 +246,21 @@ class Scheduler:
         return num_new
 
     def _schedule_waiting(self, draft: StepDraft, budget: int, max_reqs: int) -> int:
-        """Waiting requests into draft, in order, while they fit; the budget left."""
-        seqs = self.max_num_seqs
-        while self.waiting and budget > 0 and len(draft) < max_reqs and len(self.table) < seqs:
-            request = self.waiting.head
+        """Waiting requests into draft, in order, while they fit, each after the pulls of
+        remote KV that came before it (those holding no blocks); the budget left."""
+        seqs, pulls, skipped = self.max_num_seqs, self.kv_connector, 0
+        while len(self.waiting) > skipped and budget > 0 and len(draft) < max_reqs:
+            request = self.waiting[skipped]
+            behind_none = pulls is None or request.num_loaded_tokens > 0  # loaded: has blocks
+            if len(self.table) >= seqs or not (behind_none or pulls.order_loads(request)):
+                break  # an earlier pull waits for blocks: this one waits behind it
             computed = computed_prompt_blocks(request, self._requests, self.table, self.kv)
-            if computed is None:
-                break  # its sibling computes the prompt they share: after that step
+            if computed is None:  # its sibling computes their prompt in a step to come
+                skipped += 1
+                continue
             hits, host_slots, num_hit = computed
             if (why := request.declines(num_hit)) is not None:  # for a prefill instance
-                self.waiting.pop_head()
+                self.waiting.remove(request)
                 request.finish(FinishReason.DECLINED)
                 request.error = why
                 self._release(request)
@@ -272,7 +277,7 @@ class Scheduler:
                     break
                 self.num_preemptions += 1
                 continue
-            self.waiting.pop_head()
+            self.waiting.remove(request)
             request.start_running(num_hit)
             request.num_loaded_tokens = 0  # the table counts them from now on
             if request.handle is None:
@@ -307,11 +312,9 @@ class Scheduler:
             if victim == position:
                 return None
             computed, known = int(table.computed[position]), request.all_token_ids
-            new_blocks = self.kv.allocate_slots(
-                request.req_id, known, computed, num_new, (), unknown
-            )
-            if new_blocks is not None:
-                return new_blocks
+            blocks = self.kv.allocate_slots(request.req_id, known, computed, num_new, (), unknown)
+            if blocks is not None:
+                return blocks
         return None  # the rest are in flight: it waits for their steps to come back
 
     def _preempt(self, position: int) -> None:
@@ -367,11 +370,8 @@ class Scheduler:
             self.kv.free(req_id)
         self._finished_handles = self._handles.live_handles()
         self._preempted_handles = []
-        self._requests.clear()
-        self.waiting.clear()
-        self.table.clear()
-        self._draining.clear()
-        self.in_flight.clear()
+        for state in (self._requests, self.waiting, self.table, self._draining, self.in_flight):
+            state.clear()
         if self.kv_connector is not None:
             self.kv_connector.reset(workers_lost)
         return aborted

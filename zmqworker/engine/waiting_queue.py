@@ -34,10 +34,9 @@ class WaitingQueue:
     def __iter__(self) -> Iterator[Request]:
         return iter(self._queue)
 
-    @property
-    def head(self) -> Request:
-        """The request to try first (the queue must not be empty)."""
-        return self._queue[0]
+    def __getitem__(self, index: int) -> Request:
+        """The request to try index-th (0: first)."""
+        return self._queue[index]
 
     def add_new(self, request: Request) -> None:
         self._queue.append(request)
@@ -54,9 +53,6 @@ class WaitingQueue:
         request.num_loaded_tokens = 0
         request.num_preemptions += 1
         self._queue.insert(self._num_loaded(), request)
-
-    def pop_head(self) -> Request:
-        return self._queue.popleft()
 
     def remove(self, request: Request) -> None:
         self._queue.remove(request)
