@@ -15,12 +15,19 @@ import transformers
 from tests.tiny import FAMILIES, MOE_CHECKPOINTS, cached_tiny_checkpoint
 from zmqworker.models.embedded import CACHE_DIR_ENV, default_model_path
 from zmqworker.models.hf_config import CheckpointConfig, load_hf_config
+from zmqworker.models.layers.rotary import rope_parameters_of
 
 ROOT = Path(__file__).resolve().parent.parent
 CHECKPOINTS = {
     **{family: dict(family=family) for family in FAMILIES},
     **{f"{name}-experts": kwargs for name, kwargs in MOE_CHECKPOINTS.items()},
     "llama-rope-linear": dict(family="llama", rope_scaling={"rope_type": "linear", "factor": 2.0}),
+    # transformers' model takes a top-level original_max_position_embeddings for yarn.
+    "llama-rope-yarn-top-level": dict(
+        family="llama",
+        rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128},
+        config_json={"original_max_position_embeddings": 32},
+    ),
 }
 
 
@@ -60,6 +67,17 @@ def same_as_transformers(path: str) -> None:
 @pytest.mark.parametrize("name", CHECKPOINTS)
 def test_a_kept_config_reads_as_autoconfig_does(name, cache):
     same_as_transformers(cached_tiny_checkpoint(**CHECKPOINTS[name]))
+
+
+@pytest.mark.parametrize("name", ["llama-rope-linear", "llama-rope-yarn-top-level"])
+def test_rope_parameters_are_those_the_transformers_model_uses(name, cache):
+    """Building the model standardizes the rope settings again (a top-level
+    original_max_position_embeddings wins then): ours are those, read or kept."""
+    path = cached_tiny_checkpoint(**CHECKPOINTS[name])
+    theirs = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
+    theirs.standardize_rope_params()
+    for _ in range(2):  # read by transformers, then kept
+        assert rope_parameters_of(load_hf_config(path)) == theirs.rope_parameters
 
 
 def test_the_embedded_model_and_a_worker_without_transformers(embedded, cache):

@@ -15,11 +15,14 @@ from tests.tiny import (
     make_fp8_checkpoint,
     make_gptq_checkpoint,
     make_tiny_checkpoint,
+    moe_checkpoint,
 )
 from zmqworker.distributed.parallel_state import ParallelState, single_rank_state
+from zmqworker.engine.model_folder import ModelFolder
 from zmqworker.models.loader import CheckpointError, load_checkpoint
 from zmqworker.models.registry import build_model
 from zmqworker.models.weight_names import config_differences
+from zmqworker.worker.weight_transfer.engine import WeightTransferEngine
 
 CPU = torch.device("cpu")
 
@@ -31,9 +34,10 @@ def state(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1) -> ParallelState:
     )
 
 
-def copy_with(tmp_path, edit) -> str:
-    """A copy of the tiny llama checkpoint whose tensors went through edit(dict)."""
-    src = cached_tiny_checkpoint(family="llama", num_layers=2)
+def copy_with(tmp_path, edit, src: str | None = None) -> str:
+    """A copy of the checkpoint src (the tiny llama one) whose tensors went through
+    edit(dict)."""
+    src = src or cached_tiny_checkpoint(family="llama", num_layers=2)
     dst = tmp_path / "ckpt"
     shutil.copytree(src, dst)
     tensors = load_file(dst / "model.safetensors")
@@ -210,6 +214,156 @@ def test_float32_bfloat16_and_float16_tensors_load_in_any_mix(tmp_path):
     assert {t.dtype for t in mixed.values()} == set(dtypes)
 
 
+def test_an_index_beside_model_safetensors_is_refused_naming_both(tmp_path):
+    """transformers loads model.safetensors, vLLM the index's files: neither is ours to
+    pick, for the workers' loader and the engine's folder check alike."""
+    path = make_tiny_checkpoint(tmp_path / "c", num_layers=2, shard_max_bytes=60_000)
+    shutil.copy(cached_tiny_checkpoint(family="llama", num_layers=2) + "/model.safetensors", path)
+    both = r"holds both model.safetensors and model.safetensors.index.json"
+    with pytest.raises(CheckpointError, match=both):
+        build_model(ModelConfig(path=path), single_rank_state(CPU))
+    with pytest.raises(CheckpointError, match=both):
+        ModelFolder.open(path)
+
+
+def test_a_tensor_in_two_files_is_refused_naming_it_and_both_files(tmp_path):
+    """A stray file beside a checkpoint without an index used to override its weights."""
+    path = make_tiny_checkpoint(tmp_path / "c", num_layers=2)
+    (tmp_path / "c" / "model.safetensors").rename(tmp_path / "c" / "model-1.safetensors")
+    save_file({"model.norm.weight": torch.full((64,), 3.0)}, tmp_path / "c" / "z.safetensors")
+    with pytest.raises(
+        CheckpointError, match=r"tensor model.norm.weight twice, in model-1.safetensors and in z"
+    ):
+        build_model(ModelConfig(path=path), single_rank_state(CPU))
+
+
+def _add_shared_expert(tensors):
+    for proj, shape in (("gate", (48, 80)), ("up", (48, 80)), ("down", (80, 48))):
+        tensors[f"model.layers.0.mlp.shared_expert.{proj}_proj.weight"] = torch.zeros(shape)
+    tensors["model.layers.0.mlp.shared_expert_gate.weight"] = torch.zeros(1, 80)
+
+
+def _add_stacked_experts(tensors):
+    tensors["model.layers.1.mlp.experts.gate_up_proj"] = torch.zeros(8, 112, 80)
+    tensors["model.layers.1.mlp.experts.down_proj"] = torch.zeros(8, 80, 56)
+
+
+LLAMA = {"model_type": "llama"}
+# Tensors no weight of the model takes, which carry maths: transformers drops them.
+FOREIGN = {
+    "biases, attention_bias false": (
+        dict(family="llama", attention_bias=True, config_json={"attention_bias": False}),
+        None,
+        r"model.layers.0.self_attn.q_proj.bias present but attention_bias is false",
+    ),
+    "Qwen3 q/k norms as a Llama": (
+        dict(family="qwen3", config_json={"architectures": ["LlamaForCausalLM"], **LLAMA}),
+        None,
+        r"'llama' model takes: model.layers.0.self_attn.k_norm.weight; .*q_norm",
+    ),
+    "Qwen2-MoE's shared expert": (
+        "qwen3_moe",
+        _add_shared_expert,
+        r"takes: model.layers.0.mlp.shared_expert.down_proj.weight; .*shared_expert_gate",
+    ),
+    "both expert layouts": (
+        "qwen3_moe",
+        _add_stacked_experts,
+        r"holds model.layers.1.mlp.experts.0.gate_proj.weight and "
+        r"model.layers.1.mlp.experts.gate_up_proj: two layouts of the same weights",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", FOREIGN)
+@pytest.mark.parametrize("stage", [state(), state(pp_rank=1, pp_size=2)])
+def test_tensors_no_weight_takes_are_refused_by_name(tmp_path, case, stage):
+    """By the whole model's names: a pipeline stage refuses another stage's too."""
+    source, edit, named = FOREIGN[case]
+    if isinstance(source, str):
+        path = copy_with(tmp_path, edit, moe_checkpoint(source))
+    else:
+        path = cached_tiny_checkpoint(num_layers=2, **source)
+    with pytest.raises(CheckpointError, match=named):
+        build_model(ModelConfig(path=path), stage)
+
+
+def test_a_layer_past_num_hidden_layers_names_the_field():
+    path = cached_tiny_checkpoint(
+        family="llama", num_layers=2, config_json={"num_hidden_layers": 1}
+    )
+    with pytest.raises(
+        CheckpointError, match=r"model.layers.1.input_layernorm.weight present but num_hidden_l"
+    ):
+        build_model(ModelConfig(path=path), single_rank_state(CPU))
+
+
+def test_inv_freq_buffers_and_kv_cache_scales_are_left_aside(tmp_path):
+    def add(tensors):
+        for i in range(2):
+            attn = f"model.layers.{i}.self_attn"
+            tensors[f"{attn}.rotary_emb.inv_freq"] = torch.ones(8)
+            for scale in ("k_scale", "v_scale"):
+                tensors[f"{attn}.{scale}"] = torch.tensor(0.5)
+
+    path = copy_with(tmp_path, add)
+    model = build_model(ModelConfig(path=path), single_rank_state(CPU))
+    plain = build_model(
+        ModelConfig(path=cached_tiny_checkpoint(family="llama", num_layers=2)),
+        single_rank_state(CPU),
+    )
+    assert all(
+        torch.equal(a, b) for a, b in zip(model.parameters(), plain.parameters(), strict=True)
+    )
+
+
+FP8_CONFIG = {"quantization_config": {"quant_method": "fp8", "activation_scheme": "dynamic"}}
+
+
+def test_a_quantization_config_is_refused_by_the_loader_itself(tmp_path):
+    """Float tensors, but config.json (or a side file) says quantized: the engine refused
+    it only where it opened the folder; build_model and a load from a path refuse it too."""
+    path = cached_tiny_checkpoint(family="llama", num_layers=2, config_json=FP8_CONFIG)
+    with pytest.raises(CheckpointError, match=r"quantized \(fp8, in config.json's quantization_c"):
+        build_model(ModelConfig(path=path), single_rank_state(CPU))
+    plain = cached_tiny_checkpoint(family="llama", num_layers=2)
+    side = shutil.copytree(plain, tmp_path / "side")
+    (side / "quantize_config.json").write_text('{"bits": 4, "group_size": 128}')
+    model = build_model(ModelConfig(path=plain), single_rank_state(CPU))
+    with pytest.raises(CheckpointError, match=r"quantized \(gptq, in quantize_config.json\)"):
+        load_checkpoint(model, str(side))
+
+
+def test_a_reload_from_a_quantized_folder_is_refused_and_changes_nothing():
+    plain = cached_tiny_checkpoint(family="llama", num_layers=2)
+    quantized = cached_tiny_checkpoint(family="llama", num_layers=2, seed=4, config_json=FP8_CONFIG)
+    model = build_model(ModelConfig(path=plain), single_rank_state(CPU))
+    before = {name: p.clone() for name, p in model.state_dict().items()}
+    engine = WeightTransferEngine(model, ModelConfig(path=plain))
+    with pytest.raises(
+        CheckpointError, match=r"quantization_config: None vs \{'quant_method': 'fp8'"
+    ):
+        engine.reload(quantized)
+    with pytest.raises(CheckpointError, match=r"quantized \(fp8"):  # the loader's own check
+        load_checkpoint(model, quantized)
+    after = model.state_dict()
+    assert all(torch.equal(before[name], after[name]) for name in before)
+
+
+def test_a_top_level_original_length_is_a_difference():
+    """transformers' model takes it before rope_parameters' (for yarn and llama3)."""
+
+    def config(**more):
+        yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128}
+        return transformers.LlamaConfig(
+            num_hidden_layers=2, hidden_size=64, num_attention_heads=4, rope_parameters=yarn, **more
+        )
+
+    assert config_differences(config(), config()) == []
+    diffs = config_differences(config(), config(original_max_position_embeddings=32))
+    assert any("'original_max_position_embeddings': 32" in diff for diff in diffs), diffs
+
+
 @pytest.mark.parametrize(
     "family, change, named",
     [
@@ -219,6 +373,7 @@ def test_float32_bfloat16_and_float16_tensors_load_in_any_mix(tmp_path):
         ("MistralConfig", {"sliding_window": 16}, "sliding_window: None vs 16"),
         ("Qwen3MoeConfig", {"norm_topk_prob": True}, "norm_topk_prob: False vs True"),
         ("Qwen3MoeConfig", {"num_experts_per_tok": 3}, "num_experts_per_tok: 2 vs 3"),
+        ("LlamaConfig", {"quantization_config": {"quant_method": "fp8"}}, "quantization_conf"),
     ],
 )
 def test_another_checkpoint_s_forward_settings_are_named(family, change, named):

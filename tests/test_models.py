@@ -113,13 +113,49 @@ ROPE_SCALINGS = {
 }
 
 
-@pytest.mark.parametrize("kind", sorted(ROPE_SCALINGS))
+# Rope settings config.json gives outside rope_parameters, as transformers' model reads
+# them: a top-level original_max_position_embeddings outranks the one in rope_parameters
+# for llama3 and yarn (transformers' "Phi3 exception"); transformers 4's rope_scaling.
+ROPE_CONFIG_JSON = {
+    "yarn_top_level_original": (ROPE_SCALINGS["yarn"], {"original_max_position_embeddings": 32}),
+    "yarn_v4_rope_scaling_top_level_original": (
+        None,
+        {
+            "rope_parameters": None,
+            "rope_scaling": {"type": "yarn", "factor": 4.0},
+            "rope_theta": 10000.0,
+            "original_max_position_embeddings": 64,
+        },
+    ),
+    "llama3_top_level_original": (
+        {**ROPE_SCALINGS["llama3"], "original_max_position_embeddings": 256},
+        {"original_max_position_embeddings": 32},
+    ),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(ROPE_SCALINGS) + sorted(ROPE_CONFIG_JSON))
 def test_rope_scaling_variants_match_transformers(kind):
-    path = cached_tiny_checkpoint(family="llama", rope_scaling=ROPE_SCALINGS[kind], num_layers=2)
+    scaling, config_json = ROPE_CONFIG_JSON.get(kind, (ROPE_SCALINGS.get(kind), None))
+    path = cached_tiny_checkpoint(
+        family="llama", rope_scaling=scaling, config_json=config_json, num_layers=2
+    )
     prompt = prompts(lens=(40,))[0]
     driver = PagedDriver(ours(path))
     logits = torch.cat([driver.step({"r": prompt[:25]})["r"], driver.step({"r": prompt[25:]})["r"]])
     assert_close(logits, hf_logits(path, prompt))
+
+
+def test_dynamic_rope_beyond_max_position_embeddings_is_refused_naming_both():
+    """transformers rescales dynamic rope for each length past max_position_embeddings
+    (which keys cached at other lengths cannot follow); within it, it is the default."""
+    dynamic = ROPE_SCALINGS["dynamic"]
+    path = cached_tiny_checkpoint(
+        family="llama", rope_scaling=dynamic, config_json=None, num_layers=2
+    )
+    with pytest.raises(ValueError, match=r"max_position_embeddings=512 .*max_model_len=1024"):
+        ours(path, max_model_len=1024)
+    assert ours(path, max_model_len=512).rotary.max_positions == 512
 
 
 # Valid config values off the beaten path, each exact (max_model_len within any window).

@@ -40,6 +40,7 @@ def make_tiny_checkpoint(
     shard_max_bytes: int | None = None,
     rope_scaling: dict[str, Any] | None = None,
     router_pairs: list[tuple[int, int, float]] | None = None,
+    config_json: dict[str, Any] | None = None,
     **overrides: Any,
 ) -> str:
     """Build a random transformers model of `family`, save config + safetensors into `path`
@@ -47,7 +48,10 @@ def make_tiny_checkpoint(
 
     The same arguments give the same weights. rope_scaling is merged into the config's
     rope_parameters (e.g. {"rope_type": "linear", "factor": 2.0}); router_pairs makes a
-    mixture of experts' routing uneven (_pair_router_rows); overrides go to the config.
+    mixture of experts' routing uneven (_pair_router_rows); overrides go to the config;
+    config_json's keys are set in the saved config.json as they are (None removes one),
+    for what the config class would not write so (a top-level rope field, transformers
+    4's rope_scaling).
     """
     if family not in FAMILIES:
         raise ValueError(f"unknown family {family!r}; known: {sorted(FAMILIES)}")
@@ -94,6 +98,14 @@ def make_tiny_checkpoint(
     if shard_max_bytes is not None:
         save_kwargs["max_shard_size"] = shard_max_bytes
     model.save_pretrained(out, **save_kwargs)
+    if config_json:
+        saved = json.loads((out / "config.json").read_text())
+        for key, value in config_json.items():
+            if value is None:
+                saved.pop(key, None)
+            else:
+                saved[key] = value
+        (out / "config.json").write_text(json.dumps(saved, indent=2))
     return str(out)
 
 

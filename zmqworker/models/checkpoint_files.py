@@ -35,7 +35,9 @@ class TensorHeader(msgspec.Struct, frozen=True):
 @dataclass(frozen=True)
 class SafetensorsFiles:
     """The weight files of a folder (those an index names, else model.safetensors, else
-    every *.safetensors) and every tensor's header."""
+    every *.safetensors) and every tensor's header. A folder with both an index and
+    model.safetensors, or a tensor in two files, is refused: which weights it holds would
+    depend on who reads it."""
 
     folder: Path
     headers: dict[str, dict[str, TensorHeader]]  # file name -> its tensors
@@ -44,7 +46,22 @@ class SafetensorsFiles:
     def read(cls, folder: Path) -> SafetensorsFiles:
         """The folder's files and headers; none when it holds no safetensors weights."""
         names = _weight_file_names(folder)
-        return cls(folder, {name: read_header(folder / name) for name in names})
+        files = cls(folder, {name: read_header(folder / name) for name in names})
+        files._refuse_duplicates()
+        return files
+
+    def _refuse_duplicates(self) -> None:
+        """A tensor in two files: which one a loader takes depends on its order (a stray
+        .safetensors beside the checkpoint's own would override a real weight)."""
+        owner: dict[str, str] = {}
+        for file, tensors in self.headers.items():
+            for tensor in tensors:
+                first = owner.setdefault(tensor, file)
+                if first != file:
+                    raise CheckpointError(
+                        f"checkpoint {self.folder} holds tensor {tensor} twice, in {first} "
+                        f"and in {file}: remove the file that is not the checkpoint's"
+                    )
 
     def index(self) -> dict[str, str]:
         """Tensor name -> the file that holds it."""
@@ -83,8 +100,26 @@ def read_header(file: Path) -> dict[str, TensorHeader]:
     return headers
 
 
+def read_config(folder: Path) -> dict[str, Any]:
+    """The folder's config.json as plain JSON; {} when it has none."""
+    path = folder / "config.json"
+    if not path.is_file():
+        return {}
+    try:
+        return msgspec.json.decode(path.read_bytes(), type=dict[str, Any])
+    except (OSError, msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise CheckpointError(f"cannot read {path}: {exc}") from None
+
+
 def _weight_file_names(folder: Path) -> list[str]:
     index_file = folder / INDEX_FILE
+    if index_file.exists() and (folder / SINGLE_FILE).exists():
+        # transformers loads the single file, vLLM the files the index names.
+        raise CheckpointError(
+            f"checkpoint {folder} holds both {SINGLE_FILE} and {INDEX_FILE}: frameworks "
+            f"disagree on which is the checkpoint (transformers loads {SINGLE_FILE}, "
+            "vLLM the files the index names); remove the other"
+        )
     if index_file.exists():
         try:
             weight_map = msgspec.json.decode(index_file.read_bytes(), type=dict[str, Any])

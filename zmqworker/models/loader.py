@@ -4,15 +4,24 @@ Every parameter layer describes the checkpoint slices it needs (TensorSlice, or 
 layouts); past every file's header, this module opens only the files that hold them and
 reads only those slices, so a pipeline stage never reads another stage's layers, a TP rank
 reads only its shard and an expert-parallel rank only its experts. Any mix of float32,
-bfloat16 and float16 tensors is cast into the parameters' dtype; a quantized checkpoint is
-refused here too (the engine refuses it before the workers start, but a worker may be
-driven by an engine that did not).
+bfloat16 and float16 tensors is cast into the parameters' dtype; a quantized checkpoint
+(by its config.json, a side file or its tensors) is refused here too: the engine refuses
+it before the workers start, but a worker may be driven by an engine that did not, and a
+reload from another folder passes no engine check.
+
+A checkpoint must hold exactly the model's weights: a tensor no layout of the whole model
+takes (every stage, every shard) is refused, since it may carry maths the config leaves
+out (biases with attention_bias false, another family's q/k norms or shared expert), as
+is a parameter given in two layouts. Left aside, as transformers leaves them: rotary
+inv_freq buffers, a tied model's own lm_head.weight (which must equal the embedding) and
+KV-cache scales.
 """
 
 from __future__ import annotations
 
+import re
 from collections import defaultdict
-from collections.abc import Container, Iterator
+from collections.abc import Collection, Container, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,9 +30,20 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from zmqworker.models.checkpoint_files import CheckpointError, SafetensorsFiles, TensorHeader
+from zmqworker.distributed.parallel_state import single_rank_state
+from zmqworker.models.checkpoint_files import (
+    CheckpointError,
+    SafetensorsFiles,
+    TensorHeader,
+    read_config,
+)
 from zmqworker.models.layers.weights import OneOf, TensorSlice
-from zmqworker.models.quantization import FLOAT_DTYPES, dtype_name, refuse_quantized_tensors
+from zmqworker.models.quantization import (
+    FLOAT_DTYPES,
+    dtype_name,
+    refuse_quantized_config,
+    refuse_quantized_tensors,
+)
 
 
 @dataclass
@@ -39,6 +59,7 @@ def checkpoint_files(path: str) -> SafetensorsFiles:
     folder = Path(path)
     if not folder.is_dir():
         raise FileNotFoundError(f"checkpoint folder {path} does not exist")
+    refuse_quantized_config(folder, read_config(folder))
     files = SafetensorsFiles.read(folder)
     if not files.headers:
         raise FileNotFoundError(f"no safetensors weights in checkpoint folder {path}")
@@ -59,6 +80,14 @@ def parameter_sources(model: nn.Module) -> Iterator[tuple[torch.Tensor, Layouts]
         for attr, slices in slices_of().items():
             layouts = slices.layouts if isinstance(slices, OneOf) else (tuple(slices),)
             yield getattr(module, attr), layouts
+
+
+def whole_model(model: nn.Module) -> nn.Module:
+    """The same layers for all stages, unsharded, on the meta device (no memory)."""
+    meta = torch.device("meta")
+    state = single_rank_state(meta)
+    with meta:
+        return type(model)(model.hf_config, state, model.dtype, model.flags, 1)
 
 
 def loading_plan(
@@ -123,6 +152,7 @@ def load_checkpoint(model: nn.Module, path: str) -> LoadReport:
     if missing:
         more = f" (+{len(missing) - 8} more)" if len(missing) > 8 else ""
         raise CheckpointError(f"checkpoint {path} lacks tensor(s): {', '.join(missing[:8])}{more}")
+    _refuse_foreign_tensors(model, index, path)
     by_file: dict[str, list[tuple[torch.Tensor, TensorSlice]]] = defaultdict(list)
     for param, s in plan:
         _check_slice(headers[s.name], s, path)
@@ -169,3 +199,58 @@ def _refuse_differing_tied_copies(model: nn.Module, files: SafetensorsFiles, pat
 def _read_slice(path: str, file_name: str, s: TensorSlice) -> torch.Tensor:
     with safe_open(str(Path(path) / file_name), framework="pt", device="cpu") as f:
         return cut(f.get_slice(s.name), s)
+
+
+# Tensors a checkpoint may hold beside the weights, which transformers ignores as well:
+# rotary inv_freq buffers (older conversions), KV-cache scales (k_scale, v_scale, ...).
+_IGNORED = re.compile(
+    r"(^|\.)rotary_emb\.inv_freq$|\.(k|v|kv|q|prob)_scale$|\.[kv]_proj\.output_scale$"
+)
+# A tensor the model has no place for, and the config field that leaves it out.
+_FIELDS = (
+    (re.compile(r"\.self_attn\.[qkvo]_proj\.bias$"), "attention_bias"),
+    (re.compile(r"\.mlp\.(gate|up|down)_proj\.bias$"), "mlp_bias"),
+)
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+def _refuse_foreign_tensors(model: nn.Module, held: Collection[str], path: str) -> None:
+    """Refuse checkpoint tensors that no layout of the whole model takes (not this rank's
+    plan: other stages and shards load other names), and a parameter given in two layouts
+    (transformers refuses that too)."""
+    whole = whole_model(model)
+    names: set[str] = set()
+    for _, layouts in parameter_sources(whole):
+        given = [sorted(s.name for s in layout if s.name in held) for layout in layouts]
+        used = [found[0] for found in given if found]
+        if len(used) > 1:
+            raise CheckpointError(
+                f"checkpoint {path} holds {used[0]} and {used[1]}: two layouts of the same "
+                "weights (experts one tensor each, or stacked); a checkpoint holds one"
+            )
+        names.update(s.name for layout in layouts for s in layout)
+    for module in whole.modules():
+        copies_of = getattr(module, "tied_copies", None)
+        names.update(own.name for _, own, _ in (copies_of() if copies_of is not None else []))
+    foreign = sorted(n for n in held if n not in names and not _IGNORED.search(n))
+    if foreign:
+        cfg = model.hf_config
+        more = f" (+{len(foreign) - 5} more)" if len(foreign) > 5 else ""
+        raise CheckpointError(
+            f"checkpoint {path} holds tensor(s) that no weight of this "
+            f"{getattr(cfg, 'model_type', None)!r} model takes: "
+            f"{'; '.join(_foreign(name, cfg) for name in foreign[:5])}{more}. transformers "
+            "would drop them and the maths they carry: the config does not describe this "
+            "checkpoint"
+        )
+
+
+def _foreign(name: str, cfg: Any) -> str:
+    """The name, and the config field that leaves it out where one does."""
+    for pattern, field_name in _FIELDS:
+        if pattern.search(name) and getattr(cfg, field_name, None) is False:
+            return f"{name} present but {field_name} is false"
+    layer = _LAYER.match(name)
+    if layer and int(layer[1]) >= cfg.num_hidden_layers:
+        return f"{name} present but num_hidden_layers is {cfg.num_hidden_layers}"
+    return name

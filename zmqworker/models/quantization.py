@@ -75,13 +75,19 @@ def dtype_name(dtype: str) -> str:
 def refuse_quantized(folder: Path, config: Mapping[str, Any]) -> None:
     """Raise CheckpointError naming the quantization method, and where it was found, or a
     quantized tensor and its dtype; config is the folder's config.json."""
+    refuse_quantized_config(folder, config)
+    refuse_quantized_tensors(SafetensorsFiles.read(folder))
+
+
+def refuse_quantized_config(folder: Path, config: Mapping[str, Any]) -> None:
+    """Raise CheckpointError naming the quantization method the config (config.json's
+    quantization_config or compression_config, or a side file) gives, and where."""
     found = quantization_method(folder, config)
     if found is not None:
         method, where = found
         raise CheckpointError(
             f"checkpoint {folder} is quantized ({method}, in {where}): {_REFUSAL}"
         )
-    refuse_quantized_tensors(SafetensorsFiles.read(folder))
 
 
 def refuse_quantized_tensors(files: SafetensorsFiles) -> None:

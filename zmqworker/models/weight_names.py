@@ -9,10 +9,8 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Any
 
-import torch
 from torch import nn
 
-from zmqworker.distributed.parallel_state import single_rank_state
 from zmqworker.models.layers.rotary import rope_parameters_of
 from zmqworker.models.layers.weights import TensorSlice
 from zmqworker.models.llama import LlamaForCausalLM
@@ -50,6 +48,9 @@ MODEL_KEYS = (
     "norm_topk_prob",
     "decoder_sparse_step",
     "mlp_only_layers",
+    # The loader refuses a quantized checkpoint; a reload names this difference first.
+    "quantization_config",
+    "compression_config",
 )
 
 Targets = dict[str, list[tuple[nn.Parameter, TensorSlice]]]
@@ -73,14 +74,6 @@ def layout_names(model: nn.Module) -> list[tuple[frozenset[str], ...]]:
         tuple(frozenset(s.name for s in layout) for layout in layouts)
         for _, layouts in parameter_sources(model)
     ]
-
-
-def whole_model(model: LlamaForCausalLM) -> LlamaForCausalLM:
-    """The same layers for all stages, unsharded, on the meta device (no memory)."""
-    meta = torch.device("meta")
-    state = single_rank_state(meta)
-    with meta:
-        return LlamaForCausalLM(model.hf_config, state, model.dtype, model.flags, 1)
 
 
 def checkpoint_shapes(whole: nn.Module) -> dict[str, tuple[int, ...]]:

@@ -17,14 +17,33 @@ from torch import nn
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
 
 
+# Rope types whose pretraining length (original_max_position_embeddings) transformers'
+# model takes from the config's top level before rope_parameters' (its "Phi3 exception").
+_ORIGINAL_LENGTH_TYPES = ("llama3", "yarn", "longrope")
+_ABSENT = object()
+
+
 def rope_parameters_of(hf_config: Any) -> dict[str, Any]:
-    """The checkpoint's rope settings as one dict with rope_type and rope_theta."""
+    """The checkpoint's rope settings as one dict with rope_type and rope_theta, as
+    transformers' model reads them: building the model runs standardize_rope_params again,
+    where a top-level original_max_position_embeddings (set after AutoConfig's own run)
+    outranks the one in rope_parameters for llama3 and yarn; without either, it is
+    max_position_embeddings."""
     params = getattr(hf_config, "rope_parameters", None)
     if params is None:
         params = dict(getattr(hf_config, "rope_scaling", None) or {})
         params.setdefault("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
     params = dict(params)
     params.setdefault("rope_type", params.pop("type", "default"))
+    if params["rope_type"] in _ORIGINAL_LENGTH_TYPES:
+        top_level = getattr(hf_config, "original_max_position_embeddings", _ABSENT)
+        if top_level is not _ABSENT:
+            params["original_max_position_embeddings"] = top_level
+        else:
+            params.setdefault(
+                "original_max_position_embeddings",
+                getattr(hf_config, "max_position_embeddings", None),
+            )
     return params
 
 
@@ -84,9 +103,10 @@ def rope_inv_freq(
 ) -> tuple[torch.Tensor, float]:
     """(inverse frequencies [head_dim / 2], cos/sin scale) for the declared rope type.
 
-    Dynamic NTK is fixed for the longest context this model will serve (max_positions):
-    exactly the default rope while that is within max_position_embeddings, as in
-    transformers, and one consistent scaling beyond it (transformers rescales per call).
+    Dynamic NTK is the default rope while the longest context this model serves
+    (max_positions) is within max_position_embeddings, as in transformers; beyond it
+    transformers rescales for each call's length, which keys cached at other lengths
+    cannot follow: refused.
     """
     rope_type = params.get("rope_type", "default")
     if rope_type not in SUPPORTED_ROPE_TYPES:
@@ -97,15 +117,16 @@ def rope_inv_freq(
         raise ValueError(
             f"partial_rotary_factor {params['partial_rotary_factor']} is not supported"
         )
+    if rope_type == "dynamic" and max_positions > max_position_embeddings:
+        raise ValueError(
+            f"dynamic rope scaling beyond max_position_embeddings={max_position_embeddings} "
+            f"is not supported (max_model_len={max_positions}): transformers rescales it "
+            "for each sequence length; set max_model_len <= "
+            f"{max_position_embeddings}"
+        )
     base = float(params.get("rope_theta", 10000.0))
     if rope_type == "yarn":
         return _yarn_inv_freq(base, head_dim, params, max_position_embeddings)
-    if rope_type == "dynamic":
-        factor = params["factor"]
-        seq_len = max(max_positions, max_position_embeddings)
-        base *= (factor * seq_len / max_position_embeddings - (factor - 1)) ** (
-            head_dim / (head_dim - 2)
-        )
     inv_freq = _base_inv_freq(base, head_dim)
     if rope_type == "linear":
         inv_freq = inv_freq / params["factor"]
@@ -136,9 +157,20 @@ class RotaryEmbedding(nn.Module):
     ):
         super().__init__()
         self.max_positions = max_positions
-        inv_freq, scale = rope_inv_freq(params, head_dim, max_position_embeddings, max_positions)
-        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
-        table = torch.cat([freqs.cos() * scale, freqs.sin() * scale], dim=-1).to(dtype)
+        device = torch.get_default_device()
+        # The whole model is built on the meta device to read its weights' names
+        # (loader.whole_model, on every load): no table there, and the settings are checked
+        # on the CPU (meta tensors take torch's reference ops, whose first use imports its
+        # compiler stack, about a second).
+        with torch.device("cpu" if device.type == "meta" else device):
+            inv_freq, scale = rope_inv_freq(
+                params, head_dim, max_position_embeddings, max_positions
+            )
+        if device.type == "meta":
+            table = torch.empty(max_positions, head_dim, dtype=dtype)
+        else:
+            freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
+            table = torch.cat([freqs.cos() * scale, freqs.sin() * scale], dim=-1).to(dtype)
         self.register_buffer("cos_sin", table, persistent=False)
 
     def for_step(self, positions: torch.Tensor, look_up: bool) -> StepRope:

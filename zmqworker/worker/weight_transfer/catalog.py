@@ -13,6 +13,7 @@ import difflib
 from messages import WeightSpec, WeightUpdate
 from zmqworker.distributed.weight_group import dtype_name
 from zmqworker.models.llama import LlamaForCausalLM
+from zmqworker.models.loader import whole_model
 from zmqworker.models.weight_names import (
     TIED_HEAD,
     Targets,
@@ -20,7 +21,6 @@ from zmqworker.models.weight_names import (
     layout_names,
     ties_embeddings,
     weight_targets,
-    whole_model,
 )
 
 

@@ -59,9 +59,8 @@ class WeightTransferEngine:
 
     @functools.cached_property
     def catalog(self) -> WeightCatalog:
-        """The model's weights by checkpoint name, made at the first update: it builds the
-        whole model on the meta device, where torch's reference ops import its compiler
-        stack (seconds of a worker's start-up, which serving alone never needs)."""
+        """The model's weights by checkpoint name, made at the first update (serving alone
+        never needs it)."""
         return WeightCatalog(self.model)
 
     @property
