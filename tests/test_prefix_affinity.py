@@ -9,7 +9,15 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
-from messages import EngineCoreReady
+from messages import (
+    EngineCoreOutputs,
+    EngineCoreReady,
+    EngineCoreRequest,
+    EngineCoreStats,
+    SamplingParams,
+)
+from zmqworker.frontend.core_client import EngineCoreClient
+from zmqworker.frontend.core_process import RemoteEngineCore
 from zmqworker.frontend.prefix_affinity import (
     MAX_BLOCKS,
     SLACK,
@@ -146,3 +154,31 @@ def test_one_engine_core_no_prefix_cache_or_mixed_block_sizes_place_by_load_alon
     assert both is not None and both.block_size == 4
     with pytest.raises(ValueError, match="block size 0"):
         PrefixAffinity(0, {0: 10})
+
+
+def test_requests_aborted_leave_their_replica_s_load_at_once(tmp_path) -> None:
+    """A client's aborts take its requests out of the replica's load: the engine core
+    tells a client of its load only with outputs for it, so eight samples aborted after
+    their first output left the replica looking full, and every new request went to the
+    other one."""
+    addresses = [f"ipc://{tmp_path}/core{i}" for i in range(2)]
+    handles = [RemoteEngineCore(i, address) for i, address in enumerate(addresses)]
+    client = EngineCoreClient(addresses, handles, "token")
+    try:
+        for engine in client.engines:  # sockets without a peer: Readies handed in
+            engine.ready = EngineCoreReady(engine.index, 96, 64, 4, 8, 256, 1, 0)
+        client.wait_ready(0.0)
+        prompt, params = np.arange(1, 4, dtype=np.int32), SamplingParams(max_tokens=4)
+        samples = [EngineCoreRequest(f"s.{i}", prompt, params) for i in range(8)]
+        for sample in samples:  # n = 8: one replica
+            client._send_request(client.engines[0], sample)
+        ids = [s.request_id for s in samples]
+        stats = EngineCoreStats(8, 0, 64, 56, 0, 0)
+        outputs = EngineCoreOutputs(0, ids, np.full(8, 7, np.int32), stats)
+        client._on_outputs(client.engines[0], outputs, [])
+        client.abort(ids)
+        assert [engine.load for engine in client.engines] == [0, 0]
+        placed = [client.add_request(EngineCoreRequest(f"r{i}", prompt, params)) for i in range(8)]
+        assert sorted(placed) == [0] * 4 + [1] * 4
+    finally:
+        client.close()

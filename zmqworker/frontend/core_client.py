@@ -138,6 +138,7 @@ class EngineCoreClient:
                 by_engine.setdefault(engine, []).append(request_id)
         for engine, ids in by_engine.items():
             self._send(engine, AbortRequests(ids, reason))  # type: ignore[arg-type]
+            engine.aborted(len(ids))
 
     def engine_of(self, request_id: str) -> int | None:
         return None if (engine := self._owner.get(request_id)) is None else engine.index

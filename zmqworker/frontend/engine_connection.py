@@ -104,6 +104,13 @@ class EngineConnection:
         self.reported_load = stats.num_running + stats.num_waiting
         self.sent_since_report = 0
 
+    def aborted(self, count: int) -> None:
+        """count of this client's requests there were aborted: out of its load now (the
+        engine core tells a client of its load only with outputs for it)."""
+        since = min(count, self.sent_since_report)
+        self.sent_since_report -= since
+        self.reported_load = max(0, self.reported_load - (count - since))
+
     def watch(self, now: float) -> str | None:
         """Take in what the monitor saw (a handshake done, the connection dropped: then
         disconnected_at is now); why the engine core refused this client, if it did."""
