@@ -18,12 +18,14 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+from safetensors.torch import load_file, save_file
 
 from messages import CachedRequestData, SamplingParams, SchedulerOutput
 from tests.engine_helpers import byte_level_tokenizer
 from tests.tiny import cached_tiny_checkpoint
 from tests.weight_trainer import perturb
 from zmqworker.distributed.weight_group import describe
+from zmqworker.distributed.weight_segment import WeightSegment
 from zmqworker.frontend.errors import EngineCoreError
 from zmqworker.frontend.llm import LLM
 
@@ -109,7 +111,7 @@ class Trainer:
     ) -> None:
         self.weights = list(hf_model(tied, seed).named_parameters())
         self.bad_shape = bad_shape
-        self.port, self.world = free_port(), 1 + llm.worker_config.parallel.world_size
+        self.port, self.world = free_port(), 1 + llm.num_workers
         self.folder = tempfile.TemporaryDirectory(prefix="zmqworker-trainer-")
         saved = Path(self.folder.name, "weights.pt")
         torch.save([(name, param.detach()) for name, param in self.weights], saved)
@@ -167,8 +169,104 @@ def test_each_way_in_gives_the_new_weights_and_the_old_come_back(layout, tmp_pat
     hf_model(tied, SEED).save_pretrained(tmp_path)
     llm.reload_weights(str(tmp_path))
     assert tokens(llm) == new
-    llm.reload_weights()
+    # Pushed in chunks of a size that is not a multiple of the segments' alignment: its
+    # plan used to grow without end.
+    llm.update_weights(hf_model(tied, None).named_parameters(), chunk_bytes=1000)
     assert tokens(llm) == old
+
+
+def edited_folder(folder: Path, tied: bool, edit) -> str:
+    """hf_model(tied, SEED) saved in folder, its tensors through edit(dict)."""
+    hf_model(tied, SEED).save_pretrained(folder)
+    file = next(folder.glob("*.safetensors"))
+    tensors = load_file(file)
+    edit(tensors)
+    save_file(tensors, file, metadata={"format": "pt"})
+    return str(folder)
+
+
+def test_a_folder_that_one_rank_cannot_load_is_refused_by_every_rank(layout, tmp_path):
+    """Each rank checked only its own tensors: at pp=2 the first stage loaded its new
+    layers from a folder whose last layer the second refused, and served a model that
+    was neither. Every rank now checks the whole model's, and every rank refuses."""
+    llm, tied = layout
+    old = hf_tokens(tied, None)
+    last = "model.layers.3.mlp.down_proj.weight"  # the last stage's
+    folders = {
+        rf"lacks tensor\(s\): {last}": lambda t: t.pop(last),
+        rf"{last} in checkpoint .* has shape \[64, 127\]": lambda t: t.update(
+            {last: t[last][:, :-1].contiguous()}
+        ),
+    }
+    if tied:  # the first stage holds no head: it compared none
+        folders["holds a lm_head.weight that differs"] = lambda t: t.update(
+            {"lm_head.weight": t["model.embed_tokens.weight"] + 1}
+        )
+    for k, (reason, edit) in enumerate(folders.items()):
+        folder = edited_folder(tmp_path / str(k), tied, edit)
+        with pytest.raises(ValueError, match=reason):
+            llm.reload_weights(folder)
+        assert llm.not_ready() is None
+        assert tokens(llm) == old, reason
+
+
+def test_a_tied_head_in_an_update_must_equal_the_embedding(layout):
+    """A tied model's lm_head.weight used to be taken and ignored whatever it held (a
+    checkpoint's is refused when it differs): now it must equal the embedding."""
+    llm, tied = layout
+    if not tied:
+        pytest.skip("the model has a head of its own")
+    old, new = hf_tokens(tied, None), hf_tokens(tied, SEED)
+    embedding = dict(hf_model(tied, None).named_parameters())["model.embed_tokens.weight"]
+    with pytest.raises(ValueError, match="tensor lm_head.weight differs from model.embed_tok"):
+        llm.update_weights([("lm_head.weight", embedding.detach() + 1)])
+    assert llm.not_ready() is None and tokens(llm) == old
+    llm.update_weights([("lm_head.weight", embedding.detach())])  # the embedding it holds
+    # The head before the embedding it must equal, in small chunks: compared at the end.
+    state = hf_model(tied, SEED).state_dict()
+    head_first = {"lm_head.weight": state["lm_head.weight"], **state}
+    llm.update_weights(head_first.items(), chunk_bytes=8192)
+    assert tokens(llm) == new
+    llm.reload_weights()
+
+
+def test_an_update_cut_short_leaves_the_engine_not_ready_until_a_whole_one(layout, monkeypatch):
+    """The workers refused steps after an update that ended half-written, but the
+    engine said it was ready (an API server let requests in, each failing a step)."""
+    llm, tied = layout
+    old = hf_tokens(tied, None)
+    write, written = WeightSegment.write, []
+
+    def failing(segment, offset, rows):
+        if len(written) == 5:
+            raise OSError("the caller's memory went away")
+        written.append(offset)
+        write(segment, offset, rows)
+
+    monkeypatch.setattr(WeightSegment, "write", failing)
+    with pytest.raises(OSError, match="went away"):
+        llm.update_weights(hf_model(tied, SEED).named_parameters(), chunk_bytes=8192)
+    monkeypatch.undo()
+    reason = llm.not_ready()
+    assert reason is not None and "without all of" in reason and "before a step" in reason
+    with pytest.raises(EngineCoreError, match="without all of"):
+        tokens(llm)
+    llm.update_weights(hf_model(tied, None).named_parameters())
+    assert llm.not_ready() is None and tokens(llm) == old
+    if llm.num_workers > 1:
+        return
+    # A trainer killed mid-send (SIGKILL): the workers fail at once, and say why.
+    with Trainer(llm, tied, SEED, mode="kill") as trainer:
+        llm.init_weight_transfer_group(
+            "127.0.0.1", trainer.port, trainer.world, rank_offset=1, timeout_s=60.0
+        )
+        with pytest.raises(RuntimeError, match="failed midway"):
+            llm.update_weights_from_group(describe(trainer.weights, piece_bytes=4096))
+        assert trainer.process.wait(60) == -9
+    reason = llm.not_ready()
+    assert reason is not None and "an update ended before all of its tensors came" in reason
+    llm.update_weights(hf_model(tied, None).named_parameters())
+    assert llm.not_ready() is None and tokens(llm) == old
 
 
 def test_bad_updates_change_nothing(layout, tmp_path):

@@ -8,13 +8,17 @@ transformers nor the model: starting it is most of a test's time otherwise.
 --bad-shape sends the first tensor with a row too few, which the workers must refuse
 before any weight changes. --differ-then-fail sends, under the right announcement,
 tensors that differ from it (the sender refuses them, the workers with it), then the
-right ones over the same group, then them again, failing at the fourth broadcast. Exit
-status 0 once sent; 3 when the workers refused; 5 when a send failed midway.
+right ones over the same group, then them again, failing at the fourth broadcast. --kill
+sends them until its fourth broadcast, then dies by SIGKILL (a trainer that crashed
+mid-send). Exit status 0 once sent; 3 when the workers refused; 5 when a send failed
+midway.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import signal
 import sys
 
 import torch
@@ -37,6 +41,7 @@ def main() -> int:
     parser.add_argument("world_size", type=int)
     parser.add_argument("--bad-shape", action="store_true")
     parser.add_argument("--differ-then-fail", action="store_true")
+    parser.add_argument("--kill", action="store_true")
     args = parser.parse_args()
     weights = torch.load(args.weights, weights_only=True)
     if args.bad_shape:
@@ -66,6 +71,16 @@ def main() -> int:
                     broadcast(tensor)
 
                 sender.group.broadcast = failing  # type: ignore[method-assign]
+            if args.kill:
+                broadcast, count = sender.group.broadcast, [0]
+
+                def dying(tensor: torch.Tensor) -> None:
+                    count[0] += 1
+                    if count[0] == 4:
+                        os.kill(os.getpid(), signal.SIGKILL)
+                    broadcast(tensor)
+
+                sender.group.broadcast = dying  # type: ignore[method-assign]
             sender.send(weights)
         except RuntimeError as e:
             print(e, file=sys.stderr)

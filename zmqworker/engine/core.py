@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import contextlib
+import functools
 import logging
 import time
-from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from messages import (
@@ -13,7 +12,6 @@ from messages import (
     KVCacheSpec,
     KVTransferConfig,
     SchedulerConfig,
-    WeightUpdate,
     make_kv_cache_config,
 )
 from zmqworker.engine.batch_queue import BatchQueue
@@ -24,7 +22,8 @@ from zmqworker.engine.kv_connector import KVConnectorScheduler
 from zmqworker.engine.request import FinishReason, Request
 from zmqworker.engine.scheduler import Scheduler
 from zmqworker.engine.structured_outputs import StructuredOutputs
-from zmqworker.executor.errors import WorkerDiedError, WorkerError, WorkerStuckError, as_local
+from zmqworker.engine.weight_calls import WeightCalls, refusals
+from zmqworker.executor.errors import WorkerDiedError, WorkerStuckError
 
 if TYPE_CHECKING:
     from zmqworker.executor.abstract import Executor
@@ -62,7 +61,7 @@ def num_blocks_from_memory(available_bytes: list[int], specs: list[KVCacheSpec])
     return min(counts)
 
 
-class EngineCore:
+class EngineCore(WeightCalls):
     """The engine loop over an Executor: scheduler, KV block manager and batch queue.
 
     Construction runs the start-up the workers expect after load_model:
@@ -75,8 +74,9 @@ class EngineCore:
 
     Between steps (sleep, wake_up, weight updates, the prefix cache, any worker method):
     each waits for the steps in flight first (drain), so that it never lands mid-step.
-    The engine keeps what it asked for (released, weights_released) to refuse a step
-    before sending it; the workers refuse one too.
+    The engine keeps what it asked for (released, weights_released) and what a weight
+    change that failed part-way left (weight_calls.py) to refuse a step before sending
+    it; the workers refuse one too.
 
     Structured outputs (structured, given a GrammarCompiler's StructuredOutputs): a
     request waits there for its grammar, then goes to the scheduler. A step that samples
@@ -152,7 +152,7 @@ class EngineCore:
         self.failed: list[tuple[Request, str]] = []
         self.num_aborted = 0  # requests aborted by their clients, since start
         self.released: set[str] = set()  # what sleep gave back and wake_up has not
-        self.weights_released = False  # sleep(2) dropped them; no update or reload since
+        self._init_weight_state()
 
     def add_request(self, request: Request) -> None:
         if self.structured is not None and request.req_id in self.structured:
@@ -199,21 +199,17 @@ class EngineCore:
         return failed
 
     def not_ready(self) -> str | None:
-        """Why no step can run now (asleep, or weights dropped by sleep(2)); None if one can."""
+        """Why no step can run now (asleep, weights dropped by sleep(2), or left part-way
+        by an update or reload that failed); None if one can."""
         if self.released:
             return f"asleep ({', '.join(sorted(self.released))} released): call wake_up()"
-        if self.weights_released:
-            return (
-                "the weights were released by sleep(level=2) and have not been loaded since: "
-                "update_weights() or reload_weights() first"
-            )
-        return None
+        return self.weights_not_ready()
 
     def step(self) -> list[Request]:
         """One turn of the loop: schedule a step if the queue has room, and consume the
         oldest step's output once the queue is full or nothing more can be scheduled.
         Returns the requests that got a token or finished (possibly none)."""
-        if self.released or self.weights_released:
+        if self.released or self.weights_released or self.weights_broken or self.pushing:
             raise RuntimeError(f"no step: {self.not_ready()}")
         if self.structured is not None and len(self.structured):
             self._admit_compiled()
@@ -321,7 +317,7 @@ class EngineCore:
                 f"sleep with {unfinished} request(s) unfinished, whose KV cache it would drop: "
                 "let them finish or abort them first"
             )
-        with _refusals():
+        with refusals():
             self.executor.sleep(level)
         self.block_manager.reset_prefix_cache()  # the cache's contents are gone
         self.released = {"weights", "kv_cache"}
@@ -329,40 +325,13 @@ class EngineCore:
 
     def wake_up(self, tags: list[str] | None) -> None:
         self.drain()
-        with _refusals():
+        with refusals():
             self.executor.wake_up(tags)
         self.released -= {"weights", "kv_cache"} if tags is None else set(tags)
 
     def reset_prefix_cache(self) -> None:
         self.drain()
         self.block_manager.reset_prefix_cache()
-
-    def init_weight_transfer_group(
-        self, host: str, port: int, world_size: int, rank_offset: int, timeout_s: float
-    ) -> None:
-        self.drain()
-        with _refusals():
-            self.executor.collective_rpc(
-                "init_weight_transfer_group",
-                (host, port, world_size, rank_offset, timeout_s),
-                timeout=timeout_s + 60.0,  # the group's own waits are bounded by timeout_s
-            )
-
-    def update_weights_from_group(self, update: WeightUpdate) -> None:
-        self.drain()
-        with _refusals():
-            self.executor.collective_rpc(
-                "update_weights_from_group", (update,), timeout=self.executor.call_timeout_s
-            )
-        self.weights_updated()
-
-    def reload_weights(self, path: str | None) -> None:
-        self.drain()
-        with _refusals():
-            self.executor.collective_rpc(
-                "reload_weights", (path,), timeout=self.executor.call_timeout_s
-            )
-        self.weights_updated()
 
     def collective_rpc(
         self,
@@ -374,27 +343,10 @@ class EngineCore:
         """A worker method on every rank, between steps (timeout None: the call bound)."""
         self.drain()
         bound = self.executor.call_timeout_s if timeout is None else timeout
-        return self.executor.collective_rpc(method, args, kwargs, bound)
-
-    def weights_updated(self) -> None:
-        """New weights are in (a client pushed them, or a group or the disk gave them):
-        cached blocks hold keys and values of the old ones."""
-        self.block_manager.reset_prefix_cache()
-        self.weights_released = False
+        run = functools.partial(self.executor.collective_rpc, method, args, kwargs, bound)
+        return self._worker_call(method, args, run)
 
     def shutdown(self) -> None:
         if self.structured is not None:
             self.structured.shutdown()
         self.executor.shutdown()
-
-
-@contextlib.contextmanager
-def _refusals() -> Iterator[None]:
-    """A worker's refusal raised as the builtin error it was (executor/errors.py)."""
-    try:
-        yield
-    except WorkerError as e:
-        local = as_local(e)
-        if local is e:
-            raise
-        raise local from e

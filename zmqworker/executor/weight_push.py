@@ -1,21 +1,28 @@
 """The engine's end of a weight update from its own process (docs/protocol.md, "Weight
 updates"): announce the update to every worker (start_weight_update: checked whole,
 nothing changes on a refusal), send its bytes in chunks (load_weight_chunk), end it
-(finish_weight_update; abort_weight_update when the engine cannot finish).
+(finish_weight_update). When the engine cannot send it all, finish_weight_update ends it
+too, as the workers' verdict: it refuses the update, and a worker whose weights may have
+changed (or that failed a chunk the others may have taken) says so (PartialLoadError),
+which the engine core keeps to refuse requests until a complete update or a reload;
+abort_weight_update only where that call itself fails.
 
 CPU tensors go through shared memory: two segments of chunk_bytes, filled in turn, so
 that the engine fills one while the workers copy out of the other; a tensor larger than
-a chunk goes in pieces of whole rows. The segments are made at the first such update and
-kept for the next ones (their pages are then already mapped) until close(). CUDA tensors
-go as CUDA IPC handles, with no copy on this side: the workers copy from this process's
-memory, which the caller's tensors keep alive until the update returns.
+a chunk goes in pieces of whole rows (each piece at a multiple of ALIGN; a chunk holds at
+least one row of the widest tensor, whatever chunk_bytes says). The segments are made at
+the first such update and kept for the next ones (their pages are then already mapped)
+until close(). CUDA tensors go as CUDA IPC handles, with no copy on this side: the
+workers copy from this process's memory, which the caller's tensors keep alive until the
+update returns.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future
+from typing import Any
 
 import torch
 
@@ -42,17 +49,32 @@ def _row_bytes(t: torch.Tensor) -> int:
     return t.nbytes // t.shape[0] if t.dim() and t.shape[0] else t.nbytes
 
 
+def chunk_capacity(items: list[tuple[str, torch.Tensor]], chunk_bytes: int) -> int:
+    """The bytes of a chunk past its header: chunk_bytes rounded down to ALIGN, or one
+    row of the widest tensor (aligned) if that is more."""
+    widest = max((_aligned(_row_bytes(t)) for _, t in items), default=ALIGN)
+    return max(chunk_bytes - chunk_bytes % ALIGN, widest, ALIGN)
+
+
 def plan_chunks(items: list[tuple[str, torch.Tensor]], capacity: int) -> Iterator[list[Placed]]:
-    """The tensors' rows packed into chunks of at most capacity bytes, in order; a
-    tensor that does not fit in what is left of a chunk is cut between rows."""
+    """The tensors' rows packed into chunks of at most capacity bytes, in order, each
+    piece at a multiple of ALIGN; a tensor that does not fit in what is left of a chunk
+    is cut between rows. Every row lies in exactly one piece."""
+    capacity -= capacity % ALIGN  # pieces start aligned: so do their ends, and fit
+    for name, t in items:
+        if _aligned(_row_bytes(t)) > capacity:
+            raise ValueError(
+                f"a chunk of {capacity} bytes cannot hold a row of {name} "
+                f"({_row_bytes(t)} bytes): chunk_bytes must be at least that"
+            )
     chunk: list[Placed] = []
-    used = 0
+    used = 0  # a multiple of ALIGN, at most capacity
     for name, t in items:
         rows, row_bytes = (t.shape[0] if t.dim() else 1), _row_bytes(t)
         start = 0
         while start < rows:
-            fit = (capacity - used) // row_bytes if row_bytes else rows
-            if fit == 0:
+            fit = (capacity - used) // row_bytes if row_bytes else rows - start
+            if fit <= 0:  # full (a row fits an empty chunk: checked above)
                 yield chunk
                 chunk, used = [], 0
                 continue
@@ -96,10 +118,7 @@ class WeightPusher:
                 refs = [sharer.ref(n, t) for n, t in cuda[start : start + CUDA_REFS_PER_CHUNK]]
                 call("load_weight_chunk", (CudaWeights(refs),), timeout=timeout)
         except BaseException:
-            try:
-                call("abort_weight_update", timeout=timeout)
-            except Exception:
-                log.warning("abort_weight_update failed after a failed update", exc_info=True)
+            _end_failed(call, timeout)
             raise
         call("finish_weight_update", timeout=timeout)
 
@@ -111,7 +130,7 @@ class WeightPusher:
     def _push_shared(
         self, items: list[tuple[str, torch.Tensor]], chunk_bytes: int, timeout: float | None
     ) -> None:
-        capacity = max(chunk_bytes, *(_aligned(_row_bytes(t)) for _, t in items))
+        capacity = chunk_capacity(items, chunk_bytes)
         if not self._segments or self._segments[0].nbytes < HEADER_BYTES + capacity:
             self.close()
             self._segments = [WeightSegment(capacity), WeightSegment(capacity)]
@@ -142,6 +161,23 @@ class WeightPusher:
                         errors.append(e)
             if errors:
                 raise errors[0]
+
+
+def _end_failed(call: Callable[..., Any], timeout: float | None) -> None:
+    """End an update that failed on the way on every worker, the workers judging what it
+    left (see the module's docstring); the failure itself is what the caller sees."""
+    try:
+        call("finish_weight_update", timeout=timeout)
+        return  # every row had come after all: the update is whole
+    except (ValueError, RuntimeError) as e:  # the verdict: refused, its reason kept
+        log.debug("a failed update ended: %s", e)
+        return
+    except Exception:
+        log.warning("finish_weight_update failed after a failed update", exc_info=True)
+    try:
+        call("abort_weight_update", timeout=timeout)
+    except Exception:
+        log.warning("abort_weight_update failed after a failed update", exc_info=True)
 
 
 def _checked(name: object, t: object) -> torch.Tensor:

@@ -57,8 +57,8 @@ class ControlMethods:
         return self._streaming()
 
     def not_ready(self) -> str | None:
-        """Why generate() would refuse now (asleep, or weights dropped and not loaded
-        since); None when it would run."""
+        """Why generate() would refuse now (asleep, weights dropped and not loaded since,
+        or left part-way by an update or reload that failed); None when it would run."""
         self._require_open()
         return next((r for r in self.client.call("not_ready") if r is not None), None)
 
@@ -100,6 +100,16 @@ class ControlMethods:
         folder of the same architecture and sizes (a difference raises ValueError)."""
         self._control("reload_weights", path)
 
+    @property
+    def num_workers(self) -> int:
+        """The worker processes of every replica (data_parallel_size x tp x pp): the
+        ranks this LLM takes in a weight-transfer group."""
+        self._require_open()
+        return sum(self._workers_per_replica())
+
+    def _workers_per_replica(self) -> list[int]:
+        return [e.ready.num_workers for e in self.client.engines if e.ready]
+
     def init_weight_transfer_group(
         self,
         host: str,
@@ -110,10 +120,20 @@ class ControlMethods:
     ) -> None:
         """Join every worker to a trainer's weight-transfer group: the trainer is rank 0
         (zmqworker.TrainerWeightSender, hosting host:port), this LLM's workers ranks
-        rank_offset .. rank_offset + workers - 1, of world_size (replica by replica).
-        Returns once the group is complete: the trainer joins at the same time."""
+        rank_offset .. rank_offset + num_workers - 1, of world_size (replica by replica:
+        world_size = 1 + llm.num_workers for one LLM). Returns once the group is complete:
+        the trainer joins at the same time. Ranks that do not fit world_size are refused
+        before any worker joins; if a replica fails to join anyway, the others' calls are
+        waited for (each bounded by timeout_s) before the first error is raised."""
         self._between_steps("init_weight_transfer_group")
-        per_replica = [e.ready.num_workers for e in self.client.engines if e.ready]
+        per_replica = self._workers_per_replica()
+        workers = sum(per_replica)
+        if rank_offset < 0 or rank_offset + workers > world_size:
+            raise ValueError(
+                f"world_size {world_size} has no ranks {rank_offset}..{rank_offset + workers - 1}"
+                f" for this LLM's {workers} workers (over {len(per_replica)} replica(s)): "
+                "world_size = 1 + llm.num_workers, the trainer being rank 0"
+            )
         calls: list[PendingCall] = []
         offset = rank_offset
         for index, count in enumerate(per_replica):  # every replica joins at once
@@ -124,8 +144,14 @@ class ControlMethods:
                 )
             )
             offset += count
-        for call in calls:
-            self.client.wait(call)
+        errors = []
+        for call in calls:  # every replica's, so that none is left joining
+            try:
+                self.client.wait(call)
+            except Exception as e:
+                errors.append(e)
+        if errors:
+            raise errors[0]
 
     def update_weights_from_group(self, update: WeightUpdate) -> None:
         """Receive the update the trainer announced (TrainerWeightSender.announce) and

@@ -19,10 +19,11 @@ KV-cache scales.
 
 from __future__ import annotations
 
+import math
 import re
 from collections import defaultdict
 from collections.abc import Collection, Container, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -137,27 +138,29 @@ def slice_destination(param: torch.Tensor, s: TensorSlice) -> torch.Tensor:
 
 
 class PartialLoadError(RuntimeError):
-    """A load failed after some parameters took the checkpoint's values."""
+    """A load or an update failed once weights may have changed (on this rank or another):
+    the rank refuses steps until a complete update or a reload, and an engine that sees
+    this error refuses requests until then too."""
 
 
 @torch.no_grad()
 def load_checkpoint(model: nn.Module, path: str) -> LoadReport:
     """Copy every slice the model's layers ask for from the folder into their parameters,
-    in place. Every name, dtype and shape is checked first, from the files' headers: a
-    checkpoint that does not fit changes nothing."""
+    in place. Every name, dtype and shape of the WHOLE model (every stage, shard and
+    expert, not only this rank's) is checked first, from the files' headers, and a tied
+    model's own head against its embedding: every rank of a model reaches the same verdict
+    on the same folder, and a checkpoint that does not fit changes nothing anywhere."""
     files = checkpoint_files(path)
-    index, headers = files.index(), files.tensors()
+    index = files.index()
+    whole = whole_model(model)
+    _check_plan(loading_plan(whole, index), files, path)
+    _refuse_foreign_tensors(whole, index, path)
+    _refuse_differing_tied_copies(whole, files, path)
     plan = loading_plan(model, index)
-    missing = sorted({s.name for _, s in plan if s.name not in index})
-    if missing:
-        more = f" (+{len(missing) - 8} more)" if len(missing) > 8 else ""
-        raise CheckpointError(f"checkpoint {path} lacks tensor(s): {', '.join(missing[:8])}{more}")
-    _refuse_foreign_tensors(model, index, path)
+    _check_plan(plan, files, path)  # a subset of the whole model's: passes (kept as a guard)
     by_file: dict[str, list[tuple[torch.Tensor, TensorSlice]]] = defaultdict(list)
     for param, s in plan:
-        _check_slice(headers[s.name], s, path)
         by_file[index[s.name]].append((param, s))
-    _refuse_differing_tied_copies(model, files, path)
     report = LoadReport()
     try:
         for file_name, entries in sorted(by_file.items()):
@@ -174,26 +177,50 @@ def load_checkpoint(model: nn.Module, path: str) -> LoadReport:
     return report
 
 
-def _refuse_differing_tied_copies(model: nn.Module, files: SafetensorsFiles, path: str) -> None:
+def _check_plan(
+    plan: list[tuple[torch.Tensor, TensorSlice]], files: SafetensorsFiles, path: str
+) -> None:
+    """Every tensor the plan reads is in the folder, a float of the expected shape."""
+    index, headers = files.index(), files.tensors()
+    missing = sorted({s.name for _, s in plan if s.name not in index})
+    if missing:
+        more = f" (+{len(missing) - 8} more)" if len(missing) > 8 else ""
+        raise CheckpointError(f"checkpoint {path} lacks tensor(s): {', '.join(missing[:8])}{more}")
+    for _, s in plan:
+        _check_slice(headers[s.name], s, path)
+
+
+# Rows of a tied head and its embedding compared at a time (bounded memory).
+_COMPARE_BYTES = 64 << 20
+
+
+def _refuse_differing_tied_copies(whole: nn.Module, files: SafetensorsFiles, path: str) -> None:
     """A tied parameter takes another tensor (the LM head the embedding's); where the
     checkpoint holds its own tensor too, the two must be equal: transformers uses them
-    untied when they differ, and tying them would be another model."""
+    untied when they differ, and tying them would be another model. Checked on the whole
+    model (whole_model), so that a stage without the head refuses such a folder too."""
     index, headers = files.index(), files.tensors()
-    for module in model.modules():
+    dtype = whole.dtype  # the parameters of a model on the meta device may not have it yet
+    for module in whole.modules():
         copies_of = getattr(module, "tied_copies", None)
-        for param, own, source in copies_of() if copies_of is not None else []:
+        for _, own, source in copies_of() if copies_of is not None else []:
             if own.name not in index:
                 continue
             _check_slice(headers[own.name], own, path)
-            mine, taken = (
-                _read_slice(path, index[s.name], s).to(param.dtype) for s in (own, source)
-            )
-            if not torch.equal(mine, taken):
-                raise CheckpointError(
-                    f"checkpoint {path} ties {own.name} to {source.name} "
-                    f"(tie_word_embeddings), but holds a {own.name} that differs from it: "
-                    "transformers uses the two untied; set tie_word_embeddings to false"
+            row_bytes = max(1, math.prod(own.shape[1:]) * 4)
+            step = max(1, _COMPARE_BYTES // row_bytes)
+            for start in range(own.start, own.start + own.length, step):
+                rows = min(step, own.start + own.length - start)
+                mine, taken = (  # as the model holds them
+                    _read_slice(path, index[s.name], replace(s, start=start, length=rows)).to(dtype)
+                    for s in (own, source)
                 )
+                if not torch.equal(mine, taken):
+                    raise CheckpointError(
+                        f"checkpoint {path} ties {own.name} to {source.name} "
+                        f"(tie_word_embeddings), but holds a {own.name} that differs from it: "
+                        "transformers uses the two untied; set tie_word_embeddings to false"
+                    )
 
 
 def _read_slice(path: str, file_name: str, s: TensorSlice) -> torch.Tensor:
@@ -214,11 +241,10 @@ _FIELDS = (
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
-def _refuse_foreign_tensors(model: nn.Module, held: Collection[str], path: str) -> None:
-    """Refuse checkpoint tensors that no layout of the whole model takes (not this rank's
-    plan: other stages and shards load other names), and a parameter given in two layouts
-    (transformers refuses that too)."""
-    whole = whole_model(model)
+def _refuse_foreign_tensors(whole: nn.Module, held: Collection[str], path: str) -> None:
+    """Refuse checkpoint tensors that no layout of the whole model (whole_model) takes
+    (not this rank's plan: other stages and shards load other names), and a parameter
+    given in two layouts (transformers refuses that too)."""
     names: set[str] = set()
     for _, layouts in parameter_sources(whole):
         given = [sorted(s.name for s in layout if s.name in held) for layout in layouts]
@@ -234,7 +260,7 @@ def _refuse_foreign_tensors(model: nn.Module, held: Collection[str], path: str) 
         names.update(own.name for _, own, _ in (copies_of() if copies_of is not None else []))
     foreign = sorted(n for n in held if n not in names and not _IGNORED.search(n))
     if foreign:
-        cfg = model.hf_config
+        cfg = whole.hf_config
         more = f" (+{len(foreign) - 5} more)" if len(foreign) > 5 else ""
         raise CheckpointError(
             f"checkpoint {path} holds tensor(s) that no weight of this "

@@ -23,11 +23,15 @@ from zmqworker.models.weight_names import (
     weight_targets,
 )
 
+EMBEDDING = "model.embed_tokens.weight"  # what a tied model's head is
+
 
 class WeightCatalog:
     """shapes: every weight name of the whole model -> its full shape (a tied model's
     lm_head.weight included, as the embedding's alias); targets: the slices this rank
-    takes of each name (none for another stage's names and for the alias). A parameter
+    takes of each name (none for another stage's names and for the alias); aliases: a
+    tied model's lm_head.weight -> the embedding's name, whose value it must have (as a
+    checkpoint's must: loader.py), since the model holds one tensor for both. A parameter
     that comes in more than one layout (experts as published, one tensor each, or
     stacked as transformers holds them) takes either: layouts (this rank's parameters)
     and choices (the whole model's parameters of several layouts) say which names go
@@ -36,8 +40,10 @@ class WeightCatalog:
     def __init__(self, model: LlamaForCausalLM) -> None:
         whole = whole_model(model)
         self.shapes = checkpoint_shapes(whole)
+        self.aliases: dict[str, str] = {}
         if ties_embeddings(model):
-            self.shapes[TIED_HEAD] = self.shapes["model.embed_tokens.weight"]
+            self.aliases[TIED_HEAD] = EMBEDDING
+            self.shapes[TIED_HEAD] = self.shapes[EMBEDDING]
         self.targets: Targets = weight_targets(model)
         self.layouts = layout_names(model)
         self.choices = [names for names in layout_names(whole) if len(names) > 1]

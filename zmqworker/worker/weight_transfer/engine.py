@@ -12,6 +12,14 @@ its pieces are written into this rank's slices in place. `not_ready` says why th
 weights cannot serve a step: released by sleep(level=2) and not loaded since, an update
 under way, or one that ended half-written. From the first two of these, only an update
 that gives every weight of the rank, or a reload, makes them ready again.
+
+A call that fails once the model's weights may have changed raises PartialLoadError (the
+engine core keeps its reason, and refuses requests until a complete update or a reload):
+a reload that failed after copying began; an update from the group that failed past the
+ranks' agreement (every rank then refuses steps, changed or not: the others may have
+changed); a chunk, or the end, of a pushed update that failed after rows of a weight had
+come (every rank counts every tensor's rows, so they agree), or whose chunk failed on
+this rank (the others may have taken it).
 """
 
 from __future__ import annotations
@@ -45,6 +53,8 @@ INTERRUPTED = (
     "an update ended before all of its tensors came, and some weights had changed: "
     "send a complete update or reload the weights before a step"
 )
+AFTER_CHANGES = "send a complete update or reload the weights before a step"
+REFUSED_LATE = f"some weights had changed before the update was refused: {AFTER_CHANGES}"
 IN_PROGRESS = "a weight update is in progress: steps wait for its end (finish_weight_update)"
 
 
@@ -85,24 +95,44 @@ class WeightTransferEngine:
 
     def load_chunk(self, chunk: SharedWeights | CudaWeights) -> None:
         session = self._open_session()
-        if isinstance(chunk, SharedWeights):
-            session.take_shared(chunk)
-        elif isinstance(chunk, CudaWeights):
-            session.take_cuda(chunk)
-        else:
-            raise TypeError(f"a weight chunk is SharedWeights or CudaWeights, not {chunk!r}")
+        try:
+            if isinstance(chunk, SharedWeights):
+                session.take_shared(chunk)
+            elif isinstance(chunk, CudaWeights):
+                session.take_cuda(chunk)
+            else:
+                raise TypeError(f"a weight chunk is SharedWeights or CudaWeights, not {chunk!r}")
+        except Exception as exc:
+            session.chunk_failed = True  # other ranks may have taken it
+            if session.touched:
+                raise PartialLoadError(
+                    f"a chunk of the weight update failed ({type(exc).__name__}: {exc}) "
+                    f"once rows of its weights had come: {AFTER_CHANGES}"
+                ) from exc
+            raise
 
     def finish(self) -> None:
-        """End the update: every announced tensor must have come whole."""
+        """End the update: every announced tensor must have come whole (and a tied
+        model's head, if given, equal its embedding). Refused, it leaves the weights
+        serving if no row of a weight came, else refusing steps (PartialLoadError)."""
         session = self._open_session()
         missing = session.missing()
-        if missing:
-            more = f" (+{len(missing) - 5} more)" if len(missing) > 5 else ""
-            self._end_session()
-            raise ValueError(
-                f"the update ended without all of {len(missing)} announced tensor(s): "
-                f"{', '.join(missing[:5])}{more}"
-            )
+        if not missing:
+            session.check_head()
+        if missing or session.refusal is not None:
+            changed = session.touched or (bool(missing) and session.chunk_failed)
+            if missing:
+                more = f" (+{len(missing) - 5} more)" if len(missing) > 5 else ""
+                why = (
+                    f"the update ended without all of {len(missing)} announced tensor(s): "
+                    f"{', '.join(missing[:5])}{more}"
+                )
+            else:
+                why = f"the update is refused: {session.refusal}"
+            self._end_session(changed, f"{why}; {REFUSED_LATE}")
+            if changed:
+                raise PartialLoadError(f"{why}; {REFUSED_LATE}")
+            raise ValueError(why)
         session.wait_for_copies()
         self._session = None
         session.close()
@@ -151,8 +181,14 @@ class WeightTransferEngine:
         session = self._session = UpdateSession(self.catalog, specs, self.device)
         try:
             self._receive_tensors(group, session, update)
-        except BaseException:
-            self._end_session()
+        except BaseException as exc:
+            # Past the agreement every rank may have changed: all of them refuse steps.
+            self._end_session(changed=True)
+            if isinstance(exc, Exception):
+                raise PartialLoadError(
+                    f"the update from the weight-transfer group failed midway "
+                    f"({type(exc).__name__}: {exc}): {INTERRUPTED}"
+                ) from exc
             raise
         self.finish()
 
@@ -201,9 +237,16 @@ class WeightTransferEngine:
                     )
             try:
                 self.model.load_weights(folder)  # copies from host memory: done on return
-            except PartialLoadError as exc:  # some weights are the new ones: no step now
-                self._not_ready = self._not_ready or f"{exc}: reload the weights before a step"
-                raise
+            except (ValueError, FileNotFoundError):  # CheckpointError too: refused from the
+                raise  # headers and config.json, as every rank refuses them: none changed
+            except Exception as exc:  # some weights may be the new ones, here or elsewhere
+                what = str(exc) if isinstance(exc, PartialLoadError) else (
+                    f"reloading checkpoint {folder} failed on this rank "
+                    f"({type(exc).__name__}: {exc}); other ranks may have loaded it"
+                )  # fmt: skip
+                reason = f"{what}: {AFTER_CHANGES}"
+                self._not_ready = self._not_ready or reason
+                raise PartialLoadError(reason) from exc
         self._not_ready = None
 
     def shutdown(self) -> None:
@@ -220,9 +263,12 @@ class WeightTransferEngine:
             raise RuntimeError("no weight update in progress: call start_weight_update first")
         return self._session
 
-    def _end_session(self) -> None:
+    def _end_session(self, changed: bool | None = None, reason: str = INTERRUPTED) -> None:
+        """Drop the update in progress; if weights may have changed (changed, by default
+        whether rows of a weight came), steps are refused, for reason, until a complete
+        update or a reload."""
         session, self._session = self._session, None
         if session is not None:
             session.close()
-            if session.touched:
-                self._not_ready = self._not_ready or INTERRUPTED
+            if session.touched if changed is None else changed:
+                self._not_ready = self._not_ready or reason
