@@ -1,7 +1,8 @@
 """zmqworker serve against bad and outsized input, over real sockets: a maximal body does
 not hold the server (/health and a live stream answer while it is prepared), a body past
 --max-request-bytes is refused before it is read, text that is not valid Unicode and
-unsupported features get a 400 that says so and names the field."""
+unsupported features get a 400 that says so and names the field; logprobs are bounded
+by the server's --max-logprobs (30 here), not by OpenAI's 20."""
 
 from __future__ import annotations
 
@@ -38,7 +39,7 @@ def server():
     # One torch thread: the tokenizer's thread then leaves the worker a core of its own
     # on a two-core machine (torch's threads wait for each other at every op, so a
     # worker sharing its cores stalls for a second at a time, /health with it).
-    srv = Server("--max-request-bytes", "2MiB", "--num-threads", "1")
+    srv = Server("--max-request-bytes", "2MiB", "--num-threads", "1", "--max-logprobs", "30")
     yield srv
     srv.stop()
 
@@ -262,7 +263,14 @@ COMPLETIONS, CHAT_COMPLETIONS = "/v1/completions", "/v1/chat/completions"
             f"prompt: {MAX_PROMPTS + 1} prompts in one request, more than the {MAX_PROMPTS} ",
         ),
         (COMPLETIONS, {"max_tokens": "8"}, "max_tokens", "max_tokens: expected an integer"),
-        (COMPLETIONS, {"model": None}, "model", "model: expected a string, got null"),
+        (COMPLETIONS, {"model": 5}, "model", "model: expected a string or null, got an integer"),
+        (COMPLETIONS, {"logprobs": 31}, "logprobs", "logprobs=31 is more than max_logprobs=30"),
+        (
+            CHAT_COMPLETIONS,
+            {"logprobs": True, "top_logprobs": 31},
+            "top_logprobs",
+            "top_logprobs=31 is more than max_logprobs=30",
+        ),
     ],
 )
 def test_what_is_wrong_or_not_supported_is_said_plainly(server, path, changes, param, message):
@@ -272,6 +280,19 @@ def test_what_is_wrong_or_not_supported_is_said_plainly(server, path, changes, p
     assert status == 400, answer
     assert answer["error"]["param"] == param
     assert answer["error"]["message"].startswith(message), answer
+
+
+def test_logprobs_up_to_the_server_s_max_logprobs_are_served(server):
+    """A hard-coded bound of 20 refused 25 on a server started with more."""
+    status, answer = post(server, COMPLETIONS, {**HELLO, "max_tokens": 1, "logprobs": 25})
+    assert status == 200, answer
+    [top] = answer["choices"][0]["logprobs"]["top_logprobs"]
+    assert len(top) in (25, 26)  # the sampled token, and the 25 most likely
+    chat = {**CHAT, "max_tokens": 1, "logprobs": True, "top_logprobs": 25}
+    status, answer = post(server, CHAT_COMPLETIONS, chat)
+    assert (
+        status == 200 and len(answer["choices"][0]["logprobs"]["content"][0]["top_logprobs"]) == 25
+    )
 
 
 def test_requests_within_the_bound_still_work(server):

@@ -1,24 +1,28 @@
 """What a request's body becomes before anything runs, without a model: each prompt's
 max_tokens (the room its own length leaves, and the model's generation_config bound, as
 vLLM's), the legacy logprobs' top entries with the sampled token, structured-output
-constraints that are empty but set, and a chat template that refuses a conversation."""
+constraints that are empty but set, a chat template that refuses a conversation; and
+what vLLM takes or refuses: add_special_tokens, echo's logprobs, stream_options, the
+bounds of temperature and logprobs, an assistant's reasoning."""
 
 from __future__ import annotations
 
 import json
 from typing import Any, cast
 
+import msgspec
 import pytest
 
 from messages import SamplingParams, StructuredOutputsParams
 from tests.engine_helpers import byte_level_tokenizer
 from zmqworker.engine.model_folder import TextSide
 from zmqworker.frontend.frontend import Frontend
-from zmqworker.frontend.outputs import PositionLogprobs, TokenLogprob
+from zmqworker.frontend.outputs import PositionLogprobs, RequestOutput, RequestTimings, TokenLogprob
 from zmqworker.serve.body import decode_body
-from zmqworker.serve.completions import _logprobs, prompt_params
+from zmqworker.serve.chat_messages import ChatMessage
+from zmqworker.serve.completions import _choice_logprobs, _Echo, _encode, _logprobs, prompt_params
 from zmqworker.serve.errors import APIError
-from zmqworker.serve.protocol import CompletionRequest
+from zmqworker.serve.protocol import ChatCompletionRequest, CompletionRequest
 
 
 class StandIn:
@@ -103,3 +107,137 @@ def test_a_chat_template_that_refuses_a_conversation_is_the_request_s_400():
     with pytest.raises(ValueError, match="the chat template: TemplateError: Conversation roles"):
         texts.chat_prompt(twice)
     assert texts.chat_prompt(twice[:1])  # one message: the template takes it
+
+
+class BosTokenizer:
+    """A tokenizer that puts a BOS (id 1) before a text unless told not to."""
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return [1] * add_special_tokens + [ord(c) for c in text]
+
+    def decode(self, ids: list[int]) -> str:
+        return "".join("<s>" if i == 1 else chr(i) for i in ids)
+
+
+class Encoding(StandIn):
+    """What _encode asks of a Frontend: the tokenizer, and the prompt checks."""
+
+    tokenizer = BosTokenizer()
+
+    def encode(self, prompt: str | list[int]) -> list[int]:
+        return self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+
+
+def test_add_special_tokens_false_reaches_the_tokenizer():
+    """vLLM's add_special_tokens (completions: default true) was refused as unknown."""
+    llm = cast(Frontend, Encoding(512))
+    for extra, expected in [({}, [1, 72, 105]), ({"add_special_tokens": False}, [72, 105])]:
+        request = decode_body(json_bytes({"prompt": "Hi", **extra}), CompletionRequest)
+        assert _encode(llm, request)[0] == [expected]
+    echoed = decode_body(
+        json_bytes({"prompt": [1, 72], "echo": True, "logprobs": 0}), CompletionRequest
+    )
+    assert _encode(llm, echoed)[1][0].text == "<s>H" and _encode(llm, echoed)[1][0].first == "<s>"
+
+
+def test_echo_puts_the_prompt_s_positions_first_the_first_without_logprobs():
+    """lm-eval-harness's loglikelihood: echo with logprobs (refused), the prompt's
+    positions first, the first with null logprob and top_logprobs, as vLLM's."""
+
+    def at(token: str, logprob: float) -> TokenLogprob:
+        return TokenLogprob(0, logprob, token)
+
+    prompt = [None, PositionLogprobs(at(" b", -2.0), 3, [at(" x", -0.5), at(" y", -1.0)])]
+    generated = [PositionLogprobs(at(" c", -0.1), 1, [at(" c", -0.1)])]
+    timings = RequestTimings(0, 0, 0)
+    out = RequestOutput("r", None, [5, 6], " c", [7], True, "length", None, timings,
+                        logprobs=generated, prompt_logprobs=prompt)  # fmt: skip
+    body = decode_body(
+        json_bytes({"prompt": "a b", "echo": True, "logprobs": 1}), CompletionRequest
+    )
+    assert body.engine_prompt_logprobs() == 1 and body.engine_max_tokens() == 16
+    whole = _choice_logprobs(body, out, _Echo("a b", "a"), 0, 0)
+    assert whole == {
+        "tokens": ["a", " b", " c"],
+        "token_logprobs": [None, -2.0, -0.1],
+        "top_logprobs": [None, {" b": -2.0, " x": -0.5}, {" c": -0.1}],  # at most 1 other
+        "text_offset": [0, 1, 3],
+    }
+    alone = decode_body(
+        json_bytes({"prompt": "a b", "echo": True, "logprobs": 1, "max_tokens": 0}),
+        CompletionRequest,
+    )
+    assert alone.echo_only() and alone.engine_max_tokens() == 1  # one token, not returned
+    assert _choice_logprobs(alone, out, _Echo("a b", "a"), 0, 0)["tokens"] == ["a", " b"]
+    with pytest.raises(APIError, match="max_tokens must be at least 1, got 0") as caught:
+        decode_body(json_bytes({"prompt": "a", "max_tokens": 0}), CompletionRequest)
+    assert caught.value.param == "max_tokens"
+
+
+@pytest.mark.parametrize(
+    ("options", "usage"),
+    [
+        (None, (False, False)),
+        ({}, (False, False)),  # vLLM's (since its #36379) and OpenAI's: no usage asked
+        ({"include_usage": None}, (False, False)),
+        ({"continuous_usage_stats": False}, (False, False)),
+        ({"continuous_usage_stats": True}, (False, False)),  # only with include_usage
+        ({"include_usage": True}, (True, False)),
+        ({"include_usage": True, "continuous_usage_stats": True}, (True, True)),
+    ],
+)
+def test_stream_options_as_vllm_reads_them(options, usage):
+    body = {"prompt": "x", "stream": True, "stream_options": options}
+    assert decode_body(json_bytes(body), CompletionRequest).stream_usage() == usage
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"prompt": "x", "temperature": 2.5},  # vLLM: temperature >= 0 only
+        {"prompt": "x", "logprobs": 30},  # --max-logprobs bounds it, not the schema
+        {"prompt": "x", "prompt_logprobs": 0, "stream": True},  # vLLM refuses > 0 only
+        {"prompt": "x", "stream": False, "stream_options": {}},  # vLLM: only a non-empty one
+        {"prompt": "x", "echo": True, "logprobs": 1, "max_tokens": 1},
+        {"prompt": "x", "echo": True, "max_tokens": 0},
+        {"messages": [{"role": "user", "content": "x"}], "logprobs": False, "top_logprobs": 0},
+        {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 30, "logprobs": True},
+    ],
+)
+def test_what_vllm_takes_is_taken(body):
+    kind = CompletionRequest if "prompt" in body else ChatCompletionRequest
+    decode_body(json_bytes(body), kind)  # no model: the served one
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"prompt": "x", "prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
+        ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
+        ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 1}, "top_logprobs"),
+        ({"messages": [{"role": "user", "content": "x"}], "tools": [], "tool_choice": "required"},
+         "tool_choice"),  # vLLM refuses tools [] itself
+        ({"prompt": "x", "request_id": "two words"}, "request_id"),
+    ],
+)  # fmt: skip
+def test_what_vllm_refuses_is_refused(body, param):
+    kind = CompletionRequest if "prompt" in body else ChatCompletionRequest
+    with pytest.raises(APIError) as caught:
+        decode_body(json_bytes(body), kind)
+    assert caught.value.param == param
+
+
+def test_an_assistant_s_reasoning_reaches_the_template_as_vllm_s_does():
+    """reasoning_content / reasoning on an assistant message was refused as unknown."""
+    for field in ("reasoning", "reasoning_content"):
+        message = msgspec.convert(
+            {"role": "assistant", "content": "Hi", field: "Thought."}, ChatMessage
+        )
+        message.check("messages[1]")
+        made = message.as_template_message()
+        assert made["reasoning"] == made["reasoning_content"] == "Thought."
+    user = msgspec.convert({"role": "user", "content": "Hi", "reasoning": "x"}, ChatMessage)
+    with pytest.raises(APIError, match="only an assistant message carries reasoning"):
+        user.check("messages[0]")
+    null = msgspec.convert({"role": "assistant", "content": "Hi", "reasoning": None}, ChatMessage)
+    assert "reasoning" not in null.as_template_message()

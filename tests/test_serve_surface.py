@@ -270,6 +270,31 @@ def test_llama3_json_reads_an_auto_tool_call_whole_and_streamed(server):
     assert json.loads(streamed) == arguments  # greedy: the same call
 
 
+# A JSON reply with a "name" (as response_format json_object gives), forced by a regex.
+NO_CALL = r'\{"name": "John", "age": 25\}'
+
+
+def test_a_json_reply_that_calls_no_tool_is_content_whole_and_streamed(server):
+    """It came back as tool_calls [{"name": "John", "arguments": "{}"}], streamed too (a
+    function the request's tools do not hold: tests/test_tool_parsers.py)."""
+    regex = NO_CALL
+    client = server.client(max_retries=0)
+    args = {
+        "model": MODEL, "messages": CHAT, "max_tokens": 40, "temperature": 0,
+        "tools": [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}}],
+        "tool_choice": "auto", "extra_body": {"structured_outputs": {"regex": regex}},
+    }  # fmt: skip
+    choice = client.chat.completions.create(**args).choices[0]
+    assert not choice.message.tool_calls and choice.finish_reason == "stop"
+    assert re.fullmatch(regex, choice.message.content)
+    content, reason = "", None
+    for chunk in client.chat.completions.create(**args, stream=True):
+        assert not chunk.choices[0].delta.tool_calls
+        content += chunk.choices[0].delta.content or ""
+        reason = chunk.choices[0].finish_reason or reason
+    assert (content, reason) == (choice.message.content, "stop")
+
+
 def test_openai_fields_a_client_sends_are_taken_as_openai_and_vllm_take_them(server):
     """Nulls OpenAI allows; a response's message sent back as model_dump() gives it;
     OpenAI's fields that change nothing here; text parts joined by a newline, as vLLM's."""

@@ -58,7 +58,8 @@ def test_a_named_function_is_its_parameters():
 def test_auto_needs_the_servers_parser_and_none_reads_nothing():
     body = request(tools=TOOLS)  # tool_choice "auto" when tools are given
     assert body.structured_params() is None
-    assert isinstance(body.tool_parser(ToolOptions("hermes")), HermesParser)
+    parser = body.tool_parser(ToolOptions("hermes"))
+    assert isinstance(parser, HermesParser) and parser.names == {"move", "stop"}  # calls' names
     with pytest.raises(APIError, match="--enable-auto-tool-choice and --tool-call-parser"):
         body.tool_parser(ToolOptions())
     assert request(tools=TOOLS, tool_choice="none").tool_parser(ToolOptions()) is None

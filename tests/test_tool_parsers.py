@@ -1,6 +1,7 @@
 """The tool-call parsers on crafted model outputs: one call, several, text before a call,
-malformed JSON left as content; and a stream cut at every character gives the calls and
-content of the whole text (serve/tool_calls.ToolCallStream)."""
+malformed JSON left as content, objects that are no call (no arguments, a function the
+request's tools do not hold) left as content; and a stream cut at every character gives
+the calls and content of the whole text (serve/tool_calls.ToolCallStream)."""
 
 from __future__ import annotations
 
@@ -54,6 +55,7 @@ def test_hermes_one_call_several_and_text_before():
         "Just text, no call.",
         '<tool_call>\n{"name": "f", "arguments": {"a": 1}\n</tool_call>',  # unbalanced
         '<tool_call>{"arguments": {}}</tool_call>',  # no name
+        '<tool_call>{"name": "f"}</tool_call>',  # no arguments (vLLM's parser needs them)
         '<tool_call>{"name": 5, "arguments": {}}</tool_call>',
         '<tool_call>{"name": "f", "arguments": "a=1"}</tool_call>',  # arguments not an object
         f"<tool_call>{WEATHER}</tool_call><tool_call>not json</tool_call>",
@@ -75,6 +77,43 @@ def test_llama3_json_calls_and_content():
         assert tool_message(Llama3JsonParser(), text, True) == {
             "role": "assistant", "content": text
         }  # fmt: skip
+
+
+TOOLS = frozenset({"get_weather", "get_time"})
+
+
+def test_an_object_that_is_no_call_of_the_request_s_tools_is_content():
+    """A JSON reply with a "name" (response_format json_object under tool_choice "auto")
+    was read as a call of "John" with arguments {}; an unknown function, or a call without
+    its arguments key, is no call either (vLLM's parsers need the key)."""
+    for text in (
+        '{"name": "John", "age": 25}',
+        '{"name": "John", "parameters": {}}',
+        '{"name": "get_weather"}',
+        '<|python_tag|>{"name": "nope", "arguments": {}}',
+        '{"name": "get_weather", "parameters": {}}; {"name": "John", "age": 1}',
+    ):
+        assert tool_message(Llama3JsonParser(TOOLS), text, True) == {
+            "role": "assistant", "content": text
+        }  # fmt: skip
+    call = '{"name": "get_time", "arguments": {"zone": "CET"}}'
+    assert calls(tool_message(Llama3JsonParser(TOOLS), call, True)) == [
+        ("get_time", {"zone": "CET"})
+    ]
+    for text in (
+        '<tool_call>{"name": "John", "arguments": {}}</tool_call>',
+        f"<tool_call>{WEATHER}</tool_call>"
+        + '<tool_call>{"name": "nope", "arguments": {}}</tool_call>',
+    ):
+        assert tool_message(HermesParser(TOOLS), text, True) == {
+            "role": "assistant", "content": text
+        }  # fmt: skip
+    assert calls(tool_message(HermesParser(TOOLS), f"<tool_call>{WEATHER}</tool_call>", True))
+    # Streamed, a JSON reply goes out as content once its name shows it is no tool's.
+    stream = ToolCallStream(Llama3JsonParser(TOOLS), parallel=True)
+    assert stream.step('{"name": "Jo', final=False) == []
+    assert stream.step('hn", "age"', final=False) == [{"content": '{"name": "John", "age"'}]
+    assert not stream.called
 
 
 def test_forced_shapes():
@@ -121,8 +160,17 @@ CASES = [
     (Llama3JsonParser, '{"parameters": {"q": "}{"}, "name": "search"}'),
     (Llama3JsonParser, "<|python_ta is not a tag"),
     (Llama3JsonParser, "  plain text"),
-    (RequiredParser, '[ {"name": "a", "parameters": {"x": [1, {"y": "]"}]}} ,{"name": "b"}]'),
+    (
+        RequiredParser,
+        '[ {"name": "a", "parameters": {"x": [1, {"y": "]"}]}} ,{"name": "b", "parameters": {}}]',
+    ),
     (lambda: NamedParser("f"), '\n {"x": 2, "s": "a b"} \n'),
+    # Objects that are no call of the request's tools: content, streamed as content.
+    (lambda: Llama3JsonParser(TOOLS), '{"name": "John", "age": 25}'),
+    (lambda: Llama3JsonParser(TOOLS), '{"name": "John", "parameters": {"age": 25}}'),
+    (lambda: Llama3JsonParser(TOOLS), '{"name": "get_weather", "city": "Paris"}'),
+    (lambda: Llama3JsonParser(TOOLS), '{"name": "get_weather", "parameters": {"city": "X"}}'),
+    (lambda: HermesParser(TOOLS), 'Hi <tool_call>{"name": "nope", "arguments": {}}</tool_call>'),
 ]
 
 
@@ -148,5 +196,7 @@ def test_arguments_stream_in_pieces_after_the_name():
         for delta in stream.step(char, final=False)
         for entry in delta.get("tool_calls", [])
     ]
-    assert entries[0]["function"] == {"name": "get_weather", "arguments": ""}
-    assert len(entries) == len('{"city": "Paris", "days": [1, 2]}') + 1  # a piece a character
+    # The call opens with the name and the arguments' first character, then a piece a
+    # character.
+    assert entries[0]["function"] == {"name": "get_weather", "arguments": "{"}
+    assert len(entries) == len('{"city": "Paris", "days": [1, 2]}')

@@ -37,7 +37,7 @@ from zmqworker.serve.generation import ClientDisconnected, now
 from zmqworker.serve.json_content import JsonContent
 from zmqworker.serve.metrics import ServerMetrics
 from zmqworker.serve.protocol import ChatCompletionRequest, CompletionRequest
-from zmqworker.serve.request_id import RequestId
+from zmqworker.serve.request_id import RequestId, adopt_request_id
 from zmqworker.serve.text_pool import TextPool
 from zmqworker.serve.tokenize import DetokenizeRequest, TokenizeRequest, detokenize, tokenize
 from zmqworker.serve.tools import ToolOptions
@@ -79,8 +79,9 @@ def build_app(
     if cors is not None:
         cors.install(app)
 
-    def check_model(name: str) -> None:
-        if name != model_name:
+    def check_model(name: str | None) -> None:
+        """The served model, or left out (vLLM's: the served model)."""
+        if name is not None and name != model_name:
             raise APIError(
                 f"The model `{name}` does not exist (this server serves `{model_name}`).",
                 404,
@@ -119,12 +120,14 @@ def build_app(
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         body = await text.run(decode_body, await request.body(), CompletionRequest)
+        adopt_request_id(request, body.request_id)
         check_model(body.model)
         return await create_completion(llm, model_name, body, request, text)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         body = await text.run(decode_body, await request.body(), ChatCompletionRequest)
+        adopt_request_id(request, body.request_id)
         check_model(body.model)
         return await create_chat_completion(llm, model_name, body, request, text, tool_options)
 

@@ -15,6 +15,7 @@ from zmqworker.frontend.frontend import Frontend
 from zmqworker.frontend.outputs import PositionLogprobs, RequestOutput, TokenLogprob, json_logprob
 from zmqworker.serve.errors import APIError
 from zmqworker.serve.generation import (
+    chunk_usage,
     finish_reason,
     now,
     prompt_logprobs,
@@ -43,12 +44,12 @@ async def create_chat_completion(
     calls = _Calls(body, body.tool_parser(tools))  # an "auto" the server cannot read: 400
     prompt = await text.run(_prompt, llm, body)
     max_tokens = body.max_completion_tokens or body.max_tokens
-    params = sampling_params(llm, body, len(prompt), max_tokens, body.num_logprobs())
+    logprobs = body.num_logprobs()
+    params = sampling_params(llm, body, len(prompt), max_tokens, logprobs, "top_logprobs")
     head = {"id": f"chatcmpl-{request_id(http)}", "created": now(), "model": model}
     if body.stream:
-        include_usage = body.stream_options is not None and body.stream_options.include_usage
         return StreamingResponse(
-            _stream(llm, prompt, params, head, include_usage, calls),
+            _stream(llm, prompt, params, head, body.stream_usage(), calls),
             media_type="text/event-stream",
         )
     finals = await until_disconnected(http, _finals(llm, prompt, params))
@@ -82,6 +83,7 @@ def _prompt(llm: Frontend, body: ChatCompletionRequest) -> list[int]:
         prompt = llm.chat_prompt(
             [m.as_template_message() for m in body.messages],
             add_generation_prompt=body.add_generation_prompt,
+            add_special_tokens=body.add_special_tokens is True,  # vLLM's default for chat
             continue_final_message=body.continue_final_message,
             chat_template_kwargs=body.chat_template_kwargs,
             tools=body.template_tools(),
@@ -133,16 +135,20 @@ async def _stream(
     prompt: list[int],
     params: Any,
     head: dict[str, Any],
-    include_usage: bool,
+    stream_usage: tuple[bool, bool],
     calls: _Calls,
 ) -> AsyncIterator[str]:
     head = {**head, "object": "chat.completion.chunk"}
+    include_usage, continuous = stream_usage  # continuous: usage in every chunk too
+    empty = {"prompt_tokens": len(prompt), "completion_tokens": 0, "total_tokens": len(prompt)}
 
-    def chunk(index: int, delta: dict[str, Any], **choice: Any) -> str:
-        return sse({**head, "choices": [{"index": index, "delta": delta, **choice}]})
+    def chunk(index: int, delta: dict[str, Any], at: dict[str, int], **choice: Any) -> str:
+        usage_now = {"usage": at} if continuous else {}
+        return sse({**head, "choices": [{"index": index, "delta": delta, **choice}], **usage_now})
 
     for index in range(params.n):
-        yield chunk(index, {"role": "assistant", "content": ""}, logprobs=None, finish_reason=None)
+        role = {"role": "assistant", "content": ""}
+        yield chunk(index, role, empty, logprobs=None, finish_reason=None)
     sent = [0] * params.n  # positions whose logprobs were sent, per choice
     streams = [calls.stream() for _ in range(params.n)]
     finals: list[RequestOutput] = []
@@ -157,13 +163,16 @@ async def _stream(
                 deltas = [{"content": out.new_text}] if out.new_text or logprobs else []
             else:  # text a call may start with is held until the next text tells
                 deltas = tool_stream.step(out.new_text, out.finished) or ([{}] if logprobs else [])
+            at = chunk_usage(out)
             for delta in deltas:
-                yield chunk(index, delta, logprobs=logprobs, finish_reason=None)
+                yield chunk(index, delta, at, logprobs=logprobs, finish_reason=None)
                 logprobs = None
             if out.finished:
                 called = tool_stream is not None and tool_stream.called
                 reason, stop_reason = calls.finish_reason(out, called), out.stop_reason
-                yield chunk(index, {}, logprobs=None, finish_reason=reason, stop_reason=stop_reason)
+                yield chunk(
+                    index, {}, at, logprobs=None, finish_reason=reason, stop_reason=stop_reason
+                )
                 finals.append(out)
         if include_usage:
             yield sse({**head, "choices": [], "usage": usage(finals)})

@@ -1,8 +1,12 @@
-"""POST /v1/completions: text completion, whole or streamed as server-sent events."""
+"""POST /v1/completions: text completion, whole or streamed as server-sent events. With
+echo, each choice starts with its prompt and, with logprobs, the prompt's positions come
+first in them (vLLM's: the first with null logprob and top_logprobs); echo with
+max_tokens 0 returns the prompt alone (lm-eval-harness's loglikelihood)."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -10,11 +14,13 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.requests import Request as HTTPRequest
 
 from messages import SamplingParams
+from zmqworker.engine.prompts import check_text
 from zmqworker.frontend.frontend import Frontend
 from zmqworker.frontend.outputs import PositionLogprobs, RequestOutput, json_logprob
 from zmqworker.serve.best_of import best_of_params, keep_best
 from zmqworker.serve.errors import APIError
 from zmqworker.serve.generation import (
+    chunk_usage,
     finish_reason,
     max_tokens_for,
     now,
@@ -30,6 +36,15 @@ from zmqworker.serve.request_id import request_id
 from zmqworker.serve.text_pool import TextPool
 
 
+@dataclass(frozen=True)
+class _Echo:
+    """What echo puts before a prompt's completions: its text, and the text of its first
+    token alone (the one prompt position without logprobs)."""
+
+    text: str = ""
+    first: str = ""
+
+
 async def create_completion(
     llm: Frontend, model: str, body: CompletionRequest, http: HTTPRequest, text: TextPool
 ) -> JSONResponse | StreamingResponse:
@@ -43,26 +58,28 @@ async def create_completion(
         "model": model,
     }
     if body.stream:
-        include_usage = body.stream_options is not None and body.stream_options.include_usage
-        events = _stream(llm, prompts, each, head, echoes, include_usage)
+        events = _stream(llm, prompts, each, head, echoes, body)
         return StreamingResponse(events, media_type="text/event-stream")
     best_of = body.best_of or params.n  # above n: the n best (a stream was refused)
     run = [best_of_params(p, best_of) for p in each] if best_of > params.n else each
     finals = await until_disconnected(http, _collect(llm, prompts, run))
     if best_of > params.n:
         finals = keep_best(finals, best_of, params)
-    choices = [
-        {
-            "index": i,
-            "text": echoes[i // params.n] + out.text,
-            "logprobs": _logprobs(out.logprobs) if out.logprobs is not None else None,
-            "finish_reason": finish_reason(out),
-            "stop_reason": out.stop_reason,
-            "prompt_logprobs": prompt_logprobs(out),
-        }
-        for i, out in enumerate(finals)
-    ]
-    return JSONResponse({**head, "choices": choices, "usage": usage(finals)})
+    generated = not body.echo_only()
+    choices = []
+    for i, out in enumerate(finals):
+        echo = echoes[i // params.n]
+        choices.append(
+            {
+                "index": i,
+                "text": echo.text + (out.text if generated else ""),
+                "logprobs": _choice_logprobs(body, out, echo if body.echo else None, 0, 0),
+                "finish_reason": finish_reason(out),
+                "stop_reason": out.stop_reason,
+                "prompt_logprobs": prompt_logprobs(out),
+            }
+        )
+    return JSONResponse({**head, "choices": choices, "usage": usage(finals, generated)})
 
 
 def prompt_params(
@@ -71,11 +88,10 @@ def prompt_params(
     """Each prompt's sampling params: the request's, checked against the longest prompt,
     with max_tokens each prompt's own (max_tokens_for: the room its length leaves, where
     the request sets none, as vLLM's)."""
-    params = sampling_params(
-        llm, body, max(len(p) for p in prompts), body.max_tokens, body.logprobs
-    )
+    max_tokens = body.engine_max_tokens()
+    params = sampling_params(llm, body, max(len(p) for p in prompts), max_tokens, body.logprobs)
     return [
-        msgspec.structs.replace(params, max_tokens=max_tokens_for(llm, len(p), body.max_tokens))
+        msgspec.structs.replace(params, max_tokens=max_tokens_for(llm, len(p), max_tokens))
         for p in prompts
     ]
 
@@ -94,25 +110,28 @@ async def _stream(
     prompts: list[list[int]],
     params: list[SamplingParams],
     head: dict[str, Any],
-    echoes: list[str],
-    include_usage: bool,
+    echoes: list[_Echo],
+    body: CompletionRequest,
 ) -> AsyncIterator[str]:
     finals: dict[int, RequestOutput] = {}
     n = params[0].n
     num_choices = len(prompts) * n
-    unechoed = set(range(num_choices))
+    include_usage, continuous = body.stream_usage()
+    generated = not body.echo_only()
+    unechoed = set(range(num_choices)) if body.echo else set()
     sent = [0] * num_choices  # positions whose logprobs were sent, per choice
     offset = [0] * num_choices  # the characters of their tokens' texts
     try:
         async for index, out in run_prompts(llm, prompts, params):
-            text = out.new_text
+            text = out.new_text if generated else ""
+            echo = None
             if index in unechoed:
-                text = echoes[index // n] + text
+                echo = echoes[index // n]
+                text = echo.text + text
                 unechoed.discard(index)
-            logprobs = None
-            if out.logprobs is not None:
-                logprobs = _logprobs(out.logprobs[sent[index] :], offset[index])
-                sent[index] = len(out.logprobs)
+            logprobs = _choice_logprobs(body, out, echo, sent[index], offset[index])
+            if logprobs is not None:
+                sent[index] = len(out.logprobs or [])
                 offset[index] += sum(map(len, logprobs["tokens"]))
             if out.finished:
                 finals[index] = out
@@ -124,54 +143,91 @@ async def _stream(
                     "finish_reason": finish_reason(out),
                     "stop_reason": out.stop_reason if out.finished else None,
                 }
-                yield sse({**head, "choices": [choice]})
+                chunk = {**head, "choices": [choice]}
+                if continuous:
+                    chunk["usage"] = chunk_usage(out, generated)
+                yield sse(chunk)
         if include_usage:
-            yield sse({**head, "choices": [], "usage": usage(list(finals.values()))})
+            yield sse({**head, "choices": [], "usage": usage(list(finals.values()), generated)})
     except Exception as exc:  # tell the client, then end the stream
         yield sse(APIError.of(exc).body())
     yield sse("[DONE]")
 
 
-def _encode(llm: Frontend, body: CompletionRequest) -> tuple[list[list[int]], list[str]]:
-    """The prompts' token ids, checked against the model, and the text echo puts before
-    each completion (text work: in the text pool)."""
+def _encode(llm: Frontend, body: CompletionRequest) -> tuple[list[list[int]], list[_Echo]]:
+    """The prompts' token ids, checked against the model, and what echo puts before each
+    completion (text work: in the text pool)."""
     prompts, echoes = [], []
+    special = body.with_special_tokens()
     for name, prompt in body.named_prompts():
         try:
-            token_ids = llm.encode(prompt)
+            token_ids = llm.encode(_tokenized(llm, prompt, special))
         except ValueError as exc:
             raise APIError.from_value_error(exc, param=name) from None
         prompts.append(token_ids)
-        echoes.append(_echo(llm, prompt, token_ids) if body.echo else "")
+        echoes.append(_echo(llm, body, prompt, token_ids) if body.echo else _Echo())
     return prompts, echoes
 
 
-def _echo(llm: Frontend, prompt: str | list[int], token_ids: list[int]) -> str:
-    if isinstance(prompt, str):
+def _tokenized(llm: Frontend, prompt: str | list[int], special: bool) -> str | list[int]:
+    """The prompt as llm.encode takes it: a text without the tokenizer's special tokens
+    (add_special_tokens false: no BOS) is tokenized here."""
+    if special or not isinstance(prompt, str) or llm.tokenizer is None:
         return prompt
-    return llm.tokenizer.decode(token_ids) if llm.tokenizer is not None else ""
+    check_text(prompt, "the prompt")
+    return list(llm.tokenizer.encode(prompt, add_special_tokens=False))
 
 
-def _logprobs(positions: list[PositionLogprobs], at: int = 0) -> dict[str, Any]:
+def _echo(llm: Frontend, body: CompletionRequest, prompt: str | list[int], ids: list[int]) -> _Echo:
+    tokenizer = llm.tokenizer
+    if tokenizer is None:
+        return _Echo(prompt if isinstance(prompt, str) else "")
+    text = prompt if isinstance(prompt, str) else tokenizer.decode(ids)
+    return _Echo(text, tokenizer.decode(ids[:1]) if body.logprobs is not None else "")
+
+
+def _choice_logprobs(
+    body: CompletionRequest, out: RequestOutput, echo: _Echo | None, start: int, at: int
+) -> dict[str, Any] | None:
+    """A choice's logprobs (or a chunk's: its generated positions from start, the first's
+    text at offset at), after the prompt's positions when echo is given; None when the
+    request asked for none."""
+    if body.logprobs is None:
+        return None
+    positions: list[PositionLogprobs | None] = []
+    if echo is not None:
+        positions += out.prompt_logprobs or []
+    if not body.echo_only():
+        positions += (out.logprobs or [])[start:]
+    return _logprobs(positions, at, echo.first if echo is not None else "", body.logprobs)
+
+
+def _logprobs(
+    positions: Sequence[PositionLogprobs | None], at: int = 0, first: str = "", n: int | None = None
+) -> dict[str, Any]:
     """The legacy completions format: parallel lists, and text offsets (the first token's
-    at: in a stream, the characters of the tokens sent before)."""
-    tokens = [p.sampled.text or "" for p in positions]
+    at: in a stream, the characters of the tokens sent before). A None position is the
+    prompt's first (text first), which has no logprob; each top_logprobs entry holds the
+    sampled token and at most n others."""
+    tokens = [first if p is None else p.sampled.text or "" for p in positions]
     offsets = []
     for token in tokens:
         offsets.append(at)
         at += len(token)
     return {
         "tokens": tokens,
-        "token_logprobs": [json_logprob(p.sampled.logprob) for p in positions],
-        "top_logprobs": [_top(p) for p in positions],
+        "token_logprobs": [
+            None if p is None else json_logprob(p.sampled.logprob) for p in positions
+        ],
+        "top_logprobs": [None if p is None else _top(p, n) for p in positions],
         "text_offset": offsets,
     }
 
 
-def _top(position: PositionLogprobs) -> dict[str, float]:
+def _top(position: PositionLogprobs, n: int | None = None) -> dict[str, float]:
     """The legacy format's top_logprobs entry: the sampled token first, then the top n
     (so n + 1 entries where it is not among them), as OpenAI's and vLLM's."""
     entry = {position.sampled.text or "": json_logprob(position.sampled.logprob)}
-    for token in position.top:
+    for token in position.top[:n]:
         entry.setdefault(token.text or "", json_logprob(token.logprob))
     return entry

@@ -27,9 +27,12 @@ def sampling_params(
     prompt_len: int,
     max_tokens: int | None,
     logprobs: int | None,
+    logprobs_param: str = "logprobs",
 ) -> SamplingParams:
     """The model's defaults with what the request sets; max_tokens as max_tokens_for
-    says. A prompt and max_tokens past max_model_len are refused, as OpenAI does."""
+    says. A prompt and max_tokens past max_model_len are refused, as OpenAI does; so are
+    logprobs past the server's --max-logprobs (logprobs_param: the request's name for
+    them, chat's top_logprobs)."""
     room = llm.max_model_len - prompt_len
     asked = 1 if max_tokens is None else max_tokens  # a completion is a token at least
     if asked > room:
@@ -58,7 +61,7 @@ def sampling_params(
         "min_tokens": request.min_tokens,
         "bad_words": request.bad_words,
         "logprobs": logprobs,
-        "prompt_logprobs": request.prompt_logprobs,
+        "prompt_logprobs": request.engine_prompt_logprobs(),
         "max_tokens": max_tokens,
         "n": request.n,
         "structured_outputs": request.structured_params(),
@@ -74,6 +77,9 @@ def sampling_params(
         field = named.group() if named and named.group() in given else None
         if field == "structured_outputs":
             field = request.structured_field()
+        elif field == "logprobs" and logprobs_param != field:
+            exc = ValueError(logprobs_param + str(exc).removeprefix(field))
+            field = logprobs_param
         raise APIError.from_value_error(exc, param=field) from None
 
 
@@ -147,17 +153,29 @@ async def _disconnect(request: HTTPRequest) -> None:
         pass
 
 
-def usage(outputs: Sequence[RequestOutput]) -> dict[str, Any]:
+def usage(outputs: Sequence[RequestOutput], generated: bool = True) -> dict[str, Any]:
     """Every choice's tokens, and each prompt's once (its first sample's), as vLLM sums;
-    of the prompts' tokens, those the prefix cache held (OpenAI's cached_tokens)."""
+    of the prompts' tokens, those the prefix cache held (OpenAI's cached_tokens).
+    generated=False: none of the generated tokens is returned (an echo of max_tokens 0)."""
     prompt = sum(len(o.prompt_token_ids) for o in outputs if o.index == 0)
     cached = sum(o.num_cached_tokens for o in outputs if o.index == 0)
-    completion = sum(len(o.token_ids) for o in outputs)
+    completion = sum(len(o.token_ids) for o in outputs) if generated else 0
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
         "prompt_tokens_details": {"cached_tokens": cached},
+    }
+
+
+def chunk_usage(out: RequestOutput, generated: bool = True) -> dict[str, int]:
+    """A streamed chunk's usage (vLLM's continuous_usage_stats): its prompt, and its
+    choice's tokens so far."""
+    prompt, completion = len(out.prompt_token_ids), len(out.token_ids) if generated else 0
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
     }
 
 

@@ -5,31 +5,37 @@ does not define is a 400 that names it; one it defines and this server does not
 implement is refused as not supported (unsupported.py) unless it has its neutral value,
 or taken and not used where it changes nothing of the output (store, metadata, ...).
 top_k, min_p, ignore_eos, stop_token_ids, repetition_penalty, min_tokens, bad_words,
-include_stop_str_in_output, skip_special_tokens, chat's add_generation_prompt,
+include_stop_str_in_output, skip_special_tokens, add_special_tokens, request_id (names
+the response where no X-Request-Id header does), prompt_logprobs, completions' echo with
+logprobs (the prompt's positions first, as vLLM's), chat's add_generation_prompt,
 continue_final_message and chat_template_kwargs, structured_outputs and guided_* are
 vLLM's extensions; its others (use_beam_search, priority, cache_salt, ...) are refused
-unless neutral, as OpenAI's unsupported ones are. Tool calling: serve/tools.py."""
+unless neutral, as OpenAI's unsupported ones are; model may be left out (the served
+model). Messages: chat_messages.py; tool calling: serve/tools.py."""
 
 from __future__ import annotations
 
-import json
 import re
 from typing import Annotated, Any
 
+import msgspec
 from msgspec import Meta, Struct
 
 from messages import StructuredOutputsParams
 from messages.sampling import INT32_MAX, MAX_N, TokenId
+from zmqworker.serve.chat_messages import ChatMessage
 from zmqworker.serve.errors import APIError
+from zmqworker.serve.request_id import check_request_id
 from zmqworker.serve.structured import StructuredFields
 from zmqworker.serve.tools import NamedToolChoice, Tool, ToolFields
-from zmqworker.serve.unsupported import MESSAGE_UNSUPPORTED, refuse_unsupported, unsupported_part
+from zmqworker.serve.unsupported import CHAT_UNSUPPORTED, refuse_spacing, refuse_unsupported
 
-MAX_LOGPROBS = 20  # the OpenAI API's bound, and the workers' default max_logprobs
+# logprobs and top_logprobs are bounded by the server's --max-logprobs (request_params),
+# and by the workers' int32 columns here.
+Logprobs = Annotated[int, Meta(ge=0, le=INT32_MAX)]
 # The most prompts one completion request may hold: each becomes a request in the engine,
 # added on the event loop (OpenAI's bound on the inputs of one embeddings request).
 MAX_PROMPTS = 2048
-ROLES = ("system", "developer", "user", "assistant", "tool")
 
 StopString = Annotated[str, Meta(min_length=1)]
 Penalty = Annotated[float, Meta(ge=-2, le=2)]
@@ -40,15 +46,19 @@ _TOKEN_ID_KEY = re.compile(r"0|[1-9][0-9]*")
 
 
 class StreamOptions(Struct, forbid_unknown_fields=True):
-    include_usage: bool = False
+    """OpenAI's, and vLLM's continuous_usage_stats; null is false, as left out (vLLM's:
+    {} asks for no usage, as OpenAI's)."""
+
+    include_usage: bool | None = None  # a last chunk with the usage
+    continuous_usage_stats: bool | None = None  # with include_usage: usage in every chunk
     include_obfuscation: bool | None = None  # OpenAI's padding of deltas: none here
 
 
 class SamplingRequest(StructuredFields, forbid_unknown_fields=True, kw_only=True):
     """What both endpoints take (structured outputs: serve/structured.py)."""
 
-    model: str
-    temperature: Annotated[float, Meta(ge=0, le=2)] | None = None
+    model: str | None = None  # None: the served model
+    temperature: Annotated[float, Meta(ge=0)] | None = None  # vLLM's bound (OpenAI's: 2)
     top_p: Annotated[float, Meta(gt=0, le=1)] | None = None
     top_k: Annotated[int, Meta(ge=-1, le=INT32_MAX)] | None = None
     min_p: Annotated[float, Meta(ge=0, le=1)] | None = None
@@ -69,6 +79,10 @@ class SamplingRequest(StructuredFields, forbid_unknown_fields=True, kw_only=True
     user: str | None = None
     n: Annotated[int, Meta(ge=1, le=MAX_N)] | None = None  # choices per prompt
     prompt_logprobs: Annotated[int, Meta(ge=-1, le=INT32_MAX)] | None = None  # -1: refused by name
+    add_special_tokens: bool | None = None  # default: true for completions, false for chat
+    request_id: str | None = None  # names the response where no X-Request-Id header does
+    # vLLM's, taken where they change nothing of the output (unsupported.py).
+    spaces_between_special_tokens: bool | None = None
     # vLLM's, refused unless neutral (unsupported.py).
     use_beam_search: bool | None = None
     length_penalty: float | None = None
@@ -78,20 +92,35 @@ class SamplingRequest(StructuredFields, forbid_unknown_fields=True, kw_only=True
     allowed_token_ids: list[int] | None = None
     logits_processors: list[Any] | None = None
     return_tokens_as_token_ids: bool | None = None
+    return_token_ids: bool | None = None
     kv_transfer_params: dict[str, Any] | None = None
     vllm_xargs: dict[str, Any] | None = None
 
     def check(self) -> None:
         """Refuse what the types cannot: unsupported features, options that need another."""
         refuse_unsupported(self)
+        refuse_spacing(self)
         self.structured_params()
-        if self.stream_options is not None and not self.stream:
+        options = self.stream_options
+        if options is not None and not self.stream and any(msgspec.structs.astuple(options)):
             raise APIError("stream_options needs stream=true", param="stream_options")
-        if self.stream and self.prompt_logprobs is not None:  # vLLM's refusal
+        if self.stream and self.prompt_logprobs not in (None, 0):  # vLLM's refusal
             raise APIError(
                 "`prompt_logprobs` are not available when `stream=True`.", param="prompt_logprobs"
             )
+        if self.request_id is not None:
+            check_request_id(self.request_id, "request_id")
         self.token_bias()
+
+    def stream_usage(self) -> tuple[bool, bool]:
+        """A stream's usage (vLLM's): (a last chunk with it, in every chunk too)."""
+        options = self.stream_options or StreamOptions()
+        final = bool(options.include_usage)
+        return final, final and bool(options.continuous_usage_stats)
+
+    def engine_prompt_logprobs(self) -> int | None:
+        """The prompt logprobs the engine computes."""
+        return self.prompt_logprobs
 
     def token_bias(self) -> dict[int, float] | None:
         """logit_bias by token id; its keys must be token ids written as strings (as
@@ -129,9 +158,9 @@ class SamplingRequest(StructuredFields, forbid_unknown_fields=True, kw_only=True
 
 class CompletionRequest(SamplingRequest, kw_only=True):
     prompt: str | list[str | int | list[int]]
-    max_tokens: Annotated[int, Meta(ge=1)] | None = 16
-    logprobs: Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)] | None = None
-    echo: bool | None = False
+    max_tokens: Annotated[int, Meta(ge=0)] | None = 16  # 0: with echo, the prompt alone
+    logprobs: Logprobs | None = None
+    echo: bool | None = False  # with logprobs: the prompt's positions first
     best_of: Annotated[int, Meta(ge=1, le=MAX_N)] | None = None  # the n best of best_of
     # Not supported unless neutral (unsupported.py).
     suffix: str | None = None
@@ -149,9 +178,29 @@ class CompletionRequest(SamplingRequest, kw_only=True):
                 "once every sample has ended",
                 param="best_of",
             )
-        if self.echo and self.logprobs is not None:
-            raise APIError("echo with logprobs is not supported", param="echo")
+        if self.max_tokens == 0 and not self.echo:
+            raise APIError(
+                "max_tokens must be at least 1, got 0 (0 only with echo: the prompt alone)",
+                param="max_tokens",
+            )
         self.named_prompts()
+
+    def echo_only(self) -> bool:
+        """echo with max_tokens 0: the prompt (and its logprobs) alone, as vLLM's; the
+        engine generates one token, which is not returned."""
+        return bool(self.echo) and self.max_tokens == 0
+
+    def engine_max_tokens(self) -> int | None:
+        return 1 if self.echo_only() else self.max_tokens
+
+    def engine_prompt_logprobs(self) -> int | None:
+        """With echo, the prompt's logprobs are logprobs' (vLLM's)."""
+        if self.prompt_logprobs is None and self.echo and self.logprobs is not None:
+            return self.logprobs
+        return self.prompt_logprobs
+
+    def with_special_tokens(self) -> bool:
+        return self.add_special_tokens is not False  # vLLM's default for completions: true
 
     def named_prompts(self) -> list[tuple[str, str | list[int]]]:
         """The prompts, one per choice (text, or token ids each at least 0), with the
@@ -184,118 +233,12 @@ class CompletionRequest(SamplingRequest, kw_only=True):
         return named
 
 
-class ContentPart(Struct, forbid_unknown_fields=True):
-    """A part of a message's content: text. Other kinds are decoded to be refused by name."""
-
-    type: str
-    text: str | None = None
-    image_url: Any = None
-    input_audio: Any = None
-    file: Any = None
-
-
-class FunctionCall(Struct, forbid_unknown_fields=True):
-    name: str
-    arguments: str  # JSON text, as OpenAI sends it
-
-
-class ToolCall(Struct, forbid_unknown_fields=True):
-    id: str
-    function: FunctionCall
-    type: str = "function"
-
-
-class ChatMessage(Struct, forbid_unknown_fields=True):
-    role: str
-    content: str | list[ContentPart] | None = None  # None: an assistant's tool calls only
-    name: str | None = None
-    tool_calls: list[ToolCall] | None = None  # an assistant's calls
-    tool_call_id: str | None = None  # a tool's result: the call it answers
-    # What a chat response's message holds besides (its model_dump() sent back as is):
-    # neutral here, else refused by name (unsupported.py).
-    refusal: str | None = None
-    audio: Any = None
-    function_call: Any = None
-    annotations: Any = None
-
-    def check(self, where: str) -> None:
-        refuse_unsupported(self, MESSAGE_UNSUPPORTED, f"{where}.")
-        if self.role not in ROLES:
-            raise APIError(
-                f"{where}.role must be one of {', '.join(ROLES)}, got {self.role!r}",
-                param=f"{where}.role",
-            )
-        if self.tool_calls is not None and self.role != "assistant":
-            raise APIError(
-                f"{where}.tool_calls: only an assistant message carries tool calls",
-                param=f"{where}.tool_calls",
-            )
-        if self.role == "tool" and self.tool_call_id is None:
-            raise APIError(
-                f"{where}.tool_call_id is required in a tool message",
-                param=f"{where}.tool_call_id",
-            )
-        for j, call in enumerate(self.tool_calls or []):
-            _arguments(call, f"{where}.tool_calls[{j}]")
-        if self.content is None:
-            if not self.tool_calls:
-                raise APIError(
-                    f"{where}.content is required (only an assistant message with tool_calls "
-                    "may leave it out)",
-                    param=f"{where}.content",
-                )
-            return
-        if isinstance(self.content, str):
-            return
-        for j, part in enumerate(self.content):
-            at = f"{where}.content[{j}]"
-            if part.type != "text":
-                raise APIError(unsupported_part(part.type), param=at)
-            if part.text is None:
-                raise APIError(f"{at}.text is required in a text part", param=f"{at}.text")
-
-    def as_template_message(self) -> dict[str, Any]:
-        """The message as a chat template takes it ("developer" is OpenAI's new name for
-        the system role; a call's arguments as an object, which templates write out)."""
-        content = self.content or ""
-        if not isinstance(content, str):
-            content = "\n".join(part.text or "" for part in content)  # as vLLM joins them
-        role = "system" if self.role == "developer" else self.role
-        message: dict[str, Any] = {"role": role, "content": content}
-        if self.tool_calls:
-            message["tool_calls"] = [
-                {
-                    "id": call.id,
-                    "type": call.type,
-                    "function": {"name": call.function.name, "arguments": _arguments(call, "")},
-                }
-                for call in self.tool_calls
-            ]
-        if self.tool_call_id is not None:
-            message["tool_call_id"] = self.tool_call_id
-        return message
-
-
-def _arguments(call: ToolCall, where: str) -> dict[str, Any]:
-    """A call's arguments, which must be a JSON object."""
-    try:
-        arguments = json.loads(call.function.arguments)
-    except ValueError:
-        arguments = None
-    if not isinstance(arguments, dict):
-        raise APIError(
-            f"{where}.function.arguments must be a JSON object, got {call.function.arguments!r}",
-            param=f"{where}.function.arguments",
-        )
-    return arguments
-
-
 class ChatCompletionRequest(SamplingRequest, ToolFields, kw_only=True):
     messages: Annotated[list[ChatMessage], Meta(min_length=1)]
     max_tokens: Annotated[int, Meta(ge=1)] | None = None
     max_completion_tokens: Annotated[int, Meta(ge=1)] | None = None
     logprobs: bool | None = False
-    top_logprobs: Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)] | None = None
+    top_logprobs: Logprobs | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
@@ -319,6 +262,11 @@ class ChatCompletionRequest(SamplingRequest, ToolFields, kw_only=True):
     # vLLM's, for chat, refused unless neutral (unsupported.py).
     documents: list[Any] | None = None
     chat_template: str | None = None
+    echo: bool | None = None
+    best_of: int | None = None
+    mm_processor_kwargs: dict[str, Any] | None = None
+    # vLLM's: with no reasoning parser, nothing to include or leave out.
+    include_reasoning: bool | None = None
 
     def check(self) -> None:
         self.check_tools()
@@ -332,9 +280,10 @@ class ChatCompletionRequest(SamplingRequest, ToolFields, kw_only=True):
                 param=structured,
             )
         super().check()
+        refuse_unsupported(self, CHAT_UNSUPPORTED)
         for i, message in enumerate(self.messages):
             message.check(f"messages[{i}]")
-        if self.top_logprobs is not None and not self.logprobs:
+        if self.top_logprobs and not self.logprobs:  # vLLM's: 0 asks for nothing
             raise APIError("top_logprobs needs logprobs=true", param="top_logprobs")
 
     def num_logprobs(self) -> int | None:

@@ -3,6 +3,8 @@ response_format ({"type": "json_object"}, {"type": "json_schema", "json_schema":
 {"schema": ...}}), vLLM's structured_outputs ({"json" | "regex" | "choice" | "grammar" |
 "json_object": ...}) and its older guided_json / guided_regex / guided_choice /
 guided_grammar. At most one of them may be given; each becomes StructuredOutputsParams.
+vLLM's options beside a constraint (structured_outputs' disable_any_whitespace, ...,
+guided_decoding_backend) are taken where they change nothing here (unsupported.py).
 """
 
 from __future__ import annotations
@@ -14,8 +16,10 @@ from msgspec import Struct
 
 from messages import StructuredOutputsParams
 from zmqworker.serve.errors import APIError
+from zmqworker.serve.unsupported import STRUCTURED_UNSUPPORTED, refuse_unsupported
 
 _GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
+_KINDS = ("json", "regex", "choice", "grammar", "json_object")  # structured_outputs' own
 
 
 class JsonSchemaFormat(Struct, forbid_unknown_fields=True):
@@ -36,6 +40,11 @@ class StructuredOutputsBody(Struct, forbid_unknown_fields=True):
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
+    # vLLM's options, not constraints.
+    disable_any_whitespace: bool | None = None
+    disable_additional_properties: bool | None = None
+    whitespace_pattern: str | None = None
+    disable_fallback: bool | None = None
 
 
 class StructuredFields(Struct, kw_only=True):
@@ -47,6 +56,8 @@ class StructuredFields(Struct, kw_only=True):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None
+    guided_whitespace_pattern: str | None = None
 
     def structured_field(self) -> str | None:
         """The name of the structured-output field the request gives (errors name it)."""
@@ -63,9 +74,13 @@ class StructuredFields(Struct, kw_only=True):
         if fmt is not None and fmt.type != "text":
             given.append(("response_format", _response_format(fmt)))
         if self.structured_outputs is not None:
+            at = "structured_outputs."
+            refuse_unsupported(self.structured_outputs, STRUCTURED_UNSUPPORTED, at)
             body = msgspec.structs.asdict(self.structured_outputs)
             # Set is not None, but json {} ("any JSON"); json_object false is unset.
-            kinds = {k: v for k, v in body.items() if v is not None and v is not False}
+            kinds = {
+                k: v for k, v in body.items() if k in _KINDS and v is not None and v is not False
+            }
             given.append(("structured_outputs", kinds))
         guided = {
             "json": self.guided_json,

@@ -129,7 +129,7 @@ class ToolFields:
                 'to be set (tool_choice defaults to "auto" when tools are given)',
                 param="tool_choice",
             )
-        return TOOL_PARSERS[options.parser]()
+        return TOOL_PARSERS[options.parser](frozenset(t.function.name for t in self.tools or []))
 
 
 def check_tools(tools: list[Tool] | None) -> set[str]:

@@ -1,7 +1,7 @@
 """The OpenAI and vLLM request features this server does not implement, in one place: a
 request that asks for one is refused with a message that says so. A field here is taken
-at its neutral value only (what asks for nothing: null, false, 0, an empty list); a
-feature that comes removes its row."""
+at its neutral value only (what asks for nothing: null, false, 0, an empty list, or
+vLLM's default); a feature that comes removes its row."""
 
 from __future__ import annotations
 
@@ -59,12 +59,44 @@ UNSUPPORTED: Refusals = {
     ),
     "logits_processors": (_empty, "logits_processors is not supported"),
     "return_tokens_as_token_ids": (_empty, "return_tokens_as_token_ids is not supported"),
+    "return_token_ids": (_empty, "return_token_ids is not supported"),
+    # The structured-output backend is the engine's: xgrammar ("auto" picks it too).
+    "guided_decoding_backend": (
+        lambda v: v in (None, "auto", "xgrammar"),
+        'guided_decoding_backend is not supported: structured outputs use xgrammar (only "auto" '
+        'or "xgrammar" is taken)',
+    ),
+    "guided_whitespace_pattern": (
+        _null,
+        "guided_whitespace_pattern is not supported: JSON is generated without free whitespace",
+    ),
     "kv_transfer_params": (_empty, "kv_transfer_params is not supported"),
     "vllm_xargs": (_empty, "vllm_xargs is not supported"),
     "documents": (_null, "documents is not supported"),
     "chat_template": (
         _null,
         "chat_template is not supported: the model's own template is used",
+    ),
+}
+
+# Chat's own (completions take echo and best_of).
+CHAT_UNSUPPORTED: Refusals = {
+    "echo": (_empty, "echo is not supported in chat: a reply does not repeat the last message"),
+    "best_of": (
+        lambda v: v in (None, 1),
+        "best_of is not supported in chat: give n (only 1 is taken)",
+    ),
+    "mm_processor_kwargs": (_empty, "mm_processor_kwargs is not supported: text models only"),
+}
+
+# Inside structured_outputs: whitespace_pattern. (JSON is generated compact, which any
+# disable_any_whitespace allows; xgrammar's schemas take no properties they do not name,
+# whatever disable_additional_properties says, as vLLM's on xgrammar; there is no backend
+# to fall back to, whatever disable_fallback says: those are taken at any value.)
+STRUCTURED_UNSUPPORTED: Refusals = {
+    "whitespace_pattern": (
+        _null,
+        "whitespace_pattern is not supported: JSON is generated without free whitespace",
     ),
 }
 
@@ -87,6 +119,18 @@ def refuse_unsupported(request: object, refusals: Refusals = UNSUPPORTED, at: st
     for field, (neutral, message) in refusals.items():
         if hasattr(request, field) and not neutral(getattr(request, field)):
             raise APIError(f"{at}{message}", param=f"{at}{field}")
+
+
+def refuse_spacing(request: Any) -> None:
+    """spaces_between_special_tokens=false (vLLM's default is true) changes only text that
+    keeps special tokens: with skip_special_tokens (the default) it asks for nothing, as
+    in vLLM; with special tokens kept, the tokenizer's decoder writes them as it does."""
+    if request.spaces_between_special_tokens is False and request.skip_special_tokens is False:
+        raise APIError(
+            "spaces_between_special_tokens=false is not supported with "
+            "skip_special_tokens=false: special tokens are decoded as the tokenizer writes them",
+            param="spaces_between_special_tokens",
+        )
 
 
 def unsupported_part(part_type: str) -> str:

@@ -20,7 +20,7 @@ class RequiredParser:
         calls: list[ParsedCall] = []
         pos = skip_space(text, pos + 1)
         while pos < len(text) and text[pos] == "{":
-            read = read_call(text, pos, _ARGUMENTS, final)
+            read = read_call(text, pos, _ARGUMENTS, final, None)  # the schema's names
             if read is None or read.call is None:
                 break
             calls.append(read.call)

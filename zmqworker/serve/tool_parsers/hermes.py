@@ -2,9 +2,12 @@
 parser): each call a JSON object {"name": ..., "arguments": {...}} between <tool_call>
 and </tool_call>, after any text. The content is the text before the first call; text
 between and after calls is dropped. The last call may lack its closing tag (the model
-stopped right after the object)."""
+stopped right after the object). A call needs its "arguments" and a name among the
+request's tools: otherwise the whole reply is content."""
 
 from __future__ import annotations
+
+from collections.abc import Collection
 
 from zmqworker.serve.tool_parsers.calls import Parsed, ParsedCall, held_back, read_call
 from zmqworker.serve.tool_parsers.json_scan import skip_space
@@ -15,6 +18,9 @@ _ARGUMENTS = ("arguments",)
 
 
 class HermesParser:
+    def __init__(self, names: Collection[str] | None = None) -> None:
+        self.names = names  # the request's tools' (None: any name)
+
     def parse(self, text: str, final: bool) -> Parsed:
         first = text.find(START)
         if first < 0:
@@ -41,7 +47,7 @@ class HermesParser:
         start = skip_space(body, 0)
         if start == len(body) or body[start] != "{":
             return None
-        read = read_call(body, start, _ARGUMENTS, final)
+        read = read_call(body, start, _ARGUMENTS, final, self.names)
         if read is None:
             return None
         if final and skip_space(body, read.end or 0) != len(body):
