@@ -9,6 +9,7 @@ them (engine/bad_words.py), and the workers read the token ids alone.
 from __future__ import annotations
 
 import math
+from numbers import Integral, Real
 from typing import Annotated
 
 import msgspec
@@ -182,6 +183,7 @@ class SamplingParams(msgspec.Struct, tag=True, frozen=True, omit_defaults=True):
     ] = None
 
     def __post_init__(self) -> None:
+        _normalise(self)
         self.validate()
 
     def validate(self) -> None:
@@ -249,6 +251,46 @@ class SamplingParams(msgspec.Struct, tag=True, frozen=True, omit_defaults=True):
             or self.frequency_penalty != 0.0
             or self.presence_penalty != 0.0
         )
+
+
+# Scalars that may come as numpy's (np.int64, np.float32): made Python numbers.
+_NUMBERS = ("temperature", "top_k", "top_p", "min_p", "seed", "max_tokens", "n", "logprobs",
+            "prompt_logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty",
+            "min_tokens")  # fmt: skip
+_LISTS = {"stop": list, "stop_token_ids": list, "bad_words": list, "logit_bias": dict}
+
+
+def _normalise(params: SamplingParams) -> None:
+    """What vLLM's SamplingParams also takes, as the schema's types (no wire change): a
+    lone stop string as a list, None for a list or dict field as its default (empty),
+    numpy scalars as Python numbers. max_tokens=None (vLLM: up to max_model_len) is
+    refused: give a number."""
+    set_field = msgspec.structs.force_setattr
+    if isinstance(params.stop, str):
+        set_field(params, "stop", [params.stop])
+    for name, empty in _LISTS.items():
+        if getattr(params, name) is None:
+            set_field(params, name, empty())
+    for name in _NUMBERS:
+        value = getattr(params, name)
+        if type(value) in (int, float) or value is None or isinstance(value, bool):
+            continue
+        if isinstance(value, Integral):
+            set_field(params, name, int(value))
+        elif isinstance(value, Real):
+            set_field(params, name, float(value))
+    if params.stop_token_ids and any(type(t) is not int for t in params.stop_token_ids):
+        ids = params.stop_token_ids
+        set_field(params, "stop_token_ids", [_int(t) for t in ids])
+    if params.max_tokens is None:
+        raise ValueError(
+            "max_tokens=None is not supported: give a number, the most tokens to generate"
+        )
+
+
+def _int(value: object) -> object:
+    """A numpy integer as an int; anything else as it is (for the check to name)."""
+    return int(value) if isinstance(value, Integral) and not isinstance(value, bool) else value
 
 
 def _unchecked_twin(cls: type[msgspec.Struct]) -> type[msgspec.Struct]:

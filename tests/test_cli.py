@@ -34,7 +34,9 @@ def generate_parser():
 def test_every_llm_argument_and_sampling_field_is_an_option_with_its_default():
     parser = generate_parser()
     actions = {a.dest: a for a in parser._actions}
-    names = list(inspect.signature(LLM).parameters)
+    # Not **vllm_args: vLLM's arguments, taken for compatibility only
+    parameters = inspect.signature(LLM).parameters
+    names = [n for n, p in parameters.items() if p.kind is not p.VAR_KEYWORD]
     fields = msgspec.structs.fields(SamplingParams)
     options = {o.name: o for o in LLM_OPTIONS}
     # structured_outputs has options of its own (--json-schema, --regex, ...).
@@ -43,8 +45,8 @@ def test_every_llm_argument_and_sampling_field_is_an_option_with_its_default():
     }
     assert {"json_schema", "regex", "choice", "grammar"} <= set(actions)
     assert {o.dest for o in [*LLM_OPTIONS, *SAMPLING_OPTIONS]} <= set(actions)
-    for name, param in inspect.signature(LLM).parameters.items():
-        default = param.default
+    for name in names:
+        default = parameters[name].default
         if default not in (None, "") and name != "max_num_seqs":
             assert f"(default: {default})" in actions[options[name].dest].help, name
     assert f"(default: {SamplingParams().temperature})" in actions["temperature"].help

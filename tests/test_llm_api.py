@@ -109,8 +109,8 @@ def test_generate_honours_stop_strings(llm):
         ("", None, "prompt 0: the prompt is empty"),
         (["ok", [[]]], None, "prompt 1: a prompt is a str or a list of token ids"),
         (["ok", []], None, "prompt 1: the prompt is empty"),
-        # Listed, a dict's keys or bytes' values would be taken as prompts.
-        ({"prompt_token_ids": [5, 6]}, None, "prompts are a str, .* got dict"),
+        # vLLM's prompt dicts: no multimodal data. Listed, bytes' values would be prompts.
+        ({"prompt": "Hi", "multi_modal_data": {}}, None, "'multi_modal_data' is not supported"),
         (b"Hi", None, "prompts are a str, .* got bytes"),
         ([[True, False]], None, "prompt 0: a prompt is a str or a list of token ids"),
         ([[1] * (MAX_MODEL_LEN + 1)], None, "more than max_model_len=64"),
@@ -152,6 +152,61 @@ def test_chat_takes_vllms_template_options(llm, tok, monkeypatch):
     ]
     with pytest.raises(ValueError, match="cannot both be true"):
         llm.chat(conversation, params, continue_final_message=True)
+
+
+TOOL_TEMPLATE = (
+    "{% for m in messages %}{{ m.role }}: {{ m.content }}"
+    "{% for c in m.tool_calls or [] %}<call {{ c.function.name }}({{ c.function.arguments.city }})>"
+    "{% endfor %}</s>{% endfor %}"
+)
+
+
+def test_code_written_for_vllms_llm_runs(model_dir, factory, tok):
+    # vLLM's constructor spellings; enforce_eager reaches the workers' config
+    with LLM(
+        model_dir, executor=factory, block_size=4, dtype="float", seed=None, enforce_eager=True,
+        trust_remote_code=False, tokenizer=model_dir, disable_log_stats=True,
+    ) as llm:  # fmt: skip
+        model = factory.configs[0].model
+        assert (model.dtype, model.seed, model.enforce_eager) == ("float32", 0, True)
+        assert llm.get_tokenizer() is llm.tokenizer
+        params = SamplingParams(max_tokens=3, temperature=0.0)
+        # vLLM's result shape, prompt dicts and generate() keywords
+        [plain, text, ids] = llm.generate(
+            ["Hello", {"prompt": "Hello"}, {"prompt_token_ids": tok.encode("Hello")}],
+            params,
+            use_tqdm=False,
+            priority=[0, 0, 0],
+        )
+        assert text.prompt_token_ids == ids.prompt_token_ids == plain.prompt_token_ids
+        assert text.token_ids == ids.token_ids == plain.token_ids
+        [completion] = plain.outputs
+        assert completion.text == plain.text and completion.token_ids == plain.token_ids
+        assert completion.finish_reason == "length" and completion.cumulative_logprob is None
+        with pytest.raises(ValueError, match="priority is not supported"):
+            llm.generate("Hello", params, priority=[1])
+        with pytest.raises(ValueError, match="lora_request is not supported"):
+            llm.chat([{"role": "user", "content": "Hi"}], params, lora_request=object())
+        # vLLM's third positional argument is use_tqdm: here everything after
+        # sampling_params is by keyword
+        with pytest.raises(TypeError):
+            llm.chat([{"role": "user", "content": "Hi"}], params, False)  # type: ignore[misc]
+        # A tool round trip in OpenAI's shape, through a template of the caller's own
+        call = {"id": "c1", "type": "function",
+                "function": {"name": "weather", "arguments": '{"city": "Paris"}'}}  # fmt: skip
+        conversation = [
+            {"role": "developer", "content": "Use tools."},
+            {"role": "user", "content": [{"type": "text", "text": "Weather?"}]},
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+        ]
+        [out] = llm.chat(conversation, params, chat_template=TOOL_TEMPLATE, use_tqdm=False)
+        assert tok.decode(out.prompt_token_ids) == (
+            "system: Use tools.</s>user: Weather?</s>assistant: <call weather(Paris)></s>"
+            "tool: sunny</s>"
+        )
+    with pytest.raises(ValueError, match="trust_remote_code=True is not supported"):
+        LLM(model_dir, executor=factory, trust_remote_code=True)
 
 
 def test_numpy_integers_are_token_ids(llm):

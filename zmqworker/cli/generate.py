@@ -42,7 +42,11 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     )
     gen.add_argument("--chat", action="store_true", help="apply the model's chat template")
     gen.add_argument("--system", help="with --chat: the system message")
-    gen.add_argument("--json", action="store_true", help="print one JSON object per prompt")
+    gen.add_argument(
+        "--json",
+        action="store_true",
+        help="print one JSON object per sample (n per prompt with --n)",
+    )
     add_options(gen.add_argument_group("sampling"), SAMPLING_OPTIONS)
     add_structured_options(gen)
     add_options(

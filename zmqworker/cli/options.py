@@ -65,7 +65,9 @@ def llm_options(skip: Iterable[str] = ()) -> list[Option]:
     from zmqworker.frontend.llm import LLM, OPTION_TYPES
 
     params = inspect.signature(LLM).parameters
-    defaults = {n: p.default for n, p in params.items() if n not in set(skip)}
+    defaults = {  # not **vllm_args, vLLM's arguments taken for compatibility
+        n: p.default for n, p in params.items() if n not in set(skip) and n in OPTION_TYPES
+    }
     return options_of(defaults, OPTION_TYPES)
 
 

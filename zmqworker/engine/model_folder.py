@@ -64,6 +64,7 @@ class TextSide:
         continue_final_message: bool = False,
         template_kwargs: Mapping[str, Any] | None = None,
         tools: Sequence[dict[str, Any]] | None = None,
+        chat_template: str | None = None,
     ) -> list[int]:
         """The token ids of a conversation, ending where the assistant's reply starts
         (add_generation_prompt=False: after the last message; continue_final_message:
@@ -73,8 +74,11 @@ class TextSide:
         such as enable_thinking); as in vLLM they may set add_generation_prompt and
         continue_final_message too, but no other argument of apply_chat_template's.
         tools: the functions the model may call, in OpenAI's shape, for the template to
-        write out (a template that knows no tools leaves them out, as transformers does)."""
-        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+        write out (a template that knows no tools leaves them out, as transformers does).
+        chat_template: a Jinja template to use instead of the tokenizer's (vLLM's)."""
+        if self.tokenizer is None or (
+            chat_template is None and not getattr(self.tokenizer, "chat_template", None)
+        ):
             raise ValueError("the model's tokenizer has no chat template")
         check_conversation(messages)
         extra = dict(template_kwargs or {})
@@ -101,6 +105,7 @@ class TextSide:
                 add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message,
                 tools=None if tools is None else list(tools),
+                chat_template=chat_template,
                 tokenize=False,
                 **extra,
             )

@@ -94,6 +94,7 @@ class EnginePlan:
                 load_format=o["load_format"],
                 seed=o["seed"],
                 max_logprobs=o["max_logprobs"],
+                enforce_eager=o.get("enforce_eager", False),
             ),
             parallel=ParallelConfig(
                 tensor_parallel_size=tp,

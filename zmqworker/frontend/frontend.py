@@ -19,7 +19,7 @@ import numpy as np
 
 from messages import EngineCoreReady, EngineCoreRequest, SamplingParams
 from zmqworker.engine.model_folder import ModelFolder, TextSide
-from zmqworker.engine.prompts import Prompt
+from zmqworker.engine.prompts import Prompt, template_messages
 from zmqworker.frontend.core_client import POLL_SLICE_S, EngineCoreClient
 from zmqworker.frontend.engine_connection import Event, Failed
 from zmqworker.frontend.llm_control import ControlMethods
@@ -83,13 +83,27 @@ class Frontend(ControlMethods):
         """generation_config.json's max_new_tokens, if it sets one."""
         return self._texts.max_new_tokens
 
+    def get_tokenizer(self) -> Any:
+        """The model's tokenizer (vLLM's LLM.get_tokenizer()); None when it has none."""
+        return self.tokenizer
+
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: object = True,
+        lora_request: object = None,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Complete every prompt (batched together); outputs in the order of prompts, n
-        in a row for a prompt whose params ask for n samples (RequestOutput.index)."""
+        in a row for a prompt whose params ask for n samples (RequestOutput.index): unlike
+        vLLM's, each output is one sample (its .outputs, vLLM's view, holds that one).
+        A prompt is text, token ids, or vLLM's {"prompt": ...} or {"prompt_token_ids":
+        ...}. vLLM's keywords: use_tqdm is taken and ignored (no progress bar);
+        lora_request and a non-zero priority are refused (no LoRA, no priority
+        scheduling)."""
+        check_vllm_keywords(lora_request, priority)
         self._require_open()
         if self._streaming():
             raise RuntimeError("generate() called while streams run: use generate_stream() instead")
@@ -119,13 +133,20 @@ class Frontend(ControlMethods):
         self,
         conversations: Conversation | Sequence[Conversation],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: object = True,
+        lora_request: object = None,
+        chat_template: str | None = None,
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
         tools: list[dict[str, Any]] | None = None,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
-        """generate() on each conversation through the model's chat template, with
-        vLLM's LLM.chat options (chat_prompt())."""
+        """generate() on each conversation through the model's chat template (or
+        chat_template, a Jinja template of one's own), with vLLM's LLM.chat options
+        (chat_prompt()); every one after sampling_params by keyword."""
+        check_vllm_keywords(lora_request, priority)
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]  # type: ignore[list-item]
         prompts = [
@@ -135,10 +156,11 @@ class Frontend(ControlMethods):
                 continue_final_message=continue_final_message,
                 chat_template_kwargs=chat_template_kwargs,
                 tools=tools,
+                chat_template=chat_template,
             )
             for c in conversations
         ]
-        return self.generate(prompts, sampling_params)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def chat_prompt(
         self,
@@ -148,17 +170,20 @@ class Frontend(ControlMethods):
         continue_final_message: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
         tools: list[dict[str, Any]] | None = None,
+        chat_template: str | None = None,
     ) -> list[int]:
         """The prompt of a conversation, ending where the assistant's reply starts, or
         inside the last message with continue_final_message; tools for the template to
-        write out (TextSide.chat_prompt)."""
+        write out (TextSide.chat_prompt). Messages in OpenAI's shape are taken as the
+        server takes them (template_messages())."""
         return self._texts.chat_prompt(
-            messages,
+            template_messages(messages),
             add_generation_prompt,
             add_special_tokens,
             continue_final_message,
             chat_template_kwargs,
             tools,
+            chat_template=chat_template,
         )
 
     async def generate_stream(
@@ -315,3 +340,13 @@ class Frontend(ControlMethods):
             sink = self._sinks.pop(request_id, None)
             if sink is not None:
                 sink(error)
+
+
+def check_vllm_keywords(lora_request: object, priority: Sequence[int] | None) -> None:
+    """Refuse what vLLM's generate() and chat() take and this engine does not do."""
+    if lora_request is not None:
+        raise ValueError("lora_request is not supported: the engine serves no LoRA adapters")
+    if priority is not None and any(priority):
+        raise ValueError(
+            "priority is not supported: requests are scheduled first come, first served"
+        )

@@ -9,7 +9,7 @@ import logging
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from messages import WorkerConfig
 from zmqworker.executor.abstract import STEP_TIMEOUT_S, Executor
@@ -39,6 +39,7 @@ from zmqworker.frontend.llm_args import (
     arg_types,
     check_args,
     opt,
+    vllm_options,
 )
 from zmqworker.frontend.remote_cores import RemotePlan
 
@@ -59,7 +60,10 @@ class LLM(Frontend):
     the engine cores then run in threads of this process, over the same protocol. With
     engine_core_addresses it starts none and connects to those (frontend/remote_cores.py;
     worker_config is then None: their configs are where they run). Not thread-safe;
-    generate() and generate_stream() are not to be mixed at one time.
+    generate() and generate_stream() are not to be mixed at one time. vLLM's spellings
+    are taken too: dtype "half", "float" or a torch dtype, seed=None (0), and its
+    trust_remote_code, kv_cache_dtype, swap_space, disable_log_stats and tokenizer (the
+    model folder) with neutral values (llm_args.VLLM_NEUTRAL); another value is refused.
     """
 
     def __init__(
@@ -136,6 +140,9 @@ class LLM(Frontend):
         async_scheduling: Annotated[
             bool, opt("schedule the next step while the workers run this one (one stage)")
         ] = True,
+        enforce_eager: Annotated[
+            bool, opt("CUDA: run every step eagerly, capturing no CUDA graphs")
+        ] = False,
         seed: Annotated[
             Int64, opt("the workers' seed (for requests without one)", flag="--engine-seed")
         ] = 0,
@@ -228,9 +235,11 @@ class LLM(Frontend):
                 metavar="tcp://HOST:PORT",
             ),
         ] = None,
+        **vllm_args: Any,
     ) -> None:
         self._launcher: EngineCoreLauncher | None = None
         options = {k: v for k, v in locals().items() if k in OPTION_TYPES}
+        options = vllm_options(options, vllm_args)  # vLLM's spellings and no-op arguments
         check_args(OPTION_TYPES, options)
         started = time.perf_counter()
         if engine_core_addresses:

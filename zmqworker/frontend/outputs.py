@@ -54,6 +54,19 @@ class RequestTimings:
     since_last: float = 0.0
 
 
+@dataclass(frozen=True)
+class CompletionOutput:
+    """vLLM's CompletionOutput: one sample's result, as RequestOutput.outputs shows it."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None
+    logprobs: list[PositionLogprobs] | None
+    finish_reason: str | None
+    stop_reason: int | str | None
+
+
 @dataclass
 class RequestOutput:
     """A request's output so far. text and token_ids are everything generated; new_text
@@ -85,6 +98,31 @@ class RequestOutput:
     index: int = 0
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     num_cached_tokens: int = 0
+
+    # vLLM's shape, as a view: out.outputs[0].text is out.text. A request here is one
+    # sample: n samples are n RequestOutputs (index), not one with n outputs.
+
+    @property
+    def cumulative_logprob(self) -> float | None:
+        """The sum of the sampled tokens' logprobs when logprobs were asked for, else None."""
+        if self.logprobs is None:
+            return None
+        return sum(position.sampled.logprob for position in self.logprobs)
+
+    @property
+    def outputs(self) -> list[CompletionOutput]:
+        """vLLM's RequestOutput.outputs: this sample alone."""
+        return [
+            CompletionOutput(
+                self.index,
+                self.text,
+                self.token_ids,
+                self.cumulative_logprob,
+                self.logprobs,
+                self.finish_reason,
+                self.stop_reason,
+            )
+        ]
 
 
 class EngineStats(msgspec.Struct, frozen=True):
