@@ -27,6 +27,7 @@ from messages.sampling import INT32_MAX
 from zmqworker.cdiv import cdiv
 from zmqworker.engine.prompts import check_text
 from zmqworker.models.architectures import supported_architecture
+from zmqworker.models.checkpoint_files import read_json
 from zmqworker.models.expert_split import check_expert_split, moe_sizes
 from zmqworker.models.hf_config import load_hf_config
 from zmqworker.models.quantization import refuse_quantized
@@ -288,13 +289,7 @@ class ModelFolder:
         return default if value is None else value
 
     def _generation_config(self) -> dict[str, Any]:
-        path = self.path / "generation_config.json"
-        if not path.is_file():
-            return {}
-        try:
-            return msgspec.json.decode(path.read_bytes(), type=dict[str, Any])
-        except (OSError, msgspec.DecodeError, msgspec.ValidationError) as exc:
-            raise ValueError(f"cannot read {path}: {exc}") from exc
+        return read_json(self.path / "generation_config.json")
 
     def _splits(self, tp: int) -> bool:
         return self.num_heads % tp == 0 and self.num_kv_heads % tp == 0

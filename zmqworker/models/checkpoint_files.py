@@ -100,9 +100,9 @@ def read_header(file: Path) -> dict[str, TensorHeader]:
     return headers
 
 
-def read_config(folder: Path) -> dict[str, Any]:
-    """The folder's config.json as plain JSON; {} when it has none."""
-    path = folder / "config.json"
+def read_json(path: Path) -> dict[str, Any]:
+    """A checkpoint's JSON file (config.json, generation_config.json) as plain JSON; {}
+    when there is none."""
     if not path.is_file():
         return {}
     try:

@@ -36,7 +36,7 @@ from zmqworker.models.checkpoint_files import (
     CheckpointError,
     SafetensorsFiles,
     TensorHeader,
-    read_config,
+    read_json,
 )
 from zmqworker.models.layers.weights import OneOf, TensorSlice
 from zmqworker.models.quantization import (
@@ -60,7 +60,7 @@ def checkpoint_files(path: str) -> SafetensorsFiles:
     folder = Path(path)
     if not folder.is_dir():
         raise FileNotFoundError(f"checkpoint folder {path} does not exist")
-    refuse_quantized_config(folder, read_config(folder))
+    refuse_quantized_config(folder, read_json(folder / "config.json"))
     files = SafetensorsFiles.read(folder)
     if not files.headers:
         raise FileNotFoundError(f"no safetensors weights in checkpoint folder {path}")
