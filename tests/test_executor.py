@@ -27,15 +27,18 @@ from messages import (
     SchedulerOutput,
     WorkerConfig,
 )
+from zmqworker.executor import multiproc
+from zmqworker.executor.calls import Liveness
 from zmqworker.executor.errors import (
     ExecutorError,
     RpcTimeoutError,
+    StepTimeoutError,
     WorkerDiedError,
     WorkerError,
     WorkerStartupError,
     WorkerStuckError,
 )
-from zmqworker.executor.handshake import polite_shutdown
+from zmqworker.executor.handshake import Handshake, polite_shutdown
 from zmqworker.executor.multiproc import MultiprocExecutor
 
 
@@ -206,6 +209,7 @@ def test_deadline_names_method_and_silent_ranks(ex2):
     assert info.value.method == "sleep_for"
     assert info.value.missing_ranks == [0, 1]
     assert "sleep_for" in str(info.value) and "0, 1" in str(info.value)
+    assert not isinstance(info.value, StepTimeoutError)  # a step's alone says wedged
     assert ex2.collective_rpc("echo", (2,), timeout=30) == [2, 2]  # still serving
 
 
@@ -336,9 +340,12 @@ def test_a_step_has_a_default_bound():
         assert ex.step_timeout_s == 300.0
         ex.step_timeout_s = 0.3
         stop(ex.pids[0])
-        with pytest.raises(RpcTimeoutError) as info:
+        with pytest.raises(StepTimeoutError) as info:  # an RpcTimeoutError
             ex.execute_model(step)
         assert info.value.method == "execute_model" and info.value.missing_ranks == [0]
+        assert "got no reply within 0.3 s" in str(info.value)
+        assert "from rank(s) 0, which it waited on" in str(info.value)
+        assert "may be stuck on any rank" in str(info.value)
         os.kill(ex.pids[0], signal.SIGCONT)
         ex.step_timeout_s = 60.0
         assert ex.execute_model(step).sampled_token_ids.tolist() == [4]
@@ -413,21 +420,115 @@ def test_shutdown_escalates_when_a_worker_is_stuck():
     assert not any(alive(p) for p in ex.pids)
 
 
+class Exits(Liveness):
+    """Ranks' exit statuses as polite_shutdown sees them (None: running); stopped ranks."""
+
+    def __init__(self, statuses: list[int | None], stopped: tuple[int, ...] = ()) -> None:
+        super().__init__()
+        self.statuses, self.stopped_ranks, self.killed = statuses, stopped, []
+
+    def exit_status(self, rank: int) -> int | None:
+        return self.statuses[rank]
+
+    def stopped(self, rank: int) -> bool:
+        return rank in self.stopped_ranks
+
+    def kill(self, rank: int) -> None:
+        self.killed.append(rank)
+
+
+class DiesAnswering:  # what polite_shutdown reads of an RpcClient
+    """Rank 0 leaves with status before its answer; the ranks as liveness says."""
+
+    dead = None
+
+    def __init__(self, status: int, liveness: Exits) -> None:
+        self.status, self.liveness = status, liveness
+        self.identities = {rank: b"rank-%d" % rank for rank in range(len(liveness.statuses))}
+
+    def call(self, method: str, timeout: float) -> Future:
+        died: Future = Future()
+        died.set_exception(WorkerDiedError(0, self.status))
+        return died
+
+
 @pytest.mark.parametrize(("status", "polite"), [(0, True), (1, False), (-9, False)])
 def test_a_worker_that_exits_cleanly_as_asked_has_shut_down_politely(status, polite):
     """A worker leaves at once after answering shutdown (its socket lingers 0): its death
     with exit status 0 may come before its answer, and is the shutdown asked for."""
+    assert polite_shutdown(DiesAnswering(status, Exits([status])), 1, 1.0) is polite
 
-    class DiesAnswering:  # what polite_shutdown reads of an RpcClient
+
+@pytest.mark.parametrize(
+    ("statuses", "stopped", "polite"),
+    [([0, 0], (), True), ([0, None], (1,), False), ([0, 1], (), False), ([0, None], (), False)],
+)
+def test_one_rank_exiting_cleanly_is_not_the_others_shutting_down(statuses, stopped, polite):
+    """Polite only when every rank exited 0: a stopped rank (it would answer nothing,
+    SIGTERM included) is killed at once; a rank still running once the bound is out
+    makes it impolite too."""
+    liveness = Exits(statuses, stopped)
+    start = time.monotonic()
+    assert polite_shutdown(DiesAnswering(0, liveness), 2, 0.5) is polite
+    assert liveness.killed == list(stopped)
+    assert time.monotonic() - start < (1.0 if stopped or polite else 2.0)
+
+
+def test_a_rank_stopped_at_shutdown_makes_it_impolite_and_is_killed_at_once(monkeypatch):
+    seen: list[bool] = []
+
+    def spy(*args):
+        seen.append(polite_shutdown(*args))
+        return seen[-1]
+
+    monkeypatch.setattr(multiproc, "polite_shutdown", spy)
+    ex = MultiprocExecutor(echo_config(tp=2))
+    stop(ex.pids[1])
+    start = time.monotonic()
+    ex.shutdown()
+    assert seen == [False]  # rank 0 left as asked; rank 1 never did
+    assert time.monotonic() - start < 3.0
+    assert not any(alive(p) for p in ex.pids)
+
+
+def test_a_rank_stopped_while_the_engine_is_idle_is_stuck_not_dead():
+    """Heartbeats drop a stopped rank's connection while nobody receives; the next call
+    finds it unreachable: no death follows, so it is stuck, named, and killed."""
+    ex = MultiprocExecutor(echo_config(tp=2), stuck_after_s=0.5)
+    try:
+        stop(ex.pids[1])
+        time.sleep(1.5)  # past the heartbeat bound: its connection is dropped
+        with pytest.raises(WorkerStuckError) as info:
+            ex.collective_rpc("echo", (1,), timeout=30)
+        assert info.value.rank == 1 and "worker rank 1 is alive" in str(info.value)
+        assert wait_gone([ex.pids[1]], 5.0), "the stuck worker was not killed"
+    finally:
+        start = time.monotonic()
+        ex.shutdown()
+    assert time.monotonic() - start < 2.0
+    assert not any(alive(p) for p in ex.pids)
+
+
+def test_a_welcome_that_cannot_be_sent_names_the_rank_and_kills_it():
+    class Unreachable:  # what Handshake.run uses of an RpcClient
         dead = None
-        identities = {0: b"rank-0"}
+        liveness = Exits([None])
+        failed: list[Exception] = []
 
-        def call(self, method: str, timeout: float) -> Future:
-            died: Future = Future()
-            died.set_exception(WorkerDiedError(0, status))
-            return died
+        def wait_for(self, done, timeout):
+            handshake.hellos[0] = Hello(PROTOCOL_VERSION, 0, 1, "t")
 
-    assert polite_shutdown(DiesAnswering(), 1, 1.0) is polite
+        def send_to(self, rank, msg):
+            raise zmq.ZMQError(zmq.EHOSTUNREACH)
+
+        def fail_all(self, error):
+            self.failed.append(error)
+
+    handshake = Handshake(1, "t", [1])
+    rpc = Unreachable()
+    with pytest.raises(WorkerStuckError, match="the Welcome: worker rank 0 is alive") as info:
+        handshake.run(rpc, echo_config(), 5.0)
+    assert info.value.rank == 0 and rpc.liveness.killed == [0] and rpc.failed == [info.value]
 
 
 def test_startup_failure_reports_the_worker_error_and_stops_the_others():

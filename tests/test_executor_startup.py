@@ -1,12 +1,14 @@
 """MultiprocExecutor start-up that fails before any worker is spawned: a config its
 bounds cannot follow from is refused before anything is made, and a failure part-way (a
-socket that cannot bind) leaves no folder, ZAP thread or zmq context behind."""
+socket that cannot bind) leaves no folder, ZAP thread or zmq context behind. And the
+handshake's bounds: a rank stopped before its Hello, a worker's wait for its Welcome."""
 
 from __future__ import annotations
 
 import os
 import tempfile
 import threading
+import time
 from pathlib import Path
 from unittest import mock
 
@@ -15,9 +17,11 @@ import pytest
 import zmq
 
 from messages import CacheConfig, SchedulerConfig
-from tests.test_executor import echo_config
+from tests.test_executor import _children, echo_config
 from zmqworker.executor import multiproc
+from zmqworker.executor.errors import WorkerStartupError
 from zmqworker.executor.multiproc import MultiprocExecutor
+from zmqworker.transport.spawn_env import WELCOME_TIMEOUT_ENV
 
 
 def threads() -> int:
@@ -69,3 +73,48 @@ def test_a_failure_after_the_zap_thread_started_stops_it(folder: Path) -> None:
     assert list(folder.iterdir()) == []
     assert threading.active_count() <= python_threads, "the ZAP thread is still running"
     assert threads() <= before
+
+
+# A rank that stops itself (SIGSTOP) as its process starts, before its Hello: what a
+# debugger or an operator's kill -STOP leaves.
+STOP_AT_START = """
+import os, signal, sys
+if "--rank" in sys.argv and sys.argv[sys.argv.index("--rank") + 1] == os.environ["STOP_RANK"]:
+    os.kill(os.getpid(), signal.SIGSTOP)
+"""
+
+
+@pytest.mark.parametrize(("tp", "rank"), [(1, 0), (2, 1)])
+def test_a_rank_stopped_before_its_hello_fails_start_up_naming_it(
+    tmp_path: Path, tp: int, rank: int
+) -> None:
+    """Not the start-up bound (nor, with tp=2, a healthy rank's Welcome wait) but the
+    stuck bound: the stopped rank is named and killed, the others stopped."""
+    (tmp_path / "sitecustomize.py").write_text(STOP_AT_START)
+    path = os.pathsep.join([str(tmp_path), os.environ["PYTHONPATH"]])
+    before = set(_children())
+    start = time.monotonic()
+    with pytest.raises(WorkerStartupError, match=f"worker rank {rank} is stopped") as info:
+        MultiprocExecutor(
+            echo_config(tp=tp),
+            start_timeout=20,
+            stuck_after_s=1.0,
+            env={"PYTHONPATH": path, "STOP_RANK": str(rank)},
+        )
+    assert time.monotonic() - start < 6.0, "waited for the start-up bound"
+    assert "while the engine waited for every Hello" in str(info.value)
+    assert not set(_children()) - before, "a worker was left behind"
+
+
+def test_a_worker_waits_for_its_welcome_as_long_as_its_engine_waits_for_hellos() -> None:
+    """Welcomes go out once every rank said hello: a rank that did waits out the start-up
+    bound (and a margin), so that the engine's error names the rank it did not hear from
+    rather than a healthy rank that gave up first."""
+    ex = MultiprocExecutor(echo_config(), start_timeout=123.0)
+    try:
+        with open(f"/proc/{ex.pids[0]}/environ", "rb") as f:
+            env = dict(v.split(b"=", 1) for v in f.read().split(b"\0") if b"=" in v)
+        welcome_s = float(env[WELCOME_TIMEOUT_ENV.encode()])
+        assert welcome_s == 123.0 + multiproc.WELCOME_MARGIN_S and multiproc.WELCOME_MARGIN_S > 0
+    finally:
+        ex.shutdown()

@@ -35,11 +35,13 @@ from messages import (
     WorkerConfig,
 )
 from messages.step import HANDLE, NUM_SCHEDULED
+from tests.engine_helpers import FakeExecutor, byte_level_tokenizer
 from tests.test_executor import echo_config, wait_gone
-from zmqworker.executor.errors import ExecutorError, WorkerStuckError
+from zmqworker.executor.errors import ExecutorError, WorkerStuckError, timed_out
 from zmqworker.executor.handshake import STUCK_AFTER_S
 from zmqworker.executor.multiproc import MultiprocExecutor
 from zmqworker.frontend.errors import EngineCoreError
+from zmqworker.frontend.llm import LLM
 from zmqworker.model_runner.input_batch import InputBatch
 from zmqworker.transport.curve import RunKeys, make_client
 
@@ -275,3 +277,46 @@ def test_workers_leave_an_engine_that_goes_silent_within_the_stuck_bound() -> No
     finally:
         engine.kill()
         engine.wait()
+
+
+class StepGetsNoReply(FakeExecutor):
+    """A step that got no reply within its bound (a rank wedged in it), and a utility
+    call that got none within its own."""
+
+    made: list[StepGetsNoReply] = []
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.made.append(self)
+
+    def execute_model(self, *args, **kwargs):
+        raise timed_out("execute_model", [0], 0.5)
+
+    def collective_rpc(self, method, args=(), kwargs=None, timeout=None, *rest):
+        raise timed_out(method, [0, 1], timeout or 0.0)
+
+
+def test_a_step_without_a_reply_is_fatal_but_a_utility_call_without_one_is_not(tmp_path):
+    """A step that times out means wedged workers: its requests fail saying so, with the
+    ranks it waited on; the engine core stops and shuts its workers down, and what comes
+    next fails at once. A utility call that times out fails alone."""
+    tok = byte_level_tokenizer()
+    config = {"model_type": "llama", "vocab_size": len(tok), "max_position_embeddings": 512,
+              "eos_token_id": 2, "num_hidden_layers": 2, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "hidden_size": 64}  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    tok.save_pretrained(tmp_path)
+    executor = lambda config: StepGetsNoReply(512, config.cache.block_size)  # noqa: E731
+    with LLM(str(tmp_path), executor=executor, block_size=4, max_model_len=512) as llm:
+        with pytest.raises(EngineCoreError, match="sleep_for timed out after 1 s"):
+            llm.collective_rpc("sleep_for", (5.0,), timeout=1.0)
+        with pytest.raises(EngineCoreError, match="StepTimeoutError") as info:
+            llm.generate(["hello"], SamplingParams(max_tokens=3))
+        text = str(info.value)
+        assert "got no reply within 0.5 s" in text and "from rank(s) 0, which it waited" in text
+        assert "may be stuck on any rank" in text
+        start = time.monotonic()
+        with pytest.raises(EngineCoreError, match="StepTimeoutError"):  # fatal: at once
+            llm.generate(["hello"], SamplingParams(max_tokens=3))
+        assert time.monotonic() - start < 1.0
+        assert StepGetsNoReply.made[-1].is_shut_down

@@ -52,7 +52,12 @@ from zmqworker.runtime.engine_watch import PARENT_POLL_S
 from zmqworker.runtime.main import build_parser
 from zmqworker.runtime.worker_process import HANDSHAKE_TIMEOUT_S
 from zmqworker.transport.curve import CURVE_ENV, KV_CURVE_ENV
-from zmqworker.transport.spawn_env import MAX_MESSAGE_ENV, SHARE_GPUS_ENV, TOKEN_ENV
+from zmqworker.transport.spawn_env import (
+    MAX_MESSAGE_ENV,
+    SHARE_GPUS_ENV,
+    TOKEN_ENV,
+    WELCOME_TIMEOUT_ENV,
+)
 from zmqworker.worker.worker_base import CONCURRENT_METHODS, RPC_METHODS, WorkerBase
 
 DOC = (Path(__file__).resolve().parent.parent / "docs" / "protocol.md").read_text()
@@ -345,6 +350,7 @@ def test_the_worker_command_line_and_environment_are_the_code_s() -> None:
     table = DOC.split("## The worker process", 1)[1].split("\n## ", 1)[0]
     assert {o for o in options if f"| `{o}` |" not in table} == set()
     variables = {TOKEN_ENV, MAX_MESSAGE_ENV, CURVE_ENV, KV_CURVE_ENV, SHM_ENV, SHARE_GPUS_ENV}
+    variables.add(WELCOME_TIMEOUT_ENV)
     assert {v for v in variables if f"| `{v}` |" not in table} == set()
     assert set(re.findall(r"ZMQWORKER_\w+", DOC)) == variables  # none of another name
     [worker_cls] = [

@@ -18,13 +18,13 @@ KEYS = RunKeys.new()
 GOOD = KEYS.for_workers()
 
 
-def worker(engine: str, **env: str) -> subprocess.CompletedProcess:
+def worker(engine: str, timeout: float = 60, **env: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "zmqworker.runtime", "--engine", engine, "--rank", "0"],
         capture_output=True,
         text=True,
         env={**os.environ, "ZMQWORKER_TOKEN": "t", **env},
-        timeout=60,
+        timeout=timeout,
     )
 
 
@@ -119,18 +119,31 @@ def test_a_worker_server_that_fails_to_start_closes_what_it_opened(tmp_path):
         loop.close()
 
 
+def exited_pid() -> str:
+    """The pid of a process that has exited (reaped): never this test's worker's parent."""
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    return str(gone.pid)
+
+
 @pytest.mark.parametrize(
     ("pid", "message"),
     [
         ("-5", "--exit-with-parent takes a pid, got -5"),
         ("1", "--exit-with-parent 1: that process is not this worker's parent"),
+        (
+            "{exited}",
+            "--exit-with-parent {exited}: that process is not this worker's parent (it has exited)",
+        ),
     ],
 )
 def test_an_exit_with_parent_pid_that_is_not_the_parent(
     tmp_path: Path, pid: str, message: str
 ) -> None:
-    """A live process that is not its parent is a mistake, not a dead engine: the worker
-    leaves the engine's socket file alone."""
+    """A process that is not its parent, live or exited, is a mistake, not a dead engine
+    (whose worker init adopted): the worker leaves the engine's socket file alone."""
+    exited = exited_pid()
+    pid, message = pid.format(exited=exited), message.format(exited=exited)
     engine = tmp_path / "engine.sock"
     engine.touch()
     out = subprocess.run(
@@ -144,3 +157,29 @@ def test_an_exit_with_parent_pid_that_is_not_the_parent(
     assert out.returncode == 2, out.stderr
     assert out.stderr == f"zmqworker worker: error: {message}\n"
     assert engine.exists()
+
+
+@pytest.mark.parametrize(
+    ("value", "returncode", "message"),
+    [
+        ("1", 3, "no Welcome from ipc://{engine} within 1 s"),
+        ("0", 2, "$ZMQWORKER_WELCOME_TIMEOUT_S must be seconds > 0, got '0'"),
+        ("soon", 2, "$ZMQWORKER_WELCOME_TIMEOUT_S must be seconds > 0, got 'soon'"),
+    ],
+)
+def test_the_welcome_wait_is_the_engine_s_to_set(
+    tmp_path: Path, value: str, returncode: int, message: str
+) -> None:
+    """An engine that waits longer than 60 s for every Hello tells its workers to wait as
+    long for their Welcome ($ZMQWORKER_WELCOME_TIMEOUT_S)."""
+    import zmq
+
+    engine = tmp_path / "engine.sock"
+    router = zmq.Context.instance().socket(zmq.ROUTER)
+    router.bind(f"ipc://{engine}")
+    try:
+        out = worker(f"ipc://{engine}", timeout=30, ZMQWORKER_WELCOME_TIMEOUT_S=value)
+    finally:
+        router.close(linger=0)
+    assert out.returncode == returncode, out.stderr
+    assert message.format(engine=engine) in out.stderr

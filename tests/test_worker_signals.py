@@ -92,6 +92,46 @@ def test_an_engine_killed_early_in_start_up_leaves_nothing_behind(slow_at: str) 
             os.kill(int(pid), signal.SIGKILL)
 
 
+# A spawner that starts the slow worker (it looks at its parent a second late) and exits
+# at once: the worker, orphaned, is init's by the time it looks.
+SPAWNER = textwrap.dedent(
+    """
+    import os, subprocess, sys
+
+    worker_script, engine = sys.argv[1], sys.argv[2]
+    worker = subprocess.Popen(
+        [sys.executable, "-c", worker_script, "start", "--engine", engine, "--rank", "0",
+         "--exit-with-parent", str(os.getpid())],
+        env={**os.environ, "ZMQWORKER_TOKEN": "t"}, start_new_session=True,
+    )
+    print(worker.pid, flush=True)
+    """
+)
+
+
+def test_a_worker_whose_parent_is_gone_leaves_a_live_engine_s_socket_alone(
+    tmp_path: Path,
+) -> None:
+    """Its parent died before it looked, so it leaves; but the socket file it would remove
+    for a killed engine has a live engine behind it (its spawner was not its engine)."""
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    path = tmp_path / "engine.sock"
+    router.bind(f"ipc://{path}")
+    try:
+        spawner = subprocess.run(
+            [sys.executable, "-c", SPAWNER, SLOW_WORKER, f"ipc://{path}"],
+            capture_output=True, text=True, cwd=ROOT, timeout=60,
+        )  # fmt: skip
+        pid = int(spawner.stdout)
+        assert wait_gone([pid], 30.0), "the orphaned worker stayed"
+        assert path.exists(), "the live engine's socket file was removed"
+        assert not router.poll(0), "the orphan said hello"
+    finally:
+        router.close(linger=0)
+        ctx.term()
+
+
 def hand_started_worker(address: str, ignore_sighup: bool) -> subprocess.Popen:
     """A worker started by hand (no --exit-with-parent), as under nohup when asked."""
     return subprocess.Popen(

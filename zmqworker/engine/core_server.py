@@ -45,7 +45,7 @@ from zmqworker.engine.core_limits import engine_core_limits
 from zmqworker.engine.request import FinishReason, Request
 from zmqworker.engine.request_message import request_of
 from zmqworker.engine.utility import EngineCoreUtilities, call_utility, waits_for_steps
-from zmqworker.executor.errors import WorkerDiedError, WorkerError, WorkerStuckError
+from zmqworker.executor.errors import WORKERS_LOST, WorkerError
 from zmqworker.transport.curve import serve_core_securely
 from zmqworker.transport.drops import DropCounter
 from zmqworker.transport.frames import MAX_FRAMES, TooManyFrames, recv_frames, send_frames
@@ -58,7 +58,7 @@ HEARTBEAT_IVL_S = 1.0
 CLIENT_SILENT_S = 5.0  # a client silent this long (stopped, its host lost) is gone
 CLOSE_LINGER_MS = 1000  # what the last messages get to leave before the socket closes
 SHUTDOWN = "shutdown"  # the utility call after which the engine core stops
-FATAL = (WorkerDiedError, WorkerStuckError)  # the executor cannot go on after these
+FATAL = WORKERS_LOST  # the executor cannot go on after these: a rank dead, stuck or wedged
 DEATH_NEWS_S = 0.5  # the longest a live rank's error waits for the news of a death
 ROUTED_FRAMES = MAX_FRAMES + 1  # a client's message and the identity the ROUTER adds
 

@@ -29,6 +29,16 @@ class Liveness:
     def kill(self, rank: int) -> None:
         """End rank's worker for good (it is stuck)."""
 
+    def stopped(self, rank: int) -> bool:
+        """Whether rank's process is stopped (SIGSTOP): it answers nothing, heartbeats
+        included, until continued. False where that cannot be seen."""
+        return False
+
+    def exit_status(self, rank: int) -> int | None:
+        """rank's exit status once its process has exited; None while it runs, or where
+        that cannot be seen."""
+        return None
+
 
 class RpcFuture(Future):
     """A call's result, for callers that do not wait at once. Waiting on it receives

@@ -50,10 +50,37 @@ class RpcTimeoutError(ExecutorError, TimeoutError):
     def __init__(self, method: str, missing_ranks: list[int], timeout: float) -> None:
         self.method = method
         self.missing_ranks = missing_ranks
-        super().__init__(
-            f"{method} timed out after {timeout:.3g} s: no reply from rank(s) "
-            f"{', '.join(map(str, missing_ranks))}"
+        self.timeout = timeout
+        super().__init__(self._text())
+
+    def _text(self) -> str:
+        ranks = ", ".join(map(str, self.missing_ranks))
+        return f"{self.method} timed out after {self.timeout:.3g} s: no reply from rank(s) {ranks}"
+
+
+STEP_METHODS = frozenset({"execute_model", "sample_tokens"})
+
+
+class StepTimeoutError(RpcTimeoutError):
+    """A step (STEP_METHODS) that got no reply within its bound: its workers are wedged
+    (a rank stuck in the step holds up its peers in their collectives), so an engine
+    cannot go on with them. missing_ranks: the ranks it waited on (the output rank
+    alone, for a step), which need not be the rank that is stuck."""
+
+    def _text(self) -> str:
+        ranks = ", ".join(map(str, self.missing_ranks))
+        return (
+            f"{self.method}: the step got no reply within {self.timeout:.3g} s (its bound, "
+            f"step_timeout_s) from rank(s) {ranks}, which it waited on; the step may be "
+            "stuck on any rank (one that hangs holds up the others): the workers are wedged"
         )
+
+
+def timed_out(method: str, missing_ranks: list[int], timeout: float) -> RpcTimeoutError:
+    """The error of a call that got no reply within timeout: a StepTimeoutError for a
+    step, which an engine cannot outlive, an RpcTimeoutError for any other call."""
+    kind = StepTimeoutError if method in STEP_METHODS else RpcTimeoutError
+    return kind(method, missing_ranks, timeout)
 
 
 class WorkerDiedError(ExecutorError):
@@ -85,6 +112,27 @@ class WorkerStuckError(ExecutorError):
         )
 
     @classmethod
+    def stopped(cls, rank: int, stopped_s: float, what: str) -> WorkerStuckError:
+        """Its process is stopped (SIGSTOP, a debugger) while the engine waits for what."""
+        return cls(
+            rank,
+            stopped_s,
+            f"worker rank {rank} is stopped (its process is in state T) and has been for "
+            f"{stopped_s:.3g} s while the engine waited for {what}: the executor kills it",
+        )
+
+    @classmethod
+    def unreachable(cls, rank: int, what: str, grace_s: float) -> WorkerStuckError:
+        """Its connection is gone (heartbeats dropped it) though its process lives on."""
+        return cls(
+            rank,
+            grace_s,
+            f"{what}: worker rank {rank} is alive but its connection to the engine is gone "
+            f"(no death followed within {grace_s:.3g} s: stopped, or wedged below Python): "
+            "the executor kills it",
+        )
+
+    @classmethod
     def silent(cls, rank: int, silent_s: float) -> WorkerStuckError:
         """It stopped answering the socket's heartbeats (its process does not run)."""
         return cls(
@@ -93,6 +141,10 @@ class WorkerStuckError(ExecutorError):
             f"worker rank {rank} is alive but has given no sign of life for {silent_s:.3g} s "
             "(stopped, or wedged below Python): the executor kills it",
         )
+
+
+# What an engine cannot go on after: a worker dead, stuck, or wedged in a step.
+WORKERS_LOST = (WorkerDiedError, WorkerStuckError, StepTimeoutError)
 
 
 class WorkerStartupError(ExecutorError):

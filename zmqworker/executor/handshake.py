@@ -12,14 +12,22 @@ from __future__ import annotations
 import hmac
 import logging
 import secrets
+import time
 from collections.abc import Sequence
 from typing import Any
 
 import zmq
 
 from messages import PROTOCOL_VERSION, Hello, Welcome, WorkerConfig
-from zmqworker.executor.errors import WorkerDiedError, WorkerStartupError
+from zmqworker.executor.calls import Liveness
+from zmqworker.executor.errors import (
+    ExecutorError,
+    WorkerDiedError,
+    WorkerStartupError,
+    WorkerStuckError,
+)
 from zmqworker.executor.rpc_client import RpcClient
+from zmqworker.executor.stuck_ranks import unreachable
 from zmqworker.transport.curve import RunKeys, make_server
 
 log = logging.getLogger("zmqworker.executor")
@@ -100,29 +108,67 @@ class Handshake:
         config: WorkerConfig,
         timeout: float,
         per_rank_env: list[dict[str, str]] | None = None,
+        stuck_after_s: float | None = STUCK_AFTER_S,
     ) -> None:
         """Wait (at most timeout seconds) for every Hello, then send every Welcome. A
-        worker that dies meanwhile raises its WorkerDiedError."""
+        worker that dies meanwhile raises its WorkerDiedError; one stopped for
+        stuck_after_s (None: never judged), or found stuck once connected, is killed and
+        raises WorkerStuckError: each names its rank, without waiting out the timeout."""
         liveness = rpc.liveness
+        stopped_since: dict[int, float] = {}  # rank -> when it was first seen stopped
+        failed: list[ExecutorError] = []
 
-        def all_hello_or_dead() -> bool:
-            return len(self.hellos) == self.world_size or liveness.check() is not None
+        def settled() -> bool:
+            if len(self.hellos) == self.world_size:
+                return True
+            error = rpc.dead or self._stopped(liveness, stopped_since, stuck_after_s)
+            if error is not None:
+                failed.append(error)
+                rpc.fail_all(error)  # the run is over: no polite shutdown for it
+            return error is not None
 
         try:
-            rpc.wait_for(all_hello_or_dead, timeout)
+            rpc.wait_for(settled, timeout)
         except TimeoutError:
             missing = sorted(set(range(self.world_size)) - set(self.hellos))
             raise WorkerStartupError(
-                f"no handshake from rank(s) {missing} within {timeout:.0f} s"
+                f"no handshake from rank(s) {missing} within {timeout:.0f} s (the start-up "
+                "bound): their processes run, but did not connect and say hello"
             ) from None
-        died = liveness.check()
-        if died is not None:
-            raise died
+        if failed:
+            raise failed[0]
         addresses = [self.hellos[r].data_address for r in range(self.world_size)]
         for rank in range(self.world_size):
             env = per_rank_env[rank] if per_rank_env else {}
             welcome = Welcome(config=config, env=env, data_addresses=addresses, run_id=self.run_id)
-            rpc.send_to(rank, welcome)
+            try:
+                rpc.send_to(rank, welcome)
+            except zmq.ZMQError:  # EHOSTUNREACH: its connection is gone
+                error = unreachable(liveness, rank, "the Welcome")
+                rpc.fail_all(error)
+                raise error from None
+
+    def _stopped(
+        self, liveness: Liveness, since: dict[int, float], bound: float | None
+    ) -> WorkerStuckError | None:
+        """The error for the ranks whose processes have stayed stopped for bound seconds
+        (they are killed), if any: a stopped process never says hello, and answers no
+        heartbeat once it has."""
+        if bound is None:
+            return None
+        now = time.monotonic()
+        for rank in range(self.world_size):
+            if liveness.stopped(rank):
+                since.setdefault(rank, now)
+            else:
+                since.pop(rank, None)
+        stuck = sorted(r for r, t in since.items() if now - t >= bound)
+        if not stuck:
+            return None
+        for rank in stuck:
+            log.error("worker rank %d is stopped during start-up: killing it", rank)
+            liveness.kill(rank)
+        return WorkerStuckError.stopped(stuck[0], now - since[stuck[0]], "every Hello")
 
     def on_hello(self, rpc: RpcClient, identity: bytes, msg: Any) -> None:
         ok = (
@@ -143,17 +189,44 @@ class Handshake:
 
 def polite_shutdown(rpc: RpcClient, world_size: int, timeout: float) -> bool:
     """Ask every worker to shut down, when all are connected and none died; True when
-    all answered within timeout (they then stop by themselves)."""
+    every one answered, or exited with status 0 (it shut down as asked, before its answer
+    left: LINGER 0), within timeout (they then stop by themselves). A rank found stopped
+    meanwhile is killed at once: it would answer nothing, SIGTERM included."""
     if rpc.dead is not None or len(rpc.identities) != world_size:
         return False
+    end = time.monotonic() + timeout
     try:
         rpc.call("shutdown", timeout=timeout).result()
     except WorkerDiedError as e:
-        if e.exit_status == 0:  # it shut down as asked, before its answer left (LINGER 0)
-            return True
+        if e.exit_status == 0:  # one left as asked: the others must have, too
+            return _all_exit_cleanly(rpc.liveness, world_size, end)
         log.warning("polite shutdown failed: %s", e)
         return False
     except Exception as e:  # a worker that cannot shut down politely is stopped harder
         log.warning("polite shutdown failed: %s", e)
         return False
     return True
+
+
+def _all_exit_cleanly(liveness: Liveness, world_size: int, end: float) -> bool:
+    """Whether every rank exits with status 0 by end (monotonic); False at once when one
+    exits otherwise or is stopped (then killed)."""
+    while True:
+        statuses = [liveness.exit_status(rank) for rank in range(world_size)]
+        if all(status == 0 for status in statuses):
+            return True
+        failed = [r for r, status in enumerate(statuses) if status not in (None, 0)]
+        stopped = [r for r, status in enumerate(statuses) if status is None and liveness.stopped(r)]
+        for rank in stopped:
+            log.error("worker rank %d is stopped: it cannot shut down; killing it", rank)
+            liveness.kill(rank)
+        if failed or stopped:
+            log.warning(
+                "polite shutdown failed: rank(s) %s did not exit as asked", failed + stopped
+            )
+            return False
+        if time.monotonic() >= end:
+            waited = [r for r, status in enumerate(statuses) if status is None]
+            log.warning("polite shutdown failed: rank(s) %s did not exit in time", waited)
+            return False
+        time.sleep(0.01)

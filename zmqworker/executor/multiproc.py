@@ -1,9 +1,11 @@
 """MultiprocExecutor: tp x pp worker subprocesses on this machine, over one ROUTER socket.
 
 Start-up: bind the ROUTER (ipc:// in a private folder, or tcp:// with CURVE), spawn the
-workers, wait for every Hello (with a bound, watching for early deaths), answer each with
-its Welcome, then init_device and load_model on all. Any failure stops every worker and
-raises WorkerStartupError with the failing worker's error and the tail of its stderr.
+workers, wait for every Hello (within start_timeout, which the workers' wait for their
+Welcome follows; a rank that dies, or stays stopped for stuck_after_s, fails it at once),
+answer each with its Welcome, then init_device and load_model on all. Any failure stops
+every worker and raises WorkerStartupError naming the failing rank, with its error and
+the tail of its stderr.
 
 Workers are spawned from a thread of the executor's own that lives as long as it: a
 worker's parent-death signal (it exits when its engine does, SIGKILL included) follows
@@ -46,10 +48,11 @@ from zmqworker.executor.message_limits import message_limits
 from zmqworker.executor.process import WorkerProcess, spawn_all
 from zmqworker.executor.rpc_client import RpcClient
 from zmqworker.transport.curve import CURVE_ENV, RunKeys, start_zap
-from zmqworker.transport.spawn_env import MAX_MESSAGE_ENV, TOKEN_ENV
+from zmqworker.transport.spawn_env import MAX_MESSAGE_ENV, TOKEN_ENV, WELCOME_TIMEOUT_ENV
 
 SHUTDOWN_GRACE_S = 5.0
 SIGTERM_GRACE_S = 3.0
+WELCOME_MARGIN_S = 5.0  # a worker's Welcome wait outlasts the start-up bound by this
 
 
 class _ProcessLiveness(Liveness):
@@ -59,6 +62,12 @@ class _ProcessLiveness(Liveness):
 
     def kill(self, rank: int) -> None:
         self.procs[rank].kill()
+
+    def stopped(self, rank: int) -> bool:
+        return self.procs[rank].stopped()
+
+    def exit_status(self, rank: int) -> int | None:
+        return self.procs[rank].exit_status()
 
     def check(self) -> WorkerDiedError | None:
         for p in self.procs:
@@ -89,6 +98,8 @@ class MultiprocExecutor(Executor):
             raise ValueError("curve is for tcp: ipc sockets live in a folder only you can open")
         if stuck_after_s is not None and not stuck_after_s > 0:
             raise ValueError(f"stuck_after_s must be > 0 or None, got {stuck_after_s!r}")
+        if not start_timeout > 0:
+            raise ValueError(f"start_timeout must be > 0, got {start_timeout!r}")
         world = config.parallel.world_size
         if per_rank_env is not None and len(per_rank_env) != world:
             raise ValueError(f"per_rank_env has {len(per_rank_env)} entries for {world} ranks")
@@ -122,6 +133,7 @@ class MultiprocExecutor(Executor):
         token = new_token()
         child_env = {**os.environ, **(env or {}), TOKEN_ENV: token}
         child_env[MAX_MESSAGE_ENV] = limits.to_env()
+        child_env[WELCOME_TIMEOUT_ENV] = repr(float(start_timeout) + WELCOME_MARGIN_S)
         child_env.pop(CURVE_ENV, None)
         if keys is not None:
             child_env[CURVE_ENV] = keys.for_workers().to_env()
@@ -151,7 +163,7 @@ class MultiprocExecutor(Executor):
             max_request_bytes=limits.request_bytes,
         )
         try:
-            handshake.run(self.rpc, self.config, start_timeout, per_rank_env)
+            handshake.run(self.rpc, self.config, start_timeout, per_rank_env, stuck_after_s)
             self.collective_rpc("init_device", timeout=start_timeout)
             self.collective_rpc("load_model", timeout=start_timeout)
         except BaseException as e:

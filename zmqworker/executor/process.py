@@ -58,6 +58,10 @@ class ChildProcess:
     def exit_status(self) -> int | None:
         return self.proc.poll()
 
+    def stopped(self) -> bool:
+        """Whether it is stopped (SIGSTOP, a debugger): it runs nothing, until SIGCONT."""
+        return self.exit_status() is None and process_state(self.pid) in ("T", "t")
+
     def stderr_tail(self) -> str:
         self._reader.join(timeout=0.5)  # a dead worker's last lines may still be in the pipe
         return "".join(self._tail)
@@ -83,6 +87,8 @@ class ChildProcess:
         for sig, wait_s in ((signal.SIGTERM, term_s), (signal.SIGKILL, 5.0)):
             try:
                 self.proc.send_signal(sig)
+                if sig == signal.SIGTERM:  # a stopped process handles it once continued
+                    self.proc.send_signal(signal.SIGCONT)
             except ProcessLookupError:
                 return
             if self.wait(wait_s):
@@ -110,6 +116,15 @@ class WorkerProcess(ChildProcess):
     def __init__(self, rank: int, argv: list[str], env: dict[str, str]) -> None:
         self.rank = rank
         super().__init__(f"worker rank {rank}", argv, env)
+
+
+def process_state(pid: int) -> str:
+    """The state letter of /proc/PID/stat (R, S, T for stopped, Z...); "" when unknown."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0]
+    except (OSError, IndexError):  # gone, or no /proc (not Linux)
+        return ""
 
 
 P = TypeVar("P")

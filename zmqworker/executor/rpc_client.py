@@ -15,8 +15,8 @@ One design, in three mechanisms, each there for a measured reason:
   disconnect. RCVTIMEO is bounded by the earliest call deadline and POLL_SLICE_S.
 
 A worker that stops (SIGSTOP) is alive but silent: heartbeats drop its connection, a
-Ping then fails for it, its calls fail with WorkerStuckError and it is killed
-(stuck_ranks.py).
+Ping (or a call sent while nobody received) then fails for it, its calls fail with
+WorkerStuckError and it is killed (stuck_ranks.py).
 """
 
 from __future__ import annotations
@@ -36,13 +36,13 @@ from messages import Decoder, Encoder, ProtocolError, RpcReply, RpcRequest
 from zmqworker.executor.calls import Call, Liveness, RpcFuture
 from zmqworker.executor.errors import (
     ExecutorError,
-    RpcTimeoutError,
     WorkerDiedError,
     WorkerError,
     WorkerStuckError,
+    timed_out,
 )
 from zmqworker.executor.message_limits import check_request_frames
-from zmqworker.executor.stuck_ranks import StuckRanks
+from zmqworker.executor.stuck_ranks import StuckRanks, unreachable
 from zmqworker.transport.frames import TooManyFrames, recv_frames, send_frames
 from zmqworker.transport.nudge import NUDGE_IDENTITY, Nudger
 
@@ -297,11 +297,10 @@ class RpcClient:
                         elif self._calls.pop(call_id, None) is not None:
                             call.finish(error=stuck)
                     break
-                except zmq.ZMQError as e:  # ROUTER_MANDATORY: the peer is gone
+                except zmq.ZMQError:  # ROUTER_MANDATORY: no connection to it
+                    lost = unreachable(self.liveness, rank, method)  # a death, or killed
                     with self._cond:
-                        self._fail_all(
-                            self.liveness.check() or WorkerDiedError(rank, None, f" ({e})")
-                        )
+                        self._fail_all(lost)
                     break
         return call
 
@@ -377,7 +376,7 @@ class RpcClient:
         for call_id, call in list(self._calls.items()):
             if call.deadline is not None and now >= call.deadline:
                 del self._calls[call_id]
-                error = RpcTimeoutError(call.method, sorted(call.waiting_for), call.timeout or 0.0)
+                error = timed_out(call.method, sorted(call.waiting_for), call.timeout or 0.0)
                 call.finish(error=error)
 
     def _check_alive(self) -> None:

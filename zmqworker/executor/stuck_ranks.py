@@ -6,7 +6,9 @@ stuck_after_s, and its monitor says a peer disconnected. The ROUTER forgets that
 few of its own commands later, so for PROBE_WINDOW_S the RpcClient Pings every rank at
 each receive: a rank the ROUTER cannot reach (ROUTER_MANDATORY) is dead or stuck. A
 death shows within DEATH_GRACE_S (its socket closes as it dies, a moment before it can be
-reaped); a rank whose death has not shown by then is stuck, and is killed.
+reaped); a rank whose death has not shown by then is stuck, and is killed. A send that
+finds a rank unreachable (the engine idle when heartbeats dropped it) is judged the same
+way, at once (unreachable).
 """
 
 from __future__ import annotations
@@ -86,3 +88,18 @@ class StuckRanks:
         for rank in stuck:
             liveness.kill(rank)
         return error
+
+
+def unreachable(liveness: Liveness, rank: int, what: str) -> ExecutorError:
+    """The error for rank, which the ROUTER could not reach (EHOSTUNREACH) to send it
+    what: a death, if one shows within DEATH_GRACE_S; else the rank is alive but cut off
+    (stopped, or wedged below Python, while nobody received), and is killed. Call it
+    without the client's lock: it waits."""
+    end = time.monotonic() + DEATH_GRACE_S
+    while (died := liveness.check()) is None and time.monotonic() < end:
+        time.sleep(0.01)
+    if died is not None:
+        return died
+    log.error("worker rank %d cannot be reached but has not died: killing it", rank)
+    liveness.kill(rank)
+    return WorkerStuckError.unreachable(rank, what, DEATH_GRACE_S)

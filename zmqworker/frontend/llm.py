@@ -252,8 +252,10 @@ class LLM(Frontend):
         plan = EnginePlan.from_options(options)
         pair = DisaggregatedPlan.from_options(plan, options)
         self.worker_config = plan.worker_config
-        with ThreadPoolExecutor(1, thread_name_prefix="zmqworker-tokenizer") as pool:
-            # The tokenizer loads while the engine cores start their workers.
+        # The tokenizer loads while the engine cores start their workers; a start that
+        # fails does not wait for it (its thread finishes on its own, its result unread).
+        pool = ThreadPoolExecutor(1, thread_name_prefix="zmqworker-tokenizer")
+        try:
             text_side = pool.submit(plan.folder.load_text_side)
             launcher, make_client = start_engine_cores(plan, pair)
             with starting("the engine did not start", launcher.stop):
@@ -268,6 +270,8 @@ class LLM(Frontend):
                     client.close()
                     launcher.stop(leaving)
                     raise
+        finally:
+            pool.shutdown(wait=False, cancel_futures=True)
         super().__init__(client, readies, texts, plan.folder, plan.max_logprobs)
         self._launcher = launcher
         logger.info("ready: %.1f s", time.perf_counter() - started)

@@ -7,7 +7,9 @@ environment (a value on the command line would show in ps): the handshake token
 its sockets take in (ZMQWORKER_MAX_MESSAGE_BYTES). Everything else (the model, the
 layout, the cache) arrives as a message. With --exit-with-parent the kernel signals the
 worker when its parent exits (PR_SET_PDEATHSIG), SIGKILL included; given the parent's pid
-(as our executors do), a worker whose parent died before it looked leaves too.
+(as our executors do), a worker whose parent died before it looked leaves too: when that
+pid has exited and init adopted the worker. A pid that was never its parent, live or
+exited, is an error (status 2), and the engine's socket file stays.
 """
 
 from __future__ import annotations
@@ -15,15 +17,26 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import math
 import os
 import sys
 
 import zmq
 
-from zmqworker.runtime.parent_death import exit_with_parent, has_exited, hold_parent_death
-from zmqworker.runtime.sockets import remove_socket_file
+from zmqworker.runtime.parent_death import (
+    exit_with_parent,
+    has_exited,
+    hold_parent_death,
+    orphaned,
+)
+from zmqworker.runtime.sockets import remove_socket_file, socket_in_use
 from zmqworker.transport.curve import WorkerKeys
-from zmqworker.transport.spawn_env import MAX_MESSAGE_ENV, TOKEN_ENV
+from zmqworker.transport.spawn_env import (
+    HANDSHAKE_TIMEOUT_S,
+    MAX_MESSAGE_ENV,
+    TOKEN_ENV,
+    WELCOME_TIMEOUT_ENV,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -77,6 +90,7 @@ def run_worker(args: argparse.Namespace) -> int:
         _check_address(args.engine)
         keys = WorkerKeys.from_env()
         max_request, max_pipeline = _limits(os.environ.get(MAX_MESSAGE_ENV, ""))
+        welcome_timeout_s = _welcome_timeout(os.environ.get(WELCOME_TIMEOUT_ENV, ""))
     except ValueError as e:
         print(f"zmqworker worker: error: {e}", file=sys.stderr)
         return 2
@@ -85,14 +99,16 @@ def run_worker(args: argparse.Namespace) -> int:
         parent_pid = args.exit_with_parent or os.getppid()
         hold_parent_death()  # until the server's handler exists (WorkerServer.run)
         if not exit_with_parent(parent_pid):
-            if not has_exited(parent_pid):
+            if not (has_exited(parent_pid) and orphaned()):
+                gone = " (it has exited)" if has_exited(parent_pid) else ""
                 print(
                     f"zmqworker worker: error: --exit-with-parent {parent_pid}: that process "
-                    "is not this worker's parent",
+                    f"is not this worker's parent{gone}",
                     file=sys.stderr,
                 )
                 return 2
-            remove_socket_file(args.engine)  # the engine is gone, and cannot remove it
+            if not socket_in_use(args.engine):  # the engine is gone, and cannot remove it
+                remove_socket_file(args.engine)
             return 0
     from zmqworker.runtime.worker_process import WorkerServer  # torch: only when serving
 
@@ -111,6 +127,7 @@ def run_worker(args: argparse.Namespace) -> int:
                 keys=keys,
                 max_request_bytes=max_request,
                 max_pipeline_bytes=max_pipeline,
+                welcome_timeout_s=welcome_timeout_s,
             )
         except (zmq.ZMQError, OSError) as e:  # its sockets cannot bind or connect there
             print(f"zmqworker worker: error: --engine {args.engine}: {e}", file=sys.stderr)
@@ -142,6 +159,19 @@ def _limits(value: str) -> tuple[int, int]:
     if len(parts) != 2 or not all(p.isdigit() and int(p) > 0 for p in parts):
         raise ValueError(f"${MAX_MESSAGE_ENV} must be two byte counts, REQUEST,PIPELINE")
     return int(parts[0]), int(parts[1])
+
+
+def _welcome_timeout(value: str) -> float | None:
+    """Seconds to wait for the Welcome: the default when unset; inf: no bound."""
+    if not value:
+        return HANDSHAKE_TIMEOUT_S
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = math.nan
+    if not seconds > 0:
+        raise ValueError(f"${WELCOME_TIMEOUT_ENV} must be seconds > 0, got {value!r}")
+    return None if math.isinf(seconds) else seconds
 
 
 def main(argv: list[str] | None = None) -> int:

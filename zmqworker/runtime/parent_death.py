@@ -49,6 +49,13 @@ def has_exited(pid: int) -> bool:
         return False
 
 
+def orphaned() -> bool:
+    """Whether this process lost the parent that started it: init (pid 1 of its pid
+    namespace) adopted it. Adoption by a child subreaper cannot be told from a parent
+    of its own, and is not taken for one."""
+    return os.getppid() == 1
+
+
 def hold_parent_death() -> None:
     """Block PARENT_DEATH_SIGNAL in this thread and the threads it starts from now on: it
     waits until release_parent_death(), and then goes to this thread alone."""

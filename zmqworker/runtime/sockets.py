@@ -37,3 +37,16 @@ def remove_socket_file(address: str) -> None:
             remove()
         except OSError:
             continue  # another worker removed it first, or the folder still holds files
+
+
+def socket_in_use(address: str) -> bool:
+    """Whether a process listens on an ipc address's socket file (a live engine's, which
+    is not a worker's to remove); False for tcp or when none does."""
+    if not address.startswith("ipc://"):
+        return False
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        try:
+            probe.connect(address[len("ipc://") :])
+        except OSError:  # refused (nobody listens), not a socket, not there
+            return False
+    return True

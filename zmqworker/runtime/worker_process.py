@@ -59,12 +59,12 @@ from zmqworker.runtime.sockets import default_data_bind, remove_socket_file
 from zmqworker.transport.async_socket import AsyncSocket
 from zmqworker.transport.curve import WorkerKeys, make_client, start_zap
 from zmqworker.transport.drops import DropCounter
+from zmqworker.transport.spawn_env import HANDSHAKE_TIMEOUT_S
 from zmqworker.worker.worker_base import CONCURRENT_METHODS
 from zmqworker.worker.wrapper import WorkerWrapper
 
 log = logging.getLogger("zmqworker.worker")
 
-HANDSHAKE_TIMEOUT_S = 60.0
 SHUTDOWN_TIMEOUT_S = 10.0
 COMPUTE_JOIN_S = 1.0  # how long an exiting worker lets its compute thread finish
 STOP_AFTER = frozenset({"shutdown"})  # the server stops once it has answered these
@@ -79,7 +79,8 @@ class WorkerServer:
     worker_kwargs: the worker's constructor arguments besides its config and rank (a Ray
     actor's local_rank and rendezvous address). handle_signals: SIGINT stops the server,
     SIGTERM ends the process at once (main thread only). keys: the run's CURVE keys (tcp);
-    max_*_bytes: the largest frame the engine's and the pipeline's sockets take in."""
+    max_*_bytes: the largest frame the engine's and the pipeline's sockets take in;
+    welcome_timeout_s: how long it waits for its Welcome after its Hello (None: no bound)."""
 
     def __init__(
         self,
@@ -94,8 +95,10 @@ class WorkerServer:
         keys: WorkerKeys | None = None,
         max_request_bytes: int = -1,
         max_pipeline_bytes: int = -1,
+        welcome_timeout_s: float | None = HANDSHAKE_TIMEOUT_S,
     ) -> None:
         self.engine_address = engine_address
+        self.welcome_timeout_s = welcome_timeout_s
         self.rank = rank
         self.token = token
         self.drops = DropCounter(log, f"messages at rank {rank}")
@@ -168,11 +171,10 @@ class WorkerServer:
         try:
             self._sock.send(self._loop_reply.enc.encode(self._hello()))
             try:
-                await asyncio.wait_for(self._welcomed, HANDSHAKE_TIMEOUT_S)
+                await asyncio.wait_for(self._welcomed, self.welcome_timeout_s)
             except asyncio.TimeoutError:
-                log.error(
-                    "no Welcome from %s within %.0f s", self.engine_address, HANDSHAKE_TIMEOUT_S
-                )
+                bound = self.welcome_timeout_s
+                log.error("no Welcome from %s within %g s", self.engine_address, bound)
                 return 3
             except asyncio.CancelledError:
                 return 0  # stopped (signal, engine gone) before the handshake finished

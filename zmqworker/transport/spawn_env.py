@@ -7,3 +7,8 @@ MAX_MESSAGE_ENV = "ZMQWORKER_MAX_MESSAGE_BYTES"
 # "1": ranks may share GPUs when there are more ranks on a host than GPUs visible (tests
 # of multi-GPU layouts on one GPU); otherwise a rank without a GPU of its own is an error.
 SHARE_GPUS_ENV = "ZMQWORKER_SHARE_GPUS"
+# Seconds a worker waits for its Welcome after its Hello: its engine's start-up bound and
+# a margin, so that the engine's wait for every Hello ends first and names the rank(s)
+# it did not hear from; "inf": no bound. Unset: HANDSHAKE_TIMEOUT_S.
+WELCOME_TIMEOUT_ENV = "ZMQWORKER_WELCOME_TIMEOUT_S"
+HANDSHAKE_TIMEOUT_S = 60.0
