@@ -23,7 +23,7 @@ from zmqworker.engine.request import FinishReason, Request
 from zmqworker.engine.scheduler import Scheduler
 from zmqworker.engine.structured_outputs import StructuredOutputs
 from zmqworker.engine.weight_calls import WeightCalls, refusals
-from zmqworker.executor.errors import WorkerDiedError, WorkerStuckError
+from zmqworker.executor.errors import WORKERS_LOST
 
 if TYPE_CHECKING:
     from zmqworker.executor.abstract import Executor
@@ -286,8 +286,8 @@ class EngineCore(WeightCalls):
                 self.batch_queue.pop()
             except Exception:
                 logger.debug("a step in flight failed too", exc_info=True)
-        # A worker that died or is stuck reads nothing of its cache any more.
-        workers_lost = isinstance(error, WorkerDiedError | WorkerStuckError)
+        # A worker that died, is stuck or wedged in a step reads nothing of its cache any more.
+        workers_lost = isinstance(error, WORKERS_LOST)
         aborted = self.scheduler.reset_after_failure(workers_lost)
         aborted += self.structured.abort_all() if self.structured else []  # failed at clients
         self.block_manager.reset_prefix_cache()  # the step may have left blocks half written
