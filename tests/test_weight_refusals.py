@@ -6,6 +6,7 @@ reload), and a weight-transfer group over data-parallel replicas."""
 from __future__ import annotations
 
 import contextlib
+import os
 import random
 import signal
 from collections.abc import Iterator
@@ -205,6 +206,10 @@ def test_a_pushed_update_is_followed_call_by_call():
 # -- a group over data-parallel replicas -----------------------------------------------
 
 
+@pytest.mark.skipif(
+    os.environ.get("ZMQWORKER_TEST_DEVICE", "cpu") == "cuda" and torch.cuda.device_count() < 2,
+    reason="two replicas on CUDA need two GPUs",
+)
 def test_a_group_over_two_replicas_takes_the_workers_of_both():
     """world_size was 1 + one replica's workers (docs/rl.md): the second replica's
     worker found its rank outside the group once the first had joined."""
