@@ -6,8 +6,10 @@ being tokenized) gets the same 503 when it would start."""
 
 from __future__ import annotations
 
+import asyncio
 import http.client
 import json
+import re
 import signal
 import socket
 import threading
@@ -94,3 +96,90 @@ def test_a_request_still_being_prepared_at_the_deadline_gets_the_503():
     error = json.loads(rest.partition(b"\r\n\r\n")[2])["error"]
     assert error["message"].startswith("the server is shutting down: the request ran past its 1 s")
     assert "Cancel" not in server.output()
+
+
+def test_a_dead_replica_stops_the_server_answering_the_others_streams():
+    """Data-parallel: an engine core killed, the streams of the replica that lives on end
+    with an error event naming the dead one and [DONE] (its API server is told at once,
+    before the server stops), not a cut stream."""
+    from tests.test_serve import processes
+
+    server = Server("--data-parallel-size", "2", "--api-server-count", "1")
+    body = {"model": MODEL, "max_tokens": 480, "temperature": 0, "ignore_eos": True,
+            "stream": True}  # fmt: skip
+    answers: dict[int, tuple[int, str]] = {}
+    threads = [
+        threading.Thread(
+            target=lambda i=i: answers.update({i: post(server, {**body, "prompt": f"{i} and"})})
+        )
+        for i in range(2)
+    ]  # one on each replica (the least loaded gets the next)
+    try:
+        cores = processes(server, "zmqworker.engine")
+        assert len(cores) == 2
+        for thread in threads:
+            thread.start()
+        deadline = time.monotonic() + 60
+        while server.metrics().get("num_requests_running", 0) < 2:
+            assert time.monotonic() < deadline, server.output()[-2000:]
+            time.sleep(0.05)
+        cores[1].kill()
+        for thread in threads:
+            thread.join(60)
+        assert server.proc.wait(60) == 1
+    finally:
+        server.stop()
+    named = re.compile(rf"engine core \d \(pid {cores[1].pid}\) (exited|died)")
+    assert len(answers) == 2, answers  # neither cut
+    errors = []
+    for status, text in answers.values():
+        events = [line.removeprefix("data: ") for line in text.split("\n\n") if line]
+        assert status == 200 and events[-1] == "[DONE]", text[-500:]
+        errors.append(json.loads(events[-2])["error"]["message"])
+        assert named.search(errors[-1]), errors[-1]
+    # The survivor's stream: its API server was told, by the main process.
+    assert any(error.startswith("the server stops: ") for error in errors), errors
+    assert "Cancel" not in server.output()
+
+
+def test_metrics_answer_with_an_engine_core_dead():
+    """/metrics reads the live engine cores only (a dead one's stats are gone), and keeps
+    this API server's own series; zmqworker:engine_cores_up counts the live ones."""
+    from types import SimpleNamespace
+    from typing import cast
+
+    from tests.test_serve_app import KEY, StandIn
+    from zmqworker.frontend.frontend import Frontend
+    from zmqworker.frontend.outputs import EngineCoreStats
+    from zmqworker.serve.app import build_app
+
+    asked: list[list[int]] = []
+
+    async def call_async(method: str, engines: list[int]) -> list[EngineCoreStats]:
+        asked.append(engines)
+        return [EngineCoreStats(3, 1, 100, 60, 0, 0) for _ in engines]
+
+    engines = [SimpleNamespace(index=0, dead=None), SimpleNamespace(index=1, dead=OSError())]
+    frontend = StandIn()
+    frontend.client = SimpleNamespace(engines=engines, loop=object(), call_async=call_async)
+    app = build_app(cast(Frontend, frontend), "m", api_key=KEY)
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1",
+             "method": "GET", "scheme": "http", "path": "/metrics", "raw_path": b"/metrics",
+             "query_string": b"", "root_path": "", "client": ("127.0.0.1", 1),
+             "server": ("127.0.0.1", 80),
+             "headers": [(b"authorization", f"Bearer {KEY}".encode())]}  # fmt: skip
+    sent: list[dict] = []
+
+    async def receive() -> dict:
+        return {"type": "http.request", "body": b""}
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    asyncio.run(app(scope, receive, send))
+    text = b"".join(m.get("body", b"") for m in sent[1:]).decode()
+    assert sent[0]["status"] == 200, text
+    assert asked == [[0]]
+    assert "zmqworker:engine_cores_up 1.0" in text
+    assert "zmqworker:num_requests_running 3.0" in text
+    assert 'vllm:request_success_total{finished_reason="stop",model_name="m"}' in text

@@ -8,8 +8,9 @@ over the listening socket it inherited: every API server accepts on the same por
 exits with its parent (PR_SET_PDEATHSIG; at once if its parent is no longer that pid);
 SIGTERM drains it (uvicorn stops taking
 connections and lets the requests in flight finish, at most shutdown_timeout_s, then
-answers those left with a 503 or ends their streams with an error); SIGINT
-is the main process's to handle.
+answers those left with a 503 or ends their streams with an error); SIGUSR1 is the
+main process's word that part of the server died: what runs is answered at once, with
+the error its stop file names, and it exits; SIGINT is the main process's to handle.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import os
 import signal
 import socket
@@ -72,6 +74,7 @@ class ApiServerConfig(msgspec.Struct, frozen=True):
     disaggregated: bool  # the engine cores are prefill and decode instances
     max_local_prefill_tokens: int | None  # disaggregated: the router's (DisaggregatedClient)
     log_level: str  # uvicorn's
+    stop_file: str  # what died, written there by the main process before its SIGUSR1
     engine_log_level: str  # the zmqworker logger's
 
 
@@ -102,6 +105,7 @@ def run(config: ApiServerConfig) -> int:
         server = _Server(
             frontend,
             config.shutdown_timeout_s,
+            config.stop_file,
             uvicorn.Config(
                 build_app(
                     frontend,
@@ -131,10 +135,25 @@ class _Server(uvicorn.Server):
     handlers answer (a 503, or an error event then [DONE]): uvicorn cancels what runs
     past its own timeout, and a cancelled handler answers a bare 500 or cuts its stream."""
 
-    def __init__(self, frontend: Frontend, drain_s: float, config: uvicorn.Config) -> None:
+    def __init__(
+        self, frontend: Frontend, drain_s: float, stop_file: str, config: uvicorn.Config
+    ) -> None:
         super().__init__(config)
         self._frontend = frontend
         self._drain_s = drain_s
+        self._stop_file = stop_file
+        self._failed_now = False
+
+    def _fail_now(self) -> None:
+        """SIGUSR1 (on the loop): answer everything with the stop file's reason, exit."""
+        try:
+            with open(self._stop_file) as f:
+                reason = f.read().strip() or "the server stops"
+        except OSError:
+            reason = "the server stops"
+        self._frontend.fail_all(APIError(reason, 503, "server_error"))
+        self._failed_now = True  # the drain's own deadline has nothing left to end
+        self.should_exit = True
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         stopping = APIError(
@@ -144,7 +163,7 @@ class _Server(uvicorn.Server):
             "server_error",
         )
         deadline = asyncio.get_running_loop().call_later(
-            self._drain_s, self._frontend.fail_all, stopping
+            math.inf if self._failed_now else self._drain_s, self._frontend.fail_all, stopping
         )
         try:
             await super().shutdown(sockets)
@@ -153,11 +172,14 @@ class _Server(uvicorn.Server):
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
+        loop = asyncio.get_running_loop()
         previous = signal.signal(signal.SIGTERM, self.handle_exit)
+        usr1 = signal.signal(signal.SIGUSR1, lambda *_: loop.call_soon_threadsafe(self._fail_now))
         try:
             yield
         finally:
             signal.signal(signal.SIGTERM, previous)
+            signal.signal(signal.SIGUSR1, usr1)
 
 
 def main() -> int:

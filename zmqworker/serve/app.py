@@ -13,18 +13,20 @@ flight keep answering.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client.core import GaugeMetricFamily, Metric
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
 from zmqworker import __version__
 from zmqworker.frontend.frontend import Frontend
+from zmqworker.frontend.outputs import EngineStats
 from zmqworker.serve.admin import install_admin
 from zmqworker.serve.api_key import ApiKey
 from zmqworker.serve.body import decode_body
@@ -101,9 +103,22 @@ def build_app(
     async def version() -> dict:
         return {"version": __version__}
 
+    up = _EnginesUp()
+    server_metrics.registry.register(up)
+
     @app.get("/metrics")
     async def metrics() -> Response:
-        server_metrics.engines.stats = await llm.stats_async()
+        """The live engine cores' stats (a dead one, while the server stops, is left out:
+        its stats are gone) and this API server's own counters."""
+        engines = llm.client.engines
+        live = [e.index for e in engines if e.dead is None]
+        up.count = len(live)
+        stats = None
+        if len(live) == len(engines):
+            stats = await llm.stats_async()
+        elif live and llm.client.loop is not None:  # attached by an earlier call
+            stats = EngineStats.total(await llm.client.call_async("stats", engines=live))
+        server_metrics.engines.stats = stats
         return Response(generate_latest(server_metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
@@ -163,3 +178,14 @@ def build_app(
 
     started = now()
     return app
+
+
+class _EnginesUp:
+    """zmqworker:engine_cores_up: the engine cores alive, as the last scrape saw them."""
+
+    def __init__(self) -> None:
+        self.count: int | None = None
+
+    def collect(self) -> Iterator[Metric]:
+        if self.count is not None:
+            yield GaugeMetricFamily("zmqworker:engine_cores_up", "engine cores alive", self.count)

@@ -7,12 +7,15 @@ every request through one of each (frontend/disaggregated_client.py). With
 --engine-core-address it starts none: it connects to engine cores served on their own
 (frontend/remote_cores.py), which it checks and watches but never stops.
 
-Any of them dying takes the whole server down: the others are stopped in order and the
-command fails with an error naming what died (a server that lost part of itself would
-serve on degraded and unnoticed; let the supervisor above, systemd or Kubernetes, start
-a whole one again). SIGINT or SIGTERM drains: the API servers stop taking connections
-and let the requests in flight finish (at most shutdown_timeout_s), then the engine cores
-stop their workers. Nothing this process started is left running either way.
+Any of them dying takes the whole server down: every API server is told at once
+(SIGUSR1, the reason in its stop file) to answer what it still runs with an error naming
+what died (a 503, or a stream's error event and [DONE]), all within one shared deadline
+before SIGKILL; then the engine cores stop, and the command fails with that error (a
+server that lost part of itself would serve on degraded and unnoticed; let the
+supervisor above, systemd or Kubernetes, start a whole one again). SIGINT or SIGTERM
+drains: the API servers stop taking connections and let the requests in flight finish
+(at most shutdown_timeout_s), then the engine cores stop their workers. Nothing this
+process started is left running either way.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import socket
 import sys
 import tempfile
 import threading
+import time
 from typing import Any
 
 import msgspec
@@ -55,6 +59,8 @@ logger = logging.getLogger(__name__)
 
 WATCH_EVERY_S = 0.5  # how often the main process looks at its children
 STOP_MARGIN_S = 10.0  # past the drain's bound, before an API server is stopped harder
+FAIL_S = 3.0  # after a death: for the API servers to answer what they hold, then SIGKILL
+STOP_FILE = "stop-reason"  # in the metrics folder (its collector reads *.db only)
 
 
 def serve(
@@ -129,6 +135,7 @@ def serve(
             disaggregated=options["disaggregate"],
             max_local_prefill_tokens=options["max_local_prefill_tokens"],
             log_level=log_level,
+            stop_file=os.path.join(metrics_dir, STOP_FILE),
             engine_log_level=logging.getLevelName(logger.getEffectiveLevel()),
         )
         argv = [sys.executable, "-m", "zmqworker.serve.api_server", str(os.getpid())]
@@ -152,7 +159,8 @@ def serve(
             client = make_client(
                 launcher.addresses, launcher.handles, launcher.token, count, output_bytes
             )
-        _Supervisor(client, servers, name, f"http://{host}:{port}/v1").run(shutdown_timeout_s)
+        url = f"http://{host}:{port}/v1"
+        _Supervisor(client, servers, name, url, metrics_dir).run(shutdown_timeout_s)
     finally:
         listener.close()
         logger.info("stopping the workers")
@@ -174,9 +182,15 @@ class _Supervisor:
     servers until a signal asks for a drain, or one of them dies."""
 
     def __init__(
-        self, client: EngineCoreClient, servers: list[ChildProcess], name: str, url: str
+        self,
+        client: EngineCoreClient,
+        servers: list[ChildProcess],
+        name: str,
+        url: str,
+        metrics_dir: str,
     ) -> None:
         self.client = client
+        self.stop_file = os.path.join(metrics_dir, STOP_FILE)
         self.servers = servers
         self.name = name
         self.url = url
@@ -192,10 +206,10 @@ class _Supervisor:
             while self.signalled is None:
                 for event in self.client.receive(WATCH_EVERY_S):
                     if isinstance(event, Failed) and event.fatal:
-                        raise RuntimeError(f"the server stops: {event.error}")
+                        self._died(f"the server stops: {event.error}")
                 for server in self.servers:
                     if server.exit_status() is not None:
-                        raise RuntimeError(f"the server stops: {_ended(server)}")
+                        self._died(f"the server stops: {_ended(server)}")
                 if not announced and all(e.ready for e in self.client.engines):
                     announced = True
                     logger.info(
@@ -211,17 +225,43 @@ class _Supervisor:
     def _on_signal(self, signum: int, frame: object) -> None:
         self.signalled = signum
 
+    def _died(self, reason: str) -> None:
+        """Have every API server answer what it holds with reason's first line (its
+        clients' error), wait for them all until one deadline, SIGKILL the rest; raise."""
+        try:  # without it, they answer "the server stops"
+            with open(self.stop_file + ".tmp", "w") as f:
+                f.write(reason.splitlines()[0].removesuffix("; its last stderr lines:"))
+            os.replace(self.stop_file + ".tmp", self.stop_file)  # whole when they read it
+        except OSError:
+            pass
+        _signal_all(self.servers, signal.SIGUSR1)
+        _wait_all(self.servers, FAIL_S)
+        raise RuntimeError(reason)
+
 
 def _stop_servers(servers: list[ChildProcess], grace_s: float) -> None:
-    """SIGTERM every API server (a drain), then wait grace_s for each before SIGKILL."""
+    """SIGTERM every API server (a drain), then wait grace_s for them all (one deadline)
+    before SIGKILL."""
+    _signal_all(servers, signal.SIGTERM)
+    _wait_all(servers, grace_s)
+
+
+def _signal_all(servers: list[ChildProcess], sig: int) -> None:
     for server in servers:
         if server.exit_status() is None:
             try:
-                server.proc.send_signal(signal.SIGTERM)
+                server.proc.send_signal(sig)
             except ProcessLookupError:
                 continue
+
+
+def _wait_all(servers: list[ChildProcess], grace_s: float) -> None:
+    """Wait until one deadline, grace_s away, for every server to exit; SIGKILL the rest."""
+    deadline = time.monotonic() + grace_s
     for server in servers:
-        server.stop(grace_s=grace_s, term_s=0.0)
+        server.wait(max(0.0, deadline - time.monotonic()))
+    for server in servers:
+        server.stop(grace_s=0.0, term_s=0.0)  # SIGKILL (SIGTERM first: no wait)
 
 
 def _ended(server: ChildProcess) -> str:
