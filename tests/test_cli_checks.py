@@ -188,6 +188,22 @@ def test_a_line_s_sampling_fields_are_its_prompt_s(model, tmp_path):
     assert jobs[1].conversation == [{"role": "user", "content": "hi"}]
 
 
+def test_a_line_s_messages_are_taken_in_openai_s_shape(model, tmp_path):
+    """Content parts, an assistant's tool calls with content None and the developer role,
+    as LLM.chat and the server take them (the check refused them before the engine ran)."""
+    call = {"type": "function", "function": {"name": "f", "arguments": "{}"}}
+    conversation = [
+        {"role": "developer", "content": [{"type": "text", "text": "Be brief."}]},
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "content": "42"},
+    ]
+    path = tmp_path / "p.jsonl"
+    path.write_text(json.dumps({"messages": conversation}) + "\n")
+    [job] = check_run(read_prompts([], str(path)), {}, **run_args(model))
+    assert job.conversation == conversation  # handed on as given: LLM.chat normalises it
+
+
 def test_generation_config_defaults_take_part_in_the_checks(model, tmp_path, refuse):
     folder = tmp_path / "m"
     folder.mkdir()

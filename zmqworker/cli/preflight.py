@@ -27,7 +27,7 @@ from zmqworker.cli.options import sampling_options
 from zmqworker.cli.prompts import PromptItem
 from zmqworker.cli.structured import FLAG as STRUCTURED
 from zmqworker.engine.model_folder import ModelFolder, check_conversation
-from zmqworker.engine.prompts import check_text, prompt_token_ids
+from zmqworker.engine.prompts import check_text, prompt_token_ids, template_messages
 
 # The option that sets each SamplingParams field, for messages.
 FLAGS = {o.name: o.flags[0] for o in sampling_options()} | {"structured_outputs": STRUCTURED}
@@ -79,7 +79,7 @@ def check_run(
             conversation = _conversation(item, chat, system)
             num_tokens = None
             if conversation is not None:
-                check_conversation(conversation)
+                check_conversation(template_messages(conversation))  # as LLM.chat takes it
             elif tokenizer is not None or isinstance(item.prompt, list) or not folder.has_tokenizer:
                 # Without any tokenizer, text is refused here as the engine would refuse it.
                 num_tokens = len(
