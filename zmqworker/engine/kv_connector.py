@@ -132,7 +132,8 @@ class KVConnectorScheduler:
         """Blocks for the pulls waiting for them, in arrival order (those that came before
         `before` only), each loaded by the step being built; False once one does not fit:
         every request after it waits behind it."""
-        for req_id, request in list(self._to_load.items()):
+        while self._to_load:  # its head: loads leave it in arrival order
+            req_id, request = next(iter(self._to_load.items()))
             remote = request.remote
             assert remote is not None
             if before is not None and request.queued_at > before.queued_at:
