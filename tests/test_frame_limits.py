@@ -53,6 +53,7 @@ from tests.test_kv_connector import (
     names,
     peer,
 )
+from tests.test_pipeline_trust import on_loop
 from zmqworker.engine.core_main import build_core
 from zmqworker.engine.core_server import EngineCoreServer
 from zmqworker.executor.message_limits import check_request_frames
@@ -182,13 +183,6 @@ def test_the_loop_s_socket_refuses_a_message_past_the_bound_on_either_thread(pai
         loop.call_soon_threadsafe(loop.stop)
         thread.join(10)
         loop.close()
-
-
-def on_loop(loop: asyncio.AbstractEventLoop, fn, *args):
-    async def call():
-        return fn(*args)
-
-    return asyncio.run_coroutine_threadsafe(call(), loop).result(10)
 
 
 # a worker process's engine socket --------------------------------------------------------
