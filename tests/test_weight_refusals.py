@@ -139,26 +139,26 @@ def test_a_failure_that_may_have_changed_weights_is_kept_until_a_whole_update():
     # Refused before any weight changed (every rank alike): still serving.
     executor.fail["reload_weights"] = RemoteError(0, "CheckpointError", "lacks tensor(s)", "")
     with pytest.raises(ValueError, match="lacks tensor"):
-        core.reload_weights("/elsewhere")
+        core.weights.reload_weights("/elsewhere")
     assert core.not_ready() is None
     assert core.block_manager.num_cached_tokens(prompt) > 0
     # Failed after copying began on rank 1: not ready, the cached prefixes forgotten.
     executor.fail["reload_weights"] = partial("loading failed after 3 tensor(s): OSError")
     with pytest.raises(RuntimeError, match="rank 1: loading failed after 3"):
-        core.reload_weights("/elsewhere")
+        core.weights.reload_weights("/elsewhere")
     assert core.not_ready() == "rank 1: loading failed after 3 tensor(s): OSError"
     assert core.block_manager.num_cached_tokens(prompt) == 0
     with pytest.raises(RuntimeError, match="no step: rank 1: loading failed"):
         generate(core, prompt)
-    core.reload_weights(None)
+    core.weights.reload_weights(None)
     assert core.not_ready() is None
     assert len(generate(core, prompt)) == 2
     # An update from the group that failed midway, the same.
     executor.fail["update_weights_from_group"] = partial("failed midway", rank=0)
     with pytest.raises(RuntimeError, match="failed midway"):
-        core.update_weights_from_group(None)  # type: ignore[arg-type]
+        core.weights.update_weights_from_group(None)  # type: ignore[arg-type]
     assert core.not_ready() == "rank 0: failed midway"
-    core.update_weights_from_group(None)  # type: ignore[arg-type]
+    core.weights.update_weights_from_group(None)  # type: ignore[arg-type]
     assert core.not_ready() is None
 
 

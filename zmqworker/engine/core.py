@@ -61,7 +61,7 @@ def num_blocks_from_memory(available_bytes: list[int], specs: list[KVCacheSpec])
     return min(counts)
 
 
-class EngineCore(WeightCalls):
+class EngineCore:
     """The engine loop over an Executor: scheduler, KV block manager and batch queue.
 
     Construction runs the start-up the workers expect after load_model:
@@ -74,9 +74,9 @@ class EngineCore(WeightCalls):
 
     Between steps (sleep, wake_up, weight updates, the prefix cache, any worker method):
     each waits for the steps in flight first (drain), so that it never lands mid-step.
-    The engine keeps what it asked for (released, weights_released) and what a weight
-    change that failed part-way left (weight_calls.py) to refuse a step before sending
-    it; the workers refuse one too.
+    The engine keeps what it asked for (released; weights.released) and what a weight
+    change that failed part-way left (weights: weight_calls.py) to refuse a step before
+    sending it; the workers refuse one too.
 
     Structured outputs (structured, given a GrammarCompiler's StructuredOutputs): a
     request waits there for its grammar, then goes to the scheduler. A step that samples
@@ -152,7 +152,7 @@ class EngineCore(WeightCalls):
         self.failed: list[tuple[Request, str]] = []
         self.num_aborted = 0  # requests aborted by their clients, since start
         self.released: set[str] = set()  # what sleep gave back and wake_up has not
-        self._init_weight_state()
+        self.weights = WeightCalls(executor, self.block_manager, self.drain)
 
     def add_request(self, request: Request) -> None:
         if self.structured is not None and request.req_id in self.structured:
@@ -203,14 +203,15 @@ class EngineCore(WeightCalls):
         by an update or reload that failed); None if one can."""
         if self.released:
             return f"asleep ({', '.join(sorted(self.released))} released): call wake_up()"
-        return self.weights_not_ready()
+        return self.weights.not_ready()
 
     def step(self) -> list[Request]:
         """One turn of the loop: schedule a step if the queue has room, and consume the
         oldest step's output once the queue is full or nothing more can be scheduled.
         Returns the requests that got a token or finished (possibly none)."""
-        if self.released or self.weights_released or self.weights_broken or self.pushing:
-            raise RuntimeError(f"no step: {self.not_ready()}")
+        why_not = self.not_ready()
+        if why_not is not None:
+            raise RuntimeError(f"no step: {why_not}")
         if self.structured is not None and len(self.structured):
             self._admit_compiled()
         try:
@@ -321,7 +322,7 @@ class EngineCore(WeightCalls):
             self.executor.sleep(level)
         self.block_manager.reset_prefix_cache()  # the cache's contents are gone
         self.released = {"weights", "kv_cache"}
-        self.weights_released = self.weights_released or level == 2
+        self.weights.released = self.weights.released or level == 2
 
     def wake_up(self, tags: list[str] | None) -> None:
         self.drain()
@@ -344,7 +345,7 @@ class EngineCore(WeightCalls):
         self.drain()
         bound = self.executor.call_timeout_s if timeout is None else timeout
         run = functools.partial(self.executor.collective_rpc, method, args, kwargs, bound)
-        return self._worker_call(method, args, run)
+        return self.weights.worker_call(method, args, run)
 
     def shutdown(self) -> None:
         if self.structured is not None:

@@ -67,19 +67,20 @@ class EngineCoreUtilities:
         self._core.reset_prefix_cache()
 
     def reload_weights(self, path: str | None = None) -> None:
-        self._core.reload_weights(path)
+        self._core.weights.reload_weights(path)
 
     def init_weight_transfer_group(
         self, host: str, port: int, world_size: int, rank_offset: int, timeout_s: float
     ) -> None:
-        self._core.init_weight_transfer_group(host, port, world_size, rank_offset, timeout_s)
+        weights = self._core.weights
+        weights.init_weight_transfer_group(host, port, world_size, rank_offset, timeout_s)
 
     def update_weights_from_group(self, update: WeightUpdate) -> None:
-        self._core.update_weights_from_group(update)
+        self._core.weights.update_weights_from_group(update)
 
     def weights_updated(self) -> None:
         """A client pushed new weights to the workers (collective_rpc calls)."""
-        self._core.weights_updated()
+        self._core.weights.updated()
 
     def collective_rpc(self, call: WorkerCall) -> list:
         """A worker method on every rank: the results by rank."""

@@ -45,61 +45,63 @@ PUSH_METHODS = frozenset(
 
 
 class WeightCalls:
-    """Mixed into EngineCore, whose executor, block manager and drain these use."""
+    """The engine core's weight calls and the state they leave (EngineCore.weights): the
+    core's executor and block manager, and its drain, which each call runs first."""
 
-    executor: Executor
-    block_manager: KVBlockManager
-    drain: Any
-
-    def _init_weight_state(self) -> None:
-        self.weights_released = False  # sleep(2) dropped them; no update or reload since
-        self.weights_broken: str | None = None  # a failure once weights may have changed
+    def __init__(
+        self, executor: Executor, block_manager: KVBlockManager, drain: Callable[[], None]
+    ) -> None:
+        self._executor = executor
+        self._block_manager = block_manager
+        self._drain = drain
+        self.released = False  # sleep(2) dropped them; no update or reload since
+        self.broken: str | None = None  # a failure once weights may have changed
         self.pushing = False  # a pushed update's rows have started coming
 
-    def weights_not_ready(self) -> str | None:
+    def not_ready(self) -> str | None:
         """Why the weights cannot serve a step; None when they can."""
-        if self.weights_released:
+        if self.released:
             return RELEASED
-        if self.weights_broken is not None:
-            return self.weights_broken
+        if self.broken is not None:
+            return self.broken
         return PUSHING if self.pushing else None
 
     def init_weight_transfer_group(
         self, host: str, port: int, world_size: int, rank_offset: int, timeout_s: float
     ) -> None:
-        self.drain()
+        self._drain()
         with refusals():
-            self.executor.collective_rpc(
+            self._executor.collective_rpc(
                 "init_weight_transfer_group",
                 (host, port, world_size, rank_offset, timeout_s),
                 timeout=timeout_s + 60.0,  # the group's own waits are bounded by timeout_s
             )
 
     def update_weights_from_group(self, update: WeightUpdate) -> None:
-        self.drain()
+        self._drain()
         with self._weight_change():
-            self.executor.collective_rpc(
-                "update_weights_from_group", (update,), timeout=self.executor.call_timeout_s
+            self._executor.collective_rpc(
+                "update_weights_from_group", (update,), timeout=self._executor.call_timeout_s
             )
-        self.weights_updated()
+        self.updated()
 
     def reload_weights(self, path: str | None) -> None:
-        self.drain()
+        self._drain()
         with self._weight_change():
-            self.executor.collective_rpc(
-                "reload_weights", (path,), timeout=self.executor.call_timeout_s
+            self._executor.collective_rpc(
+                "reload_weights", (path,), timeout=self._executor.call_timeout_s
             )
-        self.weights_updated()
+        self.updated()
 
-    def weights_updated(self) -> None:
+    def updated(self) -> None:
         """New weights are in, whole (a client pushed them, or a group or the disk gave
         them): cached blocks hold keys and values of the old ones."""
-        self.block_manager.reset_prefix_cache()
-        self.weights_released = False
-        self.weights_broken = None
+        self._block_manager.reset_prefix_cache()
+        self.released = False
+        self.broken = None
         self.pushing = False
 
-    def _worker_call(self, method: str, args: tuple, run: Callable[[], Any]) -> Any:
+    def worker_call(self, method: str, args: tuple, run: Callable[[], Any]) -> Any:
         """run() (a collective_rpc of method), following a pushed update's calls: rows
         that came (a chunk taken) make it under way until its end; an end without them
         all, or a failure the workers report as PartialLoadError, leaves the weights
@@ -120,7 +122,7 @@ class WeightCalls:
         elif method == "abort_weight_update" and self.pushing:
             self._broken(PUSH_ENDED)
         elif method == "finish_weight_update":  # complete: what the workers serve now
-            self.weights_updated()
+            self.updated()
         return result
 
     @contextlib.contextmanager
@@ -141,8 +143,8 @@ class WeightCalls:
 
     def _broken(self, reason: str) -> None:
         self.pushing = False
-        self.weights_broken = self.weights_broken or reason
-        self.block_manager.reset_prefix_cache()  # its blocks may hold either weights' KV
+        self.broken = self.broken or reason
+        self._block_manager.reset_prefix_cache()  # its blocks may hold either weights' KV
 
 
 @contextlib.contextmanager
