@@ -12,6 +12,7 @@ from typing import Any
 
 from msgspec import Struct
 
+from zmqworker.engine.prompts import template_messages
 from zmqworker.serve.errors import APIError
 from zmqworker.serve.unsupported import MESSAGE_UNSUPPORTED, refuse_unsupported, unsupported_part
 
@@ -98,28 +99,24 @@ class ChatMessage(Struct, forbid_unknown_fields=True):
                 raise APIError(f"{at}.text is required in a text part", param=f"{at}.text")
 
     def as_template_message(self) -> dict[str, Any]:
-        """The message as a chat template takes it ("developer" is OpenAI's new name for
-        the system role; a call's arguments as an object, which templates write out)."""
-        content = self.content or ""
-        if not isinstance(content, str):
-            content = "\n".join(part.text or "" for part in content)  # as vLLM joins them
-        role = "system" if self.role == "developer" else self.role
-        message: dict[str, Any] = {"role": role, "content": content}
+        """The message as a chat template takes it, by the rules LLM.chat's messages
+        follow (engine/prompts.template_messages: "developer" as the system role, text
+        parts joined, a call's arguments as an object), its reasoning under both names."""
+        message: dict[str, Any] = {"role": self.role, "content": self.content}
+        if isinstance(self.content, list):
+            message["content"] = [{"type": "text", "text": part.text} for part in self.content]
         if self.tool_calls:
             message["tool_calls"] = [
-                {
-                    "id": call.id,
-                    "type": call.type,
-                    "function": {"name": call.function.name, "arguments": _arguments(call, "")},
-                }
+                {"id": call.id, "type": call.type,
+                 "function": {"name": call.function.name, "arguments": call.function.arguments}}
                 for call in self.tool_calls
-            ]
+            ]  # fmt: skip
         if self.tool_call_id is not None:
             message["tool_call_id"] = self.tool_call_id
         reasoning = self.reasoning if self.reasoning is not None else self.reasoning_content
         if reasoning is not None:
             message["reasoning"] = message["reasoning_content"] = reasoning
-        return message
+        return template_messages([message])[0]
 
 
 def _arguments(call: ToolCall, where: str) -> dict[str, Any]:
