@@ -117,6 +117,7 @@ def test_recv_frames_refuses_a_message_past_its_bound_and_reads_the_next(
             recv_frames(receiver, flags, max_frames=4)
         assert str(refused.value) == f"a message of {count} frames: this socket takes at most 4"
         assert (refused.value.count, refused.value.bound) == (count, 4)
+        assert refused.value.first.bytes == b"0"  # what may name the message's call
         # every receiver already handles a ProtocolError: a message that does not decode
         assert isinstance(refused.value, ProtocolError) and refused.value.version is None
     assert [f.bytes for f in recv_frames(receiver, flags, max_frames=4)] == [b"next", b"message"]
@@ -163,7 +164,13 @@ def test_the_loop_s_socket_refuses_a_message_past_the_bound_on_either_thread(pai
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
     handed: list[list[bytes]] = []
-    sock = on_loop(loop, AsyncSocket, receiver, loop, lambda f: handed.append([x.bytes for x in f]))
+    refused: list[tuple[bytes, bool]] = []  # each refusal's first frame, on the loop's thread
+
+    def on_refused(e: TooManyFrames) -> None:
+        refused.append((e.first.bytes, threading.current_thread() is thread))
+
+    sock = on_loop(loop, AsyncSocket, receiver, loop, lambda f: handed.append([x.bytes for x in f]),
+                   on_refused)  # fmt: skip
     try:
         sender.send_multipart(junk(MAX_FRAMES + 1))
         sender.send_multipart([b"after", b"it"])
@@ -178,6 +185,10 @@ def test_the_loop_s_socket_refuses_a_message_past_the_bound_on_either_thread(pai
             frames = sock.take([])
             assert (frames if frames is None else [f.bytes for f in frames]) == taken
         assert sock.refused.total == 2 and handed == [[b"after", b"it"]]
+        deadline = time.monotonic() + 10
+        while len(refused) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert refused == [(b"", True), (b"", True)]
     finally:
         on_loop(loop, sock.close)
         loop.call_soon_threadsafe(loop.stop)
@@ -244,15 +255,18 @@ def engine(tmp_path_factory) -> Iterator[RawEngine]:
 
 
 def test_a_worker_refuses_a_request_of_too_many_frames_and_serves_the_next(engine) -> None:
+    """The refused call fails at once with an error naming the count and the bound (its
+    first frame names it), instead of waiting for its deadline; the next is served."""
     enc = Encoder()
     body = enc.encode(RpcRequest(1, "echo", [1]))
     engine.send([*body, *junk(MAX_FRAMES + 1 - len(body))])
     engine.send(enc.encode(RpcRequest(2, "echo", [2])))
-    # Taken whole, the first leaves nothing behind: not even an error reply for its
-    # trailing frames, which a message within the bound would get.
-    reply = engine.reply()
-    assert reply is not None and (reply.call_id, reply.result, reply.error) == (2, 2, None)
-    assert engine.reply(timeout_ms=300) is None
+    replies = sorted((engine.reply(), engine.reply()), key=lambda r: r.call_id)
+    refused, served = replies
+    assert refused.call_id == 1 and refused.error is not None
+    assert (refused.error.exc_type, refused.error.message) == ("TooManyFrames", PAST)
+    assert (served.call_id, served.result, served.error) == (2, 2, None)
+    assert engine.reply(timeout_ms=300) is None  # one reply each, nothing for the rest
     assert engine.logged(PAST), engine.log.read_text()
     assert engine.proc.poll() is None
 

@@ -59,6 +59,7 @@ from zmqworker.runtime.sockets import default_data_bind, remove_socket_file
 from zmqworker.transport.async_socket import AsyncSocket
 from zmqworker.transport.curve import WorkerKeys, make_client, start_zap
 from zmqworker.transport.drops import DropCounter
+from zmqworker.transport.frames import TooManyFrames
 from zmqworker.transport.spawn_env import HANDSHAKE_TIMEOUT_S
 from zmqworker.worker.worker_base import CONCURRENT_METHODS
 from zmqworker.worker.wrapper import WorkerWrapper
@@ -145,7 +146,7 @@ class WorkerServer:
             # Before the compute thread exists: it uses the socket as soon as it starts.
             self._watch = EngineWatch(sock, loop, self._on_engine_lost, parent_pid)
             undo.callback(self._watch.close)
-            self._sock = AsyncSocket(sock, loop, self._on_message)
+            self._sock = AsyncSocket(sock, loop, self._on_message, self._on_refused)
             undo.callback(self._sock.close)
             self._loop_reply = Replier(rank, self._sock.send)
             self._compute_reply = Replier(rank, self._sock.send_threadsafe)
@@ -204,6 +205,11 @@ class WorkerServer:
         job = self._route(frames, self._dec, self._loop_reply)
         if job is not None:
             self._compute.submit(*job)
+
+    def _on_refused(self, error: TooManyFrames) -> None:
+        """On the loop: a message of too many frames was dropped whole; its call fails
+        at once where its first frame names it, as one that does not decode."""
+        self._loop_reply.error(peek_call_id([error.first]), error)
 
     def _on_idle_message(self, frames: list[zmq.Frame]) -> Job | None:
         """On the compute thread, which received this while it had nothing to do: a call

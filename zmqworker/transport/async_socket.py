@@ -54,10 +54,14 @@ class AsyncSocket:
         sock: zmq.Socket,
         loop: asyncio.AbstractEventLoop,
         on_message: Callable[[list[zmq.Frame]], None],
+        on_refused: Callable[[TooManyFrames], None] | None = None,
     ) -> None:
+        """on_message(frames) and on_refused(error), for a message of too many frames
+        (counted in refused), are called on the loop's thread."""
         self.sock = sock
         self._loop = loop
         self._on_message = on_message
+        self._on_refused = on_refused
         self.refused = DropCounter(log, "messages of too many frames")  # taken off whole
         # Re-entrant: a message is handed on under it (see _drain), and a reply that its
         # handling sends takes it again.
@@ -121,7 +125,7 @@ class AsyncSocket:
                 except zmq.Again:
                     frames = None
                 except TooManyFrames as e:
-                    self.refused.count(str(e))
+                    self._refuse(e, self._loop.call_soon_threadsafe)
             more = self._after_io()
             # Only now: the FD, still readable from the edge just handled, would wake the
             # loop for nothing.
@@ -162,7 +166,7 @@ class AsyncSocket:
                 try:
                     frames = recv_frames(self.sock)
                 except TooManyFrames as e:
-                    self.refused.count(str(e))
+                    self._refuse(e, self._loop.call_soon)
                     continue
                 try:
                     self._on_message(frames)
@@ -170,6 +174,11 @@ class AsyncSocket:
                     log.exception("handling a message failed")
         # The FD's edge for the messages still there is gone: look again next turn.
         self._loop.call_soon(self._drain)
+
+    def _refuse(self, error: TooManyFrames, schedule: Callable[..., object]) -> None:
+        self.refused.count(str(error))
+        if self._on_refused is not None:
+            schedule(self._on_refused, error)
 
     def _after_io(self) -> bool:
         """After anything that may have taken in the socket's news (and so its FD's edge):

@@ -33,12 +33,14 @@ MAX_FRAMES = 1 << 16
 class TooManyFrames(ProtocolError):
     """A message of more frames than its socket takes: taken off the socket whole and
     dropped (the next receive starts at the next message). A ProtocolError, so that a
-    receiver treats it as any message that does not decode."""
+    receiver treats it as any message that does not decode; first: its first frame, which
+    may name the call to fail."""
 
-    def __init__(self, count: int, bound: int) -> None:
+    def __init__(self, count: int, bound: int, first: zmq.Frame) -> None:
         super().__init__(f"a message of {count} frames: this socket takes at most {bound}")
         self.count = count
         self.bound = bound
+        self.first = first
 
 
 def send_frames(sock: zmq.Socket, frames: Sequence[Any], flags: int = 0) -> None:
@@ -59,7 +61,7 @@ def recv_frames(
     frames = [frame]
     while frame.more:
         if len(frames) == max_frames:
-            raise TooManyFrames(max_frames + _discard_rest(sock, flags), max_frames)
+            raise TooManyFrames(max_frames + _discard_rest(sock, flags), max_frames, frames[0])
         frame = sock.recv(flags, copy=False)
         frames.append(frame)
     return frames
