@@ -263,8 +263,10 @@ _LISTS = {"stop": list, "stop_token_ids": list, "bad_words": list, "logit_bias":
 def _normalise(params: SamplingParams) -> None:
     """What vLLM's SamplingParams also takes, as the schema's types (no wire change): a
     lone stop string as a list, None for a list or dict field as its default (empty),
-    numpy scalars as Python numbers. max_tokens=None (vLLM: up to max_model_len) is
-    refused: give a number."""
+    numpy scalars as Python numbers. max_tokens=None (vLLM: up to max_model_len, less the
+    prompt) is marked INT32_MAX, more than any context holds: the frontend sends each
+    prompt's room instead (frontend/request_params.py, for_prompt), and an engine core
+    that gets the mark stops at max_model_len all the same."""
     set_field = msgspec.structs.force_setattr
     if isinstance(params.stop, str):
         set_field(params, "stop", [params.stop])
@@ -283,9 +285,7 @@ def _normalise(params: SamplingParams) -> None:
         ids = params.stop_token_ids
         set_field(params, "stop_token_ids", [_int(t) for t in ids])
     if params.max_tokens is None:
-        raise ValueError(
-            "max_tokens=None is not supported: give a number, the most tokens to generate"
-        )
+        set_field(params, "max_tokens", INT32_MAX)  # an int on the wire, as the schema says
 
 
 def _int(value: object) -> object:

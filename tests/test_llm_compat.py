@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from messages import SamplingParams
+from messages.sampling import INT32_MAX
 from zmqworker.engine.prompts import prompt_list, template_messages
 from zmqworker.frontend.llm import OPTION_TYPES
 from zmqworker.frontend.llm_args import check_args, vllm_options
@@ -77,8 +78,9 @@ def test_sampling_params_take_vllms_spellings():
     assert SamplingParams(stop_token_ids=[np.int64(4)]).stop_token_ids == [4]
     encoded = msgspec.msgpack.encode(params)  # the wire is unchanged
     assert msgspec.msgpack.decode(encoded, type=SamplingParams) == params
-    with pytest.raises(ValueError, match="max_tokens=None .* give a number"):
-        SamplingParams(max_tokens=None)
+    # max_tokens=None: until the context is full, marked with an int the frontend
+    # resolves per prompt (test_llm_max_tokens.py); the wire's max_tokens stays an int.
+    assert SamplingParams(max_tokens=None).max_tokens == INT32_MAX
     with pytest.raises(TypeError, match="detokenize"):
         SamplingParams(detokenize=True)
 

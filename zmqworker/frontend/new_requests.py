@@ -13,7 +13,7 @@ from messages import SamplingParams
 from zmqworker.engine.model_folder import TextSide
 from zmqworker.engine.prompts import Prompt, prompt_list, prompt_token_ids
 from zmqworker.frontend.detokenizer import IncrementalDetokenizer
-from zmqworker.frontend.request_params import request_params
+from zmqworker.frontend.request_params import for_prompt, request_params
 from zmqworker.frontend.request_state import RequestState
 
 
@@ -75,14 +75,16 @@ class NewRequests:
     def _samples(
         self, prompt: Prompt, params: SamplingParams, streamed: bool
     ) -> list[RequestState]:
-        """A request state per sample (params.n) of the prompt, tokenized once. The
-        samples are requests of their own (ids "<id>.<i>") with n=1 and, with a seed,
-        seed + i as vLLM's are; the first computes the prompt, the others share its KV
-        (engine/prompt_sharing.py). Prompt logprobs are the same for every sample: only
+        """A request state per sample (params.n) of the prompt, tokenized once, and params
+        resolved for its length (request_params.for_prompt: max_tokens=None as the room it
+        leaves). The samples are requests of their own (ids "<id>.<i>") with n=1 and, with
+        a seed, seed + i as vLLM's are; the first computes the prompt, the others share its
+        KV (engine/prompt_sharing.py). Prompt logprobs are the same for every sample: only
         the first asks the engine core for them (a request that asks computes its whole
         prompt, sharing nothing), and every sample's outputs carry them."""
         params = request_params(params, self.tokenizer, self.vocab_size, self.max_logprobs)
         token_ids = self.encode(prompt)
+        params = for_prompt(params, len(token_ids), self.max_model_len)  # before n's copies
         request_id = f"{self._id_prefix}{next(self._ids)}"
         if params.n == 1:
             return [self._state(request_id, prompt, token_ids, params, streamed)]

@@ -9,6 +9,10 @@ A bad word is banned where it would start the text and where it would follow a s
 vLLM does: its tokens without and with a leading space, the latter kept only when it is
 another sequence of the same length (one whose first token differs), since a longer
 spaced form bans a different split of the word.
+
+Per prompt (for_prompt), what vLLM resolves against the prompt's length: max_tokens=None
+(SamplingParams marks it INT32_MAX) becomes the room the prompt leaves, so that the wire
+carries a number.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from typing import Any
 import msgspec
 
 from messages import SamplingParams
-from messages.sampling import MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS
+from messages.sampling import INT32_MAX, MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS
 from zmqworker.engine.grammars import check_grammar
 from zmqworker.engine.prompts import check_text
 from zmqworker.engine.request_message import check_lists, check_token_ids
@@ -60,6 +64,37 @@ def request_params(
     if vocab_size is not None:
         check_token_ids(params, vocab_size)
     return params
+
+
+def max_tokens_for(
+    max_model_len: int, prompt_len: int, max_tokens: int | None, max_new_tokens: int | None = None
+) -> int:
+    """vLLM's: max_tokens, else the rest of the context, and at most max_new_tokens where
+    given (generation_config.json's, which bounds a server's max_tokens, not an LLM's)."""
+    bounds = (max_tokens, max_model_len - prompt_len, max_new_tokens)
+    return min(b for b in bounds if b is not None)
+
+
+def until_full(params: SamplingParams) -> bool:
+    """True for max_tokens=None: generate until the context is full."""
+    return params.max_tokens == INT32_MAX
+
+
+def for_prompt(params: SamplingParams, prompt_len: int, max_model_len: int) -> SamplingParams:
+    """params as the wire carries them for a prompt of prompt_len tokens: max_tokens=None
+    as the room it leaves (min_tokens past that room cut to it: the context would end the
+    request first). A prompt that leaves no room is refused here, before anything is
+    sent."""
+    if not until_full(params):
+        return params
+    room = max_tokens_for(max_model_len, prompt_len, None)
+    if room < 1:
+        raise ValueError(
+            f"the prompt has {prompt_len} tokens, all of max_model_len={max_model_len}: "
+            "max_tokens=None (the rest of the context) leaves no token to generate; shorten "
+            "the prompt or raise max_model_len"
+        )
+    return msgspec.structs.replace(params, max_tokens=room, min_tokens=min(params.min_tokens, room))
 
 
 def _tokenize(bad_words: list[str], tokenizer: Any) -> list[list[int]]:

@@ -17,12 +17,12 @@ from messages import SamplingParams
 from zmqworker.engine.prompts import check_text
 from zmqworker.frontend.frontend import Frontend
 from zmqworker.frontend.outputs import PositionLogprobs, RequestOutput, json_logprob
+from zmqworker.frontend.request_params import max_tokens_for
 from zmqworker.serve.best_of import best_of_params, keep_best
 from zmqworker.serve.errors import APIError
 from zmqworker.serve.generation import (
     chunk_usage,
     finish_reason,
-    max_tokens_for,
     now,
     prompt_logprobs,
     run_prompts,
@@ -90,8 +90,11 @@ def prompt_params(
     the request sets none, as vLLM's)."""
     max_tokens = body.engine_max_tokens()
     params = sampling_params(llm, body, max(len(p) for p in prompts), max_tokens, body.logprobs)
+    bound = llm.max_new_tokens
     return [
-        msgspec.structs.replace(params, max_tokens=max_tokens_for(llm, len(p), max_tokens))
+        msgspec.structs.replace(
+            params, max_tokens=max_tokens_for(llm.max_model_len, len(p), max_tokens, bound)
+        )
         for p in prompts
     ]
 

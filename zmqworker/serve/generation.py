@@ -16,7 +16,7 @@ from starlette.requests import Request as HTTPRequest
 from messages import SamplingParams
 from zmqworker.frontend.frontend import Frontend
 from zmqworker.frontend.outputs import RequestOutput, json_logprob
-from zmqworker.frontend.request_params import request_params
+from zmqworker.frontend.request_params import max_tokens_for, request_params
 from zmqworker.serve.errors import APIError
 from zmqworker.serve.protocol import SamplingRequest
 
@@ -30,9 +30,10 @@ def sampling_params(
     logprobs_param: str = "logprobs",
 ) -> SamplingParams:
     """The model's defaults with what the request sets; max_tokens as max_tokens_for
-    says. A prompt and max_tokens past max_model_len are refused, as OpenAI does; so are
-    logprobs past the server's --max-logprobs (logprobs_param: the request's name for
-    them, chat's top_logprobs)."""
+    (frontend/request_params.py) says, bounded by the model's max_new_tokens. A prompt
+    and max_tokens past max_model_len are refused, as OpenAI does; so are logprobs past
+    the server's --max-logprobs (logprobs_param: the request's name for them, chat's
+    top_logprobs)."""
     room = llm.max_model_len - prompt_len
     asked = 1 if max_tokens is None else max_tokens  # a completion is a token at least
     if asked > room:
@@ -42,7 +43,7 @@ def sampling_params(
             f"{asked} in the completion). Please reduce the prompt or max_tokens.",
             param="max_tokens" if room >= 1 else "prompt",
         )
-    max_tokens = max_tokens_for(llm, prompt_len, max_tokens)
+    max_tokens = max_tokens_for(llm.max_model_len, prompt_len, max_tokens, llm.max_new_tokens)
     given = {
         "temperature": request.temperature,
         "top_p": request.top_p,
@@ -81,13 +82,6 @@ def sampling_params(
             exc = ValueError(logprobs_param + str(exc).removeprefix(field))
             field = logprobs_param
         raise APIError.from_value_error(exc, param=field) from None
-
-
-def max_tokens_for(llm: Frontend, prompt_len: int, max_tokens: int | None) -> int:
-    """vLLM's: the request's max_tokens, else the rest of the context, and at most the
-    model's generation_config max_new_tokens where it sets one."""
-    bounds = (max_tokens, llm.max_model_len - prompt_len, llm.max_new_tokens)
-    return min(b for b in bounds if b is not None)
 
 
 async def run_prompts(
