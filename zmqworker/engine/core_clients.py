@@ -28,6 +28,8 @@ class Client:
     pid: int
     index: int
     request_ids: set[str] = field(default_factory=set)
+    told_load: int = 0  # the engine core's load as this client last heard it (load_reports.py)
+    next_report_at: float = 0.0  # its next stats-only report is not sent before
 
     def __str__(self) -> str:
         return f"client {self.index} (pid {self.pid})"

@@ -3,9 +3,10 @@
 Between two steps it takes in what its clients sent (requests, aborts, utility calls;
 without waiting while it has work, blocking while it has none), then runs a step
 (schedule, send, take outputs, update) and sends each client the outputs of its own
-requests, one message per client per step. The engine core never waits for a client:
-outputs queue in the socket (no high-water mark) for as long as the client's connection
-lives, and a client whose connection is gone has its requests aborted.
+requests with the stats, one message per client per step; a client that last heard
+another load gets the stats alone (load_reports.py). The engine core never waits for a
+client: outputs queue in the socket (no high-water mark) for as long as the client's
+connection lives, and a client whose connection is gone has its requests aborted.
 
 A step that fails aborts every request (the clients get an EngineCoreFailure naming
 them); one that fails because a worker died or is stuck is fatal: every client hears so,
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import time
 from collections.abc import Callable
@@ -42,6 +44,7 @@ from zmqworker.engine.client_outputs import client_outputs
 from zmqworker.engine.core import EngineCore
 from zmqworker.engine.core_clients import Client, Clients
 from zmqworker.engine.core_limits import engine_core_limits
+from zmqworker.engine.load_reports import LoadReports
 from zmqworker.engine.request import FinishReason, Request
 from zmqworker.engine.request_message import request_of
 from zmqworker.engine.utility import EngineCoreUtilities, call_utility, waits_for_steps
@@ -71,6 +74,7 @@ class EngineCoreServer:
         self.config = config
         self.index = config.engine_index
         self.clients = Clients(config.token)
+        self.reports = LoadReports(self.index)
         self.drops = DropCounter(log, f"messages at engine core {self.index}")
         self.core: EngineCore | None = None
         self.exit_status = 0
@@ -147,6 +151,7 @@ class EngineCoreServer:
 
     def _loop(self, core: EngineCore) -> None:
         while not self._stop:
+            self.reports.send(core.stats(), self.clients.by_identity.values(), self._send_frames)
             idle = not core.has_work()
             self._take_inputs(wait=idle)
             lost = core.executor.failure if idle and not self._stop else None
@@ -177,20 +182,12 @@ class EngineCoreServer:
             self._fail_requests(lost or exc, fatal=lost is not None)
             return
         for request, reason in self.core.take_failed():  # their grammar did not compile
-            client = self.clients.forget_request(request.req_id)
-            if client is not None:
-                failure = EngineCoreFailure(self.index, [request.req_id], "ValueError", reason)
-                self._send(client, failure)
+            self._fail_one(request.req_id, "ValueError", reason)
         declined = self.core.scheduler.declined  # the scheduler's outbox
         while declined:  # not run, for a prefill instance (Request.declines)
             request = declined.popleft()
-            client = self.clients.forget_request(request.req_id)
-            if client is not None:
-                assert request.error is not None  # why, from the scheduler
-                failure = EngineCoreFailure(
-                    self.index, [request.req_id], PROMPT_NOT_CACHED, request.error
-                )
-                self._send(client, failure)
+            assert request.error is not None  # why, from the scheduler
+            self._fail_one(request.req_id, PROMPT_NOT_CACHED, request.error)
         # Each client's requests, each once (a step may change one twice), in order.
         by_client: dict[bytes, dict[str, Request]] = {}
         owners = self.clients.owners
@@ -199,11 +196,8 @@ class EngineCoreServer:
             if client is None:
                 continue  # its client is gone, or aborted it while the step ran
             if request.finish_reason is FinishReason.ABORT:  # no remote KV, or grammar refused
-                self.clients.forget_request(request.req_id)
                 reason = request.error or "aborted by the engine core"
-                self._send(
-                    client, EngineCoreFailure(self.index, [request.req_id], "RuntimeError", reason)
-                )
+                self._fail_one(request.req_id, "RuntimeError", reason)
                 continue
             by_client.setdefault(client.identity, {})[request.req_id] = request
             if request.is_finished:
@@ -215,13 +209,19 @@ class EngineCoreServer:
             client = self.clients.by_identity.get(identity)
             if client is not None:
                 self._send(client, client_outputs(self.index, requests.values(), stats))
+                self.reports.told(client, stats)
+
+    def _fail_one(self, request_id: str, exc_type: str, reason: str) -> None:
+        """A request that failed alone: out of its client's, which is told (if any)."""
+        client = self.clients.forget_request(request_id)
+        if client is not None:
+            self._send(client, EngineCoreFailure(self.index, [request_id], exc_type, reason))
 
     def _take_inputs(self, wait: bool) -> None:
-        if wait:
+        if wait:  # until a client sends, or a probe or a held-back load report is due
             now = time.monotonic()
-            probe_in = self.clients.next_probe_in(now)
-            timeout = IDLE_WAIT_S if probe_in is None else min(IDLE_WAIT_S, probe_in)
-            self._poller.poll(round(timeout * 1000))
+            due = [IDLE_WAIT_S, self.clients.next_probe_in(now), self.reports.next_in(now)]
+            self._poller.poll(math.ceil(min(d for d in due if d is not None) * 1000))
         self._read_monitor()
         for client in self.clients.probe(self._sock, time.monotonic()):
             self._drop_client(client)

@@ -285,8 +285,7 @@ class EngineCoreClient:
         for engine in self.engines:
             if engine.dead is None:
                 self._read(engine, events)
-                refused = engine.watch(now)
-                if refused is not None:
+                if (refused := engine.watch(now)) is not None:
                     self._lose(engine, EngineCoreDiedError(engine.index, refused), events)
                 elif engine.disconnected_at == now and self._loop and not self._loop.is_closed():
                     self._loop.call_later(LOST_GRACE_S, self._schedule_dispatch)
@@ -295,9 +294,8 @@ class EngineCoreClient:
             if engine.dead is None:
                 self._read(engine, events)  # what it sent before it went
             if engine.dead is None:
-                self._lose(
-                    engine, EngineCoreDiedError(engine.index, engine.handle.how_it_ended()), events
-                )
+                ended = EngineCoreDiedError(engine.index, engine.handle.how_it_ended())
+                self._lose(engine, ended, events)
         for engine in self.engines:
             gone = engine.why_gone(now) if engine.dead is None else None
             if gone is not None:
@@ -316,7 +314,9 @@ class EngineCoreClient:
                 self._on_malformed(engine, exc, events)
                 continue
             self._received += 1
-            if isinstance(msg, EngineCoreOutputs):
+            if isinstance(msg, EngineCoreOutputs) and not msg.request_ids:
+                engine.report(msg.stats)  # its load alone (load_reports.py): no event
+            elif isinstance(msg, EngineCoreOutputs):
                 self._on_outputs(engine, msg, events)
             elif isinstance(msg, EngineCoreFailure):
                 self._on_failure(engine, msg, events)

@@ -101,12 +101,15 @@ class EngineConnection:
         return self.reported_load + self.sent_since_report
 
     def report(self, stats: EngineCoreStats) -> None:
+        """The engine core's stats (with outputs, or alone). One it made before this
+        client's latest requests came in leaves them out until the next one, which their
+        first outputs, or the change in its load (load_reports.py), bring soon after."""
         self.reported_load = stats.num_running + stats.num_waiting
         self.sent_since_report = 0
 
     def aborted(self, count: int) -> None:
-        """count of this client's requests there were aborted: out of its load now (the
-        engine core tells a client of its load only with outputs for it)."""
+        """count of this client's requests there were aborted: out of its load now, not
+        once the engine core's next report comes (load_reports.py)."""
         since = min(count, self.sent_since_report)
         self.sent_since_report -= since
         self.reported_load = max(0, self.reported_load - (count - since))
