@@ -2,8 +2,8 @@
 max_tokens (the room its own length leaves, and the model's generation_config bound, as
 vLLM's), the legacy logprobs' top entries with the sampled token, structured-output
 constraints that are empty but set, a chat template that refuses a conversation; and
-what vLLM takes or refuses: add_special_tokens, echo's logprobs, stream_options, the
-bounds of temperature and logprobs, an assistant's reasoning."""
+what vLLM takes or refuses: add_special_tokens, truncate_prompt_tokens, echo's logprobs,
+stream_options, the bounds of temperature and logprobs, an assistant's reasoning."""
 
 from __future__ import annotations
 
@@ -16,9 +16,11 @@ import pytest
 from messages import SamplingParams, StructuredOutputsParams
 from tests.engine_helpers import byte_level_tokenizer
 from zmqworker.engine.model_folder import TextSide
+from zmqworker.engine.prompts import prompt_token_ids
 from zmqworker.frontend.frontend import Frontend
 from zmqworker.frontend.outputs import PositionLogprobs, RequestOutput, RequestTimings, TokenLogprob
 from zmqworker.serve.body import decode_body
+from zmqworker.serve.chat import _prompt as _chat_prompt
 from zmqworker.serve.chat_messages import ChatMessage
 from zmqworker.serve.completions import _choice_logprobs, _Echo, _encode, _logprobs, prompt_params
 from zmqworker.serve.errors import APIError
@@ -124,8 +126,11 @@ class Encoding(StandIn):
 
     tokenizer = BosTokenizer()
 
-    def encode(self, prompt: str | list[int]) -> list[int]:
-        return self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+    def encode(self, prompt: str | list[int], keep: int | None = None) -> list[int]:
+        return prompt_token_ids(prompt, self.tokenizer, self.max_model_len, None, keep)
+
+    def chat_prompt(self, messages: list[dict], **options: Any) -> str:
+        return "".join(m["content"] for m in messages)
 
 
 def test_add_special_tokens_false_reaches_the_tokenizer():
@@ -138,6 +143,36 @@ def test_add_special_tokens_false_reaches_the_tokenizer():
         json_bytes({"prompt": [1, 72], "echo": True, "logprobs": 0}), CompletionRequest
     )
     assert _encode(llm, echoed)[1][0].text == "<s>H" and _encode(llm, echoed)[1][0].first == "<s>"
+
+
+def test_truncate_prompt_tokens_keeps_a_prompt_s_last_tokens():
+    """vLLM's truncate_prompt_tokens (-1: up to max_model_len), cut before the length is
+    checked, in both endpoints; echo shows what the model saw. It was refused."""
+    llm = cast(Frontend, Encoding(8))
+
+    def encoded(**body: Any) -> tuple[list[list[int]], list[_Echo]]:
+        body = {"prompt": list(range(10, 22)), **body}
+        return _encode(llm, decode_body(json_bytes(body), CompletionRequest))
+
+    assert encoded(truncate_prompt_tokens=3)[0] == [[19, 20, 21]]
+    assert encoded(truncate_prompt_tokens=-1)[0] == [list(range(14, 22))]
+    prompts, echoes = encoded(prompt="Hello", truncate_prompt_tokens=2, echo=True)
+    assert prompts == [[108, 111]] and echoes[0].text == "lo"
+    chat = {"messages": [{"role": "user", "content": "Hello there"}], "truncate_prompt_tokens": 4}
+    assert _chat_prompt(llm, decode_body(json_bytes(chat), ChatCompletionRequest)) == [
+        ord(c) for c in "here"
+    ]
+    with pytest.raises(APIError, match="the prompt has 12 tokens") as caught:
+        encoded()
+    assert caught.value.param == "prompt"
+    for bad in (0, -2, 9):
+        with pytest.raises(APIError, match=f"-1 or from 1 to max_model_len=8, got {bad}") as caught:
+            encoded(truncate_prompt_tokens=bad)
+        assert caught.value.param == "truncate_prompt_tokens"
+        with pytest.raises(APIError) as caught:
+            _chat_prompt(llm, decode_body(json_bytes({**chat, "truncate_prompt_tokens": bad}),
+                                          ChatCompletionRequest))  # fmt: skip
+        assert caught.value.param == "truncate_prompt_tokens"
 
 
 def test_echo_puts_the_prompt_s_positions_first_the_first_without_logprobs():

@@ -78,10 +78,15 @@ def check_text(text: str, what: str, from_bytes: bool = False) -> None:
 
 
 def prompt_token_ids(
-    prompt: Prompt, tokenizer: Any, max_model_len: int, vocab_size: int | None
+    prompt: Prompt,
+    tokenizer: Any,
+    max_model_len: int,
+    vocab_size: int | None,
+    keep: int | None = None,
 ) -> list[int]:
     """The prompt's token ids (text goes through the tokenizer): not empty, within
-    max_model_len and the vocabulary."""
+    max_model_len and the vocabulary; keep: only the last keep of them (kept_tokens),
+    cut before the length is checked."""
     prompt = unwrap_prompt(prompt)
     if isinstance(prompt, str):
         if not prompt:
@@ -96,6 +101,8 @@ def prompt_token_ids(
         raise ValueError(f"a prompt is a str or a list of token ids, got {prompt!r:.80}")
     if not token_ids:
         raise ValueError("the prompt is empty")
+    if keep is not None:
+        token_ids = token_ids[-keep:]
     if len(token_ids) > max_model_len:
         raise ValueError(
             f"the prompt has {len(token_ids)} tokens, more than max_model_len={max_model_len}"
@@ -105,6 +112,21 @@ def prompt_token_ids(
         if bad:
             raise ValueError(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})")
     return token_ids
+
+
+def kept_tokens(truncate_prompt_tokens: int | None, max_model_len: int) -> int | None:
+    """How many of a prompt's last tokens vLLM's truncate_prompt_tokens keeps (-1: up to
+    max_model_len); None: the whole prompt."""
+    if truncate_prompt_tokens is None:
+        return None
+    if truncate_prompt_tokens == -1:
+        return max_model_len
+    if not 1 <= truncate_prompt_tokens <= max_model_len:
+        raise ValueError(
+            f"truncate_prompt_tokens must be -1 or from 1 to max_model_len={max_model_len}, "
+            f"got {truncate_prompt_tokens}"
+        )
+    return truncate_prompt_tokens
 
 
 def is_token_ids(value: object) -> bool:

@@ -217,10 +217,11 @@ class Frontend(ControlMethods):
         server's metrics)."""
         self._observers.append(observer)
 
-    def encode(self, prompt: Prompt) -> list[int]:
+    def encode(self, prompt: Prompt, keep: int | None = None) -> list[int]:
         """The prompt's token ids (text goes through the tokenizer), checked against the
-        model: not empty, within max_model_len and the vocabulary."""
-        return self._new.encode(prompt)
+        model: not empty, within max_model_len and the vocabulary; keep: only the last
+        keep (engine/prompts.kept_tokens)."""
+        return self._new.encode(prompt, keep)
 
     def check_health(self, timeout: float = HEALTH_TIMEOUT_S) -> None:
         """Raise if an engine core or one of its workers does not answer within timeout

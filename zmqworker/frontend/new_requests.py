@@ -41,10 +41,11 @@ class NewRequests:
         # independent clients (two servers, an LLM) may share an engine core.
         self._id_prefix = f"req-{secrets.token_hex(4)}-{client_index}-"
 
-    def encode(self, prompt: Prompt) -> list[int]:
+    def encode(self, prompt: Prompt, keep: int | None = None) -> list[int]:
         """The prompt's token ids (text goes through the tokenizer), checked against the
-        model: not empty, within max_model_len and the vocabulary."""
-        return prompt_token_ids(prompt, self.tokenizer, self.max_model_len, self.vocab_size)
+        model: not empty, within max_model_len and the vocabulary; keep: only the last
+        keep (engine/prompts.kept_tokens)."""
+        return prompt_token_ids(prompt, self.tokenizer, self.max_model_len, self.vocab_size, keep)
 
     def make(
         self,

@@ -11,6 +11,7 @@ from typing import Any
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.requests import Request as HTTPRequest
 
+from zmqworker.engine.prompts import kept_tokens
 from zmqworker.frontend.frontend import Frontend
 from zmqworker.frontend.outputs import PositionLogprobs, RequestOutput, TokenLogprob, json_logprob
 from zmqworker.serve.errors import APIError
@@ -80,6 +81,10 @@ def _prompt(llm: Frontend, body: ChatCompletionRequest) -> list[int]:
     """The conversation's token ids through the chat template, checked against the model
     (text work: in the text pool)."""
     try:
+        keep = kept_tokens(body.truncate_prompt_tokens, llm.max_model_len)
+    except ValueError as exc:
+        raise APIError.from_value_error(exc, param="truncate_prompt_tokens") from None
+    try:
         prompt = llm.chat_prompt(
             [m.as_template_message() for m in body.messages],
             add_generation_prompt=body.add_generation_prompt,
@@ -88,7 +93,7 @@ def _prompt(llm: Frontend, body: ChatCompletionRequest) -> list[int]:
             chat_template_kwargs=body.chat_template_kwargs,
             tools=body.template_tools(),
         )
-        return llm.encode(prompt)
+        return llm.encode(prompt, keep)
     except ValueError as exc:
         named = re.match(r"\w+", str(exc))
         option = named.group() if named else None

@@ -14,7 +14,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.requests import Request as HTTPRequest
 
 from messages import SamplingParams
-from zmqworker.engine.prompts import check_text
+from zmqworker.engine.prompts import check_text, kept_tokens
 from zmqworker.frontend.frontend import Frontend
 from zmqworker.frontend.outputs import PositionLogprobs, RequestOutput, json_logprob
 from zmqworker.frontend.request_params import max_tokens_for
@@ -162,13 +162,19 @@ def _encode(llm: Frontend, body: CompletionRequest) -> tuple[list[list[int]], li
     completion (text work: in the text pool)."""
     prompts, echoes = [], []
     special = body.with_special_tokens()
+    try:
+        keep = kept_tokens(body.truncate_prompt_tokens, llm.max_model_len)
+    except ValueError as exc:
+        raise APIError.from_value_error(exc, param="truncate_prompt_tokens") from None
     for name, prompt in body.named_prompts():
         try:
-            token_ids = llm.encode(_tokenized(llm, prompt, special))
+            token_ids = llm.encode(_tokenized(llm, prompt, special), keep)
         except ValueError as exc:
             raise APIError.from_value_error(exc, param=name) from None
         prompts.append(token_ids)
-        echoes.append(_echo(llm, body, prompt, token_ids) if body.echo else _Echo())
+        # What the model saw: a truncated prompt's echo is its kept tokens' text.
+        seen = prompt if keep is None else token_ids
+        echoes.append(_echo(llm, body, seen, token_ids) if body.echo else _Echo())
     return prompts, echoes
 
 

@@ -81,6 +81,8 @@ class SamplingRequest(StructuredFields, forbid_unknown_fields=True, kw_only=True
     prompt_logprobs: Annotated[int, Meta(ge=-1, le=INT32_MAX)] | None = None  # -1: refused by name
     add_special_tokens: bool | None = None  # default: true for completions, false for chat
     request_id: str | None = None  # names the response where no X-Request-Id header does
+    # vLLM's: keep the prompt's last k tokens (-1: up to max_model_len; engine/prompts.py).
+    truncate_prompt_tokens: int | None = None
     # vLLM's, taken where they change nothing of the output (unsupported.py).
     spaces_between_special_tokens: bool | None = None
     # vLLM's, refused unless neutral (unsupported.py).
@@ -88,7 +90,6 @@ class SamplingRequest(StructuredFields, forbid_unknown_fields=True, kw_only=True
     length_penalty: float | None = None
     priority: int | None = None
     cache_salt: str | None = None
-    truncate_prompt_tokens: int | None = None
     allowed_token_ids: list[int] | None = None
     logits_processors: list[Any] | None = None
     return_tokens_as_token_ids: bool | None = None

@@ -49,10 +49,6 @@ UNSUPPORTED: Refusals = {
         _null,
         "cache_salt is not supported: the prefix cache is shared by every request",
     ),
-    "truncate_prompt_tokens": (
-        _null,
-        "truncate_prompt_tokens is not supported: a prompt is taken whole",
-    ),
     "allowed_token_ids": (
         _null,
         "allowed_token_ids is not supported: give logit_bias or structured_outputs",
