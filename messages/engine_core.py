@@ -5,7 +5,8 @@ the executor over its workers (docs/protocol.md, "Clients and the engine core").
 A client connects a DEALER to the engine core's ROUTER and says EngineCoreHello; the
 engine core answers EngineCoreReady once its workers are up. Requests and aborts go in;
 outputs come out batched per step, one EngineCoreOutputs per client that has requests in
-the step. Utility calls (health, stats, the admin calls) are matched by call id.
+the step (one with no requests is a load report: the stats alone). Utility calls
+(health, stats, the admin calls) are matched by call id.
 """
 
 from __future__ import annotations
@@ -202,7 +203,8 @@ class EngineCoreOutputs(msgspec.Struct, tag=True, omit_defaults=True):
     token each, the decode step's common case). What only some requests have is sparse,
     by position in request_ids, in increasing order: how those that ended did, the first
     outputs' prefix-cache hits and queue times, logprobs, prompt logprobs (with a first
-    output). stats: the engine core after the step."""
+    output). stats: the engine core after the step. With no request_ids, a load report:
+    the engine core's stats now, sent to a client that last heard another load."""
 
     engine_index: NonNegative
     request_ids: list[str]

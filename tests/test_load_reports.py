@@ -10,14 +10,16 @@ import numpy as np
 import pytest
 
 from messages import (
+    PROTOCOL_VERSION,
     Decoder,
+    EngineCoreHello,
     EngineCoreOutputs,
     EngineCoreRequest,
     EngineCoreStats,
     SamplingParams,
 )
 from tests.test_engine_core import fake_llm, fake_model, second_client  # noqa: F401 (fixtures)
-from zmqworker.engine.core_clients import Client
+from zmqworker.engine.core_clients import Client, Clients
 from zmqworker.engine.load_reports import LoadReports
 from zmqworker.frontend.core_client import EngineCoreClient
 
@@ -51,6 +53,22 @@ def test_a_client_hears_each_change_at_most_once_per_interval() -> None:
     reports.send(stats(1), [a, b], send)  # b's last change, held back, goes now
     assert [to for to, _ in sent] == [b"b", b"a", b"b"] and sent[-1][1].stats == stats(1)
     assert reports.next_in(time.monotonic()) is None
+
+
+def test_a_client_silent_past_the_active_window_hears_nothing_until_it_sends() -> None:
+    """A client that does not read (an LLM between calls) would hold every report."""
+    reports = LoadReports(0, every_s=0.0, active_s=0.1)
+    clients = Clients("token")
+    hello = EngineCoreHello(PROTOCOL_VERSION, "token", 1)
+    quiet = clients.admit(b"q", hello)
+    assert quiet is not None
+    sent: list[bytes] = []
+    time.sleep(0.15)
+    reports.send(stats(4), [quiet], lambda client, frames: sent.append(client.identity))
+    assert sent == [] and reports.next_in(time.monotonic()) is None
+    assert clients.heard_from(b"q") is quiet  # it sent something: it hears the load again
+    reports.send(stats(4), [quiet], lambda client, frames: sent.append(client.identity))
+    assert sent == [b"q"] and quiet.told_load == 4
 
 
 def wait_for_load(client: EngineCoreClient, load: int, timeout: float = 10.0) -> None:

@@ -147,7 +147,7 @@ def test_add_special_tokens_false_reaches_the_tokenizer():
 
 def test_truncate_prompt_tokens_keeps_a_prompt_s_last_tokens():
     """vLLM's truncate_prompt_tokens (-1: up to max_model_len), cut before the length is
-    checked, in both endpoints; echo shows what the model saw. It was refused."""
+    checked, in both endpoints. It was refused."""
     llm = cast(Frontend, Encoding(8))
 
     def encoded(**body: Any) -> tuple[list[list[int]], list[_Echo]]:
@@ -157,7 +157,8 @@ def test_truncate_prompt_tokens_keeps_a_prompt_s_last_tokens():
     assert encoded(truncate_prompt_tokens=3)[0] == [[19, 20, 21]]
     assert encoded(truncate_prompt_tokens=-1)[0] == [list(range(14, 22))]
     prompts, echoes = encoded(prompt="Hello", truncate_prompt_tokens=2, echo=True)
-    assert prompts == [[108, 111]] and echoes[0].text == "lo"
+    assert prompts == [[108, 111]] and echoes[0].text == "Hello"  # the text given, as vLLM's
+    assert encoded(prompt="Hi", truncate_prompt_tokens=5, echo=True)[1][0].text == "Hi"
     chat = {"messages": [{"role": "user", "content": "Hello there"}], "truncate_prompt_tokens": 4}
     assert _chat_prompt(llm, decode_body(json_bytes(chat), ChatCompletionRequest)) == [
         ord(c) for c in "here"

@@ -11,6 +11,7 @@ are aborted.
 from __future__ import annotations
 
 import hmac
+import time
 from dataclasses import dataclass, field
 
 import zmq
@@ -30,6 +31,7 @@ class Client:
     request_ids: set[str] = field(default_factory=set)
     told_load: int = 0  # the engine core's load as this client last heard it (load_reports.py)
     next_report_at: float = 0.0  # its next stats-only report is not sent before
+    heard_at: float = field(default_factory=time.monotonic)  # its last message came then
 
     def __str__(self) -> str:
         return f"client {self.index} (pid {self.pid})"
@@ -69,6 +71,13 @@ class Clients:
             f"engine core {engine_index} speaks protocol version {PROTOCOL_VERSION}, not {version}"
         )
         return EngineCoreFailure(engine_index, [], "ProtocolError", text, fatal=True)
+
+    def heard_from(self, identity: bytes) -> Client | None:
+        """The client of identity, if it said hello, marked as heard from now."""
+        client = self.by_identity.get(identity)
+        if client is not None:
+            client.heard_at = time.monotonic()
+        return client
 
     def add_request(self, client: Client, request_id: str) -> None:
         client.request_ids.add(request_id)

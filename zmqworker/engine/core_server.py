@@ -253,7 +253,7 @@ class EngineCoreServer:
                 with contextlib.suppress(zmq.ZMQError):  # gone already
                     send_frames(self._sock, (identity, *self._enc.encode(refusal)), zmq.NOBLOCK)
             return
-        client = self.clients.by_identity.get(identity)
+        client = self.clients.heard_from(identity)
         if isinstance(msg, EngineCoreHello):
             self._hello(identity, msg)
         elif client is None:

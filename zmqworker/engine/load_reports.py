@@ -7,7 +7,9 @@ clients whose requests they are: a client with no request here would never hear 
 load the others put on it. So whenever the load differs from what a client last heard,
 the engine core sends it an EngineCoreOutputs of no request with the stats now: at most
 one every REPORT_EVERY_S per client, and the last change always (next_in bounds the
-idle loop's wait until the next one due).
+idle loop's wait until the next one due). Only to a client heard from within ACTIVE_S:
+one that does not read meanwhile (an LLM between calls) would hold every report, and a
+client that sends again hears the load then.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from messages import Encoder, EngineCoreOutputs, EngineCoreStats
 from zmqworker.engine.core_clients import Client
 
 REPORT_EVERY_S = 0.05
+ACTIVE_S = 30.0
 _NO_TOKENS = np.zeros(0, np.int32)
 
 
@@ -29,9 +32,12 @@ def load_of(stats: EngineCoreStats) -> int:
 
 
 class LoadReports:
-    def __init__(self, engine_index: int, every_s: float = REPORT_EVERY_S) -> None:
+    def __init__(
+        self, engine_index: int, every_s: float = REPORT_EVERY_S, active_s: float = ACTIVE_S
+    ) -> None:
         self.engine_index = engine_index
         self.every_s = every_s
+        self.active_s = active_s
         self._enc = Encoder()
         self._next_at: float | None = None  # the earliest report held back, if any
 
@@ -46,12 +52,12 @@ class LoadReports:
         clients: Iterable[Client],
         send_frames: Callable[[Client, list], None],
     ) -> None:
-        """Report stats to each client that last heard another load and had no report
-        within every_s; those held back are due at next_in(). Every client is looked at
-        before the first send (which may drop one)."""
+        """Report stats to each client heard from within active_s that last heard another
+        load and had no report within every_s; those held back are due at next_in().
+        Every client is looked at before the first send (which may drop one)."""
         now, load, due, held = time.monotonic(), load_of(stats), [], []
         for client in clients:
-            if client.told_load != load:
+            if client.told_load != load and now - client.heard_at <= self.active_s:
                 (due if now >= client.next_report_at else held).append(client)
         self._next_at = min((c.next_report_at for c in held), default=None)
         if due:

@@ -172,9 +172,7 @@ def _encode(llm: Frontend, body: CompletionRequest) -> tuple[list[list[int]], li
         except ValueError as exc:
             raise APIError.from_value_error(exc, param=name) from None
         prompts.append(token_ids)
-        # What the model saw: a truncated prompt's echo is its kept tokens' text.
-        seen = prompt if keep is None else token_ids
-        echoes.append(_echo(llm, body, seen, token_ids) if body.echo else _Echo())
+        echoes.append(_echo(llm, body, prompt, token_ids) if body.echo else _Echo())
     return prompts, echoes
 
 
