@@ -270,10 +270,10 @@ def test_an_assistant_s_reasoning_reaches_the_template_as_vllm_s_does():
             {"role": "assistant", "content": "Hi", field: "Thought."}, ChatMessage
         )
         message.check("messages[1]")
-        made = message.as_template_message()
+        made = message.as_openai_message()
         assert made["reasoning"] == made["reasoning_content"] == "Thought."
     user = msgspec.convert({"role": "user", "content": "Hi", "reasoning": "x"}, ChatMessage)
     with pytest.raises(APIError, match="only an assistant message carries reasoning"):
         user.check("messages[0]")
     null = msgspec.convert({"role": "assistant", "content": "Hi", "reasoning": None}, ChatMessage)
-    assert "reasoning" not in null.as_template_message()
+    assert "reasoning" not in null.as_openai_message()

@@ -140,7 +140,8 @@ def is_token_ids(value: object) -> bool:
 
 def template_messages(messages: Sequence[Any]) -> list[Any]:
     """A conversation in OpenAI's shape as a chat template takes it, for LLM.chat and the
-    server alike (serve/chat_messages.py passes its decoded messages): content None (an
+    server alike (Frontend.chat_prompt; the server's messages are decoded into that shape
+    by serve/chat_messages.py): content None (an
     assistant's tool calls only) as "", a list of text parts joined by newlines, the
     "developer" role as "system", a tool call's JSON arguments as an object. The caller's
     messages are not changed; what is not a dict is left for the check to refuse."""

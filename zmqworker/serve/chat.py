@@ -86,7 +86,7 @@ def _prompt(llm: Frontend, body: ChatCompletionRequest) -> list[int]:
         raise APIError.from_value_error(exc, param="truncate_prompt_tokens") from None
     try:
         prompt = llm.chat_prompt(
-            [m.as_template_message() for m in body.messages],
+            [m.as_openai_message() for m in body.messages],
             add_generation_prompt=body.add_generation_prompt,
             add_special_tokens=body.add_special_tokens is True,  # vLLM's default for chat
             continue_final_message=body.continue_final_message,

@@ -12,7 +12,6 @@ from typing import Any
 
 from msgspec import Struct
 
-from zmqworker.engine.prompts import template_messages
 from zmqworker.serve.errors import APIError
 from zmqworker.serve.unsupported import MESSAGE_UNSUPPORTED, refuse_unsupported, unsupported_part
 
@@ -98,10 +97,10 @@ class ChatMessage(Struct, forbid_unknown_fields=True):
             if part.text is None:
                 raise APIError(f"{at}.text is required in a text part", param=f"{at}.text")
 
-    def as_template_message(self) -> dict[str, Any]:
-        """The message as a chat template takes it, by the rules LLM.chat's messages
-        follow (engine/prompts.template_messages: "developer" as the system role, text
-        parts joined, a call's arguments as an object), its reasoning under both names."""
+    def as_openai_message(self) -> dict[str, Any]:
+        """The message as a dict in OpenAI's shape, as LLM.chat takes it (Frontend's
+        chat_prompt gives it to the template by engine/prompts.template_messages' rules),
+        its reasoning under both names."""
         message: dict[str, Any] = {"role": self.role, "content": self.content}
         if isinstance(self.content, list):
             message["content"] = [{"type": "text", "text": part.text} for part in self.content]
@@ -116,7 +115,7 @@ class ChatMessage(Struct, forbid_unknown_fields=True):
         reasoning = self.reasoning if self.reasoning is not None else self.reasoning_content
         if reasoning is not None:
             message["reasoning"] = message["reasoning_content"] = reasoning
-        return template_messages([message])[0]
+        return message
 
 
 def _arguments(call: ToolCall, where: str) -> dict[str, Any]:

@@ -67,7 +67,7 @@ def tokenize(llm: Frontend, body: TokenizeRequest) -> dict[str, Any]:
     """The answer to /tokenize (text work: in the text pool)."""
     tokenizer = _tokenizer(llm)
     if body.messages is not None:
-        messages = [m.as_template_message() for m in body.messages]
+        messages = [m.as_openai_message() for m in body.messages]
         try:
             tokens = llm.chat_prompt(
                 messages,
