@@ -5,6 +5,7 @@ the load the others put there, and balances by it."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -20,7 +21,7 @@ from messages import (
 )
 from tests.test_engine_core import fake_llm, fake_model, second_client  # noqa: F401 (fixtures)
 from zmqworker.engine.core_clients import Client, Clients
-from zmqworker.engine.load_reports import LoadReports
+from zmqworker.engine.load_reports import LoadReports, load_of
 from zmqworker.frontend.core_client import EngineCoreClient
 
 LONG = SamplingParams(max_tokens=5000, ignore_eos=True)  # ten seconds or more: aborted
@@ -28,6 +29,11 @@ LONG = SamplingParams(max_tokens=5000, ignore_eos=True)  # ten seconds or more: 
 
 def stats(running: int, waiting: int = 0) -> EngineCoreStats:
     return EngineCoreStats(running, waiting, 64, 64, 0, 0)
+
+
+def now(report: EngineCoreStats) -> tuple[int, Callable[[], EngineCoreStats]]:
+    """LoadReports.send's load and stats for an engine core whose stats are report."""
+    return load_of(report), lambda: report
 
 
 def test_a_client_hears_each_change_at_most_once_per_interval() -> None:
@@ -38,19 +44,19 @@ def test_a_client_hears_each_change_at_most_once_per_interval() -> None:
     def send(client: Client, frames: list) -> None:
         sent.append((client.identity, Decoder().decode(frames)))
 
-    reports.send(stats(0), [a, b], send)
+    reports.send(*now(stats(0)), [a, b], send)
     assert sent == [] and reports.next_in(time.monotonic()) is None  # both heard 0
     reports.told(a, stats(2, 1))  # with a's outputs
-    reports.send(stats(2, 1), [a, b], send)
+    reports.send(*now(stats(2, 1)), [a, b], send)
     [(to, msg)] = sent
     assert to == b"b" and msg.engine_index == 3 and msg.request_ids == []
     assert len(msg.new_token_ids) == 0 and msg.stats == stats(2, 1)
-    reports.send(stats(1), [a, b], send)  # a is due; b heard one just now
+    reports.send(*now(stats(1)), [a, b], send)  # a is due; b heard one just now
     assert [to for to, _ in sent] == [b"b", b"a"]
     wait = reports.next_in(time.monotonic())
     assert wait is not None and 0.1 < wait <= 0.2
     time.sleep(wait)
-    reports.send(stats(1), [a, b], send)  # b's last change, held back, goes now
+    reports.send(*now(stats(1)), [a, b], send)  # b's last change, held back, goes now
     assert [to for to, _ in sent] == [b"b", b"a", b"b"] and sent[-1][1].stats == stats(1)
     assert reports.next_in(time.monotonic()) is None
 
@@ -64,10 +70,10 @@ def test_a_client_silent_past_the_active_window_hears_nothing_until_it_sends() -
     assert quiet is not None
     sent: list[bytes] = []
     time.sleep(0.15)
-    reports.send(stats(4), [quiet], lambda client, frames: sent.append(client.identity))
+    reports.send(*now(stats(4)), [quiet], lambda client, frames: sent.append(client.identity))
     assert sent == [] and reports.next_in(time.monotonic()) is None
     assert clients.heard_from(b"q") is quiet  # it sent something: it hears the load again
-    reports.send(stats(4), [quiet], lambda client, frames: sent.append(client.identity))
+    reports.send(*now(stats(4)), [quiet], lambda client, frames: sent.append(client.identity))
     assert sent == [b"q"] and quiet.told_load == 4
 
 

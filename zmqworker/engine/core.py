@@ -184,6 +184,17 @@ class EngineCore:
         """Requests not finished: in the scheduler, or waiting for their grammar."""
         return self.scheduler.num_unfinished + (len(self.structured) if self.structured else 0)
 
+    @property
+    def num_waiting(self) -> int:
+        """Requests waiting to run: in the queue, or for their grammar."""
+        return len(self.scheduler.waiting) + (len(self.structured) if self.structured else 0)
+
+    @property
+    def load(self) -> int:
+        """Running and waiting requests, what clients balance by (the stats' num_running
+        and num_waiting), without building the stats."""
+        return len(self.scheduler.running) + self.num_waiting
+
     def has_work(self) -> bool:
         """Whether step() has anything to do: unfinished requests (or KV transfers whose
         end steps must hear of) or steps in flight."""
@@ -251,11 +262,10 @@ class EngineCore:
     def stats(self) -> EngineCoreStats:
         """Requests and KV cache blocks now."""
         kv = self.block_manager
-        compiling = len(self.structured) if self.structured else 0
         tier, connector = kv.host_tier, self.kv_connector
         return EngineCoreStats(
             num_running=len(self.scheduler.running),
-            num_waiting=len(self.scheduler.waiting) + compiling,
+            num_waiting=self.num_waiting,
             num_blocks=kv.num_blocks,
             num_free_blocks=kv.num_free_blocks,
             num_preemptions=self.scheduler.num_preemptions,

@@ -3,10 +3,9 @@
 Between two steps it takes in what its clients sent (requests, aborts, utility calls;
 without waiting while it has work, blocking while it has none), then runs a step
 (schedule, send, take outputs, update) and sends each client the outputs of its own
-requests with the stats, one message per client per step; a client that last heard
-another load gets the stats alone (load_reports.py). The engine core never waits for a
-client: outputs queue in the socket (no high-water mark) for as long as the client's
-connection lives, and a client whose connection is gone has its requests aborted.
+requests with the stats, one message per client per step (load_reports.py: the stats
+alone to others). It never waits for a client: outputs queue in the socket (no high-water
+mark) while its connection lives; a client whose connection is gone has its requests aborted.
 
 A step that fails aborts every request (the clients get an EngineCoreFailure naming
 them); one that fails because a worker died or is stuck is fatal: every client hears so,
@@ -151,7 +150,8 @@ class EngineCoreServer:
 
     def _loop(self, core: EngineCore) -> None:
         while not self._stop:
-            self.reports.send(core.stats(), self.clients.by_identity.values(), self._send_frames)
+            clients = self.clients.by_identity.values()
+            self.reports.send(core.load, core.stats, clients, self._send_frames)
             idle = not core.has_work()
             self._take_inputs(wait=idle)
             lost = core.executor.failure if idle and not self._stop else None

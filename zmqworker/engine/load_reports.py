@@ -48,20 +48,22 @@ class LoadReports:
 
     def send(
         self,
-        stats: EngineCoreStats,
+        load: int,
+        stats: Callable[[], EngineCoreStats],
         clients: Iterable[Client],
         send_frames: Callable[[Client, list], None],
     ) -> None:
-        """Report stats to each client heard from within active_s that last heard another
-        load and had no report within every_s; those held back are due at next_in().
-        Every client is looked at before the first send (which may drop one)."""
-        now, load, due, held = time.monotonic(), load_of(stats), [], []
+        """Report stats() (the load now, load) to each client heard from within active_s
+        that last heard another load and had no report within every_s; those held back
+        are due at next_in(). The stats are built only for a report that goes. Every
+        client is looked at before the first send (which may drop one)."""
+        now, due, held = time.monotonic(), [], []
         for client in clients:
             if client.told_load != load and now - client.heard_at <= self.active_s:
                 (due if now >= client.next_report_at else held).append(client)
         self._next_at = min((c.next_report_at for c in held), default=None)
         if due:
-            frames = self._enc.encode(EngineCoreOutputs(self.engine_index, [], _NO_TOKENS, stats))
+            frames = self._enc.encode(EngineCoreOutputs(self.engine_index, [], _NO_TOKENS, stats()))
             for client in due:
                 client.told_load, client.next_report_at = load, now + self.every_s
                 send_frames(client, frames)

@@ -75,19 +75,14 @@ def max_tokens_for(
     return min(b for b in bounds if b is not None)
 
 
-def until_full(params: SamplingParams) -> bool:
-    """True for max_tokens=None: generate until the context is full."""
-    return params.max_tokens == INT32_MAX
-
-
 def for_prompt(params: SamplingParams, prompt_len: int, max_model_len: int) -> SamplingParams:
     """params as the wire carries them for a prompt of prompt_len tokens: max_tokens=None
     as the room it leaves (min_tokens past that room cut to it: the context would end the
     request first). A prompt that leaves no room is refused here, before anything is
     sent."""
-    if not until_full(params):
+    if params.max_tokens != INT32_MAX:  # a number given: sent as it is
         return params
-    room = max_tokens_for(max_model_len, prompt_len, None)
+    room = max_model_len - prompt_len
     if room < 1:
         raise ValueError(
             f"the prompt has {prompt_len} tokens, all of max_model_len={max_model_len}: "
