@@ -20,6 +20,7 @@ from messages import KVCacheSpec
 from messages.kv_peer import HostCacheKV, KVBlocks, KVPull, SharedKV
 from messages.kv_transfer import KVConnectorMetadata, KVLoad, KVSave, KVTransferConfig, RemoteKV
 from tests.test_kv_connector import KEYS, free_port, names, peer, until, until_closed
+from tests.test_piece_copies import mode  # noqa: F401 (a fixture)
 from zmqworker.distributed.shared_cache import SharedKVCache
 from zmqworker.kv_transfer import wire
 from zmqworker.kv_transfer.blocks import copy_blocks, gather, layout_of
@@ -96,9 +97,11 @@ def test_blocks_land_from_the_producer_s_host_cache_in_place(source, dest, cache
         producer.close()
 
 
+@pytest.mark.usefixtures("mode")
 @pytest.mark.parametrize("heads", [None, (1, 0, 1), (0, 1, 1)])
 def test_copy_blocks_equals_an_indexed_copy(heads) -> None:
-    """Runs and lone blocks alike, all heads or a piece of them (first, dest, count)."""
+    """Runs and lone blocks alike, all heads or a piece of them (first, dest, count), in
+    the kernel's copy of pieces and in slices."""
     g = torch.Generator().manual_seed(3)
     sources = [torch.randn(SHAPE, generator=g) for _ in range(2)]
     dst = [torch.randn(SHAPE, generator=g) for _ in range(2)]

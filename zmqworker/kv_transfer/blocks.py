@@ -20,7 +20,7 @@ import torch
 from messages import KVCacheSpec
 from messages.kv_cache import DTYPE_BYTES
 from messages.kv_peer import KVLayout
-from zmqworker.kv_transfer import device_copies
+from zmqworker.kv_transfer import device_copies, piece_copies
 from zmqworker.kv_transfer.peer_caches import PeerCache
 from zmqworker.models.registry import torch_dtype
 
@@ -70,7 +70,7 @@ def gather(kv_caches: list[torch.Tensor], block_ids: torch.Tensor, out: torch.Te
             # own first, a second copy of every byte.
             np.take(_rows(kv_caches[layer]), ids, axis=1, out=_rows(out[layer]), mode="clip")
 
-        _for_each_layer(copy, len(kv_caches))
+        for_each_layer(copy, len(kv_caches))
         return
     device_copies.gather(kv_caches, block_ids, out)
 
@@ -83,7 +83,7 @@ def scatter(kv_caches: list[torch.Tensor], block_ids: torch.Tensor, staged: torc
         def copy(layer: int) -> None:
             _rows(kv_caches[layer])[:, ids] = _rows(staged[layer])
 
-        _for_each_layer(copy, len(kv_caches))
+        for_each_layer(copy, len(kv_caches))
         return
     device_copies.scatter(kv_caches, block_ids, staged)
 
@@ -106,7 +106,7 @@ def scatter_heads(
             piece = _head_rows(staged[layer])[:, :, first : first + count]
             _head_rows(kv_caches[layer])[:, ids, dest : dest + count] = piece
 
-        _for_each_layer(copy, len(kv_caches))
+        for_each_layer(copy, len(kv_caches))
         return
     device_copies.scatter(kv_caches, block_ids, staged, (first, dest, count))
 
@@ -140,10 +140,8 @@ def copy_blocks(
 ) -> None:
     """Blocks source_ids of sources (a producer's host cache, mapped here) into block_ids
     of kv_caches (host tensors too); heads as scatter's. Each run of blocks that follow
-    each other on both sides (each block's heads, with heads) is one memcpy of keys and
-    one of values, with no gathered copy in between: slices of byte memoryviews, whose
-    assignment costs far less than numpy's or torch's indexed copies around the same
-    memcpy (on one thread: it holds the GIL)."""
+    each other on both sides (each block's heads, with heads) is one piece of keys and
+    one of values, with no gathered copy in between (piece_copies.py: a call a layer)."""
     if len(sources) != len(kv_caches):
         raise ValueError(f"{len(sources)} layers copied into {len(kv_caches)}")
     for ids, cache in ((block_ids, kv_caches[0]), (source_ids, sources[0])):
@@ -153,8 +151,8 @@ def copy_blocks(
     if heads is None:
         if dst_block != src_block:
             raise ValueError(f"blocks of {src_block} bytes copied into blocks of {dst_block}")
-        pieces = [(to * dst_block, at * src_block, n * dst_block)
-                  for to, at, n in _runs(block_ids, source_ids)]  # fmt: skip
+        to, at, lengths = _runs(block_ids, source_ids)
+        to, at, lengths = to * dst_block, at * src_block, lengths * dst_block
     else:
         first, dest, count = heads
         head = kv_caches[0][0, 0, 0].nbytes
@@ -165,36 +163,40 @@ def copy_blocks(
                 f"heads {first} .. {first + count - 1} of {sources[0].shape[2]} copied into "
                 f"heads {dest} .. of {kv_caches[0].shape[2]}"
             )
-        pieces = [
-            (to * dst_block + dest * head, at * src_block + first * head, count * head)
-            for to, at in zip(block_ids.tolist(), source_ids.tolist(), strict=True)
-        ]
+        if len(block_ids) != len(source_ids):
+            raise ValueError(f"{len(source_ids)} source blocks for {len(block_ids)} blocks")
+        to = block_ids.astype(np.int64) * dst_block + dest * head
+        at = source_ids.astype(np.int64) * src_block + first * head
+        lengths = np.full(len(to), count * head, dtype=np.int64)
+    # Keys, then values: each half of a layer.
     dst_values, src_values = kv_caches[0][0].nbytes, sources[0][0].nbytes
-    for dst_cache, src_cache in zip(kv_caches, sources, strict=True):
-        dst, src = flat_bytes(dst_cache), flat_bytes(src_cache).toreadonly()
-        for d, s in ((0, 0), (dst_values, src_values)):  # keys, then values
-            for to, at, n in pieces:
-                dst[d + to : d + to + n] = src[s + at : s + at + n]
+    to, at = np.r_[to, to + dst_values], np.r_[at, at + src_values]
+    lengths = np.r_[lengths, lengths]
+
+    def copy(layer: int) -> None:
+        piece_copies.copy_pieces(kv_caches[layer], sources[layer], to, at, lengths)
+
+    # Slices hold the GIL: threads would only take turns at them.
+    for_each_layer(copy, len(kv_caches), parallel=piece_copies.in_kernel())
 
 
-def _runs(block_ids: np.ndarray, source_ids: np.ndarray) -> list[tuple[int, int, int]]:
-    """(block id, source id, length) of each run of consecutive ids on both sides."""
+def _runs(block_ids: np.ndarray, source_ids: np.ndarray) -> tuple[np.ndarray, ...]:
+    """(block ids, source ids, lengths) of the runs of consecutive ids on both sides."""
     if len(block_ids) != len(source_ids):
         raise ValueError(f"{len(source_ids)} source blocks for {len(block_ids)} blocks")
-    if not len(block_ids):
-        return []
+    block_ids, source_ids = block_ids.astype(np.int64), source_ids.astype(np.int64)
     breaks = np.flatnonzero((np.diff(block_ids) != 1) | (np.diff(source_ids) != 1)) + 1
-    starts, ends = np.r_[0, breaks], np.r_[breaks, len(block_ids)]
-    pairs = zip(starts, ends, strict=True)
-    return [(int(block_ids[a]), int(source_ids[a]), int(b - a)) for a, b in pairs]
+    starts = np.r_[0, breaks].astype(np.int64)[: len(block_ids)]
+    lengths = np.diff(np.r_[starts, len(block_ids)])
+    return block_ids[starts], source_ids[starts], lengths
 
 
-def _for_each_layer(copy: Callable[[int], None], num_layers: int) -> None:
-    """copy(layer) for every layer, spread over as many threads as torch computes with:
-    those are idle while the KV is copied (before or after a step), and numpy's copies
-    let go of the GIL. Returns (or raises the first error) once every copy has ended:
-    the caller may then let the memory go."""
-    threads = min(num_layers, torch.get_num_threads())
+def for_each_layer(copy: Callable[[int], None], num_layers: int, parallel: bool = True) -> None:
+    """copy(layer) for every layer, spread over as many threads as torch computes with
+    (with parallel; else one after another): those are idle while the KV is copied
+    (before or after a step), and numpy's copies let go of the GIL. Returns (or raises
+    the first error) once every copy has ended: the caller may then let the memory go."""
+    threads = min(num_layers, torch.get_num_threads()) if parallel else 1
     if threads <= 1:
         for layer in range(num_layers):
             copy(layer)
@@ -216,13 +218,6 @@ def _head_rows(t: torch.Tensor) -> np.ndarray:
     row_bytes = t.shape[3] * t.element_size()
     flat = t.view(torch.uint8).numpy().reshape(*t.shape[:3], row_bytes)
     return flat.view(np.dtype((np.void, row_bytes)))[..., 0]
-
-
-def flat_bytes(t: torch.Tensor) -> memoryview:
-    """A contiguous host tensor's bytes, flat."""
-    if not t.is_contiguous():
-        raise ValueError(f"a cache layer of strides {t.stride()} is not contiguous")
-    return memoryview(t.view(torch.uint8).numpy()).cast("B")
 
 
 def _rows(t: torch.Tensor) -> np.ndarray:

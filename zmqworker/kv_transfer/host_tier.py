@@ -26,7 +26,8 @@ import torch
 
 from messages import KVCacheSpec
 from messages.kv_transfer import KVConnectorMetadata, KVConnectorOutput
-from zmqworker.kv_transfer.blocks import flat_bytes
+from zmqworker.kv_transfer import piece_copies
+from zmqworker.kv_transfer.blocks import for_each_layer
 from zmqworker.kv_transfer.connector import KVConnector
 from zmqworker.models.registry import torch_dtype
 
@@ -154,21 +155,23 @@ def _copy_rows(
     store: bool,
 ) -> None:  # fmt: skip
     """Host caches' blocks into the tier's slots (store) or back (load), each block's keys
-    and values of each layer one copy of their row: slices of byte memoryviews, whose
-    assignment copies once, where numpy's indexed copy of indexed rows gathers them into
-    a buffer of its own first."""
+    and values of each layer one piece of their row (piece_copies.py): copied once, where
+    numpy's indexed copy of indexed rows gathers them into a buffer of its own first."""
     row = caches[0][0, 0].nbytes  # a block's keys (or values) in one layer
     half, slot = caches[0][0].nbytes, buffer[0].nbytes
-    tier = flat_bytes(buffer)
-    for layer, cache in enumerate(caches):
-        layer_bytes = flat_bytes(cache)
-        for kv in (0, 1):
-            at_cache = (blocks * row + kv * half).tolist()
-            at_tier = (slots * slot + (layer * 2 + kv) * row).tolist()
-            dst, src = (tier, layer_bytes) if store else (layer_bytes, tier)
-            to, at = (at_tier, at_cache) if store else (at_cache, at_tier)
-            for d, s in zip(to, at, strict=True):
-                dst[d : d + row] = src[s : s + row]
+    at_cache = np.r_[blocks * row, blocks * row + half].astype(np.int64)
+    at_tier = np.r_[slots * slot, slots * slot + row].astype(np.int64)
+    lengths = np.full(len(at_cache), row, dtype=np.int64)
+
+    def copy(layer: int) -> None:
+        tier = at_tier + layer * 2 * row
+        if store:
+            piece_copies.copy_pieces(buffer, caches[layer], tier, at_cache, lengths)
+        else:
+            piece_copies.copy_pieces(caches[layer], buffer, at_cache, tier, lengths)
+
+    # Slices hold the GIL: threads would only take turns at them.
+    for_each_layer(copy, len(caches), parallel=piece_copies.in_kernel())
 
 
 def _runs(slots: np.ndarray) -> Iterator[tuple[int, int, int]]:

@@ -35,7 +35,8 @@ from zmqworker.kv_transfer.puller import KVPuller
 
 log = logging.getLogger("zmqworker.kv_transfer")
 # How long the worker's thread waits for the puller to send the step's pulls before
-# copying: a host copy and a GPU copy's launch hold the GIL, which would keep them in.
+# copying: a GPU copy's launch (and a host copy in slices) holds the GIL, which would
+# keep them in.
 SEND_WAIT_S = 0.005
 
 
