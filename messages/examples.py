@@ -158,6 +158,7 @@ def finished_and_resumed_step(seed: int = 2) -> SchedulerOutput:
         logit_bias={100: -5.0, 2001: 2.5},
         min_tokens=8,
         bad_words_token_ids=[[11, 12], [99]],
+        allowed_token_ids=[12, 13, 99, 100, 1012, 2001],
     )
     restarted = _new_request(rng, 7, prompt_len=45 + 5, params=params, num_output_tokens=5)
     cached = CachedRequestData.build(

@@ -1,7 +1,8 @@
 """Per-request sampling parameters (the subset a worker needs plus the engine's stop rules).
 
-The penalties, logit_bias, min_tokens and bad words are vLLM's SamplingParams fields, with
-its ranges and meaning; the workers apply them on the device (model_runner/penalties.py).
+The penalties, logit_bias, min_tokens, bad words and allowed_token_ids are vLLM's
+SamplingParams fields, with its ranges and meaning; the workers apply them on the device
+(model_runner/penalties.py).
 bad_words are text, which only the engine can tokenize: it fills bad_words_token_ids from
 them (engine/bad_words.py), and the workers read the token ids alone.
 """
@@ -176,6 +177,13 @@ class SamplingParams(msgspec.Struct, tag=True, frozen=True, omit_defaults=True):
             extra={"metavar": "IDS"},
         ),
     ] = []
+    allowed_token_ids: Annotated[
+        list[TokenId] | None,
+        Meta(
+            description="only these token ids may be sampled (every other logit is -inf); "
+            "non-empty, each within the vocabulary; None: every token"
+        ),
+    ] = None
 
     structured_outputs: Annotated[
         StructuredOutputsParams | None,
@@ -190,6 +198,7 @@ class SamplingParams(msgspec.Struct, tag=True, frozen=True, omit_defaults=True):
         """Raise ValueError (msgspec.ValidationError) naming the first field out of range.
         Decoding checks the Meta constraints; this makes SamplingParams(...) check them,
         and the one no Meta can say: an infinite temperature (NaN fails its >= 0)."""
+        _check_allowed(self.allowed_token_ids)  # before the schema's check: a plainer error
         msgspec.convert(msgspec.structs.asdict(self), _Checked)
         if math.isinf(self.temperature):
             raise ValueError("temperature must be finite, got inf")
@@ -227,11 +236,13 @@ class SamplingParams(msgspec.Struct, tag=True, frozen=True, omit_defaults=True):
 
     def token_id_outside(self, vocab_size: int) -> tuple[str, int] | None:
         """(field, id) of the first token id at or above vocab_size in stop_token_ids,
-        logit_bias and bad_words_token_ids; None when every one is within it."""
+        logit_bias, bad_words_token_ids and allowed_token_ids; None when every one is
+        within it."""
         fields = {
             "stop_token_ids": self.stop_token_ids,
             "logit_bias": self.logit_bias,
             "bad_words_token_ids": [t for word in self.bad_words_token_ids for t in word],
+            "allowed_token_ids": self.allowed_token_ids or [],
         }
         for field, ids in fields.items():
             outside = [t for t in ids if t >= vocab_size]
@@ -284,8 +295,35 @@ def _normalise(params: SamplingParams) -> None:
     if params.stop_token_ids and any(type(t) is not int for t in params.stop_token_ids):
         ids = params.stop_token_ids
         set_field(params, "stop_token_ids", [_int(t) for t in ids])
+    allowed = params.allowed_token_ids
+    # vLLM's callers may give a tuple, or numpy's ids (a C-speed check: the list may be long).
+    if isinstance(allowed, tuple) or (
+        isinstance(allowed, list) and set(map(type, allowed)) - {int}
+    ):
+        set_field(params, "allowed_token_ids", [_int(t) for t in allowed])
     if params.max_tokens is None:
         set_field(params, "max_tokens", INT32_MAX)  # an int on the wire, as the schema says
+
+
+def _check_allowed(ids: list[int] | None) -> None:
+    """vLLM's checks of allowed_token_ids that need no vocabulary, naming the bad id (the
+    vocabulary's bound: token_id_outside, where the run is known)."""
+    if ids is None or not isinstance(ids, list):
+        return  # not a list: the schema's check names it
+    if not ids:
+        raise ValueError(
+            "allowed_token_ids is empty: it would allow no token (None allows every token)"
+        )
+    try:
+        low, high = min(ids), max(ids)  # at C speed: the list may hold the whole vocabulary
+    except TypeError:
+        return  # not all numbers: the schema's check names the first that is not an int
+    for bad in (low, high):
+        if isinstance(bad, int) and not 0 <= bad <= INT32_MAX:
+            raise ValueError(
+                f"allowed_token_ids: token id {bad} is outside the vocabulary (token ids are "
+                "in [0, vocabulary size))"
+            )
 
 
 def _int(value: object) -> object:

@@ -134,6 +134,7 @@ def test_a_token_id_outside_the_vocabulary_fails_its_request_alone(fake_llm):
         "stop": SamplingParams(stop_token_ids=[vocab]),
         "bias": SamplingParams(logit_bias={vocab + 5: 1.0}),
         "words": SamplingParams(bad_words_token_ids=[[1, vocab]]),
+        "allowed": SamplingParams(allowed_token_ids=[1, vocab + 2]),
         "many": SamplingParams(stop_token_ids=[1] * 1025),  # past a step's room for it
     }
     try:
@@ -158,6 +159,8 @@ def test_a_token_id_outside_the_vocabulary_fails_its_request_alone(fake_llm):
                                    f"[0, {vocab})")  # fmt: skip
     assert f"logit_bias: token id {vocab + 5} is outside" in errors["bias"]
     assert f"bad_words_token_ids: token id {vocab} is outside" in errors["words"]
+    assert errors["allowed"].endswith(f"allowed_token_ids: token id {vocab + 2} is outside the "
+                                      f"vocabulary [0, {vocab})")  # fmt: skip
     assert "stop_token_ids holds 1025 ids, more than 1024" in errors["many"]
 
 

@@ -482,6 +482,13 @@ BAD_STEPS = {
         lambda: step([new_req(5, [VOCAB + 1], [6], 1)]),
         "request 'req-5' (handle 5): prompt token ids",
     ),
+    "allowed token id out of vocabulary": (
+        lambda: step(
+            [new_req(5, [1], [6], 1, params=SamplingParams(allowed_token_ids=[3, VOCAB]))]
+        ),
+        f"request 'req-5' (handle 5): allowed_token_ids holds token id {VOCAB} outside "
+        f"[0, {VOCAB})",
+    ),
     "preempting an unknown request": (
         lambda: step(preempted=[42]),
         "request handle 42: preempted but not in the batch",

@@ -223,6 +223,24 @@ COMPLETIONS, CHAT_COMPLETIONS = "/v1/completions", "/v1/chat/completions"
             "logit_bias: key '4294967296' is not a token id: token ids are integers in "
             "[0, vocabulary size), at most 2147483647",
         ),
+        (
+            COMPLETIONS,
+            {"allowed_token_ids": []},
+            "allowed_token_ids",
+            "allowed_token_ids is empty: it would allow no token (None allows every token)",
+        ),
+        (
+            CHAT_COMPLETIONS,
+            {"allowed_token_ids": [7, -1]},
+            "allowed_token_ids",
+            "allowed_token_ids: token id -1 is outside the vocabulary (token ids are in [0, ",
+        ),
+        (
+            COMPLETIONS,
+            {"allowed_token_ids": [7, 49152]},
+            "allowed_token_ids",
+            "allowed_token_ids: token id 49152 is outside the vocabulary [0, 49152)",
+        ),
         (COMPLETIONS, {"use_beam_search": True}, "use_beam_search", "use_beam_search is not"),
         (COMPLETIONS, {"priority": -1}, "priority", "priority is not supported"),
         (CHAT_COMPLETIONS, {"cache_salt": "s"}, "cache_salt", "cache_salt is not supported"),

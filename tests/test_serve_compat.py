@@ -9,6 +9,7 @@ test_serve_sampling.py, whose last test stops the shared server."""
 from __future__ import annotations
 
 import json
+import re
 import urllib.error
 import urllib.request
 from typing import Any
@@ -254,3 +255,36 @@ def test_a_body_s_request_id_names_the_response_unless_the_header_does(server):
     chat = {"messages": CHAT, "max_tokens": 1, "request_id": "c-2", "stream": True}
     status, chunks, _ = post(server, CHAT_COMPLETIONS, chat)
     assert {c["id"] for c in chunks} == {"chatcmpl-c-2"}
+
+
+def test_allowed_token_ids_limit_what_completions_and_chat_sample(server):
+    """vLLM's allowed_token_ids (was a 400): greedy takes the likeliest allowed token (not
+    " Paris"), n=2 seeded samples draw only allowed ones, logit_bias picks among them,
+    and chat streams under them too; ids outside the vocabulary are a 400 naming them."""
+    ids = prompt_tokens(server, prompt=" Rome Berlin Madrid", add_special_tokens=False)
+    assert len(ids) == 3
+    words = r"^(?:(?: Rome)|(?: Berlin)|(?: Madrid))+$"
+    body = {"prompt": PROMPT, "max_tokens": 4, "temperature": 0, "allowed_token_ids": ids,
+            "ignore_eos": True}  # fmt: skip
+    status, greedy, _ = post(server, COMPLETIONS, body)
+    assert status == 200 and re.match(words, greedy["choices"][0]["text"]), greedy
+    sampled = {**body, "temperature": 1.0, "seed": 3, "n": 2}
+    status, answer, _ = post(server, COMPLETIONS, sampled)
+    assert status == 200 and all(re.match(words, c["text"]) for c in answer["choices"]), answer
+    status, biased, _ = post(server, COMPLETIONS, {**body, "logit_bias": {str(ids[2]): 100}})
+    assert status == 200 and biased["choices"][0]["text"] == " Madrid" * 4, biased
+    # With a grammar: the intersection (EOS, 2, allowed to end the choice).
+    choice = {"prompt": PROMPT, "max_tokens": 4, "allowed_token_ids": [ids[1], 2],
+              "structured_outputs": {"choice": [" Rome", " Berlin"]}}  # fmt: skip
+    status, answer, _ = post(server, COMPLETIONS, choice)
+    assert status == 200 and answer["choices"][0]["text"] == " Berlin", answer
+    chat = {"messages": CHAT, "max_tokens": 3, "allowed_token_ids": ids, "stream": True,
+            "ignore_eos": True}  # fmt: skip
+    status, chunks, _ = post(server, CHAT_COMPLETIONS, chat)
+    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+    assert status == 200 and re.match(words, text), chunks
+    status, answer, _ = post(server, CHAT_COMPLETIONS, {**chat, "allowed_token_ids": [5, 49152]})
+    assert status == 400 and answer["error"]["param"] == "allowed_token_ids"
+    assert answer["error"]["message"] == (
+        "allowed_token_ids: token id 49152 is outside the vocabulary [0, 49152)"
+    )

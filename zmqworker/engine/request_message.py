@@ -9,7 +9,7 @@ from messages import EngineCoreConfig, EngineCoreRequest, SamplingParams
 from zmqworker.engine.request import RemotePrefill, Request
 
 # What a new request adds to a step's body beyond its arrays and the bounded lists
-# (logit_bias, bad words) must fit the room the workers' bound leaves it
+# (logit_bias, bad words, allowed_token_ids) must fit the room the workers' bound leaves it
 # (executor/message_limits.py REQUEST_ROOM): these bound the rest.
 MAX_STOP_TOKEN_IDS = 1024
 MAX_REQUEST_ID_CHARS = 1024
@@ -74,11 +74,18 @@ def check_lists(params: SamplingParams) -> None:
 
 def check_token_ids(params: SamplingParams, vocab_size: int) -> None:
     """ValueError naming the first token id of params outside the vocabulary, or the top-n
-    logprobs asked for beyond it (with max_logprobs -1 nothing else bounds them)."""
+    logprobs asked for beyond it (with max_logprobs -1 nothing else bounds them), or an
+    allowed_token_ids longer than the vocabulary (the bound a step's room counts on)."""
     outside = params.token_id_outside(vocab_size)
     if outside is not None:
         field, token = outside
         raise ValueError(f"{field}: token id {token} is outside the vocabulary [0, {vocab_size})")
+    allowed = params.allowed_token_ids
+    if allowed is not None and len(allowed) > vocab_size:
+        raise ValueError(
+            f"allowed_token_ids holds {len(allowed)} ids, more than the vocabulary's "
+            f"{vocab_size} tokens (give each id once)"
+        )
     over = params.logprobs_over(vocab_size)
     if over is not None:
         raise ValueError(f"{over[0]}={over[1]} is more than the vocabulary's {vocab_size} tokens")

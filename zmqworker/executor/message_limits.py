@@ -8,9 +8,9 @@ engine's memory. The model's shape comes from its config.json when the engine ca
 otherwise from bounds large enough for any Llama-family model.
 
 A step's body holds its new requests inline, each with its SamplingParams, whose lists
-can be large (a logit_bias on the whole vocabulary): the workers' bound counts
-max_num_seqs of them at the largest the engine accepts, so that a step made of accepted
-requests is not refused.
+can be large (a logit_bias or allowed_token_ids on the whole vocabulary): the workers'
+bound counts max_num_seqs of them at the largest the engine accepts, so that a step made
+of accepted requests is not refused.
 """
 
 from __future__ import annotations
@@ -32,9 +32,10 @@ LARGE_HIDDEN = 1 << 14
 # The most MessagePack takes for a token id (a uint32), a float (a float64), a list's
 # header.
 ID_BYTES, FLOAT_BYTES, LIST_BYTES = 5, 9, 5
-# A new request's share of a body besides its arrays, logit_bias and bad words: its id,
-# counts and scalar parameters, its stop ids and end-of-sequence ids (the engine bounds
-# the id and the stop ids: engine/request_message.py; stop strings stay with it).
+# A new request's share of a body besides its arrays, logit_bias, bad words and allowed
+# token ids: its id, counts and scalar parameters, its stop ids and end-of-sequence ids
+# (the engine bounds the id and the stop ids: engine/request_message.py; stop strings
+# stay with it).
 REQUEST_ROOM = 64 << 10
 
 
@@ -94,11 +95,13 @@ def _new_request_bytes(vocab: int, max_len: int, blocks: int) -> int:
     """The most one NewRequestData adds to a step's body: its prompt and block table
     (inline up to the codec's limit), and its SamplingParams at the bounds the engine
     keeps: a logit_bias on every token of the vocabulary (it refuses an id outside it),
-    MAX_BAD_WORDS bad words of MAX_BAD_WORD_TOKENS ids."""
+    MAX_BAD_WORDS bad words of MAX_BAD_WORD_TOKENS ids, allowed_token_ids of up to
+    vocabulary-many ids."""
     arrays = min((max_len + 1) * 4, INLINE_MAX_BYTES) + min(blocks * 4, INLINE_MAX_BYTES)
     logit_bias = vocab * (ID_BYTES + FLOAT_BYTES)
     bad_words = MAX_BAD_WORDS * (LIST_BYTES + MAX_BAD_WORD_TOKENS * ID_BYTES)
-    return arrays + logit_bias + bad_words + REQUEST_ROOM
+    allowed = LIST_BYTES + vocab * ID_BYTES
+    return arrays + logit_bias + bad_words + allowed + REQUEST_ROOM
 
 
 def _check_sizes(config: WorkerConfig) -> None:

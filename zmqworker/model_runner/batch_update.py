@@ -210,6 +210,11 @@ def _check_token_ids(name: str, params: SamplingParams, vocab_size: int) -> None
                 f"{name}: bad_words_token_ids[{i}] holds token id {max(word)} outside "
                 f"[0, {vocab_size})"
             )
+    allowed = params.allowed_token_ids
+    if allowed is not None and max(allowed) >= vocab_size:  # validate() refused [] and < 0
+        raise ValueError(
+            f"{name}: allowed_token_ids holds token id {max(allowed)} outside [0, {vocab_size})"
+        )
 
 
 def _check_blocks(batch: BatchView, name: str, block_ids: np.ndarray, num_tokens: int) -> None:

@@ -1,6 +1,7 @@
 """Penalties and biases on a step's logits, before temperature and the filters: vLLM's
 SamplingParams semantics, in its order.
 
+0. every token outside allowed_token_ids to -inf (-inf stays -inf through the rest);
 1. banned tokens to -inf: the bad words whose other tokens end the output, and EOS and
    the stop token ids while the output is shorter than min_tokens;
 2. logit_bias added;
@@ -9,10 +10,11 @@ SamplingParams semantics, in its order.
 4. logit - frequency * count, then - presence * (count > 0), over the output's counts.
 
 Everything here is on the device and vectorised over only the rows that use it; the
-CUDA step runs the Triton kernels of penalty_kernels.py, the CPU the torch ops below,
-which give the same values. After the step samples, count_outputs adds each penalised
-request's token to its output counts, on the device, so the next step (under async
-scheduling already queued behind this one) reads them without a host round trip.
+CUDA step runs the Triton kernels of penalty_kernels.py (and grammar_kernel.py's bitmask
+for allowed_token_ids), the CPU the torch ops below, which give the same values. After
+the step samples, count_outputs adds each penalised request's token to its output
+counts, on the device, so the next step (under async scheduling already queued behind
+this one) reads them without a host round trip.
 """
 
 from __future__ import annotations
@@ -43,6 +45,14 @@ class Dense:
 
 
 @dataclass(frozen=True)
+class Mask:
+    """The rows of logits that allow only some tokens (allowed_token_ids)."""
+
+    index: torch.Tensor  # int32 [m]: rows of the step's logits
+    words: torch.Tensor  # int32 [m, ceil(vocab / 32)]: bit j set where token j is allowed
+
+
+@dataclass(frozen=True)
 class PenaltyStep:
     """What one step's sampling applies, on the device; None parts are not used by any
     request that samples this step."""
@@ -53,16 +63,20 @@ class PenaltyStep:
     bans: Entries | None
     bias: Entries | None
     dense: Dense | None
+    allowed: Mask | None = None
 
 
 def apply_penalties(logits: torch.Tensor, step: PenaltyStep, fused: bool) -> None:
     """Apply step to logits (float32 [n, vocab], modified in place); fused: the Triton
     kernels, else torch ops (a CPU install may have no Triton)."""
-    add, apply = _add_entries, _apply_dense
+    add, apply, mask = _add_entries, _apply_dense, _apply_mask
     if fused:
+        from zmqworker.model_runner.grammar_kernel import apply_bitmask
         from zmqworker.model_runner.penalty_kernels import add_entries, apply_dense
 
-        add, apply = add_entries, apply_dense
+        add, apply, mask = add_entries, apply_dense, apply_bitmask
+    if step.allowed is not None:
+        mask(logits, step.allowed.index, step.allowed.words)
     for entries in (step.bans, step.bias):
         if entries is not None:
             assert step.index_of_row is not None
@@ -108,6 +122,12 @@ def _add_entries(
     # Entries of rows that do not sample add 0 to logits[0, 0]: no mask, no host sync.
     index = (torch.where(valid, at, 0).long(), torch.where(valid, tokens, 0).long())
     logits.index_put_(index, torch.where(valid, values, 0.0), accumulate=True)
+
+
+def _apply_mask(logits: torch.Tensor, index: torch.Tensor, words: torch.Tensor) -> None:
+    banned = unpack_bits(words, logits.shape[1]).logical_not_()
+    index = index.long()
+    logits.index_copy_(0, index, logits.index_select(0, index).masked_fill_(banned, -torch.inf))
 
 
 def _apply_dense(

@@ -9,7 +9,8 @@ before the KV cache is sized):
 - prompt_bits, int32 [max_num_seqs, ceil(vocab / 32)]: which tokens its prompt holds,
   for the repetition penalty (a 32nd of that);
 - the logit_bias of every row as one flat (row, token, bias) table, uploaded when a
-  request with a bias joins or leaves.
+  request with a bias joins or leaves;
+- each row's allowed_token_ids as a bitmask (allowed_rows.py), written when it joins.
 
 On the host: each row's penalty values and min_tokens (numpy columns), its min_tokens
 stop ids and its bad words (RowTable). A step's bans are found on the
@@ -28,8 +29,9 @@ import torch
 
 from messages import SamplingParams
 from zmqworker.cdiv import cdiv
+from zmqworker.model_runner.allowed_rows import AllowedRows
 from zmqworker.model_runner.host_to_device import to_device
-from zmqworker.model_runner.penalties import Dense, Entries, PenaltyStep
+from zmqworker.model_runner.penalties import Dense, Entries, Mask, PenaltyStep
 from zmqworker.model_runner.row_table import RowTable
 
 _BITS = 32
@@ -53,6 +55,7 @@ class PenaltyRows:
         self.bias = RowTable(max_num_seqs)  # [k, 2]: token, float32 bias bits
         self.stops = RowTable(max_num_seqs)  # [k, 1]: min_tokens' stop ids
         self.bad_words = RowTable(max_num_seqs)  # [k, length]: a bad word per entry
+        self.allowed = AllowedRows(max_num_seqs, vocab_size, device)
         self._bias_device: tuple[int, Entries] | None = None  # (bias.version, entries)
         self._joining: list[tuple[int, np.ndarray | None, np.ndarray]] = []
         self._version = 0  # bumped when a row that uses something here joins or leaves
@@ -61,8 +64,10 @@ class PenaltyRows:
 
     @property
     def nbytes(self) -> int:
-        """Device bytes held from the start (the counts and the prompt bits)."""
-        return sum(t.numel() * t.element_size() for t in (self.counts, self.prompt_bits))
+        """Device bytes held from the start (the counts, the prompt bits, the allowed
+        tokens' bitmasks)."""
+        held = sum(t.numel() * t.element_size() for t in (self.counts, self.prompt_bits))
+        return held + self.allowed.nbytes
 
     # rows ------------------------------------------------------------------------------
 
@@ -102,6 +107,9 @@ class PenaltyRows:
         if params.bad_words_token_ids:
             self.bad_words.set(row, _right_aligned(params.bad_words_token_ids))
             uses = True
+        if params.allowed_token_ids is not None:
+            self.allowed.add(row, params.allowed_token_ids)
+            uses = True
         if uses:
             self.in_use[row] = True
             self._num_in_use += 1
@@ -118,10 +126,13 @@ class PenaltyRows:
         self.min_tokens[row] = 0
         for table in (self.bias, self.stops, self.bad_words):
             table.drop(row)
+        self.allowed.remove(row)
         self._joining = [j for j in self._joining if j[0] != row]
 
     def flush(self) -> None:
-        """Write the joining rows' counts and prompt bits on the device, in one upload."""
+        """Write the joining rows' counts and prompt bits on the device, in one upload
+        (their allowed tokens in another)."""
+        self.allowed.flush()
         if not self._joining:
             return
         joining, self._joining = self._joining, []
@@ -180,6 +191,9 @@ class PenaltyRows:
             arrays += [dense_at, dense_rows, values]
         if len(ban_rows):
             arrays += [ban_rows, ban_tokens]
+        masked_at = np.flatnonzero(self.allowed.has[rows]).astype(np.int32)
+        if len(masked_at):
+            arrays += [masked_at, rows[masked_at].astype(np.int32)]
         with_bias = bool(self.bias.has[rows].any())
         if len(ban_rows) or with_bias:
             index_of_row = np.full(self.num_rows, -1, np.int32)
@@ -193,6 +207,11 @@ class PenaltyRows:
             repetition = bool((values[0] != 1.0).any())
             dense = Dense(next(device), next(device), next(device), repetition)
         bans = Entries(next(device), next(device), None) if len(ban_rows) else None
+        allowed = None
+        if len(masked_at):
+            # Gathered once: a step like this one uses its PenaltyStep again (step()).
+            at, masked_rows = next(device), next(device)
+            allowed = Mask(at, self.allowed.bits.index_select(0, masked_rows.long()))
         index = next(device, None)
         return PenaltyStep(
             self.counts,
@@ -201,6 +220,7 @@ class PenaltyRows:
             bans,
             self._bias_entries() if with_bias else None,
             dense,
+            allowed,
         )
 
     def dummy_step(self, n: int) -> PenaltyStep:
@@ -219,6 +239,7 @@ class PenaltyRows:
             Entries(rows_d, tokens_d, None),
             Entries(rows_d, tokens_d, bias_d),
             Dense(ids, rows_d, values_d, repetition=True),
+            Mask(ids, self.allowed.everything(n)),
         )
 
     # helpers ---------------------------------------------------------------------------

@@ -61,6 +61,7 @@ def sampling_params(
         "logit_bias": request.token_bias(),
         "min_tokens": request.min_tokens,
         "bad_words": request.bad_words,
+        "allowed_token_ids": request.allowed_token_ids,
         "logprobs": logprobs,
         "prompt_logprobs": request.engine_prompt_logprobs(),
         "max_tokens": max_tokens,

@@ -5,13 +5,14 @@ does not define is a 400 that names it; one it defines and this server does not
 implement is refused as not supported (unsupported.py) unless it has its neutral value,
 or taken and not used where it changes nothing of the output (store, metadata, ...).
 top_k, min_p, ignore_eos, stop_token_ids, repetition_penalty, min_tokens, bad_words,
-include_stop_str_in_output, skip_special_tokens, add_special_tokens, request_id (names
-the response where no X-Request-Id header does), prompt_logprobs, completions' echo with
-logprobs (the prompt's positions first, as vLLM's), chat's add_generation_prompt,
-continue_final_message and chat_template_kwargs, structured_outputs and guided_* are
-vLLM's extensions; its others (use_beam_search, priority, cache_salt, ...) are refused
-unless neutral, as OpenAI's unsupported ones are; model may be left out (the served
-model). Messages: chat_messages.py; tool calling: serve/tools.py."""
+allowed_token_ids, include_stop_str_in_output, skip_special_tokens, add_special_tokens,
+request_id (names the response where no X-Request-Id header does), prompt_logprobs,
+completions' echo with logprobs (the prompt's positions first, as vLLM's), chat's
+add_generation_prompt, continue_final_message and chat_template_kwargs,
+structured_outputs and guided_* are vLLM's extensions; its others (use_beam_search,
+priority, cache_salt, ...) are refused unless neutral, as OpenAI's unsupported ones are;
+model may be left out (the served model). Messages: chat_messages.py; tool calling:
+serve/tools.py."""
 
 from __future__ import annotations
 
@@ -74,6 +75,8 @@ class SamplingRequest(StructuredFields, forbid_unknown_fields=True, kw_only=True
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias
     min_tokens: Annotated[int, Meta(ge=0, le=INT32_MAX)] | None = None
     bad_words: list[StopString] | None = None
+    # Checked with the other token ids (SamplingParams, request_params): a 400 naming one.
+    allowed_token_ids: list[int] | None = None
     stream: bool | None = False  # null: false, as OpenAI allows
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -90,7 +93,6 @@ class SamplingRequest(StructuredFields, forbid_unknown_fields=True, kw_only=True
     length_penalty: float | None = None
     priority: int | None = None
     cache_salt: str | None = None
-    allowed_token_ids: list[int] | None = None
     logits_processors: list[Any] | None = None
     return_tokens_as_token_ids: bool | None = None
     return_token_ids: bool | None = None

@@ -49,10 +49,6 @@ UNSUPPORTED: Refusals = {
         _null,
         "cache_salt is not supported: the prefix cache is shared by every request",
     ),
-    "allowed_token_ids": (
-        _null,
-        "allowed_token_ids is not supported: give logit_bias or structured_outputs",
-    ),
     "logits_processors": (_empty, "logits_processors is not supported"),
     "return_tokens_as_token_ids": (_empty, "return_tokens_as_token_ids is not supported"),
     "return_token_ids": (_empty, "return_token_ids is not supported"),
