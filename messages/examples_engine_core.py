@@ -94,6 +94,21 @@ def structured_request(seed: int = 14) -> EngineCoreRequest:
     )
 
 
+def rollout_request(seed: int = 16) -> EngineCoreRequest:
+    """An RL rollout's request: token ids only (detokenize false: the client decodes no
+    text), its prompt cut by the client to the last 24 tokens (truncate_prompt_tokens)."""
+    params = SamplingParams(
+        seed=7, max_tokens=128, logprobs=0, detokenize=False, truncate_prompt_tokens=24
+    )
+    return EngineCoreRequest(
+        request_id=req_id(1016),
+        prompt_token_ids=Stream(seed).ints(24, 0, VOCAB_SIZE),
+        sampling_params=params,
+        eos_token_ids=[EOS],
+        arrival_time=ARRIVAL,
+    )
+
+
 # Where a prefill instance's tp rank 0 serves its staged KV (disaggregated serving).
 PREFILL_KV = RemoteKV(
     req_id(1040), 40, ["tcp://127.0.0.1:47000"], np.array([812, 813, 97], np.int32)
@@ -216,6 +231,7 @@ ENGINE_CORE_EXAMPLES: dict[str, Callable[[], EngineCoreMessage]] = {
     "engine_core_request": engine_core_request,
     "engine_core_request_long": lambda: engine_core_request(prompt_len=8192, seed=13),
     "engine_core_request_structured": structured_request,
+    "engine_core_request_rollout": rollout_request,
     "engine_core_request_prefill": lambda: disaggregated_request(
         KVTransferParams(do_remote_decode=True)
     ),

@@ -5,6 +5,8 @@ SamplingParams fields, with its ranges and meaning; the workers apply them on th
 (model_runner/penalties.py).
 bad_words are text, which only the engine can tokenize: it fills bad_words_token_ids from
 them (engine/bad_words.py), and the workers read the token ids alone.
+detokenize and truncate_prompt_tokens (vLLM's) are the client's: it skips the text work,
+and sends the prompt's last k tokens (frontend/new_requests.py).
 """
 
 from __future__ import annotations
@@ -101,6 +103,13 @@ class SamplingParams(msgspec.Struct, tag=True, frozen=True, omit_defaults=True):
     skip_special_tokens: Annotated[
         bool, Meta(description="leave special tokens out of the output's text")
     ] = True
+    detokenize: Annotated[
+        bool,
+        Meta(
+            description="decode the output's text (vLLM's); false: token ids only, no text, "
+            "no logprob token texts and no stop strings (the client's: it skips the work)"
+        ),
+    ] = True
     logprobs: Annotated[
         Annotated[int, Meta(ge=0, le=INT32_MAX)] | None,
         Meta(
@@ -184,6 +193,13 @@ class SamplingParams(msgspec.Struct, tag=True, frozen=True, omit_defaults=True):
             "non-empty, each within the vocabulary; None: every token"
         ),
     ] = None
+    truncate_prompt_tokens: Annotated[
+        Annotated[int, Meta(ge=-1, le=INT32_MAX)] | None,
+        Meta(
+            description="keep only the prompt's last k tokens (vLLM's); -1: up to "
+            "max_model_len; at most max_model_len (the client cuts the prompt)"
+        ),
+    ] = None
 
     structured_outputs: Annotated[
         StructuredOutputsParams | None,
@@ -208,6 +224,13 @@ class SamplingParams(msgspec.Struct, tag=True, frozen=True, omit_defaults=True):
             raise ValueError(
                 "prompt_logprobs=-1 (the whole vocabulary at every prompt position) is not "
                 "supported: it would hold prompt x vocabulary logprobs; ask for a top-n"
+            )
+        if self.truncate_prompt_tokens == 0:
+            raise ValueError("truncate_prompt_tokens must be -1 or at least 1, got 0")
+        if self.stop and not self.detokenize:  # vLLM's refusal: stop strings are text
+            raise ValueError(
+                "stop strings are only supported when detokenize is True: set "
+                "detokenize=True to use stop"
             )
         if self.structured_outputs is not None and self.min_tokens:
             # The grammar's end allows only EOS, which min_tokens would hold back.
@@ -267,7 +290,7 @@ class SamplingParams(msgspec.Struct, tag=True, frozen=True, omit_defaults=True):
 # Scalars that may come as numpy's (np.int64, np.float32): made Python numbers.
 _NUMBERS = ("temperature", "top_k", "top_p", "min_p", "seed", "max_tokens", "n", "logprobs",
             "prompt_logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty",
-            "min_tokens")  # fmt: skip
+            "min_tokens", "truncate_prompt_tokens")  # fmt: skip
 _LISTS = {"stop": list, "stop_token_ids": list, "bad_words": list, "logit_bias": dict}
 
 

@@ -81,8 +81,8 @@ def test_sampling_params_take_vllms_spellings():
     # max_tokens=None: until the context is full, marked with an int the frontend
     # resolves per prompt (test_llm_max_tokens.py); the wire's max_tokens stays an int.
     assert SamplingParams(max_tokens=None).max_tokens == INT32_MAX
-    with pytest.raises(TypeError, match="detokenize"):
-        SamplingParams(detokenize=True)
+    with pytest.raises(TypeError, match="spaces_between_special_tokens"):
+        SamplingParams(spaces_between_special_tokens=True)  # a vLLM field not taken
 
 
 def test_llm_arguments_take_vllms_spellings(tmp_path):

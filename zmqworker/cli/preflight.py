@@ -8,7 +8,8 @@ text, are tokenized by the engine), and each completion prompt's tokens: token i
 against the vocabulary, text counted with the checkpoint's tokenizer.json through the
 tokenizers library (a fraction of a second; transformers wraps the same tokenizer.json,
 but importing it takes seconds, which the engine spends while its workers start). A
-prompt and its max_tokens must fit in max_model_len, as the server requires.
+prompt (cut to its truncate_prompt_tokens first, as the engine cuts it) and its
+max_tokens must fit in max_model_len, as the server requires.
 Conversations need the model's chat template, which transformers renders: their tokens
 are counted once the engine is up, as every prompt is again there.
 """
@@ -27,7 +28,7 @@ from zmqworker.cli.options import sampling_options
 from zmqworker.cli.prompts import PromptItem
 from zmqworker.cli.structured import FLAG as STRUCTURED
 from zmqworker.engine.model_folder import ModelFolder, check_conversation
-from zmqworker.engine.prompts import check_text, prompt_token_ids, template_messages
+from zmqworker.engine.prompts import check_text, kept_tokens, prompt_token_ids, template_messages
 
 # The option that sets each SamplingParams field, for messages.
 FLAGS = {o.name: o.flags[0] for o in sampling_options()} | {"structured_outputs": STRUCTURED}
@@ -82,8 +83,11 @@ def check_run(
                 check_conversation(template_messages(conversation))  # as LLM.chat takes it
             elif tokenizer is not None or isinstance(item.prompt, list) or not folder.has_tokenizer:
                 # Without any tokenizer, text is refused here as the engine would refuse it.
+                keep = limits.keep(params)
                 num_tokens = len(
-                    prompt_token_ids(item.prompt, tokenizer, limits.max_model_len, limits.vocab)
+                    prompt_token_ids(
+                        item.prompt, tokenizer, limits.max_model_len, limits.vocab, keep
+                    )
                 )
             limits.check_room(num_tokens, params, names)
         except ValueError as exc:
@@ -101,7 +105,8 @@ def engine_prompts(llm: Any, jobs: Sequence[Job]) -> list[list[int]]:
         try:
             conversation = job.conversation
             ids = llm.encode(
-                job.item.prompt if conversation is None else llm.chat_prompt(conversation)
+                job.item.prompt if conversation is None else llm.chat_prompt(conversation),
+                limits.keep(job.params),
             )
             limits.check_room(len(ids), job.params, job.names)
         except ValueError as exc:
@@ -148,6 +153,7 @@ class _Limits:
     vocab: int | None
 
     def check(self, params: SamplingParams, names: dict[str, str]) -> None:
+        self.keep(params)  # truncate_prompt_tokens past max_model_len: refused before the start
         over = params.logprobs_over(self.max_logprobs)
         if over is not None:
             raise ValueError(
@@ -162,6 +168,11 @@ class _Limits:
             raise ValueError(
                 f"{_name(field, names)} {token} is outside the vocabulary [0, {self.vocab})"
             )
+
+    def keep(self, params: SamplingParams) -> int | None:
+        """How many of a prompt's last tokens params keep (truncate_prompt_tokens): the
+        prompt is counted as the engine will cut it."""
+        return kept_tokens(params.truncate_prompt_tokens, self.max_model_len)
 
     def check_room(self, num_tokens: int | None, params: SamplingParams, names: dict) -> None:
         """The prompt and max_tokens must fit in max_model_len, as the server requires

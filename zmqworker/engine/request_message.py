@@ -43,7 +43,7 @@ def request_of(msg: EngineCoreRequest, config: EngineCoreConfig) -> Request:
 def _prompt(msg: EngineCoreRequest, config: EngineCoreConfig) -> list[int]:
     """The prompt's ids, within the vocabulary, as are the remote prefill's first token
     and the sampling parameters' token ids, and the logprobs asked for within the model's
-    bound."""
+    bound; no longer than truncate_prompt_tokens (-1: max_model_len, checked as ever)."""
     ids = msg.prompt_token_ids
     if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer):
         raise ValueError(f"prompt_token_ids must be one row of integers, got {ids.dtype}")
@@ -55,6 +55,14 @@ def _prompt(msg: EngineCoreRequest, config: EngineCoreConfig) -> list[int]:
     if first is not None and vocab is not None and first >= vocab:
         raise ValueError(f"kv_transfer_params.first_token {first} is outside [0, {vocab})")
     params = msg.sampling_params
+    keep = params.truncate_prompt_tokens
+    if keep is not None and keep > 0 and len(ids) > keep:
+        # The client cuts the prompt (frontend/new_requests.py); one that sends more than
+        # it asked to keep skipped that, and computing the whole prompt would be wrong.
+        raise ValueError(
+            f"the prompt has {len(ids)} tokens, more than truncate_prompt_tokens={keep}: "
+            "the client keeps the prompt's last tokens before it sends the request"
+        )
     max_logprobs = config.worker.model.max_logprobs
     over = params.logprobs_over(max_logprobs)
     if over is not None:

@@ -11,7 +11,7 @@ import msgspec
 
 from messages import SamplingParams
 from zmqworker.engine.model_folder import TextSide
-from zmqworker.engine.prompts import Prompt, prompt_list, prompt_token_ids
+from zmqworker.engine.prompts import Prompt, kept_tokens, prompt_list, prompt_token_ids
 from zmqworker.frontend.detokenizer import IncrementalDetokenizer
 from zmqworker.frontend.request_params import for_prompt, request_params
 from zmqworker.frontend.request_state import RequestState
@@ -78,13 +78,17 @@ class NewRequests:
     ) -> list[RequestState]:
         """A request state per sample (params.n) of the prompt, tokenized once, and params
         resolved for its length (request_params.for_prompt: max_tokens=None as the room it
-        leaves). The samples are requests of their own (ids "<id>.<i>") with n=1 and, with
-        a seed, seed + i as vLLM's are; the first computes the prompt, the others share its
-        KV (engine/prompt_sharing.py). Prompt logprobs are the same for every sample: only
-        the first asks the engine core for them (a request that asks computes its whole
-        prompt, sharing nothing), and every sample's outputs carry them."""
+        leaves), cut to its last truncate_prompt_tokens first (kept_tokens, as the server's
+        option is: the engine core gets the kept tokens only). The samples are requests of
+        their own (ids "<id>.<i>") with n=1 and, with a seed, seed + i as vLLM's are; the
+        first computes the prompt, the others share its KV (engine/prompt_sharing.py).
+        Prompt logprobs are the same for every sample: only the first asks the engine core
+        for them (a request that asks computes its whole prompt, sharing nothing), and
+        every sample's outputs carry them."""
         params = request_params(params, self.tokenizer, self.vocab_size, self.max_logprobs)
-        token_ids = self.encode(prompt)
+        token_ids = self.encode(
+            prompt, kept_tokens(params.truncate_prompt_tokens, self.max_model_len)
+        )
         params = for_prompt(params, len(token_ids), self.max_model_len)  # before n's copies
         request_id = f"{self._id_prefix}{next(self._ids)}"
         if params.n == 1:
@@ -115,8 +119,8 @@ class NewRequests:
     ) -> RequestState:
         """first: the prompt's first sample, which this one shares the prompt's KV and
         prompt logprobs with (n > 1)."""
-        detokenizer = None
-        if self.tokenizer is not None:
+        detokenizer = None  # detokenize=False: token ids only, no text work at all
+        if self.tokenizer is not None and params.detokenize:
             detokenizer = IncrementalDetokenizer(
                 self.tokenizer, token_ids, params.skip_special_tokens
             )

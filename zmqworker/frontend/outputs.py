@@ -22,7 +22,7 @@ def json_logprob(logprob: float) -> float:
 @dataclass(frozen=True)
 class TokenLogprob:
     """A token and its log probability; text is the token decoded alone (None when the
-    model has no tokenizer)."""
+    model has no tokenizer, or the request has detokenize=False)."""
 
     token_id: int
     logprob: float

@@ -9,7 +9,8 @@ less one character: those characters could still turn out to start one.
 A request whose caller wants only its end (not streamed: LLM.generate) pays per step
 only for what it uses: without stop strings its text is decoded once, as it ends, and
 without logprobs either it is "bulk": the output processor appends its tokens itself,
-outside apply().
+outside apply(). One with detokenize=False (vLLM's) has no detokenizer at all: token ids
+only, its text empty and its logprobs without token texts (new_requests.py).
 """
 
 from __future__ import annotations
