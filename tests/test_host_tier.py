@@ -28,6 +28,7 @@ from messages import (
     SchedulerConfig,
     WorkerConfig,
 )
+from tests.test_piece_copies import mode  # noqa: F401 (a fixture)
 from zmqworker.engine.block_manager import KVBlockManager
 from zmqworker.engine.core import EngineCore
 from zmqworker.engine.host_tier import HostKVTier, make_host_tier
@@ -203,6 +204,7 @@ def copies(stores=(), loads=()) -> KVConnectorMetadata:
     )
 
 
+@pytest.mark.usefixtures("mode")  # the row copies in the kernel's call and in slices
 @pytest.mark.parametrize(("device", "row_copies"), PATHS)
 def test_the_worker_stores_before_it_loads_and_a_block_comes_back_whole(device, row_copies):
     """On CUDA the copies are queued on the stream without a wait: the zeroing between

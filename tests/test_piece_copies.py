@@ -66,6 +66,7 @@ def test_tensors_of_any_dtype_copy_as_bytes(mode) -> None:
         ([0], [-8], [4], "a source piece outside"),
         ([0], [0], [-4], "a destination piece outside"),
         ([0, 4], [0], [4, 4], "2 destinations, 1 sources, 2 lengths"),
+        ([8], [8], [2**63 - 4], "a destination piece outside"),  # a sum would wrap
     ],
 )
 def test_a_piece_outside_either_tensor_is_refused_before_any_copy(

@@ -1,9 +1,9 @@
 """Many pieces of host memory copied in one call: process_vm_readv aimed at this process's
 own pid reads a list of ranges into another list of ranges in the kernel, without the
 GIL, so that a copy of hundreds of scattered blocks is a call a layer, not a Python
-statement a block, and the layers' calls run side by side on threads (blocks.py's
-for_each_layer). A process may always read its own memory this way: it needs no ptrace
-permission.
+statement a block (a call per IOV_MAX pieces), and the layers' calls run side by side on
+threads (blocks.py's for_each_layer). A process may always read its own memory this way:
+it needs no ptrace permission.
 
 On one thread, slices of byte memoryviews (one piece at a time, under the GIL) copy
 faster than the kernel's call (docs/kv_transfer.md), and so they do where torch computes
@@ -39,7 +39,9 @@ def copy_pieces(
     if not len(to):
         return
     for name, starts, t in (("destination", to, dst), ("source", at, src)):
-        if starts.min() < 0 or lengths.min() < 0 or (starts + lengths).max() > t.nbytes:
+        # Compared without a sum, which could wrap past int64 into a passing negative.
+        if (starts.min() < 0 or lengths.min() < 0 or lengths.max() > t.nbytes
+                or (starts > t.nbytes - lengths).any()):  # fmt: skip
             raise ValueError(f"a {name} piece outside the {t.nbytes} bytes it lies in")
     if in_kernel():
         for start in range(0, len(to), _IOV_MAX):
