@@ -13,7 +13,8 @@ import torch
 from messages import SamplingParams
 from tests.runner_helpers import DEVICE
 from tests.test_penalties import VOCAB, fused_params, random_logits
-from zmqworker.engine.request_message import check_token_ids
+from zmqworker.engine.request_message import check_lists, check_token_ids
+from zmqworker.executor.message_limits import LARGE_VOCAB
 from zmqworker.model_runner.penalties import apply_penalties
 from zmqworker.model_runner.penalty_rows import PenaltyRows
 
@@ -40,6 +41,16 @@ def test_allowed_token_ids_outside_the_vocabulary_are_refused_naming_the_id():
         check_token_ids(params, 300)
     with pytest.raises(ValueError, match=r"allowed_token_ids holds 4 ids, more than the vocab"):
         check_token_ids(SamplingParams(allowed_token_ids=[1, 1, 2, 2]), 3)
+
+
+def test_long_lists_are_refused_where_the_vocabulary_is_not_known():
+    """The bound the workers' step room counts then (message_limits.LARGE_VOCAB ids)."""
+    many = LARGE_VOCAB + 1
+    with pytest.raises(ValueError, match=rf"^allowed_token_ids holds {many} ids, more than"):
+        check_lists(SamplingParams(allowed_token_ids=[1] * many))
+    with pytest.raises(ValueError, match=rf"^logit_bias holds {many} ids, more than"):
+        check_lists(SamplingParams(logit_bias=dict.fromkeys(range(many), 1.0)))
+    check_lists(SamplingParams(allowed_token_ids=[1] * LARGE_VOCAB))
 
 
 def test_numpy_ids_and_a_tuple_are_taken_as_a_list():

@@ -7,6 +7,7 @@ import numpy as np
 
 from messages import EngineCoreConfig, EngineCoreRequest, SamplingParams
 from zmqworker.engine.request import RemotePrefill, Request
+from zmqworker.executor.message_limits import LARGE_VOCAB
 
 # What a new request adds to a step's body beyond its arrays and the bounded lists
 # (logit_bias, bad words, allowed_token_ids) must fit the room the workers' bound leaves it
@@ -73,11 +74,17 @@ def _prompt(msg: EngineCoreRequest, config: EngineCoreConfig) -> list[int]:
 
 
 def check_lists(params: SamplingParams) -> None:
-    """ValueError where a list the schema leaves unbounded is longer than a step takes."""
+    """ValueError where a list the schema leaves unbounded is longer than a step takes
+    (logit_bias and allowed_token_ids: the vocabulary, where it is known, checks them
+    closer; where not, the workers' bound takes LARGE_VOCAB ids of each)."""
     if len(params.stop_token_ids) > MAX_STOP_TOKEN_IDS:
         raise ValueError(
             f"stop_token_ids holds {len(params.stop_token_ids)} ids, more than {MAX_STOP_TOKEN_IDS}"
         )
+    for field, ids in (("logit_bias", params.logit_bias),
+                       ("allowed_token_ids", params.allowed_token_ids or ())):  # fmt: skip
+        if len(ids) > LARGE_VOCAB:
+            raise ValueError(f"{field} holds {len(ids)} ids, more than {LARGE_VOCAB}")
 
 
 def check_token_ids(params: SamplingParams, vocab_size: int) -> None:
