@@ -11,7 +11,7 @@ import transformers
 
 from messages import SamplingParams
 from tests.test_engine_e2e import PROMPTS, hf_greedy, make_llm
-from tests.test_penalties_e2e import hf_model, processors
+from tests.test_penalties_e2e import hf_tokens
 from zmqworker.frontend.llm import LLM
 
 VOCAB = 320  # the tiny model's (tests/test_engine_e2e.py)
@@ -31,18 +31,7 @@ class OnlyAllowed(transformers.LogitsProcessor):
 def hf_allowed_tokens(prompt: list[int], params: SamplingParams, eos: frozenset[int]) -> list[int]:
     """transformers' greedy tokens under params' mask and its other processors."""
     assert params.allowed_token_ids is not None
-    found = [OnlyAllowed(params.allowed_token_ids), *processors(prompt, params, eos)]
-    ids = torch.tensor([prompt])
-    out = hf_model().generate(
-        ids,
-        attention_mask=torch.ones_like(ids),
-        max_new_tokens=params.max_tokens,
-        do_sample=False,
-        eos_token_id=None if params.ignore_eos else sorted(eos),
-        pad_token_id=0,
-        logits_processor=transformers.LogitsProcessorList(found),
-    )
-    return out[0, len(prompt) :].tolist()
+    return hf_tokens(prompt, params, eos, [OnlyAllowed(params.allowed_token_ids)])
 
 
 @pytest.fixture(scope="module")

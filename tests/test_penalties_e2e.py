@@ -8,6 +8,7 @@ preemption, where a request restarts with its outputs counted again."""
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 
 import msgspec
 import pytest
@@ -66,8 +67,15 @@ def hf_model() -> transformers.PreTrainedModel:
     return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
 
-def hf_tokens(prompt: list[int], params: SamplingParams, eos: frozenset[int]) -> list[int]:
-    """transformers' greedy tokens: up to max_tokens, or up to EOS (kept) unless ignore_eos."""
+def hf_tokens(
+    prompt: list[int],
+    params: SamplingParams,
+    eos: frozenset[int],
+    first: Sequence[transformers.LogitsProcessor] = (),
+) -> list[int]:
+    """transformers' greedy tokens: up to max_tokens, or up to EOS (kept) unless ignore_eos;
+    first: processors ahead of params' own."""
+    found = [*first, *processors(prompt, params, eos)]
     ids = torch.tensor([prompt])
     out = hf_model().generate(
         ids,
@@ -76,7 +84,7 @@ def hf_tokens(prompt: list[int], params: SamplingParams, eos: frozenset[int]) ->
         do_sample=False,
         eos_token_id=None if params.ignore_eos else sorted(eos),
         pad_token_id=0,
-        logits_processor=transformers.LogitsProcessorList(processors(prompt, params, eos)),
+        logits_processor=transformers.LogitsProcessorList(found),
     )
     return out[0, len(prompt) :].tolist()
 
