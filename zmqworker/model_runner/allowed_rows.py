@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from zmqworker.cdiv import cdiv
-from zmqworker.model_runner.host_to_device import to_device
+from zmqworker.model_runner.host_to_device import upload
 
 _BITS = 32
 
@@ -48,11 +48,9 @@ class AllowedRows:
         if not self._joining:
             return
         joining, self._joining = self._joining, {}
-        rows = to_device(
-            np.fromiter(joining, np.int64, len(joining)), torch.int64, self.bits.device
-        )
-        words = to_device(np.stack(list(joining.values())), torch.int32, self.bits.device)
-        self.bits.index_copy_(0, rows, words)
+        rows = np.fromiter(joining, np.int32, len(joining))
+        rows_d, words_d = upload([rows, np.stack(list(joining.values()))], self.bits.device)
+        self.bits.index_copy_(0, rows_d.long(), words_d)
 
     def everything(self, n: int) -> torch.Tensor:
         """Words allowing every token, for n rows (a dummy step's: it writes no row)."""

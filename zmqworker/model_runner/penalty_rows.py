@@ -30,12 +30,11 @@ import torch
 from messages import SamplingParams
 from zmqworker.cdiv import cdiv
 from zmqworker.model_runner.allowed_rows import AllowedRows
-from zmqworker.model_runner.host_to_device import to_device
+from zmqworker.model_runner.host_to_device import upload
 from zmqworker.model_runner.penalties import Dense, Entries, Mask, PenaltyStep
 from zmqworker.model_runner.row_table import RowTable
 
 _BITS = 32
-_ALIGN = 4  # int32 elements: 16 bytes
 
 
 class PenaltyRows:
@@ -315,20 +314,3 @@ def _ends_with_prefix(
     in_output = positions >= num_prompt[rows][:, None]
     history = token_ids[rows[:, None], np.maximum(positions, 0)]
     return ((prefix < 0) | (in_output & (history == prefix))).all(axis=1)
-
-
-def upload(arrays: list[np.ndarray], device: torch.device) -> list[torch.Tensor]:
-    """Int32 and float32 arrays to the device in one copy: a view of each there, of its
-    dtype and shape, each starting 16 bytes aligned (Triton specialises on that)."""
-    starts = np.cumsum([0] + [cdiv(a.size, _ALIGN) * _ALIGN for a in arrays])
-    flat = np.zeros(int(starts[-1]), np.int32)
-    for array, start in zip(arrays, starts, strict=False):
-        flat[start : start + array.size] = np.ascontiguousarray(array).view(np.int32).ravel()
-    buffer = to_device(flat, torch.int32, device)
-    views = []
-    for array, start in zip(arrays, starts, strict=False):
-        view = buffer[start : start + array.size]
-        if array.dtype == np.float32:
-            view = view.view(torch.float32)
-        views.append(view.view(array.shape))
-    return views
