@@ -5,10 +5,12 @@ pass, and workers that must not outlive their engine."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import resource
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -43,7 +45,8 @@ from zmqworker.executor.multiproc import MultiprocExecutor
 from zmqworker.frontend.errors import EngineCoreError
 from zmqworker.frontend.llm import LLM
 from zmqworker.model_runner.input_batch import InputBatch
-from zmqworker.transport.curve import RunKeys, make_client
+from zmqworker.transport import curve
+from zmqworker.transport.curve import RunKeys, make_client, make_server
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -147,6 +150,31 @@ def test_on_tcp_a_peer_without_the_run_keys_cannot_even_say_hello() -> None:
         for sock in strangers:
             sock.close()
     finally:
+        ex.shutdown()
+
+
+def test_on_tcp_a_peer_that_never_says_a_word_is_cut_off(monkeypatch) -> None:
+    """A peer that connects and sends nothing (no keys needed for that) holds one of the
+    engine's descriptors only until the handshake interval ends, not libzmq's 30 s."""
+    with zmq.Context.instance().socket(zmq.ROUTER) as sock:
+        make_server(sock, *zmq.curve_keypair())
+        assert sock.handshake_ivl == round(curve.HANDSHAKE_S * 1000) == 5000
+    monkeypatch.setattr(curve, "HANDSHAKE_S", 0.5)
+    ex = MultiprocExecutor(echo_config(), transport="tcp")
+    silent: list[socket.socket] = []
+    try:
+        host, port = ex.address.removeprefix("tcp://").rsplit(":", 1)
+        silent = [socket.create_connection((host, int(port)), timeout=10) for _ in range(3)]
+        started = time.monotonic()
+        for peer in silent:
+            with contextlib.suppress(ConnectionResetError):
+                while peer.recv(4096):  # the server's greeting, then the end
+                    pass
+        assert time.monotonic() - started < 5
+        assert ex.collective_rpc("echo", ("still",), timeout=30) == ["still"]
+    finally:
+        for peer in silent:
+            peer.close()
         ex.shutdown()
 
 

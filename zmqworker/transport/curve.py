@@ -23,6 +23,10 @@ from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils import z85
 
 CURVE_ENV = "ZMQWORKER_CURVE"  # "engine public,worker public,worker secret" (z85)
+# A tcp peer that has not finished its handshake by then is cut off: libzmq's default
+# (30 s) let a peer without keys hold a descriptor that long by connecting and saying
+# nothing. A peer with keys finishes in milliseconds (the ZAP thread answers at once).
+HANDSHAKE_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -89,7 +93,9 @@ def _check_pair(env: str, public: bytes, secret: bytes) -> None:
 
 
 def make_server(sock: zmq.Socket, public: bytes, secret: bytes) -> None:
-    """Before bind: sock is a CURVE server with this key pair."""
+    """Before bind: sock is a CURVE server with this key pair, which cuts off a peer whose
+    handshake has not ended within HANDSHAKE_S."""
+    sock.handshake_ivl = round(HANDSHAKE_S * 1000)
     sock.curve_server = True
     sock.curve_publickey = public
     sock.curve_secretkey = secret
