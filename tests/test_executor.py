@@ -441,6 +441,7 @@ class DiesAnswering:  # what polite_shutdown reads of an RpcClient
     """Rank 0 leaves with status before its answer; the ranks as liveness says."""
 
     dead = None
+    owing: list[int] = []
 
     def __init__(self, status: int, liveness: Exits) -> None:
         self.status, self.liveness = status, liveness

@@ -39,9 +39,14 @@ from messages import (
 from messages.step import HANDLE, NUM_SCHEDULED
 from tests.engine_helpers import FakeExecutor, byte_level_tokenizer
 from tests.test_executor import echo_config, wait_gone
-from zmqworker.executor.errors import ExecutorError, WorkerStuckError, timed_out
+from zmqworker.executor.errors import (
+    ExecutorError,
+    RpcTimeoutError,
+    WorkerStuckError,
+    timed_out,
+)
 from zmqworker.executor.handshake import STUCK_AFTER_S
-from zmqworker.executor.multiproc import MultiprocExecutor
+from zmqworker.executor.multiproc import SHUTDOWN_GRACE_S, MultiprocExecutor
 from zmqworker.frontend.errors import EngineCoreError
 from zmqworker.frontend.llm import LLM
 from zmqworker.model_runner.input_batch import InputBatch
@@ -133,6 +138,28 @@ def dealer(address: str, keys=None, server_public: bytes | None = None) -> zmq.S
         make_client(sock, keys, server_public)
     sock.connect(address)
     return sock
+
+
+def test_ranks_still_running_a_call_that_timed_out_are_stopped_without_waiting() -> None:
+    """A rank busy with a call that timed out (as after a fatal step timeout) would answer
+    a shutdown only after that call: the executor stops it at once instead of asking and
+    waiting out the grace. A late reply takes a rank off that list."""
+    ex = MultiprocExecutor(echo_config(tp=2))
+    try:
+        with pytest.raises(RpcTimeoutError):
+            ex.collective_rpc("sleep_for", (1.0,), timeout=0.2)
+        assert ex.rpc.owing == [0, 1]
+        # Run after the sleep, in order: its late replies arrive first.
+        assert ex.collective_rpc("echo", ("after",), timeout=30) == ["after", "after"]
+        assert ex.rpc.owing == [] and ex.rpc.late_replies == 2
+        with pytest.raises(RpcTimeoutError):
+            ex.collective_rpc("sleep_for", (60.0,), timeout=0.2)
+        assert ex.rpc.owing == [0, 1]
+    finally:
+        started = time.monotonic()
+        ex.shutdown()
+    assert time.monotonic() - started < SHUTDOWN_GRACE_S / 2
+    assert wait_gone(ex.pids, 5.0)
 
 
 def test_on_tcp_a_peer_without_the_run_keys_cannot_even_say_hello() -> None:
@@ -263,7 +290,7 @@ ENGINE_SCRIPT = textwrap.dedent(
     """
     import time
     from tests.test_executor import echo_config
-    from zmqworker.executor.multiproc import MultiprocExecutor
+    from zmqworker.executor.multiproc import SHUTDOWN_GRACE_S, MultiprocExecutor
     ex = MultiprocExecutor(echo_config(pp=2))
     print(*ex.pids, flush=True)
     ex.collective_rpc("sleep_for", (60.0,), non_block=True)  # both busy when it dies

@@ -191,8 +191,14 @@ def polite_shutdown(rpc: RpcClient, world_size: int, timeout: float) -> bool:
     """Ask every worker to shut down, when all are connected and none died; True when
     every one answered, or exited with status 0 (it shut down as asked, before its answer
     left: LINGER 0), within timeout (they then stop by themselves). A rank found stopped
-    meanwhile is killed at once: it would answer nothing, SIGTERM included."""
+    meanwhile is killed at once: it would answer nothing, SIGTERM included. Nobody is
+    asked while a rank still owes the reply to a call that timed out: its answer would
+    wait behind that call, and the timeout with it."""
     if rpc.dead is not None or len(rpc.identities) != world_size:
+        return False
+    if rpc.owing:
+        log.warning("rank(s) %s never answered a call that timed out: not asked to shut "
+                    "down", rpc.owing)  # fmt: skip
         return False
     end = time.monotonic() + timeout
     try:

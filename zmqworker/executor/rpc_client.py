@@ -82,6 +82,9 @@ class RpcClient:
         self._dec = Decoder()
         self._ids = itertools.count(1)
         self._calls: dict[int, Call] = {}
+        # call id -> the ranks that had not answered it when it timed out: each is busy
+        # with it (calls run in order) or wedged, until its late reply comes.
+        self._owed: dict[int, set[int]] = {}
         self._cond = threading.Condition(threading.RLock())  # re-entered by done-callbacks
         self._busy = False  # a thread uses the socket
         self._receiving = False  # ... and waits in its receive
@@ -104,6 +107,13 @@ class RpcClient:
             if self._dead is None and (died := self.liveness.check()) is not None:
                 self._fail_all(died)
         return self._dead
+
+    @property
+    def owing(self) -> list[int]:
+        """The ranks that have still not answered a call that timed out: busy with it, or
+        wedged. A call sent to one waits behind it."""
+        with self._cond:
+            return sorted(set().union(*self._owed.values()))
 
     @property
     def send_timeout_s(self) -> float:
@@ -337,6 +347,11 @@ class RpcClient:
     def _on_reply(self, reply: RpcReply) -> None:
         call = self._calls.get(reply.call_id)
         if call is None:
+            owed = self._owed.get(reply.call_id)
+            if owed is not None:
+                owed.discard(reply.rank)
+                if not owed:
+                    del self._owed[reply.call_id]
             if reply.error is not None and reply.call_id < 0:
                 log.warning(
                     "rank %d could not decode a message: %s", reply.rank, reply.error.message
@@ -376,6 +391,7 @@ class RpcClient:
         for call_id, call in list(self._calls.items()):
             if call.deadline is not None and now >= call.deadline:
                 del self._calls[call_id]
+                self._owed[call_id] = set(call.waiting_for)
                 error = timed_out(call.method, sorted(call.waiting_for), call.timeout or 0.0)
                 call.finish(error=error)
 
