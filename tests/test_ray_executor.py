@@ -11,6 +11,7 @@ import time
 
 import msgspec
 import pytest
+import zmq
 
 try:
     import ray
@@ -30,6 +31,7 @@ from zmqworker.executor.errors import (  # noqa: E402
     WorkerError,
     WorkerStartupError,
 )
+from zmqworker.executor.ray_actor import RayWorkerActor  # noqa: E402
 from zmqworker.executor.ray_executor import (  # noqa: E402
     Placement,
     RayExecutor,
@@ -213,3 +215,22 @@ def test_ranks_are_grouped_by_node_and_gpus_made_visible():
     assert cpu_envs == [{}] * 4 and cpu_local == [0, 1, 0, 1]
     with pytest.raises(WorkerStartupError, match="no GPU"):
         rank_environments([Placement("n", "ip", (), 1)], use_gpu=True, extra={})
+
+
+def test_an_actor_waits_for_its_welcome_only_as_long_as_it_is_told() -> None:
+    """A rank's server ends (status 3, as a worker process's) when no Welcome comes within
+    the wait the executor gives it (its start-up bound and a margin), not a fixed 60 s."""
+    router = zmq.Context.instance().socket(zmq.ROUTER)
+    router.linger = 0
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    actor = RayWorkerActor()
+    actor.assign_rank(0)
+    started = time.monotonic()
+    try:
+        actor.start_server(f"tcp://127.0.0.1:{port}", "token", "tcp://127.0.0.1:*", "",
+                           1 << 20, 1 << 20, welcome_timeout_s=0.5)  # fmt: skip
+        assert router.poll(10_000) and len(router.recv_multipart()) == 2  # its Hello
+        assert actor.wait_server() == 3
+        assert time.monotonic() - started < 10
+    finally:
+        router.close()

@@ -34,6 +34,9 @@ log = logging.getLogger("zmqworker.executor")
 
 STUCK_AFTER_S = 2.0  # a worker silent (no ZMTP heartbeat) for this long is stuck
 HEARTBEATS = 5  # heartbeats sent within stuck_after_s
+# A worker's wait for its Welcome outlasts the engine's start-up bound by this, so that the
+# engine's wait for every Hello ends first and names the rank(s) it did not hear from.
+WELCOME_MARGIN_S = 5.0
 MAX_HEARTBEAT_TTL_MS = 6_553_500
 
 

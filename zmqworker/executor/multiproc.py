@@ -39,6 +39,7 @@ from zmqworker.executor.errors import (
 )
 from zmqworker.executor.handshake import (
     STUCK_AFTER_S,
+    WELCOME_MARGIN_S,
     Handshake,
     bind_router,
     new_token,
@@ -52,7 +53,6 @@ from zmqworker.transport.spawn_env import MAX_MESSAGE_ENV, TOKEN_ENV, WELCOME_TI
 
 SHUTDOWN_GRACE_S = 5.0
 SIGTERM_GRACE_S = 3.0
-WELCOME_MARGIN_S = 5.0  # a worker's Welcome wait outlasts the start-up bound by this
 
 
 class _ProcessLiveness(Liveness):

@@ -81,10 +81,13 @@ class RayWorkerActor:
         curve_keys: str,
         max_request_bytes: int,
         max_pipeline_bytes: int,
+        welcome_timeout_s: float,
     ) -> None:
         """Start the WorkerServer in a thread of its own; it connects to the engine's
         ROUTER and says hello. Returns once stop_server can reach it. curve_keys: the
-        run's WorkerKeys as their environment value ("" for none)."""
+        run's WorkerKeys as their environment value ("" for none). welcome_timeout_s: how
+        long the server waits for its Welcome after its Hello (the engine's start-up
+        bound and a margin, as a worker process's)."""
         from zmqworker.runtime.worker_process import WorkerServer  # torch: only once placed
 
         rank = self._rank()
@@ -103,6 +106,7 @@ class RayWorkerActor:
             keys=keys,
             max_request_bytes=max_request_bytes,
             max_pipeline_bytes=max_pipeline_bytes,
+            welcome_timeout_s=welcome_timeout_s,
         )
         # Queued before any stop request can be: the server's first step runs first.
         task = self._loop.create_task(self._server.run())

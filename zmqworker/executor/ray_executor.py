@@ -41,6 +41,7 @@ from zmqworker.executor.calls import Liveness
 from zmqworker.executor.errors import ExecutorError, WorkerDiedError, WorkerStartupError
 from zmqworker.executor.handshake import (
     STUCK_AFTER_S,
+    WELCOME_MARGIN_S,
     Handshake,
     bind_router,
     new_token,
@@ -291,6 +292,7 @@ class RayExecutor(Executor):
                 worker_keys,
                 limits.request_bytes,
                 limits.pipeline_bytes,
+                timeout + WELCOME_MARGIN_S,
             )
             for a, p in zip(self.actors, self.placements, strict=True)
         ]
