@@ -42,6 +42,10 @@ Value = (
 
 ALL_RANKS = None
 
+# Answered while another call runs (beside the worker's calls, which run one at a time in
+# arrival order), so that an engine can tell a long step from a dead rank.
+CONCURRENT_METHODS = frozenset({"check_health"})
+
 
 class RpcRequest(msgspec.Struct, tag=True):
     """Call method on every worker. reply_rank None: every rank replies; an int: only that

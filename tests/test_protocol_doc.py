@@ -36,7 +36,7 @@ from messages import (
     weights,
 )
 from messages import examples as ex
-from messages.rpc import Value
+from messages.rpc import CONCURRENT_METHODS, Value
 from zmqworker.distributed.pp_channel import RECV_TIMEOUT_S, SHM_ENV
 from zmqworker.engine.core_clients import PROBE_EVERY_S, PROBE_WINDOW_S
 from zmqworker.engine.core_server import CLIENT_SILENT_S, HEARTBEAT_IVL_S, SHUTDOWN
@@ -58,7 +58,7 @@ from zmqworker.transport.spawn_env import (
     TOKEN_ENV,
     WELCOME_TIMEOUT_ENV,
 )
-from zmqworker.worker.worker_base import CONCURRENT_METHODS, RPC_METHODS, WorkerBase
+from zmqworker.worker.worker_base import RPC_METHODS, WorkerBase
 
 DOC = (Path(__file__).resolve().parent.parent / "docs" / "protocol.md").read_text()
 LINES = DOC.splitlines()

@@ -1,4 +1,5 @@
-"""What the RpcClient keeps of a call in flight, and how a worker's death is learnt."""
+"""What the RpcClient keeps of a call in flight and of the answers still owed after a
+timeout, and how a worker's death is learnt."""
 
 from __future__ import annotations
 
@@ -8,7 +9,10 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
+from messages import Encoder, RpcRequest
+from messages.rpc import CONCURRENT_METHODS
 from zmqworker.executor.errors import WorkerDiedError
+from zmqworker.executor.message_limits import check_request_frames
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
@@ -109,3 +113,46 @@ class Call:
             self.future.set_exception(error)
         elif self.future is not None:
             self.future.set_result(value)
+
+
+class OwedAnswers:
+    """The ranks that never answered a call that timed out (one that runs in order with
+    the others, not beside them): each is busy with it, or wedged, until it answers that
+    call or a later one, since a rank runs them in order. The newest such call is kept
+    per rank. Of a step (unique_reply_rank), only the rank it waits for is known to owe."""
+
+    def __init__(self) -> None:
+        self._by_rank: dict[int, int] = {}  # rank -> call id
+
+    @property
+    def ranks(self) -> list[int]:
+        return sorted(self._by_rank)
+
+    def timed_out(self, call_id: int, call: Call) -> None:
+        if call.method not in CONCURRENT_METHODS:
+            self._by_rank.update(dict.fromkeys(call.waiting_for, call_id))
+
+    def answered(self, rank: int, call_id: int, call: Call | None) -> None:
+        """rank answered call_id (call: the call if still open, else None)."""
+        owed = self._by_rank.get(rank)
+        if owed is not None and (
+            call_id == owed
+            or (call_id > owed and call is not None and call.method not in CONCURRENT_METHODS)
+        ):
+            del self._by_rank[rank]
+
+    def clear(self) -> None:
+        self._by_rank.clear()
+
+
+def request_frames(enc: Encoder, req: RpcRequest, limit: int | None) -> list[bytes | memoryview]:
+    """req's frames to send; refused here, before anything is sent, where its arguments
+    cannot be encoded (TypeError) or a worker would drop it (ValueError; limit: the
+    workers' largest frame, None for no bound)."""
+    try:
+        frames = enc.encode(req)
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"arguments of {req.method} cannot be encoded: {e}") from None
+    if limit is not None:
+        check_request_frames(req.method, frames, limit)
+    return frames

@@ -9,6 +9,7 @@ address (the pipeline channel's address exchange).
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import logging
 import secrets
@@ -37,6 +38,7 @@ HEARTBEATS = 5  # heartbeats sent within stuck_after_s
 # A worker's wait for its Welcome outlasts the engine's start-up bound by this, so that the
 # engine's wait for every Hello ends first and names the rank(s) it did not hear from.
 WELCOME_MARGIN_S = 5.0
+LATE_REPLIES_S = 0.2  # how long a shutdown reads replies still owed before it decides
 MAX_HEARTBEAT_TTL_MS = 6_553_500
 
 
@@ -199,9 +201,13 @@ def polite_shutdown(rpc: RpcClient, world_size: int, timeout: float) -> bool:
     wait behind that call, and the timeout with it."""
     if rpc.dead is not None or len(rpc.identities) != world_size:
         return False
-    if rpc.owing:
-        log.warning("rank(s) %s never answered a call that timed out: not asked to shut "
-                    "down", rpc.owing)  # fmt: skip
+    if rpc.owing:  # late answers that came while nobody received take their ranks off
+        with contextlib.suppress(TimeoutError):
+            rpc.wait_for(lambda: not rpc.owing, timeout=LATE_REPLIES_S)
+    owing = rpc.owing
+    if owing:
+        log.warning("rank(s) %s never answered a call that timed out: not asked to shut down",
+                    owing)  # fmt: skip
         return False
     end = time.monotonic() + timeout
     try:

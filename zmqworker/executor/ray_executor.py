@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 import uuid
 import weakref
 from collections.abc import Sequence
@@ -284,6 +285,8 @@ class RayExecutor(Executor):
         )
         token = new_token()
         worker_keys = keys.for_workers().to_env() if keys is not None else ""
+        # One deadline for every Hello, from before any actor's Welcome wait starts.
+        hellos_by = time.monotonic() + timeout
         starts = [
             a.start_server.remote(
                 self.address,
@@ -307,7 +310,7 @@ class RayExecutor(Executor):
             stuck_after_s=self.stuck_after_s,
             max_request_bytes=limits.request_bytes,
         )
-        handshake.run(self.rpc, self.config, timeout)
+        handshake.run(self.rpc, self.config, max(0.0, hellos_by - time.monotonic()))
         self.collective_rpc("init_device", timeout=timeout)
         self.collective_rpc("load_model", timeout=timeout)
 

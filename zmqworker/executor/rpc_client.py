@@ -33,7 +33,7 @@ from typing import Any
 import zmq
 
 from messages import Decoder, Encoder, ProtocolError, RpcReply, RpcRequest
-from zmqworker.executor.calls import Call, Liveness, RpcFuture
+from zmqworker.executor.calls import Call, Liveness, OwedAnswers, RpcFuture, request_frames
 from zmqworker.executor.errors import (
     ExecutorError,
     WorkerDiedError,
@@ -41,7 +41,6 @@ from zmqworker.executor.errors import (
     WorkerStuckError,
     timed_out,
 )
-from zmqworker.executor.message_limits import check_request_frames
 from zmqworker.executor.stuck_ranks import StuckRanks, unreachable
 from zmqworker.transport.frames import TooManyFrames, recv_frames, send_frames
 from zmqworker.transport.nudge import NUDGE_IDENTITY, Nudger
@@ -82,9 +81,7 @@ class RpcClient:
         self._dec = Decoder()
         self._ids = itertools.count(1)
         self._calls: dict[int, Call] = {}
-        # call id -> the ranks that had not answered it when it timed out: each is busy
-        # with it (calls run in order) or wedged, until its late reply comes.
-        self._owed: dict[int, set[int]] = {}
+        self._owed = OwedAnswers()
         self._cond = threading.Condition(threading.RLock())  # re-entered by done-callbacks
         self._busy = False  # a thread uses the socket
         self._receiving = False  # ... and waits in its receive
@@ -113,7 +110,7 @@ class RpcClient:
         """The ranks that have still not answered a call that timed out: busy with it, or
         wedged. A call sent to one waits behind it."""
         with self._cond:
-            return sorted(set().union(*self._owed.values()))
+            return self._owed.ranks
 
     @property
     def send_timeout_s(self) -> float:
@@ -273,20 +270,9 @@ class RpcClient:
                 raise ValueError(f"reply rank {reply_rank} is not one of the ranks {ranks}")
             call_id = next(self._ids)
             identities = [self.identities[rank] for rank in ranks]
-        req = RpcRequest(
-            call_id=call_id,
-            method=method,
-            args=list(args),
-            kwargs=kwargs or {},
-            deadline=0.0 if timeout is None else time.time() + timeout,
-            reply_rank=reply_rank,
-        )
-        try:
-            frames = self._enc.encode(req)
-        except (TypeError, ValueError) as e:
-            raise TypeError(f"arguments of {method} cannot be encoded: {e}") from None
-        if self.max_request_bytes is not None:
-            check_request_frames(method, frames, self.max_request_bytes)
+        req = RpcRequest(call_id, method, list(args), kwargs or {}, reply_rank=reply_rank,
+                         deadline=0.0 if timeout is None else time.time() + timeout)  # fmt: skip
+        frames = request_frames(self._enc, req, self.max_request_bytes)
         waiting = {reply_rank} if reply_rank is not None else set(ranks)
         deadline = None if timeout is None else time.monotonic() + timeout
         call = Call(method, waiting, reply_rank, timeout, deadline)
@@ -346,12 +332,8 @@ class RpcClient:
 
     def _on_reply(self, reply: RpcReply) -> None:
         call = self._calls.get(reply.call_id)
+        self._owed.answered(reply.rank, reply.call_id, call)
         if call is None:
-            owed = self._owed.get(reply.call_id)
-            if owed is not None:
-                owed.discard(reply.rank)
-                if not owed:
-                    del self._owed[reply.call_id]
             if reply.error is not None and reply.call_id < 0:
                 log.warning(
                     "rank %d could not decode a message: %s", reply.rank, reply.error.message
@@ -391,7 +373,7 @@ class RpcClient:
         for call_id, call in list(self._calls.items()):
             if call.deadline is not None and now >= call.deadline:
                 del self._calls[call_id]
-                self._owed[call_id] = set(call.waiting_for)
+                self._owed.timed_out(call_id, call)
                 error = timed_out(call.method, sorted(call.waiting_for), call.timeout or 0.0)
                 call.finish(error=error)
 
@@ -410,6 +392,7 @@ class RpcClient:
         if self._dead is None:
             self._dead = error
         calls, self._calls = self._calls, {}
+        self._owed.clear()
         for call in calls.values():
             call.finish(error=error)
         self._cond.notify_all()

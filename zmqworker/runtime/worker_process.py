@@ -46,6 +46,7 @@ from messages import (
     RpcRequest,
     Welcome,
 )
+from messages.rpc import CONCURRENT_METHODS
 from zmqworker.distributed.pipeline_stage import PipelineStage
 from zmqworker.distributed.pp_receiver import PipelineReceiver
 from zmqworker.distributed.pp_sender import PipelineSender
@@ -61,7 +62,6 @@ from zmqworker.transport.curve import WorkerKeys, make_client, start_zap
 from zmqworker.transport.drops import DropCounter
 from zmqworker.transport.frames import TooManyFrames
 from zmqworker.transport.spawn_env import HANDSHAKE_TIMEOUT_S
-from zmqworker.worker.worker_base import CONCURRENT_METHODS
 from zmqworker.worker.wrapper import WorkerWrapper
 
 log = logging.getLogger("zmqworker.worker")

@@ -50,11 +50,6 @@ RPC_METHODS = frozenset(
 )
 
 
-# Answered while another call runs (beside the worker's calls, which run one at a time in
-# arrival order), so that an engine can tell a long step from a dead rank.
-CONCURRENT_METHODS = frozenset({"check_health"})
-
-
 class WorkerBase(ABC):
     """One rank of the model: a slice of its weights, its KV cache, its process groups."""
 
