@@ -3,6 +3,11 @@
 Two signals, either is enough: the DEALER's connection to the engine drops (socket
 monitor, works across hosts), or the parent process changes (a worker spawned by
 MultiprocExecutor is re-parented when its engine dies, even by SIGKILL).
+
+A drop counts once a handshake with the engine has succeeded. Before that, a handshake
+cut short (the engine's ZAP thread slow to answer, past its handshake interval) is
+tried again by libzmq, and the wait for the Welcome bounds how long; an engine that
+refuses this worker's keys (ZAP's answer) ends it at once.
 """
 
 from __future__ import annotations
@@ -28,7 +33,10 @@ class EngineWatch:
         self._loop = loop
         self._on_lost = on_lost
         self._parent_pid = parent_pid
-        self._monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self._monitor = sock.get_monitor_socket(
+            zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+        )
+        self._reached = False  # a handshake with the engine succeeded
         self._fd = self._monitor.getsockopt(zmq.FD)
         self._fired = False
         loop.add_reader(self._fd, self._read_monitor)
@@ -52,8 +60,12 @@ class EngineWatch:
         if self._monitor.closed:  # the first look, run after an early close()
             return
         while self._monitor.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-            event = parse_monitor_message(self._monitor.recv_multipart(zmq.NOBLOCK))
-            if event["event"] == zmq.EVENT_DISCONNECTED:
+            event = parse_monitor_message(self._monitor.recv_multipart(zmq.NOBLOCK))["event"]
+            if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self._reached = True
+            elif event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+                self._lost("the engine refused this worker's CURVE keys")
+            elif event == zmq.EVENT_DISCONNECTED and self._reached:
                 self._lost("the connection to the engine dropped")
 
     async def _watch_parent(self) -> None:
