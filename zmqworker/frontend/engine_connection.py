@@ -14,11 +14,14 @@ from zmq.utils.monitor import recv_monitor_message
 
 from messages import EngineCoreOutputs, EngineCoreReady, EngineCoreStats
 from zmqworker.frontend.core_process import EngineCoreHandle
+from zmqworker.transport import curve
 from zmqworker.transport.curve import CORE_CURVE_ENV, connect_core_securely
 
-# A first CURVE handshake that fails (refused, or cut short: what another key pair
-# looks like from here) tells a client of an engine core served on its own that it is
-# not this client's to reach. Engine cores a client started are on ipc: no handshake.
+# A first CURVE handshake that fails (refused, or cut short at once: what another key
+# pair looks like from here) tells a client of an engine core served on its own that it
+# is not this client's to reach. One cut short only after half the server's handshake
+# interval was the engine core's ZAP thread slow to answer: libzmq tries again, and
+# REACH_TIMEOUT_S bounds the wait. Engine cores a client started are on ipc: no handshake.
 HANDSHAKE_FAILED = (
     zmq.EVENT_HANDSHAKE_FAILED_AUTH
     | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
@@ -73,7 +76,10 @@ class EngineConnection:
         try:
             connect_core_securely(sock, address)
             monitor = sock.get_monitor_socket(
-                zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED | HANDSHAKE_FAILED
+                zmq.EVENT_CONNECTED
+                | zmq.EVENT_DISCONNECTED
+                | zmq.EVENT_HANDSHAKE_SUCCEEDED
+                | HANDSHAKE_FAILED
             )
             sock.connect(address)
         except BaseException:
@@ -90,6 +96,7 @@ class EngineConnection:
         self.sent_since_report = 0
         self.disconnected_at: float | None = None
         self.opened_at = time.monotonic()
+        self.connected_at = self.opened_at  # the latest tcp connection's, for its handshake
         self.reached = False  # a handshake with the engine core succeeded
         self.stopping = False  # asked to shut down: its end is expected
         self.leaving = False  # it said it stops (a fatal failure): it ends on its own
@@ -119,7 +126,12 @@ class EngineConnection:
         disconnected_at is now); why the engine core refused this client, if it did."""
         while self.monitor.poll(0):
             event = recv_monitor_message(self.monitor)["event"]
-            if event & HANDSHAKE_FAILED and not (self.reached or self.handle.owned):
+            if event == zmq.EVENT_CONNECTED:
+                self.connected_at = now
+            slow = event != zmq.EVENT_HANDSHAKE_FAILED_AUTH and (
+                now - self.connected_at >= curve.HANDSHAKE_S / 2
+            )
+            if event & HANDSHAKE_FAILED and not (self.reached or self.handle.owned or slow):
                 return (
                     f"{self.handle.label} refused this client: the CURVE handshake failed "
                     f"(${CORE_CURVE_ENV} must hold the engine core's key pair)"

@@ -1,7 +1,8 @@
-"""A worker's watch on its engine (runtime/engine_watch.py) over real CURVE sockets: a
-handshake cut short by a slow ZAP answer is tried again by libzmq, not taken for the
-engine's end; a refusal of the worker's keys ends it at once, as a drop after a
-handshake does."""
+"""Handshakes that a server cuts short because its ZAP thread was slow to answer, over
+real CURVE sockets: libzmq tries again, and neither a worker's watch on its engine
+(runtime/engine_watch.py) nor a client's connection to an engine core served on its own
+(frontend/engine_connection.py) takes that for the end or for a refusal; keys the server
+refuses, or another key pair, still end both at once."""
 
 from __future__ import annotations
 
@@ -13,25 +14,29 @@ import pytest
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
 
+from zmqworker.frontend.engine_connection import EngineConnection
 from zmqworker.runtime.engine_watch import EngineWatch
+from zmqworker.transport import curve
+from zmqworker.transport.curve import CoreKeys
 
 ENGINE = zmq.curve_keypair()
 WORKER = zmq.curve_keypair()
 
 
 class SlowOnce:
-    """A ZAP credentials check that admits WORKER's key, after a pause on its first call
-    longer than the engine's handshake interval."""
+    """A ZAP credentials check that admits one public key (WORKER's unless told), after a
+    pause on its first call longer than the server's handshake interval."""
 
-    def __init__(self, pause_s: float) -> None:
+    def __init__(self, pause_s: float, admits: bytes = WORKER[0]) -> None:
         self.pause_s = pause_s
+        self.admits = admits
         self.calls = 0
 
     def callback(self, domain: str, client_key: bytes) -> bool:
         self.calls += 1
         if self.calls == 1:
             time.sleep(self.pause_s)
-        return client_key == WORKER[0]
+        return client_key == self.admits
 
 
 @pytest.fixture
@@ -41,14 +46,17 @@ def ctx() -> Iterator[zmq.Context]:
     ctx.destroy(linger=0)
 
 
-def engine(ctx: zmq.Context, provider: SlowOnce) -> tuple[zmq.Socket, str, ThreadAuthenticator]:
+def engine(
+    ctx: zmq.Context, provider: SlowOnce, keys: tuple[bytes, bytes] = ENGINE
+) -> tuple[zmq.Socket, str, ThreadAuthenticator]:
+    """A CURVE ROUTER of keys that cuts a handshake off after 0.3 s."""
     auth = ThreadAuthenticator(ctx)
     auth.start()
     auth.configure_curve_callback(domain="*", credentials_provider=provider)
     router = ctx.socket(zmq.ROUTER)
     router.linger = 0
     router.handshake_ivl = 300
-    router.curve_server, router.curve_publickey, router.curve_secretkey = True, *ENGINE
+    router.curve_server, router.curve_publickey, router.curve_secretkey = True, *keys
     port = router.bind_to_random_port("tcp://127.0.0.1")
     return router, f"tcp://127.0.0.1:{port}", auth
 
@@ -105,4 +113,42 @@ def test_an_engine_that_refuses_the_workers_keys_ends_the_watch_at_once(ctx) -> 
     finally:
         watch.close()
         loop.close()
+        auth.stop()
+
+
+class Served:
+    """What a connection reads of an engine core served on its own."""
+
+    label = "engine core 0"
+    owned = False
+    death_fd = None
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("same_pair", [True, False])
+def test_a_client_takes_only_a_quick_failure_for_a_refusal(ctx, monkeypatch, same_pair) -> None:
+    """The engine core's handshake interval, 0.3 s here: a first handshake cut off at the
+    interval (the ZAP answer paused 1 s) is tried again until it succeeds; another key
+    pair fails at once, and is refused by name."""
+    monkeypatch.setattr(curve, "HANDSHAKE_S", 0.3)
+    pair = CoreKeys.new()
+    monkeypatch.setenv(CoreKeys.ENV, pair.to_env())
+    provider = SlowOnce(pause_s=1.0, admits=pair.public)
+    served = pair if same_pair else CoreKeys.new()
+    router, address, auth = engine(ctx, provider, (served.public, served.secret))
+    conn = EngineConnection(0, Served(), ctx, address, 1 << 20)
+    try:
+        refused, end = None, time.monotonic() + 10
+        while refused is None and not conn.reached and time.monotonic() < end:
+            refused = conn.watch(time.monotonic())
+            time.sleep(0.02)
+        if same_pair:
+            assert refused is None and conn.reached and provider.calls >= 2
+        else:
+            assert refused is not None and "engine core 0 refused this client" in refused
+            assert provider.calls == 0
+    finally:
+        conn.close()
         auth.stop()
