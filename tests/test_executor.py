@@ -28,7 +28,7 @@ from messages import (
     WorkerConfig,
 )
 from zmqworker.executor import multiproc
-from zmqworker.executor.calls import Liveness
+from zmqworker.executor.calls import Call, Liveness, OwedAnswers
 from zmqworker.executor.errors import (
     ExecutorError,
     RpcTimeoutError,
@@ -656,3 +656,28 @@ def test_request_the_worker_cannot_decode_fails_at_once(ex2):
     with pytest.raises(WorkerError, match="ProtocolError"):
         ex2.collective_rpc("echo", ({"a": 1},), timeout=30)
     assert ex2.collective_rpc("echo", (6,)) == [6, 6]
+
+
+def test_owed_answers_are_the_newest_in_order_call_each_rank_has_not_answered() -> None:
+    """A rank that let a call time out owes its answer until it answers that call or a
+    later one that runs in order (a rank runs them so); a health check, which runs
+    beside them, neither puts a rank on the list nor takes it off."""
+
+    def call(method: str, ranks: set[int]) -> Call:
+        return Call(method, set(ranks), None, 1.0, None)
+
+    owed = OwedAnswers()
+    owed.timed_out(3, call("check_health", {0, 1}))
+    assert owed.ranks == []
+    owed.timed_out(5, call("sleep_for", {0, 1}))
+    owed.timed_out(7, call("sleep_for", {1}))
+    assert owed.ranks == [0, 1]
+    owed.answered(1, 5, None)  # an older call's late answer: 7 is still owed
+    owed.answered(1, 9, call("check_health", {1}))  # beside: says nothing of call 7
+    assert owed.ranks == [0, 1]
+    owed.answered(0, 5, None)
+    owed.answered(1, 8, call("echo", {0, 1}))  # a later call, in order: 7 has ended
+    assert owed.ranks == []
+    owed.timed_out(11, call("sleep_for", {0}))
+    owed.clear()
+    assert owed.ranks == []

@@ -144,12 +144,9 @@ def test_ranks_still_running_a_call_that_timed_out_are_stopped_without_waiting(c
     """A rank busy with a call that timed out (as after a fatal step timeout) would answer
     a shutdown only after that call: the executor stops it at once instead of asking and
     waiting out the grace. Its answer to that call, or to a later one (it runs them in
-    order), takes it off that list; a health check, which runs beside, never puts it on."""
+    order), takes it off that list (calls.OwedAnswers: test_executor.py)."""
     ex = MultiprocExecutor(echo_config(tp=2))
     try:
-        with pytest.raises(RpcTimeoutError):
-            ex.collective_rpc("check_health", timeout=1e-6)
-        assert ex.rpc.owing == []
         with pytest.raises(RpcTimeoutError):
             ex.collective_rpc("sleep_for", (1.0,), timeout=0.2)
         assert ex.rpc.owing == [0, 1]
