@@ -17,13 +17,21 @@ import torch
 from zmqworker.cdiv import cdiv
 from zmqworker.model_runner.host_to_device import upload
 
-_BITS = 32
+BITS = 32  # tokens a bitmask word holds
+
+
+def token_bits(token_ids: np.ndarray | list[int], words: int) -> np.ndarray:
+    """int32 [words]: bit j of word j // 32 set for each token j of token_ids (each in
+    [0, 32 * words))."""
+    present = np.zeros(words * BITS, bool)
+    present[np.asarray(token_ids, np.int64)] = True
+    return np.packbits(present, bitorder="little").view(np.int32)
 
 
 class AllowedRows:
     def __init__(self, max_num_seqs: int, vocab_size: int, device: torch.device) -> None:
         self.vocab_size = vocab_size
-        self.words = cdiv(vocab_size, _BITS)
+        self.words = cdiv(vocab_size, BITS)
         self.bits = torch.zeros(max_num_seqs, self.words, dtype=torch.int32, device=device)
         self.has = np.zeros(max_num_seqs, bool)  # rows with allowed_token_ids
         self._joining: dict[int, np.ndarray] = {}  # row -> its packed words, not yet written
@@ -34,9 +42,7 @@ class AllowedRows:
 
     def add(self, row: int, token_ids: list[int]) -> None:
         """Row's request allows only token_ids (each in [0, vocab): the batch's check)."""
-        present = np.zeros(self.words * _BITS, bool)
-        present[np.asarray(token_ids, np.int64)] = True
-        self._joining[row] = np.packbits(present, bitorder="little").view(np.int32)
+        self._joining[row] = token_bits(token_ids, self.words)
         self.has[row] = True
 
     def remove(self, row: int) -> None:

@@ -29,12 +29,10 @@ import torch
 
 from messages import SamplingParams
 from zmqworker.cdiv import cdiv
-from zmqworker.model_runner.allowed_rows import AllowedRows
+from zmqworker.model_runner.allowed_rows import BITS, AllowedRows, token_bits
 from zmqworker.model_runner.host_to_device import upload
 from zmqworker.model_runner.penalties import Dense, Entries, Mask, PenaltyStep
 from zmqworker.model_runner.row_table import RowTable
-
-_BITS = 32
 
 
 class PenaltyRows:
@@ -42,7 +40,7 @@ class PenaltyRows:
         self.num_rows = max_num_seqs
         self.vocab_size = vocab_size
         self.device = device
-        words = cdiv(vocab_size, _BITS)
+        words = cdiv(vocab_size, BITS)
         self.counts = torch.zeros(max_num_seqs, vocab_size, dtype=torch.int32, device=device)
         self.prompt_bits = torch.zeros(max_num_seqs, words, dtype=torch.int32, device=device)
         # Rows: repetition, frequency, presence penalty (float32, neutral values when off).
@@ -140,9 +138,7 @@ class PenaltyRows:
         bits = np.zeros((len(joining), words), np.int32)
         for i, (_, prompt, _) in enumerate(joining):
             if prompt is not None:
-                present = np.zeros(words * _BITS, bool)
-                present[prompt] = True
-                bits[i] = np.packbits(present, bitorder="little").view(np.int32)
+                bits[i] = token_bits(prompt, words)
         outputs = [out for _, _, out in joining]
         out_rows = np.repeat(rows, [len(o) for o in outputs]).astype(np.int32)
         out_tokens = np.concatenate(outputs).astype(np.int32)
