@@ -37,12 +37,14 @@ from zmqworker.models.layers.skinny_linear import (
 )
 
 BATCHES = (1, 4, 8, *ROW_TILES)
+# (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages); the deeper pipelines and eight warps
+# are for the 32- and 64-row tiles.
 SWEEP = [
-    (n, k, split, w, 3)
+    (n, k, split, w, stages)
     for n in (16, 32, 64, 128)
     for k in (64, 128, 256)
     for split in (1, 2, 4, 8)
-    for w in (2, 4)
+    for w, stages in ((2, 3), (4, 3), (4, 4), (8, 3))
 ]
 
 
