@@ -19,10 +19,10 @@ the host memory they read may then go.
 from __future__ import annotations
 
 import functools
+from types import ModuleType
 
 import torch
 
-from zmqworker.kv_transfer import block_copy_kernel
 from zmqworker.kv_transfer.peer_caches import PeerCache
 
 GROUP_BYTES = 256 << 20
@@ -109,7 +109,7 @@ def copy_blocks(
     dst_table, src_table = on_device[:layers], on_device[layers : 2 * layers]
     ids, src_ids = on_device[2 * layers : 2 * layers + n], on_device[2 * layers + n :]
     shape = (source.num_blocks, source.num_kv_heads)
-    block_copy_kernel.copy_blocks(kv_caches, dst_table, ids, src_table, src_ids, shape, heads)
+    _kernel().copy_blocks(kv_caches, dst_table, ids, src_table, src_ids, shape, heads)
 
 
 def warm_up_copies(kv_caches: list[torch.Tensor]) -> None:
@@ -118,7 +118,7 @@ def warm_up_copies(kv_caches: list[torch.Tensor]) -> None:
     device, cache = kv_caches[0].device, kv_caches[0]
     table = torch.tensor([c.data_ptr() for c in kv_caches], dtype=torch.int64, device=device)
     zero = torch.zeros(1, dtype=torch.int64, device=device)
-    block_copy_kernel.copy_blocks(kv_caches, table, zero, table, zero, cache.shape[1:3])
+    _kernel().copy_blocks(kv_caches, table, zero, table, zero, cache.shape[1:3])
 
 
 def _copy_in(buffer: torch.Tensor, src: torch.Tensor) -> None:
@@ -156,3 +156,11 @@ def _copy_stream(device: torch.device) -> torch.cuda.Stream:
     """One stream a device for the copies in: its memory pool stays warm (the caching
     allocator keeps one per stream)."""
     return torch.cuda.Stream(device)
+
+
+def _kernel() -> ModuleType:
+    """block_copy_kernel, imported where a copy runs: it imports Triton, which a worker
+    without a GPU copy (every CPU worker) would otherwise import at start-up for nothing."""
+    from zmqworker.kv_transfer import block_copy_kernel
+
+    return block_copy_kernel
