@@ -26,8 +26,8 @@ CURVE_ENV = "ZMQWORKER_CURVE"  # "engine public,worker public,worker secret" (z8
 # A tcp peer that has not finished its handshake by then is cut off: libzmq's default
 # (30 s) let a peer without keys hold a descriptor that long by connecting and saying
 # nothing. A peer with keys finishes in milliseconds; a ZAP thread kept from answering
-# for longer fails that handshake: libzmq tries again, and a worker waits for it
-# (runtime/engine_watch.py), but a remote frontend takes it for a refusal.
+# for longer fails that handshake: libzmq tries again, and a worker and a remote
+# frontend wait for it (runtime/engine_watch.py, frontend/engine_connection.py).
 HANDSHAKE_S = 5.0
 
 
