@@ -45,7 +45,7 @@ from zmqworker.executor.errors import (
     WorkerStuckError,
     timed_out,
 )
-from zmqworker.executor.handshake import STUCK_AFTER_S
+from zmqworker.executor.handshake import HEARTBEATS, STUCK_AFTER_S
 from zmqworker.executor.multiproc import SHUTDOWN_GRACE_S, MultiprocExecutor
 from zmqworker.frontend.errors import EngineCoreError
 from zmqworker.frontend.llm import LLM
@@ -341,7 +341,9 @@ def test_workers_leave_an_engine_that_goes_silent_within_the_stuck_bound() -> No
     )
     try:
         pids = [int(p) for p in engine.stdout.readline().split()]
-        time.sleep(0.5)  # a heartbeat or two has carried the TTL
+        # The TTL comes with the engine's first heartbeat, one interval after each worker
+        # connected: three intervals let a loaded machine's I/O threads send it.
+        time.sleep(3 * STUCK_AFTER_S / HEARTBEATS)
         engine.send_signal(signal.SIGSTOP)
         stopped = time.monotonic()
         assert wait_gone(pids, 10.0), "workers outlived their silent engine"
