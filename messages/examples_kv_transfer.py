@@ -1,7 +1,8 @@
 """Example messages of KV transfer (messages/kv_transfer.py), for the golden fixtures: a
 prefill instance's step that stages a finished prefill's KV, a decode instance's step
-that computes nothing and starts a pull, the reply that reports transfers over, and a
-step with host tier copies.
+that computes nothing and starts a pull, the reply that reports transfers over, a step
+with host tier copies, and a pull between instances of two pipeline stages with a first
+stage's reply.
 Deterministic, like examples.py; block ids below its NUM_BLOCKS, handles its own."""
 
 from __future__ import annotations
@@ -28,6 +29,10 @@ from messages.step import CachedRequestData, ModelRunnerOutput, NewRequestData, 
 NUM_BLOCKS, BLOCK_SIZE = 4096, 16  # examples.py's cache
 DEADLINE, LAST_RANK = 1_767_225_600.25, 1
 PREFILL_ADDRESSES = ["tcp://10.0.0.7:47000"]  # the prefill's one tp rank
+# A prefill of two pipeline stages (of one tp rank, as examples.py's run): rank r on
+# port + r. Each stage's first rank answers a step's call.
+STAGED_ADDRESSES = ["tcp://10.0.0.7:47000", "tcp://10.0.0.7:47001"]
+STAGE_RANKS = [0, LAST_RANK]
 
 
 def _blocks(rng: Stream, num_tokens: int) -> np.ndarray:
@@ -97,6 +102,17 @@ def host_tier_step(seed: int = 13) -> SchedulerOutput:
     return SchedulerOutput([new], CachedRequestData.empty(), 8, kv_connector_metadata=metadata)
 
 
+def staged_pull_step(seed: int = 15) -> SchedulerOutput:
+    """Decode side of two pipeline stages (examples.py's run): request 9's pull from a
+    prefill of two stages, each decode stage pulling from the prefill stage of its
+    number."""
+    rng = Stream(seed)
+    remote = RemoteKV(req_id(9), 700, STAGED_ADDRESSES, pipeline_stages=2)
+    load = KVLoad(req_id(9), _blocks(rng, 700), remote)
+    metadata = KVConnectorMetadata(loads=[load])
+    return SchedulerOutput([], CachedRequestData.empty(), 0, kv_connector_metadata=metadata)
+
+
 def _execute(step: SchedulerOutput, call_id: int) -> RpcRequest:
     return RpcRequest(call_id, "execute_model", [step], deadline=DEADLINE, reply_rank=LAST_RANK)
 
@@ -106,4 +122,12 @@ KV_TRANSFER_EXAMPLES: dict[str, Callable[[], Message]] = {
     "request_kv_pull_step": lambda: _execute(pull_step(), 111),
     "reply_kv_transfers": lambda: RpcReply(112, LAST_RANK, result=transfers_reply()),
     "request_kv_host_tier_step": lambda: _execute(host_tier_step(), 113),
+    "request_kv_staged_pull_step": lambda: RpcRequest(
+        114, "execute_model", [staged_pull_step()], deadline=DEADLINE, reply_rank=STAGE_RANKS
+    ),
+    # The first stage's answer: its part of a pull ended (the engine reports the pull to
+    # its scheduler once the last stage's output has it too).
+    "reply_kv_stage_report": lambda: RpcReply(
+        114, STAGE_RANKS[0], result=KVConnectorOutput(finished_recving=[req_id(9)])
+    ),
 }

@@ -51,17 +51,31 @@ class KVTransferConfig(msgspec.Struct, tag=True, frozen=True, omit_defaults=True
 class RemoteKV(msgspec.Struct, tag=True, frozen=True):
     """Where a request's computed KV waits: the name it is staged under on the prefill
     instance (KVSave.req_id, unique to that staging), the first num_tokens tokens'
-    blocks, served by the prefill's tensor-parallel rank i at addresses[i]. block_ids:
-    those blocks in the prefill's cache (every rank's), held until the KV is taken; a
-    decode rank that can read that cache in place copies them as it asks for them, and
-    the answer confirms the copy (None: it waits for the answer)."""
+    blocks, served by the prefill's ranks: of its pipeline_stages stages, stage s's
+    tensor-parallel rank i at addresses[s * tp + i] (tp: len(addresses) //
+    pipeline_stages). A decode rank pulls from the prefill stage of its own stage number,
+    which holds the same layers (both instances have as many stages). block_ids: those
+    blocks in the prefill's cache (every rank's), held until the KV is taken; a decode
+    rank that can read that cache in place copies them as it asks for them, and the
+    answer confirms the copy (None: it waits for the answer)."""
 
     req_id: str
     num_tokens: Positive
     addresses: list[str]
     block_ids: np.ndarray | None = None  # int32
+    pipeline_stages: Positive = 1
+
+    def stage_addresses(self, stage: int) -> list[str]:
+        """The addresses of the prefill stage `stage`'s ranks, in tp rank order."""
+        tp = len(self.addresses) // self.pipeline_stages
+        return self.addresses[stage * tp : (stage + 1) * tp]
 
     def __post_init__(self) -> None:
+        if len(self.addresses) % self.pipeline_stages:
+            raise ValueError(
+                f"RemoteKV of {len(self.addresses)} addresses for {self.pipeline_stages} "
+                "pipeline stages: each stage has as many ranks"
+            )
         ids = self.block_ids
         if ids is None:
             return

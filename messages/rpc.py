@@ -8,6 +8,7 @@ import msgspec
 
 from messages.config import WorkerConfig
 from messages.kv_cache import KVCacheConfig, KVCacheSpec
+from messages.kv_transfer import KVConnectorOutput
 from messages.sampling import SamplingParams
 from messages.step import (
     GrammarOutput,
@@ -31,6 +32,7 @@ Value = (
     | GrammarOutput
     | ModelRunnerOutput
     | IntermediateTensors
+    | KVConnectorOutput
     | KVCacheConfig
     | KVCacheSpec
     | WorkerConfig
@@ -49,15 +51,17 @@ CONCURRENT_METHODS = frozenset({"check_health"})
 
 class RpcRequest(msgspec.Struct, tag=True):
     """Call method on every worker. reply_rank None: every rank replies; an int: only that
-    rank replies (the others run the call and stay silent). deadline is a time.time()
-    instant after which the caller no longer waits; 0 means none."""
+    rank replies (the others run the call and stay silent); a list: only those ranks
+    reply (a step's with KV transfer over pipeline stages: each stage's first rank, for
+    its stage's transfer reports). deadline is a time.time() instant after which the
+    caller no longer waits; 0 means none."""
 
     call_id: int
     method: str
     args: list[Value] = []
     kwargs: dict[str, Value] = {}
     deadline: float = 0.0
-    reply_rank: int | None = ALL_RANKS
+    reply_rank: int | list[int] | None = ALL_RANKS
 
 
 class RemoteError(msgspec.Struct, tag=True):

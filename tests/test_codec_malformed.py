@@ -64,10 +64,12 @@ def pull_step(num_cached_blocks: int) -> bytes:
     return body(request, version)
 
 
-def pull_from(block_ids: msgspec.msgpack.Ext) -> bytes:
-    """The golden pull step's body, its remote KV in these prefill blocks."""
+def pull_from(block_ids: msgspec.msgpack.Ext | None, **more: object) -> bytes:
+    """The golden pull step's body, its remote KV in these prefill blocks (and more of
+    RemoteKV's fields)."""
     version, request = msgspec.msgpack.decode(GOLDEN["request_kv_pull_step"][0])
-    request["args"][0]["kv_connector_metadata"]["loads"][0]["remote"]["block_ids"] = block_ids
+    remote = request["args"][0]["kv_connector_metadata"]["loads"][0]["remote"]
+    remote.update(block_ids=block_ids, **more)
     return body(request, version)
 
 
@@ -158,6 +160,11 @@ CASES = {
         [pull_from(inline((2,), struct.pack("<2i", 4, -1)))],
         "RemoteKV.block_ids must be one row of block ids",
     ),
+    "prefill ranks not a multiple of its stages": (
+        [pull_from(None, pipeline_stages=2)],
+        "RemoteKV of 1 addresses for 2 pipeline stages: each stage has as many ranks",
+    ),
+    "no pipeline stage": ([pull_from(None, pipeline_stages=0)], "Expected `int` >= 1"),
     "prefill blocks in two rows": (
         [pull_from(inline((1, 2), struct.pack("<2i", 4, 5)))],
         r"RemoteKV.block_ids must be one row of block ids \(>= 0\), got int32\[1, 2\]",

@@ -4,7 +4,8 @@ instances' CPU workers share the host's cores, on CUDA the decode instance takes
 after the prefill's where there are enough, and a size the model cannot be cut into is
 refused by name before anything starts. Several instances of each role: each prefill
 instance's KV on ports of its own, each instance on GPUs of its own where there are
-enough; and the roles a router reads from the engine cores' Readies."""
+enough; pipeline stages on both sides, each rank's KV on a port of its own; and the
+roles a router reads from the engine cores' Readies."""
 
 from __future__ import annotations
 
@@ -149,6 +150,24 @@ def test_several_instances_of_each_role_each_have_their_ports_and_gpus(monkeypat
         DisaggregatedPlan.of(plan(1), decodes=0)
     with pytest.raises(ValueError, match="--kv-port must leave 2 port"):
         DisaggregatedPlan.of(plan(1), 65535, prefills=2)
+
+
+def test_pipeline_stages_give_each_instance_a_port_and_a_gpu_a_rank(monkeypatch) -> None:
+    """Two stages on both sides (a decode stage pulls from the prefill stage of its
+    number): two prefill instances of tp 1, their KV on ports kv_port .. kv_port + 1 and
+    kv_port + 2 .. + 3 (one a rank), then a decode instance of tp 2 on GPUs 4-7."""
+    monkeypatch.setattr(disaggregated_plan, "visible_gpu_count", lambda: 8)
+    monkeypatch.setattr(engine_plan, "visible_gpu_count", lambda: 8)
+    monkeypatch.setenv(SHARE_GPUS_ENV, "1")
+    two = plan(1, device="cuda", pipeline_parallel_size=2)
+    pair = DisaggregatedPlan.of(two, 47000, 30.0, 2, prefills=2, decodes=1)
+    workers = [pair.engine_config(i, f"ipc:///{i}", "t").worker for i in range(3)]
+    assert [w.kv_transfer.port for w in workers[:2]] == [47000, 47002]
+    assert [w.parallel.pipeline_parallel_size for w in workers] == [2, 2, 2]
+    assert [w.parallel.first_local_rank for w in workers] == [0, 2, 4]
+    assert all(w.parallel.host_ranks == 8 for w in workers)
+    with pytest.raises(ValueError, match="--kv-port must leave 4 port"):
+        DisaggregatedPlan.of(plan(1, pipeline_parallel_size=2), 65533, prefills=2)
 
 
 def test_a_router_tells_the_roles_from_the_readies() -> None:

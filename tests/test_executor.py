@@ -94,6 +94,12 @@ def test_collective_rpc_results_by_rank(ex2):
     assert ex2.collective_rpc("echo", ("hi",)) == ["hi", "hi"]
     assert ex2.collective_rpc("fail_on_rank", (-1,)) == [0, 1]
     assert ex2.collective_rpc("fail_on_rank", (-1,), unique_reply_rank=1) == 1
+    # A list of ranks (a step's over pipeline stages with KV transfer): theirs, in order.
+    assert ex2.collective_rpc("fail_on_rank", (-1,), unique_reply_rank=[1, 0]) == [0, 1]
+    assert ex2.collective_rpc("fail_on_rank", (-1,), unique_reply_rank=[1]) == [1]
+    for ranks in ([2], []):
+        with pytest.raises(ValueError, match="is not one of the ranks"):
+            ex2.collective_rpc("echo", ("hi",), unique_reply_rank=ranks)
     assert ex2.determine_available_memory() == [1 << 30, 1 << 30]
     assert [s.layer_names for s in ex2.get_kv_cache_specs()] == [["layer.0"], ["layer.1"]]
 

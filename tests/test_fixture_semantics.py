@@ -107,7 +107,9 @@ def in_range(values: np.ndarray | None, high: int) -> bool:
 @pytest.mark.parametrize("name", STEPS)
 def test_each_step_keeps_the_documented_rules(name: str) -> None:
     call = FIXTURES[name]
-    assert call.reply_rank == LAST_STAGE_RANK
+    # With KV transfer over the stages every stage's first rank answers, with its report.
+    stage_ranks = list(range(0, PP * TP, TP))
+    assert call.reply_rank in (LAST_STAGE_RANK, stage_ranks)
     [step] = call.args
     assert isinstance(step, SchedulerOutput)
     cached = step.scheduled_cached_reqs

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from zmqworker.kv_transfer.head_map import HeadMapError, HeadSource, head_map
+from zmqworker.kv_transfer.head_map import HeadMapError, HeadSource, head_map, on_stage
 
 
 def reads(heads: int, prefill: int, decode: int) -> list[list[tuple[int, int, int, int]]]:
@@ -29,6 +29,21 @@ def test_two_prefill_ranks_into_one() -> None:
 def test_one_prefill_rank_into_two() -> None:
     assert reads(4, 1, 2) == [[(0, 0, 2, 0)], [(0, 2, 2, 0)]]
     assert head_map(4, 1, 2, 0).reads[0] == HeadSource(0, 0, 2, 0, 4, readers=2)
+
+
+def test_a_later_stage_reads_the_ranks_of_its_prefill_stage() -> None:
+    """Stage 1 of instances of tp 2 (prefill) and 1 (decode): the same map, its prefill
+    ranks counted from the stage's first rank (2), releases included."""
+    first = head_map(2, 2, 1, 0)
+    staged = on_stage(first, 2)
+    assert [s.rank for s in staged.reads] == [2, 3]
+    assert [(s.first, s.count, s.dest) for s in staged.reads] == [
+        (s.first, s.count, s.dest) for s in first.reads
+    ]
+    replicated = on_stage(head_map(1, 2, 1, 0), 4)
+    assert [s.rank for s in replicated.reads] == [4]
+    assert [s.rank for s in replicated.releases] == [5]
+    assert on_stage(first, 0) is first
 
 
 def test_four_into_two_and_two_into_four() -> None:

@@ -117,8 +117,9 @@ class EngineCore:
         stages = executor.max_concurrent_batches
         self.async_scheduling = async_scheduling and stages == 1
         depth = async_steps_in_flight if self.async_scheduling else stages
-        tp = executor.world_size if kv_transfer is not None else 0  # no pipeline stages then
-        self.kv_connector = KVConnectorScheduler.of(kv_transfer, self.block_manager, tp)
+        self.kv_connector = KVConnectorScheduler.of(
+            kv_transfer, self.block_manager, executor.world_size, stages
+        )
         # Pipeline stages before the last do not sample: they get the tokens in the deltas.
         self.scheduler = Scheduler(
             self.block_manager,

@@ -45,14 +45,19 @@ from zmqworker.engine.request import FinishReason, Request, RequestStatus
 
 class KVConnectorScheduler:
     def __init__(
-        self, block_manager: KVBlockManager, addresses: list[str], consumes: bool = True
+        self,
+        block_manager: KVBlockManager,
+        addresses: list[str],
+        consumes: bool = True,
+        pipeline_stages: int = 1,
     ) -> None:
-        """addresses: where this instance's tp ranks serve staged KV (a producer's), in
-        tp rank order; empty for an instance that only consumes. consumes: whether its
-        workers pull remote KV (a consumer's)."""
+        """addresses: where this instance's ranks serve staged KV (a producer's), in rank
+        order (RemoteKV's, over pipeline_stages stages); empty for an instance that only
+        consumes. consumes: whether its workers pull remote KV (a consumer's)."""
         self.kv = block_manager
         self.addresses = addresses
         self.consumes = consumes
+        self.pipeline_stages = pipeline_stages
         self._to_load: dict[str, Request] = {}  # waiting for blocks, in arrival order
         # Pull ordered, not reported yet: the request and its load.
         self._loading: dict[str, tuple[Request, KVLoad]] = {}
@@ -72,13 +77,19 @@ class KVConnectorScheduler:
 
     @classmethod
     def of(
-        cls, config: KVTransferConfig | None, block_manager: KVBlockManager, tp: int
+        cls,
+        config: KVTransferConfig | None,
+        block_manager: KVBlockManager,
+        world_size: int,
+        pipeline_stages: int,
     ) -> KVConnectorScheduler | None:
-        """The scheduler side for tp workers given config (None: no KV transfer)."""
+        """The scheduler side for an instance of world_size workers over pipeline_stages
+        stages, given config (None: no KV transfer)."""
         if config is None:
             return None
-        produces = range(tp) if config.produces else range(0)
-        return cls(block_manager, [config.address(rank) for rank in produces], config.consumes)
+        produces = range(world_size) if config.produces else range(0)
+        addresses = [config.address(rank) for rank in produces]
+        return cls(block_manager, addresses, config.consumes, pipeline_stages)
 
     @property
     def busy(self) -> bool:
@@ -111,7 +122,9 @@ class KVConnectorScheduler:
         name = self.staging_name(request.req_id)
         self._saves.append(KVSave(name, block_ids, num_tokens))
         self._sending[name] = request
-        request.kv_transfer_out = RemoteKV(name, num_tokens, list(self.addresses), block_ids)
+        request.kv_transfer_out = RemoteKV(
+            name, num_tokens, list(self.addresses), block_ids, self.pipeline_stages
+        )
 
     def staging_name(self, req_id: str) -> str:
         """A name for req_id's next staging that no other staging of this instance has

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, Any
 
@@ -12,6 +13,7 @@ from messages import (
     SchedulerOutput,
     WorkerConfig,
 )
+from zmqworker.executor.stage_reports import CombinedFuture, StageReports
 
 if TYPE_CHECKING:
     from zmqworker.executor.errors import ExecutorError
@@ -36,11 +38,12 @@ class Executor(ABC):
         args: tuple = (),
         kwargs: dict[str, Any] | None = None,
         timeout: float | None = None,
-        unique_reply_rank: int | None = None,
+        unique_reply_rank: int | list[int] | None = None,
         non_block: bool = False,
     ) -> Any:
         """Call method on every worker. Returns the list of results by rank, or only
-        unique_reply_rank's result, or with non_block a Future of either."""
+        unique_reply_rank's result (a list of ranks: theirs, in rank order), or with
+        non_block a Future of either."""
 
     @abstractmethod
     def shutdown(self) -> None:
@@ -67,28 +70,50 @@ class Executor(ABC):
         p = self.config.parallel
         return (p.pipeline_parallel_size - 1) * p.tensor_parallel_size
 
+    @functools.cached_property
+    def stage_reports(self) -> StageReports | None:
+        """Where the stages' KV transfer reports are combined: KV transfer over pipeline
+        stages only (stage_reports.py); None: the output rank's reply has them all."""
+        p = self.config.parallel
+        if self.config.kv_transfer is None or p.pipeline_parallel_size == 1:
+            return None
+        return StageReports(p.pipeline_parallel_size, p.tensor_parallel_size)
+
     def execute_model(
         self, scheduler_output: SchedulerOutput, sample: bool = True, non_block: bool = False
     ) -> Any:
         """The step's ModelRunnerOutput (None when sample is False), or a Future of it."""
-        return self.collective_rpc(
+        stages = self.stage_reports
+        result = self.collective_rpc(
             "execute_model",
             (scheduler_output,),
             {"sample": sample},
             timeout=self.step_timeout_s,
-            unique_reply_rank=self.output_rank,
+            unique_reply_rank=self.output_rank if stages is None else stages.ranks,
             non_block=non_block,
         )
+        if stages is None:
+            return result
+        combine = functools.partial(stages.forward_output, scheduler_output)
+        return CombinedFuture(result, combine) if non_block else combine(result)
 
     def sample_tokens(
         self, grammar_output: GrammarOutput | None = None, non_block: bool = False
     ) -> Any:
-        return self.collective_rpc(
+        result = self.collective_rpc(
             "sample_tokens",
             (grammar_output,),
             timeout=self.step_timeout_s,
             unique_reply_rank=self.output_rank,
             non_block=non_block,
+        )
+        stages = self.stage_reports
+        if stages is None:
+            return result
+        return (
+            CombinedFuture(result, stages.sample_output)
+            if non_block
+            else stages.sample_output(result)
         )
 
     def determine_available_memory(self) -> list[int]:

@@ -141,7 +141,7 @@ class RayExecutor(Executor):
         args: tuple = (),
         kwargs: dict[str, Any] | None = None,
         timeout: float | None = None,
-        unique_reply_rank: int | None = None,
+        unique_reply_rank: int | list[int] | None = None,
         non_block: bool = False,
     ) -> Any:
         if self._closed:

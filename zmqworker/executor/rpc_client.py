@@ -136,11 +136,11 @@ class RpcClient:
         args: Sequence[Any] = (),
         kwargs: dict[str, Any] | None = None,
         timeout: float | None = None,
-        unique_reply_rank: int | None = None,
+        unique_reply_rank: int | list[int] | None = None,
         non_block: bool = False,
     ) -> Any:
         """method on every rank that said hello: the results by rank, or only
-        unique_reply_rank's; with non_block, an RpcFuture of either."""
+        unique_reply_rank's (a list: theirs by rank); with non_block, an RpcFuture."""
         call = self._start(method, args, kwargs, None, timeout, unique_reply_rank, non_block)
         if non_block:
             assert call.future is not None
@@ -157,10 +157,10 @@ class RpcClient:
         kwargs: dict[str, Any] | None = None,
         ranks: Iterable[int] | None = None,
         timeout: float | None = None,
-        reply_rank: int | None = None,
+        reply_rank: int | list[int] | None = None,
     ) -> RpcFuture:
         """Send method to ranks (default: all that said hello); a future of the results
-        by rank, or of reply_rank's result alone."""
+        by rank, or of reply_rank's result alone (a list: theirs by rank)."""
         call = self._start(method, args, kwargs, ranks, timeout, reply_rank, True)
         assert call.future is not None
         return call.future
@@ -260,22 +260,23 @@ class RpcClient:
         kwargs: dict[str, Any] | None,
         ranks: Iterable[int] | None,
         timeout: float | None,
-        reply_rank: int | None,
+        reply_rank: int | list[int] | None,
         with_future: bool,
     ) -> Call:
         with self._cond:
             self._check_alive()
             ranks = self._all_ranks if ranks is None else sorted(ranks)
-            if reply_rank is not None and reply_rank not in ranks:
+            listed = [reply_rank] if isinstance(reply_rank, int) else reply_rank
+            if listed is not None and (not listed or not set(listed) <= set(ranks)):
                 raise ValueError(f"reply rank {reply_rank} is not one of the ranks {ranks}")
             call_id = next(self._ids)
             identities = [self.identities[rank] for rank in ranks]
         req = RpcRequest(call_id, method, list(args), kwargs or {}, reply_rank=reply_rank,
                          deadline=0.0 if timeout is None else time.time() + timeout)  # fmt: skip
         frames = request_frames(self._enc, req, self.max_request_bytes)
-        waiting = {reply_rank} if reply_rank is not None else set(ranks)
         deadline = None if timeout is None else time.monotonic() + timeout
-        call = Call(method, waiting, reply_rank, timeout, deadline)
+        single = reply_rank if isinstance(reply_rank, int) else None
+        call = Call(method, set(ranks if listed is None else listed), single, timeout, deadline)
         if with_future:
             call.future = RpcFuture(self.wait_for, call.is_done)
         with self._socket():

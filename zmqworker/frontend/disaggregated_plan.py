@@ -2,8 +2,9 @@
 prefill instances (engine cores 0 .. P - 1, their workers KV producers) with the plan's
 layout, then decode instances (KV consumers) with the plan's or another tensor parallel
 size (their ranks pull their KV heads from the prefill ranks that hold them:
-kv_transfer/head_map.py), and the key pair their KV sockets share. Prefill instance i's
-rank r serves its KV on KV_HOST:kv_port + i * tp + r.
+kv_transfer/head_map.py), and the key pair their KV sockets share. Both have the plan's
+pipeline stages: a decode stage pulls the layers of the prefill stage of its number.
+Prefill instance i's rank r (of tp x pp) serves its KV on KV_HOST:kv_port + i * tp * pp + r.
 
 On CUDA each instance takes GPUs of its own, one after the other, when the host has
 enough for all; otherwise they share the GPUs from the first, each worker with
@@ -71,7 +72,7 @@ def start_engine_cores(
 @dataclass(frozen=True)
 class DisaggregatedPlan:
     plan: EnginePlan
-    kv_port: int  # prefill instance i's tp rank r serves its KV on KV_HOST:kv_port + i*tp + r
+    kv_port: int  # prefill instance i's rank r serves its KV on KV_HOST:kv_port + i*tp*pp + r
     timeout_s: float  # KVTransferConfig.timeout_s: every transfer wait's bound
     keys: KVKeys
     decode_tp: int  # the decode instances' tensor parallel size
@@ -130,7 +131,7 @@ class DisaggregatedPlan:
             if count < 1:
                 raise ValueError(f"--{name}-instances must be >= 1, got {count}")
         check_kv_transfer(parallel, timeout_s, kv_port, prefills)
-        tp = parallel.tensor_parallel_size
+        tp, pp = parallel.tensor_parallel_size, parallel.pipeline_parallel_size
         if decode_tp is not None and decode_tp < 1:
             raise ValueError(f"the decode tensor parallel size must be >= 1, got {decode_tp}")
         decode_tp = decode_tp or tp
@@ -139,7 +140,7 @@ class DisaggregatedPlan:
         apart = False
         if worker.device.device == "cuda":
             gpus = visible_gpu_count()
-            ranks = prefills * tp, decodes * decode_tp
+            ranks = prefills * tp * pp, decodes * decode_tp * pp
             if sum(ranks) <= gpus and plan.executor == "mp":
                 apart = True
                 logger.info(
@@ -159,7 +160,7 @@ class DisaggregatedPlan:
                     "the instances share them", gpus, *ranks,
                 )  # fmt: skip
         if kv_port is None:
-            kv_port = free_ports(prefills * tp)
+            kv_port = free_ports(prefills * tp * pp)
         return cls(plan, kv_port, timeout_s, KVKeys.new(), decode_tp, prefills, decodes, apart,
                    max_local_prefill_tokens)  # fmt: skip
 
@@ -176,12 +177,14 @@ class DisaggregatedPlan:
             raise ValueError(f"engine core {index}: this deployment runs {self.num_engines}")
         config = self.plan.engine_config(0, address, token)
         prefill_tp = config.worker.parallel.tensor_parallel_size
+        pp = config.worker.parallel.pipeline_parallel_size
         prefill = index < self.prefills
         # The ranks of the instances before this one: where its GPUs start (apart), and
         # a prefill instance's KV ports after kv_port (a decode instance binds none).
-        first = index * prefill_tp
+        first = index * prefill_tp * pp
         if not prefill:
-            first = self.prefills * prefill_tp + (index - self.prefills) * self.decode_tp
+            decode_first = self.prefills * prefill_tp + (index - self.prefills) * self.decode_tp
+            first = decode_first * pp
         port = self.kv_port + first if prefill else 0
         transfer = KVTransferConfig("producer" if prefill else "consumer", KV_HOST, port,
                                     self.timeout_s)  # fmt: skip
@@ -195,7 +198,7 @@ class DisaggregatedPlan:
                 per_worker = cache.kv_cache_bytes * prefill_tp // self.decode_tp
                 cache = msgspec.structs.replace(cache, kv_cache_bytes=per_worker)
         if self.plan.executor == "mp":  # every instance's workers on this host
-            ranks = self.prefills * prefill_tp + self.decodes * self.decode_tp
+            ranks = (self.prefills * prefill_tp + self.decodes * self.decode_tp) * pp
             parallel = msgspec.structs.replace(parallel, host_ranks=ranks)
         worker = msgspec.structs.replace(worker, parallel=parallel, cache=cache)
         return msgspec.structs.replace(config, worker=worker, engine_index=index)
@@ -204,15 +207,12 @@ class DisaggregatedPlan:
 def check_kv_transfer(
     parallel: ParallelConfig, timeout_s: float, kv_port: int | None, prefills: int = 1
 ) -> None:
-    """Raise ValueError naming what KV transfer cannot take in this layout: pipeline
-    parallelism, a timeout that is not positive, or a first port (the first prefill's;
-    None: not given) that leaves no room for the tensor-parallel ranks of that many
-    prefill instances."""
-    if parallel.pipeline_parallel_size != 1:
-        raise ValueError("disaggregated serving: KV transfer does not take pipeline parallelism")
+    """Raise ValueError naming what KV transfer cannot take in this layout: a timeout
+    that is not positive, or a first port (the first prefill's; None: not given) that
+    leaves no room for the ranks of that many prefill instances."""
     if not timeout_s > 0:
         raise ValueError(f"the KV transfer timeout must be positive, got {timeout_s}")
-    ports = parallel.tensor_parallel_size * prefills
+    ports = parallel.world_size * prefills
     if kv_port is not None and not 0 < kv_port <= 65536 - ports:
         raise ValueError(f"--kv-port must leave {ports} port(s) in [1, 65535], got {kv_port}")
 
@@ -222,16 +222,16 @@ def _check_decode_tp(plan: EnginePlan, decode_tp: int) -> None:
     there are: before anything starts. Any two sizes the model can be cut into map their
     KV heads (each side holds them by the model's rule: kv_transfer/head_map.py)."""
     worker = plan.worker_config
-    prefill_tp = worker.parallel.tensor_parallel_size
+    prefill_tp, pp = worker.parallel.tensor_parallel_size, worker.parallel.pipeline_parallel_size
     try:
-        plan.folder.check_layout(decode_tp, 1, worker.parallel.enable_expert_parallel)
+        plan.folder.check_layout(decode_tp, pp, worker.parallel.enable_expert_parallel)
     except ValueError as e:
         raise ValueError(
             f"--disaggregate with prefill tensor parallel size {prefill_tp} and decode "
             f"{decode_tp}: {e}"
         ) from None
     if worker.device.device == "cuda" and not callable(plan.executor):
-        check_gpu_layout(1, decode_tp, 1, visible_gpu_count())
+        check_gpu_layout(1, decode_tp, pp, visible_gpu_count())
 
 
 def free_ports(count: int) -> int:

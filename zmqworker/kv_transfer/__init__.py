@@ -8,9 +8,9 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-from torch.distributed import ProcessGroup
 
 from messages import KVCacheSpec, KVTransferConfig
+from zmqworker.distributed.parallel_state import ParallelState
 from zmqworker.distributed.shared_cache import SharedKVCache
 from zmqworker.kv_transfer.connector import KVConnector, KVConnectors, take_orders
 from zmqworker.kv_transfer.host_tier import HostKVConnector
@@ -32,24 +32,21 @@ def make_kv_connector(
     num_host_blocks: int,
     kv_caches: Callable[[], list[torch.Tensor]],
     spec: KVCacheSpec,
-    tp_rank: int,
-    tp_size: int,
-    pp_size: int,
-    tp_group: ProcessGroup | None,
-    device: torch.device,
+    state: ParallelState,
     num_kv_heads: int | None = None,
     shared_cache: Callable[[], SharedKVCache | None] = lambda: None,
 ) -> KVConnector | None:
     """The worker's connector, over its freshly made cache: the host tier's (of
     num_host_blocks slots; 0: none), then the transfer's (config; None: none), or None
-    for neither. num_kv_heads, shared_cache: ZmqKVConnector's."""
+    for neither. state: the worker's ranks and groups. num_kv_heads, shared_cache:
+    ZmqKVConnector's."""
     connectors: list[KVConnector] = []
     if num_host_blocks:
         connectors.append(HostKVConnector(num_host_blocks, kv_caches, spec))
     if config is not None:
-        connectors.append(_transfer_connector(config, kv_caches, spec, tp_rank, tp_size,
-                                              pp_size, tp_group, device, num_kv_heads,
-                                              shared_cache))  # fmt: skip
+        connectors.append(
+            _transfer_connector(config, kv_caches, spec, state, num_kv_heads, shared_cache)
+        )
     if len(connectors) > 1:
         return KVConnectors(connectors)
     return connectors[0] if connectors else None
@@ -59,21 +56,12 @@ def _transfer_connector(
     config: KVTransferConfig,
     kv_caches: Callable[[], list[torch.Tensor]],
     spec: KVCacheSpec,
-    tp_rank: int,
-    tp_size: int,
-    pp_size: int,
-    tp_group: ProcessGroup | None,
-    device: torch.device,
+    state: ParallelState,
     num_kv_heads: int | None,
     shared_cache: Callable[[], SharedKVCache | None],
 ) -> KVConnector:
     """The ZeroMQ connector; the deployment's KV keys come from the environment
     (transport/curve.py's KV_CURVE_ENV)."""
-    if pp_size > 1:
-        raise ValueError(
-            "KV transfer with pipeline parallelism is not supported: every stage would "
-            "need a peer of its own (run the instances with pipeline_parallel_size=1)"
-        )
     keys = KVKeys.from_env()
     if keys is None:
         raise ValueError(
@@ -81,8 +69,10 @@ def _transfer_connector(
             f"like every tcp socket of a run; give the workers ${KV_CURVE_ENV} "
             "(zmqworker.transport.curve.KVKeys)"
         )
-    connector = ZmqKVConnector(config, kv_caches, spec, tp_rank, tp_size, keys, num_kv_heads,
-                               shared_cache)  # fmt: skip
-    if tp_group is None:
+    connector = ZmqKVConnector(
+        config, kv_caches, spec, state.tp_rank, state.tp_size, keys, num_kv_heads,
+        shared_cache, state.pp_rank, state.pp_size,
+    )  # fmt: skip
+    if state.tp_group is None:
         return connector
-    return TPCombined(connector, tp_group, device)
+    return TPCombined(connector, state.tp_group, state.device)

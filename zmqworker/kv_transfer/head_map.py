@@ -13,6 +13,7 @@ are done, never only at the timeout.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -95,6 +96,18 @@ def _all_maps(num_kv_heads: int, prefill_tp: int, decode_tp: int) -> tuple[HeadM
         ]
         maps.append(HeadMap(tuple(mine), tuple(freed)))
     return tuple(maps)
+
+
+def on_stage(heads: HeadMap, first_rank: int) -> HeadMap:
+    """heads with its prefill ranks counted from first_rank: the instance rank of the
+    first tp rank of the prefill stage pulled from (pipeline stages after the first)."""
+    if not first_rank:
+        return heads
+    shift = [
+        tuple(dataclasses.replace(s, rank=first_rank + s.rank) for s in sources)
+        for sources in (heads.reads, heads.releases)
+    ]
+    return HeadMap(*shift)
 
 
 def _holds(num_kv_heads: int, tp: int, rank: int, side: str) -> range:

@@ -49,7 +49,7 @@ from zmqworker.kv_transfer.blocks import (
     view_staged,
 )
 from zmqworker.kv_transfer.connector import KVConnector
-from zmqworker.kv_transfer.head_map import HeadMapError, HeadSource, head_map
+from zmqworker.kv_transfer.head_map import HeadMapError, HeadSource, head_map, on_stage
 from zmqworker.kv_transfer.peer_sockets import address_error
 from zmqworker.kv_transfer.puller import KVPuller
 from zmqworker.kv_transfer.read_ahead import ReadAhead
@@ -70,16 +70,22 @@ class ZmqKVConnector(KVConnector):
         keys: KVKeys | None,
         num_kv_heads: int | None = None,
         shared_cache: Callable[[], SharedKVCache | None] = lambda: None,
+        pp_rank: int = 0,
+        pp_size: int = 1,
     ) -> None:
         """kv_caches: the rank's cache tensors now (sleep and wake_up make new ones).
         num_kv_heads: the model's (all ranks'); None: spec's times tp_size (no replicated
-        heads). shared_cache: the memfd holding a host cache now, if one does."""
+        heads). shared_cache: the memfd holding a host cache now, if one does. pp_rank of
+        pp_size: the rank's pipeline stage; it serves at the address of the instance's
+        rank pp_rank * tp_size + tp_rank, and pulls from the prefill's stage of its number
+        (the prefill instance must have as many stages)."""
         if not kv_caches():
             raise ValueError("the KV connector needs the KV cache: make it after the cache")
         self.config = config
         self.kv_caches = kv_caches
         self.layout = layout_of(spec)
         self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.pp_rank, self.pp_size = pp_rank, pp_size
         self.num_kv_heads = num_kv_heads or spec.num_kv_heads * tp_size
         self._news = threading.Event()  # a transfer ended: a waiting take_output wakes
         self._lock = threading.Lock()
@@ -99,9 +105,10 @@ class ZmqKVConnector(KVConnector):
         self.read_ahead: ReadAhead | None = None
         try:
             if config.produces:
+                rank = pp_rank * tp_size + tp_rank
                 self.server = KVServer(
-                    config.address(tp_rank),
-                    tp_rank,
+                    config.address(rank),
+                    rank,
                     self.layout,
                     keys,
                     self._on_sent,
@@ -190,18 +197,28 @@ class ZmqKVConnector(KVConnector):
     def _start_load(self, load: KVLoad) -> tuple[HeadSource, ...]:
         """Pull load (or fail it at once); the sources its pieces are pulled from."""
         assert self.puller is not None  # take_orders refused loads to a producer
-        remote_tp = len(load.remote.addresses)
-        bad = [e for e in map(address_error, load.remote.addresses) if e is not None]
-        if not remote_tp or bad:  # refused here: the puller's thread would meet it
+        remote = load.remote
+        addresses = remote.stage_addresses(self.pp_rank)
+        bad = [e for e in map(address_error, remote.addresses) if e is not None]
+        if remote.pipeline_stages != self.pp_size:
+            error = (f"the prefill instance has {remote.pipeline_stages} pipeline stage(s), "
+                     f"this decode instance {self.pp_size}: KV moves from each stage to the "
+                     "stage of its number, which holds the same layers")  # fmt: skip
+        elif not addresses or bad:  # refused here: the puller's thread would meet it
             error = f"the prefill address {bad[0]}" if bad else "its RemoteKV names no address"
+        else:
+            error = None
+        if error is not None:
             self._failed.append(KVFailure(load.req_id, f"KV of request {load.req_id!r}: {error}"))
             return ()
         try:
-            heads = head_map(self.num_kv_heads, remote_tp, self.tp_size, self.tp_rank)
+            heads = head_map(self.num_kv_heads, len(addresses), self.tp_size, self.tp_rank)
         except HeadMapError as e:
-            error = f"the prefill instance has tensor parallel size {remote_tp}, this decode "
-            self._failed.append(KVFailure(load.req_id, f"{error}instance {self.tp_size}: {e}"))
+            error = (f"the prefill instance has tensor parallel size {len(addresses)}, this "
+                     f"decode instance {self.tp_size}: {e}")  # fmt: skip
+            self._failed.append(KVFailure(load.req_id, error))
             return ()
+        heads = on_stage(heads, self.pp_rank * len(addresses))
         self._loading[load.req_id] = load
         self._pieces_left[id(load)] = len(heads.reads)
         self.puller.pull(load, heads)

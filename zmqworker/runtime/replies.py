@@ -27,7 +27,7 @@ class Replier:
         if error is not None:
             self.error(req.call_id, error)
             return
-        if req.reply_rank is not None and req.reply_rank != self.rank:
+        if not replies(req.reply_rank, self.rank):
             return
         try:
             frames = self.enc.encode(RpcReply(req.call_id, self.rank, result))
@@ -43,6 +43,13 @@ class Replier:
             rank=self.rank, exc_type=type(exc).__name__, message=str(exc), traceback=tb
         )
         self._send(self.enc.encode(RpcReply(call_id=call_id, rank=self.rank, error=error)))
+
+
+def replies(reply_rank: int | list[int] | None, rank: int) -> bool:
+    """Whether rank answers a call of reply_rank (RpcRequest's) when it succeeds."""
+    if reply_rank is None:
+        return True
+    return rank == reply_rank if isinstance(reply_rank, int) else rank in reply_rank
 
 
 def peek_call_id(frames: list[zmq.Frame]) -> int:

@@ -165,11 +165,7 @@ class Worker(WorkerBase):
                 kv_cache_config.num_host_blocks,
                 lambda: runner.kv_caches,
                 spec,
-                self.state.tp_rank,
-                self.state.tp_size,
-                self.state.pp_size,
-                self.state.tp_group,
-                self.state.device,
+                self.state,
                 _num_kv_heads(runner.model.hf_config),
                 lambda: runner.shared_kv,
             )
@@ -196,6 +192,7 @@ class Worker(WorkerBase):
         computes = scheduler_output.total_num_scheduled_tokens > 0
         self._step_started = time.monotonic()
         connector, kv_orders = self.kv_connector, scheduler_output.kv_connector_metadata
+        report = None  # a stage before the last's KV transfer report
         try:
             if kv_orders is not None:
                 take_orders(kv_orders, connector)
@@ -203,9 +200,11 @@ class Worker(WorkerBase):
             output = runner.execute_model(scheduler_output, inputs, sample, start)
             if connector is not None:
                 connector.after_step(kv_orders)
+                wait_s = 0.0 if computes else KV_POLL_WAIT_S
                 if isinstance(output, AsyncModelRunnerOutput):
-                    wait_s = 0.0 if computes else KV_POLL_WAIT_S
                     output.kv_connector_output = connector.take_output(wait_s)
+                elif isinstance(output, IntermediateTensors):
+                    report = connector.take_output(wait_s)
         except BaseException as exc:
             if pipeline is not None and computes:
                 pipeline.refuse(call_id, exc)  # the next stage would wait for its tensors
@@ -217,7 +216,7 @@ class Worker(WorkerBase):
         if isinstance(output, IntermediateTensors) and pipeline is not None:
             if computes:  # else there are no tensors for the next stage, nor a wait there
                 pipeline.send(call_id, output)  # does not wait for the next stage
-            return None
+            return report  # the engine's executor combines the stages' (stage_reports.py)
         return output
 
     def sample_tokens(self, grammar_output: GrammarOutput | None = None) -> object:

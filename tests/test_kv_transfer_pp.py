@@ -1,0 +1,113 @@
+"""KV transfer between instances of two pipeline stages each: each decode stage pulls
+its layers from the prefill stage of its number, every stage reports its own transfers,
+and the engine's executor hands a transfer to the scheduler once every stage has
+reported it (executor/stage_reports.py). Greedy tokens equal the decode instance's own
+(colocated) ones, no block is left held on either side, and a pull that fails on the
+stages fails its request alone, with the stage named."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import msgspec
+import pytest
+
+from messages import ParallelConfig
+from messages.kv_transfer import RemoteKV
+from tests.test_kv_transfer import (
+    GREEDY,
+    MAX_MODEL_LEN,
+    PROMPTS,
+    free_port,
+    run_colocated,
+    worker_config,
+)
+from zmqworker.engine.disaggregated import DisaggregatedEngine, start_disaggregated
+from zmqworker.engine.request import RemotePrefill, Request
+from zmqworker.frontend.disaggregated_plan import free_ports
+
+STAGES = 2
+
+
+@pytest.fixture(scope="module")
+def pair() -> Iterator[DisaggregatedEngine]:
+    """Prefill in chunks of 16 tokens (a request's KV staged over several steps), on two
+    stages; the decode side on two stages, with prefix caching."""
+    config = worker_config(48)
+    config = msgspec.structs.replace(config, parallel=ParallelConfig(pipeline_parallel_size=STAGES))
+    engine = start_disaggregated(
+        config,
+        MAX_MODEL_LEN,
+        free_ports(STAGES),  # rank r of the prefill instance serves on port + r
+        prefill_scheduler=msgspec.structs.replace(config.scheduler, max_num_batched_tokens=16),
+        enable_prefix_caching=True,
+        timeout_s=3.0,
+    )
+    try:
+        yield engine
+    finally:
+        engine.shutdown()
+
+
+def all_free(pair: DisaggregatedEngine) -> bool:
+    return all(
+        core.block_manager.num_free_blocks == core.block_manager.num_blocks
+        for core in (pair.prefill, pair.decode)
+    )
+
+
+def test_greedy_tokens_equal_colocated_over_pipeline_stages(pair: DisaggregatedEngine) -> None:
+    colocated = run_colocated(pair.decode)
+    pair.decode.reset_prefix_cache()
+    results = pair.generate(PROMPTS, GREEDY, timeout_s=300)
+    assert [r.error for r in results] == [None] * len(PROMPTS)
+    assert [r.token_ids for r in results] == colocated
+    assert pair.decode.kv_connector.num_loaded == len(PROMPTS)  # pulled, none recomputed
+    while pair.has_work():
+        pair.step()
+    assert all_free(pair)
+    # Again: the decode side finds the prefixes in its cache and pulls only the rest.
+    again = pair.generate(PROMPTS, GREEDY, timeout_s=300)
+    assert [r.token_ids for r in again] == colocated
+
+
+def test_a_pull_that_fails_on_the_stages_fails_its_request_alone(
+    pair: DisaggregatedEngine,
+) -> None:
+    """Nobody answers either stage's pull: the request fails with the stage and the
+    address named, once (not once a stage), and a request decoding beside it goes on."""
+    decode = pair.decode
+    beside = Request("beside", PROMPTS[0], GREEDY)
+    decode.add_request(beside)
+    decode.step()
+    dead = [f"tcp://127.0.0.1:{free_port()}" for _ in range(STAGES)]
+    remote = RemotePrefill(RemoteKV("gone", 9, dead, pipeline_stages=STAGES), first_token=3)
+    orphan = Request("orphan", [1, 2, 3, 4, 5, 6, 7, 8, 9], GREEDY, remote=remote)
+    decode.add_request(orphan)
+    while decode.has_work():
+        decode.step()
+    assert orphan.is_finished and orphan.finish_reason.value == "abort"
+    assert orphan.error is not None and "pipeline stage" in orphan.error
+    assert any(address in orphan.error for address in dead)
+    assert beside.error is None and len(beside.output_token_ids) == GREEDY.max_tokens
+    assert all_free(pair)
+
+
+def test_a_prefill_of_another_number_of_stages_is_refused_by_name(
+    pair: DisaggregatedEngine,
+) -> None:
+    """A decode stage pulls the layers of the prefill stage of its number: a prefill of
+    one stage holds them all in one, and its KV is refused (the request fails), not
+    copied into the wrong layers."""
+    decode = pair.decode
+    one = f"tcp://127.0.0.1:{free_port()}"
+    remote = RemotePrefill(RemoteKV("flat", 9, [one]), first_token=3)
+    request = Request("flat", [1, 2, 3, 4, 5, 6, 7, 8, 9], GREEDY, remote=remote)
+    decode.add_request(request)
+    while decode.has_work():
+        decode.step()
+    assert request.finish_reason is not None and request.finish_reason.value == "abort"
+    assert "has 1 pipeline stage(s), this decode instance 2" in (request.error or "")
+    assert all_free(pair)
+    [later] = pair.generate([PROMPTS[1]], GREEDY, timeout_s=300)
+    assert later.error is None and len(later.token_ids) == GREEDY.max_tokens
