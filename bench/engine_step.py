@@ -109,6 +109,9 @@ class InstantExecutor:
     def shutdown(self) -> None:
         pass
 
+    def forget_transfer_reports(self) -> None:
+        pass  # no KV transfer
+
 
 def _timed(fn: Any, samples: list[float]) -> Any:
     clock = time.perf_counter

@@ -319,6 +319,9 @@ class FakeExecutor:
     def shutdown(self) -> None:
         self.is_shut_down = True
 
+    def forget_transfer_reports(self) -> None:
+        """No KV transfer here: nothing to forget."""
+
     def _run(self, so: SchedulerOutput) -> ModelRunnerOutput:
         outputs = [worker.execute(so) for worker in self.workers]
         last = self.workers[-1]

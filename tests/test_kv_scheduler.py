@@ -118,6 +118,11 @@ def test_a_load_waits_for_free_blocks_and_a_failed_one_frees_them() -> None:
         ("r", "abort", failure.error)
     ]
     assert s.kv.num_free_blocks == 4 and not s.has_unfinished_requests()
+    # One rank (or pipeline stage) failed it; another may still be pulling into its blocks:
+    # the step that may hand them out cancels it on every rank before anything of it runs.
+    s.add_request(Request("next", list(range(5)), PARAMS))
+    step = s.schedule()
+    assert step.kv_connector_metadata.cancel_loads == ["r"]
 
 
 def test_an_aborted_load_keeps_its_blocks_until_its_pull_is_over() -> None:

@@ -2,7 +2,8 @@
 (executor/stage_reports.py): a transfer reaches the scheduler once every stage has
 reported it, in whichever steps they did; a failed load at once, and the other stages'
 word on it later is dropped; a step's cancels drop what the stages reported of a load
-before; with sample=False the forward's reports wait for the step's sampled output.
+before; with sample=False the forward's reports wait for the step's sampled output;
+after a failed step nothing reported before is counted.
 And the future a step's call gives when it does not block."""
 
 from __future__ import annotations
@@ -84,6 +85,19 @@ def test_a_step_s_cancels_drop_what_the_stages_reported_of_the_load() -> None:
     assert got(fresh) == ([], ["c"], [])
 
 
+def test_after_a_failed_step_every_report_is_forgotten() -> None:
+    """Reports of steps whose output never reached the scheduler (a step failed, and the
+    ones in flight were waited out) are dropped: a load complete on every stage whose
+    sample failed, parts reported by one stage. The engine's next step cancels every
+    load and withdraws every save, which the stages then report anew."""
+    stages = StageReports(2, tp_size=1)
+    stages.forward_output(step(), [None, output(KVConnectorOutput([], ["d"]))])
+    assert stages.forward_output(step(), [KVConnectorOutput(["s"], ["d", "e"]), None]) is None
+    stages.reset()  # the sample of that step failed
+    late = stages.forward_output(step(), [None, output(KVConnectorOutput(["s"], ["e"]))])
+    assert got(late) == ([], [], [])
+
+
 def test_with_sample_false_the_reports_wait_for_the_sampled_output() -> None:
     stages = StageReports(2, tp_size=4)
     assert stages.forward_output(step(), [KVConnectorOutput([], ["g"]), None]) is None
@@ -112,6 +126,8 @@ def test_the_combined_future_combines_once_and_passes_errors_and_waits_on() -> N
     assert future.done()
     assert future.result() == 42 and future.result() == 42 and calls == [21]
     assert future.exception() is None
+    with pytest.raises(TypeError, match="in the order of the steps"):
+        future.add_done_callback(print)
     failed_call: Future = Future()
     failed = CombinedFuture(failed_call, lambda value: value)
     failed_call.set_exception(ValueError("the step failed"))

@@ -3,7 +3,7 @@ its layers from the prefill stage of its number, every stage reports its own tra
 and the engine's executor hands a transfer to the scheduler once every stage has
 reported it (executor/stage_reports.py). Greedy tokens equal the decode instance's own
 (colocated) ones, no block is left held on either side, and a pull that fails on the
-stages fails its request alone, with the stage named."""
+stages, or on one of them, fails its request alone, with the stage named."""
 
 from __future__ import annotations
 
@@ -67,8 +67,10 @@ def test_greedy_tokens_equal_colocated_over_pipeline_stages(pair: DisaggregatedE
         pair.step()
     assert all_free(pair)
     # Again: the decode side finds the prefixes in its cache and pulls only the rest.
+    hits = pair.decode.kv_connector.num_hit_blocks
     again = pair.generate(PROMPTS, GREEDY, timeout_s=300)
     assert [r.token_ids for r in again] == colocated
+    assert pair.decode.kv_connector.num_hit_blocks > hits
 
 
 def test_a_pull_that_fails_on_the_stages_fails_its_request_alone(
@@ -91,6 +93,32 @@ def test_a_pull_that_fails_on_the_stages_fails_its_request_alone(
     assert any(address in orphan.error for address in dead)
     assert beside.error is None and len(beside.output_token_ids) == GREEDY.max_tokens
     assert all_free(pair)
+
+
+def test_a_pull_that_fails_on_one_stage_alone_fails_its_request_and_frees_both_sides(
+    pair: DisaggregatedEngine,
+) -> None:
+    """Decode stage 0 pulls its layers from the prefill; stage 1 is sent to an address
+    nobody answers. The request fails naming stage 1 as soon as that stage does (its
+    blocks freed, the pull cancelled on every stage by the next step), and the prefill's
+    stage 1 lets its staged KV go at the timeout."""
+    prefill, decode = pair.prefill, pair.decode
+    request = Request("half", PROMPTS[2], GREEDY, remote_decode=True)
+    prefill.add_request(request)
+    while request.kv_transfer_out is None:
+        prefill.step()
+    staged = request.kv_transfer_out
+    dead = f"tcp://127.0.0.1:{free_port()}"
+    remote = msgspec.structs.replace(staged, addresses=[staged.addresses[0], dead])
+    on_decode = Request("half", PROMPTS[2], GREEDY, remote=RemotePrefill(remote, 3))
+    decode.add_request(on_decode)
+    while decode.has_work() or prefill.has_work():
+        decode.step() if decode.has_work() else prefill.step()
+    assert on_decode.finish_reason is not None and on_decode.finish_reason.value == "abort"
+    assert "pipeline stage 1" in (on_decode.error or "") and dead in on_decode.error
+    assert all_free(pair)
+    [later] = pair.generate([PROMPTS[2]], GREEDY, timeout_s=300)
+    assert later.error is None and later.token_ids == run_colocated(decode, prompts=[PROMPTS[2]])[0]
 
 
 def test_a_prefill_of_another_number_of_stages_is_refused_by_name(

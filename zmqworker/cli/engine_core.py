@@ -75,7 +75,7 @@ def add_parsers(sub: Any) -> dict[str, argparse.ArgumentParser]:
         "--kv-port",
         type=int,
         metavar="PORT",
-        help="prefill: tensor-parallel rank r serves its KV on KV_HOST:PORT+r",
+        help="prefill: rank r (pp_rank*tp+tp_rank) serves its KV on KV_HOST:PORT+r",
     )
     parser.add_argument(
         "--kv-transfer-timeout",

@@ -117,9 +117,11 @@ class EngineCore:
         stages = executor.max_concurrent_batches
         self.async_scheduling = async_scheduling and stages == 1
         depth = async_steps_in_flight if self.async_scheduling else stages
-        self.kv_connector = KVConnectorScheduler.of(
-            kv_transfer, self.block_manager, executor.world_size, stages
-        )
+        self.kv_connector: KVConnectorScheduler | None = None
+        if kv_transfer is not None:
+            self.kv_connector = KVConnectorScheduler.of(
+                kv_transfer, self.block_manager, executor.world_size, stages
+            )
         # Pipeline stages before the last do not sample: they get the tokens in the deltas.
         self.scheduler = Scheduler(
             self.block_manager,
@@ -298,6 +300,8 @@ class EngineCore:
                 self.batch_queue.pop()
             except Exception:
                 logger.debug("a step in flight failed too", exc_info=True)
+        # The workers report anew what the next step's cancels leave of the transfers.
+        self.executor.forget_transfer_reports()
         # A worker that died, is stuck or wedged in a step reads nothing of its cache any more.
         workers_lost = isinstance(error, WORKERS_LOST)
         aborted = self.scheduler.reset_after_failure(workers_lost)

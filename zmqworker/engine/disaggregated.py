@@ -269,7 +269,7 @@ def start_disaggregated(
 ) -> DisaggregatedEngine:
     """A prefill instance and a decode instance of config's model on this host, each its
     own workers (MultiprocExecutor), and the router over them. The KV servers of the
-    prefill's tp ranks bind 127.0.0.1:kv_port + rank; keys (a pair made here if None)
+    prefill's ranks bind 127.0.0.1:kv_port + rank; keys (a pair made here if None)
     authenticate every KV socket. decode_parallel: the decode instance's layout (None:
     config's), of another tensor parallel size where the model's KV heads map
     (kv_transfer/head_map.py); its first_local_rank places it on the GPUs after the

@@ -78,15 +78,13 @@ class KVConnectorScheduler:
     @classmethod
     def of(
         cls,
-        config: KVTransferConfig | None,
+        config: KVTransferConfig,
         block_manager: KVBlockManager,
         world_size: int,
         pipeline_stages: int,
-    ) -> KVConnectorScheduler | None:
+    ) -> KVConnectorScheduler:
         """The scheduler side for an instance of world_size workers over pipeline_stages
-        stages, given config (None: no KV transfer)."""
-        if config is None:
-            return None
+        stages, given config."""
         produces = range(world_size) if config.produces else range(0)
         addresses = [config.address(rank) for rank in produces]
         return cls(block_manager, addresses, config.consumes, pipeline_stages)
@@ -208,6 +206,10 @@ class KVConnectorScheduler:
             if entry is None:
                 continue
             request = entry[0]
+            # Reported once one rank (or stage) failed it: the others may still be pulling
+            # into its blocks. The next step cancels it on every rank before anything of
+            # that step runs, and no earlier step can hand the blocks to another request.
+            self._cancels.append(failure.req_id)
             self.kv.free(failure.req_id)  # the reused blocks stay cached
             was_aborted = failure.req_id in self._aborted
             self._aborted.discard(failure.req_id)

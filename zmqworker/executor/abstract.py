@@ -79,6 +79,14 @@ class Executor(ABC):
             return None
         return StageReports(p.pipeline_parallel_size, p.tensor_parallel_size)
 
+    def forget_transfer_reports(self) -> None:
+        """After a failed step, once every step in flight has been waited for: drop what
+        the stages reported of KV transfers and no output carried yet. The engine's
+        next step cancels every load and withdraws every save, which the workers then
+        report anew (stage_reports.py)."""
+        if self.stage_reports is not None:
+            self.stage_reports.reset()
+
     def execute_model(
         self, scheduler_output: SchedulerOutput, sample: bool = True, non_block: bool = False
     ) -> Any:

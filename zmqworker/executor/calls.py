@@ -119,7 +119,7 @@ class OwedAnswers:
     """The ranks that never answered a call that timed out (one that runs in order with
     the others, not beside them): each is busy with it, or wedged, until it answers that
     call or a later one, since a rank runs them in order. The newest such call is kept
-    per rank. Of a step (unique_reply_rank), only the rank it waits for is known to owe."""
+    per rank. Of a step (unique_reply_rank), only the ranks it waits for are known to owe."""
 
     def __init__(self) -> None:
         self._by_rank: dict[int, int] = {}  # rank -> call id

@@ -38,6 +38,13 @@ class StageReports:
         self._failed: dict[str, set[int]] = {}
         self._ready = KVConnectorOutput()  # for the next output the engine gets
 
+    def reset(self) -> None:
+        """Forget every report (after a failed step: forget_transfer_reports)."""
+        self._sent.clear()
+        self._recved.clear()
+        self._failed.clear()
+        self._ready = KVConnectorOutput()
+
     def forward_output(
         self, scheduler_output: SchedulerOutput, results: list[Any]
     ) -> ModelRunnerOutput | None:
@@ -107,7 +114,8 @@ class StageReports:
 
 class CombinedFuture(Future):
     """A step's future whose result is combine(the call's result), computed once, when
-    the engine first takes it (so in the order it takes the steps)."""
+    the engine first takes it (so in the order it takes the steps): done() may be True
+    before then, and it takes no callbacks."""
 
     def __init__(self, call: Future, combine: Callable[[Any], Any]) -> None:
         super().__init__()
@@ -144,3 +152,9 @@ class CombinedFuture(Future):
 
     def cancel(self) -> bool:
         return False
+
+    def add_done_callback(self, fn: Callable[[Future], object]) -> None:
+        raise TypeError(
+            "a step's combined future is taken with result(), in the order of the steps: "
+            "a callback would combine its reports out of that order"
+        )

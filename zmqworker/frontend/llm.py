@@ -209,8 +209,8 @@ class LLM(Frontend):
         kv_port: Annotated[
             Port | None,
             opt(
-                "disaggregate: prefill instance i's tensor-parallel rank r serves its KV on "
-                "127.0.0.1:PORT+i*tp+r (default: free ports)",
+                "disaggregate: prefill instance i's rank r (pp_rank*tp+tp_rank) serves its "
+                "KV on 127.0.0.1:PORT+i*tp*pp+r (default: free ports)",
                 metavar="PORT",
             ),
         ] = None,

@@ -192,7 +192,7 @@ class Worker(WorkerBase):
         computes = scheduler_output.total_num_scheduled_tokens > 0
         self._step_started = time.monotonic()
         connector, kv_orders = self.kv_connector, scheduler_output.kv_connector_metadata
-        report = None  # a stage before the last's KV transfer report
+        wait_s = 0.0 if computes else KV_POLL_WAIT_S
         try:
             if kv_orders is not None:
                 take_orders(kv_orders, connector)
@@ -200,11 +200,8 @@ class Worker(WorkerBase):
             output = runner.execute_model(scheduler_output, inputs, sample, start)
             if connector is not None:
                 connector.after_step(kv_orders)
-                wait_s = 0.0 if computes else KV_POLL_WAIT_S
                 if isinstance(output, AsyncModelRunnerOutput):
                     output.kv_connector_output = connector.take_output(wait_s)
-                elif isinstance(output, IntermediateTensors):
-                    report = connector.take_output(wait_s)
         except BaseException as exc:
             if pipeline is not None and computes:
                 pipeline.refuse(call_id, exc)  # the next stage would wait for its tensors
@@ -216,7 +213,9 @@ class Worker(WorkerBase):
         if isinstance(output, IntermediateTensors) and pipeline is not None:
             if computes:  # else there are no tensors for the next stage, nor a wait there
                 pipeline.send(call_id, output)  # does not wait for the next stage
-            return report  # the engine's executor combines the stages' (stage_reports.py)
+            # Once the tensors are on their way: the next stage does not wait for the
+            # copies of arrived KV. The engine's executor combines the stages' reports.
+            return None if connector is None else connector.take_output(wait_s)
         return output
 
     def sample_tokens(self, grammar_output: GrammarOutput | None = None) -> object:
