@@ -168,25 +168,23 @@ def _welcome_timeout(value: str) -> float | None:
     """Seconds to wait for the Welcome: the default when unset; inf: no bound."""
     if not value:
         return HANDSHAKE_TIMEOUT_S
-    try:
-        seconds = float(value)
-    except ValueError:
-        seconds = math.nan
-    if not seconds > 0:
-        raise ValueError(f"${WELCOME_TIMEOUT_ENV} must be seconds > 0, got {value!r}")
+    seconds = _seconds(WELCOME_TIMEOUT_ENV, value, infinite=True)
     return None if math.isinf(seconds) else seconds
 
 
 def _engine_silent(value: str) -> float | None:
     """Seconds of the engine's silence the worker bears; None (unset): no pings of its own."""
-    if not value:
-        return None
+    return _seconds(ENGINE_SILENT_ENV, value, infinite=False) if value else None
+
+
+def _seconds(name: str, value: str, infinite: bool) -> float:
+    """$name's value as seconds > 0 (infinite: inf too); ValueError naming it otherwise."""
     try:
         seconds = float(value)
     except ValueError:
         seconds = math.nan
-    if not 0 < seconds < math.inf:
-        raise ValueError(f"${ENGINE_SILENT_ENV} must be seconds > 0, got {value!r}")
+    if not (seconds > 0 and (infinite or seconds < math.inf)):
+        raise ValueError(f"${name} must be seconds > 0, got {value!r}")
     return seconds
 
 
