@@ -51,6 +51,7 @@ def engine_options(args: argparse.Namespace, max_num_seqs: int) -> dict[str, Any
         "dtype": args.dtype,
         "load_format": args.load_format,
         "tensor_parallel_size": args.tp,
+        "pipeline_parallel_size": args.pp,
         "max_num_seqs": max_num_seqs,
         "max_model_len": args.max_model_len,
         "max_num_batched_tokens": args.max_num_batched_tokens,
@@ -61,7 +62,7 @@ def engine_options(args: argparse.Namespace, max_num_seqs: int) -> dict[str, Any
 
 
 def cli_flags(options: dict[str, Any]) -> list[str]:
-    flags = {"tensor_parallel_size": "--tp"}
+    flags = {"tensor_parallel_size": "--tp", "pipeline_parallel_size": "--pp"}
     out = []
     for name, value in options.items():
         out += [flags.get(name, "--" + name.replace("_", "-")), str(value)]
@@ -243,6 +244,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default=None)
     parser.add_argument("--load-format", default=None)
     parser.add_argument("--tp", type=int, default=None)
+    parser.add_argument("--pp", type=int, default=None)
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
 
 
