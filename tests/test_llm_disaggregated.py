@@ -1,10 +1,12 @@
 """LLM(disaggregate=True): prefill and decode engine cores on this host (one of each, or
-two of each) behind the same client as the server's (frontend/disaggregated_client.py),
-offline."""
+two of each; of one pipeline stage or two) behind the same client as the server's
+(frontend/disaggregated_client.py), offline."""
 
 from __future__ import annotations
 
-from messages import SamplingParams
+import re
+
+from messages import SamplingParams, StructuredOutputsParams
 from tests.test_engine_e2e import PROMPTS, hf_greedy, make_llm
 from tests.test_executor import wait_gone
 from zmqworker.transport.host import boot_id
@@ -47,6 +49,38 @@ def test_a_disaggregated_llm_gives_transformers_tokens_and_a_logprob_for_each() 
         [(n, False, 0) for n in lengths if n > local] + [(n, True, 1) for n in lengths if n > local]
     )
     assert wait_gone(pids, 10.0)
+
+
+def test_two_pipeline_stages_on_both_sides_give_transformers_tokens_and_constrained_ones() -> None:
+    """Every request prefilled on two stages and decoded on two others, each decode stage
+    pulling its layers from the prefill stage of its number: greedy tokens equal
+    transformers'; constrained ones (their steps' forward and sample sent apart, the
+    stages' transfer reports combined across both) keep their constraint."""
+    greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    date = r"20[0-9]{2}-[01][0-9]"
+    constrained = [
+        SamplingParams(temperature=1.0, seed=1, max_tokens=8,
+                       structured_outputs=StructuredOutputsParams(choice=["red", "green"])),
+        SamplingParams(temperature=1.0, seed=2, max_tokens=12,
+                       structured_outputs=StructuredOutputsParams(regex=date)),
+    ]  # fmt: skip
+    with make_llm(pp=2, disaggregate=True, kv_transfer_timeout_s=60.0) as llm:
+        sent: list[tuple[int, bool]] = []  # (engine core, remote KV)
+        send = llm.client._send_request
+
+        def recorded(engine, request):
+            transfer = request.kv_transfer_params
+            sent.append((engine.index, transfer is not None and transfer.remote is not None))
+            return send(engine, request)
+
+        llm.client._send_request = recorded
+        outs = llm.generate(PROMPTS, greedy)
+        color, year = llm.generate(["Pick:", "Date:"], constrained)
+    for prompt, out in zip(PROMPTS, outs, strict=True):
+        assert out.token_ids == hf_greedy(tuple(prompt), 6), prompt
+    assert color.text in ("red", "green") and re.fullmatch(date, year.text), (color, year)
+    requests = len(PROMPTS) + 2
+    assert sorted(sent) == [(0, False)] * requests + [(1, True)] * requests
 
 
 def test_two_prefill_and_two_decode_instances_each_take_their_share() -> None:
