@@ -309,8 +309,10 @@ ENGINE_SCRIPT = textwrap.dedent(
     from tests.test_executor import echo_config
     from zmqworker.executor.multiproc import MultiprocExecutor
     ex = MultiprocExecutor(echo_config(pp=2))
-    print(*ex.pids, flush=True)
     ex.collective_rpc("sleep_for", (60.0,), non_block=True)  # both busy when it dies
+    # After the call: a worker's TTL timer stops at any message and restarts only at the
+    # next heartbeat, so an engine stopped right after it sent the call goes unnoticed.
+    print(*ex.pids, flush=True)
     time.sleep(600)
     """
 )
