@@ -112,8 +112,10 @@ def test_a_pull_that_fails_on_one_stage_alone_fails_its_request_and_frees_both_s
     remote = msgspec.structs.replace(staged, addresses=[staged.addresses[0], dead])
     on_decode = Request("half", PROMPTS[2], GREEDY, remote=RemotePrefill(remote, 3))
     decode.add_request(on_decode)
-    while decode.has_work() or prefill.has_work():
-        decode.step() if decode.has_work() else prefill.step()
+    while decode.has_work() or prefill.has_work():  # both go on, as deployed
+        for core in (decode, prefill):  # (the prefill's next step stages the KV)
+            if core.has_work():
+                core.step()
     assert on_decode.finish_reason is not None and on_decode.finish_reason.value == "abort"
     assert "pipeline stage 1" in (on_decode.error or "") and dead in on_decode.error
     assert all_free(pair)
