@@ -96,7 +96,7 @@ def test_a_pull_that_fails_on_the_stages_fails_its_request_alone(
 
 
 def test_a_pull_that_fails_on_one_stage_alone_fails_its_request_and_frees_both_sides(
-    pair: DisaggregatedEngine,
+    pair: DisaggregatedEngine, capfd: pytest.CaptureFixture[str]
 ) -> None:
     """Decode stage 0 pulls its layers from the prefill; stage 1 is sent to an address
     nobody answers. The request fails naming stage 1 as soon as that stage does (its
@@ -118,6 +118,7 @@ def test_a_pull_that_fails_on_one_stage_alone_fails_its_request_and_frees_both_s
                 core.step()
     assert on_decode.finish_reason is not None and on_decode.finish_reason.value == "abort"
     assert "pipeline stage 1" in (on_decode.error or "") and dead in on_decode.error
+    assert "rank 0: staged KV" not in capfd.readouterr().err  # stage 0 was pulled
     assert all_free(pair)
     [later] = pair.generate([PROMPTS[2]], GREEDY, timeout_s=300)
     assert later.error is None and later.token_ids == run_colocated(decode, prompts=[PROMPTS[2]])[0]
