@@ -142,10 +142,12 @@ class WorkerServer:
             sock.setsockopt(zmq.MAXMSGSIZE, max_request_bytes)
             if keys is not None:
                 make_client(sock, keys, keys.engine_public)
-            sock.connect(engine_address)
-            # Before the compute thread exists: it uses the socket as soon as it starts.
+            # Watched before it connects: a handshake done before the monitor is there
+            # would go unseen, and a drop after it unheeded. Before the compute thread
+            # exists: it uses the socket as soon as it starts.
             self._watch = EngineWatch(sock, loop, self._on_engine_lost, parent_pid)
             undo.callback(self._watch.close)
+            sock.connect(engine_address)
             self._sock = AsyncSocket(sock, loop, self._on_message, self._on_refused)
             undo.callback(self._sock.close)
             self._loop_reply = Replier(rank, self._sock.send)
