@@ -45,13 +45,14 @@ from zmqworker.executor.errors import (
     WorkerStuckError,
     timed_out,
 )
-from zmqworker.executor.handshake import HEARTBEATS, STUCK_AFTER_S
+from zmqworker.executor.handshake import STUCK_AFTER_S
 from zmqworker.executor.multiproc import SHUTDOWN_GRACE_S, MultiprocExecutor
 from zmqworker.frontend.errors import EngineCoreError
 from zmqworker.frontend.llm import LLM
 from zmqworker.model_runner.input_batch import InputBatch
 from zmqworker.transport import curve
 from zmqworker.transport.curve import RunKeys, make_client, make_server
+from zmqworker.transport.heartbeats import HEARTBEATS
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -310,8 +311,6 @@ ENGINE_SCRIPT = textwrap.dedent(
     from zmqworker.executor.multiproc import MultiprocExecutor
     ex = MultiprocExecutor(echo_config(pp=2))
     ex.collective_rpc("sleep_for", (60.0,), non_block=True)  # both busy when it dies
-    # After the call: a worker's TTL timer stops at any message and restarts only at the
-    # next heartbeat, so an engine stopped right after it sent the call goes unnoticed.
     print(*ex.pids, flush=True)
     time.sleep(600)
     """
@@ -334,17 +333,55 @@ def test_workers_leave_at_once_when_their_engine_is_killed() -> None:
         engine.kill()
 
 
-def test_workers_leave_an_engine_that_goes_silent_within_the_stuck_bound() -> None:
+# The engine's heartbeats carry no bound: as if it went silent before its first one
+# reached the workers (one interval after they connect), which tells them the bound.
+UNTOLD_ENGINE_SCRIPT = (
+    textwrap.dedent(
+        """
+    from zmqworker.executor import handshake
+    from zmqworker.transport.heartbeats import keep_alive
+    handshake.keep_alive = lambda sock, silent_s, tell_peer: keep_alive(sock, silent_s)
+    """
+    )
+    + ENGINE_SCRIPT
+)
+
+
+# Stopped right after a call: libzmq arms the TTL only at a heartbeat and disarms it at any
+# other message, so the bound told does not tell the workers; their own pings do.
+AFTER_A_CALL_SCRIPT = textwrap.dedent(
+    """
+    import os, signal, time
+    from tests.test_executor import echo_config
+    from zmqworker.executor.multiproc import MultiprocExecutor
+    ex = MultiprocExecutor(echo_config(pp=2))
+    print(*ex.pids, flush=True)
+    time.sleep(1.0)  # heartbeats have told the bound
+    ex.collective_rpc("sleep_for", (60.0,), non_block=True)
+    time.sleep(0.02)  # the call on its way, well before the next heartbeat
+    os.kill(os.getpid(), signal.SIGSTOP)
+    """
+)
+
+
+@pytest.mark.parametrize(
+    "script",
+    [ENGINE_SCRIPT, UNTOLD_ENGINE_SCRIPT, AFTER_A_CALL_SCRIPT],
+    ids=["told", "untold", "after_a_call"],
+)
+def test_workers_leave_an_engine_that_goes_silent_within_the_stuck_bound(script: str) -> None:
     """An engine whose host is lost closes no connection. A stopped engine is as silent,
-    and its workers keep their parent: only the heartbeats' TTL (the stuck bound) can
-    tell them, after which each drops its connection and leaves."""
+    and its workers keep their parent: only heartbeats can tell them. The engine's carry
+    its stuck bound (its TTL) from the first, and the workers ping it from the start with
+    that bound (ENGINE_SILENT_ENV): either way each drops its connection after the bound
+    and leaves, even when the engine never told them."""
     engine = subprocess.Popen(
-        [sys.executable, "-c", ENGINE_SCRIPT], stdout=subprocess.PIPE, text=True, cwd=ROOT
+        [sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, cwd=ROOT
     )
     try:
         pids = [int(p) for p in engine.stdout.readline().split()]
-        # The TTL comes with the engine's first heartbeat, one interval after each worker
-        # connected: three intervals let a loaded machine's I/O threads send it.
+        # Told: the TTL comes with the engine's first heartbeat, one interval after each
+        # worker connected; three intervals let a loaded machine's I/O threads send it.
         time.sleep(3 * STUCK_AFTER_S / HEARTBEATS)
         engine.send_signal(signal.SIGSTOP)
         stopped = time.monotonic()

@@ -52,7 +52,9 @@ from zmqworker.runtime.engine_watch import PARENT_POLL_S
 from zmqworker.runtime.main import build_parser
 from zmqworker.runtime.worker_process import HANDSHAKE_TIMEOUT_S
 from zmqworker.transport.curve import CURVE_ENV, KV_CURVE_ENV
+from zmqworker.transport.heartbeats import keep_alive
 from zmqworker.transport.spawn_env import (
+    ENGINE_SILENT_ENV,
     MAX_MESSAGE_ENV,
     SHARE_GPUS_ENV,
     TOKEN_ENV,
@@ -351,7 +353,7 @@ def test_the_worker_command_line_and_environment_are_the_code_s() -> None:
     table = DOC.split("## The worker process", 1)[1].split("\n## ", 1)[0]
     assert {o for o in options if f"| `{o}` |" not in table} == set()
     variables = {TOKEN_ENV, MAX_MESSAGE_ENV, CURVE_ENV, KV_CURVE_ENV, SHM_ENV, SHARE_GPUS_ENV}
-    variables.add(WELCOME_TIMEOUT_ENV)
+    variables |= {WELCOME_TIMEOUT_ENV, ENGINE_SILENT_ENV}
     assert {v for v in variables if f"| `{v}` |" not in table} == set()
     assert set(re.findall(r"ZMQWORKER_\w+", DOC)) == variables  # none of another name
     [worker_cls] = [
@@ -370,7 +372,8 @@ def test_every_socket_option_the_engine_sets_is_named_where_an_engine_is_told_to
     "Speaking it from another language"."""
     options = {
         f"ZMQ_{o}"
-        for o in re.findall(r"zmq\.(HEARTBEAT_\w+|MAXMSGSIZE)", inspect.getsource(bind_router))
+        for source in (inspect.getsource(bind_router), inspect.getsource(keep_alive))
+        for o in re.findall(r"zmq\.(HEARTBEAT_\w+|MAXMSGSIZE)", source)
     }
     assert {"ZMQ_HEARTBEAT_IVL", "ZMQ_HEARTBEAT_TIMEOUT", "ZMQ_HEARTBEAT_TTL"} <= options
     heartbeats = DOC.split("- **Heartbeats.**", 1)[1].split("\n- ", 1)[0]

@@ -183,3 +183,10 @@ def test_the_welcome_wait_is_the_engine_s_to_set(
         router.close(linger=0)
     assert out.returncode == returncode, out.stderr
     assert message.format(engine=engine) in out.stderr
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "inf", "nan", "later"])
+def test_an_engine_silence_that_is_not_seconds_is_refused(tmp_path: Path, value: str) -> None:
+    out = worker(f"ipc://{tmp_path}/engine.sock", ZMQWORKER_ENGINE_SILENT_S=value)
+    assert out.returncode == 2, out.stderr
+    assert f"$ZMQWORKER_ENGINE_SILENT_S must be seconds > 0, got {value!r}" in out.stderr

@@ -30,16 +30,15 @@ from zmqworker.executor.errors import (
 from zmqworker.executor.rpc_client import RpcClient
 from zmqworker.executor.stuck_ranks import unreachable
 from zmqworker.transport.curve import RunKeys, make_server
+from zmqworker.transport.heartbeats import keep_alive
 
 log = logging.getLogger("zmqworker.executor")
 
 STUCK_AFTER_S = 2.0  # a worker silent (no ZMTP heartbeat) for this long is stuck
-HEARTBEATS = 5  # heartbeats sent within stuck_after_s
 # A worker's wait for its Welcome outlasts the engine's start-up bound by this, so that the
 # engine's wait for every Hello ends first and names the rank(s) it did not hear from.
 WELCOME_MARGIN_S = 5.0
 LATE_REPLIES_S = 0.2  # how long a shutdown reads replies still owed before it decides
-MAX_HEARTBEAT_TTL_MS = 6_553_500
 
 
 def bind_router(
@@ -65,13 +64,11 @@ def bind_router(
     # issues 3937 and 4364: "Assertion failed: !_io_error", stream_engine_base.cpp).
     sock.setsockopt(zmq.RCVHWM, 0)
     if stuck_after_s is not None:
-        bound_ms = max(1, round(stuck_after_s * 1000))
-        sock.setsockopt(zmq.HEARTBEAT_IVL, max(1, round(stuck_after_s * 1000 / HEARTBEATS)))
-        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, bound_ms)
-        # Carried by every heartbeat: a worker that then hears nothing for as long drops
-        # its connection and leaves, as when the engine dies (its host lost, or stopped:
-        # no connection is closed then). The wire holds deciseconds, at most 65535.
-        sock.setsockopt(zmq.HEARTBEAT_TTL, min(max(bound_ms, 100), MAX_HEARTBEAT_TTL_MS))
+        # Told to the workers too: one that then hears nothing for as long drops its
+        # connection and leaves, as when the engine dies (its host lost, or stopped: no
+        # connection is closed then). Our workers also ping from their side from the
+        # start (ENGINE_SILENT_ENV), before the first heartbeat tells them the bound.
+        keep_alive(sock, stuck_after_s, tell_peer=True)
     if keys is not None:
         make_server(sock, keys.engine_public, keys.engine_secret)
     try:

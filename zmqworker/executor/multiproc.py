@@ -49,7 +49,12 @@ from zmqworker.executor.message_limits import message_limits
 from zmqworker.executor.process import WorkerProcess, spawn_all
 from zmqworker.executor.rpc_client import RpcClient
 from zmqworker.transport.curve import CURVE_ENV, RunKeys, start_zap
-from zmqworker.transport.spawn_env import MAX_MESSAGE_ENV, TOKEN_ENV, WELCOME_TIMEOUT_ENV
+from zmqworker.transport.spawn_env import (
+    ENGINE_SILENT_ENV,
+    MAX_MESSAGE_ENV,
+    TOKEN_ENV,
+    WELCOME_TIMEOUT_ENV,
+)
 
 SHUTDOWN_GRACE_S = 5.0
 SIGTERM_GRACE_S = 3.0
@@ -134,6 +139,9 @@ class MultiprocExecutor(Executor):
         child_env = {**os.environ, **(env or {}), TOKEN_ENV: token}
         child_env[MAX_MESSAGE_ENV] = limits.to_env()
         child_env[WELCOME_TIMEOUT_ENV] = repr(float(start_timeout) + WELCOME_MARGIN_S)
+        child_env.pop(ENGINE_SILENT_ENV, None)
+        if stuck_after_s is not None:
+            child_env[ENGINE_SILENT_ENV] = repr(float(stuck_after_s))
         child_env.pop(CURVE_ENV, None)
         if keys is not None:
             child_env[CURVE_ENV] = keys.for_workers().to_env()

@@ -82,12 +82,15 @@ class RayWorkerActor:
         max_request_bytes: int,
         max_pipeline_bytes: int,
         welcome_timeout_s: float,
+        engine_silent_s: float | None,
     ) -> None:
         """Start the WorkerServer in a thread of its own; it connects to the engine's
         ROUTER and says hello. Returns once stop_server can reach it. curve_keys: the
         run's WorkerKeys as their environment value ("" for none). welcome_timeout_s: how
         long the server waits for its Welcome after its Hello (the engine's start-up
-        bound and a margin, as a worker process's)."""
+        bound and a margin, as a worker process's); engine_silent_s: the engine's stuck
+        bound, after which the server leaves an engine answering none of its pings (None:
+        it pings not)."""
         from zmqworker.runtime.worker_process import WorkerServer  # torch: only once placed
 
         rank = self._rank()
@@ -107,6 +110,7 @@ class RayWorkerActor:
             max_request_bytes=max_request_bytes,
             max_pipeline_bytes=max_pipeline_bytes,
             welcome_timeout_s=welcome_timeout_s,
+            engine_silent_s=engine_silent_s,
         )
         # Queued before any stop request can be: the server's first step runs first.
         task = self._loop.create_task(self._server.run())

@@ -1,5 +1,4 @@
-"""RayExecutor: the same workers as MultiprocExecutor, placed by Ray, for layouts past
-one machine.
+"""RayExecutor: MultiprocExecutor's workers, placed by Ray, for layouts past one machine.
 
 Ray is the control plane: it reserves one bundle per rank (a placement group), starts
 one actor per rank, tells the executor where each landed, carries the start-up calls
@@ -296,6 +295,7 @@ class RayExecutor(Executor):
                 limits.request_bytes,
                 limits.pipeline_bytes,
                 timeout + WELCOME_MARGIN_S,
+                self.stuck_after_s,
             )
             for a, p in zip(self.actors, self.placements, strict=True)
         ]

@@ -32,6 +32,7 @@ from zmqworker.runtime.parent_death import (
 from zmqworker.runtime.sockets import remove_socket_file, socket_in_use
 from zmqworker.transport.curve import WorkerKeys
 from zmqworker.transport.spawn_env import (
+    ENGINE_SILENT_ENV,
     HANDSHAKE_TIMEOUT_S,
     MAX_MESSAGE_ENV,
     TOKEN_ENV,
@@ -91,6 +92,7 @@ def run_worker(args: argparse.Namespace) -> int:
         keys = WorkerKeys.from_env()
         max_request, max_pipeline = _limits(os.environ.get(MAX_MESSAGE_ENV, ""))
         welcome_timeout_s = _welcome_timeout(os.environ.get(WELCOME_TIMEOUT_ENV, ""))
+        engine_silent_s = _engine_silent(os.environ.get(ENGINE_SILENT_ENV, ""))
     except ValueError as e:
         print(f"zmqworker worker: error: {e}", file=sys.stderr)
         return 2
@@ -128,6 +130,7 @@ def run_worker(args: argparse.Namespace) -> int:
                 max_request_bytes=max_request,
                 max_pipeline_bytes=max_pipeline,
                 welcome_timeout_s=welcome_timeout_s,
+                engine_silent_s=engine_silent_s,
             )
         except (zmq.ZMQError, OSError) as e:  # its sockets cannot bind or connect there
             print(f"zmqworker worker: error: --engine {args.engine}: {e}", file=sys.stderr)
@@ -165,13 +168,24 @@ def _welcome_timeout(value: str) -> float | None:
     """Seconds to wait for the Welcome: the default when unset; inf: no bound."""
     if not value:
         return HANDSHAKE_TIMEOUT_S
+    seconds = _seconds(WELCOME_TIMEOUT_ENV, value, infinite=True)
+    return None if math.isinf(seconds) else seconds
+
+
+def _engine_silent(value: str) -> float | None:
+    """Seconds of the engine's silence the worker bears; None (unset): no pings of its own."""
+    return _seconds(ENGINE_SILENT_ENV, value, infinite=False) if value else None
+
+
+def _seconds(name: str, value: str, infinite: bool) -> float:
+    """$name's value as seconds > 0 (infinite: inf too); ValueError naming it otherwise."""
     try:
         seconds = float(value)
     except ValueError:
         seconds = math.nan
-    if not seconds > 0:
-        raise ValueError(f"${WELCOME_TIMEOUT_ENV} must be seconds > 0, got {value!r}")
-    return None if math.isinf(seconds) else seconds
+    if not (seconds > 0 and (infinite or seconds < math.inf)):
+        raise ValueError(f"${name} must be seconds > 0, got {value!r}")
+    return seconds
 
 
 def main(argv: list[str] | None = None) -> int:

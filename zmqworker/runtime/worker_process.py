@@ -61,6 +61,7 @@ from zmqworker.transport.async_socket import AsyncSocket
 from zmqworker.transport.curve import WorkerKeys, make_client, start_zap
 from zmqworker.transport.drops import DropCounter
 from zmqworker.transport.frames import TooManyFrames
+from zmqworker.transport.heartbeats import keep_alive
 from zmqworker.transport.spawn_env import HANDSHAKE_TIMEOUT_S
 from zmqworker.worker.wrapper import WorkerWrapper
 
@@ -81,7 +82,10 @@ class WorkerServer:
     actor's local_rank and rendezvous address). handle_signals: SIGINT stops the server,
     SIGTERM ends the process at once (main thread only). keys: the run's CURVE keys (tcp);
     max_*_bytes: the largest frame the engine's and the pipeline's sockets take in;
-    welcome_timeout_s: how long it waits for its Welcome after its Hello (None: no bound)."""
+    welcome_timeout_s: how long it waits for its Welcome after its Hello (None: no bound);
+    engine_silent_s: it pings the engine and leaves once the engine has answered none of
+    its pings for that long (the engine's stuck bound; None: it pings not, and learns the
+    bound from the engine's first heartbeat)."""
 
     def __init__(
         self,
@@ -97,6 +101,7 @@ class WorkerServer:
         max_request_bytes: int = -1,
         max_pipeline_bytes: int = -1,
         welcome_timeout_s: float | None = HANDSHAKE_TIMEOUT_S,
+        engine_silent_s: float | None = None,
     ) -> None:
         self.engine_address = engine_address
         self.welcome_timeout_s = welcome_timeout_s
@@ -142,6 +147,8 @@ class WorkerServer:
             sock.setsockopt(zmq.MAXMSGSIZE, max_request_bytes)
             if keys is not None:
                 make_client(sock, keys, keys.engine_public)
+            if engine_silent_s is not None:  # pinged from the start: EngineWatch sees the drop
+                keep_alive(sock, engine_silent_s)
             # Watched before it connects: a handshake done before the monitor is there
             # would go unseen, and a drop after it unheeded. Before the compute thread
             # exists: it uses the socket as soon as it starts.

@@ -12,3 +12,7 @@ SHARE_GPUS_ENV = "ZMQWORKER_SHARE_GPUS"
 # it did not hear from; "inf": no bound. Unset: HANDSHAKE_TIMEOUT_S.
 WELCOME_TIMEOUT_ENV = "ZMQWORKER_WELCOME_TIMEOUT_S"
 HANDSHAKE_TIMEOUT_S = 60.0
+# Seconds after which a worker drops an engine that answers none of its ZMTP pings, and
+# leaves (the engine's stuck bound): the engine's own heartbeats tell it the bound only
+# from the first, one interval after it connects. Unset: the worker pings not.
+ENGINE_SILENT_ENV = "ZMQWORKER_ENGINE_SILENT_S"

@@ -1,0 +1,22 @@
+"""ZMTP heartbeats between an engine and its workers, one rule for both ends: a peer
+silent for a bound (no traffic, no answer to a ping) loses its connection, pinged
+HEARTBEATS times within that bound. libzmq's I/O thread answers the pings, so a process
+busy in Python still answers; a stopped or lost one does not."""
+
+from __future__ import annotations
+
+import zmq
+
+HEARTBEATS = 5  # pings sent within the silence bound
+MAX_TTL_MS = 6_553_500  # the wire holds deciseconds, at most 65535
+
+
+def keep_alive(sock: zmq.Socket, silent_s: float, tell_peer: bool = False) -> None:
+    """Ping sock's peers and drop one silent for silent_s (set before it connects or
+    binds). tell_peer: every ping carries the bound too, and a peer that sets none of its
+    own drops this end once it is silent as long (it learns the bound from the first)."""
+    bound_ms = max(1, round(silent_s * 1000))
+    sock.setsockopt(zmq.HEARTBEAT_IVL, max(1, round(silent_s * 1000 / HEARTBEATS)))
+    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, bound_ms)
+    if tell_peer:
+        sock.setsockopt(zmq.HEARTBEAT_TTL, min(max(bound_ms, 100), MAX_TTL_MS))
