@@ -31,6 +31,7 @@ from zmqworker.runtime.parent_death import (
 )
 from zmqworker.runtime.sockets import remove_socket_file, socket_in_use
 from zmqworker.transport.curve import WorkerKeys
+from zmqworker.transport.heartbeats import MAX_SILENT_S
 from zmqworker.transport.spawn_env import (
     ENGINE_SILENT_ENV,
     HANDSHAKE_TIMEOUT_S,
@@ -168,23 +169,25 @@ def _welcome_timeout(value: str) -> float | None:
     """Seconds to wait for the Welcome: the default when unset; inf: no bound."""
     if not value:
         return HANDSHAKE_TIMEOUT_S
-    seconds = _seconds(WELCOME_TIMEOUT_ENV, value, infinite=True)
+    seconds = _seconds(WELCOME_TIMEOUT_ENV, value, most=math.inf)
     return None if math.isinf(seconds) else seconds
 
 
 def _engine_silent(value: str) -> float | None:
     """Seconds of the engine's silence the worker bears; None (unset): no pings of its own."""
-    return _seconds(ENGINE_SILENT_ENV, value, infinite=False) if value else None
+    return _seconds(ENGINE_SILENT_ENV, value, most=MAX_SILENT_S) if value else None
 
 
-def _seconds(name: str, value: str, infinite: bool) -> float:
-    """$name's value as seconds > 0 (infinite: inf too); ValueError naming it otherwise."""
+def _seconds(name: str, value: str, most: float) -> float:
+    """$name's value as seconds > 0, at most `most` (inf: inf too); ValueError naming it
+    otherwise."""
     try:
         seconds = float(value)
     except ValueError:
         seconds = math.nan
-    if not (seconds > 0 and (infinite or seconds < math.inf)):
-        raise ValueError(f"${name} must be seconds > 0, got {value!r}")
+    if not 0 < seconds <= most:
+        bound = "" if math.isinf(most) else f", at most {most:,.0f}"
+        raise ValueError(f"${name} must be seconds > 0{bound}, got {value!r}")
     return seconds
 
 

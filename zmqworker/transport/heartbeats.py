@@ -9,6 +9,7 @@ import zmq
 
 HEARTBEATS = 5  # pings sent within the silence bound
 MAX_TTL_MS = 6_553_500  # the wire holds deciseconds, at most 65535
+MAX_SILENT_S = (2**31 - 1) // 1000  # the longest bound libzmq's options hold (int ms)
 
 
 def keep_alive(sock: zmq.Socket, silent_s: float, tell_peer: bool = False) -> None:
