@@ -290,7 +290,9 @@ def test_a_client_that_disconnects_has_its_request_aborted(server):
         if i == 2:
             break
     stream.close()
-    impatient = server.client(timeout=0.5, max_retries=0)
+    # Long enough for the server to have taken the request in on a loaded machine (one
+    # that left before then is never added, so never aborted), far short of its 400 tokens.
+    impatient = server.client(timeout=2.0, max_retries=0)
     with pytest.raises(openai.APITimeoutError):
         impatient.completions.create(
             model=MODEL, prompt="Once upon a time", max_tokens=400, temperature=0,

@@ -15,6 +15,7 @@ workers divide the host's cores between them (ParallelConfig.host_ranks)."""
 from __future__ import annotations
 
 import logging
+import random
 import socket
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -33,6 +34,7 @@ from zmqworker.transport.curve import KV_CURVE_ENV, KVKeys
 logger = logging.getLogger("zmqworker.frontend")
 KV_HOST = "127.0.0.1"  # one host: the prefill's KV servers take local peers only
 PORT_TRIES = 20
+LOWEST_PORT = 20_000  # below it: ports services are commonly given
 KV_TIMEOUT_S = 30.0  # every transfer wait's bound, unless the options give another
 # LLM options of the router alone (its client's: a client of engine cores served on their
 # own takes them too).
@@ -235,14 +237,29 @@ def _check_decode_tp(plan: EnginePlan, decode_tp: int) -> None:
 
 
 def free_ports(count: int) -> int:
-    """A first port p such that p .. p + count - 1 are free on KV_HOST now."""
+    """A first port p such that p .. p + count - 1 are free on KV_HOST now: below the range
+    the kernel hands out to outgoing connections, where it says which (one of those could
+    take a port of the block between this check and the bind)."""
+    below = _outgoing_ports_start()
     for _ in range(PORT_TRIES):
-        with socket.socket() as probe:
-            probe.bind((KV_HOST, 0))
-            first = probe.getsockname()[1]
-        if first + count <= 65536 and all(_free(first + i) for i in range(1, count)):
+        if below is not None and below - count > LOWEST_PORT:
+            first = random.randrange(LOWEST_PORT, below - count + 1)
+        else:
+            with socket.socket() as probe:
+                probe.bind((KV_HOST, 0))
+                first = probe.getsockname()[1]
+        if first + count <= 65536 and all(_free(first + i) for i in range(count)):
             return first
     raise OSError(f"found no {count} free consecutive port(s) on {KV_HOST}")
+
+
+def _outgoing_ports_start() -> int | None:
+    """The first port of Linux's ephemeral range (ip_local_port_range), or None."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def _free(port: int) -> bool:
