@@ -53,8 +53,8 @@ class RemoteKV(msgspec.Struct, tag=True, frozen=True):
     instance (KVSave.req_id, unique to that staging), the first num_tokens tokens'
     blocks, served by the prefill's ranks: of its pipeline_stages stages, stage s's
     tensor-parallel rank i at addresses[s * tp + i] (tp: len(addresses) //
-    pipeline_stages). A decode rank pulls from the prefill stage of its own stage number,
-    which holds the same layers (both instances have as many stages). block_ids: those
+    pipeline_stages). A decode rank pulls its layers from the prefill stages holding them
+    (each side splits the model's layers over its stages by one rule). block_ids: those
     blocks in the prefill's cache (every rank's), held until the KV is taken; a decode
     rank that can read that cache in place copies them as it asks for them, and the
     answer confirms the copy (None: it waits for the answer)."""
@@ -64,11 +64,6 @@ class RemoteKV(msgspec.Struct, tag=True, frozen=True):
     addresses: list[str]
     block_ids: np.ndarray | None = None  # int32
     pipeline_stages: Positive = 1
-
-    def stage_addresses(self, stage: int) -> list[str]:
-        """The addresses of the prefill stage `stage`'s ranks, in tp rank order."""
-        tp = len(self.addresses) // self.pipeline_stages
-        return self.addresses[stage * tp : (stage + 1) * tp]
 
     def __post_init__(self) -> None:
         if len(self.addresses) % self.pipeline_stages:

@@ -4,8 +4,9 @@ instances' CPU workers share the host's cores, on CUDA the decode instance takes
 after the prefill's where there are enough, and a size the model cannot be cut into is
 refused by name before anything starts. Several instances of each role: each prefill
 instance's KV on ports of its own, each instance on GPUs of its own where there are
-enough; pipeline stages on both sides, each rank's KV on a port of its own; and the
-roles a router reads from the engine cores' Readies."""
+enough; pipeline stages on both sides, each rank's KV on a port of its own, and a decode
+instance of other stages; and the roles a router reads from the engine cores'
+Readies."""
 
 from __future__ import annotations
 
@@ -95,18 +96,46 @@ def test_a_pair_of_ray_workers_shares_the_gpus(monkeypatch) -> None:
     assert decode.first_local_rank == 0 and decode.host_ranks == 0
 
 
+def test_the_decode_instance_takes_its_own_stages(monkeypatch) -> None:
+    """Prefill tp 1 over two stages, decode tp 2 over one: the decode's workers get that
+    layout and about the same blocks (bytes x the prefill's ranks / the decode's), and on
+    CUDA its GPUs start after the prefill's two."""
+    monkeypatch.setattr(disaggregated_plan, "visible_gpu_count", lambda: 4)
+    monkeypatch.setattr(engine_plan, "visible_gpu_count", lambda: 4)
+    monkeypatch.setenv(SHARE_GPUS_ENV, "1")
+    two = plan(1, device="cuda", pipeline_parallel_size=2)
+    pair = DisaggregatedPlan.of(two, decode_tp=2, decode_pp=1)
+    prefill = pair.engine_config(PREFILL, "ipc:///x", "t").worker
+    decode = pair.engine_config(DECODE, "ipc:///y", "t").worker
+    assert prefill.parallel.pipeline_parallel_size == 2
+    assert (decode.parallel.tensor_parallel_size, decode.parallel.pipeline_parallel_size) == (2, 1)
+    assert decode.cache.kv_cache_bytes == 4096
+    assert [w.parallel.first_local_rank for w in (prefill, decode)] == [0, 2]
+    assert {w.parallel.host_ranks for w in (prefill, decode)} == {4}
+    flat = DisaggregatedPlan.of(plan(1), decode_pp=2).engine_config(DECODE, "ipc:///y", "t")
+    assert flat.worker.parallel.pipeline_parallel_size == 2
+    assert flat.worker.cache.kv_cache_bytes == 2048
+
+
 def test_a_decode_size_the_model_cannot_take_is_refused_by_name() -> None:
-    with pytest.raises(ValueError, match="prefill tensor parallel size 2 and decode 3: "
+    with pytest.raises(ValueError, match="prefill tensor parallel size 2 and decode 3, "
+                       "prefill pipeline stages 1 and decode 1: "
                        "tensor_parallel_size=3 must divide"):  # fmt: skip
         DisaggregatedPlan.of(plan(2), decode_tp=3)
     with pytest.raises(ValueError, match="decode tensor parallel size must be >= 1"):
         DisaggregatedPlan.of(plan(2), decode_tp=0)
+    with pytest.raises(ValueError, match="prefill pipeline stages 1 and decode 3: "
+                       "pipeline_parallel_size=3 is more than the model's 2 layers"):  # fmt: skip
+        DisaggregatedPlan.of(plan(2), decode_pp=3)
+    with pytest.raises(ValueError, match="decode pipeline stages must be >= 1"):
+        DisaggregatedPlan.of(plan(2), decode_pp=0)
 
 
 @pytest.mark.parametrize(
     "flag, name",
     [
         ("--decode-tensor-parallel-size", "decode_tensor_parallel_size"),
+        ("--decode-pipeline-parallel-size", "decode_pipeline_parallel_size"),
         ("--kv-port", "kv_port"),
         ("--kv-transfer-timeout", "kv_transfer_timeout_s"),
         ("--prefill-instances", "prefill_instances"),

@@ -172,7 +172,10 @@ def test_a_load_from_another_layout_or_tp_size_fails_by_name(producer) -> None:
         consumer.shutdown()
     errors = {f.req_id: f.error for f in names(outs, "failed_recving")}
     assert "layout" in errors["shape"] and "'shape'" in errors["shape"]
-    assert "tensor parallel size 3, this decode instance 1" in errors["tp"]
+    assert (
+        "tensor parallel size 3 and 1 pipeline stage(s), this decode instance 1 and 1"
+        in (errors["tp"])
+    )
     assert "tensor parallel size 3 is not a multiple of the 2 key/value heads" in errors["tp"]
 
 

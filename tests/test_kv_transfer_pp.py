@@ -3,7 +3,9 @@ its layers from the prefill stage of its number, every stage reports its own tra
 and the engine's executor hands a transfer to the scheduler once every stage has
 reported it (executor/stage_reports.py). Greedy tokens equal the decode instance's own
 (colocated) ones, no block is left held on either side, and a pull that fails on the
-stages, or on one of them, fails its request alone, with the stage named."""
+stages, or on one of them, fails its request alone, with the stage named. Between
+instances of other stage counts (and tensor parallel sizes), each decode rank pulls its
+layers from every prefill stage holding some of them, with the same tokens."""
 
 from __future__ import annotations
 
@@ -12,19 +14,23 @@ from collections.abc import Iterator
 import msgspec
 import pytest
 
-from messages import ParallelConfig
+from messages import KVTransferConfig, ParallelConfig
 from messages.kv_transfer import RemoteKV
 from tests.test_kv_transfer import (
     GREEDY,
+    KEYS,
     MAX_MODEL_LEN,
     PROMPTS,
     free_port,
     run_colocated,
     worker_config,
 )
+from zmqworker.engine.core import EngineCore
 from zmqworker.engine.disaggregated import DisaggregatedEngine, start_disaggregated
 from zmqworker.engine.request import RemotePrefill, Request
+from zmqworker.executor.multiproc import MultiprocExecutor
 from zmqworker.frontend.disaggregated_plan import free_ports
+from zmqworker.transport.curve import KV_CURVE_ENV
 
 STAGES = 2
 
@@ -42,11 +48,34 @@ def pair() -> Iterator[DisaggregatedEngine]:
         prefill_scheduler=msgspec.structs.replace(config.scheduler, max_num_batched_tokens=16),
         enable_prefix_caching=True,
         timeout_s=3.0,
+        keys=KEYS,
     )
     try:
         yield engine
     finally:
         engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def flat() -> Iterator[EngineCore]:
+    """One pipeline stage of tensor parallel size 2, producer and consumer both: a
+    decode instance for the pair's prefill (two stages of size 1), and a prefill
+    instance for its decode."""
+    config = worker_config(48)
+    transfer = KVTransferConfig(role="both", port=free_ports(2), timeout_s=3.0)
+    parallel = ParallelConfig(tensor_parallel_size=2)
+    instance = msgspec.structs.replace(config, kv_transfer=transfer, parallel=parallel)
+    executor = MultiprocExecutor(instance, env={KV_CURVE_ENV: KEYS.to_env()})
+    try:
+        core = EngineCore(executor, MAX_MODEL_LEN, instance.scheduler,
+                          enable_prefix_caching=True, kv_transfer=transfer)  # fmt: skip
+    except BaseException:
+        executor.shutdown()
+        raise
+    try:
+        yield core
+    finally:
+        core.shutdown()
 
 
 def all_free(pair: DisaggregatedEngine) -> bool:
@@ -124,21 +153,45 @@ def test_a_pull_that_fails_on_one_stage_alone_fails_its_request_and_frees_both_s
     assert later.error is None and later.token_ids == run_colocated(decode, prompts=[PROMPTS[2]])[0]
 
 
-def test_a_prefill_of_another_number_of_stages_is_refused_by_name(
+@pytest.mark.parametrize("way", ["two stages into one", "one stage into two"])
+def test_greedy_tokens_equal_colocated_between_other_stage_counts(
+    pair: DisaggregatedEngine, flat: EngineCore, way: str
+) -> None:
+    """The pair's prefill (two stages of tp 1) into the flat instance (one stage of tp 2),
+    and the flat instance into the pair's decode: each decode rank takes its heads of
+    its layers from every prefill rank holding some, and the tokens are the decode
+    instance's own; every block goes back on both sides."""
+    prefill, decode = (pair.prefill, flat) if way == "two stages into one" else (flat, pair.decode)
+    colocated = run_colocated(decode)
+    decode.reset_prefix_cache()
+    routed = DisaggregatedEngine(prefill, decode)
+    loaded = decode.kv_connector.num_loaded
+    results = routed.generate(PROMPTS, GREEDY, timeout_s=300)
+    assert [r.error for r in results] == [None] * len(PROMPTS)
+    assert [r.token_ids for r in results] == colocated
+    assert decode.kv_connector.num_loaded == loaded + len(PROMPTS)  # pulled, none recomputed
+    while routed.has_work():
+        routed.step()
+    assert all_free(routed)
+
+
+def test_a_prefill_of_stages_the_model_cannot_have_is_refused_by_name(
     pair: DisaggregatedEngine,
 ) -> None:
-    """A decode stage pulls the layers of the prefill stage of its number: a prefill of
-    one stage holds them all in one, and its KV is refused (the request fails), not
-    copied into the wrong layers."""
+    """A RemoteKV of three prefill stages for a model of two layers cannot say where any
+    layer is: its KV is refused (the request fails, naming both layouts), not copied
+    into the wrong layers."""
     decode = pair.decode
-    one = f"tcp://127.0.0.1:{free_port()}"
-    remote = RemotePrefill(RemoteKV("flat", 9, [one]), first_token=3)
+    three = [f"tcp://127.0.0.1:{free_port()}" for _ in range(3)]
+    remote = RemotePrefill(RemoteKV("flat", 9, three, pipeline_stages=3), first_token=3)
     request = Request("flat", [1, 2, 3, 4, 5, 6, 7, 8, 9], GREEDY, remote=remote)
     decode.add_request(request)
     while decode.has_work():
         decode.step()
     assert request.finish_reason is not None and request.finish_reason.value == "abort"
-    assert "has 1 pipeline stage(s), this decode instance 2" in (request.error or "")
+    error = request.error or ""
+    assert "3 pipeline stage(s), this decode instance 1 and 2" in error
+    assert "exceeds the model's 2 layers" in error
     assert all_free(pair)
     [later] = pair.generate([PROMPTS[1]], GREEDY, timeout_s=300)
     assert later.error is None and len(later.token_ids) == GREEDY.max_tokens

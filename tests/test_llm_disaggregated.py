@@ -1,10 +1,12 @@
 """LLM(disaggregate=True): prefill and decode engine cores on this host (one of each, or
-two of each; of one pipeline stage or two) behind the same client as the server's
-(frontend/disaggregated_client.py), offline."""
+two of each; of one pipeline stage or two, alike or not) behind the same client as the
+server's (frontend/disaggregated_client.py), offline."""
 
 from __future__ import annotations
 
 import re
+
+import pytest
 
 from messages import SamplingParams, StructuredOutputsParams
 from tests.test_engine_e2e import PROMPTS, hf_greedy, make_llm
@@ -51,11 +53,16 @@ def test_a_disaggregated_llm_gives_transformers_tokens_and_a_logprob_for_each() 
     assert wait_gone(pids, 10.0)
 
 
-def test_two_pipeline_stages_on_both_sides_give_transformers_tokens_and_constrained_ones() -> None:
-    """Every request prefilled on two stages and decoded on two others, each decode stage
-    pulling its layers from the prefill stage of its number: greedy tokens equal
-    transformers'; constrained ones (their steps' forward and sample sent apart, the
-    stages' transfer reports combined across both) keep their constraint."""
+@pytest.mark.parametrize(
+    ("pp", "decode_pp"), [(2, None), (1, 2)], ids=["two-and-two", "one-into-two"]
+)
+def test_pipeline_stages_give_transformers_tokens_and_constrained_ones(
+    pp: int, decode_pp: int | None
+) -> None:
+    """Every request prefilled on pp stages and decoded on two, each decode stage pulling
+    its layers from the prefill stages holding them: greedy tokens equal transformers';
+    constrained ones (their steps' forward and sample sent apart, the decode stages'
+    transfer reports combined across both) keep their constraint."""
     greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     date = r"20[0-9]{2}-[01][0-9]"
     constrained = [
@@ -64,7 +71,12 @@ def test_two_pipeline_stages_on_both_sides_give_transformers_tokens_and_constrai
         SamplingParams(temperature=1.0, seed=2, max_tokens=12,
                        structured_outputs=StructuredOutputsParams(regex=date)),
     ]  # fmt: skip
-    with make_llm(pp=2, disaggregate=True, kv_transfer_timeout_s=60.0) as llm:
+    with make_llm(
+        pp=pp,
+        disaggregate=True,
+        kv_transfer_timeout_s=60.0,
+        decode_pipeline_parallel_size=decode_pp,
+    ) as llm:
         sent: list[tuple[int, bool]] = []  # (engine core, remote KV)
         send = llm.client._send_request
 

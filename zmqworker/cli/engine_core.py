@@ -35,6 +35,7 @@ NOT_HERE = (
     "data_parallel_size",
     "disaggregate",
     "decode_tensor_parallel_size",
+    "decode_pipeline_parallel_size",
     "kv_port",
     "kv_transfer_timeout_s",
     "prefill_instances",

@@ -1,16 +1,17 @@
 """The engine cores of disaggregated serving on one host, planned from an engine's plan:
 prefill instances (engine cores 0 .. P - 1, their workers KV producers) with the plan's
 layout, then decode instances (KV consumers) with the plan's or another tensor parallel
-size (their ranks pull their KV heads from the prefill ranks that hold them:
-kv_transfer/head_map.py), and the key pair their KV sockets share. Both have the plan's
-pipeline stages: a decode stage pulls the layers of the prefill stage of its number.
-Prefill instance i's rank r (of tp x pp) serves its KV on KV_HOST:kv_port + i * tp * pp + r.
+size and pipeline stages (their ranks pull their KV heads of their layers from the
+prefill ranks that hold them: kv_transfer/head_map.py), and the key pair their KV
+sockets share. Prefill instance i's rank r (of tp x pp) serves its KV on
+KV_HOST:kv_port + i * tp * pp + r.
 
 On CUDA each instance takes GPUs of its own, one after the other, when the host has
 enough for all; otherwise they share the GPUs from the first, each worker with
-kv_cache_bytes of KV cache (a decode's x prefill TP / decode TP: the same blocks as a
-prefill's), since sizing by memory would race between them. On the CPU all instances'
-workers divide the host's cores between them (ParallelConfig.host_ranks)."""
+kv_cache_bytes of KV cache (a decode's x the prefill's ranks / the decode's: about the
+same blocks as a prefill's), since sizing by memory would race between them. On the
+CPU all instances' workers divide the host's cores between them
+(ParallelConfig.host_ranks)."""
 
 from __future__ import annotations
 
@@ -42,6 +43,7 @@ ROUTER_OPTIONS = ("max_local_prefill_tokens",)
 # LLM options that only disaggregated serving takes.
 COMPANIONS = (
     "decode_tensor_parallel_size",
+    "decode_pipeline_parallel_size",
     "kv_port",
     "kv_transfer_timeout_s",
     "prefill_instances",
@@ -78,6 +80,7 @@ class DisaggregatedPlan:
     timeout_s: float  # KVTransferConfig.timeout_s: every transfer wait's bound
     keys: KVKeys
     decode_tp: int  # the decode instances' tensor parallel size
+    decode_pp: int  # and pipeline stages
     prefills: int = 1
     decodes: int = 1
     apart: bool = False  # CUDA: each instance on GPUs of its own (else all share them)
@@ -105,6 +108,7 @@ class DisaggregatedPlan:
             options["prefill_instances"] or 1,
             options["decode_instances"] or 1,
             options["max_local_prefill_tokens"],
+            options["decode_pipeline_parallel_size"],
         )
 
     @classmethod
@@ -117,8 +121,10 @@ class DisaggregatedPlan:
         prefills: int = 1,
         decodes: int = 1,
         max_local_prefill_tokens: int | None = None,
+        decode_pp: int | None = None,
     ) -> DisaggregatedPlan:
-        """decode_tp: the decode instances' tensor parallel size (None: the plan's);
+        """decode_tp, decode_pp: the decode instances' tensor parallel size and pipeline
+        stages (None: the plan's);
         prefills, decodes: how many instances of each; max_local_prefill_tokens: the
         router's (DisaggregatedClient). Raises ValueError naming what the
         layout cannot do disaggregated."""
@@ -134,15 +140,16 @@ class DisaggregatedPlan:
                 raise ValueError(f"--{name}-instances must be >= 1, got {count}")
         check_kv_transfer(parallel, timeout_s, kv_port, prefills)
         tp, pp = parallel.tensor_parallel_size, parallel.pipeline_parallel_size
-        if decode_tp is not None and decode_tp < 1:
-            raise ValueError(f"the decode tensor parallel size must be >= 1, got {decode_tp}")
-        decode_tp = decode_tp or tp
-        if decode_tp != tp:
-            _check_decode_tp(plan, decode_tp)
+        for name, size in (("tensor parallel size", decode_tp), ("pipeline stages", decode_pp)):
+            if size is not None and size < 1:
+                raise ValueError(f"the decode {name} must be >= 1, got {size}")
+        decode_tp, decode_pp = decode_tp or tp, decode_pp or pp
+        if (decode_tp, decode_pp) != (tp, pp):
+            _check_decode_layout(plan, decode_tp, decode_pp)
         apart = False
         if worker.device.device == "cuda":
             gpus = visible_gpu_count()
-            ranks = prefills * tp * pp, decodes * decode_tp * pp
+            ranks = prefills * tp * pp, decodes * decode_tp * decode_pp
             if sum(ranks) <= gpus and plan.executor == "mp":
                 apart = True
                 logger.info(
@@ -163,8 +170,8 @@ class DisaggregatedPlan:
                 )  # fmt: skip
         if kv_port is None:
             kv_port = free_ports(prefills * tp * pp)
-        return cls(plan, kv_port, timeout_s, KVKeys.new(), decode_tp, prefills, decodes, apart,
-                   max_local_prefill_tokens)  # fmt: skip
+        return cls(plan, kv_port, timeout_s, KVKeys.new(), decode_tp, decode_pp, prefills, decodes,
+                   apart, max_local_prefill_tokens)  # fmt: skip
 
     @property
     def env(self) -> dict[str, str]:
@@ -183,10 +190,10 @@ class DisaggregatedPlan:
         prefill = index < self.prefills
         # The ranks of the instances before this one: where its GPUs start (apart), and
         # a prefill instance's KV ports after kv_port (a decode instance binds none).
-        first = index * prefill_tp * pp
+        prefill_ranks, decode_ranks = prefill_tp * pp, self.decode_tp * self.decode_pp
+        first = index * prefill_ranks
         if not prefill:
-            decode_first = self.prefills * prefill_tp + (index - self.prefills) * self.decode_tp
-            first = decode_first * pp
+            first = self.prefills * prefill_ranks + (index - self.prefills) * decode_ranks
         port = self.kv_port + first if prefill else 0
         transfer = KVTransferConfig("producer" if prefill else "consumer", KV_HOST, port,
                                     self.timeout_s)  # fmt: skip
@@ -195,12 +202,13 @@ class DisaggregatedPlan:
         if self.apart:
             parallel = msgspec.structs.replace(parallel, first_local_rank=first)
         if not prefill:
-            parallel = msgspec.structs.replace(parallel, tensor_parallel_size=self.decode_tp)
-            if cache.kv_cache_bytes is not None:  # the same blocks as a prefill's
-                per_worker = cache.kv_cache_bytes * prefill_tp // self.decode_tp
+            parallel = msgspec.structs.replace(parallel, tensor_parallel_size=self.decode_tp,
+                                               pipeline_parallel_size=self.decode_pp)  # fmt: skip
+            if cache.kv_cache_bytes is not None:  # about the same blocks as a prefill's
+                per_worker = cache.kv_cache_bytes * prefill_ranks // decode_ranks
                 cache = msgspec.structs.replace(cache, kv_cache_bytes=per_worker)
         if self.plan.executor == "mp":  # every instance's workers on this host
-            ranks = (self.prefills * prefill_tp + self.decodes * self.decode_tp) * pp
+            ranks = self.prefills * prefill_ranks + self.decodes * decode_ranks
             parallel = msgspec.structs.replace(parallel, host_ranks=ranks)
         worker = msgspec.structs.replace(worker, parallel=parallel, cache=cache)
         return msgspec.structs.replace(config, worker=worker, engine_index=index)
@@ -219,21 +227,22 @@ def check_kv_transfer(
         raise ValueError(f"--kv-port must leave {ports} port(s) in [1, 65535], got {kv_port}")
 
 
-def _check_decode_tp(plan: EnginePlan, decode_tp: int) -> None:
-    """Refuse a decode size the model cannot be cut into, or (on CUDA) more GPUs than
-    there are: before anything starts. Any two sizes the model can be cut into map their
-    KV heads (each side holds them by the model's rule: kv_transfer/head_map.py)."""
+def _check_decode_layout(plan: EnginePlan, decode_tp: int, decode_pp: int) -> None:
+    """Refuse a decode layout the model cannot be cut into, or (on CUDA) more GPUs than
+    there are: before anything starts. Any two layouts the model can be cut into map
+    their KV heads and layers (each side holds them by the model's rules:
+    kv_transfer/head_map.py)."""
     worker = plan.worker_config
     prefill_tp, pp = worker.parallel.tensor_parallel_size, worker.parallel.pipeline_parallel_size
     try:
-        plan.folder.check_layout(decode_tp, pp, worker.parallel.enable_expert_parallel)
+        plan.folder.check_layout(decode_tp, decode_pp, worker.parallel.enable_expert_parallel)
     except ValueError as e:
         raise ValueError(
             f"--disaggregate with prefill tensor parallel size {prefill_tp} and decode "
-            f"{decode_tp}: {e}"
+            f"{decode_tp}, prefill pipeline stages {pp} and decode {decode_pp}: {e}"
         ) from None
     if worker.device.device == "cuda" and not callable(plan.executor):
-        check_gpu_layout(1, decode_tp, pp, visible_gpu_count())
+        check_gpu_layout(1, decode_tp, decode_pp, visible_gpu_count())
 
 
 def free_ports(count: int) -> int:

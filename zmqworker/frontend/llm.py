@@ -163,7 +163,7 @@ class LLM(Frontend):
                 "prompt and its first token, a decode instance pulls the prompt's KV (shared "
                 "memory, CURVE-authenticated sockets) and decodes the rest, so that long "
                 "prompts arriving do not stall the decodes in flight; the layout options "
-                "are a prefill's (no data or pipeline parallelism; on CUDA each instance on "
+                "are a prefill's (no data parallelism; on CUDA each instance on "
                 "GPUs of its own where there are enough, else all on the same GPUs, with "
                 "kv_cache_bytes)"
             ),
@@ -175,6 +175,16 @@ class LLM(Frontend):
                 "prefill's); each decode rank pulls its KV heads from the prefill ranks that "
                 "hold them, and its workers each take kv_cache_bytes x prefill size / this",
                 aliases=["--decode-tp"],
+                metavar="N",
+            ),
+        ] = None,
+        decode_pipeline_parallel_size: Annotated[
+            Positive | None,
+            opt(
+                "disaggregate: the decode instances' pipeline stages (default: the "
+                "prefill's); each decode stage pulls its layers from the prefill stages "
+                "that hold them",
+                aliases=["--decode-pp"],
                 metavar="N",
             ),
         ] = None,

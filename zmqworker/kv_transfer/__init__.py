@@ -35,17 +35,20 @@ def make_kv_connector(
     state: ParallelState,
     num_kv_heads: int | None = None,
     shared_cache: Callable[[], SharedKVCache | None] = lambda: None,
+    num_layers: int | None = None,
 ) -> KVConnector | None:
     """The worker's connector, over its freshly made cache: the host tier's (of
     num_host_blocks slots; 0: none), then the transfer's (config; None: none), or None
-    for neither. state: the worker's ranks and groups. num_kv_heads, shared_cache:
-    ZmqKVConnector's."""
+    for neither. state: the worker's ranks and groups. num_kv_heads, shared_cache,
+    num_layers: ZmqKVConnector's."""
     connectors: list[KVConnector] = []
     if num_host_blocks:
         connectors.append(HostKVConnector(num_host_blocks, kv_caches, spec))
     if config is not None:
         connectors.append(
-            _transfer_connector(config, kv_caches, spec, state, num_kv_heads, shared_cache)
+            _transfer_connector(
+                config, kv_caches, spec, state, num_kv_heads, shared_cache, num_layers
+            )
         )
     if len(connectors) > 1:
         return KVConnectors(connectors)
@@ -59,6 +62,7 @@ def _transfer_connector(
     state: ParallelState,
     num_kv_heads: int | None,
     shared_cache: Callable[[], SharedKVCache | None],
+    num_layers: int | None,
 ) -> KVConnector:
     """The ZeroMQ connector; the deployment's KV keys come from the environment
     (transport/curve.py's KV_CURVE_ENV)."""
@@ -71,7 +75,7 @@ def _transfer_connector(
         )
     connector = ZmqKVConnector(
         config, kv_caches, spec, state.tp_rank, state.tp_size, keys, num_kv_heads,
-        shared_cache, state.pp_rank, state.pp_size,
+        shared_cache, state.pp_rank, state.pp_size, num_layers,
     )  # fmt: skip
     if state.tp_group is None:
         return connector

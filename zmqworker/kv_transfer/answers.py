@@ -14,12 +14,18 @@ from zmqworker.kv_transfer.head_map import HeadSource
 
 def checked_answer(
     layout: KVLayout, load: KVLoad, source: HeadSource, reply: KVBlocks
-) -> tuple[KVLayout, KVLayout]:
-    """(the staging's layout, the piece's) of an answer to a pull of all layers of load's
-    piece from source; layout: this rank's cache."""
+) -> tuple[KVLayout, KVLayout, KVLayout]:
+    """The layouts of the staging, of the answer's bytes over tcp (the heads asked, of all
+    staged layers) and of the piece taken (those heads of the layers taken), of an
+    answer to a pull of all layers of load's piece from source; layout: this rank's
+    cache."""
     if reply.layers is not None:
         raise ValueError(f"an answer holding layers {reply.layers} to a pull of all of them")
-    staged = msgspec.structs.replace(layout, num_kv_heads=source.staged_heads)
+    staged = msgspec.structs.replace(
+        layout,
+        num_kv_heads=source.staged_heads,
+        num_layers=source.staged_layers(layout.num_layers),
+    )
     if reply.layout != staged:
         raise ValueError(f"the prefill's KV layout {reply.layout} differs from {staged}")
     if reply.num_blocks != len(load.block_ids):
@@ -29,7 +35,9 @@ def checked_answer(
             f"the answer holds the staged blocks from {reply.first_block} on, this "
             f"load needs them from {load.num_cached_blocks} on"
         )
-    return staged, msgspec.structs.replace(layout, num_kv_heads=source.count)
+    sent = msgspec.structs.replace(staged, num_kv_heads=source.count)
+    taken, _ = source.layer_slices(layout.num_layers)
+    return staged, sent, msgspec.structs.replace(sent, num_layers=taken.stop - taken.start)
 
 
 def checked_memfd(reply: KVBlocks, staged: KVLayout) -> int:

@@ -19,7 +19,8 @@ from zmqworker.kv_transfer.peer_caches import PeerCache
 @dataclass
 class Arrived:
     """A piece of a load's KV from one source, ready to copy into its blocks (buffer:
-    [layers, 2, n, heads, slots] bytes of layout, the load's blocks from first_block on;
+    [layers, 2, n, heads, slots] bytes of layout, the load's blocks from first_block on,
+    its layers the staged ones from first_layer on;
     or sources: the producer's cache, opened here (GPU) or mapped (host), the load's
     blocks at source_ids in it; the source's heads start at head first of it), or why
     it failed (error)."""
@@ -32,6 +33,7 @@ class Arrived:
     layout: KVLayout | None = None
     first: int = 0
     first_block: int = 0
+    first_layer: int = 0
     unhold: Callable[[], None] | None = None  # lets the mapping the buffer is in go
     sources: PeerCache | None = None
     source_ids: np.ndarray | None = None  # int64

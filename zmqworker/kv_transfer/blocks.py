@@ -117,15 +117,16 @@ def copy_from_peer(
     source: PeerCache,
     source_ids: np.ndarray,
     heads: tuple[int, int, int] | None,
+    layers: slice = slice(None),
 ) -> torch.cuda.Event | None:
-    """Blocks source_ids (int64) of a producer's cache opened here into block_ids (int64)
-    of kv_caches; heads as scatter's. On the host, copied on return (None); on a GPU,
-    queued on the current stream: the event of its end."""
+    """Blocks source_ids (int64) of the producer's cache's layers (opened here) into
+    block_ids (int64) of kv_caches; heads as scatter's. On the host, copied on return
+    (None); on a GPU, queued on the current stream: the event of its end."""
     if kv_caches[0].device.type != "cuda":
-        copy_blocks(kv_caches, block_ids, source.layers, source_ids, heads)
+        copy_blocks(kv_caches, block_ids, source.layers[layers], source_ids, heads)
         return None
     device_copies.copy_blocks(kv_caches, torch.from_numpy(block_ids), source,
-                              torch.from_numpy(source_ids), heads)  # fmt: skip
+                              torch.from_numpy(source_ids), heads, layers)  # fmt: skip
     copied = torch.cuda.Event()
     copied.record()
     return copied

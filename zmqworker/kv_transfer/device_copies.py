@@ -87,22 +87,24 @@ def copy_blocks(
     source: PeerCache,
     source_ids: torch.Tensor,
     heads: tuple[int, int, int] | None = None,
+    source_layers: slice = slice(None),
 ) -> None:
-    """Blocks source_ids of source (a producer's cache on this device or a peer, opened
-    through CUDA IPC) into block_ids of kv_caches, in one launch; heads as scatter's.
+    """Blocks source_ids of source's layers (a producer's cache on this device or a peer,
+    opened through CUDA IPC) into block_ids of kv_caches, in one launch; heads as
+    scatter's.
     Queued on the current stream, after the steps already there (they may still use the
     blocks the load was given), with nothing for the host to wait on: the layers'
     addresses and the ids cross in one copy from page-locked memory, queued there too
     (the launch waits for those steps anyway; a stream of its own would only add the
     hand-over)."""
     device = kv_caches[0].device
-    n, layers = len(block_ids), len(kv_caches)
-    if len(source.layers) != layers:
-        raise ValueError(f"{len(source.layers)} layers copied into {layers}")
+    n, layers, sources = len(block_ids), len(kv_caches), source.layers[source_layers]
+    if len(sources) != layers:
+        raise ValueError(f"{len(sources)} layers copied into {layers}")
     host = torch.empty(2 * layers + 2 * n, dtype=torch.int64, pin_memory=True)
     table = host.numpy()
     table[:layers] = [cache.data_ptr() for cache in kv_caches]
-    table[layers : 2 * layers] = source.layers
+    table[layers : 2 * layers] = sources
     table[2 * layers : 2 * layers + n] = block_ids.numpy()
     table[2 * layers + n :] = source_ids.numpy()
     on_device = host.to(device, non_blocking=True)

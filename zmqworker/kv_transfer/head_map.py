@@ -1,5 +1,5 @@
-"""Which prefill ranks' KV heads a decode rank pulls, when the two instances have
-different tensor parallel sizes.
+"""Which prefill ranks' KV heads (and layers) a decode rank pulls, when the two instances
+have different tensor parallel sizes (or pipeline stages).
 
 Both sides hold heads by the model's rule (models/llama.py, kv_heads_of_rank): rank r
 of a TP size T holds a contiguous range of the global KV heads, or, with fewer heads
@@ -9,6 +9,12 @@ the prefill side, the decode ranks holding it spread over its replicas, and a re
 no decode rank reads from is still told by one of them that it may let go (a release:
 a pull of no heads), so that every prefill rank frees its staged KV once all its readers
 are done, never only at the timeout.
+
+Both sides split the layers over their pipeline stages by the model's rule too
+(models/llama.py, pp_layer_range). Where the stage counts differ, a decode stage pulls
+from every prefill stage holding some of its layers those layers alone, each such stage's
+ranks by the head map; a prefill rank's readers are then the head map's times the
+decode stages that read its stage.
 """
 
 from __future__ import annotations
@@ -17,7 +23,18 @@ import dataclasses
 import functools
 from dataclasses import dataclass
 
-from zmqworker.models.llama import kv_heads_of_rank
+from zmqworker.models.llama import kv_heads_of_rank, pp_layer_range
+
+
+@dataclass(frozen=True)
+class Layers:
+    """Layers first .. first + count - 1 of a prefill stage's staged KV (staged layers
+    in all) go to layers dest .. dest + count - 1 of this rank's cache."""
+
+    first: int
+    count: int
+    dest: int
+    staged: int
 
 
 @dataclass(frozen=True)
@@ -25,7 +42,9 @@ class HeadSource:
     """Heads first .. first + count - 1 of prefill rank `rank`'s staged KV (staged_heads
     heads in all) go to heads dest .. dest + count - 1 of this rank's cache; count 0: a
     release (nothing read). readers: how many decode ranks contact that prefill rank for
-    a request, so its server knows when all are done."""
+    a request, so its server knows when all are done. layers: where the two instances
+    split the layers over their stages alike, None (the prefill stage's layers are this
+    rank's)."""
 
     rank: int
     first: int
@@ -33,11 +52,24 @@ class HeadSource:
     dest: int
     staged_heads: int
     readers: int
+    layers: Layers | None = None
 
     def heads(self, held: int, mine: int) -> tuple[int, int, int] | None:
         """copy_blocks' heads (first, dest, count) for this piece out of a producer's
         cache of held heads into this rank's of mine: None where it is all of both."""
         return None if self.count == held == mine else (self.first, self.dest, self.count)
+
+    def staged_layers(self, mine: int) -> int:
+        """The layers of the staged KV, where this rank's cache has mine."""
+        return mine if self.layers is None else self.layers.staged
+
+    def layer_slices(self, mine: int) -> tuple[slice, slice]:
+        """(the staged layers this piece takes, the layers of this rank's cache (of mine)
+        they go to)."""
+        if self.layers is None:
+            return slice(0, mine), slice(0, mine)
+        first, count, dest = self.layers.first, self.layers.count, self.layers.dest
+        return slice(first, first + count), slice(dest, dest + count)
 
 
 @dataclass(frozen=True)
@@ -98,16 +130,56 @@ def _all_maps(num_kv_heads: int, prefill_tp: int, decode_tp: int) -> tuple[HeadM
     return tuple(maps)
 
 
-def on_stage(heads: HeadMap, first_rank: int) -> HeadMap:
-    """heads with its prefill ranks counted from first_rank: the instance rank of the
-    first tp rank of the prefill stage pulled from (pipeline stages after the first)."""
-    if not first_rank:
-        return heads
-    shift = [
-        tuple(dataclasses.replace(s, rank=first_rank + s.rank) for s in sources)
+def stage_map(
+    num_kv_heads: int,
+    num_layers: int,
+    prefill: tuple[int, int],
+    decode: tuple[int, int],
+    tp_rank: int,
+    pp_rank: int,
+) -> HeadMap:
+    """The sources of decode rank tp_rank of stage pp_rank, its prefill ranks counted over
+    the instance (stage * tp + tp rank). prefill, decode: each instance's (tensor
+    parallel size, pipeline stages); num_layers: the model's. HeadMapError names sizes
+    that cannot map."""
+    (prefill_tp, prefill_pp), (decode_tp, decode_pp) = prefill, decode
+    heads = head_map(num_kv_heads, prefill_tp, decode_tp, tp_rank)
+    if prefill_pp == decode_pp:  # the same layers, in the stage of this number
+        return _placed(heads, pp_rank * prefill_tp, 1, None)
+    try:
+        start, end = pp_layer_range(num_layers, pp_rank, decode_pp)
+        stages = [pp_layer_range(num_layers, s, prefill_pp) for s in range(prefill_pp)]
+        ours = [pp_layer_range(num_layers, s, decode_pp) for s in range(decode_pp)]
+    except ValueError as e:
+        raise HeadMapError(f"the model's layers cannot be mapped: {e}") from None
+    reads: list[HeadSource] = []
+    releases: list[HeadSource] = []
+    for stage, (first, last) in enumerate(stages):
+        low, high = max(start, first), min(end, last)
+        if low >= high:
+            continue
+        readers = sum(1 for a, b in ours if max(a, first) < min(b, last))
+        layers = Layers(low - first, high - low, low - start, last - first)
+        placed = _placed(heads, stage * prefill_tp, readers, layers)
+        reads += placed.reads
+        releases += placed.releases
+    return HeadMap(tuple(reads), tuple(releases))
+
+
+def _placed(heads: HeadMap, first_rank: int, stages: int, layers: Layers | None) -> HeadMap:
+    """heads with its prefill ranks counted from first_rank (the first rank of the
+    prefill stage read), its readers times the decode stages reading that stage, and
+    layers."""
+    placed = [
+        tuple(
+            dataclasses.replace(
+                s, rank=first_rank + s.rank, readers=s.readers * stages, layers=layers
+            )
+            for s in sources
+        )
         for sources in (heads.reads, heads.releases)
     ]
-    return HeadMap(*shift)
+    return HeadMap(*placed)
 
 
 def _holds(num_kv_heads: int, tp: int, rank: int, side: str) -> range:

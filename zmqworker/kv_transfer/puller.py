@@ -342,8 +342,8 @@ class KVPuller:
     ) -> Arrived:
         if reply.error is not None:
             return Arrived(load, source, error=reply.error)
-        staged, wanted = checked_answer(self.layout, load, source, reply)
-        read = reply.num_blocks - load.num_cached_blocks
+        staged, wanted, piece = checked_answer(self.layout, load, source, reply)
+        read = staged_nbytes(piece, reply.num_blocks - load.num_cached_blocks)  # copied bytes
         if reply.cuda is not None or reply.host_cache is not None:
             maps_host = bool(self._same_host.host_id(address)) and self._device is None
             cache, ids, hold_s = open_lent(self.peer_caches, address, reply, staged, self._gpus,
@@ -351,7 +351,7 @@ class KVPuller:
                                            address in self._not_in_place)  # fmt: skip
             path = "cuda_ipc" if reply.cuda is not None else "host_cache"
             self.num_pulled[path] += 1
-            self.num_bytes[path] += staged_nbytes(wanted, read)
+            self.num_bytes[path] += read
             return Arrived(load, source, layout=staged, first=source.first, source_ids=ids,
                            received=received, hold_s=hold_s, sources=cache,
                            unhold=lambda: self.peer_caches.release(cache))  # fmt: skip
@@ -360,7 +360,7 @@ class KVPuller:
             mapping = self._mappings.acquire(shared.pid, shared.fd, nbytes, shared.inode)
             self._same_host.opened(address)
             self.num_pulled["memfd"] += 1
-            self.num_bytes["memfd"] += staged_nbytes(wanted, read)
+            self.num_bytes["memfd"] += read
             view = memoryview(mapping.memory)[:nbytes]
             return Arrived(load, source, view, layout=staged, first=source.first,
                            unhold=lambda: self._mappings.release(mapping))  # fmt: skip
@@ -383,7 +383,8 @@ class KVPuller:
         self.num_pulled["tcp"] += 1
         self.num_bytes["tcp"] += len(parts.buffer)
         self._arrive(Arrived(load, source, parts.buffer, [parts.buffer], layout=parts.layout,
-                             first_block=parts.first_block, received=received))  # fmt: skip
+                             first_block=parts.first_block, first_layer=parts.first_layer,
+                             received=received))  # fmt: skip
 
     @staticmethod
     def _failed(load: KVLoad, source: HeadSource, error: str) -> Arrived:

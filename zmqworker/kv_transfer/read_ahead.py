@@ -130,7 +130,8 @@ class ReadAhead:
             source_ids = checked_ids(ids.tolist(), len(ids), cache.num_blocks)[start:]
             dest = np.asarray(load.block_ids[start:], np.int64)
             heads = source.heads(cache.num_kv_heads, self._num_kv_heads)
-            copied = copy_from_peer(kv_caches, dest, cache, source_ids, heads)
+            taken, mine = source.layer_slices(len(kv_caches))
+            copied = copy_from_peer(kv_caches[mine], dest, cache, source_ids, heads, taken)
         except BaseException as e:  # the answer will say where the blocks are
             if device.type == "cuda":
                 torch.cuda.current_stream(device).synchronize()

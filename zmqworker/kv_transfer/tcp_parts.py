@@ -7,7 +7,9 @@ parts of whole layers, each over a connection of its own (KVPull.layers), so tha
 I/O threads of both sides (TCP_STREAMS each) run the parts side by side. Whole layers,
 because a run of layers lies contiguous in the producer's staging: the server sends each
 part without a copy. The puller copies each part into its place in one buffer as it
-comes, which the worker's thread then copies in as it would one answer.
+comes, which the worker's thread then copies in as it would one answer. A pull of some
+of the staged layers only (a decode stage of another stage count) goes as parts of
+those, even as one part: only they travel.
 """
 
 from __future__ import annotations
@@ -35,18 +37,30 @@ def layer_parts(num_layers: int, nbytes: int) -> list[tuple[int, int]]:
 
 def split(layout: KVLayout, load: KVLoad, source: HeadSource) -> Parts | None:
     """The parts of a pull over tcp of load's piece from source (layout: this rank's
-    cache), where it is large enough for more than one; None: one pull."""
-    staged = msgspec.structs.replace(layout, num_kv_heads=source.staged_heads)
-    wanted = msgspec.structs.replace(layout, num_kv_heads=source.count)
+    cache), where it is large enough for more than one, or takes some of the staged
+    layers only; None: one pull of them all."""
+    taken, _ = source.layer_slices(layout.num_layers)
+    staged = msgspec.structs.replace(
+        layout,
+        num_kv_heads=source.staged_heads,
+        num_layers=source.staged_layers(layout.num_layers),
+    )
+    wanted = msgspec.structs.replace(
+        layout, num_kv_heads=source.count, num_layers=taken.stop - taken.start
+    )
     num, first = len(load.block_ids), load.num_cached_blocks
     parts = layer_parts(wanted.num_layers, staged_nbytes(wanted, num - first))
-    return Parts(parts, staged, wanted, num, first) if len(parts) > 1 else None
+    if len(parts) == 1 and wanted.num_layers == staged.num_layers:
+        return None
+    asked = [(taken.start + a, count) for a, count in parts]
+    return Parts(asked, staged, wanted, num, first)
 
 
 class Parts:
     """The parts of one pull as they come, each answer checked and its bytes copied into
     its layers' place in buffer: staged (the producer's layout) over num_staged blocks,
-    of which the pull takes layout (its heads) from first_block on."""
+    of which the pull takes layout (its heads of its layers, the staged ones from
+    first_layer on) from first_block on."""
 
     def __init__(
         self,
@@ -57,6 +71,7 @@ class Parts:
         first_block: int,
     ) -> None:
         self.asked = asked
+        self.first_layer = asked[0][0]
         self.staged, self.layout = staged, layout
         self.num_staged, self.first_block = num_staged, first_block
         self.buffer = np.empty(staged_nbytes(layout, num_staged - first_block), np.uint8)
@@ -81,7 +96,7 @@ class Parts:
             self.error = self.error or error
             return
         assert layers is not None
-        start = layers[0] * self._layer_bytes
+        start = (layers[0] - self.first_layer) * self._layer_bytes
         end = start + layers[1] * self._layer_bytes
         self.buffer[start:end] = np.frombuffer(frames[0].buffer, np.uint8)
 

@@ -1,7 +1,7 @@
 """The ZeroMQ KV connector: a prefill rank serves its finished prefills' KV (server.py),
-a decode rank pulls it (puller.py) from the prefill rank of the same tp rank, or, where
-the two instances' tensor parallel sizes differ, its heads from the prefill ranks that
-hold them (head_map.py).
+a decode rank pulls it (puller.py) from the prefill rank of the same tp rank and stage,
+or, where the two instances' tensor parallel sizes (or pipeline stages) differ, its heads
+of its layers from the prefill ranks that hold them (head_map.py).
 
 The decode side pulls, as vLLM's NIXL connector reads: the decode instance knows where
 the KV must land (its own block ids, allocated when it takes the request) and when it
@@ -49,11 +49,12 @@ from zmqworker.kv_transfer.blocks import (
     view_staged,
 )
 from zmqworker.kv_transfer.connector import KVConnector
-from zmqworker.kv_transfer.head_map import HeadMapError, HeadSource, head_map, on_stage
+from zmqworker.kv_transfer.head_map import HeadMapError, HeadSource, stage_map
 from zmqworker.kv_transfer.peer_sockets import address_error
 from zmqworker.kv_transfer.puller import KVPuller
 from zmqworker.kv_transfer.read_ahead import ReadAhead
 from zmqworker.kv_transfer.server import KVServer
+from zmqworker.models.llama import pp_layer_range
 from zmqworker.transport.curve import KVKeys
 
 log = logging.getLogger("zmqworker.kv_transfer")
@@ -72,13 +73,14 @@ class ZmqKVConnector(KVConnector):
         shared_cache: Callable[[], SharedKVCache | None] = lambda: None,
         pp_rank: int = 0,
         pp_size: int = 1,
+        num_layers: int | None = None,
     ) -> None:
         """kv_caches: the rank's cache tensors now (sleep and wake_up make new ones).
         num_kv_heads: the model's (all ranks'); None: spec's times tp_size (no replicated
         heads). shared_cache: the memfd holding a host cache now, if one does. pp_rank of
         pp_size: the rank's pipeline stage; it serves at the address of the instance's
-        rank pp_rank * tp_size + tp_rank, and pulls from the prefill's stage of its number
-        (the prefill instance must have as many stages)."""
+        rank pp_rank * tp_size + tp_rank, and pulls its layers from the prefill's stages
+        holding them (head_map.py). num_layers: the model's (None: spec's, one stage)."""
         if not kv_caches():
             raise ValueError("the KV connector needs the KV cache: make it after the cache")
         self.config = config
@@ -87,6 +89,13 @@ class ZmqKVConnector(KVConnector):
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self.pp_rank, self.pp_size = pp_rank, pp_size
         self.num_kv_heads = num_kv_heads or spec.num_kv_heads * tp_size
+        self.num_layers = num_layers or self.layout.num_layers
+        first, end = pp_layer_range(self.num_layers, pp_rank, pp_size)
+        if end - first != self.layout.num_layers:
+            raise ValueError(
+                f"stage {pp_rank} of {pp_size} holds {end - first} of the model's "
+                f"{self.num_layers} layers, its cache {self.layout.num_layers}: give num_layers"
+            )
         self._news = threading.Event()  # a transfer ended: a waiting take_output wakes
         self._lock = threading.Lock()
         self._sent: list[str] = []
@@ -198,27 +207,21 @@ class ZmqKVConnector(KVConnector):
         """Pull load (or fail it at once); the sources its pieces are pulled from."""
         assert self.puller is not None  # take_orders refused loads to a producer
         remote = load.remote
-        addresses = remote.stage_addresses(self.pp_rank)
         bad = [e for e in map(address_error, remote.addresses) if e is not None]
-        if remote.pipeline_stages != self.pp_size:
-            error = (f"the prefill instance has {remote.pipeline_stages} pipeline stage(s), "
-                     f"this decode instance {self.pp_size}: KV moves from each stage to the "
-                     "stage of its number, which holds the same layers")  # fmt: skip
-        elif not addresses or bad:  # refused here: the puller's thread would meet it
+        if not remote.addresses or bad:  # refused here: the puller's thread would meet it
             error = f"the prefill address {bad[0]}" if bad else "its RemoteKV names no address"
-        else:
-            error = None
-        if error is not None:
             self._failed.append(KVFailure(load.req_id, f"KV of request {load.req_id!r}: {error}"))
             return ()
+        prefill = (len(remote.addresses) // remote.pipeline_stages, remote.pipeline_stages)
         try:
-            heads = head_map(self.num_kv_heads, len(addresses), self.tp_size, self.tp_rank)
+            heads = stage_map(self.num_kv_heads, self.num_layers, prefill,
+                              (self.tp_size, self.pp_size), self.tp_rank, self.pp_rank)  # fmt: skip
         except HeadMapError as e:
-            error = (f"the prefill instance has tensor parallel size {len(addresses)}, this "
-                     f"decode instance {self.tp_size}: {e}")  # fmt: skip
+            error = (f"the prefill instance has tensor parallel size {prefill[0]} and "
+                     f"{prefill[1]} pipeline stage(s), this decode instance {self.tp_size} "
+                     f"and {self.pp_size}: {e}")  # fmt: skip
             self._failed.append(KVFailure(load.req_id, error))
             return ()
-        heads = on_stage(heads, self.pp_rank * len(addresses))
         self._loading[load.req_id] = load
         self._pieces_left[id(load)] = len(heads.reads)
         self.puller.pull(load, heads)
@@ -298,13 +301,17 @@ class ZmqKVConnector(KVConnector):
         load, source, layout = arrived.load, arrived.source, arrived.layout
         assert layout is not None
         held = len(load.block_ids) - arrived.first_block
-        staged = view_staged(arrived.buffer, layout, held)[:, :, start - arrived.first_block :]
+        taken, mine = source.layer_slices(self.layout.num_layers)
+        shift = arrived.first_layer  # the staged layer the buffer's first one is
+        staged = view_staged(arrived.buffer, layout, held)[
+            taken.start - shift : taken.stop - shift, :, start - arrived.first_block :
+        ]
+        kv_caches = self.kv_caches()[mine]
         ids = torch.from_numpy(np.asarray(load.block_ids[start:], np.int64))
         if source.count == self.layout.num_kv_heads == layout.num_kv_heads:
-            scatter(self.kv_caches(), ids, staged)
+            scatter(kv_caches, ids, staged)
         else:
-            scatter_heads(self.kv_caches(), ids, staged, arrived.first, source.dest,
-                          source.count)  # fmt: skip
+            scatter_heads(kv_caches, ids, staged, arrived.first, source.dest, source.count)
 
     def _copy_in_place(self, arrived: Arrived, start: int) -> None:
         """Copy the load's blocks from start on out of the producer's cache (arrived.sources,
@@ -317,8 +324,9 @@ class ZmqKVConnector(KVConnector):
             if start < len(load.block_ids):
                 heads = source.heads(sources.num_kv_heads, self.layout.num_kv_heads)
                 ids = np.asarray(load.block_ids[start:], np.int64)
-                copied = copy_from_peer(self.kv_caches(), ids, sources,
-                                        arrived.source_ids[start:], heads)  # fmt: skip
+                taken, mine = source.layer_slices(self.layout.num_layers)
+                copied = copy_from_peer(self.kv_caches()[mine], ids, sources,
+                                        arrived.source_ids[start:], heads, taken)  # fmt: skip
         except BaseException:
             if self.kv_caches()[0].device.type == "cuda":
                 torch.cuda.current_stream(self.kv_caches()[0].device).synchronize()

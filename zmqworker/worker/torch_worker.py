@@ -168,6 +168,7 @@ class Worker(WorkerBase):
                 self.state,
                 _num_kv_heads(runner.model.hf_config),
                 lambda: runner.shared_kv,
+                runner.model.hf_config.num_hidden_layers,
             )
 
     def compile_or_warm_up_model(self) -> float:
