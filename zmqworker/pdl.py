@@ -12,6 +12,10 @@ while the kernel before it still runs. So every Triton kernel of the step:
 - calls `release_dependents` once its main loop is done (at once when it has none): the
   next kernel may then launch, and its programs wait on the GPU for this one to end.
 
+The one thing done before the wait is `prefetch_weights`: a hint that brings the first
+tiles of a weight into L2 while the kernel before still ends. No kernel of the step
+writes a weight, and it reads nothing into a register, so the rule above still holds.
+
 Released at the start instead, the next kernel's programs take their places while this
 one's still stream their weights, and land unevenly over the multiprocessors: slower
 than no PDL at all (docs/cuda.md).
@@ -58,3 +62,30 @@ def release_dependents(PDL: tl.constexpr):
     """The next kernel may launch now; its programs wait for this kernel to end."""
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
+
+
+LINE_BYTES = tl.constexpr(128)  # a cache line: one prefetch for each
+# The tiles of a weight asked for ahead: those a skinny kernel's pipeline (3 stages)
+# loads first.
+PREFETCH_TILES = tl.constexpr(2)
+
+
+@triton.jit
+def prefetch_weights(rows, row_ok, k_start, k_end, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    """Before wait_for_inputs: ask for the first PREFETCH_TILES tiles of BLOCK_K columns
+    from k_start (up to k_end) of the weight rows `rows` (pointers to each row's start,
+    [rows, 1]; row_ok their mask) in L2. Only for memory no kernel of the step writes:
+    the lines may come before the kernel ahead ends. A hint, no load into a register."""
+    if PDL:
+        per_line: tl.constexpr = LINE_BYTES * 8 // rows.dtype.element_ty.primitive_bitwidth
+        offs_k = k_start + tl.arange(0, PREFETCH_TILES * BLOCK_K // per_line) * per_line
+        ok = row_ok[:, None] & (offs_k < k_end)[None, :]
+        lines = tl.where(ok, rows + offs_k[None, :], rows)  # masked ones: the row's start
+        tl.inline_asm_elementwise(
+            "prefetch.global.L2 [$1];\n mov.u32 $0, 0;",
+            "=r,l",
+            [lines],
+            dtype=tl.int32,
+            is_pure=False,
+            pack=1,
+        )

@@ -22,7 +22,12 @@ import triton.language as tl
 
 from zmqworker.dot_precision import dot_precision
 from zmqworker.models.layers import row_tiles
-from zmqworker.pdl import launch_options, release_dependents, wait_for_inputs
+from zmqworker.pdl import (
+    launch_options,
+    prefetch_weights,
+    release_dependents,
+    wait_for_inputs,
+)
 
 # Steps above the last row tile go to cuBLAS and the SiLU kernel.
 MAX_ROWS = row_tiles.MAX_ROWS
@@ -46,13 +51,15 @@ def _gate_up_silu_kernel(
     PRECISION: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    wait_for_inputs(PDL)
-    offs_m = tl.arange(0, BLOCK_M)
-    m_ok = offs_m < num_rows
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < size
     gate_rows = w_ptr + offs_n[:, None].to(tl.int64) * K
     up_rows = w_ptr + (offs_n + size)[:, None].to(tl.int64) * K
+    prefetch_weights(gate_rows, n_ok, 0, K, BLOCK_K, PDL)
+    prefetch_weights(up_rows, n_ok, 0, K, BLOCK_K, PDL)
+    wait_for_inputs(PDL)
+    offs_m = tl.arange(0, BLOCK_M)
+    m_ok = offs_m < num_rows
     x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_x
     gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)

@@ -22,7 +22,12 @@ import triton.language as tl
 
 from zmqworker.dot_precision import dot_precision
 from zmqworker.models.layers import row_tiles
-from zmqworker.pdl import launch_options, release_dependents, wait_for_inputs
+from zmqworker.pdl import (
+    launch_options,
+    prefetch_weights,
+    release_dependents,
+    wait_for_inputs,
+)
 
 # The most rows the kernel takes (its largest row tile, row_tiles.py), and the most a
 # layer sends it unless its weight is small (row_limit).
@@ -59,17 +64,18 @@ def _skinny_linear_kernel(
     PRECISION: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    wait_for_inputs(PDL)
     tile = tl.program_id(0)
     split = tl.program_id(1)
-    offs_m = tl.arange(0, BLOCK_M)
-    m_ok = offs_m < num_rows
     offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
     # per_split: whole BLOCK_K steps; the last split takes what is left, none is empty.
     k_start = split * per_split
     k_end = tl.minimum(K, k_start + per_split)
     w_rows = w_ptr + offs_n[:, None].to(tl.int64) * K
+    prefetch_weights(w_rows, n_ok, k_start, k_end, BLOCK_K, PDL)
+    wait_for_inputs(PDL)
+    offs_m = tl.arange(0, BLOCK_M)
+    m_ok = offs_m < num_rows
     x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_x
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):
