@@ -561,6 +561,12 @@ def test_bad_layout_arguments():
         MultiprocExecutor(echo_config(), transport="udp")
     with pytest.raises(ValueError, match="per_rank_env"):
         MultiprocExecutor(echo_config(tp=2), per_rank_env=[{}])
+    # A bound libzmq's int milliseconds cannot hold is refused before any socket takes it.
+    for bound in (0.0, 3e6):
+        with pytest.raises(
+            ValueError, match=r"stuck_after_s must be seconds > 0, at most 2,147,483"
+        ):
+            MultiprocExecutor(echo_config(), stuck_after_s=bound)
 
 
 def test_worker_entry_point_refuses_a_missing_token():

@@ -49,6 +49,7 @@ from zmqworker.executor.message_limits import message_limits
 from zmqworker.executor.process import WorkerProcess, spawn_all
 from zmqworker.executor.rpc_client import RpcClient
 from zmqworker.transport.curve import CURVE_ENV, RunKeys, start_zap
+from zmqworker.transport.heartbeats import check_bound
 from zmqworker.transport.spawn_env import (
     ENGINE_SILENT_ENV,
     MAX_MESSAGE_ENV,
@@ -101,8 +102,7 @@ class MultiprocExecutor(Executor):
             raise ValueError(f"transport must be 'ipc' or 'tcp', got {transport!r}")
         if curve and transport == "ipc":
             raise ValueError("curve is for tcp: ipc sockets live in a folder only you can open")
-        if stuck_after_s is not None and not stuck_after_s > 0:
-            raise ValueError(f"stuck_after_s must be > 0 or None, got {stuck_after_s!r}")
+        check_bound("stuck_after_s", stuck_after_s)
         if not start_timeout > 0:
             raise ValueError(f"start_timeout must be > 0, got {start_timeout!r}")
         world = config.parallel.world_size

@@ -64,6 +64,7 @@ from zmqworker.executor.ray_cluster import (
 )
 from zmqworker.executor.rpc_client import RpcClient
 from zmqworker.transport.curve import RunKeys, start_zap
+from zmqworker.transport.heartbeats import check_bound
 
 log = logging.getLogger("zmqworker.executor")
 
@@ -103,8 +104,7 @@ class RayExecutor(Executor):
         bad = {k: v for k, v in env.items() if not (isinstance(k, str) and isinstance(v, str))}
         if bad:
             raise ValueError(f"env must map str to str, got {bad!r}")
-        if stuck_after_s is not None and not stuck_after_s > 0:
-            raise ValueError(f"stuck_after_s must be > 0 or None, got {stuck_after_s!r}")
+        check_bound("stuck_after_s", stuck_after_s)
         self.config = config
         self.curve = curve
         self.stuck_after_s = stuck_after_s
