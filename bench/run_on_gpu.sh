@@ -47,7 +47,7 @@ fi
 if [[ $what == *,kv,* ]]; then
     run_tests kv tests/test_kv_transfer.py tests/test_host_tier_e2e.py tests/test_kv_connector.py \
         tests/test_kv_connector_tp.py tests/test_kv_staging.py tests/test_kv_cuda_ipc.py \
-        tests/test_kv_block_copy_kernel.py
+        tests/test_kv_block_copy_kernel.py tests/test_kv_stage_layers.py
     timeout 300 python3 -m bench.kv_transfer --device cuda --out "$out/kv_transfer_cuda.json" \
         2>&1 | tee "$out/kv_bench.log" | grep -v Warning
     timeout 300 python3 -m bench.kv_transfer --device cuda --mib 256 --repeats 10 \

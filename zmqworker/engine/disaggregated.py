@@ -271,11 +271,11 @@ def start_disaggregated(
     own workers (MultiprocExecutor), and the router over them. The KV servers of the
     prefill's ranks bind 127.0.0.1:kv_port + rank; keys (a pair made here if None)
     authenticate every KV socket. decode_parallel: the decode instance's layout (None:
-    config's), of another tensor parallel size where the model's KV heads map
-    (kv_transfer/head_map.py); its first_local_rank places it on the GPUs after the
-    prefill's, and host_ranks (in both layouts) shares the CPU's cores between them, as
-    frontend/disaggregated_plan.py does. max_local_prefill_tokens: the router's
-    (DisaggregatedEngine)."""
+    config's), of another tensor parallel size or pipeline stages where the model's KV
+    heads and layers map (kv_transfer/head_map.py); its first_local_rank places it on the
+    GPUs after the prefill's, and host_ranks (in both layouts) shares the CPU's cores
+    between them, as frontend/disaggregated_plan.py does. max_local_prefill_tokens: the
+    router's (DisaggregatedEngine)."""
     local_prefill_limit(max_local_prefill_tokens)  # a bad value fails before any start
     env = {KV_CURVE_ENV: (keys or KVKeys.new()).to_env()}
 
