@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import re
 
-import pytest
-
 from messages import SamplingParams, StructuredOutputsParams
 from tests.test_engine_e2e import PROMPTS, hf_greedy, make_llm
 from tests.test_executor import wait_gone
@@ -53,16 +51,12 @@ def test_a_disaggregated_llm_gives_transformers_tokens_and_a_logprob_for_each() 
     assert wait_gone(pids, 10.0)
 
 
-@pytest.mark.parametrize(
-    ("pp", "decode_pp"), [(2, None), (1, 2)], ids=["two-and-two", "one-into-two"]
-)
-def test_pipeline_stages_give_transformers_tokens_and_constrained_ones(
-    pp: int, decode_pp: int | None
-) -> None:
-    """Every request prefilled on pp stages and decoded on two, each decode stage pulling
-    its layers from the prefill stages holding them: greedy tokens equal transformers';
-    constrained ones (their steps' forward and sample sent apart, the decode stages'
-    transfer reports combined across both) keep their constraint."""
+def test_a_decode_instance_of_two_stages_gives_transformers_tokens_and_constrained_ones() -> None:
+    """Every request prefilled on one stage and decoded on two (--decode-pp 2), each
+    decode stage pulling its layers from the prefill's one: greedy tokens equal
+    transformers'; constrained ones (their steps' forward and sample sent apart, the
+    decode stages' transfer reports combined across both) keep their constraint.
+    (Two stages on both sides: tests/test_kv_transfer_pp.py.)"""
     greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     date = r"20[0-9]{2}-[01][0-9]"
     constrained = [
@@ -72,10 +66,7 @@ def test_pipeline_stages_give_transformers_tokens_and_constrained_ones(
                        structured_outputs=StructuredOutputsParams(regex=date)),
     ]  # fmt: skip
     with make_llm(
-        pp=pp,
-        disaggregate=True,
-        kv_transfer_timeout_s=60.0,
-        decode_pipeline_parallel_size=decode_pp,
+        disaggregate=True, kv_transfer_timeout_s=60.0, decode_pipeline_parallel_size=2
     ) as llm:
         sent: list[tuple[int, bool]] = []  # (engine core, remote KV)
         send = llm.client._send_request
