@@ -28,9 +28,9 @@ from zmqworker.frontend.llm import LLM
 PREFILL, DECODE = 0, 1  # the engine cores of one prefill and one decode instance
 
 
-def plan(tp: int, **more) -> EnginePlan:
+def plan(tp: int, layers: int = 2, **more) -> EnginePlan:
     options = {n: p.default for n, p in inspect.signature(LLM).parameters.items()}
-    path = cached_tiny_checkpoint(family="llama", num_layers=2, vocab_size=256)
+    path = cached_tiny_checkpoint(family="llama", num_layers=layers, vocab_size=256)
     options.update(model=path, tensor_parallel_size=tp, device="cpu", kv_cache_bytes=4096)
     return EnginePlan.from_options({**options, **more})
 
@@ -98,8 +98,8 @@ def test_a_pair_of_ray_workers_shares_the_gpus(monkeypatch) -> None:
 
 def test_the_decode_instance_takes_its_own_stages(monkeypatch) -> None:
     """Prefill tp 1 over two stages, decode tp 2 over one: the decode's workers get that
-    layout and about the same blocks (bytes x the prefill's ranks / the decode's), and on
-    CUDA its GPUs start after the prefill's two."""
+    layout and the same blocks (bytes by the layers of the largest stage and the heads of
+    a rank), and on CUDA its GPUs start after the prefill's two."""
     monkeypatch.setattr(disaggregated_plan, "visible_gpu_count", lambda: 4)
     monkeypatch.setattr(engine_plan, "visible_gpu_count", lambda: 4)
     monkeypatch.setenv(SHARE_GPUS_ENV, "1")
@@ -115,6 +115,9 @@ def test_the_decode_instance_takes_its_own_stages(monkeypatch) -> None:
     flat = DisaggregatedPlan.of(plan(1), decode_pp=2).engine_config(DECODE, "ipc:///y", "t")
     assert flat.worker.parallel.pipeline_parallel_size == 2
     assert flat.worker.cache.kv_cache_bytes == 2048
+    # Three layers over two decode stages: the first holds two, and takes 2/3 of the bytes.
+    uneven = DisaggregatedPlan.of(plan(1, layers=3), decode_pp=2)
+    assert uneven.engine_config(DECODE, "ipc:///y", "t").worker.cache.kv_cache_bytes == 2731
 
 
 def test_a_decode_size_the_model_cannot_take_is_refused_by_name() -> None:

@@ -8,8 +8,9 @@ KV_HOST:kv_port + i * tp * pp + r.
 
 On CUDA each instance takes GPUs of its own, one after the other, when the host has
 enough for all; otherwise they share the GPUs from the first, each worker with
-kv_cache_bytes of KV cache (a decode's x the prefill's ranks / the decode's: about the
-same blocks as a prefill's), since sizing by memory would race between them. On the
+kv_cache_bytes of KV cache (a decode's scaled to the same blocks as a prefill's: by
+the layers of its largest stage and the heads of a rank), since sizing by memory would
+race between them. On the
 CPU all instances' workers divide the host's cores between them
 (ParallelConfig.host_ranks)."""
 
@@ -25,6 +26,7 @@ from typing import Any
 import msgspec
 
 from messages import EngineCoreConfig, KVTransferConfig, ParallelConfig
+from zmqworker.cdiv import cdiv
 from zmqworker.frontend.core_client import EngineCoreClient
 from zmqworker.frontend.core_process import EngineCoreLauncher
 from zmqworker.frontend.devices import check_gpu_layout, gpu_range, visible_gpu_count
@@ -204,14 +206,27 @@ class DisaggregatedPlan:
         if not prefill:
             parallel = msgspec.structs.replace(parallel, tensor_parallel_size=self.decode_tp,
                                                pipeline_parallel_size=self.decode_pp)  # fmt: skip
-            if cache.kv_cache_bytes is not None:  # about the same blocks as a prefill's
-                per_worker = cache.kv_cache_bytes * prefill_ranks // decode_ranks
+            if cache.kv_cache_bytes is not None:
+                per_worker = self._decode_bytes(cache.kv_cache_bytes, prefill_tp, pp)
                 cache = msgspec.structs.replace(cache, kv_cache_bytes=per_worker)
         if self.plan.executor == "mp":  # every instance's workers on this host
             ranks = self.prefills * prefill_ranks + self.decodes * decode_ranks
             parallel = msgspec.structs.replace(parallel, host_ranks=ranks)
         worker = msgspec.structs.replace(worker, parallel=parallel, cache=cache)
         return msgspec.structs.replace(config, worker=worker, engine_index=index)
+
+    def _decode_bytes(self, prefill_bytes: int, tp: int, pp: int) -> int:
+        """A decode worker's KV cache bytes for as many blocks as a prefill worker's
+        prefill_bytes (of tp x pp): a block takes bytes for each layer of the largest
+        stage and each KV head of a rank."""
+        folder = self.plan.folder
+
+        def block_share(tp: int, pp: int) -> int:
+            return cdiv(folder.num_layers, pp) * (folder.num_kv_heads // tp)
+
+        return cdiv(
+            prefill_bytes * block_share(self.decode_tp, self.decode_pp), block_share(tp, pp)
+        )
 
 
 def check_kv_transfer(

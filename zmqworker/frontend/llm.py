@@ -173,7 +173,7 @@ class LLM(Frontend):
             opt(
                 "disaggregate: the decode instances' tensor parallel size (default: the "
                 "prefill's); each decode rank pulls its KV heads from the prefill ranks that "
-                "hold them, and its workers each take kv_cache_bytes x prefill size / this",
+                "hold them, and its workers take kv_cache_bytes scaled to the same blocks",
                 aliases=["--decode-tp"],
                 metavar="N",
             ),
@@ -183,7 +183,8 @@ class LLM(Frontend):
             opt(
                 "disaggregate: the decode instances' pipeline stages (default: the "
                 "prefill's); each decode stage pulls its layers from the prefill stages "
-                "that hold them",
+                "that hold them, and its workers take kv_cache_bytes scaled to the same "
+                "blocks",
                 aliases=["--decode-pp"],
                 metavar="N",
             ),

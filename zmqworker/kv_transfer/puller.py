@@ -9,12 +9,13 @@ producer's (CUDA IPC, cuda_peers.py), or where both caches are in host memory an
 producer's lies in a memfd (host_peers.py). A refused pull, or an answer this rank
 cannot use, fails the load and says KVDone at once.
 
-Over tcp (a producer on another host), a large pull goes as parts of whole layers over
-several connections (tcp_parts.py). One thread owns every socket (peer_sockets.py). A
-load not answered within the timeout fails, naming the request and the address, and its
-late answer is dropped: nothing waits unbounded. A pull that cannot be sent (an address
-that cannot be connected, a peer that takes nothing) fails at once, with every pull
-waiting on that address, and the thread goes on with the others.
+Over tcp (a producer on another host), a large pull, or one of some of the staged
+layers, goes as parts of whole layers over several connections (tcp_parts.py). One
+thread owns every socket (peer_sockets.py). A load not answered within the timeout
+fails, naming the request and the address, and its late answer is dropped: nothing waits
+unbounded. A pull that cannot be sent (an address that cannot be connected, a peer that
+takes nothing) fails at once, with every pull waiting on that address, and the thread
+goes on with the others.
 """
 
 from __future__ import annotations
@@ -75,7 +76,7 @@ class KVPuller:
         self._on_arrival = on_arrival
         # Loads that came, by path, and their payload bytes: over tcp the data frames
         # received; through the memfd or a producer's cache the bytes the copy reads (the
-        # blocks after the cached ones, the heads taken).
+        # blocks after the cached ones, the heads and layers taken).
         self.num_pulled = {"cuda_ipc": 0, "host_cache": 0, "memfd": 0, "tcp": 0}
         self.num_bytes = dict.fromkeys(self.num_pulled, 0)
         self.layout = layout

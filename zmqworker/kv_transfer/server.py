@@ -13,8 +13,8 @@ through the memfd reads: as soon as they are offered, unless the last pull came 
 puller that reads the cache itself (on this host, able to open the cache's GPU or map
 its host cache), else on the first pull that needs bytes. The server reads only blocks
 the engine holds for it, so steps go on beside it. A request's KV goes once each of its
-pullers (KVPull.readers: several where the decode instance's tensor parallel size
-differs, each taking its heads) says KVDone, or once nobody has taken it within the
+pullers (KVPull.readers: several where the decode instance's layout differs, each
+taking its heads or layers) says KVDone, or once nobody has taken it within the
 timeout: either way it is reported as finished sending, and the engine frees its blocks.
 """
 
