@@ -13,10 +13,12 @@ from collections.abc import Iterator
 
 import msgspec
 import pytest
+import torch
 
 from messages import KVTransferConfig, ParallelConfig
 from messages.kv_transfer import RemoteKV
 from tests.test_kv_transfer import (
+    DEVICE,
     GREEDY,
     KEYS,
     MAX_MODEL_LEN,
@@ -33,6 +35,9 @@ from zmqworker.frontend.disaggregated_plan import free_ports
 from zmqworker.transport.curve import KV_CURVE_ENV
 
 STAGES = 2
+# The flat instance's tensor parallel size: 2, but for one GPU (an NCCL group takes one
+# rank a GPU), where the stage counts still differ.
+FLAT_TP = 1 if DEVICE == "cuda" and torch.cuda.device_count() < 2 else 2
 
 
 @pytest.fixture(scope="module")
@@ -58,12 +63,12 @@ def pair() -> Iterator[DisaggregatedEngine]:
 
 @pytest.fixture(scope="module")
 def flat() -> Iterator[EngineCore]:
-    """One pipeline stage of tensor parallel size 2, producer and consumer both: a
+    """One pipeline stage of tensor parallel size FLAT_TP, producer and consumer both: a
     decode instance for the pair's prefill (two stages of size 1), and a prefill
     instance for its decode."""
     config = worker_config(48)
-    transfer = KVTransferConfig(role="both", port=free_ports(2), timeout_s=3.0)
-    parallel = ParallelConfig(tensor_parallel_size=2)
+    transfer = KVTransferConfig(role="both", port=free_ports(FLAT_TP), timeout_s=3.0)
+    parallel = ParallelConfig(tensor_parallel_size=FLAT_TP)
     instance = msgspec.structs.replace(config, kv_transfer=transfer, parallel=parallel)
     executor = MultiprocExecutor(instance, env={KV_CURVE_ENV: KEYS.to_env()})
     try:
@@ -157,7 +162,7 @@ def test_a_pull_that_fails_on_one_stage_alone_fails_its_request_and_frees_both_s
 def test_greedy_tokens_equal_colocated_between_other_stage_counts(
     pair: DisaggregatedEngine, flat: EngineCore, way: str
 ) -> None:
-    """The pair's prefill (two stages of tp 1) into the flat instance (one stage of tp 2),
+    """The pair's prefill (two stages of tp 1) into the flat instance (one stage of tp FLAT_TP),
     and the flat instance into the pair's decode: each decode rank takes its heads of
     its layers from every prefill rank holding some, and the tokens are the decode
     instance's own; every block goes back on both sides."""
