@@ -42,9 +42,9 @@ class HeadSource:
     """Heads first .. first + count - 1 of prefill rank `rank`'s staged KV (staged_heads
     heads in all) go to heads dest .. dest + count - 1 of this rank's cache; count 0: a
     release (nothing read). readers: how many decode ranks contact that prefill rank for
-    a request, so its server knows when all are done. layers: where the two instances
-    split the layers over their stages alike, None (the prefill stage's layers are this
-    rank's)."""
+    a request, so its server knows when all are done. layers: the layers it takes, where
+    the two instances split the layers over their stages differently; None where alike
+    (the prefill stage's layers are this rank's)."""
 
     rank: int
     first: int
