@@ -195,6 +195,11 @@ class ModelFolder:
     def vocab_size(self) -> int | None:
         return self.config.get("vocab_size")
 
+    def pages_per_block(self, tp: int, pp: int) -> int:
+        """The (layer, KV head) pages of one block on the worker holding the most: the
+        layers of the largest of pp stages, the KV heads of a rank of tp."""
+        return cdiv(self.num_layers, pp) * (self.num_kv_heads // tp)
+
     def tensor_parallel_sizes(self) -> list[int]:
         """The tensor-parallel sizes the model can be cut into."""
         return [n for n in range(1, self.num_kv_heads + 1) if self._splits(n)]
@@ -312,9 +317,8 @@ def cache_config_for(
     workers then skip profiling. Elsewhere the workers profile and fill their budget."""
     if cache.kv_cache_bytes is not None or not local_cpu:
         return cache
-    layers = cdiv(folder.num_layers, pp)  # the stage with the most layers
-    spec = KVCacheSpec(cache.block_size, folder.num_kv_heads // tp, folder.head_dim, dtype, [])
-    block_bytes = spec.page_size_bytes * layers
+    page = KVCacheSpec(cache.block_size, 1, folder.head_dim, dtype, []).page_size_bytes
+    block_bytes = page * folder.pages_per_block(tp, pp)
     cap = int(psutil.virtual_memory().available * cache.cpu_memory_fraction / (tp * pp * replicas))
     size = num_blocks * block_bytes
     if fill or size > cap:

@@ -10,9 +10,8 @@ On CUDA each instance takes GPUs of its own, one after the other, when the host 
 enough for all; otherwise they share the GPUs from the first, each worker with
 kv_cache_bytes of KV cache (a decode's scaled to the same blocks as a prefill's: by
 the layers of its largest stage and the heads of a rank), since sizing by memory would
-race between them. On the
-CPU all instances' workers divide the host's cores between them
-(ParallelConfig.host_ranks)."""
+race between them. On the CPU all instances' workers divide the host's cores between
+them (ParallelConfig.host_ranks)."""
 
 from __future__ import annotations
 
@@ -219,14 +218,8 @@ class DisaggregatedPlan:
         """A decode worker's KV cache bytes for as many blocks as a prefill worker's
         prefill_bytes (of tp x pp): a block takes bytes for each layer of the largest
         stage and each KV head of a rank."""
-        folder = self.plan.folder
-
-        def block_share(tp: int, pp: int) -> int:
-            return cdiv(folder.num_layers, pp) * (folder.num_kv_heads // tp)
-
-        return cdiv(
-            prefill_bytes * block_share(self.decode_tp, self.decode_pp), block_share(tp, pp)
-        )
+        pages = self.plan.folder.pages_per_block
+        return cdiv(prefill_bytes * pages(self.decode_tp, self.decode_pp), pages(tp, pp))
 
 
 def check_kv_transfer(

@@ -21,11 +21,7 @@ def checked_answer(
     cache."""
     if reply.layers is not None:
         raise ValueError(f"an answer holding layers {reply.layers} to a pull of all of them")
-    staged = msgspec.structs.replace(
-        layout,
-        num_kv_heads=source.staged_heads,
-        num_layers=source.staged_layers(layout.num_layers),
-    )
+    staged = source.staged_layout(layout)
     if reply.layout != staged:
         raise ValueError(f"the prefill's KV layout {reply.layout} differs from {staged}")
     if reply.num_blocks != len(load.block_ids):
@@ -36,8 +32,7 @@ def checked_answer(
             f"load needs them from {load.num_cached_blocks} on"
         )
     sent = msgspec.structs.replace(staged, num_kv_heads=source.count)
-    taken, _ = source.layer_slices(layout.num_layers)
-    return staged, sent, msgspec.structs.replace(sent, num_layers=taken.stop - taken.start)
+    return staged, sent, source.taken_layout(layout)
 
 
 def checked_memfd(reply: KVBlocks, staged: KVLayout) -> int:

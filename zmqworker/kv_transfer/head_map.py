@@ -23,6 +23,9 @@ import dataclasses
 import functools
 from dataclasses import dataclass
 
+import msgspec
+
+from messages.kv_peer import KVLayout
 from zmqworker.models.llama import kv_heads_of_rank, pp_layer_range
 
 
@@ -59,9 +62,16 @@ class HeadSource:
         cache of held heads into this rank's of mine: None where it is all of both."""
         return None if self.count == held == mine else (self.first, self.dest, self.count)
 
-    def staged_layers(self, mine: int) -> int:
-        """The layers of the staged KV, where this rank's cache has mine."""
-        return mine if self.layers is None else self.layers.staged
+    def staged_layout(self, mine: KVLayout) -> KVLayout:
+        """The producer's staging, where this rank's cache is mine."""
+        layers = mine.num_layers if self.layers is None else self.layers.staged
+        return msgspec.structs.replace(mine, num_kv_heads=self.staged_heads, num_layers=layers)
+
+    def taken_layout(self, mine: KVLayout) -> KVLayout:
+        """The piece this source gives: its heads of the layers it takes."""
+        taken, _ = self.layer_slices(mine.num_layers)
+        count = taken.stop - taken.start
+        return msgspec.structs.replace(mine, num_kv_heads=self.count, num_layers=count)
 
     def layer_slices(self, mine: int) -> tuple[slice, slice]:
         """(the staged layers this piece takes, the layers of this rank's cache (of mine)
@@ -147,11 +157,11 @@ def stage_map(
     if prefill_pp == decode_pp:  # the same layers, in the stage of this number
         return _placed(heads, pp_rank * prefill_tp, 1, None)
     try:
-        start, end = pp_layer_range(num_layers, pp_rank, decode_pp)
         stages = [pp_layer_range(num_layers, s, prefill_pp) for s in range(prefill_pp)]
         ours = [pp_layer_range(num_layers, s, decode_pp) for s in range(decode_pp)]
     except ValueError as e:
         raise HeadMapError(f"the model's layers cannot be mapped: {e}") from None
+    start, end = ours[pp_rank]
     reads: list[HeadSource] = []
     releases: list[HeadSource] = []
     for stage, (first, last) in enumerate(stages):

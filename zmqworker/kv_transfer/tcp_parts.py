@@ -14,7 +14,6 @@ those, even as one part: only they travel.
 
 from __future__ import annotations
 
-import msgspec
 import numpy as np
 import zmq
 
@@ -39,19 +38,12 @@ def split(layout: KVLayout, load: KVLoad, source: HeadSource) -> Parts | None:
     """The parts of a pull over tcp of load's piece from source (layout: this rank's
     cache), where it is large enough for more than one, or takes some of the staged
     layers only; None: one pull of them all."""
-    taken, _ = source.layer_slices(layout.num_layers)
-    staged = msgspec.structs.replace(
-        layout,
-        num_kv_heads=source.staged_heads,
-        num_layers=source.staged_layers(layout.num_layers),
-    )
-    wanted = msgspec.structs.replace(
-        layout, num_kv_heads=source.count, num_layers=taken.stop - taken.start
-    )
+    staged, wanted = source.staged_layout(layout), source.taken_layout(layout)
     num, first = len(load.block_ids), load.num_cached_blocks
     parts = layer_parts(wanted.num_layers, staged_nbytes(wanted, num - first))
     if len(parts) == 1 and wanted.num_layers == staged.num_layers:
         return None
+    taken, _ = source.layer_slices(layout.num_layers)
     asked = [(taken.start + a, count) for a, count in parts]
     return Parts(asked, staged, wanted, num, first)
 
