@@ -28,9 +28,14 @@ from zmqworker.models.layers.row_tiles import MAX_ROWS, ROW_TILES
 from zmqworker.models.layers.skinny_gate_up import gate_up_silu
 from zmqworker.models.layers.triton_ops import silu_and_mul
 
-LAYERS = {"smollm2-135m": 30, "llama-3.2-1b": 16, "llama-3-8b": 32, "qwen2.5-1.5b": 28}
+LAYERS = {"smollm2-135m": 30, "llama-3.2-1b": 16, "llama-3-8b": 32, "qwen2.5-1.5b": 28,
+          "qwen2.5-0.5b": 24, "qwen3-1.7b": 28, "qwen2.5-3b": 36, "llama-3.2-3b": 28}  # fmt: skip
+# What runs without --models: the shapes the kernels' settings were first measured on.
+DEFAULT_MODELS = "smollm2-135m,llama-3.2-1b,llama-3-8b,qwen2.5-1.5b"
 BATCHES = (1, 4, 8, *ROW_TILES)
-SWEEP = [(n, k, w, s) for n in (16, 32, 64) for k in (64, 128, 256) for w, s in ((4, 3), (8, 4))]
+SWEEP = [
+    (n, k, w, s) for n in (16, 32, 64) for k in (64, 128, 256) for w, s in ((4, 3), (4, 4), (8, 4))
+]
 
 
 def stack_weights(model: str) -> list[torch.Tensor]:
@@ -58,7 +63,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=None)
     parser.add_argument("--sweep", action="store_true")
-    parser.add_argument("--models", default=",".join(LAYERS))
+    parser.add_argument("--models", default=DEFAULT_MODELS)
     parser.add_argument("--sweep-rows", default="1,16")
     args = parser.parse_args()
     sweep_rows = [int(r) for r in args.sweep_rows.split(",")]

@@ -25,7 +25,7 @@ import triton
 from bench.attention_kernels import MODELS
 from bench.common import print_table, write_results
 from bench.gpu_decode import hbm_bandwidth
-from bench.skinny_gate_up import LAYERS, timed_us
+from bench.skinny_gate_up import DEFAULT_MODELS, LAYERS, timed_us
 from zmqworker.models.layers.row_tiles import ROW_TILES
 from zmqworker.models.layers.skinny_linear import (
     LARGE_WEIGHT_ROWS,
@@ -70,7 +70,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=None)
     parser.add_argument("--sweep", action="store_true")
-    parser.add_argument("--models", default=",".join(LAYERS))
+    parser.add_argument("--models", default=DEFAULT_MODELS)
     parser.add_argument("--sweep-rows", default=f"1,{LARGE_WEIGHT_ROWS}")
     args = parser.parse_args()
     sweep_rows = [int(r) for r in args.sweep_rows.split(",")]

@@ -501,6 +501,29 @@ def test_gate_up_silu_under_each_tile_setting_over_a_strided_input(tiles, rows):
     torch.testing.assert_close(got, expected, atol=2e-3, rtol=2e-3)
 
 
+def test_gate_up_tiles_follow_the_sweeps_and_fit_the_shared_memory():
+    """Up to 16 rows as before; from 32, four stages of 128-wide K at 64 wide, half the K
+    tile where a short K leaves more 64-wide programs than multiprocessors, 16 wide for
+    small weights (bench/results/skinny_gate_up_sweep_h100.json). Where the stages would
+    not fit a device's shared memory, fewer stages, then a narrower K tile."""
+    from zmqworker.models.layers.skinny_gate_up import _tiles
+
+    assert _tiles(16, 14336, 4096) == (64, 128, 4, 3)  # Llama-3-8B
+    assert _tiles(16, 8960, 1536) == (32, 128, 4, 3)  # Qwen2.5-1.5B
+    for block_m in (32, 64):
+        assert _tiles(block_m, 14336, 4096) == (64, 128, 4, 4)
+        assert _tiles(block_m, 8192, 2048) == (64, 128, 4, 4)  # Llama-3.2-1B: 128 programs
+        assert _tiles(block_m, 8960, 1536) == (64, 64, 4, 4)  # 140 programs
+        assert _tiles(block_m, 11008, 2048) == (64, 64, 4, 4)  # Qwen2.5-3B
+        assert _tiles(block_m, 1536, 576) == (16, 128, 4, 4)  # SmolLM2-135M
+    hopper, ada = 227 * 1024, 99 * 1024
+    assert _tiles(64, 14336, 4096, 2, hopper) == (64, 128, 4, 4)
+    assert _tiles(64, 14336, 4096, 2, ada) == (64, 128, 4, 3)  # two stages of 48 KiB
+    assert _tiles(64, 14336, 4096, 4, hopper) == (64, 128, 4, 3)  # float32
+    assert _tiles(64, 14336, 4096, 4, ada) == (64, 128, 4, 2)
+    assert _tiles(64, 14336, 4096, 4, 1024) == (64, 32, 4, 2)  # as far as it goes
+
+
 def test_gate_up_silu_refuses_more_rows_than_its_tile():
     x = torch.zeros(MAX_ROWS + 1, 32, device=DEVICE)
     with pytest.raises(ValueError, match="gate_up_silu needs x"):

@@ -27,8 +27,6 @@ dtype, then the activation, the product, the weighted product; sums in float32.
 from __future__ import annotations
 
 import dataclasses
-import functools
-import os
 from dataclasses import dataclass
 
 import torch
@@ -43,6 +41,7 @@ from zmqworker.models.layers.moe_sort import (
     route_place_kernel,
 )
 from zmqworker.pdl import launch_options, release_dependents, wait_for_inputs
+from zmqworker.triton_shared_memory import shared_memory
 
 
 @dataclass(frozen=True)
@@ -99,17 +98,6 @@ def tiles_for(
         return block_n, block_k, warps, stages
 
     return dataclasses.replace(tiles, gate_up=fitted(tiles.gate_up, 2), down=fitted(tiles.down, 1))
-
-
-@functools.cache
-def shared_memory(device_index: int) -> int | None:
-    """The most shared memory a program may take on the device, as Triton's driver reports
-    it: 227 KiB on Hopper, 163 KiB on an A100, 99 KiB on Ada and consumer Ampere. None in
-    Triton's interpreter."""
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        return None
-    properties = triton.runtime.driver.active.utils.get_device_properties(device_index)
-    return properties["max_shared_mem"]
 
 
 def token_starts(top_k: int, num_local: int) -> list[int]:

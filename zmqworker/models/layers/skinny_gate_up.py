@@ -28,9 +28,18 @@ from zmqworker.pdl import (
     release_dependents,
     wait_for_inputs,
 )
+from zmqworker.triton_shared_memory import shared_memory
 
 # Steps above the last row tile go to cuBLAS and the SiLU kernel.
 MAX_ROWS = row_tiles.MAX_ROWS
+# Weights (size * K elements) at or above LARGE_WEIGHT take wide tiles up to 16 rows;
+# below SMALL_WEIGHT, narrow ones from 32 rows (_tiles).
+LARGE_WEIGHT = 1 << 24
+SMALL_WEIGHT = 1 << 22
+# A K this short streams a program's tile quickly, so a ragged last wave shows (_tiles).
+SHORT_K = 2048
+# An H100's or H200's.
+MULTIPROCESSORS = 132
 
 
 # num_rows changes with every step: specialised, each new kind would cost a compile.
@@ -84,14 +93,37 @@ def _gate_up_silu_kernel(
     tl.store(out_ptrs, (act * up).to(dtype), mask=m_ok[:, None] & n_ok[None, :])
 
 
-def _tiles(block_m: int, size: int, k: int) -> tuple[int, int, int, int]:
+def _tiles(
+    block_m: int, size: int, k: int, element_size: int = 2, shared_bytes: int | None = None
+) -> tuple[int, int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps, num_stages) for a [2 * size, k] weight at a row tile:
-    the best of sweeps on an H200 (bench/skinny_gate_up.py --sweep, docs/cuda.md)."""
-    if block_m == 64 and size * k >= (1 << 25):
-        return 64, 64, 4, 3
-    if block_m < 64 and size * k >= (1 << 24):
-        return 64, 128, 4, 3
-    return 32, 128, 4, 3
+    the best of sweeps (bench/skinny_gate_up.py --sweep; docs/cuda.md), with fewer stages
+    or a narrower K tile where the pipeline's would not fit in shared_bytes (shared_memory).
+
+    Up to 16 rows: 64-wide tiles for large weights. From 32 rows: four stages of 128-wide
+    K, which fill a Hopper multiprocessor's shared memory at 64 wide; where a short K
+    leaves more 64-wide programs than MULTIPROCESSORS, half the K tile lets two share one,
+    not a ragged second wave (Qwen2.5-1.5B's and Qwen2.5-3B's shapes). Small weights take
+    16-wide tiles: more programs for their few bytes."""
+    if block_m < 32:
+        block_n, block_k, stages = (64 if size * k >= LARGE_WEIGHT else 32), 128, 3
+    elif size * k < SMALL_WEIGHT:
+        block_n, block_k, stages = 16, 128, 4
+    elif k <= SHORT_K and triton.cdiv(size, 64) > MULTIPROCESSORS:
+        block_n, block_k, stages = 64, 64, 4
+    else:
+        block_n, block_k, stages = 64, 128, 4
+    if shared_bytes is not None:
+        # Triton's pipeline keeps num_stages - 1 stages of the rows' and the two weight
+        # tiles in shared memory.
+        def taken() -> int:
+            return (stages - 1) * (block_m + 2 * block_n) * block_k * element_size
+
+        while stages > 2 and taken() > shared_bytes:
+            stages -= 1
+        while block_k > 32 and taken() > shared_bytes:
+            block_k //= 2
+    return block_n, block_k, 4, stages
 
 
 def gate_up_silu(
@@ -117,7 +149,8 @@ def gate_up_silu(
     if rows == 0:
         return out
     block_m = row_tiles.row_tile(rows)
-    block_n, block_k, warps, stages = tiles or _tiles(block_m, size, k)
+    fit = shared_memory(x.device.index or 0) if x.device.type == "cuda" else None
+    block_n, block_k, warps, stages = tiles or _tiles(block_m, size, k, x.element_size(), fit)
     _gate_up_silu_kernel[(triton.cdiv(size, block_n),)](
         out,
         x,
