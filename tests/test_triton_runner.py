@@ -277,7 +277,9 @@ def test_warm_up_runs_each_kernel_choice_of_the_mlp(monkeypatch) -> None:
     assert seen == {*ROW_TILES, "silu"}
     assert runner.path.prefill_kernel_tokens(8, 80) == [17, 33, 65]
     assert runner.path.prefill_kernel_tokens(8, 20) == [17]
-    assert {1, 17, 33, 65} <= set(runner.path.decode_kernel_sizes(72))
+    # A decode of one request asks its history ahead (triton_metadata.PREFETCH_REQS), a
+    # kernel of its own, even where two requests take as many splits.
+    assert {1, 2, 17, 33, 65} <= set(runner.path.decode_kernel_sizes(72))
 
 
 def test_warm_up_spreads_its_prefills_over_prompts_that_fit_max_model_len(monkeypatch) -> None:

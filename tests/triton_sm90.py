@@ -186,16 +186,17 @@ def zeros(*shape, dtype=BF16):
 # The cases: (name, function of no arguments that calls a launch wrapper).
 
 
-def attention(dtype, head_dim, block_size, query_len, splits=1, norms=False, heads=(8, 2)):
-    """paged_attention of 3 requests of query_len tokens each over heads (query heads, kv
-    heads): decode_attention (and its merge past one split) when query_len is 1, else
-    rope_and_cache then varlen_attention."""
+def attention(dtype, head_dim, block_size, query_len, splits=1, norms=False, heads=(8, 2),
+              reqs=3):  # fmt: skip
+    """paged_attention of reqs requests of query_len tokens each over heads (query heads,
+    kv heads): decode_attention (and its merge past one split; a lone request's history
+    asked ahead) when query_len is 1, else rope_and_cache then varlen_attention."""
     from zmqworker.attention.head_norms import HeadNorms
     from zmqworker.attention.kv_cache import allocate_kv_cache
     from zmqworker.attention.triton_attention import paged_attention
     from zmqworker.attention.triton_metadata import TritonAttentionMetadata
 
-    (heads, kv_heads), reqs = heads, 3
+    heads, kv_heads = heads
     n = reqs * query_len
     meta = TritonAttentionMetadata(
         num_tokens=n, num_reqs=reqs, max_query_len=query_len, decode_only=query_len == 1,
@@ -259,12 +260,13 @@ def elementwise(dtype):
     silu_and_mul(x)
 
 
-def gate_up_silu(dtype, rows, bias, tiles=None):
-    """tiles: the (BLOCK_N, BLOCK_K, warps, stages) of larger weights than these."""
+def gate_up_silu(dtype, rows, bias, tiles=None, size=256, k=512):
+    """tiles: the (BLOCK_N, BLOCK_K, warps, stages) of larger weights than these; or a
+    weight of those sizes, whose tiles fit each target's shared memory."""
     from zmqworker.models.layers.skinny_gate_up import gate_up_silu
 
-    b = zeros(2 * 256, dtype=dtype) if bias else None
-    gate_up_silu(zeros(rows, 512, dtype=dtype), zeros(2 * 256, 512, dtype=dtype), b, tiles)
+    b = zeros(2 * size, dtype=dtype) if bias else None
+    gate_up_silu(zeros(rows, k, dtype=dtype), zeros(2 * size, k, dtype=dtype), b, tiles)
 
 
 def skinny_linear(dtype, rows, n, k, bias):
@@ -303,6 +305,8 @@ def cases() -> list[tuple[str, object]]:
             for norms in (False, True):
                 out.append(case(attention, BF16, head_dim, block, 1, splits, norms))
     out.append(case(attention, BF16, 128, 16, 1, 64, True))
+    for block, head_dim, dtype in ((16, 128, BF16), (8, 80, BF16), (16, 128, F32)):
+        out.append(case(attention, dtype, head_dim, block, 1, 4, reqs=1))  # asked ahead
     out.append(case(attention, BF16, 128, 128, 1, 4, False))  # 64-position tiles
     out.append(case(attention, F16, 128, 16, 1, 4, True))
     out.append(case(attention, F32, 128, 16, 1, 4, True))
@@ -326,6 +330,10 @@ def cases() -> list[tuple[str, object]]:
     out.append(case(gate_up_silu, BF16, 1, True, (64, 128, 4, 3)))
     out.append(case(gate_up_silu, BF16, 64, False, (64, 64, 4, 3)))
     out.append(case(gate_up_silu, F32, 1, True))
+    # From 32 rows, a large weight's four stages (64 and 128 wide K), fitted to each target.
+    for size, k in ((2048, 2048), (8960, 1536)):
+        out.append(case(gate_up_silu, BF16, 64, False, size=size, k=k))
+    out.append(case(gate_up_silu, F32, 64, False, size=2048, k=2048))
     for rows in (1, 16, 32):
         out.append(case(skinny_linear, BF16, rows, 256, 2048, rows == 16))  # split K
         out.append(case(skinny_linear, BF16, rows, 256, 128, rows == 1))  # one split

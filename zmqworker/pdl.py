@@ -6,15 +6,19 @@ a CUDA graph. Launched with PDL (Hopper and newer), a kernel may be placed on th
 while the kernel before it still runs. So every Triton kernel of the step:
 
 - starts with `wait_for_inputs`: it waits until the kernel before it has finished and its
-  writes are visible (gdc_wait). Nothing is read or written before, so a kernel stays
-  correct whatever precedes it (cuBLAS, torch, a kernel that released it early), and the
-  caching allocator's reuse of freed memory in stream order stays safe;
+  writes are visible (gdc_wait). Nothing a result depends on is read or written before,
+  so a kernel stays correct whatever precedes it (cuBLAS, torch, a kernel that released
+  it early), and the caching allocator's reuse of freed memory in stream order stays
+  safe;
 - calls `release_dependents` once its main loop is done (at once when it has none): the
   next kernel may then launch, and its programs wait on the GPU for this one to end.
 
-The one thing done before the wait is `prefetch_weights`: a hint that brings the first
-tiles of a weight into L2 while the kernel before still ends. No kernel of the step
-writes a weight, and it reads nothing into a register, so the rule above still holds.
+Before the wait only hints are given, lines asked into L2 while the kernel before still
+ends (`prefetch_lines`), and no result depends on them: the first tiles of a weight
+(`prefetch_weights`; no kernel of the step writes a weight), and a one-request decode's
+history pages (attention/triton_decode.py), whose places it reads from the step's
+sequence length and block table: persistent buffers written before the step's first
+kernel, read there only to aim the hint.
 
 Released at the start instead, the next kernel's programs take their places while this
 one's still stream their weights, and land unevenly over the multiprocessors: slower
@@ -80,12 +84,19 @@ def prefetch_weights(rows, row_ok, k_start, k_end, BLOCK_K: tl.constexpr, PDL: t
         per_line: tl.constexpr = LINE_BYTES * 8 // rows.dtype.element_ty.primitive_bitwidth
         offs_k = k_start + tl.arange(0, PREFETCH_TILES * BLOCK_K // per_line) * per_line
         ok = row_ok[:, None] & (offs_k < k_end)[None, :]
-        lines = tl.where(ok, rows + offs_k[None, :], rows)  # masked ones: the row's start
-        tl.inline_asm_elementwise(
-            "prefetch.global.L2 [$1];\n mov.u32 $0, 0;",
-            "=r,l",
-            [lines],
-            dtype=tl.int32,
-            is_pure=False,
-            pack=1,
-        )
+        prefetch_lines(rows + offs_k[None, :], ok, rows)  # masked ones: the row's start
+
+
+@triton.jit
+def prefetch_lines(lines, ok, fallback):
+    """Ask the lines at `lines` (a pointer a line) into L2; where ok is false, fallback's
+    (a valid address of the same shape or a scalar) instead. A hint: nothing is loaded
+    into a register, and no result depends on it."""
+    tl.inline_asm_elementwise(
+        "prefetch.global.L2 [$1];\n mov.u32 $0, 0;",
+        "=r,l",
+        [tl.where(ok, lines, fallback)],
+        dtype=tl.int32,
+        is_pure=False,
+        pack=1,
+    )

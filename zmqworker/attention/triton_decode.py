@@ -16,6 +16,11 @@ next, merges them: one program per (request, query head, slice of the head dim),
 loading all of its partials at once. Merged by the last split in the same launch, a kv
 head's query heads waited on each other, one round trip to memory each, behind a
 counter's fence (docs/cuda.md).
+
+Before its PDL wait, in a step of up to triton_metadata.PREFETCH_REQS requests (the
+launch's PREFETCH), a program asks its split's first history pages into L2
+(_prefetch_history), so that its first tiles come from there. Earlier steps wrote that
+history; the sequence length and block-table entries read to find it only aim the hint.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ import triton.language as tl
 
 from zmqworker.attention.triton_cache import rotate
 from zmqworker.attention.triton_kernels import attend_tiles
-from zmqworker.pdl import release_dependents, wait_for_inputs
+from zmqworker.pdl import LINE_BYTES, prefetch_lines, release_dependents, wait_for_inputs
 from zmqworker.triton_rms import rms_apply_pair
 
 
@@ -92,12 +97,18 @@ def decode_kernel(
     MIN_LONG: tl.constexpr,
     PRECISION: tl.constexpr,
     QK_NORM: tl.constexpr,
+    PREFETCH: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    wait_for_inputs(PDL)
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
+    table_ptr = block_tables_ptr + req.to(tl.int64) * stride_table
+    if PREFETCH:
+        _prefetch_history(kv_ptr, v_offset, table_ptr, stride_table, seq_lens_ptr + req,
+                          kv_head, split, NUM_KV_HEADS, HEAD_DIM, HEAD_DIM_P, BLOCK_SIZE,
+                          NUM_SPLITS, TILE_N, FEW, MIN_LONG)  # fmt: skip
+    wait_for_inputs(PDL)
     seq_len = tl.load(seq_lens_ptr + req)
     per_split, active = _working_splits(seq_len, NUM_SPLITS, TILE_N, FEW, MIN_LONG)
     if split < active:
@@ -158,7 +169,7 @@ def decode_kernel(
             q,
             kv_ptr,
             v_offset,
-            block_tables_ptr + req.to(tl.int64) * stride_table,
+            table_ptr,
             kv_head,
             start,
             end,
@@ -184,6 +195,41 @@ def decode_kernel(
             tl.store(part_out_ptr + part[:, None] * HEAD_DIM_P + offs_d[None, :], out, mask=mask)
             tl.store(part_stats_ptr + part * 2, m_i, mask=row_ok)
             tl.store(part_stats_ptr + part * 2 + 1, l_i, mask=row_ok)
+
+
+# The pages of a split asked ahead: a short history's split holds one to four.
+PREFETCH_PAGES = tl.constexpr(4)
+
+
+@triton.jit
+def _prefetch_history(kv_ptr, v_offset, table_ptr, table_width, seq_len_ptr, kv_head, split,
+                      NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                      HEAD_DIM_P: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                      NUM_SPLITS: tl.constexpr, TILE_N: tl.constexpr, FEW: tl.constexpr,
+                      MIN_LONG: tl.constexpr):  # fmt: skip
+    """Before the PDL wait: the keys and values of the first PREFETCH_PAGES pages of this
+    program's split asked into L2 while the kernel ahead still ends. The sequence length
+    and block table are the step's inputs, written before its first kernel, and read here
+    only to aim the hint: a value not yet current would ask other lines, never change a
+    result. Pages within the table's row, block ids within the cache: every line asked
+    is the cache's."""
+    per_line: tl.constexpr = LINE_BYTES * 8 // kv_ptr.dtype.element_ty.primitive_bitwidth
+    page_elems: tl.constexpr = HEAD_DIM * BLOCK_SIZE
+    if HEAD_DIM_P * BLOCK_SIZE >= per_line:  # pages of a line or more
+        seq_len = tl.load(seq_len_ptr)
+        per_split, active = _working_splits(seq_len, NUM_SPLITS, TILE_N, FEW, MIN_LONG)
+        start = split * per_split
+        end = tl.minimum(seq_len, start + per_split)
+        pages = start // BLOCK_SIZE + tl.arange(0, PREFETCH_PAGES)
+        page_ok = (pages * BLOCK_SIZE < end) & (pages < table_width) & (split < active)
+        blocks = tl.load(table_ptr + pages, mask=page_ok, other=0)
+        num_blocks = v_offset // (NUM_KV_HEADS * page_elems)
+        blocks = tl.minimum(tl.maximum(blocks, 0), num_blocks - 1).to(tl.int64)
+        lines = tl.arange(0, HEAD_DIM_P * BLOCK_SIZE // per_line) * per_line
+        keys = kv_ptr + (blocks * NUM_KV_HEADS + kv_head)[:, None] * page_elems + lines[None, :]
+        ok = page_ok[:, None] & (lines < page_elems)[None, :]
+        prefetch_lines(keys, ok, kv_ptr)
+        prefetch_lines(keys + v_offset, ok, kv_ptr)
 
 
 @triton.jit

@@ -18,6 +18,10 @@ from zmqworker.cdiv import cdiv
 # time), so one long history needs as many programs as a large batch; 1024 two-warp
 # programs (triton_attention.DECODE_LAUNCH) was the best setting of a sweep (docs/cuda.md).
 TARGET_DECODE_PROGRAMS = 1024
+# Decode steps of up to this many requests ask their history pages into L2 before the PDL
+# wait (triton_decode.py): measured faster for one request, slower at 64, where the whole
+# history is asked and then read (docs/cuda.md).
+PREFETCH_REQS = 1
 # Past FEW_SPLITS splits a split holds at least MIN_LONG_SPLIT positions: a short
 # history's read is short next to a split's fixed costs (its query, its partial), so it
 # splits as it would over FEW_SPLITS splits whatever the step's split count.

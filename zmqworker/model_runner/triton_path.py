@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from messages import WorkerConfig
+from zmqworker.attention.triton_metadata import PREFETCH_REQS
 from zmqworker.distributed.parallel_state import ParallelState
 from zmqworker.model_runner.batch_update import ScheduledRequests
 from zmqworker.model_runner.cuda_graphs import (
@@ -96,15 +97,16 @@ class TritonPath:
         self._graph_caches: list[torch.Tensor] = []
 
     def decode_kernel_sizes(self, max_reqs: int) -> list[int]:
-        """The smallest batch size of each decode split count, and of each kernel choice
-        the model makes by token count (the skinny projections' row tiles, the fused
-        experts' tile sets: model.kernel_token_starts), up to max_reqs: a step compiles
-        each of those kernels once."""
+        """The smallest batch size of each decode split count and of the decode kernel
+        without its history prefetch, and of each kernel choice the model makes by token
+        count (the skinny projections' row tiles, the fused experts' tile sets:
+        model.kernel_token_starts), up to max_reqs: a step compiles each of those
+        kernels once."""
         sizes: dict[int, int] = {}
         for size in range(max_reqs, 0, -1):
             sizes[self.inputs.splits(size)] = size
-        tiles = [s for s in self.model.kernel_token_starts() if s <= max_reqs]
-        return sorted(set(sizes.values()) | set(tiles))
+        starts = [*self.model.kernel_token_starts(), PREFETCH_REQS + 1]
+        return sorted(set(sizes.values()) | {s for s in starts if s <= max_reqs})
 
     def prefill_kernel_tokens(self, max_reqs: int, max_tokens: int) -> list[int]:
         """The token counts of the model's kernel choices (model.kernel_token_starts)

@@ -149,7 +149,7 @@ def gate_up_silu(
     if rows == 0:
         return out
     block_m = row_tiles.row_tile(rows)
-    fit = shared_memory(x.device.index or 0) if x.device.type == "cuda" else None
+    fit = shared_memory(x.device.index or 0)
     block_n, block_k, warps, stages = tiles or _tiles(block_m, size, k, x.element_size(), fit)
     _gate_up_silu_kernel[(triton.cdiv(size, block_n),)](
         out,
