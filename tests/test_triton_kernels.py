@@ -330,6 +330,17 @@ def test_kernels_launch_dependently_on_hopper_and_newer_only():
         assert launch_options(DEVICE) == {"PDL": on, "launch_pdl": on}
 
 
+def test_only_a_lone_request_over_whole_pages_asks_its_history_ahead():
+    """triton_metadata.asks_ahead: one request (measured faster; 64 slower), pages of a
+    power of two, a table whose rows are its stride apart."""
+    tables = torch.zeros(2, 8, dtype=torch.int32)
+    assert triton_metadata.PREFETCH_REQS == 1
+    assert triton_metadata.asks_ahead(1, 16, tables[:1])
+    assert not triton_metadata.asks_ahead(2, 16, tables)
+    assert not triton_metadata.asks_ahead(1, 24, tables[:1])
+    assert not triton_metadata.asks_ahead(1, 16, tables[:1, ::2])
+
+
 def test_decode_splits_fill_the_gpu_and_stay_powers_of_two():
     # Long histories: one request at batch 1 spreads over as many programs as a batch.
     assert decode_splits(1, 8, max_model_len=32768, tile=16) == 128
@@ -517,10 +528,11 @@ def test_gate_up_tiles_follow_the_sweeps_and_fit_the_shared_memory():
         assert _tiles(block_m, 11008, 2048) == (64, 64, 4, 4)  # Qwen2.5-3B
         assert _tiles(block_m, 1536, 576) == (16, 128, 4, 4)  # SmolLM2-135M
     hopper, ada = 227 * 1024, 99 * 1024
-    assert _tiles(64, 14336, 4096, 2, hopper) == (64, 128, 4, 4)
-    assert _tiles(64, 14336, 4096, 2, ada) == (64, 128, 4, 3)  # two stages of 48 KiB
-    assert _tiles(64, 14336, 4096, 4, hopper) == (64, 128, 4, 3)  # float32
-    assert _tiles(64, 14336, 4096, 4, ada) == (64, 128, 4, 2)
+    assert _tiles(64, 14336, 4096, 2, hopper) == (64, 128, 4, 4)  # four stages of 48 KiB
+    assert _tiles(64, 14336, 4096, 2, ada) == (64, 128, 4, 2)
+    assert _tiles(32, 14336, 4096, 2, ada) == (64, 128, 4, 2)  # two of 40 KiB
+    assert _tiles(64, 14336, 4096, 4, hopper) == (64, 128, 4, 2)  # float32
+    assert _tiles(64, 14336, 4096, 4, ada) == (64, 64, 4, 2)
     assert _tiles(64, 14336, 4096, 4, 1024) == (64, 32, 4, 2)  # as far as it goes
 
 

@@ -37,8 +37,8 @@ from zmqworker.attention.triton_kernels import varlen_kernel
 from zmqworker.attention.triton_metadata import (
     FEW_SPLITS,
     MIN_LONG_SPLIT,
-    PREFETCH_REQS,
     TritonAttentionMetadata,
+    asks_ahead,
     merge_chunk,
     tile_size,
 )
@@ -158,7 +158,7 @@ def decode_attention(
         NUM_HEADS=num_heads,
         BLOCK_M=_rows(common["GROUP"], MIN_ROWS),
         QK_NORM=norms is not None,
-        PREFETCH=common["PDL"] and meta.num_reqs <= PREFETCH_REQS,
+        PREFETCH=common["PDL"] and asks_ahead(meta.num_reqs, common["BLOCK_SIZE"], tables),
         **splitting,
         **common,
         **DECODE_LAUNCH,

@@ -17,8 +17,8 @@ loading all of its partials at once. Merged by the last split in the same launch
 head's query heads waited on each other, one round trip to memory each, behind a
 counter's fence (docs/cuda.md).
 
-Before its PDL wait, in a step of up to triton_metadata.PREFETCH_REQS requests (the
-launch's PREFETCH), a program asks its split's first history pages into L2
+Before its PDL wait, in a step that asks ahead (triton_metadata.asks_ahead, the launch's
+PREFETCH), a program asks its split's first history pages into L2
 (_prefetch_history), so that its first tiles come from there. Earlier steps wrote that
 history; the sequence length and block-table entries read to find it only aim the hint.
 """
@@ -215,21 +215,22 @@ def _prefetch_history(kv_ptr, v_offset, table_ptr, table_width, seq_len_ptr, kv_
     is the cache's."""
     per_line: tl.constexpr = LINE_BYTES * 8 // kv_ptr.dtype.element_ty.primitive_bitwidth
     page_elems: tl.constexpr = HEAD_DIM * BLOCK_SIZE
-    if HEAD_DIM_P * BLOCK_SIZE >= per_line:  # pages of a line or more
+    if HEAD_DIM_P * BLOCK_SIZE >= per_line:  # pages of a line or more (asks_ahead: a power of 2)
         seq_len = tl.load(seq_len_ptr)
         per_split, active = _working_splits(seq_len, NUM_SPLITS, TILE_N, FEW, MIN_LONG)
-        start = split * per_split
-        end = tl.minimum(seq_len, start + per_split)
-        pages = start // BLOCK_SIZE + tl.arange(0, PREFETCH_PAGES)
-        page_ok = (pages * BLOCK_SIZE < end) & (pages < table_width) & (split < active)
-        blocks = tl.load(table_ptr + pages, mask=page_ok, other=0)
-        num_blocks = v_offset // (NUM_KV_HEADS * page_elems)
-        blocks = tl.minimum(tl.maximum(blocks, 0), num_blocks - 1).to(tl.int64)
-        lines = tl.arange(0, HEAD_DIM_P * BLOCK_SIZE // per_line) * per_line
-        keys = kv_ptr + (blocks * NUM_KV_HEADS + kv_head)[:, None] * page_elems + lines[None, :]
-        ok = page_ok[:, None] & (lines < page_elems)[None, :]
-        prefetch_lines(keys, ok, kv_ptr)
-        prefetch_lines(keys + v_offset, ok, kv_ptr)
+        if split < active:  # the idle splits of a short history ask nothing
+            start = split * per_split
+            end = tl.minimum(seq_len, start + per_split)
+            pages = start // BLOCK_SIZE + tl.arange(0, PREFETCH_PAGES)
+            page_ok = (pages * BLOCK_SIZE < end) & (pages < table_width)
+            blocks = tl.load(table_ptr + pages, mask=page_ok, other=0)
+            num_blocks = v_offset // (NUM_KV_HEADS * page_elems)
+            blocks = tl.minimum(tl.maximum(blocks, 0), num_blocks - 1).to(tl.int64)
+            lines = tl.arange(0, HEAD_DIM_P * BLOCK_SIZE // per_line) * per_line
+            page = (blocks * NUM_KV_HEADS + kv_head)[:, None] * page_elems
+            ok = page_ok[:, None] & (lines < page_elems)[None, :]
+            prefetch_lines(kv_ptr + page + lines[None, :], ok, kv_ptr)
+            prefetch_lines(kv_ptr + v_offset + page + lines[None, :], ok, kv_ptr)
 
 
 @triton.jit

@@ -19,8 +19,7 @@ from zmqworker.cdiv import cdiv
 # programs (triton_attention.DECODE_LAUNCH) was the best setting of a sweep (docs/cuda.md).
 TARGET_DECODE_PROGRAMS = 1024
 # Decode steps of up to this many requests ask their history pages into L2 before the PDL
-# wait (triton_decode.py): measured faster for one request, slower at 64, where the whole
-# history is asked and then read (docs/cuda.md).
+# wait (asks_ahead): measured faster for one request, slower at 64 (docs/cuda.md).
 PREFETCH_REQS = 1
 # Past FEW_SPLITS splits a split holds at least MIN_LONG_SPLIT positions: a short
 # history's read is short next to a split's fixed costs (its query, its partial), so it
@@ -62,6 +61,16 @@ def split_length(seq_len: int, num_splits: int, tile: int) -> int:
     if num_splits > FEW_SPLITS:
         even = max(even, min(cdiv(seq_len, FEW_SPLITS), MIN_LONG_SPLIT))
     return max(1, cdiv(even, tile)) * tile
+
+
+def asks_ahead(num_reqs: int, block_size: int, block_tables: torch.Tensor) -> bool:
+    """Whether a decode step's programs ask their first history pages into L2 before the
+    PDL wait (triton_decode.py): steps of up to PREFETCH_REQS requests, over pages of a
+    power of two (whole lines of a page, in a range Triton can count) and a table whose
+    rows are its stride apart (no page past a row is read)."""
+    pow2 = block_size > 0 and block_size & (block_size - 1) == 0
+    rows = block_tables.dim() == 2 and block_tables.is_contiguous()
+    return num_reqs <= PREFETCH_REQS and pow2 and rows
 
 
 def decode_splits(num_reqs: int, num_kv_heads: int, max_model_len: int, tile: int) -> int:

@@ -38,7 +38,10 @@ LARGE_WEIGHT = 1 << 24
 SMALL_WEIGHT = 1 << 22
 # A K this short streams a program's tile quickly, so a ragged last wave shows (_tiles).
 SHORT_K = 2048
-# An H100's or H200's.
+# The width of the tiles from 32 rows, and the multiprocessors of an H100 SXM or H200,
+# where the rule was measured: past this many programs, one to a multiprocessor, a second
+# wave (_tiles).
+WIDE_N = 64
 MULTIPROCESSORS = 132
 
 
@@ -109,15 +112,16 @@ def _tiles(
         block_n, block_k, stages = (64 if size * k >= LARGE_WEIGHT else 32), 128, 3
     elif size * k < SMALL_WEIGHT:
         block_n, block_k, stages = 16, 128, 4
-    elif k <= SHORT_K and triton.cdiv(size, 64) > MULTIPROCESSORS:
-        block_n, block_k, stages = 64, 64, 4
+    elif k <= SHORT_K and triton.cdiv(size, WIDE_N) > MULTIPROCESSORS:
+        block_n, block_k, stages = WIDE_N, 64, 4
     else:
-        block_n, block_k, stages = 64, 128, 4
+        block_n, block_k, stages = WIDE_N, 128, 4
     if shared_bytes is not None:
-        # Triton's pipeline keeps num_stages - 1 stages of the rows' and the two weight
-        # tiles in shared memory.
+        # The rows' and the two weight tiles' buffers of every stage: Triton keeps
+        # num_stages - 1 of them on some targets and all of them on others (sm_90 at 64
+        # half-precision rows), and the count must hold on both.
         def taken() -> int:
-            return (stages - 1) * (block_m + 2 * block_n) * block_k * element_size
+            return stages * (block_m + 2 * block_n) * block_k * element_size
 
         while stages > 2 and taken() > shared_bytes:
             stages -= 1
