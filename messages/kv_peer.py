@@ -42,10 +42,11 @@ class KVPull(msgspec.Struct, tag=True, frozen=True):
     with CudaKV. host_cache: the puller's cache
     is in host memory and it can map the server's (same host only): a server whose
     cache lies in a memfd answers with HostCacheKV. layers: [first, count] of the staged
-    layers to send, answered over tcp whatever host_id says: those a decode stage of
-    another stage count takes, or one part of a pull split over several connections
-    (CURVE runs on one thread a connection, so parts on their own connections go in
-    parallel); None: all of them, answered as the rest says."""
+    layers to send over tcp: those a decode stage of another stage count takes, or one
+    part of a pull split over several connections (CURVE runs on one thread a
+    connection, so parts on their own connections go in parallel); a server on host_id's
+    host may answer in place instead, all layers. None: all of them, answered as the
+    rest says."""
 
     req_id: str
     rank: NonNegative

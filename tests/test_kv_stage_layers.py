@@ -60,8 +60,10 @@ def test_one_stage_into_two(shared: bool) -> None:
             side.before_step(load("one", port, 1))
         for side in decode:
             until(side, lambda outs: names(outs, "finished_recving") == ["one"])
-            # Its layer alone travels (tcp), or is read (same host).
+            # Its layer alone travels (tcp), or is read (same host: in place, though the
+            # pull asked for that layer, as one to a producer on another host would).
             assert sum(side.puller.num_bytes.values()) == len(SOURCE) * BLOCK_BYTES // NUM_LAYERS
+            assert (side.puller.num_pulled["tcp"] == 0) == shared
         assert names(until(producer, bool), "finished_sending") == ["one"]
     finally:
         for side in (*decode, producer):
@@ -70,6 +72,34 @@ def test_one_stage_into_two(shared: bool) -> None:
         assert torch.equal(target[0][:, DEST], kv[layer][:, SOURCE])
         others = [b for b in range(8) if b not in DEST]
         assert torch.equal(target[0][:, others], old[:, others])
+
+
+def test_a_first_pull_from_another_host_carries_its_layers_alone(shared: bool) -> None:
+    """A decode stage that may share the producer's host asks its first pull with the
+    layers it takes: a producer on another host answers with those alone over tcp (not the
+    whole staging), after which the puller knows it is over tcp."""
+    if not shared:
+        pytest.skip("a puller without shared memory splits over tcp from the first pull")
+    port = free_port()
+    kv = caches(8, seed=41)
+    producer = stage("producer", kv, port, 0, 1, shared)
+    assert producer.server is not None
+    producer.server._host_id = "another host"  # its pulls' host ids are not its own
+    target = caches(8, seed=42)[1:]
+    decode = stage("consumer", target, 0, 1, 2, shared)
+    try:
+        producer.after_step(save("far"))
+        decode.before_step(load("far", port, 1))
+        until(decode, lambda outs: names(outs, "finished_recving") == ["far"])
+        puller = decode.puller
+        assert puller is not None and puller.num_pulled["tcp"] == 1
+        assert puller.num_bytes["tcp"] == len(SOURCE) * BLOCK_BYTES // NUM_LAYERS
+        assert f"tcp://127.0.0.1:{port}" in puller._over_tcp
+        assert names(until(producer, bool), "finished_sending") == ["far"]
+    finally:
+        decode.shutdown()
+        producer.shutdown()
+    assert torch.equal(target[0][:, DEST], kv[1][:, SOURCE])
 
 
 def test_two_stages_into_one(shared: bool) -> None:

@@ -10,13 +10,12 @@ producer's lies in a memfd (host_peers.py). A refused pull, or an answer this ra
 cannot use, fails the load and says KVDone at once.
 
 Over tcp (a producer on another host), a large pull, or one of some of the staged
-layers, goes as parts of whole layers over several connections (tcp_parts.py). One
-thread owns every socket (peer_sockets.py). A load not answered within the timeout
-fails, naming the request and the address, and its late answer is dropped: nothing waits
-unbounded. A pull that cannot be sent (an address that cannot be connected, a peer that
-takes nothing) fails at once, with every pull waiting on that address, and the thread
-goes on with the others.
-"""
+layers, goes as parts of whole layers over several connections (tcp_parts.py); only the
+layers taken travel, the first pull's too. One thread owns every socket (peer_sockets.py).
+A load not answered within the timeout fails, naming the request and the address, and its
+late answer is dropped: nothing waits unbounded. A pull that cannot be sent (an address
+that cannot be connected, a peer that takes nothing) fails at once, with every pull
+waiting on that address, and the thread goes on with the others."""
 
 from __future__ import annotations
 
@@ -44,7 +43,7 @@ from zmqworker.kv_transfer.peer_caches import PeerCacheError, PeerCaches
 from zmqworker.kv_transfer.peer_sockets import PeerSendError, PeerSockets
 from zmqworker.kv_transfer.same_host import SameHost
 from zmqworker.kv_transfer.staging import PeerMappings, SharedMemoryError
-from zmqworker.kv_transfer.tcp_parts import Parts, split
+from zmqworker.kv_transfer.tcp_parts import Parts, split, window
 from zmqworker.transport.curve import KVKeys
 from zmqworker.transport.frames import TooManyFrames, recv_frames
 from zmqworker.transport.wake_pipe import WakePipe
@@ -225,13 +224,14 @@ class KVPuller:
                 continue
             pull, parts = self._pull_of(load, source), None
             if kind == "pull":
-                # Split only where the bytes come over tcp: whether a producer shares this
-                # host is known from its first answer.
+                # Split only over tcp, known from a producer's first answer (a window).
                 if not self._same_host.host_id(address) or address in self._over_tcp:
                     parts = split(self.layout, load, source)
+                elif (parts := window(self.layout, load, source)) is not None:
+                    pull = msgspec.structs.replace(pull, layers=parts.asked[0])
                 deadline = time.monotonic() + self.timeout_s
                 waiting[(address, load.remote.req_id)] = (load, source, deadline, parts)
-            if parts is None:
+            if parts is None or pull.layers is not None:
                 self._send(address, pull)
                 continue
             for i, layers in enumerate(parts.asked):  # each over a connection of its own
@@ -290,7 +290,7 @@ class KVPuller:
                     self._send(address, KVDone(reply.req_id))
                 continue
             load, source, _, parts = entry
-            if parts is not None:
+            if parts is not None and reply.layers is not None:  # else a window's in place
                 parts.take(reply, frames[1:])
                 if parts.complete:
                     self._parts_arrived(address, load, source, parts, received)
@@ -381,6 +381,7 @@ class KVPuller:
             self._send(address, KVDone(load.remote.req_id))
             self._fail(load, source, f"from {address}: {parts.error}")
             return
+        self._over_tcp.add(address)
         self.num_pulled["tcp"] += 1
         self.num_bytes["tcp"] += len(parts.buffer)
         self._arrive(Arrived(load, source, parts.buffer, [parts.buffer], layout=parts.layout,

@@ -9,7 +9,9 @@ because a run of layers lies contiguous in the producer's staging: the server se
 part without a copy. The puller copies each part into its place in one buffer as it
 comes, which the worker's thread then copies in as it would one answer. A pull of some
 of the staged layers only (a decode stage of another stage count) goes as parts of
-those, even as one part: only they travel.
+those, even as one part: only they travel. So does the first pull from a producer not
+yet known to share the host (window): one part, which a producer on this host answers in
+place instead.
 """
 
 from __future__ import annotations
@@ -46,6 +48,18 @@ def split(layout: KVLayout, load: KVLoad, source: HeadSource) -> Parts | None:
     taken, _ = source.layer_slices(layout.num_layers)
     asked = [(taken.start + a, count) for a, count in parts]
     return Parts(asked, staged, wanted, num, first)
+
+
+def window(layout: KVLayout, load: KVLoad, source: HeadSource) -> Parts | None:
+    """One part, the layers load's piece takes of the staged ones, for a pull whose answer
+    may come in place (the producer shares this host) or over tcp; None where it takes
+    them all."""
+    staged, wanted = source.staged_layout(layout), source.taken_layout(layout)
+    if wanted.num_layers == staged.num_layers:
+        return None
+    taken, _ = source.layer_slices(layout.num_layers)
+    asked = [(taken.start, wanted.num_layers)]
+    return Parts(asked, staged, wanted, len(load.block_ids), load.num_cached_blocks)
 
 
 class Parts:
