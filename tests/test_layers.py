@@ -17,6 +17,7 @@ LAYERS = [
     "zmqworker.dot_precision",
     "zmqworker.pdl",
     "zmqworker.triton_rms",
+    "zmqworker.triton_shared_memory",
     "zmqworker.transport",
     "zmqworker.attention",
     "zmqworker.distributed",
