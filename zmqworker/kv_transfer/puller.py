@@ -43,7 +43,7 @@ from zmqworker.kv_transfer.peer_caches import PeerCacheError, PeerCaches
 from zmqworker.kv_transfer.peer_sockets import PeerSendError, PeerSockets
 from zmqworker.kv_transfer.same_host import SameHost
 from zmqworker.kv_transfer.staging import PeerMappings, SharedMemoryError
-from zmqworker.kv_transfer.tcp_parts import Parts, split, window
+from zmqworker.kv_transfer.tcp_parts import Parts, split
 from zmqworker.transport.curve import KVKeys
 from zmqworker.transport.frames import TooManyFrames, recv_frames
 from zmqworker.transport.wake_pipe import WakePipe
@@ -227,7 +227,7 @@ class KVPuller:
                 # Split only over tcp, known from a producer's first answer (a window).
                 if not self._same_host.host_id(address) or address in self._over_tcp:
                     parts = split(self.layout, load, source)
-                elif (parts := window(self.layout, load, source)) is not None:
+                elif (parts := split(self.layout, load, source, streams=1)) is not None:
                     pull = msgspec.structs.replace(pull, layers=parts.asked[0])
                 deadline = time.monotonic() + self.timeout_s
                 waiting[(address, load.remote.req_id)] = (load, source, deadline, parts)

@@ -10,8 +10,8 @@ part without a copy. The puller copies each part into its place in one buffer as
 comes, which the worker's thread then copies in as it would one answer. A pull of some
 of the staged layers only (a decode stage of another stage count) goes as parts of
 those, even as one part: only they travel. So does the first pull from a producer not
-yet known to share the host (window): one part, which a producer on this host answers in
-place instead.
+yet known to share the host (split over one stream): one part, which a producer on this
+host answers in place instead.
 """
 
 from __future__ import annotations
@@ -28,38 +28,29 @@ TCP_STREAMS = 4  # connections a pull may take, and the I/O threads of each side
 MIN_PART_BYTES = 1 << 20  # below this, a part's own round trip costs more than it saves
 
 
-def layer_parts(num_layers: int, nbytes: int) -> list[tuple[int, int]]:
+def layer_parts(num_layers: int, nbytes: int, streams: int = TCP_STREAMS) -> list[tuple[int, int]]:
     """[first, count] of the layers of each part of a pull of nbytes over num_layers
-    layers: up to TCP_STREAMS of them, of MIN_PART_BYTES at least (or one, the whole)."""
-    count = max(1, min(TCP_STREAMS, num_layers, nbytes // MIN_PART_BYTES))
+    layers: up to streams of them, of MIN_PART_BYTES at least (or one, the whole)."""
+    count = max(1, min(streams, num_layers, nbytes // MIN_PART_BYTES))
     bounds = [i * num_layers // count for i in range(count + 1)]
     return [(a, b - a) for a, b in zip(bounds, bounds[1:], strict=False)]
 
 
-def split(layout: KVLayout, load: KVLoad, source: HeadSource) -> Parts | None:
+def split(
+    layout: KVLayout, load: KVLoad, source: HeadSource, streams: int = TCP_STREAMS
+) -> Parts | None:
     """The parts of a pull over tcp of load's piece from source (layout: this rank's
-    cache), where it is large enough for more than one, or takes some of the staged
-    layers only; None: one pull of them all."""
+    cache) over up to streams connections, where it is large enough for more than one,
+    or takes some of the staged layers only; None: one pull of them all. With one
+    stream, the window of a first pull, which a producer on this host answers in place."""
     staged, wanted = source.staged_layout(layout), source.taken_layout(layout)
     num, first = len(load.block_ids), load.num_cached_blocks
-    parts = layer_parts(wanted.num_layers, staged_nbytes(wanted, num - first))
+    parts = layer_parts(wanted.num_layers, staged_nbytes(wanted, num - first), streams)
     if len(parts) == 1 and wanted.num_layers == staged.num_layers:
         return None
     taken, _ = source.layer_slices(layout.num_layers)
     asked = [(taken.start + a, count) for a, count in parts]
     return Parts(asked, staged, wanted, num, first)
-
-
-def window(layout: KVLayout, load: KVLoad, source: HeadSource) -> Parts | None:
-    """One part, the layers load's piece takes of the staged ones, for a pull whose answer
-    may come in place (the producer shares this host) or over tcp; None where it takes
-    them all."""
-    staged, wanted = source.staged_layout(layout), source.taken_layout(layout)
-    if wanted.num_layers == staged.num_layers:
-        return None
-    taken, _ = source.layer_slices(layout.num_layers)
-    asked = [(taken.start, wanted.num_layers)]
-    return Parts(asked, staged, wanted, len(load.block_ids), load.num_cached_blocks)
 
 
 class Parts:
