@@ -1,9 +1,13 @@
 """A pull over tcp split by layers over several connections (kv_transfer/tcp_parts.py):
 the parts a pull takes, the server's answer to a part (its layers alone, without heads
-or blocks it was not asked), the parts of a real producer landing byte for byte, and a
-part that fails failing its load once, with one KVDone to the server."""
+or blocks it was not asked), the parts of a real producer landing byte for byte, a part
+that fails failing its load once, with one KVDone to the server, and a pull that times out
+saying one KVDone when its first late answer comes, whatever its late parts, so the
+staging goes then, not at its expiry."""
 
 from __future__ import annotations
+
+import threading
 
 import numpy as np
 import pytest
@@ -188,8 +192,9 @@ def test_a_producer_is_split_pulled_once_it_answered_over_tcp(monkeypatch) -> No
 
 def test_a_split_pull_timed_out_drops_its_late_parts_and_the_puller_goes_on(monkeypatch) -> None:
     """One part answered, the other not within the timeout: the load fails naming the
-    address; the late part is dropped with no KVDone (the staging expires where it is),
-    and the next pull from the same server lands."""
+    address; the late answers are dropped, the first saying KVDone (the server counts
+    KVDones by request, not by part; before an answer the KV may not be staged yet), and
+    the next pull from the same server lands."""
     monkeypatch.setattr(tcp_parts, "MIN_PART_BYTES", 1)
     address = f"tcp://127.0.0.1:{free_port()}"
     target = caches(6, seed=13)
@@ -215,10 +220,14 @@ def test_a_split_pull_timed_out_drops_its_late_parts_and_the_puller_goes_on(monk
             if req == "late":
                 [failure] = names(outputs, "failed_recving")
                 assert f"no answer from {address} within 0.5 s" in failure.error
+                assert not server.poll(300), "a KVDone before any answer came late"
                 who, layers = pulls[1]
-                server.send_multipart([who, wire.encode(KVBlocks(req, layout, 2, layers=layers)),
-                                       staged])  # fmt: skip
-                assert not server.poll(300), "a KVDone for a part that came late"
+                for _ in range(2):  # the late part, and the same again
+                    server.send_multipart([who, wire.encode(KVBlocks(req, layout, 2, layers=layers)),
+                                           staged])  # fmt: skip
+                assert server.poll(5000), "no KVDone once the late part came"
+                assert wire.decode(server.recv_multipart()[1]) == KVDone(req)
+                assert not server.poll(300), "a second KVDone for one pull"
             else:
                 assert names(outputs, "finished_recving") == ["next"]
                 assert server.poll(5000), "no KVDone"
@@ -230,3 +239,59 @@ def test_a_split_pull_timed_out_drops_its_late_parts_and_the_puller_goes_on(monk
         assert torch.equal(
             target[layer][:, [4, 1]], torch.from_numpy(staged[:, :2]).to(target[layer])
         )
+
+
+@pytest.mark.parametrize("num_parts", [2, 1], ids=["split", "whole"])
+def test_a_pull_timed_out_lets_the_staging_go_with_one_kvdone(monkeypatch, num_parts) -> None:
+    """A real producer answers a pull only once the consumer has given up on it (its
+    timeout): the first late answer makes the consumer say KVDone, so the producer lets
+    the staging go long before its own expiry, and hears that KVDone alone, however many
+    late parts go back with their bytes; the next pull from it lands."""
+    if num_parts > 1:
+        monkeypatch.setattr(tcp_parts, "MIN_PART_BYTES", 1)
+    port = free_port()
+    side = connector("producer", caches(8, seed=14), port, timeout_s=30.0)  # expires late
+    consumer = connector("consumer", caches(8, seed=15), 0, shared_memory=False, timeout_s=0.5)
+    server = side.server
+    answer, reader_done, send = server._answer, server._reader_done, server._send
+    held, gave_up, dones, late = [], threading.Event(), [], []
+
+    def held_answer(peer, pull) -> None:  # the server's thread: "late" once given up on
+        if pull.req_id != "late":
+            return answer(peer, pull)
+        held.append((peer, pull))
+        if len(held) == num_parts:  # every part read: the KVDone comes after them
+            gave_up.wait(10.0)
+            for args in held:
+                answer(*args)
+
+    def counted_done(req_id: str) -> None:
+        dones.append(req_id)
+        reader_done(req_id)
+
+    def sent(peer, reply, data=None) -> bool:
+        if reply.req_id == "late":
+            late.append((reply.layers, reply.error))
+        return send(peer, reply, data)
+
+    server._answer, server._reader_done, server._send = held_answer, counted_done, sent
+    address = f"tcp://127.0.0.1:{port}"
+    try:
+        for req, done in (("late", "failed_recving"), ("next", "finished_recving")):
+            side.after_step(KVConnectorMetadata(saves=[KVSave(req, np.array([5, 1], np.int32), 8)]))
+            load = KVLoad(req, np.array([0, 3], np.int32), RemoteKV(req, 8, [address]))
+            consumer.before_step(KVConnectorMetadata(loads=[load]))
+            [reported] = names(until(consumer, bool), done)
+            gave_up.set()
+            # Let go on the KVDone, long before the staging's expiry (30 s).
+            assert names(until(side, bool, timeout=5.0), "finished_sending") == [req]
+            if req == "late":
+                failure = reported
+    finally:
+        consumer.shutdown()
+        side.shutdown()
+    assert f"no answer from {address} within 0.5 s" in failure.error
+    expected = [((0, 1), None), ((1, 1), None)] if num_parts > 1 else [(None, None)]
+    assert sorted(late, key=str) == expected  # answered late, with their bytes
+    # One KVDone each: the late parts came before "next"'s answers on their connections.
+    assert dones == ["late", "next"]

@@ -12,10 +12,11 @@ cannot use, fails the load and says KVDone at once.
 Over tcp (a producer on another host), a large pull, or one of some of the staged
 layers, goes as parts of whole layers over several connections (tcp_parts.py); only the
 layers taken travel, the first pull's too. One thread owns every socket (peer_sockets.py).
-A load not answered within the timeout fails, naming the request and the address, and its
-late answer is dropped: nothing waits unbounded. A pull that cannot be sent (an address
-that cannot be connected, a peer that takes nothing) fails at once, with every pull
-waiting on that address, and the thread goes on with the others."""
+A load not answered within the timeout fails, naming the request and the address; its
+first late answer (or part) says KVDone, once whatever the pull's shape (the server counts
+readers, not parts), and every late one is dropped. Nothing waits unbounded. A pull that
+cannot be sent (an address that cannot be connected, a peer that takes nothing) fails at
+once, with every pull waiting on that address, and the thread goes on with the others."""
 
 from __future__ import annotations
 
@@ -92,6 +93,7 @@ class KVPuller:
         self._gpus = readable_gpus(device) if cuda else []
         self._not_in_place: set[str] = set()  # producers whose caches cannot be opened
         self._asked_again: set[tuple[str, str]] = set()  # (address, req_id) asked for bytes
+        self._gave_up: dict[tuple[str, str], float] = {}  # timed out, KVDone unsaid: until
         self._orders: queue.SimpleQueue[tuple[str, KVLoad, HeadSource]] = queue.SimpleQueue()
         self._copies = CopiesRun()  # device copies out of producers' caches, watched here
         self.arrived: queue.SimpleQueue[Arrived] = queue.SimpleQueue()
@@ -135,9 +137,8 @@ class KVPuller:
         self._wake.wake()
 
     def done_once_run(self, copied: torch.cuda.Event | None, arrived: Arrived) -> None:
-        """arrived's copies out of a producer's GPU cache end at copied: let arrived go and
-        tell its server once it has passed (watched here: no further step may come), or
-        at once where copied is None (host copies, done)."""
+        """arrived's copies out of a producer's cache end at copied (None: done): let
+        arrived go and tell its server once it has passed (watched here: no step may come)."""
 
         def taken() -> None:
             arrived.release()
@@ -146,11 +147,9 @@ class KVPuller:
         self.once_run(copied, taken)
 
     def once_run(self, copied: torch.cuda.Event | None, then: Callable[[], None]) -> None:
-        """then(), on the puller's thread, once copied has passed; at once where copied is
-        None (host copies, done)."""
+        """then(), on the puller's thread, once copied has passed (None: done, at once)."""
         if copied is None:
-            then()
-            return
+            return then()
         self._copies.add(copied, then)
         self._wake.wake()
 
@@ -195,12 +194,11 @@ class KVPuller:
                 for address, sock in self._sockets.readable(events):
                     self._receive(address, sock)
                 now = time.monotonic()
-                for key, (load, source, deadline, _) in list(waiting.items()):
-                    if deadline <= now:
-                        del waiting[key]
-                        self._asked_again.discard(key)
-                        error = f"no answer from {key[0]} within {self.timeout_s} s"
-                        self._fail(load, source, error)
+                for key in [key for key, entry in waiting.items() if entry[2] <= now]:
+                    # KVDone on its first late answer: before one, the KV may not be staged
+                    self._gave_up[key] = now + self.timeout_s
+                    self._give_up(key, f"no answer from {key[0]} within {self.timeout_s} s")
+                self._gave_up = {key: t for key, t in self._gave_up.items() if t > now}
         except Exception:
             log.exception("rank %d: the KV puller stopped", self.rank)
             self._dead = True
@@ -249,10 +247,14 @@ class KVPuller:
         except PeerSendError as e:
             log.warning("rank %d: %s", self.rank, e)
             for key in [key for key in self._waiting if key[0] == address]:
-                load, source, _, _ = self._waiting.pop(key)
-                self._asked_again.discard(key)
-                self._fail(load, source, str(e))
+                self._give_up(key, str(e))
             return False
+
+    def _give_up(self, key: tuple[str, str], error: str) -> None:
+        """Fail the load waiting on key (address, req_id): nothing here reads it now."""
+        load, source, _, _ = self._waiting.pop(key)
+        self._asked_again.discard(key)
+        self._fail(load, source, error)
 
     def _pull_of(self, load: KVLoad, source: HeadSource) -> KVPull:
         heads = (source.first, source.count)
@@ -284,9 +286,9 @@ class KVPuller:
             if not isinstance(reply, KVBlocks):
                 continue
             entry = waiting.pop((address, reply.req_id), None)
-            if entry is None:  # the answer to a pull that timed out: nothing will read it
-                # (Not for a part: its siblings may still come; the staging expires.)
-                if reply.error is None and reply.layers is None:
+            if entry is None:  # an answer (or part) to a pull that timed out: dropped, and
+                # the first says KVDone, one a pull (the server counts readers, not parts)
+                if self._gave_up.pop((address, reply.req_id), None) and reply.error is None:
                     self._send(address, KVDone(reply.req_id))
                 continue
             load, source, _, parts = entry
@@ -332,15 +334,8 @@ class KVPuller:
                 self._send(address, KVDone(load.remote.req_id))
             self._arrive(arrived)
 
-    def _unpack(
-        self,
-        address: str,
-        load: KVLoad,
-        source: HeadSource,
-        reply: KVBlocks,
-        frames: list[zmq.Frame],
-        received: float,
-    ) -> Arrived:
+    def _unpack(self, address: str, load: KVLoad, source: HeadSource, reply: KVBlocks,
+                frames: list[zmq.Frame], received: float) -> Arrived:  # fmt: skip
         if reply.error is not None:
             return Arrived(load, source, error=reply.error)
         staged, wanted, piece = checked_answer(self.layout, load, source, reply)
