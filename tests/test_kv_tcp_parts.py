@@ -222,9 +222,9 @@ def test_a_split_pull_timed_out_drops_its_late_parts_and_the_puller_goes_on(monk
                 assert f"no answer from {address} within 0.5 s" in failure.error
                 assert not server.poll(300), "a KVDone before any answer came late"
                 who, layers = pulls[1]
+                late = wire.encode(KVBlocks(req, layout, 2, layers=layers))
                 for _ in range(2):  # the late part, and the same again
-                    server.send_multipart([who, wire.encode(KVBlocks(req, layout, 2, layers=layers)),
-                                           staged])  # fmt: skip
+                    server.send_multipart([who, late, staged])
                 assert server.poll(5000), "no KVDone once the late part came"
                 assert wire.decode(server.recv_multipart()[1]) == KVDone(req)
                 assert not server.poll(300), "a second KVDone for one pull"

@@ -17,7 +17,7 @@ LAYERS = [
     "zmqworker.dot_precision",
     "zmqworker.pdl",
     "zmqworker.triton_rms",
-    "zmqworker.triton_shared_memory",
+    "zmqworker.triton_device",
     "zmqworker.transport",
     "zmqworker.attention",
     "zmqworker.distributed",

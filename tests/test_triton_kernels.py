@@ -514,7 +514,8 @@ def test_gate_up_silu_under_each_tile_setting_over_a_strided_input(tiles, rows):
 
 def test_gate_up_tiles_follow_the_sweeps_and_fit_the_shared_memory():
     """Up to 16 rows as before; from 32, four stages of 128-wide K at 64 wide, half the K
-    tile where a short K leaves more 64-wide programs than multiprocessors, 16 wide for
+    tile where a short K leaves more 64-wide programs than the device has multiprocessors
+    (132 unless given), 16 wide for
     small weights (bench/results/skinny_gate_up_sweep_h100.json). Where the stages would
     not fit a device's shared memory, fewer stages, then a narrower K tile."""
     from zmqworker.models.layers.skinny_gate_up import _tiles
@@ -527,6 +528,10 @@ def test_gate_up_tiles_follow_the_sweeps_and_fit_the_shared_memory():
         assert _tiles(block_m, 8960, 1536) == (64, 64, 4, 4)  # 140 programs
         assert _tiles(block_m, 11008, 2048) == (64, 64, 4, 4)  # Qwen2.5-3B
         assert _tiles(block_m, 1536, 576) == (16, 128, 4, 4)  # SmolLM2-135M
+        # The device's multiprocessors decide the second wave: 142 (an L40S) take 140
+        # programs in one, 114 (an H100 PCIe) not Llama-3.2-1B's 128.
+        assert _tiles(block_m, 8960, 1536, sms=142) == (64, 128, 4, 4)
+        assert _tiles(block_m, 8192, 2048, sms=114) == (64, 64, 4, 4)
     hopper, ada = 227 * 1024, 99 * 1024
     assert _tiles(64, 14336, 4096, 2, hopper) == (64, 128, 4, 4)  # four stages of 48 KiB
     assert _tiles(64, 14336, 4096, 2, ada) == (64, 128, 4, 2)

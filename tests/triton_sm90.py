@@ -40,10 +40,11 @@ from triton.runtime.jit import JITFunction  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32
-# (capability, the most shared memory a program may take): Hopper, where the step runs with
-# PDL; then, with PDL off, an A100 and Ada (L4, L40S), whose limits the tiles must fit too.
-SM90 = (90, 227 * 1024)
-OLDER = ((80, 163 * 1024), (89, 99 * 1024))
+# (capability, the most shared memory a program may take, multiprocessors): Hopper, where
+# the step runs with PDL; then, with PDL off, an A100 and Ada (an L4), whose limits the
+# tiles must fit too.
+SM90 = (90, 227 * 1024, 132)
+OLDER = ((80, 163 * 1024, 108), (89, 99 * 1024, 58))
 
 compiled: set[str] = set()
 state = {"pdl": True, "kernel": None, "case": None, "target": SM90}
@@ -57,7 +58,8 @@ class FakeDriver:
         self.utils = self  # get_device_properties, as Triton's driver.utils has it
 
     def get_device_properties(self, device):
-        return {"max_shared_mem": state["target"][1]}
+        _, shared, sms = state["target"]
+        return {"max_shared_mem": shared, "multiprocessor_count": sms}
 
     def get_current_device(self, *args):
         return 0
@@ -81,7 +83,7 @@ def compile_only(self, grid):
     def launch(*args, **kwargs):
         state["kernel"] = self.__name__
         kernel = self.run(*args, grid=grid, warmup=True, **kwargs)
-        capability, most = state["target"]
+        capability, most, _ = state["target"]
         if kernel.metadata.shared > most:
             raise RuntimeError(
                 f"{kernel.metadata.shared} bytes of shared memory, over sm_{capability}'s {most}"
@@ -382,7 +384,7 @@ def main(argv: list[str]) -> int:
     # PDL off (ZMQWORKER_PDL=0, or a driver that refuses it in graphs): once per kernel,
     # the case that first took it; on older GPUs the attention kernels' first cases and
     # every tile set of the kernels whose tiles are sized by shared memory.
-    from zmqworker.triton_shared_memory import shared_memory
+    from zmqworker import triton_device
 
     older = [c for c in first_of_a_kernel if c[0].startswith("attention")]
     older += [c for c in mine if c[0].startswith(("fused_moe", "gate_up_silu"))]
@@ -390,7 +392,7 @@ def main(argv: list[str]) -> int:
         state["target"] = target
         for k in kernels.values():
             k.device_caches.clear()  # compiled for the last target
-        shared_memory.cache_clear()
+        triton_device._properties.cache_clear()
         for name, fn in first_of_a_kernel if target == SM90 else older:
             run_case(name, fn, False, failed)
     for name in sorted(set(defined) - compiled) if count == 1 else ():

@@ -41,7 +41,7 @@ from zmqworker.models.layers.moe_sort import (
     route_place_kernel,
 )
 from zmqworker.pdl import launch_options, release_dependents, wait_for_inputs
-from zmqworker.triton_shared_memory import shared_memory
+from zmqworker.triton_device import fit_stages, shared_memory
 
 
 @dataclass(frozen=True)
@@ -85,17 +85,12 @@ def tiles_for(
             gate_up=(gate_up[0], gate_up[1] // 2, *gate_up[2:]),
             down=(down[0], down[1] // 2, *down[2:]),
         )
-    if shared_bytes is None:
-        return tiles
 
     def fitted(gemm: tuple[int, int, int, int], weight_tiles: int) -> tuple[int, int, int, int]:
-        # Triton's pipeline keeps num_stages - 1 stages of the block's rows and the weight's
-        # tiles (gate/up has two) in shared memory.
+        # A stage holds the block's rows and the weight's tiles (gate/up has two).
         block_n, block_k, warps, stages = gemm
         stage = (tiles.block_m + weight_tiles * block_n) * block_k * element_size
-        while stages > 2 and (stages - 1) * stage > shared_bytes:
-            stages -= 1
-        return block_n, block_k, warps, stages
+        return block_n, block_k, warps, fit_stages(stages, stage, shared_bytes)
 
     return dataclasses.replace(tiles, gate_up=fitted(tiles.gate_up, 2), down=fitted(tiles.down, 1))
 

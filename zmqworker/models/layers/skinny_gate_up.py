@@ -28,7 +28,7 @@ from zmqworker.pdl import (
     release_dependents,
     wait_for_inputs,
 )
-from zmqworker.triton_shared_memory import shared_memory
+from zmqworker.triton_device import fit_stages, multiprocessors, shared_memory
 
 # Steps above the last row tile go to cuBLAS and the SiLU kernel.
 MAX_ROWS = row_tiles.MAX_ROWS
@@ -38,9 +38,9 @@ LARGE_WEIGHT = 1 << 24
 SMALL_WEIGHT = 1 << 22
 # A K this short streams a program's tile quickly, so a ragged last wave shows (_tiles).
 SHORT_K = 2048
-# The width of the tiles from 32 rows, and the multiprocessors of an H100 SXM or H200,
-# where the rule was measured: past this many programs, one to a multiprocessor, a second
-# wave (_tiles).
+# The width of the tiles from 32 rows; past one such program a multiprocessor, a second
+# wave (_tiles). The rule was measured on the 132 of an H100 SXM, the count taken where
+# the device's is unknown.
 WIDE_N = 64
 MULTIPROCESSORS = 132
 
@@ -97,7 +97,12 @@ def _gate_up_silu_kernel(
 
 
 def _tiles(
-    block_m: int, size: int, k: int, element_size: int = 2, shared_bytes: int | None = None
+    block_m: int,
+    size: int,
+    k: int,
+    element_size: int = 2,
+    shared_bytes: int | None = None,
+    sms: int = MULTIPROCESSORS,
 ) -> tuple[int, int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps, num_stages) for a [2 * size, k] weight at a row tile:
     the best of sweeps (bench/skinny_gate_up.py --sweep; docs/cuda.md), with fewer stages
@@ -105,28 +110,24 @@ def _tiles(
 
     Up to 16 rows: 64-wide tiles for large weights. From 32 rows: four stages of 128-wide
     K, which fill a Hopper multiprocessor's shared memory at 64 wide; where a short K
-    leaves more 64-wide programs than MULTIPROCESSORS, half the K tile lets two share one,
+    leaves more 64-wide programs than the device's `sms`, half the K tile lets two share one,
     not a ragged second wave (Qwen2.5-1.5B's and Qwen2.5-3B's shapes). Small weights take
     16-wide tiles: more programs for their few bytes."""
     if block_m < 32:
         block_n, block_k, stages = (64 if size * k >= LARGE_WEIGHT else 32), 128, 3
     elif size * k < SMALL_WEIGHT:
         block_n, block_k, stages = 16, 128, 4
-    elif k <= SHORT_K and triton.cdiv(size, WIDE_N) > MULTIPROCESSORS:
+    elif k <= SHORT_K and triton.cdiv(size, WIDE_N) > sms:
         block_n, block_k, stages = WIDE_N, 64, 4
     else:
         block_n, block_k, stages = WIDE_N, 128, 4
-    if shared_bytes is not None:
-        # The rows' and the two weight tiles' buffers of every stage: Triton keeps
-        # num_stages - 1 of them on some targets and all of them on others (sm_90 at 64
-        # half-precision rows), and the count must hold on both.
-        def taken() -> int:
-            return stages * (block_m + 2 * block_n) * block_k * element_size
 
-        while stages > 2 and taken() > shared_bytes:
-            stages -= 1
-        while block_k > 32 and taken() > shared_bytes:
-            block_k //= 2
+    def stage_bytes() -> int:  # the rows' and the two weight tiles' buffers
+        return (block_m + 2 * block_n) * block_k * element_size
+
+    stages = fit_stages(stages, stage_bytes(), shared_bytes)
+    while shared_bytes is not None and block_k > 32 and stages * stage_bytes() > shared_bytes:
+        block_k //= 2
     return block_n, block_k, 4, stages
 
 
@@ -153,8 +154,11 @@ def gate_up_silu(
     if rows == 0:
         return out
     block_m = row_tiles.row_tile(rows)
-    fit = shared_memory(x.device.index or 0)
-    block_n, block_k, warps, stages = tiles or _tiles(block_m, size, k, x.element_size(), fit)
+    device = x.device.index or 0
+    block_n, block_k, warps, stages = tiles or _tiles(
+        block_m, size, k, x.element_size(), shared_memory(device),
+        multiprocessors(device) or MULTIPROCESSORS,
+    )  # fmt: skip
     _gate_up_silu_kernel[(triton.cdiv(size, block_n),)](
         out,
         x,
