@@ -1,6 +1,7 @@
 """The fused mixture of experts (Triton, run by its interpreter on the CPU) against the
-plain-torch experts: float32 and float16, one token, many tokens, experts that get no
-token, experts held on other ranks, every tile set; and the sorted layout itself."""
+plain-torch experts: float32 and float16, one token (its own kernels, and the tile
+sets'), many tokens, experts that get no token, experts held on other ranks, every tile
+set; and the sorted layout itself."""
 
 from __future__ import annotations
 
@@ -22,16 +23,24 @@ DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 HIDDEN, INTER, EXPERTS = 40, 24, 8
 
 
-def problem(tokens: int, dtype: torch.dtype, local: int = EXPERTS, seed: int = 0, skew=None):
+def problem(
+    tokens: int,
+    dtype: torch.dtype,
+    local: int = EXPERTS,
+    seed: int = 0,
+    skew=None,
+    hidden: int = HIDDEN,
+    inter: int = INTER,
+):
     """x, router logits, and a rank's experts (w13, w2) of a layer of EXPERTS experts.
     skew adds to each expert's logits: a large negative value leaves it without tokens."""
     gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(tokens, HIDDEN, generator=gen)
+    x = torch.randn(tokens, hidden, generator=gen)
     logits = torch.randn(tokens, EXPERTS, generator=gen)
     if skew is not None:
         logits = logits + torch.tensor(skew)
-    w13 = 0.2 * torch.randn(local, 2 * INTER, HIDDEN, generator=gen)
-    w2 = 0.2 * torch.randn(local, HIDDEN, INTER, generator=gen)
+    w13 = 0.2 * torch.randn(local, 2 * inter, hidden, generator=gen)
+    w2 = 0.2 * torch.randn(local, hidden, inter, generator=gen)
     return [t.to(dtype).to(DEVICE) for t in (x, logits, w13, w2)]
 
 
@@ -90,6 +99,32 @@ def test_every_tile_set_gives_the_same_result(regime, dtype):
     x, logits, w13, w2 = problem(45, dtype, seed=1)
     got = fm.fused_moe(x, logits, w13, w2, 2, True, 0, tiles=tiles)
     torch.testing.assert_close(got.cpu(), reference(x, logits, w13, w2, 2, True, 0), **close(dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize(
+    ("top_k", "first_expert", "local"), [(3, 0, EXPERTS), (8, 0, EXPERTS), (2, 4, 4), (3, 2, 3)]
+)
+def test_one_token_takes_its_own_kernels(dtype, top_k, first_expert, local):
+    """One token's two kernels (one_token_experts.py), over intermediate features in three
+    slices (the last part full) and outputs in several tiles, against the torch experts
+    and fused_moe's first tile set: k of the 8 experts or all of them, and experts held
+    on other ranks (expert parallelism)."""
+    x, logits, w13, w2 = problem(1, dtype, EXPERTS, seed=5, hidden=300, inter=70)
+    mine = slice(first_expert, first_expert + local)
+    w13, w2 = w13[mine].contiguous(), w2[mine].contiguous()
+    got = fm.fused_moe(x, logits, w13, w2, top_k, True, first_expert)
+    expected = reference(x, logits, w13, w2, top_k, True, first_expert)
+    torch.testing.assert_close(got.cpu(), expected, **close(dtype))
+    tiles = fm.tiles_for(1, top_k, local, x.element_size())
+    tiled = fm.fused_moe(x, logits, w13, w2, top_k, True, first_expert, tiles=tiles)
+    torch.testing.assert_close(got, tiled, **close(dtype))
+
+
+def test_one_token_whose_choices_are_all_elsewhere_gets_zeros():
+    x, logits, w13, w2 = problem(1, torch.float32, seed=6, skew=[9, 9, 9, 9, 0, 0, 0, 0])
+    got = fm.fused_moe(x, logits, w13[4:].contiguous(), w2[4:].contiguous(), 2, False, 4)
+    assert got.shape == (1, HIDDEN) and not got.any()
 
 
 @pytest.mark.parametrize("first_expert", [0, 4])
@@ -160,9 +195,10 @@ def test_pairs_are_sorted_by_expert_in_padded_runs(tokens, chunk):
 
 def test_warm_up_token_counts_reach_every_tile_set():
     starts = fm.token_starts(top_k=8, num_local=128)
-    # 17: the first tile set's first step of two routing chunks (two kernels, not one)
-    assert starts == [1, 17, 257, 1025, 4097]
-    assert [fm.tiles_for(n, 8, 128) for n in starts] == [fm._REGIMES[0][1]] + [
+    # 1: one token's kernels (one_token_experts.py); 2: the first tile set's first step;
+    # 17: its first step of two routing chunks (two kernels, not one)
+    assert starts == [1, 2, 17, 257, 1025, 4097]
+    assert [fm.tiles_for(n, 8, 128) for n in starts[1:]] == [fm._REGIMES[0][1]] + [
         t for _, t in fm._REGIMES
     ]
     assert fm.tiles_for(256, 8, 128) == fm._REGIMES[0][1]

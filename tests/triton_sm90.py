@@ -344,9 +344,11 @@ def cases() -> list[tuple[str, object]]:
     out.append(case(skinny_linear, BF16, 1, 2048, 2048, False))  # 64 wide
     out.append(case(skinny_linear, BF16, 16, 3072, 2048, True))  # large and wide: 32 wide
     out.append(case(skinny_linear, F32, 1, 256, 2048, True))
-    for tokens in (1, 40, 100, 300, 1100):  # each tile set; from 40, routed in chunks
+    # One token's own kernels, then each tile set; from 40, routed in chunks.
+    for tokens in (1, 2, 40, 100, 300, 1100):
         out.append(case(fused_moe, BF16, tokens, tokens % 2 == 0))
-    out.append(case(fused_moe, BF16, 1, True, experts=128, top_k=8))  # Qwen3-MoE's routing
+    for tokens in (1, 2):  # Qwen3-MoE's routing, in either kernel that routes one chunk
+        out.append(case(fused_moe, BF16, tokens, True, experts=128, top_k=8))
     out.append(case(fused_moe, BF16, 64, True, experts=128, top_k=8))
     out.append(case(fused_moe, F32, 1, True))
     out.append(case(fused_moe, F32, 300, False))

@@ -9,6 +9,9 @@
 4. down: the same over the activations, the routing weight multiplied in its epilogue;
 5. combine: each token's products summed in choice order, in float32.
 
+A step of one token (a lone request's decode) over small experts takes two kernels of
+its own instead (one_token_experts.py).
+
 The grids are fixed by the step's token count (the most blocks the padded runs can take),
 and blocks past the last run return at once: no host synchronisation, no shape that
 depends on the routing. Pairs routed to experts held on other ranks (expert parallelism)
@@ -34,6 +37,7 @@ import triton
 import triton.language as tl
 
 from zmqworker.dot_precision import dot_precision
+from zmqworker.models.layers import one_token_experts as one_token
 from zmqworker.models.layers.moe_sort import (
     max_blocks,
     place_kernel,
@@ -96,11 +100,12 @@ def tiles_for(
 
 
 def token_starts(top_k: int, num_local: int) -> list[int]:
-    """The fewest tokens of each tile set, and where a set that starts within one routing
-    chunk first takes two: a step of each compiles what steps of its range run."""
-    starts = [1] + [int(most * num_local // top_k) + 1 for most, _ in _REGIMES[:-1]]
-    ends = starts[1:] + [None]
-    for start, end, (_, tiles) in zip(list(starts), ends, _REGIMES, strict=True):
+    """The fewest tokens of each tile set (one token: one_token_experts.py; the first set
+    from two), and where a set that starts within one routing chunk first takes two: a
+    step of each compiles what steps of its range run."""
+    starts = [1, 2] + [int(most * num_local // top_k) + 1 for most, _ in _REGIMES[:-1]]
+    ends = starts[2:] + [None]
+    for start, end, (_, tiles) in zip(starts[1:], ends, _REGIMES, strict=True):
         if start <= tiles.chunk and (end is None or tiles.chunk + 1 < end):
             starts.append(tiles.chunk + 1)
     return sorted(starts)
@@ -258,8 +263,9 @@ def fused_moe(
     """For x [tokens, hidden] and its router logits [tokens, num_experts], each token's
     sum over its top_k experts held here (w13 [local, 2 * inter, hidden], w2 [local,
     hidden, inter], experts first_expert onwards) of weight * down(silu(gate) * up), as
-    experts.route and experts.experts_reference give it. tiles overrides the step's
-    (benchmarks, tests)."""
+    experts.route and experts.experts_reference give it; one token's over small experts in
+    two kernels of its own (one_token_experts.py). tiles overrides the step's, and takes
+    one token through the tile sets too (benchmarks, tests)."""
     num_tokens, hidden = x.shape
     num_local, two_inter, _ = w13.shape
     inter = two_inter // 2
@@ -277,6 +283,8 @@ def fused_moe(
             f"fused_moe: x {tuple(x.shape)}, logits {tuple(logits.shape)}, w13 "
             f"{tuple(w13.shape)}, w2 {tuple(w2.shape)} (contiguous), top_k {top_k}"
         )
+    if num_tokens == 1 and tiles is None and one_token.pays(hidden, inter):
+        return one_token.one_token_experts(x, logits, w13, w2, top_k, renormalize, first_expert)
     out = torch.empty(num_tokens, hidden, dtype=x.dtype, device=x.device)
     if num_tokens == 0:
         return out

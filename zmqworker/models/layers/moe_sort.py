@@ -45,11 +45,9 @@ def _route_rows(
     RENORMALIZE: tl.constexpr,
     SUB: tl.constexpr,
 ):
-    """The top k experts of these rows' tokens and their weights, stored; returns each
-    expert's place among its row's choices [rows, EXPERTS_P2] (-1: not chosen, or a row
-    past num_tokens). Each probability and its expert pack into
-    one int64 (the float's bits above, the expert reversed below, so that a tie goes to
-    the lower expert): a round of the top k is one max, not a max and an argmax."""
+    """The top k experts of these rows' tokens and their weights (top_k), stored; returns
+    each expert's place among its row's choices [rows, EXPERTS_P2] (-1: not chosen, or a
+    row past num_tokens)."""
     experts = tl.arange(0, EXPERTS_P2)
     real = experts < NUM_EXPERTS
     slots = tl.arange(0, TOP_K_P2)
@@ -57,6 +55,31 @@ def _route_rows(
     ptrs = logits_ptr + rows[:, None].to(tl.int64) * stride_logits + experts[None, :]
     logits = tl.load(ptrs, mask=row_ok[:, None] & real[None, :], other=0.0).to(tl.float32)
     logits = tl.where(real[None, :], logits, float("-inf"))
+    chosen, weights, choice = top_k(logits, EXPERTS_P2, TOP_K, TOP_K_P2, RENORMALIZE, SUB)
+    out = rows[:, None] * TOP_K + slots[None, :]
+    ok = row_ok[:, None] & (slots[None, :] < TOP_K)
+    tl.store(ids_ptr + out, chosen, mask=ok)
+    tl.store(weights_ptr + out, weights, mask=ok)
+    return tl.where(row_ok[:, None], choice, -1)
+
+
+@triton.jit
+def top_k(
+    logits,
+    EXPERTS_P2: tl.constexpr,
+    TOP_K: tl.constexpr,
+    TOP_K_P2: tl.constexpr,
+    RENORMALIZE: tl.constexpr,
+    SUB: tl.constexpr,
+):
+    """For router logits [SUB, EXPERTS_P2] (float32, -inf past the experts): each row's
+    top k experts [SUB, TOP_K_P2] and their weights, and each expert's place among its
+    row's choices [SUB, EXPERTS_P2] (-1: not chosen). Softmax in float32, then k rounds of
+    a max: each probability and its expert pack into one int64 (the float's bits above,
+    the expert reversed below, so that a tie goes to the lower expert), so that a round
+    is one max, not a max and an argmax."""
+    experts = tl.arange(0, EXPERTS_P2)
+    slots = tl.arange(0, TOP_K_P2)
     probs = tl.exp(logits - tl.max(logits, axis=1)[:, None])
     probs = probs / tl.sum(probs, axis=1)[:, None]
     # Non-negative floats order as their bits do.
@@ -76,11 +99,7 @@ def _route_rows(
         keys = tl.where(hit, -1, keys)
     if RENORMALIZE:
         weights = weights / tl.sum(weights, axis=1)[:, None]
-    out = rows[:, None] * TOP_K + slots[None, :]
-    ok = row_ok[:, None] & (slots[None, :] < TOP_K)
-    tl.store(ids_ptr + out, chosen, mask=ok)
-    tl.store(weights_ptr + out, weights, mask=ok)
-    return tl.where(row_ok[:, None], choice, -1)
+    return chosen, weights, choice
 
 
 # The token count changes with every step: specialised, each new kind would cost a compile.
