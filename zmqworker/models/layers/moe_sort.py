@@ -45,9 +45,9 @@ def _route_rows(
     RENORMALIZE: tl.constexpr,
     SUB: tl.constexpr,
 ):
-    """The top k experts of these rows' tokens and their weights (top_k), stored; returns
-    each expert's place among its row's choices [rows, EXPERTS_P2] (-1: not chosen, or a
-    row past num_tokens)."""
+    """The top k experts of these rows' tokens and their weights (top_experts), stored;
+    returns each expert's place among its row's choices [rows, EXPERTS_P2] (-1: not
+    chosen, or a row past num_tokens)."""
     experts = tl.arange(0, EXPERTS_P2)
     real = experts < NUM_EXPERTS
     slots = tl.arange(0, TOP_K_P2)
@@ -55,7 +55,7 @@ def _route_rows(
     ptrs = logits_ptr + rows[:, None].to(tl.int64) * stride_logits + experts[None, :]
     logits = tl.load(ptrs, mask=row_ok[:, None] & real[None, :], other=0.0).to(tl.float32)
     logits = tl.where(real[None, :], logits, float("-inf"))
-    chosen, weights, choice = top_k(logits, EXPERTS_P2, TOP_K, TOP_K_P2, RENORMALIZE, SUB)
+    chosen, weights, choice = top_experts(logits, EXPERTS_P2, TOP_K, TOP_K_P2, RENORMALIZE, SUB)
     out = rows[:, None] * TOP_K + slots[None, :]
     ok = row_ok[:, None] & (slots[None, :] < TOP_K)
     tl.store(ids_ptr + out, chosen, mask=ok)
@@ -64,7 +64,7 @@ def _route_rows(
 
 
 @triton.jit
-def top_k(
+def top_experts(
     logits,
     EXPERTS_P2: tl.constexpr,
     TOP_K: tl.constexpr,

@@ -3,7 +3,7 @@ kernels, where fused_moe.py's path takes four (routing, gate/up, down, combine),
 waiting for the one before while the step is only a read of the token's k experts:
 
 1. experts: one program per (choice, slice of the intermediate features). It routes the
-   token as fused_moe's routing does (moe_sort.top_k, the same bits), and for its
+   token as fused_moe's routing does (moe_sort.top_experts, the same bits), and for its
    choice's expert, where held here, computes its slice of silu(gate) * up and that
    slice's share of the down projection: a float32 partial of the expert's output. The
    programs of slice 0 store their choice's expert and weight.
@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from zmqworker.dot_precision import dot_precision
-from zmqworker.models.layers.moe_sort import top_k
+from zmqworker.models.layers.moe_sort import top_experts
 from zmqworker.pdl import launch_options, release_dependents, wait_for_inputs
 from zmqworker.triton_device import fit_stages, shared_memory
 
@@ -76,7 +76,8 @@ def _experts_kernel(
     experts = tl.arange(0, EXPERTS_P2)
     real = experts < NUM_EXPERTS
     logits = tl.load(logits_ptr + experts[None, :], mask=real[None, :], other=float("-inf"))
-    chosen, weights, _ = top_k(logits.to(tl.float32), EXPERTS_P2, TOP_K, TOP_K_P2, RENORMALIZE, 1)
+    logits = logits.to(tl.float32)
+    chosen, weights, _ = top_experts(logits, EXPERTS_P2, TOP_K, TOP_K_P2, RENORMALIZE, 1)
     mine = tl.arange(0, TOP_K_P2)[None, :] == j
     expert = tl.sum(tl.where(mine, chosen, 0))
     if part == 0:
