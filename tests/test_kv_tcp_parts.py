@@ -295,3 +295,29 @@ def test_a_pull_timed_out_lets_the_staging_go_with_one_kvdone(monkeypatch, num_p
     assert sorted(late, key=str) == expected  # answered late, with their bytes
     # One KVDone each: the late parts came before "next"'s answers on their connections.
     assert dones == ["late", "next"]
+
+
+def test_a_pull_timed_out_and_refused_late_says_one_kvdone() -> None:
+    """A whole pull not answered within the timeout, then refused: the refusal, like one
+    in time, says KVDone (the server counted this reader when it refused), once."""
+    address = f"tcp://127.0.0.1:{free_port()}"
+    ctx = zmq.Context()
+    consumer = connector("consumer", caches(6, seed=16), 0, shared_memory=False, timeout_s=0.5)
+    try:
+        server = peer(ctx, zmq.ROUTER, address)
+        load = KVLoad("late", np.array([4, 1], np.int32), RemoteKV("late", 8, [address]))
+        consumer.before_step(KVConnectorMetadata(loads=[load]))
+        assert server.poll(5000), "no pull"
+        who, body = server.recv_multipart()
+        assert wire.decode(body).layers is None  # one pull, not parts
+        [failure] = names(until(consumer, bool), "failed_recving")
+        assert f"no answer from {address} within 0.5 s" in failure.error
+        refusal = wire.encode(KVBlocks("late", layout_of(SPEC), 0, error="no KV staged"))
+        for _ in range(2):
+            server.send_multipart([who, refusal])
+        assert server.poll(5000), "no KVDone once the refusal came"
+        assert wire.decode(server.recv_multipart()[1]) == KVDone("late")
+        assert not server.poll(300), "a second KVDone for one pull"
+    finally:
+        consumer.shutdown()
+        ctx.destroy(linger=0)

@@ -36,9 +36,9 @@ def test_greedy_tokens_match_transformers(family: str, enforce_eager: bool) -> N
 
 
 def test_no_triton_kernel_compiles_after_warm_up() -> None:
-    """Steps of 1 to 200 tokens reach three of the fused experts' tile sets (8 experts,
-    top 3: from 43 and from 171 tokens); warm-up compiled each."""
-    from zmqworker.models.layers import fused_moe, moe_sort
+    """Steps of 1 to 200 tokens reach one token's kernels and three of the fused experts'
+    tile sets (8 experts, top 3: from 43 and from 171 tokens); warm-up compiled each."""
+    from zmqworker.models.layers import fused_moe, moe_sort, one_token_experts
 
     kernels = [
         moe_sort.route_kernel,
@@ -47,6 +47,8 @@ def test_no_triton_kernel_compiles_after_warm_up() -> None:
         fused_moe._gate_up_kernel,
         fused_moe._down_kernel,
         fused_moe._combine_kernel,
+        one_token_experts._slices_kernel,
+        one_token_experts._slices_combine_kernel,
     ]
 
     def compiled() -> list[int]:

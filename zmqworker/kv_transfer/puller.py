@@ -288,7 +288,7 @@ class KVPuller:
             entry = waiting.pop((address, reply.req_id), None)
             if entry is None:  # an answer (or part) to a pull that timed out: dropped, and
                 # the first says KVDone, one a pull (the server counts readers, not parts)
-                if self._gave_up.pop((address, reply.req_id), None) and reply.error is None:
+                if self._gave_up.pop((address, reply.req_id), None):  # a refusal's too
                     self._send(address, KVDone(reply.req_id))
                 continue
             load, source, _, parts = entry

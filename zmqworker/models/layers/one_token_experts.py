@@ -2,8 +2,9 @@
 kernels, where fused_moe.py's path takes four (routing, gate/up, down, combine), each
 waiting for the one before while the step is only a read of the token's k experts:
 
-1. experts: one program per (choice, slice of the intermediate features). It routes the
-   token as fused_moe's routing does (moe_sort.top_experts, the same bits), and for its
+1. slices: one program per (choice, slice of the intermediate features). It routes the
+   token as fused_moe's routing does (moe_sort.top_experts; over a one-row tile, whose
+   softmax sum may round otherwise than route_place's by an ulp), and for its
    choice's expert, where held here, computes its slice of silu(gate) * up and that
    slice's share of the down projection: a float32 partial of the expert's output. The
    programs of slice 0 store their choice's expert and weight.
@@ -29,7 +30,8 @@ from zmqworker.models.layers.moe_sort import top_experts
 from zmqworker.pdl import launch_options, release_dependents, wait_for_inputs
 from zmqworker.triton_device import fit_stages, shared_memory
 
-# Experts of at most this many weights a projection take these kernels: at one token a
+# Experts of at most this many weights a projection on a rank (tensor parallelism slices
+# them) take these kernels: at one token a
 # small expert's kernels are short, and the waits between fused_moe's four are much of
 # the step (Qwen3-30B-A3B's 1.6M); a large expert's tile sets stream at the floor
 # already (Mixtral-8x7B's 58.7M). docs/cuda.md has both.
@@ -46,7 +48,7 @@ ROWS = 16  # the tensor cores' smallest tile: the token's row and 15 of zeros
 
 
 @triton.jit
-def _experts_kernel(
+def _slices_kernel(
     partials_ptr,
     ids_ptr,
     weights_ptr,
@@ -120,7 +122,7 @@ def _experts_kernel(
 
 
 @triton.jit
-def _combine_kernel(
+def _slices_combine_kernel(
     out_ptr,
     partials_ptr,
     ids_ptr,
@@ -187,7 +189,7 @@ def one_token_experts(
     # A stage holds the gate/up loop's rows and two weight tiles, or the down loop's tile.
     stage = max((ROWS + 2 * BLOCK_I) * block_k, block_n * BLOCK_I) * size
     stages = fit_stages(stages, stage, shared_memory(device.index or 0))
-    _experts_kernel[(top_k, parts)](
+    _slices_kernel[(top_k, parts)](
         partials, ids, weights, x, logits, w13, w2, first_expert, inter, hidden,
         NUM_EXPERTS=num_experts, EXPERTS_P2=triton.next_power_of_2(num_experts),
         NUM_LOCAL=num_local, TOP_K=top_k, TOP_K_P2=triton.next_power_of_2(top_k),
@@ -196,7 +198,7 @@ def one_token_experts(
         **pdl,
     )  # fmt: skip
     out = torch.empty(1, hidden, dtype=x.dtype, device=device)
-    _combine_kernel[(triton.cdiv(hidden, COMBINE_BLOCK),)](
+    _slices_combine_kernel[(triton.cdiv(hidden, COMBINE_BLOCK),)](
         out, partials, ids, weights, hidden, first_expert, NUM_LOCAL=num_local, TOP_K=top_k,
         PARTS=parts, PART_TILE=min(PART_TILE, triton.next_power_of_2(parts)),
         BLOCK=COMBINE_BLOCK, **pdl,
