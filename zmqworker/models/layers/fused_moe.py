@@ -44,6 +44,7 @@ from zmqworker.models.layers.moe_sort import (
     route_kernel,
     route_place_kernel,
 )
+from zmqworker.models.layers.triton_ops import silu_times_up
 from zmqworker.pdl import launch_options, release_dependents, wait_for_inputs
 from zmqworker.triton_device import fit_stages, shared_memory
 
@@ -167,12 +168,9 @@ def _gate_up_kernel(
         gate = tl.dot(x, w_gate, gate, input_precision=PRECISION)
         up = tl.dot(x, w_up, up, input_precision=PRECISION)
     release_dependents(PDL)
-    dtype = out_ptr.dtype.element_ty
-    gate = gate.to(dtype).to(tl.float32)
-    up = up.to(dtype).to(tl.float32)
-    act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
     out = out_ptr + pairs[:, None].to(tl.int64) * inter + offs_n[None, :]
-    tl.store(out, (act * up).to(dtype), mask=m_ok[:, None] & n_ok[None, :])
+    product = silu_times_up(gate, up, out_ptr.dtype.element_ty)
+    tl.store(out, product, mask=m_ok[:, None] & n_ok[None, :])
 
 
 @triton.jit(do_not_specialize=["num_pairs", "num_blocks"])

@@ -27,6 +27,7 @@ import triton.language as tl
 
 from zmqworker.dot_precision import dot_precision
 from zmqworker.models.layers.moe_sort import top_experts
+from zmqworker.models.layers.triton_ops import silu_times_up
 from zmqworker.pdl import launch_options, release_dependents, wait_for_inputs
 from zmqworker.triton_device import fit_stages, shared_memory
 
@@ -104,11 +105,8 @@ def _slices_kernel(
             w_up = tl.load(up_rows + offs_k[None, :], mask=w_ok, other=0.0)
             gate = tl.dot(x, tl.trans(w_gate), gate, input_precision=PRECISION)
             up = tl.dot(x, tl.trans(w_up), up, input_precision=PRECISION)
-        dtype = x_ptr.dtype.element_ty
-        gate = gate.to(dtype).to(tl.float32)
-        up = up.to(dtype).to(tl.float32)
-        act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
-        hidden_slice = (act * up).to(dtype)  # its padding rows and features are zeros
+        # Its padding rows and features are zeros.
+        hidden_slice = silu_times_up(gate, up, x_ptr.dtype.element_ty)
         down_cols = w2_ptr + local.to(tl.int64) * hidden * inter + offs_i[None, :]
         partial = partials_ptr + (j * tl.num_programs(1) + part).to(tl.int64) * hidden
         for n0 in range(0, hidden, BLOCK_N):

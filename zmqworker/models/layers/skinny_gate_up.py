@@ -22,6 +22,7 @@ import triton.language as tl
 
 from zmqworker.dot_precision import dot_precision
 from zmqworker.models.layers import row_tiles
+from zmqworker.models.layers.triton_ops import silu_times_up
 from zmqworker.pdl import (
     launch_options,
     prefetch_weights,
@@ -88,12 +89,9 @@ def _gate_up_silu_kernel(
     if HAS_BIAS:
         gate += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
         up += tl.load(bias_ptr + size + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    dtype = out_ptr.dtype.element_ty
-    gate = gate.to(dtype).to(tl.float32)
-    up = up.to(dtype).to(tl.float32)
-    act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
     out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * size + offs_n[None, :]
-    tl.store(out_ptrs, (act * up).to(dtype), mask=m_ok[:, None] & n_ok[None, :])
+    product = silu_times_up(gate, up, out_ptr.dtype.element_ty)
+    tl.store(out_ptrs, product, mask=m_ok[:, None] & n_ok[None, :])
 
 
 def _tiles(

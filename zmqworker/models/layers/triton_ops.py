@@ -87,6 +87,17 @@ def rms_norm(
 
 
 @triton.jit
+def silu_times_up(gate, up, dtype: tl.constexpr):
+    """silu(gate) * up in dtype, of float32 gate and up projections, rounded as the torch
+    layers round: each projection to dtype, then the activation, then the product. The
+    SiLU kernel's and every gate/up GEMM's epilogue."""
+    gate = gate.to(dtype).to(tl.float32)
+    up = up.to(dtype).to(tl.float32)
+    act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+    return (act * up).to(dtype)
+
+
+@triton.jit
 def _silu_and_mul_kernel(
     out_ptr, x_ptr, SIZE: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr
 ):
@@ -98,8 +109,7 @@ def _silu_and_mul_kernel(
     dtype = x_ptr.dtype.element_ty
     gate = tl.load(x_ptr + row * 2 * SIZE + offs, mask=ok, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + row * 2 * SIZE + SIZE + offs, mask=ok, other=0.0).to(tl.float32)
-    act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
-    tl.store(out_ptr + row * SIZE + offs, (act * up).to(dtype), mask=ok)
+    tl.store(out_ptr + row * SIZE + offs, silu_times_up(gate, up, dtype), mask=ok)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
