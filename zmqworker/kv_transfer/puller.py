@@ -149,7 +149,8 @@ class KVPuller:
     def once_run(self, copied: torch.cuda.Event | None, then: Callable[[], None]) -> None:
         """then(), on the puller's thread, once copied has passed (None: done, at once)."""
         if copied is None:
-            return then()
+            then()
+            return
         self._copies.add(copied, then)
         self._wake.wake()
 

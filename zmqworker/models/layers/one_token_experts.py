@@ -32,10 +32,10 @@ from zmqworker.pdl import launch_options, release_dependents, wait_for_inputs
 from zmqworker.triton_device import fit_stages, shared_memory
 
 # Experts of at most this many weights a projection on a rank (tensor parallelism slices
-# them) take these kernels: at one token a
-# small expert's kernels are short, and the waits between fused_moe's four are much of
-# the step (Qwen3-30B-A3B's 1.6M); a large expert's tile sets stream at the floor
-# already (Mixtral-8x7B's 58.7M). docs/cuda.md has both.
+# them) take these kernels: at one token a small expert's kernels are short, and the
+# waits between fused_moe's four are much of the step (Qwen3-30B-A3B's 1.6M); a large
+# expert's tile sets stream at the floor already (Mixtral-8x7B's 58.7M). docs/cuda.md
+# has both.
 SMALL_EXPERT = 1 << 23
 # Intermediate features a program takes (Qwen3-30B-A3B's 768 in 12 slices: 96 programs
 # for its 8 choices, each down row a whole 128-byte line), and (BLOCK_K of gate/up,

@@ -100,7 +100,7 @@ def _tiles(
     k: int,
     element_size: int = 2,
     shared_bytes: int | None = None,
-    sms: int = MULTIPROCESSORS,
+    sms: int | None = None,
 ) -> tuple[int, int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps, num_stages) for a [2 * size, k] weight at a row tile:
     the best of sweeps (bench/skinny_gate_up.py --sweep; docs/cuda.md), with fewer stages
@@ -108,14 +108,15 @@ def _tiles(
 
     Up to 16 rows: 64-wide tiles for large weights. From 32 rows: four stages of 128-wide
     K, which fill a Hopper multiprocessor's shared memory at 64 wide; where a short K
-    leaves more 64-wide programs than the device's `sms`, half the K tile lets two share one,
-    not a ragged second wave (Qwen2.5-1.5B's and Qwen2.5-3B's shapes). Small weights take
-    16-wide tiles: more programs for their few bytes."""
+    leaves more 64-wide programs than the device has multiprocessors (`sms`; None:
+    MULTIPROCESSORS), half the K tile lets two share one, not a ragged second wave
+    (Qwen2.5-1.5B's and Qwen2.5-3B's shapes). Small weights take 16-wide tiles: more
+    programs for their few bytes."""
     if block_m < 32:
         block_n, block_k, stages = (64 if size * k >= LARGE_WEIGHT else 32), 128, 3
     elif size * k < SMALL_WEIGHT:
         block_n, block_k, stages = 16, 128, 4
-    elif k <= SHORT_K and triton.cdiv(size, WIDE_N) > sms:
+    elif k <= SHORT_K and triton.cdiv(size, WIDE_N) > (sms or MULTIPROCESSORS):
         block_n, block_k, stages = WIDE_N, 64, 4
     else:
         block_n, block_k, stages = WIDE_N, 128, 4
@@ -154,9 +155,8 @@ def gate_up_silu(
     block_m = row_tiles.row_tile(rows)
     device = x.device.index or 0
     block_n, block_k, warps, stages = tiles or _tiles(
-        block_m, size, k, x.element_size(), shared_memory(device),
-        multiprocessors(device) or MULTIPROCESSORS,
-    )  # fmt: skip
+        block_m, size, k, x.element_size(), shared_memory(device), multiprocessors(device)
+    )
     _gate_up_silu_kernel[(triton.cdiv(size, block_n),)](
         out,
         x,
