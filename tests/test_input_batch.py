@@ -474,6 +474,22 @@ BAD_STEPS = {
         lambda: step(cached=CachedRequestData.build([1], [5], [1], resumed_req_handles=[2])),
         "request 'req-2' (handle 2): resumed but not among",
     ),
+    "resumed beside new requests only": (
+        lambda: SchedulerOutput(
+            [new_req(5, [1], [6], 1)],
+            CachedRequestData.build([], [], [], resumed_req_handles=[2]),
+            1,
+        ),
+        "request 'req-2' (handle 2): resumed but not among",
+    ),
+    "new block ids of no cached request": (
+        lambda: SchedulerOutput(
+            [new_req(5, [1], [6], 1)],
+            replace(CachedRequestData.empty(), new_block_ids=np.array([6], np.int32)),
+            1,
+        ),
+        "new_block_ids holds 1 values but NUM_NEW_BLOCKS sums to 0",
+    ),
     "token id out of vocabulary": (
         lambda: step(cached=CachedRequestData.build([1], [5], [1], None, [[VOCAB]])),
         "request 'req-1' (handle 1): token id 100",

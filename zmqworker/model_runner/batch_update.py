@@ -265,6 +265,22 @@ def _plan_cached(
     if resumed_set - set(handle_list):
         handle = min(resumed_set - set(handle_list))
         raise ValueError(f"{batch.describe(handle)}: resumed but not among the cached requests")
+    if not handle_list:
+        # A step of new requests only (a first step on an idle runner, its time to first
+        # token): the checks below would run some twenty array operations on nothing.
+        nothing = np.zeros(0, np.int64)
+        return CachedPlan(
+            handles=handles,
+            rows=nothing,
+            resumed=np.zeros(0, bool),
+            known_tokens=nothing,
+            num_computed=computed,
+            num_scheduled=scheduled,
+            num_new_blocks=num_blocks,
+            num_new_tokens=num_tokens,
+            new_block_ids=block_ids,
+            new_token_ids=token_ids,
+        )
     row_of = batch.row_of
     if removed:
         rows = [-1 if h in removed else row_of.get(h, -1) for h in handle_list]
