@@ -17,6 +17,7 @@ position this worker sampled last for the request.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
@@ -265,22 +266,21 @@ def _plan_cached(
     if resumed_set - set(handle_list):
         handle = min(resumed_set - set(handle_list))
         raise ValueError(f"{batch.describe(handle)}: resumed but not among the cached requests")
+    plan = functools.partial(
+        CachedPlan,
+        handles=handles,
+        num_computed=computed,
+        num_scheduled=scheduled,
+        num_new_blocks=num_blocks,
+        num_new_tokens=num_tokens,
+        new_block_ids=block_ids,
+        new_token_ids=token_ids,
+    )
     if not handle_list:
         # A step of new requests only (a first step on an idle runner, its time to first
         # token): the checks below would run some twenty array operations on nothing.
         nothing = np.zeros(0, np.int64)
-        return CachedPlan(
-            handles=handles,
-            rows=nothing,
-            resumed=np.zeros(0, bool),
-            known_tokens=nothing,
-            num_computed=computed,
-            num_scheduled=scheduled,
-            num_new_blocks=num_blocks,
-            num_new_tokens=num_tokens,
-            new_block_ids=block_ids,
-            new_token_ids=token_ids,
-        )
+        return plan(rows=nothing, resumed=np.zeros(0, bool), known_tokens=nothing)
     row_of = batch.row_of
     if removed:
         rows = [-1 if h in removed else row_of.get(h, -1) for h in handle_list]
@@ -332,18 +332,7 @@ def _plan_cached(
     )
     _check_flat_range(batch, handle_list, block_ids, num_blocks, batch.num_kv_blocks, "block id")
     _check_flat_range(batch, handle_list, token_ids, num_tokens, batch.vocab_size, "token id")
-    return CachedPlan(
-        handles=handles,
-        rows=row_array,
-        resumed=resumed,
-        known_tokens=known,
-        num_computed=computed,
-        num_scheduled=scheduled,
-        num_new_blocks=num_blocks,
-        num_new_tokens=num_tokens,
-        new_block_ids=block_ids,
-        new_token_ids=token_ids,
-    )
+    return plan(rows=row_array, resumed=resumed, known_tokens=known)
 
 
 def _check_unique(batch: BatchView, handles: list[int], new_handles: set[int]) -> None:
