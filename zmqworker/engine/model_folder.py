@@ -5,10 +5,11 @@ headers, to refuse a quantized checkpoint (models/quantization.py); and the text
 loaded while the workers start.
 
 config.json is read as plain JSON (msgspec), not through transformers: for a local folder
-PretrainedConfig's reader is that same JSON read behind a 0.9 s import of transformers,
-and anything before the workers are spawned is on the critical path of start-up. The
-engine needs six numbers, with LlamaConfig's defaults where config.json leaves them out;
-the workers build the model's own config (AutoConfig) themselves.
+PretrainedConfig's reader is that same JSON read behind transformers' import (which
+brings torch's), and anything before the workers are spawned is on the critical path of
+start-up (docs/architecture.md, "Start-up"). The engine needs six numbers, with
+LlamaConfig's defaults where config.json leaves them out; the workers build the model's
+own config (AutoConfig) themselves.
 """
 
 from __future__ import annotations
