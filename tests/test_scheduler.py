@@ -236,6 +236,30 @@ def test_preemption_frees_the_newest_and_restarts_it_with_its_outputs():
         assert request.output_token_ids == expected_output(request, executor)
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_preemption_never_takes_the_blocks_of_an_older_request(async_scheduling):
+    # A cache of 10 blocks for three requests that outgrow it: the first to arrive is the
+    # oldest all its life, so no request may preempt it. With async scheduling a request
+    # in flight that lacks a block waits for the newer ones' steps; it used to preempt
+    # an idle older one (one waiting for those steps itself).
+    for seed in range(40):
+        rng = random.Random(seed)
+        core, executor = make_core(num_blocks=10, max_num_seqs=4,
+                                   async_scheduling=async_scheduling)  # fmt: skip
+        prompts = [[rng.randrange(50) for _ in range(rng.randint(1, 20))] for _ in range(3)]
+        requests = [
+            Request(f"r{i}", prompt, greedy(max_tokens=rng.randint(5, 20)))
+            for i, prompt in enumerate(prompts)
+        ]
+        for request in requests:
+            core.add_request(request)
+        run(core)
+        assert requests[0].num_preemptions == 0, f"seed {seed}"
+        for request in requests:
+            assert request.output_token_ids == expected_output(request, executor), f"seed {seed}"
+        assert core.block_manager.num_free_blocks == core.block_manager.num_blocks
+
+
 def test_finished_handles_are_reported_once_and_blocks_freed():
     core, executor = make_core(max_num_seqs=3)
     requests = random_requests(8, seed=3)

@@ -300,7 +300,7 @@ class Scheduler:
         table, request = self.table, self.table.requests[position]
         idle = (self.in_flight.num_steps[table.handle[: len(table)]] == 0) & ~draft.in_step()
         running = np.array([r.status is RequestStatus.RUNNING for r in table.requests], bool)
-        victims = np.flatnonzero(idle).tolist()  # the newest last
+        victims = (np.flatnonzero(idle[position:]) + position).tolist()  # never older; newest last
         while victims:
             victim = victims.pop()
             if not running[victim]:
