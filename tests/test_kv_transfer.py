@@ -229,6 +229,30 @@ def test_a_prompt_whose_prefix_the_decode_side_holds_pulls_only_the_rest(
     assert free_blocks(decode) == decode.block_manager.num_blocks
 
 
+def test_sleep_waits_for_the_kv_a_finished_prefill_holds_for_its_decode_side(
+    pair: DisaggregatedEngine,
+) -> None:
+    """Finished on the prefill side, a request's KV is held for the decode side (staged
+    by the next step): a sleep then would drop it, and the decode side would pull the
+    new cache's blocks in its place. It is refused until the pull has ended."""
+    prompt = PROMPTS[1]
+    [colocated] = run_colocated(pair.decode, prompts=[prompt])
+    pair.decode.reset_prefix_cache()
+    pair.add_request("held", prompt, GREEDY)
+    while not pair.requests["held"].token_ids:  # the prefill's step, its first token
+        pair.step()
+    assert pair.prefill.num_unfinished == 0
+    with pytest.raises(RuntimeError, match="the KV of 1 finished prefill.s. held for a decode"):
+        pair.prefill.sleep(1)
+    while pair.has_work():
+        pair.step()
+    assert (pair.requests["held"].error, pair.requests["held"].token_ids) == (None, colocated)
+    pair.prefill.sleep(1)
+    pair.prefill.wake_up(None)
+    [again] = pair.generate([prompt], GREEDY, timeout_s=300)
+    assert (again.error, again.token_ids) == (None, colocated)
+
+
 @pytest.mark.parametrize("threaded", [False, True], ids=["stepped", "threaded"])
 def test_logprobs_through_the_in_process_routers_equal_colocated(
     pair: DisaggregatedEngine, monkeypatch, threaded: bool

@@ -333,6 +333,12 @@ class EngineCore:
                 f"sleep with {unfinished} request(s) unfinished, whose KV cache it would drop: "
                 "let them finish or abort them first"
             )
+        transfers = self.kv_connector.under_way() if self.kv_connector is not None else None
+        if transfers:
+            raise RuntimeError(
+                f"sleep with {transfers}, whose blocks it would drop: step until the "
+                "transfers end (pulled, or expired) first"
+            )
         with refusals():
             self.executor.sleep(level)
         self.block_manager.reset_prefix_cache()  # the cache's contents are gone

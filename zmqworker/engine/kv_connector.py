@@ -94,6 +94,17 @@ class KVConnectorScheduler:
         """Whether transfers are under way: steps must go on to hear of their end."""
         return bool(self._to_load or self._loading or self._sending or self._saves)
 
+    def under_way(self) -> str | None:
+        """The transfers that hold blocks (None: none), in words: a sleep, which drops the
+        cache, must wait for them."""
+        held, pulls = len(self._sending), len(self._to_load) + len(self._loading)
+        parts = []
+        if held:
+            parts.append(f"the KV of {held} finished prefill(s) held for a decode instance")
+        if pulls:
+            parts.append(f"{pulls} pull(s) of KV from a prefill instance")
+        return " and ".join(parts) or None
+
     def holds(self, req_id: str) -> bool:
         """Whether blocks are still held under req_id, where no live request has that id:
         a finished prefill's until its KV is sent, an aborted pull's until its end is
