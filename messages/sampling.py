@@ -11,7 +11,6 @@ and sends the prompt's last k tokens (frontend/new_requests.py).
 
 from __future__ import annotations
 
-import math
 from numbers import Integral, Real
 from typing import Annotated
 
@@ -27,6 +26,9 @@ MAX_BAD_WORD_TOKENS = 64
 MAX_N = 128
 # Token ids, top_k, min_tokens and top-n logprobs land in the workers' int32 columns.
 INT32_MAX = 2**31 - 1
+# The largest float32: the workers keep temperatures and penalties in float32 columns,
+# where a larger finite value would be inf (and a masked logit over it NaN).
+FLOAT32_MAX = 3.4028234663852886e38
 TokenId = Annotated[int, Meta(ge=0, le=INT32_MAX)]
 
 
@@ -213,13 +215,15 @@ class SamplingParams(msgspec.Struct, tag=True, frozen=True, omit_defaults=True):
     def validate(self) -> None:
         """Raise ValueError (msgspec.ValidationError) naming the first field out of range.
         Decoding checks the Meta constraints; this makes SamplingParams(...) check them,
-        and the one no Meta can say: an infinite temperature (NaN fails its >= 0)."""
+        and the one no Meta says: a temperature or repetition penalty the workers' float32
+        holds as a finite number (NaN fails their lower bounds)."""
         _check_allowed(self.allowed_token_ids)  # before the schema's check: a plainer error
         msgspec.convert(msgspec.structs.asdict(self), _Checked)
-        if math.isinf(self.temperature):
-            raise ValueError("temperature must be finite, got inf")
-        if math.isinf(self.repetition_penalty):
-            raise ValueError("repetition_penalty must be finite, got inf")
+        for name in ("temperature", "repetition_penalty"):
+            if (value := getattr(self, name)) > FLOAT32_MAX:
+                raise ValueError(
+                    f"{name} must be finite in float32 (at most {FLOAT32_MAX:.8g}), got {value}"
+                )
         if self.prompt_logprobs == -1:
             raise ValueError(
                 "prompt_logprobs=-1 (the whole vocabulary at every prompt position) is not "

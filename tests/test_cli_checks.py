@@ -76,7 +76,8 @@ def count(model: str, text: str) -> int:
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["x", "--temperature", "inf"], "temperature must be finite, got inf"),
+        (["x", "--temperature", "inf"],
+         "temperature must be finite in float32 (at most 3.4028235e+38), got inf"),
         (["x", "--logprobs", "50"], "--logprobs 50 is more than max_logprobs=20"),
         (["x", "--logprobs", "6", "--max-logprobs", "5"],
          "--logprobs 6 is more than max_logprobs=5"),

@@ -26,6 +26,9 @@ from messages.codec import Decoder, Encoder, ProtocolError
         ({"temperature": float("nan")}, r"Expected `float` >= 0.0 - at `\$.temperature`"),
         ({"top_p": float("nan")}, r"Expected `float` > 0.0 - at `\$.top_p`"),
         ({"temperature": float("inf")}, r"temperature must be finite"),
+        # Finite in Python, inf in the workers' float32 columns.
+        ({"temperature": 1e39}, r"temperature must be finite in float32 .*, got 1e\+39"),
+        ({"repetition_penalty": 1e39}, r"repetition_penalty must be finite in float32"),
         ({"temperature": "hot"}, r"Expected `float`, got `str` - at `\$.temperature`"),
         ({"seed": 2**63}, r"Expected `int` <= 9223372036854775807 - at `\$.seed`"),
         # The workers hold these in int32 columns.
@@ -56,6 +59,7 @@ def test_values_in_range_round_trip():
     assert msgspec.structs.replace(params, logprobs=20).logprobs == 20
     with pytest.raises(ValueError, match="logprobs"):
         msgspec.structs.replace(params, logprobs=-1)
+    SamplingParams(temperature=3.4e38, repetition_penalty=3.4e38)  # finite in float32
 
 
 def test_end_of_sequence_ids_past_int32_do_not_decode():
