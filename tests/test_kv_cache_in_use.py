@@ -93,3 +93,21 @@ def test_asleep_the_cache_comes_back_for_the_requests_that_fit_it(path) -> None:
     assert runner.kv_caches == []
     new_cache(NUM_BLOCKS)(runner)
     assert len(runner.kv_caches) > 0 and len(runner.batch) == 1
+
+
+def test_a_request_whose_kv_sleep_released_is_preempted_or_finished_not_decoded(path) -> None:
+    """Its next decode would read the new cache's zeros as its history: refused by name;
+    preempted, it comes back recomputed with transformers' tokens."""
+    runner = make_runner(path)
+    first = start(runner)
+    runner.release_kv_cache()  # what sleep does
+    new_cache(NUM_BLOCKS)(runner)  # what wake_up does
+    with pytest.raises(ValueError, match="'x' \\(handle 3\\): its KV went with the cache a sl"):
+        decode(runner, len(PROMPT))
+    runner.execute_model(SchedulerOutput([], CachedRequestData.empty(), 0, [], [3]))
+    known = len(PROMPT) + 1
+    resumed = CachedRequestData.build([3], [0], [known], [[4, 5, 6]], resumed_req_handles=[3])
+    tokens = [first, token(runner.execute_model(SchedulerOutput([], resumed, known)))]
+    tokens += [decode(runner, known + i) for i in range(2)]
+    assert tokens == hf_greedy(path, PROMPT, 4)
+    assert not runner.batch.kv_dropped

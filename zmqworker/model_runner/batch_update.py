@@ -18,7 +18,7 @@ position this worker sampled last for the request.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Set
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -60,6 +60,7 @@ class BatchView(Protocol):
     num_blocks: np.ndarray
     row_of: Mapping[int, int]
     parked: Mapping[int, _Parked]
+    kv_dropped: Set[int]  # handles in rows whose KV a released cache took
 
     def __len__(self) -> int: ...
 
@@ -293,6 +294,10 @@ def _plan_cached(
     known = np.zeros(len(handles), np.int64)
     existing_blocks = np.zeros(len(handles), np.int64)
     active = row_array >= 0
+    if batch.kv_dropped:
+        dropped = np.isin(handles, np.fromiter(batch.kv_dropped, np.int64)) & active
+        fail(dropped, lambda i: "its KV went with the cache a sleep released; preempt it "
+             "(it is recomputed) or finish it")  # fmt: skip
     known[active] = batch.num_tokens[row_array[active]]
     extended = active & ~resumed
     existing_blocks[extended] = batch.num_blocks[row_array[extended]]

@@ -91,6 +91,9 @@ class InputBatch:
 
         self.row_of: dict[int, int] = {}
         self.parked: dict[int, ParkedRequest] = {}
+        # Requests in rows whose KV a released cache took with it (sleep): they may only
+        # finish or be preempted, which recomputes them.
+        self.kv_dropped: set[int] = set()
         self._free_rows = list(range(max_num_seqs))
 
     # the step -------------------------------------------------------------------------
@@ -227,6 +230,7 @@ class InputBatch:
     def remove_request(self, handle: int, park: bool) -> None:
         """Free the request's row; a preempted request (park=True) is kept aside."""
         row = self.row_of.pop(handle)
+        self.kv_dropped.discard(handle)
         if park:
             req_id, params = self.req_ids[row], self.params[row]
             assert req_id is not None and params is not None

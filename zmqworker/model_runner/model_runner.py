@@ -178,6 +178,7 @@ class ModelRunner:
             self.shared_kv.close()
         self.kv_caches, self.shared_kv = [], None
         self.batch.num_kv_blocks = 0
+        self.batch.kv_dropped = set(self.batch.row_of)
 
     def profile_run(self) -> None:
         """The dummy steps of peak-memory profiling (dummy_steps.py)."""
