@@ -16,6 +16,7 @@ import threading
 import time
 
 from tests.test_serve import MODEL, Server
+from zmqworker.engine.core_server import CLIENT_SILENT_S
 
 
 def post(server: Server, body: dict) -> tuple[int, str]:
@@ -140,6 +141,27 @@ def test_a_dead_replica_stops_the_server_answering_the_others_streams():
     # The survivor's stream: its API server was told, by the main process.
     assert any(error.startswith("the server stops: ") for error in errors), errors
     assert "Cancel" not in server.output()
+
+
+def test_an_api_server_its_engine_core_dropped_stops_the_server():
+    """Paused past the engine core's bound for a silent client, an API server is dropped
+    by it, which lives on: the API server must not answer every request after with an
+    error, unnoticed. It exits, and the main process stops the whole server naming it."""
+    from tests.test_serve import processes
+
+    server = Server("--api-server-count", "1")
+    try:
+        [api] = processes(server, "zmqworker.serve.api_server")
+        assert post(server, {"model": MODEL, "prompt": "Hi", "max_tokens": 1})[0] == 200
+        api.send_signal(signal.SIGSTOP)
+        time.sleep(CLIENT_SILENT_S + 2)
+        api.send_signal(signal.SIGCONT)
+        assert server.proc.wait(30) == 1
+    finally:
+        server.stop()
+    output = server.output()
+    assert f"api server 0 (pid {api.pid}) exited (exit status 1)" in output, output[-2000:]
+    assert "the server stops: engine core 0" in output and "connection dropped" in output
 
 
 def test_metrics_answer_with_an_engine_core_dead():

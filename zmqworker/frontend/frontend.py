@@ -246,6 +246,13 @@ class Frontend(ControlMethods):
         self._attach()
         return EngineStats.total(await self.client.call_async("stats"))
 
+    @property
+    def lost(self) -> Exception | None:
+        """Why an engine core is lost to this client (the first's error), one it did not
+        ask to stop: it died, or dropped this client (a client silent past its bound)."""
+        gone = (e.dead for e in self.client.engines if e.dead is not None and not e.stopping)
+        return next(gone, None)
+
     def fail_all(self, error: Exception) -> None:
         """End every request in flight with error: its caller gets it, its engine core
         aborts it; a request added later raises it (a server that stops answers what

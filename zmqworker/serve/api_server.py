@@ -5,7 +5,10 @@ ApiServerConfig on its stdin.
 It loads the model's text side, connects to the engine cores the main process started
 (a client of each, watching each through a pidfd of its own), and runs uvicorn on uvloop
 over the listening socket it inherited: every API server accepts on the same port. It
-exits with its parent (PR_SET_PDEATHSIG; at once if its parent is no longer that pid);
+exits with its parent (PR_SET_PDEATHSIG; at once if its parent is no longer that pid),
+and with status 1 once it has lost an engine core its parent has not (an engine core
+drops a client that went silent, one stopped or paused past its bound): the parent then
+stops the whole server, as for any part that dies;
 SIGTERM drains it (uvicorn stops taking
 connections and lets the requests in flight finish, at most shutdown_timeout_s, then
 answers those left with a 503 or ends their streams with an error); SIGUSR1 is the
@@ -23,6 +26,7 @@ import os
 import signal
 import socket
 import sys
+import time
 from collections.abc import Iterator
 
 import msgspec
@@ -50,6 +54,9 @@ READY_TIMEOUT_S = 3600.0  # the engine cores start beside it: their workers, war
 
 # After the drain's deadline, how long the requests it ended have to answer.
 ANSWER_S = 2.0
+# How long it waits, once it lost an engine core, for its parent's word (SIGUSR1, when
+# the parent saw that engine core end too: its error names what died) before it exits.
+LOST_WAIT_S = 2.0
 
 
 class ApiServerConfig(msgspec.Struct, frozen=True):
@@ -123,7 +130,7 @@ def run(config: ApiServerConfig) -> int:
             ),
         )
         server.run(sockets=[socket.socket(fileno=config.listen_fd)])
-        return 0 if server.started else 1
+        return 0 if server.started and server.lost is None else 1
     finally:
         frontend.close()
 
@@ -143,6 +150,22 @@ class _Server(uvicorn.Server):
         self._drain_s = drain_s
         self._stop_file = stop_file
         self._failed_now = False
+        self._lost_at: float | None = None
+        self.lost: Exception | None = None  # the engine core loss it exits for
+
+    async def on_tick(self, counter: int) -> bool:
+        """Exit (status 1) LOST_WAIT_S after losing an engine core, unless told first."""
+        lost = self._frontend.lost
+        if lost is not None and not self.should_exit:
+            now = time.monotonic()
+            if self._lost_at is None:
+                self._lost_at = now
+            if now - self._lost_at >= LOST_WAIT_S:
+                logger.error("API server: the server stops: %s", lost)
+                self._frontend.fail_all(APIError(f"the server stops: {lost}", 503, "server_error"))
+                self._failed_now = True
+                self.lost, self.should_exit = lost, True
+        return await super().on_tick(counter)
 
     def _fail_now(self) -> None:
         """SIGUSR1 (on the loop): answer everything with the stop file's reason, exit."""
