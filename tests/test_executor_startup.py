@@ -6,6 +6,8 @@ handshake's bounds: a rank stopped before its Hello, a worker's wait for its Wel
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -64,6 +66,24 @@ def test_an_ipc_socket_that_cannot_bind_leaves_nothing_behind(folder: Path) -> N
         MultiprocExecutor(echo_config(), transport="ipc")
     assert list(folder.iterdir()) == []
     assert threads() <= before
+
+
+def test_a_fast_exit_before_the_workers_start_leaves_no_folder(tmp_path: Path) -> None:
+    """An engine core told to leave at once (SIGTERM: fast_exit) after its executor bound
+    its socket, before the workers that would remove it started: nothing is left."""
+    script = (
+        "import sys, tempfile\n"
+        "tempfile.tempdir = sys.argv[1]\n"
+        "from tests.test_executor import echo_config\n"
+        "from zmqworker.executor import multiproc\n"
+        "from zmqworker.runtime.fast_exit import fast_exit\n"
+        "multiproc.spawn_all = lambda *args: fast_exit([], 3)\n"
+        "multiproc.MultiprocExecutor(echo_config())\n"
+    )
+    root = Path(__file__).resolve().parent.parent
+    done = subprocess.run([sys.executable, "-c", script, str(tmp_path)], cwd=root, timeout=120)
+    assert done.returncode == 3
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_a_failure_after_the_zap_thread_started_stops_it(folder: Path) -> None:

@@ -48,6 +48,7 @@ from zmqworker.executor.handshake import (
 from zmqworker.executor.message_limits import message_limits
 from zmqworker.executor.process import WorkerProcess, spawn_all
 from zmqworker.executor.rpc_client import RpcClient
+from zmqworker.runtime.fast_exit import hold_folder, let_go
 from zmqworker.transport.curve import CURVE_ENV, RunKeys, start_zap
 from zmqworker.transport.heartbeats import check_bound
 from zmqworker.transport.spawn_env import (
@@ -123,6 +124,8 @@ class MultiprocExecutor(Executor):
         # what was made before it.
         with ExitStack() as undo:
             self._dir = tempfile.mkdtemp(prefix="zmqworker-")  # mode 0700: only this user
+            hold_folder(self._dir)  # a fast exit before the workers start removes it
+            undo.callback(let_go, self._dir)
             undo.callback(shutil.rmtree, self._dir, ignore_errors=True)
             self._ctx = zmq.Context()
             undo.callback(self._ctx.term)
@@ -215,6 +218,7 @@ class MultiprocExecutor(Executor):
             self._zap.stop()
         self._ctx.term()
         shutil.rmtree(self._dir, ignore_errors=True)
+        let_go(self._dir)
         self._finalizer.detach()
 
     @property
@@ -254,3 +258,4 @@ def _kill_all(procs: list[WorkerProcess], folder: str) -> None:
     for proc in procs:
         proc.stop(grace_s=0.0, term_s=SIGTERM_GRACE_S)
     shutil.rmtree(folder, ignore_errors=True)
+    let_go(folder)
