@@ -162,18 +162,21 @@ class _Server(uvicorn.Server):
                 self._lost_at = now
             if now - self._lost_at >= LOST_WAIT_S:
                 logger.error("API server: the server stops: %s", lost)
-                self._frontend.fail_all(APIError(f"the server stops: {lost}", 503, "server_error"))
-                self._failed_now = True
-                self.lost, self.should_exit = lost, True
+                self.lost = lost
+                self._fail_now(f"the server stops: {lost}")
         return await super().on_tick(counter)
 
-    def _fail_now(self) -> None:
-        """SIGUSR1 (on the loop): answer everything with the stop file's reason, exit."""
+    def _on_usr1(self) -> None:
+        """SIGUSR1 (on the loop): fail everything with the stop file's reason."""
         try:
             with open(self._stop_file) as f:
                 reason = f.read().strip() or "the server stops"
         except OSError:
             reason = "the server stops"
+        self._fail_now(reason)
+
+    def _fail_now(self, reason: str) -> None:
+        """Answer everything with reason (a 503), and exit."""
         self._frontend.fail_all(APIError(reason, 503, "server_error"))
         self._failed_now = True  # the drain's own deadline has nothing left to end
         self.should_exit = True
@@ -197,7 +200,7 @@ class _Server(uvicorn.Server):
     def capture_signals(self) -> Iterator[None]:
         loop = asyncio.get_running_loop()
         previous = signal.signal(signal.SIGTERM, self.handle_exit)
-        usr1 = signal.signal(signal.SIGUSR1, lambda *_: loop.call_soon_threadsafe(self._fail_now))
+        usr1 = signal.signal(signal.SIGUSR1, lambda *_: loop.call_soon_threadsafe(self._on_usr1))
         try:
             yield
         finally:
