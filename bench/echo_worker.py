@@ -129,6 +129,9 @@ class EchoExtension:
     def unencodable(self) -> object:
         return object()  # not a declared message type
 
+    def mapping(self) -> object:
+        return {"tokens": 3}  # encodes, but no Value: the engine could not decode it
+
     def getenv(self, name: str) -> str | None:
         return os.environ.get(name)
 

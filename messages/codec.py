@@ -130,6 +130,22 @@ class Encoder:
         return msgspec.msgpack.Ext(kind + 1, head + _FRAME.pack(len(self._frames) - 1))
 
 
+def peek_call_id(body: bytes | memoryview) -> int | None:
+    """The call id a message's body says, read without its schema: for a request or a
+    reply that did not decode, so that its call fails at once rather than at its
+    deadline. The body is MessagePack, an array whose second element is a map with an
+    integer "call_id" (docs/protocol.md, "Which call_id an error reply carries"); None
+    where it is not."""
+    try:
+        whole = msgspec.msgpack.decode(body)
+    except Exception:
+        return None
+    if not isinstance(whole, list) or len(whole) < 2 or not isinstance(whole[1], dict):
+        return None
+    call_id = whole[1].get("call_id")
+    return call_id if isinstance(call_id, int) and not isinstance(call_id, bool) else None
+
+
 class Decoder:
     """Decodes [body, *frames] into a message. Not thread-safe: one per receiving thread.
 

@@ -232,6 +232,8 @@ class EngineCoreOutputs(msgspec.Struct, tag=True, omit_defaults=True):
                 )
         else:
             _check_ints("token_offsets", offsets)
+            # Checked as int64: an unsigned column's differences (uint8's) wrap, never < 0.
+            offsets = offsets.astype(np.int64, copy=False)
             if len(offsets) != n + 1:
                 raise ValueError(f"{len(offsets)} token_offsets for {n} request_ids: needs {n + 1}")
             if offsets[0] != 0 or offsets[-1] != len(tokens) or (np.diff(offsets) < 0).any():

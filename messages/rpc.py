@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import typing
 from typing import Annotated
 
 import msgspec
@@ -19,8 +20,9 @@ from messages.step import (
 from messages.weights import CudaWeights, SharedWeights, WeightUpdate
 
 # What an RPC argument or result may be: plain values, or one of the declared messages.
-# Lists hold plain values only. There is deliberately no catch-all: anything else fails
-# to encode on the sender's side.
+# Lists hold plain values only (checked by value_problem: the schema's list takes any
+# item). There is deliberately no catch-all: anything else fails to encode on the
+# sender's side.
 Value = (
     None
     | bool
@@ -41,6 +43,36 @@ Value = (
     | SharedWeights
     | CudaWeights
 )
+
+_PLAIN = (type(None), bool, int, float, str)
+_MESSAGES = tuple(
+    t for t in typing.get_args(Value) if isinstance(t, type) and issubclass(t, msgspec.Struct)
+)
+
+
+def value_problem(value: object, where: str) -> str | None:
+    """Why value is not a Value (naming where in it), or None: a list's items must be plain
+    values or lists of them, at any depth (walked without recursion)."""
+    if isinstance(value, _PLAIN + _MESSAGES):
+        return None
+    if not isinstance(value, (list, tuple)):
+        return (
+            f"{where} is a {type(value).__name__}, not a Value (nil, bool, int, float, str, "
+            "a list of them, or one of the declared messages)"
+        )
+    lists = [(where, value)]
+    while lists:
+        path, items = lists.pop()
+        for i, item in enumerate(items):
+            if isinstance(item, (list, tuple)):
+                lists.append((f"{path}[{i}]", item))
+            elif not isinstance(item, _PLAIN):
+                return (
+                    f"{path}[{i}] is a {type(item).__name__}: a list holds nil, bool, int, "
+                    "float, str and lists of them"
+                )
+    return None
+
 
 ALL_RANKS = None
 
@@ -63,6 +95,14 @@ class RpcRequest(msgspec.Struct, tag=True):
     deadline: float = 0.0
     reply_rank: int | list[int] | None = ALL_RANKS
 
+    def __post_init__(self) -> None:
+        for i, arg in enumerate(self.args):
+            if (problem := value_problem(arg, f"{self.method}'s args[{i}]")) is not None:
+                raise ValueError(problem)
+        for name, arg in self.kwargs.items():
+            if (problem := value_problem(arg, f"{self.method}'s kwargs[{name!r}]")) is not None:
+                raise ValueError(problem)
+
 
 class RemoteError(msgspec.Struct, tag=True):
     """An exception raised on a worker, as the engine sees it."""
@@ -80,6 +120,10 @@ class RpcReply(msgspec.Struct, tag=True):
     rank: int
     result: Value = None
     error: RemoteError | None = None
+
+    def __post_init__(self) -> None:
+        if (problem := value_problem(self.result, "the result")) is not None:
+            raise ValueError(problem)
 
 
 class Hello(msgspec.Struct, tag=True):

@@ -322,6 +322,10 @@ BAD = [
         {"request_ids": ["a", "b", "c"], "token_offsets": np.array([0, 2, 1, 2], np.int32)},
         r"going down",
     ),
+    (  # unsigned, whose differences must not wrap
+        {"request_ids": ["a", "b", "c"], "token_offsets": np.array([0, 2, 1, 2], np.uint8)},
+        r"going down",
+    ),
     ({"request_ids": ["a", "a"]}, r"'a' is in request_ids twice"),
     ({"finished": [{"type": "FinishedOutput", "index": 2, "finish_reason": "stop"}]}, "index 2"),
     (

@@ -251,8 +251,23 @@ def test_unsupported_dtypes_are_refused() -> None:
 
 
 def test_value_outside_the_contract_is_refused_by_the_sender() -> None:
-    with pytest.raises(TypeError, match="cannot encode complex"):
-        Encoder().encode(RpcRequest(1, "m", [[1j]]))
+    with pytest.raises(ValueError, match=r"m's args\[0\]\[0\] is a complex"):
+        RpcRequest(1, "m", [[1j]])
+    with pytest.raises(ValueError, match=r"m's kwargs\['k'\] is a dict"):
+        RpcRequest(1, "m", [], {"k": {"a": 1}})
+    with pytest.raises(ValueError, match="the result is a bytes, not a Value"):
+        RpcReply(1, 0, b"raw")
+    assert RpcRequest(1, "m", [[1, [2.0, "x", None]], (True,)]).args[1] == (True,)
+
+
+@pytest.mark.parametrize("args", [[[{"a": 1}]], [[1, [b"raw"]]], [{"a": 1}]])
+def test_a_list_that_holds_more_than_plain_values_does_not_decode(args: list) -> None:
+    """The schema's list takes any item; the protocol's holds plain values only."""
+    with pytest.raises(ProtocolError):
+        Decoder().decode([body({"type": "RpcRequest", "call_id": 1, "method": "m", "args": args})])
+    reply = {"type": "RpcReply", "call_id": 1, "rank": 0, "result": args}
+    with pytest.raises(ProtocolError):
+        Decoder().decode([body(reply)])
 
 
 def body(msg: dict, version: int = PROTOCOL_VERSION) -> bytes:

@@ -149,4 +149,4 @@ def test_a_result_the_codec_rejects_is_answered_with_an_error(result: object) ->
     replier.finish(req, result, None)
     reply = Decoder().decode(sent[0])
     assert isinstance(reply, RpcReply) and reply.call_id == 7 and reply.rank == 3
-    assert reply.error is not None and "cannot be encoded" in reply.error.message
+    assert reply.error is not None and "the result of m cannot be sent" in reply.error.message

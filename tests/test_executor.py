@@ -39,6 +39,7 @@ from zmqworker.executor.errors import (
     WorkerStuckError,
 )
 from zmqworker.executor.handshake import Handshake, polite_shutdown
+from zmqworker.executor.message_limits import message_limits
 from zmqworker.executor.multiproc import MultiprocExecutor
 
 
@@ -202,11 +203,26 @@ def test_method_outside_the_allowlist_is_refused(ex2):
 
 def test_result_that_cannot_be_encoded_is_an_error(ex2):
     assert ex2.collective_rpc("echo", ([1, 2],)) == [[1, 2], [1, 2]]
-    with pytest.raises(WorkerError, match="cannot be encoded"):
+    with pytest.raises(WorkerError, match="unencodable cannot be sent: the result is a object"):
         ex2.collective_rpc("unencodable")
     with pytest.raises(TypeError, match="cannot be encoded"):
         ex2.collective_rpc("echo", (object(),))
+    with pytest.raises(TypeError, match=r"args\[0\]\[1\] is a dict"):
+        ex2.collective_rpc("echo", ([1, {"a": 1}],))
     assert ex2.collective_rpc("echo", (5,)) == [5, 5]
+
+
+def test_a_result_no_engine_could_take_is_an_error_and_the_workers_serve_on(ex2):
+    """A result that encodes but is no Value (the engine could not decode it), or that has
+    a frame past the engine's bound (libzmq would drop the worker's connection), is
+    answered with an error that says so, at once."""
+    with pytest.raises(WorkerError, match="the result is a dict, not a Value"):
+        ex2.collective_rpc("mapping", timeout=30)
+    limits = message_limits(echo_config(tp=2))
+    assert limits.request_bytes > limits.reply_bytes  # the echo's request goes out
+    with pytest.raises(WorkerError, match=f"more than the {limits.reply_bytes} bytes the engine"):
+        ex2.collective_rpc("echo", ("x" * limits.reply_bytes,), timeout=30)
+    assert ex2.collective_rpc("echo", ("hi",)) == ["hi", "hi"]
 
 
 def test_deadline_names_method_and_silent_ranks(ex2):
@@ -660,14 +676,6 @@ def test_columnar_message_types_survive_the_wire(ex2):
     so = SchedulerOutput([], CachedRequestData.build(arr, arr, arr), 15)
     assert msgspec.structs.asdict(so)["total_num_scheduled_tokens"] == 15
     assert ex2.execute_model(so).sampled_token_ids.tolist() == (arr + 1).tolist()
-
-
-def test_request_the_worker_cannot_decode_fails_at_once(ex2):
-    # A dict encodes on the engine's side but is no declared argument type: the worker
-    # answers that call id with a protocol error instead of leaving it to hang.
-    with pytest.raises(WorkerError, match="ProtocolError"):
-        ex2.collective_rpc("echo", ({"a": 1},), timeout=30)
-    assert ex2.collective_rpc("echo", (6,)) == [6, 6]
 
 
 def test_owed_answers_are_the_newest_in_order_call_each_rank_has_not_answered() -> None:

@@ -17,16 +17,19 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import msgspec
 import numpy as np
 import pytest
 import torch
 import zmq
 
 from messages import (
+    PROTOCOL_VERSION,
     CachedRequestData,
     Decoder,
     Encoder,
     EngineCoreConfig,
+    IntermediateTensors,
     ModelConfig,
     NewRequestData,
     ProtocolError,
@@ -271,6 +274,19 @@ def test_a_worker_refuses_a_request_of_too_many_frames_and_serves_the_next(engin
     assert engine.proc.poll() is None
 
 
+def test_a_request_the_worker_cannot_decode_fails_at_once(engine) -> None:
+    """A map is no Value (our engine refuses to send one): a worker answers that call id
+    with a protocol error instead of leaving it to hang, and serves the next."""
+    request = {"type": "RpcRequest", "call_id": 5, "method": "echo", "args": [[{"a": 1}]]}
+    engine.send([msgspec.msgpack.encode([PROTOCOL_VERSION, request])])
+    reply = engine.reply()
+    assert reply is not None and reply.call_id == 5 and reply.error is not None
+    assert reply.error.exc_type == "ProtocolError" and "args[0][0] is a dict" in reply.error.message
+    engine.send(Encoder().encode(RpcRequest(6, "echo", [6])))
+    reply = engine.reply()
+    assert reply is not None and (reply.call_id, reply.result) == (6, 6)
+
+
 def test_a_worker_takes_a_step_of_max_frames(engine) -> None:
     """The bound itself: a step whose every array is a data frame of its own."""
     count = (MAX_FRAMES - 2) // 2  # new requests: a prompt and a block table each
@@ -342,7 +358,8 @@ def test_the_engine_drops_a_message_of_too_many_frames_and_takes_max_frames(capl
         before = ex.rpc.dropped_messages
         stray.connect(ex.address)
         stray.send_multipart(junk(MAX_FRAMES + 1))
-        largest = every_array_framed(RpcReply(1, 0, result=arrays(MAX_FRAMES - 1)))
+        tensors = {f"t{i}": torch.from_numpy(a) for i, a in enumerate(arrays(MAX_FRAMES - 1))}
+        largest = every_array_framed(RpcReply(1, 0, result=IntermediateTensors(tensors)))
         assert len(largest) == MAX_FRAMES
         stray.send_multipart(largest)
         deadline = time.monotonic() + 10

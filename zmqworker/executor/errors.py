@@ -26,6 +26,16 @@ class WorkerError(ExecutorError):
         super().__init__(text)
 
 
+class UndecodableReplyError(ExecutorError):
+    """A worker's reply to a call that the engine could not decode (a result that is not
+    a Value, from a worker of another build or language)."""
+
+    def __init__(self, method: str, rank: int, reason: str) -> None:
+        self.method = method
+        self.rank = rank
+        super().__init__(f"{method}: the reply of rank {rank} did not decode: {reason}")
+
+
 # Refusals a caller can act on, raised again in the engine as the same kind of error.
 _LOCAL_KINDS = {
     "ValueError": ValueError,

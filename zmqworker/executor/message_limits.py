@@ -47,7 +47,7 @@ class MessageLimits:
     prompt_logprobs_bytes: int = 0  # one request's prompt logprobs, one array of them
 
     def to_env(self) -> str:
-        return f"{self.request_bytes},{self.pipeline_bytes}"
+        return f"{self.request_bytes},{self.pipeline_bytes},{self.reply_bytes}"
 
 
 def check_request_frames(method: str, frames: Sequence[bytes | memoryview], limit: int) -> None:

@@ -81,6 +81,7 @@ class RayWorkerActor:
         curve_keys: str,
         max_request_bytes: int,
         max_pipeline_bytes: int,
+        max_reply_bytes: int,
         welcome_timeout_s: float,
         engine_silent_s: float | None,
     ) -> None:
@@ -109,6 +110,7 @@ class RayWorkerActor:
             keys=keys,
             max_request_bytes=max_request_bytes,
             max_pipeline_bytes=max_pipeline_bytes,
+            max_reply_bytes=max_reply_bytes,
             welcome_timeout_s=welcome_timeout_s,
             engine_silent_s=engine_silent_s,
         )

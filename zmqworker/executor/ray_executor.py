@@ -294,6 +294,7 @@ class RayExecutor(Executor):
                 worker_keys,
                 limits.request_bytes,
                 limits.pipeline_bytes,
+                limits.reply_bytes,
                 timeout + WELCOME_MARGIN_S,
                 self.stuck_after_s,
             )

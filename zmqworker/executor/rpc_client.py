@@ -33,9 +33,11 @@ from typing import Any
 import zmq
 
 from messages import Decoder, Encoder, ProtocolError, RpcReply, RpcRequest
+from messages.codec import peek_call_id
 from zmqworker.executor.calls import Call, Liveness, OwedAnswers, RpcFuture, request_frames
 from zmqworker.executor.errors import (
     ExecutorError,
+    UndecodableReplyError,
     WorkerDiedError,
     WorkerError,
     WorkerStuckError,
@@ -271,8 +273,11 @@ class RpcClient:
                 raise ValueError(f"reply rank {reply_rank} is not one of the ranks {ranks}")
             call_id = next(self._ids)
             identities = [self.identities[rank] for rank in ranks]
-        req = RpcRequest(call_id, method, list(args), kwargs or {}, reply_rank=reply_rank,
-                         deadline=0.0 if timeout is None else time.time() + timeout)  # fmt: skip
+        deadline_s = 0.0 if timeout is None else time.time() + timeout
+        try:
+            req = RpcRequest(call_id, method, list(args), kwargs or {}, deadline_s, reply_rank)
+        except ValueError as e:  # an argument that is not a Value
+            raise TypeError(f"arguments of {method} cannot be encoded: {e}") from None
         frames = request_frames(self._enc, req, self.max_request_bytes)
         deadline = None if timeout is None else time.monotonic() + timeout
         single = reply_rank if isinstance(reply_rank, int) else None
@@ -322,6 +327,7 @@ class RpcClient:
         except ProtocolError as e:
             self.dropped_messages += 1
             log.warning("dropped a message that did not decode (peer %r): %s", identity, e)
+            self._fail_undecoded(identity, frames, e)
             return
         if isinstance(msg, RpcReply) and self.identities.get(msg.rank) == identity:
             self._on_reply(msg)
@@ -330,6 +336,21 @@ class RpcClient:
         else:
             self.dropped_messages += 1
             log.warning("dropped an unexpected %s (peer %r)", type(msg).__name__, identity)
+
+    def _fail_undecoded(
+        self, identity: bytes, frames: list[zmq.Frame] | TooManyFrames, error: ProtocolError
+    ) -> None:
+        """A worker's reply that did not decode fails the call its body names, which would
+        otherwise wait for its deadline, or for ever."""
+        rank = next((r for r, i in self.identities.items() if i == identity), None)
+        first = frames.first if isinstance(frames, TooManyFrames) else frames[0]
+        call_id = peek_call_id(first.buffer) if rank is not None else None
+        call = self._calls.get(call_id) if call_id is not None else None
+        if call is None:
+            return
+        del self._calls[call_id]
+        self._owed.answered(rank, call_id, call)
+        call.finish(error=UndecodableReplyError(call.method, rank, str(error)))
 
     def _on_reply(self, reply: RpcReply) -> None:
         call = self._calls.get(reply.call_id)

@@ -91,7 +91,7 @@ def run_worker(args: argparse.Namespace) -> int:
     try:
         _check_address(args.engine)
         keys = WorkerKeys.from_env()
-        max_request, max_pipeline = _limits(os.environ.get(MAX_MESSAGE_ENV, ""))
+        max_request, max_pipeline, max_reply = _limits(os.environ.get(MAX_MESSAGE_ENV, ""))
         welcome_timeout_s = _welcome_timeout(os.environ.get(WELCOME_TIMEOUT_ENV, ""))
         engine_silent_s = _engine_silent(os.environ.get(ENGINE_SILENT_ENV, ""))
     except ValueError as e:
@@ -130,6 +130,7 @@ def run_worker(args: argparse.Namespace) -> int:
                 keys=keys,
                 max_request_bytes=max_request,
                 max_pipeline_bytes=max_pipeline,
+                max_reply_bytes=max_reply,
                 welcome_timeout_s=welcome_timeout_s,
                 engine_silent_s=engine_silent_s,
             )
@@ -155,14 +156,18 @@ def _check_address(address: str) -> None:
     raise ValueError(f"--engine must be ipc://PATH or tcp://HOST:PORT, got {address!r}")
 
 
-def _limits(value: str) -> tuple[int, int]:
-    """(request, pipeline) frame bounds from "REQUEST,PIPELINE" bytes; (-1, -1): none."""
+def _limits(value: str) -> tuple[int, int, int]:
+    """(request, pipeline, reply) frame bounds from "REQUEST,PIPELINE[,REPLY]" bytes; -1:
+    none (all three when unset, the reply's when left out)."""
     if not value:
-        return -1, -1
+        return -1, -1, -1
     parts = value.split(",")
-    if len(parts) != 2 or not all(p.isdigit() and int(p) > 0 for p in parts):
-        raise ValueError(f"${MAX_MESSAGE_ENV} must be two byte counts, REQUEST,PIPELINE")
-    return int(parts[0]), int(parts[1])
+    if len(parts) not in (2, 3) or not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise ValueError(
+            f"${MAX_MESSAGE_ENV} must be two or three byte counts, REQUEST,PIPELINE[,REPLY]"
+        )
+    reply = int(parts[2]) if len(parts) == 3 else -1
+    return int(parts[0]), int(parts[1]), reply
 
 
 def _welcome_timeout(value: str) -> float | None:

@@ -100,6 +100,7 @@ class WorkerServer:
         keys: WorkerKeys | None = None,
         max_request_bytes: int = -1,
         max_pipeline_bytes: int = -1,
+        max_reply_bytes: int = -1,
         welcome_timeout_s: float | None = HANDSHAKE_TIMEOUT_S,
         engine_silent_s: float | None = None,
     ) -> None:
@@ -157,8 +158,8 @@ class WorkerServer:
             sock.connect(engine_address)
             self._sock = AsyncSocket(sock, loop, self._on_message, self._on_refused)
             undo.callback(self._sock.close)
-            self._loop_reply = Replier(rank, self._sock.send)
-            self._compute_reply = Replier(rank, self._sock.send_threadsafe)
+            self._loop_reply = Replier(rank, self._sock.send, max_reply_bytes)
+            self._compute_reply = Replier(rank, self._sock.send_threadsafe, max_reply_bytes)
             self._compute = ComputeThread(f"compute-{rank}", self._sock, self._on_idle_message)
             undo.pop_all()
 
