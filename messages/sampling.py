@@ -69,7 +69,10 @@ class SamplingParams(msgspec.Struct, tag=True, frozen=True, omit_defaults=True):
     ] = 0.0
     seed: Annotated[
         Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)] | None,
-        Meta(description="per-request sampling seed (reproducible sampling); an int64"),
+        Meta(
+            description="per-request sampling seed (reproducible sampling); an int64; -1 "
+            "is None (vLLM's)"
+        ),
     ] = None
     max_tokens: Annotated[int, Meta(ge=1, description="the most tokens to generate")] = 16
     n: Annotated[
@@ -301,10 +304,10 @@ _LISTS = {"stop": list, "stop_token_ids": list, "bad_words": list, "logit_bias":
 def _normalise(params: SamplingParams) -> None:
     """What vLLM's SamplingParams also takes, as the schema's types (no wire change): a
     lone stop string as a list, None for a list or dict field as its default (empty),
-    numpy scalars as Python numbers. max_tokens=None (vLLM: up to max_model_len, less the
-    prompt) is marked INT32_MAX, more than any context holds: the frontend sends each
-    prompt's room instead (frontend/request_params.py, for_prompt), and an engine core
-    that gets the mark stops at max_model_len all the same."""
+    numpy scalars as Python numbers, seed=-1 as None. max_tokens=None (vLLM: up to
+    max_model_len, less the prompt) is marked INT32_MAX, more than any context holds: the
+    frontend sends each prompt's room instead (frontend/request_params.py, for_prompt),
+    and an engine core that gets the mark stops at max_model_len all the same."""
     set_field = msgspec.structs.force_setattr
     if isinstance(params.stop, str):
         set_field(params, "stop", [params.stop])
@@ -330,6 +333,8 @@ def _normalise(params: SamplingParams) -> None:
         set_field(params, "allowed_token_ids", [_int(t) for t in allowed])
     if params.max_tokens is None:
         set_field(params, "max_tokens", INT32_MAX)  # an int on the wire, as the schema says
+    if params.seed == -1:  # vLLM's "no seed": clients send it for a random one
+        set_field(params, "seed", None)
 
 
 def _check_allowed(ids: list[int] | None) -> None:

@@ -81,6 +81,11 @@ def test_sampling_params_take_vllms_spellings():
     # max_tokens=None: until the context is full, marked with an int the frontend
     # resolves per prompt (test_llm_max_tokens.py); the wire's max_tokens stays an int.
     assert SamplingParams(max_tokens=None).max_tokens == INT32_MAX
+    # seed=-1: vLLM's "no seed" (clients send it for random samples), from any sender.
+    assert SamplingParams(seed=-1).seed is None and SamplingParams(seed=np.int64(-1)).seed is None
+    wire = msgspec.msgpack.encode({"type": "SamplingParams", "seed": -1})
+    assert msgspec.msgpack.decode(wire, type=SamplingParams).seed is None
+    assert SamplingParams(seed=-2).seed == -2
     with pytest.raises(TypeError, match="spaces_between_special_tokens"):
         SamplingParams(spaces_between_special_tokens=True)  # a vLLM field not taken
 

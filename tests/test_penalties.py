@@ -204,8 +204,8 @@ def test_min_tokens_holds_eos_and_the_stop_ids_back_until_the_output_is_long_eno
     state.add(1, ignoring, np.arange(4, dtype=np.int32), 4, eos_token_ids=[2])
     table = np.zeros((3, 16), np.int32)
     # Ids outside the vocabulary (5000, 9999) are never sampled: nothing to hold back.
-    # Row 1 ignores EOS and has no stop ids: nothing to ban either.
-    assert bans(state, [1, 0], [4, 4, 0], [4, 4, 0], table) == {(1, 2), (1, 17)}
+    # Row 1 ignores EOS, which min_tokens holds back all the same (as vLLM does).
+    assert bans(state, [1, 0], [4, 4, 0], [4, 4, 0], table) == {(0, 2), (1, 2), (1, 17)}
     assert bans(state, [0], [6, 0, 0], [4, 0, 0], table) == {(0, 2), (0, 17)}
     assert bans(state, [0], [7, 0, 0], [4, 0, 0], table) == set()  # 3 outputs: free
 

@@ -144,6 +144,13 @@ def test_min_tokens_holds_eos_back(llm):
     assert len(outs[0].token_ids) == 6 and outs[0].token_ids[-1] == eos
     assert outs[0].finish_reason == "stop"
     assert not set(outs[0].token_ids[:5]) & llm.eos_token_ids
+    # With ignore_eos too (as vLLM's): held back, then sampled without ending the output.
+    ignoring = SamplingParams(
+        temperature=0.0, max_tokens=8, min_tokens=5, ignore_eos=True, logit_bias={eos: 50.0}
+    )
+    [out] = llm.generate([PROMPTS[0]], ignoring)
+    assert out.token_ids[:6] == outs[0].token_ids and out.token_ids[6:] == [eos, eos]
+    assert out.finish_reason == "length"
 
 
 def test_bad_words_are_not_generated(llm):

@@ -240,9 +240,9 @@ class PenaltyRows:
     # helpers ---------------------------------------------------------------------------
 
     def _stop_ids(self, params: SamplingParams, eos_token_ids: list[int]) -> np.ndarray:
-        """The ids min_tokens holds back: stop_token_ids and EOS (not with ignore_eos),
-        those in the vocabulary (no other can be sampled)."""
-        ids = list(params.stop_token_ids) + ([] if params.ignore_eos else list(eos_token_ids))
+        """The ids min_tokens holds back: stop_token_ids and EOS, ignore_eos or not (as
+        vLLM's all_stop_token_ids), those in the vocabulary (no other can be sampled)."""
+        ids = list(params.stop_token_ids) + list(eos_token_ids)
         ids_array = np.unique(np.array(ids, np.int64))
         return ids_array[(ids_array >= 0) & (ids_array < self.vocab_size)].astype(np.int32)
 
