@@ -12,12 +12,16 @@ import zmq
 from engine_helpers import FakeExecutor
 
 from messages import (
+    AbortRequests,
     EngineCoreConfig,
     EngineCoreRequest,
+    KVConnectorOutput,
     KVTransferConfig,
     KVTransferParams,
     ModelConfig,
+    ModelRunnerOutput,
     SamplingParams,
+    SchedulerOutput,
     WorkerConfig,
 )
 from zmqworker.engine.core_main import build_core
@@ -73,4 +77,66 @@ def test_a_prefill_instance_answers_calls_while_its_staged_kv_waits(tmp_path) ->
         client.call("shutdown")
         thread.join(30)
         client.close()
+    assert not thread.is_alive()
+
+
+class ReportingExecutor(OneRankExecutor):
+    """Its worker lets a withdrawn staging go at once (no puller reads it)."""
+
+    def _run(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        output = super()._run(so)
+        orders = so.kv_connector_metadata
+        if orders is not None and orders.cancel_saves:
+            output.kv_connector_output = KVConnectorOutput(finished_sending=orders.cancel_saves)
+        return output
+
+
+def test_a_finished_prefill_s_kv_is_withdrawn_by_its_own_client_s_abort(tmp_path) -> None:
+    """A router whose caller gave up before the decode instance pulled the KV aborts the
+    request on the prefill instance too: its staged KV is withdrawn and its blocks go,
+    rather than at the KV timeout. Another client's abort of that id goes unheeded."""
+    worker = WorkerConfig(
+        model=ModelConfig(path="unused", max_model_len=64),
+        kv_transfer=KVTransferConfig(role="producer"),
+    )
+    config = EngineCoreConfig(worker=worker, address=f"ipc://{tmp_path}/core.sock", token="t" * 32)
+    server = EngineCoreServer(config, zmq.Context.instance())
+    thread = threading.Thread(
+        target=server.serve,
+        args=(lambda: build_core(config, lambda _: ReportingExecutor(num_blocks=16)),),
+    )
+    thread.start()
+    engines = [WatchedEngineCore(0, os.getpid())]
+    owner, other = (EngineCoreClient([config.address], engines, config.token) for _ in range(2))
+
+    def free_blocks() -> int:
+        [stats] = owner.call("stats", timeout=5)
+        return stats.num_free_blocks
+
+    try:
+        owner.wait_ready(30)
+        other.wait_ready(30)
+        params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+        owner.add_request(
+            EngineCoreRequest("first", np.arange(1, 11, dtype=np.int32), params,
+                              kv_transfer_params=KVTransferParams(do_remote_decode=True))
+        )  # fmt: skip
+        deadline = time.monotonic() + 10
+        while (total := free_blocks()) and total == 16 and time.monotonic() < deadline:
+            owner.receive(0.1)
+        held = free_blocks()
+        assert held == 13  # its 10 tokens' blocks of 4, staged for a pull
+        # As the router sends it (the request ended here, so abort() would send nothing).
+        other._send(other.engines[0], AbortRequests(["first"]))
+        time.sleep(0.5)
+        assert free_blocks() == held
+        owner._send(owner.engines[0], AbortRequests(["first"]))
+        while free_blocks() < 16 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert free_blocks() == 16
+    finally:
+        owner.call("shutdown")
+        thread.join(30)
+        owner.close()
+        other.close()
     assert not thread.is_alive()

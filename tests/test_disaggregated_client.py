@@ -10,6 +10,7 @@ import pytest
 
 from messages import (
     PROMPT_NOT_CACHED,
+    AbortRequests,
     EngineCoreFailure,
     EngineCoreOutputs,
     EngineCoreReady,
@@ -345,5 +346,33 @@ def test_a_prompt_its_decode_instance_declines_goes_through_a_prefill_instance(t
         [lost] = _declined(client, decode, ["lost"])
         assert lost.request_ids == ["lost"] and str(lost.error) == "prefill 0 gone"
         assert client.engine_of("lost") is None
+    finally:
+        client.close()
+
+
+def test_an_abort_before_the_pull_reaches_the_prefill_instance_too(tmp_path) -> None:
+    """A request aborted once handed on, before its decode instance's first output (its
+    KV not known pulled): the abort goes to the decode instance and to the prefill
+    instance, which withdraws the KV instead of holding its blocks until the timeout.
+    One whose decode instance answered already is aborted there alone."""
+    client = _client(tmp_path)
+    sent: list[tuple[int, AbortRequests]] = []
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=4)
+        for request_id in ("a", "b"):
+            client.add_request(EngineCoreRequest(request_id, PROMPT, params))
+        prefill = {r: client.engine_of(r) for r in ("a", "b")}
+        for request_id, index in prefill.items():
+            _prefilled(client, index, [request_id])
+        decode = {r: client.engine_of(r) for r in ("a", "b")}
+        answered = EngineCoreOutputs(
+            decode["b"], ["b"], np.array([8], np.int32), EngineCoreStats(1, 0, 8, 7, 0, 0)
+        )
+        client._on_outputs(client.engines[decode["b"]], answered, [])
+        client._send = lambda engine, msg: sent.append((engine.index, msg))  # type: ignore[method-assign]
+        client.abort(["a", "b"])
+        told = sorted((index, msg.request_ids) for index, msg in sent)
+        expected = [(decode["a"], ["a"]), (decode["b"], ["b"]), (prefill["a"], ["a"])]
+        assert told == sorted(expected)
     finally:
         client.close()

@@ -9,16 +9,19 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from engine_helpers import FakeExecutor
 
 from messages import (
     KVConnectorOutput,
     KVFailure,
+    KVTransferConfig,
     ModelRunnerOutput,
     RemoteKV,
     SamplingParams,
     SchedulerOutput,
 )
 from zmqworker.engine.block_manager import KVBlockManager
+from zmqworker.engine.core import EngineCore
 from zmqworker.engine.host_tier import HostKVTier
 from zmqworker.engine.kv_connector import KVConnectorScheduler
 from zmqworker.engine.request import RemotePrefill, Request, RequestStatus
@@ -378,3 +381,47 @@ def test_a_request_sent_to_the_wrong_side_of_a_pair_is_refused() -> None:
     with pytest.raises(ValueError, match="serves no KV.*prefill instance"):
         decode.add_request(Request("p", [1, 2, 3], PARAMS, remote_decode=True))
     assert not prefill.has_unfinished_requests() and not decode.has_unfinished_requests()
+
+
+def test_a_finished_prefill_aborted_before_its_pull_has_its_kv_withdrawn() -> None:
+    """Its client gave up on it before a decode instance took its KV: a staged save is
+    withdrawn by the next step and its blocks go once reported sent; a save no step
+    carried yet goes at once, and is never staged. Another request's KV stays."""
+    s = scheduler(12, [ADDRESS])
+    names = {}
+    for req_id in ("staged", "kept", "unsent"):
+        request = Request(req_id, list(range(8)), PARAMS, remote_decode=True)
+        s.add_request(request)
+        step = s.schedule()
+        s.update_from_output(step, answer(step))  # finished: blocks held, save queued
+        names[req_id] = request.kv_transfer_out.req_id
+        if req_id != "unsent":
+            step = s.schedule()  # carries the save
+            s.update_from_output(step, answer(step))
+    assert s.kv.num_free_blocks == 6
+    for req_id in ("staged", "unsent", "unknown"):
+        s.kv_connector.withdraw(req_id)
+    assert s.kv.num_free_blocks == 8  # the unsent save's blocks
+    step = s.schedule()
+    assert step.kv_connector_metadata.cancel_saves == [names["staged"]]
+    assert step.kv_connector_metadata.saves == []
+    report = KVConnectorOutput(finished_sending=[names["staged"]])
+    s.update_from_output(step, answer(step, report))
+    assert s.kv.num_free_blocks == 10 and s.kv_connector.holds("kept")
+
+
+def test_a_decode_instance_counts_the_requests_waiting_for_their_kv_as_waiting() -> None:
+    """A router balances decode instances by their load: requests waiting for blocks or
+    for their pull are load (left out, a full instance reported none and took them all);
+    an aborted one is not, though its pull is still under way."""
+    executor = FakeExecutor(num_blocks=6, block_size=4)
+    executor.world_size = 1
+    core = EngineCore(executor, 24, kv_transfer=KVTransferConfig(role="consumer"))
+    for i in range(3):  # two blocks each: two fit, the third waits for blocks
+        core.add_request(remote(f"r{i}", list(range(8))))
+    assert (core.stats().num_waiting, core.load) == (3, 3)
+    core.step()  # orders the two pulls that fit
+    assert core.kv_connector.num_pulls == 3 and core.stats().num_waiting == 3
+    core.abort_request("r0")  # pulling: its blocks stay until the pull is reported over
+    core.abort_request("r2")  # waiting for blocks
+    assert (core.stats().num_waiting, core.load) == (1, 1)

@@ -171,16 +171,23 @@ class EngineCore:
         self.structured.add(request)
 
     def abort_request(self, req_id: str, counted: bool = True) -> Request | None:
-        """Abort req_id; the aborted request, or None if it was unknown or finished.
-        counted: its client gave up on it (num_aborted), rather than stopping it."""
+        """Abort req_id; the aborted request, or None if it was unknown or finished. A
+        finished prefill whose KV waits for a decode instance has it withdrawn (its blocks
+        go). counted: its client gave up on it (num_aborted), rather than stopping it."""
         request = self.structured.abort(req_id) if self.structured else None
         if request is not None:
             request.finish(FinishReason.ABORT)
         else:
             request = self.scheduler.abort_request(req_id)
+        if request is None and self.kv_connector is not None:
+            self.kv_connector.withdraw(req_id)
         if request is not None and counted:
             self.num_aborted += 1
         return request
+
+    def holds_kv(self, req_id: str) -> bool:
+        """Whether blocks are still held under req_id (a finished prefill's, for a pull)."""
+        return self.kv_connector is not None and self.kv_connector.holds(req_id)
 
     @property
     def num_unfinished(self) -> int:
@@ -189,8 +196,11 @@ class EngineCore:
 
     @property
     def num_waiting(self) -> int:
-        """Requests waiting to run: in the queue, or for their grammar."""
-        return len(self.scheduler.waiting) + (len(self.structured) if self.structured else 0)
+        """Requests waiting to run: in the queue, for their grammar, or for their prompt's
+        KV from a prefill instance (a decode instance's, which a router balances by)."""
+        pulls = self.kv_connector.num_pulls if self.kv_connector is not None else 0
+        structured = len(self.structured) if self.structured else 0
+        return len(self.scheduler.waiting) + structured + pulls
 
     @property
     def load(self) -> int:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hmac
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import zmq
@@ -21,6 +22,7 @@ from zmqworker.transport.frames import send_frames
 
 PROBE_WINDOW_S = 1.0
 PROBE_EVERY_S = 0.05
+MIN_HELD = 64  # held prefills kept before the first prune
 
 
 @dataclass
@@ -44,6 +46,10 @@ class Clients:
         self._token = token.encode()
         self.by_identity: dict[bytes, Client] = {}
         self.owners: dict[str, Client] = {}  # request id -> its client
+        # Finished prefills whose KV waits for a decode instance, by request id: their
+        # client may still abort them, which withdraws the KV.
+        self.held: dict[str, Client] = {}
+        self._held_after_prune = MIN_HELD
         self._ping = Encoder().encode(Ping())
         self._probe_until = 0.0
         self._next_probe = 0.0
@@ -83,6 +89,25 @@ class Clients:
         client.request_ids.add(request_id)
         self.owners[request_id] = client
 
+    def finished(self, request_id: str, kv_held: bool) -> None:
+        """A request that finished; with kv_held, a prefill whose KV waits for a decode
+        instance: its client may still abort it (abort)."""
+        client = self.forget_request(request_id)
+        if kv_held and client is not None:
+            self.held[request_id] = client
+
+    def abort(self, client: Client, request_ids: list[str]) -> list[str]:
+        """Of request_ids, those client may abort, each forgotten now: its running
+        requests, and its finished prefills whose KV may still wait for a decode instance.
+        Other ids are none of its own, and go unheeded."""
+        running = [r for r in request_ids if self.owners.get(r) is client]
+        held = [r for r in request_ids if self.held.get(r) is client]
+        for request_id in running:
+            self.forget_request(request_id)
+        for request_id in held:
+            del self.held[request_id]
+        return running + held
+
     def forget_request(self, request_id: str) -> Client | None:
         """Drop a request that finished or was aborted; its client, if it had one."""
         client = self.owners.pop(request_id, None)
@@ -90,9 +115,17 @@ class Clients:
             client.request_ids.discard(request_id)
         return client
 
+    def prune_held(self, still_held: Callable[[str], bool]) -> None:
+        """Drop the finished prefills whose KV is no longer held (still_held), whenever
+        their number has doubled since the last prune: O(1) a step on average."""
+        if len(self.held) > 2 * self._held_after_prune:
+            self.held = {r: c for r, c in self.held.items() if still_held(r)}
+            self._held_after_prune = max(len(self.held), MIN_HELD)
+
     def remove(self, client: Client) -> list[str]:
         """Forget a client that is gone; the ids of the requests it still had."""
         self.by_identity.pop(client.identity, None)
+        self.held = {r: c for r, c in self.held.items() if c is not client}
         for request_id in client.request_ids:
             self.owners.pop(request_id, None)
         orphans, client.request_ids = sorted(client.request_ids), set()

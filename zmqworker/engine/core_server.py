@@ -201,7 +201,8 @@ class EngineCoreServer:
                 continue
             by_client.setdefault(client.identity, {})[request.req_id] = request
             if request.is_finished:
-                self.clients.forget_request(request.req_id)
+                self.clients.finished(request.req_id, request.kv_transfer_out is not None)
+        self.clients.prune_held(self.core.holds_kv)
         if not by_client:
             return
         stats = self.core.stats()
@@ -261,11 +262,9 @@ class EngineCoreServer:
         elif isinstance(msg, EngineCoreRequest):
             self._add_request(client, msg)
         elif isinstance(msg, AbortRequests):
-            for request_id in msg.request_ids:
-                if self.clients.owners.get(request_id) is client:
-                    self.clients.forget_request(request_id)
-                    assert self.core is not None
-                    self.core.abort_request(request_id, counted=msg.reason == "abort")
+            assert self.core is not None
+            for request_id in self.clients.abort(client, msg.request_ids):
+                self.core.abort_request(request_id, counted=msg.reason == "abort")
         elif isinstance(msg, UtilityCall):
             self._utility(client, msg)
         else:

@@ -94,6 +94,12 @@ class KVConnectorScheduler:
         """Whether transfers are under way: steps must go on to hear of their end."""
         return bool(self._to_load or self._loading or self._sending or self._saves)
 
+    @property
+    def num_pulls(self) -> int:
+        """Requests waiting for their prompt's KV: for blocks, or pulling (aborted ones,
+        whose pull is still reported, are no requests any more)."""
+        return len(self._to_load) + len(self._loading) - len(self._aborted)
+
     def under_way(self) -> str | None:
         """The transfers that hold blocks (None: none), in words: a sleep, which drops the
         cache, must wait for them."""
@@ -149,6 +155,22 @@ class KVConnectorScheduler:
             self._aborted.add(request.req_id)
         else:
             self.kv.free(request.req_id)
+
+    def withdraw(self, req_id: str) -> None:
+        """req_id's finished prefill was aborted by its client before a decode instance
+        took its KV: its blocks go now where no step staged them yet, else once the
+        workers report the withdrawn staging let go (a pull reading it in place ends
+        first)."""
+        for name, request in list(self._sending.items()):
+            if request.req_id != req_id:
+                continue
+            unstaged = [s for s in self._saves if s.req_id == name]
+            if unstaged:
+                self._saves.remove(unstaged[0])
+                del self._sending[name]
+                self.kv.free(req_id)
+            elif name not in self._withdrawn:
+                self._withdrawn.append(name)
 
     def order_loads(self, before: Request | None = None) -> bool:
         """Blocks for the pulls waiting for them, in arrival order (those that came before

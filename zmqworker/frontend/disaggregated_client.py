@@ -25,7 +25,8 @@ request to a prefill instance, so that a decode instance never starts a prompt o
 more than the limit is uncached. A prompt that asks for prompt logprobs counts whole
 (every position is computed for them). The caller's code
 (Frontend, the API servers) is the same as over replicas: aborts go to the instance that
-runs the request, failures come back by id.
+runs the request (and, for one handed on whose KV is not known pulled, to its prefill
+instance, which withdraws the KV), failures come back by id.
 
 Failures: a request fails with an error naming the instance that failed it. A prefill
 instance gone: its own requests fail at once, and so do those a decode instance has not
@@ -244,7 +245,7 @@ class DisaggregatedClient(EngineCoreClient):
         request = self._prefilling.pop(request_id, None)
         self._forget(request_id)
         if request is None:
-            return None  # aborted by its caller meanwhile: its staged KV expires there
+            return None  # aborted by its caller meanwhile: the abort withdraws its KV there
         live = [e for e in self._instances("decode") if e.dead is None]
         if not live:
             return request_id
@@ -292,7 +293,16 @@ class DisaggregatedClient(EngineCoreClient):
                 engine = self._owner.get(request_id)
                 if engine is not None and self._role(engine) == "decode":
                     self._record(engine, request_id, self._decoded)
+        # Its KV may not be pulled yet: the prefill instance withdraws it, rather than hold
+        # its blocks until the KV timeout.
+        staged: dict[EngineConnection, list[str]] = {}
+        for request_id in ids:
+            prefill = self._awaiting_kv.get(request_id)
+            if prefill is not None and prefill.dead is None:
+                staged.setdefault(prefill, []).append(request_id)
         super().abort(ids, reason)
+        for prefill, held in staged.items():
+            self._send(prefill, AbortRequests(held, reason))  # type: ignore[arg-type]
 
     @property
     def _decode_blocks(self) -> int | None:
