@@ -47,7 +47,7 @@ from zmqworker.engine.load_reports import LoadReports
 from zmqworker.engine.request import FinishReason, Request
 from zmqworker.engine.request_message import request_of
 from zmqworker.engine.utility import EngineCoreUtilities, call_utility, waits_for_steps
-from zmqworker.executor.errors import WORKERS_LOST, WorkerError
+from zmqworker.executor.errors import WORKERS_LOST, death_behind
 from zmqworker.transport.curve import serve_core_securely
 from zmqworker.transport.drops import DropCounter
 from zmqworker.transport.frames import MAX_FRAMES, TooManyFrames, recv_frames, send_frames
@@ -61,7 +61,6 @@ CLIENT_SILENT_S = 5.0  # a client silent this long (stopped, its host lost) is g
 CLOSE_LINGER_MS = 1000  # what the last messages get to leave before the socket closes
 SHUTDOWN = "shutdown"  # the utility call after which the engine core stops
 FATAL = WORKERS_LOST  # the executor cannot go on after these: a rank dead, stuck or wedged
-DEATH_NEWS_S = 0.5  # the longest a live rank's error waits for the news of a death
 ROUTED_FRAMES = MAX_FRAMES + 1  # a client's message and the identity the ROUTER adds
 
 
@@ -152,15 +151,28 @@ class EngineCoreServer:
         while not self._stop:
             clients = self.clients.by_identity.values()
             self.reports.send(core.load, core.stats, clients, self._send_frames)
-            idle = not core.has_work()
+            idle = not core.has_work() or core.not_ready() is not None
             self._take_inputs(wait=idle)
             lost = core.executor.failure if idle and not self._stop else None
             if lost is not None:  # a worker died between steps: no step will say so
                 self._fail_requests(lost, fatal=True)
             if self._stop or not core.has_work():
                 continue
+            if (why := core.not_ready()) is not None:
+                self._hold_steps(core, why)
+                continue
             self._step(core.step)
             self._settle(core)
+
+    def _hold_steps(self, core: EngineCore, why: str) -> None:
+        """No step may run now. While a pushed update's rows come, the requests wait for
+        its end, and run on across it. Once an update failed part-way, nothing may ever
+        let them run: they fail with why, and go."""
+        if core.weights.pushing or not self.clients.owners:
+            return
+        for request_id in list(self.clients.owners):
+            core.abort_request(request_id, counted=False)
+        self._fail_requests(RuntimeError(f"no step: {why}"), fatal=False)
 
     def _settle(self, core: EngineCore) -> None:
         """Steps still in flight once every request has finished (or was aborted) hold
@@ -178,7 +190,8 @@ class EngineCoreServer:
         try:
             changed = run()
         except Exception as exc:
-            lost = exc if isinstance(exc, FATAL) else self._death_behind(exc)
+            executor = self.core.executor
+            lost = exc if isinstance(exc, FATAL) else death_behind(exc, lambda: executor.failure)
             self._fail_requests(lost or exc, fatal=lost is not None)
             return
         for request, reason in self.core.take_failed():  # their grammar did not compile
@@ -323,20 +336,6 @@ class EngineCoreServer:
             self._drop_client(client)
 
     # failures and the end ------------------------------------------------------------
-
-    def _death_behind(self, exc: Exception) -> BaseException | None:
-        """The death of a worker that exc, a live rank's error, may come of: a death fails
-        the step on its peers too (a collective cut short), and the kernel can close the
-        dead rank's sockets a moment before its end shows. A refusal (ValueError,
-        TypeError) comes of none."""
-        assert self.core is not None
-        executor = self.core.executor
-        if not isinstance(exc, WorkerError) or exc.exc_type in ("ValueError", "TypeError"):
-            return executor.failure
-        deadline = time.monotonic() + DEATH_NEWS_S
-        while (lost := executor.failure) is None and time.monotonic() < deadline:
-            time.sleep(0.01)
-        return lost
 
     def _drop_client(self, client: Client) -> None:
         orphans = self.clients.remove(client)

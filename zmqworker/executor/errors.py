@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import signal
+import time
+from collections.abc import Callable
 
 from messages import RemoteError
 
@@ -84,6 +86,24 @@ class StepTimeoutError(RpcTimeoutError):
             f"step_timeout_s) from rank(s) {ranks}, which it waited on; the step may be "
             "stuck on any rank (one that hangs holds up the others): the workers are wedged"
         )
+
+
+DEATH_NEWS_S = 0.5  # the longest a live rank's error waits for the news of a death
+
+
+def death_behind(
+    exc: Exception, failure: Callable[[], BaseException | None]
+) -> BaseException | None:
+    """The death of a worker that exc, a live rank's error, may come of (failure(): the
+    executor's, once it shows): a death fails the step on its peers too (a collective
+    cut short), and the kernel can close the dead rank's sockets a moment before its end
+    shows. A refusal (ValueError, TypeError) comes of none."""
+    if not isinstance(exc, WorkerError) or exc.exc_type in ("ValueError", "TypeError"):
+        return failure()
+    deadline = time.monotonic() + DEATH_NEWS_S
+    while (lost := failure()) is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return lost
 
 
 def timed_out(method: str, missing_ranks: list[int], timeout: float) -> RpcTimeoutError:
