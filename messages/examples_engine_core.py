@@ -111,8 +111,9 @@ def rollout_request(seed: int = 16) -> EngineCoreRequest:
 
 # Where a prefill instance's tp rank 0 serves its staged KV (disaggregated serving).
 PREFILL_KV = RemoteKV(
-    req_id(1040), 40, ["tcp://127.0.0.1:47000"], np.array([812, 813, 97], np.int32)
-)
+    req_id(1040), 40, ["tcp://127.0.0.1:47000"], np.array([812, 813, 97], np.int32),
+    weights_version=3,
+)  # fmt: skip
 
 
 def disaggregated_request(params: KVTransferParams) -> EngineCoreRequest:

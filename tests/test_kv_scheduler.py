@@ -425,3 +425,27 @@ def test_a_decode_instance_counts_the_requests_waiting_for_their_kv_as_waiting()
     core.abort_request("r0")  # pulling: its blocks stay until the pull is reported over
     core.abort_request("r2")  # waiting for blocks
     assert (core.stats().num_waiting, core.load) == (1, 1)
+
+
+def test_a_finished_prefill_names_the_weights_its_kv_came_from() -> None:
+    """RemoteKV.weights_version: the prefill instance's count of weight changes when it
+    computed the KV, or -1 for a request whose prompt ran across one (half each)."""
+    s = scheduler(16, [ADDRESS])
+    s.kv.reset_prefix_cache(new_weights=True)
+    s.kv.reset_prefix_cache()  # a sleep's, or a caller's: no new weights
+    whole = Request("whole", list(range(8)), PARAMS, remote_decode=True)
+    s.add_request(whole)
+    step = s.schedule()
+    s.update_from_output(step, answer(step))
+    assert whole.kv_transfer_out.weights_version == s.kv.weights_version == 1
+    kv = KVBlockManager(16, block_size=4)
+    chunked = Scheduler(kv, 8, 8, 16, kv_connector=KVConnectorScheduler(kv, [ADDRESS]))
+    across = Request("across", list(range(12)), PARAMS, remote_decode=True)
+    chunked.add_request(across)
+    step = chunked.schedule()  # its prompt's first chunk: no token yet (-1)
+    unsampled = ModelRunnerOutput(np.array([0], np.int32), np.array([-1], np.int32))
+    chunked.update_from_output(step, unsampled)
+    kv.reset_prefix_cache(new_weights=True)  # then new weights, then the rest
+    step = chunked.schedule()
+    chunked.update_from_output(step, answer(step))
+    assert across.kv_transfer_out.weights_version == -1

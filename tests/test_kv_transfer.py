@@ -253,6 +253,46 @@ def test_sleep_waits_for_the_kv_a_finished_prefill_holds_for_its_decode_side(
     assert (again.error, again.token_ids) == (None, colocated)
 
 
+def test_kv_computed_before_a_weight_change_is_never_shared_on_the_decode_side(
+    pair: DisaggregatedEngine, tmp_path
+) -> None:
+    """A prefill's KV staged with the old weights, both instances updated before the
+    decode side takes the request: the request runs on (as one across an update does),
+    but its blocks never enter the decode side's prefix cache, where a request sharing
+    its prefix would read the old weights' keys and values."""
+    import torch
+    import transformers
+
+    base = worker_config(40).model.path
+    model = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(0.3 * torch.randn(param.shape, generator=torch.Generator().manual_seed(3)))
+    model.save_pretrained(tmp_path)
+    prefill, decode = pair.prefill, pair.decode
+    probe = [*SHARED, 7, 8, 9]
+    held = Request("across", SHARED, GREEDY, remote_decode=True)
+    prefill.add_request(held)
+    while held.kv_transfer_out is None:
+        prefill.step()
+    try:
+        for core in (prefill, decode):
+            core.weights.reload_weights(str(tmp_path))
+        [new] = run_colocated(decode, prompts=[probe])
+        decode.reset_prefix_cache()
+        remote = RemotePrefill(held.kv_transfer_out, held.output_token_ids[0])
+        decode.add_request(Request("across", SHARED, GREEDY, remote=remote))
+        while decode.has_work() or prefill.has_work():
+            decode.step()
+            prefill.step()
+        assert decode.kv_connector.num_loaded and not decode.block_manager._cached
+        assert run_colocated(decode, prompts=[probe]) == [new]
+    finally:
+        for core in (prefill, decode):
+            core.weights.reload_weights(base)
+        decode.reset_prefix_cache()
+
+
 @pytest.mark.parametrize("threaded", [False, True], ids=["stepped", "threaded"])
 def test_logprobs_through_the_in_process_routers_equal_colocated(
     pair: DisaggregatedEngine, monkeypatch, threaded: bool

@@ -68,6 +68,7 @@ class KVBlockManager:
         # Blocks registered while building the current step: their keys are computed in
         # that same step, and a worker may read a step's context before writing its keys.
         self._fresh: set[int] = set()
+        self.weights_version = 0  # weight changes so far: the cache's KV is of the last
 
     @property
     def num_free_blocks(self) -> int:
@@ -91,6 +92,11 @@ class KVBlockManager:
     def block_ids(self, req_id: str) -> list[int]:
         """The request's block table (a copy); empty if it holds no blocks."""
         return list(self._tables.get(req_id, ()))
+
+    def never_register(self, req_id: str) -> None:
+        """req_id's KV came from other weights (pulled from an instance that had them):
+        none of its blocks is to be shared, as after a reset."""
+        self._num_registered[req_id] = _NEVER
 
     def holds_stale_kv(self, req_id: str) -> bool:
         """Whether req_id's blocks hold KV from before the last reset_prefix_cache (old
@@ -252,11 +258,15 @@ class KVBlockManager:
                     # Nothing worth keeping in it: hand it out before any cached block.
                     self._free.move_to_end(block, last=False)
 
-    def reset_prefix_cache(self) -> None:
+    def reset_prefix_cache(self, new_weights: bool = False) -> None:
         """Forget every cached block (new weights, or a KV cache that slept): no later
         request finds one. Blocks stay with the requests that hold them, as private
         blocks, and those requests never register one: what they compute from here on
-        attends to the KV from before (one preempted starts over, and registers anew)."""
+        attends to the KV from before (one preempted starts over, and registers anew).
+        new_weights: the weights changed (or may have, part-way): weights_version counts
+        it."""
+        if new_weights:
+            self.weights_version += 1
         self._cached.clear()
         self._block_hash.clear()
         self._fresh.clear()

@@ -137,8 +137,9 @@ class KVConnectorScheduler:
         name = self.staging_name(request.req_id)
         self._saves.append(KVSave(name, block_ids, num_tokens))
         self._sending[name] = request
+        version = -1 if self.kv.holds_stale_kv(request.req_id) else self.kv.weights_version
         request.kv_transfer_out = RemoteKV(
-            name, num_tokens, list(self.addresses), block_ids, self.pipeline_stages
+            name, num_tokens, list(self.addresses), block_ids, self.pipeline_stages, version
         )
 
     def staging_name(self, req_id: str) -> str:
@@ -185,6 +186,8 @@ class KVConnectorScheduler:
             num_cached = self.kv.allocate_pending(req_id, request.prompt_token_ids)
             if num_cached is None:
                 return False
+            if remote.kv.weights_version != self.kv.weights_version:  # other weights' KV
+                self.kv.never_register(req_id)
             del self._to_load[req_id]
             blocks = np.array(self.kv.block_ids(req_id), np.int32)
             load = KVLoad(req_id, blocks, remote.kv, num_cached)

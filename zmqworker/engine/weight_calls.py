@@ -96,7 +96,7 @@ class WeightCalls:
     def updated(self) -> None:
         """New weights are in, whole (a client pushed them, or a group or the disk gave
         them): cached blocks hold keys and values of the old ones."""
-        self._block_manager.reset_prefix_cache()
+        self._block_manager.reset_prefix_cache(new_weights=True)
         self.released = False
         self.broken = None
         self.pushing = False
@@ -144,7 +144,7 @@ class WeightCalls:
     def _broken(self, reason: str) -> None:
         self.pushing = False
         self.broken = self.broken or reason
-        self._block_manager.reset_prefix_cache()  # its blocks may hold either weights' KV
+        self._block_manager.reset_prefix_cache(new_weights=True)  # either weights' KV
 
 
 @contextlib.contextmanager
