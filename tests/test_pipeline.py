@@ -166,8 +166,8 @@ def test_split_sampling_at_pp2_answers_on_every_rank() -> None:
     with MultiprocExecutor(config) as ex:
         ex.initialize_from_config(make_kv_cache_config(ex.get_kv_cache_specs(), 16))
         # A step the first stage refuses (request 5's next token, never sent to it) fails
-        # on the last at once, the refusal travelling the pipeline: the last stage waited
-        # 120 s for its tensors, and the steps after it with it.
+        # on the last at once, the refusal travelling the pipeline: the last stage would
+        # wait until the step's deadline for its tensors, and the steps after it with it.
         ex.execute_model(prefill(5))
         lacking = CachedRequestData.build([5], [len(prompt)], [1])
         # Whichever rank answers first: the refusing one, or the one told.

@@ -108,9 +108,9 @@ def test_messages_without_the_run_or_from_another_rank_change_nothing(receiver) 
 
 
 def test_a_step_the_previous_stage_refused_fails_here_at_once(receiver) -> None:
-    """Stage 0 refused the step and sent no tensors: this stage waited out its receive
-    timeout (120 s, the whole pipeline with it). Now the refusal comes instead; a forged
-    one (no run id, another rank) changes nothing."""
+    """Stage 0 refused the step and sent no tensors: this stage would wait until the
+    step's deadline (the whole pipeline with it). The refusal comes instead; a forged one
+    (no run id, another rank) changes nothing."""
     push(
         receiver.address,
         PipelineStepRefused(call_id=6, src_rank=0, reason="ValueError: forged"),
@@ -121,7 +121,7 @@ def test_a_step_the_previous_stage_refused_fails_here_at_once(receiver) -> None:
     try:
         sender.refuse(6, ValueError("request 'r7' (handle 7): past its tokens"))
         pending = receiver.expect(6, 0)
-        pending.timeout_s = 10.0  # well below the 120 s of a lost step, if it were
+        pending.timeout_s = 10.0  # a bound, should the refusal not come
         with pytest.raises(RuntimeError, match="step 6: the previous stage \\(rank 0\\) refused"):
             pending.wait()
         sender.send(7, tensors(7))  # the next step goes on

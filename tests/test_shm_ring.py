@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -30,6 +31,7 @@ from messages import (
     SharedTensorRef,
 )
 from messages.compare import assert_same
+from zmqworker.distributed.pipeline_stage import PipelineStage
 from zmqworker.distributed.pp_channel import SHM_SLOTS, use_shared_memory
 from zmqworker.distributed.pp_receiver import PipelineReceiver
 from zmqworker.distributed.pp_sender import PipelineSender
@@ -413,3 +415,22 @@ def test_a_host_without_shared_memory_files_falls_back_to_frames(channel, monkey
         assert_same(receiver.expect(1, 0).wait(), step_tensors(1))
     finally:
         sender.close()
+
+
+def test_a_stage_waits_for_its_tensors_until_the_step_s_deadline(loop, tmp_path) -> None:
+    """As long as the engine waits for the step (its call's deadline), however slow the
+    stages before: none, no bound; one past, the step fails naming it."""
+    receiver = receiver_for(loop, tmp_path)
+    stage = PipelineStage(receiver, None, previous_rank=0)
+    try:
+        pending = stage.receive(5, time.time() + 0.3)
+        started = time.monotonic()
+        with pytest.raises(TimeoutError, match="step 5: no intermediate tensors from rank 0 by"):
+            pending.wait()
+        assert 0.2 < time.monotonic() - started < 5
+        unbounded = stage.receive(6)
+        assert unbounded.timeout_s is None
+        threading.Timer(0.3, unbounded.deliver, (step_tensors(6),)).start()
+        assert_same(unbounded.wait(), step_tensors(6))
+    finally:
+        on_loop(loop, receiver.close)

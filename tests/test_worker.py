@@ -387,6 +387,12 @@ class Extension:
     def tagged(self, tag: str, *extra: int, step: SchedulerOutput | None) -> str:
         return f"{tag}{len(extra)}{step is None}"
 
+    def call_of(self, *, call_id: int = 0, deadline: float = 0.0) -> list:
+        return [call_id, deadline]
+
+    def id_of(self, *, call_id: int = 0) -> int:
+        return call_id
+
 
 class Clash:
     def load_model(self) -> None:
@@ -409,6 +415,10 @@ def test_wrapper_late_instantiation_extension_and_allowlist(monkeypatch):
     assert wrapper.worker.seen_at_init == "rank1"
     assert wrapper.rank == 1  # forwarded attribute
     assert wrapper.execute_method("double", 21) == 42
+    # The call's id and deadline reach the methods that take them, keyword-only.
+    assert wrapper.execute_method("call_of", call_id=7, deadline=12.5) == [7, 12.5]
+    assert wrapper.execute_method("id_of", call_id=7, deadline=12.5) == 7
+    assert wrapper.execute_method("double", 4, call_id=7, deadline=12.5) == 8
     # Message arguments are checked by name past *args, and unions with None take None.
     empty = SchedulerOutput([], CachedRequestData.empty(), 0)
     assert wrapper.execute_method("tagged", "a", 1, 2, step=empty) == "a2False"

@@ -11,6 +11,8 @@ tensors.
 
 from __future__ import annotations
 
+import time
+
 from messages import IntermediateTensors
 from zmqworker.distributed.pp_channel import PendingTensors
 from zmqworker.distributed.pp_receiver import PipelineReceiver
@@ -40,12 +42,15 @@ class PipelineStage:
     def is_last(self) -> bool:
         return self.sender is None
 
-    def receive(self, step_id: int) -> PendingTensors | None:
+    def receive(self, step_id: int, deadline: float = 0.0) -> PendingTensors | None:
         """The previous stage's tensors of this step, once they arrive (None on the first
-        stage). Call done(step_id) when the step is over."""
+        stage), waited for until deadline (a time.time() instant, the step call's: as long
+        as the engine waits for the step; 0: no bound, the previous stage's refusal or
+        the pipeline's end ends the wait). Call done(step_id) when the step is over."""
         if self.previous_rank is None:
             return None
-        return self.receiver.expect(step_id, self.previous_rank)
+        timeout_s = max(0.0, deadline - time.time()) if deadline else None
+        return self.receiver.expect(step_id, self.previous_rank, timeout_s)
 
     def done(self, step_id: int) -> None:
         """The step is over: its input tensors (and their shared memory) go back."""

@@ -24,7 +24,6 @@ import threading
 from messages import IntermediateTensors
 from zmqworker.distributed.shm_ring import shm_available
 
-RECV_TIMEOUT_S = 120.0  # a step's tensors this late mean the previous stage is gone
 SEND_TIMEOUT_S = 120.0
 SHM_ENV = "ZMQWORKER_PP_SHM"  # "0": same-host stages send frames, not shared memory
 SHM_SLOTS = 4  # more than the steps a pipeline keeps in flight
@@ -44,7 +43,7 @@ class PendingTensors:
     """The tensors of one step, once they arrive. wait() is what the runner calls when it
     needs them, on the compute thread; the loop thread delivers them."""
 
-    def __init__(self, call_id: int, src_rank: int, timeout_s: float) -> None:
+    def __init__(self, call_id: int, src_rank: int, timeout_s: float | None) -> None:
         self.call_id = call_id
         self.src_rank = src_rank
         self.timeout_s = timeout_s
@@ -70,7 +69,7 @@ class PendingTensors:
         if not self._event.wait(self.timeout_s):
             raise TimeoutError(
                 f"step {self.call_id}: no intermediate tensors from rank {self.src_rank} "
-                f"within {self.timeout_s:.0f} s"
+                f"by the step's deadline ({self.timeout_s:.0f} s from the wait's start)"
             )
         if self._error is not None:
             raise self._error

@@ -34,7 +34,7 @@ from messages import (
     PipelineTensors,
     ProtocolError,
 )
-from zmqworker.distributed.pp_channel import RECV_TIMEOUT_S, SHM_ENV, PendingTensors
+from zmqworker.distributed.pp_channel import SHM_ENV, PendingTensors
 from zmqworker.distributed.shm_ring import ShmDescriptorError, ShmLease, ShmReceiver
 from zmqworker.transport.async_socket import AsyncSocket
 from zmqworker.transport.curve import WorkerKeys, make_server
@@ -98,9 +98,7 @@ class PipelineReceiver:
         if call_id > self._newest_call:
             self._newest_call = call_id
 
-    def expect(
-        self, call_id: int, src_rank: int, timeout_s: float = RECV_TIMEOUT_S
-    ) -> PendingTensors:
+    def expect(self, call_id: int, src_rank: int, timeout_s: float | None = None) -> PendingTensors:
         """The slot of call_id's tensors, asked for as the step starts. Every earlier
         call is over by then (calls run in the order of their ids): tensors that came for
         one that never asked (a call refused before it ran) go back."""

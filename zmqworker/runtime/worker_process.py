@@ -258,7 +258,9 @@ class WorkerServer:
     def _call(self, req: RpcRequest) -> Any:
         if self._init_error is not None:
             raise RuntimeError(f"the worker could not be created: {self._init_error}")
-        return self.wrapper.execute_method(req.method, *req.args, call_id=req.call_id, **req.kwargs)
+        return self.wrapper.execute_method(
+            req.method, *req.args, call_id=req.call_id, deadline=req.deadline, **req.kwargs
+        )
 
     def _on_computed(self, req: RpcRequest, result: Any, error: BaseException | None) -> None:
         """On the compute thread: reply at once, unless an output awaits its copy."""

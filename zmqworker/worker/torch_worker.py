@@ -183,13 +183,18 @@ class Worker(WorkerBase):
     # steps ----------------------------------------------------------------------------
 
     def execute_model(
-        self, scheduler_output: SchedulerOutput, sample: bool = True, *, call_id: int = 0
+        self,
+        scheduler_output: SchedulerOutput,
+        sample: bool = True,
+        *,
+        call_id: int = 0,
+        deadline: float = 0.0,
     ) -> object:
         self._require_awake("execute_model")
         runner = self._runner()
         pipeline = self.pipeline
         # Posted before the step is checked, waited for by the runner before it applies it.
-        inputs = pipeline.receive(call_id) if pipeline is not None else None
+        inputs = pipeline.receive(call_id, deadline) if pipeline is not None else None
         computes = scheduler_output.total_num_scheduled_tokens > 0
         self._step_started = time.monotonic()
         connector, kv_orders = self.kv_connector, scheduler_output.kv_connector_metadata

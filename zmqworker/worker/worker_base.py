@@ -121,12 +121,19 @@ class WorkerBase(ABC):
 
     @abstractmethod
     def execute_model(
-        self, scheduler_output: SchedulerOutput, sample: bool = True, *, call_id: int = 0
+        self,
+        scheduler_output: SchedulerOutput,
+        sample: bool = True,
+        *,
+        call_id: int = 0,
+        deadline: float = 0.0,
     ) -> object:
         """Run one step: a ModelRunnerOutput (possibly async) on the last pipeline stage,
         None when sampling is deferred. A stage before the last sends its tensors to the
         next stage and returns None (without a pipeline: returns the tensors). call_id:
-        the RPC call's id (the runtime passes it), which names the step's tensors."""
+        the RPC call's id (the runtime passes it), which names the step's tensors;
+        deadline: the call's (RpcRequest.deadline, a time.time() instant; 0: none), until
+        which a later stage waits for the step's tensors."""
 
     @abstractmethod
     def sample_tokens(self, grammar_output: GrammarOutput | None = None) -> object:

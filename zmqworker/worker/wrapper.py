@@ -85,20 +85,26 @@ MessageParam = tuple[int | None, str, tuple[type, ...]]
 class MethodShape(NamedTuple):
     """What a call checks and passes by a method's signature, read once per method."""
 
-    takes_call_id: bool  # a keyword-only call_id (execute_model's)
+    call_keys: frozenset[str]  # the call's own keywords it takes (CALL_KEYS, keyword-only)
     messages: list[MessageParam]  # parameters typed as a message, checked before a call
+
+
+# What the runtime passes of an RPC call to the methods that take it (execute_model):
+# its id, and its deadline.
+CALL_KEYS = frozenset({"call_id", "deadline"})
 
 
 def method_shape(fn: Any) -> MethodShape:
     """fn's shape; message parameters are those typed as a msgspec Struct, or a union of
     those and None (none where the hints do not resolve)."""
     params = list(inspect.signature(fn).parameters.values())
-    call_id = next((p for p in params if p.name == "call_id"), None)
-    takes_call_id = call_id is not None and call_id.kind is inspect.Parameter.KEYWORD_ONLY
+    call_keys = frozenset(
+        p.name for p in params if p.name in CALL_KEYS and p.kind is inspect.Parameter.KEYWORD_ONLY
+    )
     try:
         hints = typing.get_type_hints(fn)
     except (NameError, TypeError):
-        return MethodShape(takes_call_id, [])
+        return MethodShape(call_keys, [])
     found: list[MessageParam] = []
     position: int | None = 0
     for param in params:
@@ -111,7 +117,7 @@ def method_shape(fn: Any) -> MethodShape:
             found.append((None if keyword_only else position, param.name, members))
         if position is not None and param.kind in _POSITIONAL:
             position += 1
-    return MethodShape(takes_call_id, found)
+    return MethodShape(call_keys, found)
 
 
 _POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
@@ -146,11 +152,16 @@ class WorkerWrapper:
         self.rpc_methods = methods
 
     def execute_method(
-        self, method: str, *args: Any, call_id: int | None = None, **kwargs: Any
+        self,
+        method: str,
+        *args: Any,
+        call_id: int | None = None,
+        deadline: float = 0.0,
+        **kwargs: Any,
     ) -> Any:
-        """The RPC entry point: only allowlisted methods are reachable. call_id: the RPC
-        call's id, passed on to the methods that take one (a keyword-only call_id, such
-        as execute_model's); the engine cannot set it."""
+        """The RPC entry point: only allowlisted methods are reachable. call_id and
+        deadline: the RPC call's, passed on to the methods that take them (keyword-only,
+        as execute_model's); the engine cannot set them as arguments."""
         if method not in self.rpc_methods:
             raise AttributeError(f"{method!r} is not callable over RPC")
         if self.worker is None:
@@ -160,9 +171,10 @@ class WorkerWrapper:
         if shape is None:
             shape = self._shapes[method] = method_shape(fn)
         _check_messages(method, shape.messages, args, kwargs)
-        if call_id is not None and shape.takes_call_id:
-            return fn(*args, call_id=call_id, **kwargs)
-        return fn(*args, **kwargs)
+        if call_id is None or not shape.call_keys:
+            return fn(*args, **kwargs)
+        call = {"call_id": call_id, "deadline": deadline}
+        return fn(*args, **{k: call[k] for k in shape.call_keys}, **kwargs)
 
     def __getattr__(self, name: str) -> Any:
         # Only reached for names the wrapper itself lacks.
