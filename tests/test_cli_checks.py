@@ -103,7 +103,7 @@ def test_bad_options_and_arguments_are_refused_before_the_start(refuse, args, me
     assert message in refuse(*args)
 
 
-def test_bad_structured_output_files_name_their_option(refuse, tmp_path):
+def test_bad_structured_output_files_name_their_option(made, refuse, tmp_path):
     truncated, binary = tmp_path / "truncated.json", tmp_path / "binary.json"
     truncated.write_text('{"type": "object"')
     binary.write_bytes(b'{"type": "\xff"}')
@@ -113,6 +113,19 @@ def test_bad_structured_output_files_name_their_option(refuse, tmp_path):
     assert refuse("x", "--grammar", str(binary)) == (
         f"--grammar: {binary} is not UTF-8 text: byte 0xff at byte 11"
     )
+    # What the grammar compiler refuses, before the start too (as the server's 400).
+    nonsense = tmp_path / "nonsense.json"
+    nonsense.write_text('{"type": "nonsense"}')
+    assert refuse("x", "--regex", "(").startswith(
+        "--json-schema/--regex/--choice/--grammar: structured_outputs.regex is invalid: "
+    )
+    assert "structured_outputs.json is invalid" in refuse("x", "--json-schema", str(nonsense))
+    plain = cached_tiny_checkpoint(family="llama", num_layers=2)  # made's; no tokenizer
+    for option, value in (("--stop", "x"), ("--bad-words", "x"), ("--regex", "a+")):
+        name = "--json-schema/--regex/--choice/--grammar" if option == "--regex" else option
+        assert refuse("x", "--model", plain, option, value) == (
+            f"{name} needs the model's tokenizer, which it lacks"
+        )
 
 
 def test_prompt_lengths_are_counted_before_the_start(refuse, model):
@@ -271,6 +284,11 @@ def made(model, tmp_path_factory) -> dict[str, str]:
     (folder / "gpt2").mkdir()
     gpt2 = {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "n_layer": 12}
     (folder / "gpt2" / "config.json").write_text(json.dumps(gpt2))
+    for name, tokenizer in (("cut", '{"version": "1.0", "added'), ("empty", '{"version": "1.0"}')):
+        (folder / name).mkdir()
+        for item in Path(plain).iterdir():
+            (folder / name / item.name).symlink_to(item)
+        (folder / name / "tokenizer.json").write_text(tokenizer)
     return {
         "<100,000 characters>": "a" * 100_000,
         "<Hello, then byte 0xff>": "Hello \udcff",
@@ -282,6 +300,8 @@ def made(model, tmp_path_factory) -> dict[str, str]:
         ),
         "<GPTQ checkpoint>": make_gptq_checkpoint(plain, folder / "gptq"),
         "<GPT-2 folder>": str(folder / "gpt2"),
+        "<tokenizer.json cut short>": str(folder / "cut"),
+        "<tokenizer.json of no model>": str(folder / "empty"),
         "<config.json>": f"{model}/config.json",
         "<embedded model>": model,
     }

@@ -182,3 +182,18 @@ def test_head_counts_a_config_leaves_out_are_the_model_type_s(
     (tmp_path / "config.json").write_text(json.dumps(config))
     folder = ModelFolder.open(str(tmp_path))
     assert (folder.num_kv_heads, folder.head_dim) == (kv_heads, head_dim)
+
+
+def test_a_tokenizer_file_that_does_not_load_is_named(plain, tmp_path):
+    """A tokenizer.json cut short was a traceback that named no file (the server's API
+    server died with it once the engine had started)."""
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    for item in Path(plain).iterdir():
+        if not item.name.startswith("tokenizer"):  # never written through a link
+            (folder / item.name).symlink_to(item)
+    (folder / "tokenizer.json").write_text('{"version": "1.0", "added_tokens": [')
+    refused(str(folder), ValueError, rf"cannot read {folder / 'tokenizer.json'}: .*truncated")
+    (folder / "tokenizer.json").write_text('{"version": "1.0"}')  # JSON, but no tokenizer
+    with pytest.raises(ValueError, match=rf"{folder}: its tokenizer does not load: "):
+        ModelFolder.open(str(folder)).load_text_side()

@@ -277,3 +277,14 @@ def test_an_assistant_s_reasoning_reaches_the_template_as_vllm_s_does():
         user.check("messages[0]")
     null = msgspec.convert({"role": "assistant", "content": "Hi", "reasoning": None}, ChatMessage)
     assert "reasoning" not in null.as_openai_message()
+
+
+@pytest.mark.parametrize("extra", [{}, {"include_stop_str_in_output": True}])
+def test_stop_strings_without_a_tokenizer_are_the_request_s_400(extra: dict[str, Any]):
+    """Matched in the detokenized text, which a model without a tokenizer has none of: a
+    400 naming stop, before anything runs (a 500 when a request's state refused it)."""
+    with pytest.raises(APIError) as caught:
+        limits({"stop": ["x"], **extra}, [3], max_model_len=128)
+    assert (caught.value.status, caught.value.param) == (400, "stop")
+    assert "stop strings need the model's tokenizer" in caught.value.message
+    assert limits({"stop_token_ids": [5]}, [3], max_model_len=128) == [16]

@@ -27,6 +27,7 @@ from messages import SamplingParams
 from zmqworker.cli.options import sampling_options
 from zmqworker.cli.prompts import PromptItem
 from zmqworker.cli.structured import FLAG as STRUCTURED
+from zmqworker.engine.grammars import check_grammar
 from zmqworker.engine.model_folder import ModelFolder, check_conversation
 from zmqworker.engine.prompts import check_text, kept_tokens, prompt_token_ids, template_messages
 
@@ -64,7 +65,9 @@ def check_run(
     for text in options.get("stop", []):
         check_text(text, "--stop", from_bytes=True)
     folder = ModelFolder.open(model)
-    limits = _Limits(folder.max_model_len(max_model_len), max_logprobs, folder.vocab_size)
+    limits = _Limits(
+        folder.max_model_len(max_model_len), max_logprobs, folder.vocab_size, folder.has_tokenizer
+    )
     base = msgspec.structs.replace(folder.default_sampling_params(), **options)
     limits.check(base, {k: FLAGS[k] for k in options})
     limits.check_room(None, base, {k: FLAGS[k] for k in options})  # before any counting
@@ -122,7 +125,10 @@ class _TokenizerJson:
     def __init__(self, path: Path) -> None:
         from tokenizers import Tokenizer
 
-        self._tokenizer = Tokenizer.from_file(str(path))
+        try:
+            self._tokenizer = Tokenizer.from_file(str(path))
+        except Exception as exc:  # tokenizers' error names no file
+            raise ValueError(f"{path} does not load: {exc}") from None
         self._tokenizer.no_truncation()
         self._tokenizer.no_padding()
 
@@ -151,9 +157,20 @@ class _Limits:
     max_model_len: int
     max_logprobs: int
     vocab: int | None
+    has_tokenizer: bool = True
 
     def check(self, params: SamplingParams, names: dict[str, str]) -> None:
         self.keep(params)  # truncate_prompt_tokens past max_model_len: refused before the start
+        # These work on the tokens' text.
+        texts = [f for f in ("structured_outputs", "bad_words", "stop") if getattr(params, f)]
+        if texts and not self.has_tokenizer:
+            name = _name(texts[0], names)
+            raise ValueError(f"{name} needs the model's tokenizer, which it lacks")
+        if params.structured_outputs is not None:
+            try:
+                check_grammar(params.structured_outputs)
+            except ValueError as exc:
+                raise ValueError(f"{_name('structured_outputs', names)}: {exc}") from None
         over = params.logprobs_over(self.max_logprobs)
         if over is not None:
             raise ValueError(

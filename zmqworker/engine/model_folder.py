@@ -36,6 +36,8 @@ from zmqworker.models.quantization import refuse_quantized
 logger = logging.getLogger(__name__)
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+# The tokenizer's JSON files, read whole before anything starts.
+_TOKENIZER_JSON = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 # generation_config.json keys that set a SamplingParams default, and the field they set.
 _GENERATION_DEFAULTS = {
     "temperature": "temperature",
@@ -174,6 +176,12 @@ class ModelFolder:
             if not isinstance(config.get(key), int) or config[key] < 1:
                 raise ValueError(f"{path / 'config.json'}: {key} must be a positive int")
         refuse_quantized(path, config)  # safetensors headers only: no tensor is read
+        for name in _TOKENIZER_JSON:  # a file cut short: named now, not by a traceback later
+            if (path / name).is_file():
+                try:
+                    msgspec.json.decode((path / name).read_bytes())
+                except (OSError, msgspec.DecodeError) as exc:
+                    raise ValueError(f"cannot read {path / name}: {exc}") from None
         return cls(path.resolve(), config)
 
     @property
@@ -260,7 +268,12 @@ class ModelFolder:
         if self.has_tokenizer:
             from transformers import AutoTokenizer
 
-            tokenizer = AutoTokenizer.from_pretrained(str(self.path))
+            try:
+                tokenizer = AutoTokenizer.from_pretrained(str(self.path))
+            except Exception as exc:  # transformers' and tokenizers' errors name no file
+                raise ValueError(
+                    f"{self.path}: its tokenizer does not load: {type(exc).__name__}: {exc}"
+                ) from exc
         ids: set[int] = set()
         sources = [self.config.get("eos_token_id"), self._generation_config().get("eos_token_id")]
         if tokenizer is not None:

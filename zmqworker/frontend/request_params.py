@@ -44,6 +44,8 @@ def request_params(
         if tokenizer is None:
             raise ValueError("structured_outputs need the model's tokenizer, which it lacks")
         check_grammar(params.structured_outputs)
+    if params.stop and tokenizer is None:  # they are matched in the detokenized text
+        raise ValueError("stop strings need the model's tokenizer, which it lacks")
     for i, stop in enumerate(params.stop):
         check_text(stop, f"stop string {i}")
     for i, word in enumerate(params.bad_words):
