@@ -116,6 +116,7 @@ def test_generate_honours_stop_strings(llm):
         ([[1] * (MAX_MODEL_LEN + 1)], None, "more than max_model_len=64"),
         ([[1, 10**6]], None, "outside the vocabulary"),
         (["a", "b"], [SamplingParams()], "1 sampling params for 2 prompts"),
+        ("a", {"max_tokens": 2}, "must be a SamplingParams or one per prompt, not a dict"),
         ("Hello \udcff", None, "prompt 0: the prompt is not valid Unicode text: .* character 7"),
         ("Hi", SamplingParams(stop=["\udcff"]), "prompt 0: stop string 0 is not valid Unicode"),
         ("Hi", SamplingParams(stop_token_ids=[3] * 1025), "prompt 0: stop_token_ids holds 1025"),

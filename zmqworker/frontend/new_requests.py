@@ -56,6 +56,11 @@ class NewRequests:
         """Validated request states for every prompt, or an error before any is sent;
         streamed: their callers take every output, not only the last."""
         prompts = prompt_list(prompts)
+        if isinstance(sampling_params, (dict, str)):  # a sequence, but not of params
+            raise ValueError(
+                f"sampling_params must be a SamplingParams or one per prompt, not a "
+                f"{type(sampling_params).__name__}: SamplingParams(**fields) makes one"
+            )
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params = [sampling_params or self.texts.default_sampling_params] * len(prompts)
         else:
