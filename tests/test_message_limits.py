@@ -34,7 +34,7 @@ from messages import (
 from messages.codec import INLINE_MAX_BYTES
 from messages.sampling import INT32_MAX, MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS
 from zmqworker.executor.message_limits import BODY_ROOM, MessageLimits, message_limits
-from zmqworker.runtime.main import _limits
+from zmqworker.transport.spawn_env import message_bounds
 
 # large enough that every array below travels in a data frame of its own (over 16 KiB),
 # and that a reply with every logprob outgrows the body's room
@@ -195,10 +195,10 @@ def test_the_worker_s_bounds_travel_as_three_byte_counts() -> None:
     ("value", "bounds"), [("", (-1, -1, -1)), ("5,7", (5, 7, -1)), ("5,7,3", (5, 7, 3))]
 )
 def test_a_worker_reads_two_or_three_byte_counts(value: str, bounds: tuple) -> None:
-    assert _limits(value) == bounds
+    assert message_bounds(value) == bounds
 
 
 @pytest.mark.parametrize("value", ["5", "5,7,3,1", "5,0", "5,-7", "a,b"])
 def test_a_worker_refuses_other_bounds(value: str) -> None:
     with pytest.raises(ValueError, match="two or three byte counts, REQUEST,PIPELINE"):
-        _limits(value)
+        message_bounds(value)

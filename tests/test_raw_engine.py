@@ -19,7 +19,7 @@ import zmq
 
 from tests.runner_helpers import checkpoint, hf_greedy
 
-VERSION = 22  # docs/protocol.md's; a mismatch with the worker's fails the handshake test
+VERSION = 23  # docs/protocol.md's; a mismatch with the worker's fails the handshake test
 BLOCK_SIZE = 4
 KV_CACHE_BYTES = 64 * 1024
 PROMPT = [5, 17, 42, 9, 100, 3, 77]

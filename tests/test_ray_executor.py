@@ -228,7 +228,7 @@ def test_an_actor_waits_for_its_welcome_only_as_long_as_it_is_told() -> None:
     started = time.monotonic()
     try:
         actor.start_server(f"tcp://127.0.0.1:{port}", "token", "tcp://127.0.0.1:*", "",
-                           1 << 20, 1 << 20, 1 << 20, welcome_timeout_s=0.5,
+                           "1048576,1048576,1048576", welcome_timeout_s=0.5,
                            engine_silent_s=None)  # fmt: skip
         assert router.poll(10_000) and len(router.recv_multipart()) == 2  # its Hello
         assert actor.wait_server() == 3

@@ -1,18 +1,25 @@
 """What the RpcClient keeps of a call in flight and of the answers still owed after a
-timeout, and how a worker's death is learnt."""
+timeout, and how a worker's death is learnt; a call's request and frames, and the call a
+reply that did not decode names."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import math
+import time
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
-from messages import Encoder, RpcRequest
+import zmq
+
+from messages import Encoder, ProtocolError, RpcRequest
+from messages.codec import peek_call_id
 from messages.rpc import CONCURRENT_METHODS
-from zmqworker.executor.errors import WorkerDiedError
+from zmqworker.executor.errors import UndecodableReplyError, WorkerDiedError, timed_out
 from zmqworker.executor.message_limits import check_request_frames
+from zmqworker.transport.frames import TooManyFrames
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
@@ -143,6 +150,62 @@ class OwedAnswers:
 
     def clear(self) -> None:
         self._by_rank.clear()
+
+
+def new_request(
+    call_id: int,
+    method: str,
+    args: Sequence[Any],
+    kwargs: dict[str, Any] | None,
+    timeout: float | None,
+    reply_rank: int | list[int] | None,
+) -> RpcRequest:
+    """A call's request (its deadline timeout seconds from now); a TypeError where an
+    argument is not a Value."""
+    deadline = 0.0 if timeout is None else time.time() + timeout
+    try:
+        return RpcRequest(call_id, method, list(args), kwargs or {}, deadline, reply_rank)
+    except ValueError as e:
+        raise TypeError(f"arguments of {method} cannot be encoded: {e}") from None
+
+
+def fail_undecoded(
+    error: ProtocolError,
+    identity: bytes,
+    frames: list[zmq.Frame] | TooManyFrames,
+    identities: dict[int, bytes],
+    calls: dict[int, Call],
+    owed: OwedAnswers,
+) -> None:
+    """A message from identity that did not decode (error): where it is a worker's and its
+    frame 0 names a call in calls (messages.codec.peek_call_id), that call fails now,
+    rather than at its deadline or never."""
+    rank = next((r for r, i in identities.items() if i == identity), None)
+    first = frames.first if isinstance(frames, TooManyFrames) else frames[0]
+    call_id = None if rank is None else peek_call_id(first.buffer)
+    call = None if call_id is None else calls.pop(call_id, None)
+    if call is not None:
+        owed.answered(rank, call_id, call)
+        call.finish(error=UndecodableReplyError(call.method, rank, str(error)))
+
+
+def expire(calls: dict[int, Call], owed: OwedAnswers, now: float) -> None:
+    """Fail the calls of calls whose deadline has passed: their ranks owe the answer."""
+    for call_id, call in list(calls.items()):
+        if call.deadline is not None and now >= call.deadline:
+            del calls[call_id]
+            owed.timed_out(call_id, call)
+            call.finish(error=timed_out(call.method, sorted(call.waiting_for), call.timeout or 0.0))
+
+
+def receive_wait_ms(calls: dict[int, Call], caller_left: float | None, slice_s: float) -> int:
+    """How long the next receive may wait: the caller's time left, the calls' earliest
+    deadline and slice_s, whichever comes first."""
+    wait_s = slice_s if caller_left is None else min(caller_left, slice_s)
+    deadline = min((c.deadline for c in calls.values() if c.deadline), default=None)
+    if deadline is not None:
+        wait_s = min(wait_s, deadline - time.monotonic())
+    return max(0, math.ceil(wait_s * 1000))
 
 
 def request_frames(enc: Encoder, req: RpcRequest, limit: int | None) -> list[bytes | memoryview]:

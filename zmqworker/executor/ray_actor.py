@@ -26,6 +26,7 @@ import ray
 
 from messages import WorkerConfig
 from zmqworker.transport.curve import WorkerKeys
+from zmqworker.transport.spawn_env import message_bounds
 from zmqworker.worker.wrapper import worker_class
 
 
@@ -79,15 +80,14 @@ class RayWorkerActor:
         token: str,
         data_bind: str,
         curve_keys: str,
-        max_request_bytes: int,
-        max_pipeline_bytes: int,
-        max_reply_bytes: int,
+        message_limits: str,
         welcome_timeout_s: float,
         engine_silent_s: float | None,
     ) -> None:
         """Start the WorkerServer in a thread of its own; it connects to the engine's
         ROUTER and says hello. Returns once stop_server can reach it. curve_keys: the
-        run's WorkerKeys as their environment value ("" for none). welcome_timeout_s: how
+        run's WorkerKeys as their environment value ("" for none); message_limits: the
+        frame bounds as $ZMQWORKER_MAX_MESSAGE_BYTES says them. welcome_timeout_s: how
         long the server waits for its Welcome after its Hello (the engine's start-up
         bound and a margin, as a worker process's); engine_silent_s: the engine's stuck
         bound, after which the server leaves an engine answering none of its pings (None:
@@ -96,6 +96,7 @@ class RayWorkerActor:
 
         rank = self._rank()
         keys = WorkerKeys.parse(curve_keys) if curve_keys else None
+        max_request, max_pipeline, max_reply = message_bounds(message_limits)
         if self._thread is not None:
             raise RuntimeError(f"rank {rank}: the server runs already")
         self._loop = _new_event_loop()
@@ -108,9 +109,9 @@ class RayWorkerActor:
             worker_kwargs=self._worker_kwargs,
             handle_signals=False,
             keys=keys,
-            max_request_bytes=max_request_bytes,
-            max_pipeline_bytes=max_pipeline_bytes,
-            max_reply_bytes=max_reply_bytes,
+            max_request_bytes=max_request,
+            max_pipeline_bytes=max_pipeline,
+            max_reply_bytes=max_reply,
             welcome_timeout_s=welcome_timeout_s,
             engine_silent_s=engine_silent_s,
         )

@@ -292,9 +292,7 @@ class RayExecutor(Executor):
                 token,
                 f"tcp://{'127.0.0.1' if local else p.ip}:*",
                 worker_keys,
-                limits.request_bytes,
-                limits.pipeline_bytes,
-                limits.reply_bytes,
+                limits.to_env(),
                 timeout + WELCOME_MARGIN_S,
                 self.stuck_after_s,
             )

@@ -24,7 +24,6 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
-import math
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -32,16 +31,14 @@ from typing import Any
 
 import zmq
 
-from messages import Decoder, Encoder, ProtocolError, RpcReply, RpcRequest
-from messages.codec import peek_call_id
-from zmqworker.executor.calls import Call, Liveness, OwedAnswers, RpcFuture, request_frames
+from messages import Decoder, Encoder, ProtocolError, RpcReply
+from zmqworker.executor import calls
+from zmqworker.executor.calls import Call, Liveness, OwedAnswers, RpcFuture
 from zmqworker.executor.errors import (
     ExecutorError,
-    UndecodableReplyError,
     WorkerDiedError,
     WorkerError,
     WorkerStuckError,
-    timed_out,
 )
 from zmqworker.executor.stuck_ranks import StuckRanks, unreachable
 from zmqworker.transport.frames import TooManyFrames, recv_frames, send_frames
@@ -273,12 +270,8 @@ class RpcClient:
                 raise ValueError(f"reply rank {reply_rank} is not one of the ranks {ranks}")
             call_id = next(self._ids)
             identities = [self.identities[rank] for rank in ranks]
-        deadline_s = 0.0 if timeout is None else time.time() + timeout
-        try:
-            req = RpcRequest(call_id, method, list(args), kwargs or {}, deadline_s, reply_rank)
-        except ValueError as e:  # an argument that is not a Value
-            raise TypeError(f"arguments of {method} cannot be encoded: {e}") from None
-        frames = request_frames(self._enc, req, self.max_request_bytes)
+        req = calls.new_request(call_id, method, args, kwargs, timeout, reply_rank)
+        frames = calls.request_frames(self._enc, req, self.max_request_bytes)
         deadline = None if timeout is None else time.monotonic() + timeout
         single = reply_rank if isinstance(reply_rank, int) else None
         call = Call(method, set(ranks if listed is None else listed), single, timeout, deadline)
@@ -309,11 +302,7 @@ class RpcClient:
     def _set_receive_timeout(self, caller_left: float | None) -> None:
         """RCVTIMEO for the next receive: the caller's time left, the earliest deadline
         and POLL_SLICE_S, whichever comes first. Under the lock, with the socket."""
-        wait_s = POLL_SLICE_S if caller_left is None else min(caller_left, POLL_SLICE_S)
-        deadline = min((c.deadline for c in self._calls.values() if c.deadline), default=None)
-        if deadline is not None:
-            wait_s = min(wait_s, deadline - time.monotonic())
-        wait_ms = max(0, math.ceil(wait_s * 1000))
+        wait_ms = calls.receive_wait_ms(self._calls, caller_left, POLL_SLICE_S)
         if wait_ms != self._rcvtimeo_ms:
             self.sock.setsockopt(zmq.RCVTIMEO, wait_ms)
             self._rcvtimeo_ms = wait_ms
@@ -327,7 +316,7 @@ class RpcClient:
         except ProtocolError as e:
             self.dropped_messages += 1
             log.warning("dropped a message that did not decode (peer %r): %s", identity, e)
-            self._fail_undecoded(identity, frames, e)
+            calls.fail_undecoded(e, identity, frames, self.identities, self._calls, self._owed)
             return
         if isinstance(msg, RpcReply) and self.identities.get(msg.rank) == identity:
             self._on_reply(msg)
@@ -336,21 +325,6 @@ class RpcClient:
         else:
             self.dropped_messages += 1
             log.warning("dropped an unexpected %s (peer %r)", type(msg).__name__, identity)
-
-    def _fail_undecoded(
-        self, identity: bytes, frames: list[zmq.Frame] | TooManyFrames, error: ProtocolError
-    ) -> None:
-        """A worker's reply that did not decode fails the call its body names, which would
-        otherwise wait for its deadline, or for ever."""
-        rank = next((r for r, i in self.identities.items() if i == identity), None)
-        first = frames.first if isinstance(frames, TooManyFrames) else frames[0]
-        call_id = peek_call_id(first.buffer) if rank is not None else None
-        call = self._calls.get(call_id) if call_id is not None else None
-        if call is None:
-            return
-        del self._calls[call_id]
-        self._owed.answered(rank, call_id, call)
-        call.finish(error=UndecodableReplyError(call.method, rank, str(error)))
 
     def _on_reply(self, reply: RpcReply) -> None:
         call = self._calls.get(reply.call_id)
@@ -392,12 +366,7 @@ class RpcClient:
             error = stuck.judge(self.liveness, self._dead is not None)
             if error is not None:
                 self._fail_all(error)
-        for call_id, call in list(self._calls.items()):
-            if call.deadline is not None and now >= call.deadline:
-                del self._calls[call_id]
-                self._owed.timed_out(call_id, call)
-                error = timed_out(call.method, sorted(call.waiting_for), call.timeout or 0.0)
-                call.finish(error=error)
+        calls.expire(self._calls, self._owed, now)
 
     def _check_alive(self) -> None:
         # Deaths signalled while nobody received; without signals, look.
@@ -413,8 +382,8 @@ class RpcClient:
     def _fail_all(self, error: ExecutorError) -> None:
         if self._dead is None:
             self._dead = error
-        calls, self._calls = self._calls, {}
+        failed, self._calls = self._calls, {}
         self._owed.clear()
-        for call in calls.values():
+        for call in failed.values():
             call.finish(error=error)
         self._cond.notify_all()

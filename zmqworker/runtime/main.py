@@ -38,6 +38,7 @@ from zmqworker.transport.spawn_env import (
     MAX_MESSAGE_ENV,
     TOKEN_ENV,
     WELCOME_TIMEOUT_ENV,
+    message_bounds,
 )
 
 
@@ -91,7 +92,7 @@ def run_worker(args: argparse.Namespace) -> int:
     try:
         _check_address(args.engine)
         keys = WorkerKeys.from_env()
-        max_request, max_pipeline, max_reply = _limits(os.environ.get(MAX_MESSAGE_ENV, ""))
+        max_request, max_pipeline, max_reply = message_bounds(os.environ.get(MAX_MESSAGE_ENV, ""))
         welcome_timeout_s = _welcome_timeout(os.environ.get(WELCOME_TIMEOUT_ENV, ""))
         engine_silent_s = _engine_silent(os.environ.get(ENGINE_SILENT_ENV, ""))
     except ValueError as e:
@@ -154,20 +155,6 @@ def _check_address(address: str) -> None:
     if address.startswith("tcp://") and host and port.isdecimal() and 0 < int(port) < 65536:
         return
     raise ValueError(f"--engine must be ipc://PATH or tcp://HOST:PORT, got {address!r}")
-
-
-def _limits(value: str) -> tuple[int, int, int]:
-    """(request, pipeline, reply) frame bounds from "REQUEST,PIPELINE[,REPLY]" bytes; -1:
-    none (all three when unset, the reply's when left out)."""
-    if not value:
-        return -1, -1, -1
-    parts = value.split(",")
-    if len(parts) not in (2, 3) or not all(p.isdigit() and int(p) > 0 for p in parts):
-        raise ValueError(
-            f"${MAX_MESSAGE_ENV} must be two or three byte counts, REQUEST,PIPELINE[,REPLY]"
-        )
-    reply = int(parts[2]) if len(parts) == 3 else -1
-    return int(parts[0]), int(parts[1]), reply
 
 
 def _welcome_timeout(value: str) -> float | None:

@@ -182,14 +182,8 @@ class Worker(WorkerBase):
 
     # steps ----------------------------------------------------------------------------
 
-    def execute_model(
-        self,
-        scheduler_output: SchedulerOutput,
-        sample: bool = True,
-        *,
-        call_id: int = 0,
-        deadline: float = 0.0,
-    ) -> object:
+    def execute_model(self, scheduler_output: SchedulerOutput, sample: bool = True, *,
+                      call_id: int = 0, deadline: float = 0.0) -> object:  # fmt: skip
         self._require_awake("execute_model")
         runner = self._runner()
         pipeline = self.pipeline
