@@ -58,16 +58,17 @@ class RemoteKV(msgspec.Struct, tag=True, frozen=True):
     blocks in the prefill's cache (every rank's), held until the KV is taken; a decode
     rank that can read that cache in place copies them as it asks for them, and the
     answer confirms the copy (None: it waits for the answer). weights_version: the
-    prefill instance's count of weight changes when it computed the KV (-1: across one):
-    a decode instance whose own count differs never shares the request's blocks through
-    its prefix cache, since their KV came from other weights."""
+    prefill instance's count of weight changes when it computed the KV (-1: none to
+    trust, as for a prompt computed across a change or a reset of its prefix cache): a
+    decode instance whose own count differs never shares the request's blocks through its
+    prefix cache, since their KV may have come from other weights."""
 
     req_id: str
     num_tokens: Positive
     addresses: list[str]
     block_ids: np.ndarray | None = None  # int32
     pipeline_stages: Positive = 1
-    weights_version: Annotated[int, msgspec.Meta(ge=-1)] = 0
+    weights_version: Annotated[int, msgspec.Meta(ge=-1)] = -1
 
     def __post_init__(self) -> None:
         if len(self.addresses) % self.pipeline_stages:

@@ -45,25 +45,31 @@ Value = (
 )
 
 _PLAIN = (type(None), bool, int, float, str)
-_MESSAGES = tuple(
+_VALUES = _PLAIN + tuple(
     t for t in typing.get_args(Value) if isinstance(t, type) and issubclass(t, msgspec.Struct)
 )
+MAX_LIST_DEPTH = 32  # lists in lists: deeper is refused (one that holds itself, say)
 
 
-def value_problem(value: object, where: str) -> str | None:
-    """Why value is not a Value (naming where in it), or None: a list's items must be plain
-    values or lists of them, at any depth (walked without recursion)."""
-    if isinstance(value, _PLAIN + _MESSAGES):
+def value_problem(value: object) -> str | None:
+    """Why value is not a Value, as the rest of a sentence that names it ("[0][1] is a
+    dict: ..."), or None: a list's items must be plain values or lists of them, at most
+    MAX_LIST_DEPTH deep (walked without recursion)."""
+    if isinstance(value, _VALUES):
         return None
     if not isinstance(value, (list, tuple)):
         return (
-            f"{where} is a {type(value).__name__}, not a Value (nil, bool, int, float, str, "
-            "a list of them, or one of the declared messages)"
+            f" is a {type(value).__name__}, not a Value (nil, bool, int, float, str, a list "
+            "of them, or one of the declared messages)"
         )
-    lists = [(where, value)]
+    lists: list[tuple[str, list | tuple]] = [("", value)]
     while lists:
         path, items = lists.pop()
+        if path.count("[") >= MAX_LIST_DEPTH:
+            return f"{path} nests lists more than {MAX_LIST_DEPTH} deep"
         for i, item in enumerate(items):
+            if type(item) in _PLAIN:
+                continue
             if isinstance(item, (list, tuple)):
                 lists.append((f"{path}[{i}]", item))
             elif not isinstance(item, _PLAIN):
@@ -97,11 +103,11 @@ class RpcRequest(msgspec.Struct, tag=True):
 
     def __post_init__(self) -> None:
         for i, arg in enumerate(self.args):
-            if (problem := value_problem(arg, f"{self.method}'s args[{i}]")) is not None:
-                raise ValueError(problem)
+            if (problem := value_problem(arg)) is not None:
+                raise ValueError(f"{self.method}'s args[{i}]{problem}")
         for name, arg in self.kwargs.items():
-            if (problem := value_problem(arg, f"{self.method}'s kwargs[{name!r}]")) is not None:
-                raise ValueError(problem)
+            if (problem := value_problem(arg)) is not None:
+                raise ValueError(f"{self.method}'s kwargs[{name!r}]{problem}")
 
 
 class RemoteError(msgspec.Struct, tag=True):
@@ -122,8 +128,8 @@ class RpcReply(msgspec.Struct, tag=True):
     error: RemoteError | None = None
 
     def __post_init__(self) -> None:
-        if (problem := value_problem(self.result, "the result")) is not None:
-            raise ValueError(problem)
+        if (problem := value_problem(self.result)) is not None:
+            raise ValueError(f"the result{problem}")
 
 
 class Hello(msgspec.Struct, tag=True):

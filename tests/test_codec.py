@@ -258,6 +258,10 @@ def test_value_outside_the_contract_is_refused_by_the_sender() -> None:
     with pytest.raises(ValueError, match="the result is a bytes, not a Value"):
         RpcReply(1, 0, b"raw")
     assert RpcRequest(1, "m", [[1, [2.0, "x", None]], (True,)]).args[1] == (True,)
+    itself: list = [1]
+    itself.append(itself)  # no end to walk: refused by depth
+    with pytest.raises(ValueError, match=r"m's args\[0\]\[1\]\[1\].* nests lists more than 32"):
+        RpcRequest(1, "m", [itself])
 
 
 @pytest.mark.parametrize("args", [[[{"a": 1}]], [[1, [b"raw"]]], [{"a": 1}]])

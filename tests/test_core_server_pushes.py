@@ -4,6 +4,7 @@ update that ends short fails them, naming why, and frees their blocks."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
@@ -67,9 +68,10 @@ def served(tmp_path) -> Iterator[tuple[EngineCoreClient, EngineCoreClient]]:
         other.wait_ready(30)
         yield pusher, other
     finally:
-        pusher.call("shutdown")
+        other.call("shutdown")
         thread.join(30)
-        pusher.close()
+        with contextlib.suppress(zmq.ZMQError):  # closed already where a test did
+            pusher.close()
         other.close()
     assert not thread.is_alive()
 
@@ -124,4 +126,19 @@ def test_an_update_that_ends_short_fails_the_requests_and_frees_their_blocks(ser
     got, ended = tokens_of(other, "r", time.monotonic() + 10)
     assert isinstance(ended, Failed) and "no step: a weight update ended" in str(ended.error)
     [stats] = pusher.call("stats", timeout=5)
+    assert (stats.num_running, stats.num_free_blocks) == (0, NUM_BLOCKS)
+
+
+def test_a_push_whose_client_is_gone_ends_and_fails_the_requests(served) -> None:
+    """The trainer that pushed dies mid-push: nothing will end the update, so the other
+    client's requests fail naming why, rather than wait for ever."""
+    pusher, other = served
+    start(other, "r")
+    push(pusher, "start_weight_update")
+    push(pusher, "load_weight_chunk", CHUNK)
+    assert tokens_of(other, "r", time.monotonic() + 0.5)[1] is None  # those before the push
+    pusher.close()
+    got, ended = tokens_of(other, "r", time.monotonic() + 20)
+    assert isinstance(ended, Failed) and "no step: a weight update ended" in str(ended.error)
+    [stats] = other.call("stats", timeout=5)
     assert (stats.num_running, stats.num_free_blocks) == (0, NUM_BLOCKS)

@@ -47,7 +47,7 @@ def answer(step: SchedulerOutput, report: KVConnectorOutput | None = None) -> Mo
 
 
 def remote(req_id: str, prompt: list[int], params: SamplingParams = PARAMS) -> Request:
-    kv = RemoteKV(f"p-{req_id}", len(prompt), [ADDRESS])
+    kv = RemoteKV(f"p-{req_id}", len(prompt), [ADDRESS], weights_version=0)
     return Request(req_id, prompt, params, remote=RemotePrefill(kv, first_token=3))
 
 
@@ -449,3 +449,32 @@ def test_a_finished_prefill_names_the_weights_its_kv_came_from() -> None:
     step = chunked.schedule()
     chunked.update_from_output(step, answer(step))
     assert across.kv_transfer_out.weights_version == -1
+
+
+def test_an_update_that_fails_part_way_is_not_counted_the_repair_is() -> None:
+    """weights_version counts the weights an instance serves: one update that failed
+    part-way and its repair are one change, as on a peer whose update went through (two
+    counts would never meet the peer's again)."""
+    from types import SimpleNamespace
+
+    from messages import RemoteError
+    from zmqworker.engine.weight_calls import PARTIAL_LOAD, WeightCalls
+    from zmqworker.executor.errors import WorkerError
+
+    fail = [True]
+
+    def collective_rpc(method: str, args=(), kwargs=None, timeout=None) -> list:
+        if fail.pop():
+            error = RemoteError(0, PARTIAL_LOAD, "a disk error halfway", "")
+            raise WorkerError(method, error)
+        return [None]
+
+    kv = KVBlockManager(8, block_size=4)
+    executor = SimpleNamespace(collective_rpc=collective_rpc, call_timeout_s=30.0)
+    weights = WeightCalls(executor, kv, lambda: None)
+    with pytest.raises(RuntimeError, match="a disk error halfway"):
+        weights.reload_weights("/new")
+    assert weights.not_ready() is not None and kv.weights_version == 0
+    fail.append(False)
+    weights.reload_weights("/new")
+    assert weights.not_ready() is None and kv.weights_version == 1

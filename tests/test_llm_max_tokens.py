@@ -52,3 +52,12 @@ def test_a_prompt_that_fills_the_context_leaves_no_room(llm):
         ValueError, match=r"prompt 1: the prompt has 96 tokens, all of max_model_len=96"
     ):
         llm.generate([prompt(10), prompt(MAX_MODEL_LEN)], params)
+
+
+def test_a_sample_whose_seed_would_be_minus_one_stays_seeded(llm: LLM) -> None:
+    """Sample i is seeded seed + i; -1 means no seed (vLLM's), so that sample takes seed + n
+    rather than turning unseeded."""
+    states = llm._new.make([[5, 6, 7]], SamplingParams(seed=-2, n=3, max_tokens=1), False)
+    assert [s.params.seed for s in states] == [-2, 1, 0]
+    states = llm._new.make([[5, 6, 7]], SamplingParams(seed=7, n=3, max_tokens=1), False)
+    assert [s.params.seed for s in states] == [7, 8, 9]

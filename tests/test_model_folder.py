@@ -192,6 +192,9 @@ def test_a_tokenizer_file_that_does_not_load_is_named(plain, tmp_path):
     for item in Path(plain).iterdir():
         if not item.name.startswith("tokenizer"):  # never written through a link
             (folder / item.name).symlink_to(item)
+    # What Python's json writes and transformers reads: taken.
+    (folder / "tokenizer_config.json").write_text('{"model_max_length": NaN, "x": "\\ud83d"}')
+    ModelFolder.open(str(folder))
     (folder / "tokenizer.json").write_text('{"version": "1.0", "added_tokens": [')
     refused(str(folder), ValueError, rf"cannot read {folder / 'tokenizer.json'}: .*truncated")
     (folder / "tokenizer.json").write_text('{"version": "1.0"}')  # JSON, but no tokenizer

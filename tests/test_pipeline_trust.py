@@ -121,7 +121,7 @@ def test_a_step_the_previous_stage_refused_fails_here_at_once(receiver) -> None:
     try:
         sender.refuse(6, ValueError("request 'r7' (handle 7): past its tokens"))
         pending = receiver.expect(6, 0)
-        pending.timeout_s = 10.0  # a bound, should the refusal not come
+        pending.until = time.monotonic() + 10.0  # a bound, should the refusal not come
         with pytest.raises(RuntimeError, match="step 6: the previous stage \\(rank 0\\) refused"):
             pending.wait()
         sender.send(7, tensors(7))  # the next step goes on

@@ -18,6 +18,8 @@ from zmqworker.distributed.pp_channel import PendingTensors
 from zmqworker.distributed.pp_receiver import PipelineReceiver
 from zmqworker.distributed.pp_sender import PipelineSender
 
+DEADLINE_MARGIN_S = 2.0  # a stage's wait ends this much before the step's deadline, at most
+
 
 class PipelineStage:
     """receiver: this rank's PULL end (every rank binds one before its Hello); sender:
@@ -44,12 +46,14 @@ class PipelineStage:
 
     def receive(self, step_id: int, deadline: float = 0.0) -> PendingTensors | None:
         """The previous stage's tensors of this step, once they arrive (None on the first
-        stage), waited for until deadline (a time.time() instant, the step call's: as long
-        as the engine waits for the step; 0: no bound, the previous stage's refusal or
-        the pipeline's end ends the wait). Call done(step_id) when the step is over."""
+        stage), waited for until just before deadline (a time.time() instant, the step
+        call's: about as long as the engine waits for the step, whose refusal by this
+        stage then reaches it first; 0: no bound, the previous stage's refusal or the
+        pipeline's end ends the wait). Call done(step_id) when the step is over."""
         if self.previous_rank is None:
             return None
-        timeout_s = max(0.0, deadline - time.time()) if deadline else None
+        left = deadline - time.time()
+        timeout_s = max(0.0, left - min(DEADLINE_MARGIN_S, left / 10)) if deadline else None
         return self.receiver.expect(step_id, self.previous_rank, timeout_s)
 
     def done(self, step_id: int) -> None:

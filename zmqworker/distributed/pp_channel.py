@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 
 from messages import IntermediateTensors
 from zmqworker.distributed.shm_ring import shm_available
@@ -43,10 +44,10 @@ class PendingTensors:
     """The tensors of one step, once they arrive. wait() is what the runner calls when it
     needs them, on the compute thread; the loop thread delivers them."""
 
-    def __init__(self, call_id: int, src_rank: int, timeout_s: float | None) -> None:
+    def __init__(self, call_id: int, src_rank: int, until: float | None) -> None:
         self.call_id = call_id
         self.src_rank = src_rank
-        self.timeout_s = timeout_s
+        self.until = until  # a time.monotonic() instant; None: no bound
         self.expected = False  # a step asked for these (else they came first)
         self._event = threading.Event()
         self._tensors: IntermediateTensors | None = None
@@ -66,10 +67,11 @@ class PendingTensors:
         self._event.set()
 
     def wait(self) -> IntermediateTensors:
-        if not self._event.wait(self.timeout_s):
+        timeout_s = None if self.until is None else max(0.0, self.until - time.monotonic())
+        if not self._event.wait(timeout_s):
             raise TimeoutError(
                 f"step {self.call_id}: no intermediate tensors from rank {self.src_rank} "
-                f"by the step's deadline ({self.timeout_s:.0f} s from the wait's start)"
+                "by the step's deadline"
             )
         if self._error is not None:
             raise self._error

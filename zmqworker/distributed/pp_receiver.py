@@ -22,6 +22,7 @@ import hmac
 import logging
 import os
 import threading
+import time
 
 import zmq
 
@@ -103,13 +104,14 @@ class PipelineReceiver:
         call is over by then (calls run in the order of their ids): tensors that came for
         one that never asked (a call refused before it ran) go back."""
         self.note_call(call_id)
+        until = None if timeout_s is None else time.monotonic() + timeout_s
         with self._lock:
             stale = self._raise_floor(call_id - 1)
             slot = self._slots.get(call_id)
             if slot is None:
-                slot = self._slots[call_id] = PendingTensors(call_id, src_rank, timeout_s)
+                slot = self._slots[call_id] = PendingTensors(call_id, src_rank, until)
             else:  # the tensors came first
-                slot.src_rank, slot.timeout_s = src_rank, timeout_s
+                slot.src_rank, slot.until = src_rank, until
             slot.expected = True
         for lease in stale:
             lease.release()
@@ -244,7 +246,7 @@ class PipelineReceiver:
                 stale = False
                 slot = self._slots.get(call_id)
                 if slot is None:  # arrived before its step: kept for expect()
-                    slot = self._slots[call_id] = PendingTensors(call_id, src_rank, 0)
+                    slot = self._slots[call_id] = PendingTensors(call_id, src_rank, None)
                 if lease is not None:
                     self._leases[call_id] = lease
                 if error is not None:

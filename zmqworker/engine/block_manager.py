@@ -263,8 +263,7 @@ class KVBlockManager:
         request finds one. Blocks stay with the requests that hold them, as private
         blocks, and those requests never register one: what they compute from here on
         attends to the KV from before (one preempted starts over, and registers anew).
-        new_weights: the weights changed (or may have, part-way): weights_version counts
-        it."""
+        new_weights: new weights are in, whole (weights_version counts them)."""
         if new_weights:
             self.weights_version += 1
         self._cached.clear()

@@ -80,6 +80,7 @@ class EngineCoreServer:
         self._stop = False
         self._told_fatal = False  # every client heard that the engine core stops
         self._stopped_by: Client | None = None  # the client whose shutdown call stops it
+        self._pusher: Client | None = None  # the client whose pushed update is under way
         self._ready: EngineCoreReady | None = None
         self._utilities: EngineCoreUtilities | None = None
         sock = ctx.socket(zmq.ROUTER)
@@ -292,17 +293,15 @@ class EngineCoreServer:
 
     def _add_request(self, client: Client, msg: EngineCoreRequest) -> None:
         assert self.core is not None
-        if (reason := self.core.not_ready()) is not None:
-            failure = EngineCoreFailure(self.index, [msg.request_id], "RuntimeError", reason)
-            self._send(client, failure)
-            return
         try:
+            if (reason := self.core.not_ready()) is not None:
+                raise RuntimeError(reason)
             if msg.request_id in self.clients.owners:
                 raise ValueError(f"request id {msg.request_id!r} is already running")
             self.core.add_request(request_of(msg, self.config))
-        except ValueError as exc:
-            failure = EngineCoreFailure(self.index, [msg.request_id], "ValueError", str(exc))
-            self._send(client, failure)
+        except (RuntimeError, ValueError) as exc:
+            kind = type(exc).__name__
+            self._send(client, EngineCoreFailure(self.index, [msg.request_id], kind, str(exc)))
             return
         self.clients.add_request(client, msg.request_id)
 
@@ -320,6 +319,7 @@ class EngineCoreServer:
                 self._step(self.core.drain)  # their outputs go out first
             assert self._utilities is not None
             result = call_utility(self._utilities, call)
+            self._pusher = (self._pusher or client) if self.core.weights.pushing else None
             frames = self._enc.encode(UtilityResult(call.call_id, result))
         except Exception as exc:
             error = UtilityResult(call.call_id, exc_type=type(exc).__name__, message=str(exc))
@@ -340,6 +340,8 @@ class EngineCoreServer:
     def _drop_client(self, client: Client) -> None:
         orphans = self.clients.remove(client)
         assert self.core is not None
+        if client is self._pusher:  # nothing will end its push: the weights are neither
+            self.core.weights.abandon_push()
         for request_id in orphans:
             self.core.abort_request(request_id)
         level = logging.WARNING if orphans else logging.INFO

@@ -14,6 +14,7 @@ own config (AutoConfig) themselves.
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -36,8 +37,13 @@ from zmqworker.models.quantization import refuse_quantized
 logger = logging.getLogger(__name__)
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
-# The tokenizer's JSON files, read whole before anything starts.
-_TOKENIZER_JSON = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+# The tokenizer's JSON files, read whole before anything starts, each as strictly as what
+# loads it does: tokenizers' serde_json, transformers' json (NaN, lone surrogates).
+_TOKENIZER_JSON = {
+    "tokenizer.json": msgspec.json.decode,
+    "tokenizer_config.json": json.loads,
+    "special_tokens_map.json": json.loads,
+}
 # generation_config.json keys that set a SamplingParams default, and the field they set.
 _GENERATION_DEFAULTS = {
     "temperature": "temperature",
@@ -176,11 +182,11 @@ class ModelFolder:
             if not isinstance(config.get(key), int) or config[key] < 1:
                 raise ValueError(f"{path / 'config.json'}: {key} must be a positive int")
         refuse_quantized(path, config)  # safetensors headers only: no tensor is read
-        for name in _TOKENIZER_JSON:  # a file cut short: named now, not by a traceback later
+        for name, parse in _TOKENIZER_JSON.items():  # one cut short: named now, not later
             if (path / name).is_file():
                 try:
-                    msgspec.json.decode((path / name).read_bytes())
-                except (OSError, msgspec.DecodeError) as exc:
+                    parse((path / name).read_bytes())
+                except (OSError, ValueError) as exc:  # msgspec.DecodeError is a ValueError
                     raise ValueError(f"cannot read {path / name}: {exc}") from None
         return cls(path.resolve(), config)
 

@@ -141,10 +141,17 @@ class WeightCalls:
             self._broken(reason)
             raise RuntimeError(reason) from e
 
+    def abandon_push(self) -> None:
+        """The client pushing an update is gone: its update ends where it is."""
+        if self.pushing:
+            self._broken(PUSH_ENDED)
+
     def _broken(self, reason: str) -> None:
         self.pushing = False
         self.broken = self.broken or reason
-        self._block_manager.reset_prefix_cache(new_weights=True)  # either weights' KV
+        # Its blocks may hold either weights' KV. Not counted as new weights: no step runs
+        # until an update or a reload does, which counts.
+        self._block_manager.reset_prefix_cache()
 
 
 @contextlib.contextmanager

@@ -85,7 +85,8 @@ class NewRequests:
         resolved for its length (request_params.for_prompt: max_tokens=None as the room it
         leaves), cut to its last truncate_prompt_tokens first (kept_tokens, as the server's
         option is: the engine core gets the kept tokens only). The samples are requests of
-        their own (ids "<id>.<i>") with n=1 and, with a seed, seed + i as vLLM's are; the
+        their own (ids "<id>.<i>") with n=1 and, with a seed, seed + i as vLLM's are (the
+        one that would be -1, which means no seed, takes seed + n); the
         first computes the prompt, the others share its KV (engine/prompt_sharing.py).
         Prompt logprobs are the same for every sample: only the first asks the engine core
         for them (a request that asks computes its whole prompt, sharing nothing), and
@@ -101,8 +102,8 @@ class NewRequests:
         states = []
         for i in range(params.n):
             seed = params.seed
-            if seed is not None:  # seed + i, wrapped to an int64
-                seed = (seed + i + 2**63) % 2**64 - 2**63
+            if seed is not None:  # seed + i, wrapped to an int64; -1 would be none
+                seed = (seed + (i if seed + i != -1 else params.n) + 2**63) % 2**64 - 2**63
             sample = msgspec.structs.replace(params, n=1, seed=seed)
             first = states[0] if states else None
             if first is not None and params.prompt_logprobs is not None:
