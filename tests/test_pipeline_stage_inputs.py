@@ -7,6 +7,7 @@ fails leaves the worker's batch as it was)."""
 from __future__ import annotations
 
 import functools
+import time
 
 import numpy as np
 import pytest
@@ -39,7 +40,7 @@ def prefill(*reqs: NewRequestData, cached: CachedRequestData | None = None) -> S
 
 
 def arrived(call_id: int, tensors: dict[str, torch.Tensor]) -> PendingTensors:
-    pending = PendingTensors(call_id, 0, timeout_s=5.0)
+    pending = PendingTensors(call_id, 0, until=time.monotonic() + 5.0)
     pending.deliver(IntermediateTensors(tensors))
     return pending
 
@@ -107,7 +108,7 @@ def test_a_step_the_previous_stage_refused_leaves_both_stages_alike(path) -> Non
     with pytest.raises(ValueError, match="'r7' \\(handle 7\\)"):
         stage0.execute_model(refused)
     with pytest.raises(TimeoutError, match="no intermediate tensors"):
-        stage1.execute_model(refused, PendingTensors(2, 0, timeout_s=0.1))
+        stage1.execute_model(refused, PendingTensors(2, 0, until=time.monotonic() + 0.1))
     assert stage1.batch.row_of.keys() == stage0.batch.row_of.keys() == {7}
     # Sent again with the token, the step runs on both stages.
     cached = CachedRequestData.build([7], [len(PROMPT)], [1], None, [[token]])
