@@ -12,39 +12,30 @@ of --repeats, in ms, and each over the memcpy. Writes bench/results/piece_copies
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import time
 from collections.abc import Callable
 from functools import partial
-from pathlib import Path
 
 import numpy as np
 import torch
 
+from bench.common import pin_threads, time_calls, write_results
 from zmqworker.kv_transfer.piece_copies import copy_pieces
 
-RESULTS = Path(__file__).resolve().parent / "results"
 PIECES_KIB = (4, 32, 256, 2048)
 
 
 def median_ms(action: Callable[[], object], repeats: int) -> float:
-    action()
-    times = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        action()
-        times.append(time.perf_counter() - started)
-    return statistics.median(times) * 1e3
+    return statistics.median(time_calls(action, repeats, warmup=1)) * 1e3
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mib", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=40)
-    parser.add_argument("--out", default=str(RESULTS / "piece_copies.json"))
+    parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    torch.set_num_threads(1)  # copy_pieces copies in slices, one at a time, on one thread
+    pin_threads(1)  # copy_pieces copies in slices, one at a time, on one thread
     nbytes = args.mib << 20
     src = torch.ones(2 * nbytes, dtype=torch.uint8)
     dst = torch.zeros(2 * nbytes, dtype=torch.uint8)
@@ -68,7 +59,7 @@ def main() -> None:
         rows.append({"piece_kib": kib, "layout": "every other, one numpy copy",
                      "copy_pieces_ms": strided, "x_memcpy": strided / memcpy})  # fmt: skip
     result = {"bytes": nbytes, "repeats": args.repeats, "memcpy_ms": memcpy, "rows": rows}
-    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    write_results("piece_copies", result, args.out)
     print(f"memcpy of {args.mib} MiB: {memcpy:.3f} ms")
     for row in rows:
         print(f"{row['piece_kib']:5d} KiB {row['layout']:28s} {row['copy_pieces_ms']:7.3f} ms "

@@ -43,11 +43,11 @@ class Replier:
             why = f"the result of {req.method} cannot be sent: {e}"
             self.error(req.call_id, TypeError(why))
             return
-        largest = max(memoryview(f).nbytes for f in frames)
-        if 0 <= self._max_frame_bytes < largest:
+        bound = self._max_frame_bytes
+        if bound >= 0 and (largest := max(memoryview(f).nbytes for f in frames)) > bound:
             why = (
                 f"the result of {req.method} ({type(result).__name__}) has a frame of "
-                f"{largest} bytes, more than the {self._max_frame_bytes} bytes the engine "
+                f"{largest} bytes, more than the {bound} bytes the engine "
                 "takes in (its bound follows from the run's config)"
             )
             self.error(req.call_id, ValueError(why))
